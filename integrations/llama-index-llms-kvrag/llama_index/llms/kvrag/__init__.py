@@ -1,0 +1,5 @@
+"""LlamaIndex LLM integration for kvrag: reusable per-chunk KV caches for a local Hugging Face model."""
+
+from llama_index.llms.kvrag.base import KVCachedLLM
+
+__all__ = ["KVCachedLLM"]

@@ -1,0 +1,318 @@
+"""KVCachedLLM: a LlamaIndex ``CustomLLM`` that answers with reused per-chunk KV caches (kvrag).
+
+A thin adapter: it renders messages with the tokenizer's chat template, asks :mod:`kvrag.registry` which chunk
+texts the current request registered (the ``KVCachePostprocessor`` does that), and hands prompt + chunks to
+:class:`kvrag.engine.engine.KVRAGEngine`, which finds the chunks verbatim in the prompt, splices their caches,
+repairs them with the configured fusion method and prefills only the rest. Without registered chunks it is a plain
+local Hugging Face LLM (the whole prompt is prefilled).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextvars
+import logging
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from llama_index.core.base.llms.generic_utils import (
+    completion_response_to_chat_response,
+    stream_completion_response_to_chat_response,
+)
+from llama_index.core.base.llms.generic_utils import messages_to_prompt as generic_messages_to_prompt
+from llama_index.core.base.llms.types import (
+    ChatMessage,
+    ChatResponse,
+    ChatResponseAsyncGen,
+    ChatResponseGen,
+    CompletionResponse,
+    CompletionResponseAsyncGen,
+    CompletionResponseGen,
+    LLMMetadata,
+)
+from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
+from llama_index.core.llms.custom import CustomLLM
+
+from kvrag import registry
+from kvrag.config import GenerationConfig
+from kvrag.models import DEFAULT_MODEL
+
+log = logging.getLogger(__name__)
+
+_LAST: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("kvrag_llamaindex_last", default=None)
+_ROLE_MAP = {"model": "assistant", "chatbot": "assistant", "developer": "system"}
+_GEN_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+
+
+class KVCachedLLM(CustomLLM):
+    """Local Hugging Face causal LM with reusable chunk KV caches.
+
+    Args:
+        engine: a :class:`kvrag.KVRAGEngine` to use (shares its model and store); when omitted, one is loaded
+            lazily from ``model_name`` and ``store`` (shared process-wide via :func:`kvrag.registry.shared_engine`).
+        method: fusion method name (``kvrag.fusion.available_methods()``), e.g. ``"stale"``, ``"full"``.
+        method_params: the method's parameters, e.g. ``{"r": 0.15}``.
+
+    Per call, ``complete``/``chat`` accept ``chunks=[...]`` (explicit chunk texts, replacing the registered ones),
+    ``method=``, ``method_params=`` and generation overrides (``max_new_tokens``, ``temperature``, ``top_p``,
+    ``top_k``, ``seed``, ``stop``).
+
+    Every response carries ``additional_kwargs`` (``ttft_s``, ``hit_rate``, ``chunks_registered``,
+    ``chunks_found``, ``chunk_hits``, ``method``, ``method_stats``, token counts) and ``raw`` (all timings and
+    stats, the chunk keys). :attr:`last_info` returns the latest record made in the caller's context.
+    """
+
+    model_name: str = Field(default=DEFAULT_MODEL, description="Model alias, HF id or local path.")
+    store: str = Field(default="memory://", description="KV store URL used when no engine is passed.")
+    method: str = Field(default="stale", description="Fusion method (name or 'name:k=v' spec).")
+    method_params: dict[str, Any] = Field(default_factory=dict, description="Fusion method parameters.")
+    context_window: int | None = Field(default=None, description="Context window (default: the model's).")
+    max_new_tokens: int = Field(default=256, gt=0, description="Maximum number of generated tokens.")
+    temperature: float = Field(default=0.0, ge=0.0, description="0 means greedy decoding.")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0, description="0 disables top-k filtering.")
+    seed: int | None = Field(default=None, description="Sampling seed.")
+    stop: list[str] = Field(default_factory=list, description="Stop strings (not returned).")
+    is_chat_model: bool = Field(
+        default=True,
+        description="Let LlamaIndex send chat messages (rendered with the tokenizer's chat template).",
+    )
+    use_recent_chunks: bool = Field(
+        default=False,
+        description="Also reuse recently registered chunks found verbatim in the prompt (see kvrag.registry).",
+    )
+    history_size: int = Field(default=32, ge=0, description="How many per-request records to keep in .history.")
+
+    _engine: Any = PrivateAttr(default=None)
+    _history: Any = PrivateAttr(default=None)
+
+    def __init__(self, engine: Any = None, **kwargs: Any) -> None:
+        if engine is not None:
+            kwargs.setdefault("model_name", engine.loaded.name)
+        kwargs.setdefault("messages_to_prompt", None)
+        kwargs.setdefault("completion_to_prompt", None)
+        super().__init__(**kwargs)
+        if kwargs.get("messages_to_prompt") is None:
+            self.messages_to_prompt = self._chat_template
+        if kwargs.get("completion_to_prompt") is None:
+            self.completion_to_prompt = self._completion_template
+        self._engine = engine
+        self._history = collections.deque(maxlen=self.history_size or None)
+        from kvrag.fusion import get_method
+
+        get_method(self.method, **self.method_params)  # validate early: unknown names list the valid ones
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "KVCachedLLM"
+
+    # ------------------------------------------------------------------------------------------- handles
+    @property
+    def engine(self) -> Any:
+        """The :class:`kvrag.KVRAGEngine` (loaded on first use when none was passed)."""
+        if self._engine is None:
+            self._engine = registry.shared_engine(self.model_name, self.store)
+        return self._engine
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def metadata(self) -> LLMMetadata:
+        return LLMMetadata(
+            context_window=self.context_window or self.engine.max_context,
+            num_output=self.max_new_tokens,
+            is_chat_model=self.is_chat_model,
+            model_name=self.model_name,
+        )
+
+    @property
+    def history(self) -> list[dict[str, Any]]:
+        """Recent per-request records (prompt, chunks, stats, timings), oldest first."""
+        return list(self._history)
+
+    @property
+    def last_info(self) -> dict[str, Any] | None:
+        """The latest request record made in the caller's context (thread / task), else the latest overall."""
+        return _LAST.get() or (self._history[-1] if self._history else None)
+
+    # ------------------------------------------------------------------------------------------- templates
+    def _chat_template(self, messages: Sequence[ChatMessage]) -> str:
+        tok = self.tokenizer
+        if not getattr(tok, "chat_template", None):
+            return generic_messages_to_prompt(messages)
+        msgs = []
+        for m in messages:
+            role = getattr(m.role, "value", str(m.role))
+            msgs.append({"role": _ROLE_MAP.get(role, role), "content": m.content or ""})
+        return tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+
+    def _completion_template(self, completion: str) -> str:
+        msgs = [ChatMessage(role="user", content=completion)]
+        if self.system_prompt:
+            msgs.insert(0, ChatMessage(role="system", content=self.system_prompt))
+        return self._chat_template(msgs)
+
+    # ------------------------------------------------------------------------------------------- requests
+    def _gen_config(self, kw: dict[str, Any]) -> GenerationConfig:
+        p = {k: kw.pop(k) if k in kw else getattr(self, k) for k in _GEN_KEYS}
+        temperature = float(p["temperature"])
+        return GenerationConfig(
+            max_new_tokens=int(p["max_new_tokens"]),
+            do_sample=temperature > 0,
+            temperature=temperature if temperature > 0 else 1.0,
+            top_p=float(p["top_p"]),
+            top_k=int(p["top_k"]),
+            seed=p["seed"],
+            stop=tuple(p["stop"] or ()),
+        )
+
+    def _method(self, kw: dict[str, Any]) -> Any:
+        from kvrag.fusion import get_method
+
+        return get_method(kw.pop("method", self.method), **kw.pop("method_params", self.method_params))
+
+    def _new_request(self, prompt: str, formatted: bool, kw: dict[str, Any]) -> dict[str, Any]:
+        """Resolve everything a request needs NOW (in the caller's context), before any lazy generation."""
+        kw = dict(kw)
+        full = prompt if formatted else self.completion_to_prompt(prompt)
+        explicit = kw.pop("chunks", None)
+        chunks = registry.resolve_chunks(full, explicit, use_recent=bool(kw.pop("use_recent_chunks", self.use_recent_chunks)))
+        req = {"prompt": full, "chunks": registry.chunk_texts(chunks), "method": self._method(kw), "gen": self._gen_config(kw)}
+        kw.pop("formatted", None)
+        if kw:
+            log.debug("KVCachedLLM ignores unknown keyword arguments %s", sorted(kw))
+        return req
+
+    def _plan(self, req: dict[str, Any]) -> Any:
+        if "parts" in req:
+            prefix, chunks, suffix, sep = req["parts"]
+            return self.engine.plan_parts(prefix, chunks, suffix, sep)
+        return self.engine.plan(req["prompt"], req["chunks"])
+
+    def _info(self, req: dict[str, Any], prep: Any, text: str | None) -> dict[str, Any]:
+        stats = {k: v for k, v in prep.stats.items() if k != "token_ids"}
+        extra = {
+            "method": repr(prep.method),
+            "ttft_s": prep.timings.get("ttft_s"),
+            "hit_rate": stats.get("hit_rate"),
+            "chunks_registered": stats.get("chunks_registered"),
+            "chunks_found": stats.get("chunks_found"),
+            "chunk_hits": stats.get("chunk_hits"),
+            "chunk_misses": stats.get("chunk_misses"),
+            "prompt_tokens": prep.plan.total_len,
+            "reused_tokens": stats.get("reused_tokens"),
+            "completion_tokens": stats.get("generated_tokens"),
+            "method_stats": stats.get("method_stats", {}),
+        }
+        return {
+            "additional_kwargs": extra,
+            "raw": {
+                "timings": dict(prep.timings),
+                "stats": stats,
+                "chunk_keys": list(prep.chunk_keys),
+                "token_ids": list(prep.stats.get("token_ids", [])),
+                "method": repr(prep.method),
+            },
+            "prompt": req["prompt"],
+            "chunks": list(req["chunks"]),
+            "text": text,
+        }
+
+    def _record(self, info: dict[str, Any]) -> None:
+        self._history.append(info)
+        _LAST.set(info)
+
+    def _run(self, req: dict[str, Any]) -> CompletionResponse:
+        prep = self.engine.prepare(self._plan(req), req["method"])
+        text = "".join(self.engine.stream(prep, req["gen"]))
+        info = self._info(req, prep, text)
+        self._record(info)
+        return CompletionResponse(text=text, raw=info["raw"], additional_kwargs=info["additional_kwargs"])
+
+    def _run_stream(self, req: dict[str, Any]) -> CompletionResponseGen:
+        prep = self.engine.prepare(self._plan(req), req["method"])
+        text = ""
+        for delta in self.engine.stream(prep, req["gen"]):
+            text += delta
+            yield CompletionResponse(text=text, delta=delta, additional_kwargs=self._info(req, prep, None)["additional_kwargs"])
+        info = self._info(req, prep, text)
+        self._record(info)
+        # a final empty delta carries the complete timings and stats
+        yield CompletionResponse(text=text, delta="", raw=info["raw"], additional_kwargs=info["additional_kwargs"])
+
+    # ------------------------------------------------------------------------------------------- explicit parts
+    def complete_parts(self, prefix: str, chunks: Sequence[str], suffix: str, separator: str = "", **kwargs: Any) -> CompletionResponse:
+        """Answer ``prefix + separator.join(chunks) + suffix`` with the chunks passed explicitly (no search)."""
+        req = self._new_request(prefix + separator.join(chunks) + suffix, True, {**kwargs, "chunks": list(chunks)})
+        req["parts"] = (prefix, list(chunks), suffix, separator)
+        return self._run(req)
+
+    def stream_complete_parts(self, prefix: str, chunks: Sequence[str], suffix: str, separator: str = "",
+                              **kwargs: Any) -> CompletionResponseGen:
+        """Streaming form of :meth:`complete_parts`."""
+        req = self._new_request(prefix + separator.join(chunks) + suffix, True, {**kwargs, "chunks": list(chunks)})
+        req["parts"] = (prefix, list(chunks), suffix, separator)
+        return self._run_stream(req)
+
+    # ------------------------------------------------------------------------------------------- LlamaIndex API
+    @llm_completion_callback()
+    def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        return self._run(self._new_request(prompt, formatted, kwargs))
+
+    @llm_completion_callback()
+    def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
+        # resolve the request's chunks now: the generator may be consumed in another thread (chat engines do)
+        return self._run_stream(self._new_request(prompt, formatted, kwargs))
+
+    @llm_chat_callback()
+    def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        req = self._new_request(self.messages_to_prompt(messages), True, kwargs)
+        return completion_response_to_chat_response(self._run(req))
+
+    @llm_chat_callback()
+    def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
+        req = self._new_request(self.messages_to_prompt(messages), True, kwargs)
+        return stream_completion_response_to_chat_response(self._run_stream(req))
+
+    @llm_completion_callback()
+    async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        req = self._new_request(prompt, formatted, kwargs)
+        return await asyncio.to_thread(self._run, req)
+
+    @llm_completion_callback()
+    async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
+        req = self._new_request(prompt, formatted, kwargs)
+        return registry.aiter_in_thread(lambda: self._run_stream(req))
+
+    @llm_chat_callback()
+    async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        req = self._new_request(self.messages_to_prompt(messages), True, kwargs)
+        return completion_response_to_chat_response(await asyncio.to_thread(self._run, req))
+
+    @llm_chat_callback()
+    async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
+        req = self._new_request(self.messages_to_prompt(messages), True, kwargs)
+
+        async def gen() -> ChatResponseAsyncGen:
+            text = ""
+            async for r in registry.aiter_in_thread(lambda: self._run_stream(req)):
+                text = r.text
+                yield ChatResponse(
+                    message=ChatMessage(role="assistant", content=text),
+                    delta=r.delta,
+                    raw=r.raw,
+                    additional_kwargs=r.additional_kwargs,
+                )
+
+        return gen()
+
+
+def iter_text(gen: Iterator[CompletionResponse]) -> Iterator[str]:
+    """Deltas of a streamed completion (convenience for scripts)."""
+    for r in gen:
+        if r.delta:
+            yield r.delta

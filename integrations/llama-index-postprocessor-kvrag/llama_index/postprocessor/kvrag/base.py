@@ -1,0 +1,146 @@
+"""KVCachePostprocessor and KVCacheTransform: make sure retrieved / ingested nodes have chunk caches.
+
+The text a node contributes to a prompt is ``node.get_content(metadata_mode=MetadataMode.LLM)``: that is what the
+response synthesizers put into the context (their repacking strips outer whitespace, so :func:`render_node` does
+too). Its cache is computed for exactly that string; the chunk key is written to ``node.metadata`` under
+:data:`kvrag.registry.CHUNK_KEY_METADATA` and excluded from the LLM and embedding metadata, so tagging a node does
+not change the text (nor the cache key, nor the embedding).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.postprocessor.types import BaseNodePostprocessor
+from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore, QueryBundle, TransformComponent
+
+from kvrag import registry
+
+log = logging.getLogger(__name__)
+
+
+def resolve_engine(engine: Any = None, llm: Any = None) -> Any:
+    """The kvrag engine given directly or held by a ``KVCachedLLM``."""
+    if engine is not None:
+        return engine
+    if llm is not None and getattr(llm, "engine", None) is not None:
+        return llm.engine
+    msg = "pass engine=KVRAGEngine(...) or llm=KVCachedLLM(...) so that caches go into the LLM's store"
+    raise ValueError(msg)
+
+
+def exclude_key(node: BaseNode, key_name: str = registry.CHUNK_KEY_METADATA) -> None:
+    """Hide the chunk-key metadata from the LLM and embedding renderings of ``node``."""
+    if key_name not in node.excluded_llm_metadata_keys:
+        node.excluded_llm_metadata_keys = [*node.excluded_llm_metadata_keys, key_name]
+    if key_name not in node.excluded_embed_metadata_keys:
+        node.excluded_embed_metadata_keys = [*node.excluded_embed_metadata_keys, key_name]
+
+
+def render_node(node: BaseNode) -> str:
+    """The exact text the response synthesizers put into the prompt for ``node``."""
+    return node.get_content(metadata_mode=MetadataMode.LLM).strip()
+
+
+def ensure_node_caches(engine: Any, nodes: Sequence[BaseNode], *, key_name: str = registry.CHUNK_KEY_METADATA,
+                       progress: bool = False) -> list[registry.RegisteredChunk]:
+    """Cache every node's rendered text (computing only missing caches) and tag the node with its chunk key.
+
+    Returns:
+        The registered chunks (text + key) of the nodes that have text, in order.
+    """
+    for n in nodes:
+        exclude_key(n, key_name)
+    texts = [render_node(n) for n in nodes]
+    out = []
+    for n, text, (key, _cached) in zip(nodes, texts, registry.ensure_chunks(engine, texts, progress=progress)):
+        if key is None:
+            continue
+        n.metadata[key_name] = key
+        out.append(registry.RegisteredChunk(text, key))
+    return out
+
+
+class KVCachePostprocessor(BaseNodePostprocessor):
+    """Ensures a cache for every retrieved node and registers the nodes as the request's chunks.
+
+    Put it last in ``node_postprocessors`` (after rerankers / filters): the nodes it sees are the nodes the
+    synthesizer renders. It leaves the node list unchanged.
+
+    Args:
+        engine: the :class:`kvrag.KVRAGEngine` whose store the LLM reads (or pass ``llm=KVCachedLLM``).
+        register_request: set the request's chunks in :mod:`kvrag.registry` (turn off to only warm the store).
+    """
+
+    metadata_key: str = Field(default=registry.CHUNK_KEY_METADATA)
+    register_request: bool = Field(default=True, description="Register the nodes as the current request's chunks.")
+
+    _engine: Any = PrivateAttr(default=None)
+    _llm: Any = PrivateAttr(default=None)
+
+    def __init__(self, engine: Any = None, llm: Any = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if engine is None and llm is None:
+            resolve_engine(engine, llm)  # raises with the fix
+        self._engine = engine
+        self._llm = llm
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "KVCachePostprocessor"
+
+    @property
+    def engine(self) -> Any:
+        return resolve_engine(self._engine, self._llm)
+
+    def _ensure(self, nodes: list[NodeWithScore]) -> list[registry.RegisteredChunk]:
+        return ensure_node_caches(self.engine, [n.node for n in nodes], key_name=self.metadata_key)
+
+    def _postprocess_nodes(self, nodes: list[NodeWithScore], query_bundle: QueryBundle | None = None) -> list[NodeWithScore]:
+        chunks = self._ensure(nodes)
+        if self.register_request:
+            registry.register_chunks(chunks)
+        return nodes
+
+    async def _apostprocess_nodes(self, nodes: list[NodeWithScore],
+                                  query_bundle: QueryBundle | None = None) -> list[NodeWithScore]:
+        # compute in a worker thread, but register in THIS task's context (a thread's context copy is discarded)
+        chunks = await asyncio.to_thread(self._ensure, nodes)
+        if self.register_request:
+            registry.register_chunks(chunks)
+        return nodes
+
+
+class KVCacheTransform(TransformComponent):
+    """Ingestion step that computes and stores the chunk cache of every node (use it after the node parser).
+
+    Works in ``IngestionPipeline(transformations=[splitter, KVCacheTransform(engine), embed_model])`` and in
+    ``VectorStoreIndex.from_documents(docs, transformations=[splitter, KVCacheTransform(engine)])``. Nodes whose
+    cache is already stored are only tagged.
+    """
+
+    metadata_key: str = Field(default=registry.CHUNK_KEY_METADATA)
+    show_progress: bool = Field(default=False, description="Show a progress bar.")
+
+    _engine: Any = PrivateAttr(default=None)
+
+    def __init__(self, engine: Any = None, llm: Any = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._engine = resolve_engine(engine, llm)
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "KVCacheTransform"
+
+    @property
+    def engine(self) -> Any:
+        return self._engine
+
+    def __call__(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
+        progress = bool(kwargs.get("show_progress", self.show_progress))
+        ensure_node_caches(self._engine, nodes, key_name=self.metadata_key, progress=progress)
+        return nodes

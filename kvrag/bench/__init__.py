@@ -1,0 +1,1 @@
+"""Benchmarks: answer-quality and cache-fidelity metrics, runners and plots."""

@@ -1,0 +1,70 @@
+"""Validated configuration dataclasses."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kvrag.errors import ConfigError
+
+CHUNK_PREFIX_MODES = ("none", "template")
+
+
+@dataclasses.dataclass
+class GenerationConfig:
+    """Decoding settings.
+
+    Attributes:
+        max_new_tokens: upper bound on generated tokens (>= 1).
+        do_sample: sample instead of greedy argmax.
+        temperature, top_p, top_k: sampling filters (top_k=0 disables it).
+        seed: RNG seed for sampling (None: nondeterministic).
+        stop: stop strings; generation ends before the first occurrence, which is not returned.
+    """
+
+    max_new_tokens: int = 128
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature <= 0:
+            raise ConfigError(f"temperature must be > 0, got {self.temperature} (use do_sample=False for greedy)")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ConfigError(f"top_k must be >= 0, got {self.top_k}")
+        self.stop = tuple(s for s in (self.stop or ()) if s)
+
+
+@dataclasses.dataclass
+class EngineConfig:
+    """Engine settings.
+
+    Attributes:
+        method: default fusion method spec (e.g. "relaxkv:r=0.15").
+        chunk_prefix: what each chunk is conditioned on when its cache is computed: "none" (the chunk alone) or
+            "template" (after the chat template's fixed system header, which then also serves as attention sink).
+            Part of the cache key.
+        store_dtype: storage dtype name or None for the model dtype.
+        max_context: override of the model's context window (None: from the config).
+    """
+
+    method: str = "stale"
+    chunk_prefix: str = "template"
+    store_dtype: str | None = None
+    max_context: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.chunk_prefix not in CHUNK_PREFIX_MODES:
+            msg = f"chunk_prefix must be one of {CHUNK_PREFIX_MODES}, got {self.chunk_prefix!r}"
+            raise ConfigError(msg)
+        if self.store_dtype not in (None, "float32", "float16", "bfloat16"):
+            msg = f"store_dtype must be float32, float16, bfloat16 or None, got {self.store_dtype!r}"
+            raise ConfigError(msg)
+        if self.max_context is not None and self.max_context < 2:
+            raise ConfigError(f"max_context must be >= 2, got {self.max_context}")

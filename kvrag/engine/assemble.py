@@ -1,0 +1,102 @@
+"""Chunk cache computation and assembly of the stale context KV.
+
+``compute_chunk_kv`` prefills one chunk alone (optionally after a conditioning prefix whose KV is discarded) and
+returns it in canonical coordinates. ``assemble`` places chunk caches at their global offsets and concatenates them
+into the stale KV a fusion method repairs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvrag.fusion.base import FusionInput, Span
+from kvrag.kv import hf_cache
+from kvrag.kv.chunk import ChunkKV
+from kvrag.kv.rope import Rope
+from kvrag.kv.spec import KVSpec
+
+
+@torch.inference_mode()
+def compute_chunk_kv(
+    model: torch.nn.Module, rope: Rope, spec: KVSpec, token_ids: Sequence[int], prefix_ids: Sequence[int] = ()
+) -> ChunkKV:
+    """Prefill ``prefix_ids + token_ids`` and keep the chunk part, canonicalized.
+
+    Args:
+        token_ids: the chunk's T ids.
+        prefix_ids: P conditioning ids (e.g. the chat template's system header acting as attention sink); their
+            KV is discarded, only the chunk's T positions are returned.
+
+    Returns:
+        ChunkKV with keys/values [L, H_kv, T, D] at ``spec.dtype`` on the CPU.
+    """
+    p = len(prefix_ids)
+    ids = torch.tensor([*prefix_ids, *token_ids], dtype=torch.long)
+    k, v = hf_cache.prefill_kv(model, ids)  # [L, H_kv, P+T, D]
+    k, v = k[:, :, p:], v[:, :, p:]
+    pos = torch.arange(p, p + len(token_ids))
+    k = rope.canonicalize(k, pos)
+    dt = spec.torch_dtype
+    return ChunkKV(
+        token_ids=torch.tensor(list(token_ids), dtype=torch.long),
+        keys=k.to("cpu", dt).contiguous(),
+        values=v.to("cpu", dt).contiguous(),
+        spec=spec,
+    )
+
+
+@torch.inference_mode()
+def assemble(
+    model: torch.nn.Module,
+    rope: Rope,
+    spec: KVSpec,
+    pieces: Sequence[tuple[str, ChunkKV, str | None]],
+    suffix_ids: Sequence[int] | torch.Tensor,
+) -> FusionInput:
+    """Place canonical caches at consecutive global offsets and concatenate them (the "stale" KV).
+
+    Args:
+        pieces: ordered (kind, chunk, key) with kind 'prefix' | 'chunk' | 'text'.
+        suffix_ids: [S] ids prefilled after repair.
+
+    Returns:
+        FusionInput with keys/values [L, H_kv, Tc, D] in the model's dtype on its device.
+    """
+    device = model.device
+    mdtype = next(model.parameters()).dtype
+    spans: list[Span] = []
+    canon_k, vals, ids = [], [], []
+    off = 0
+    for kind, ch, key in pieces:
+        t = ch.num_tokens
+        if t == 0:
+            continue
+        spans.append(Span(off, off + t, kind, key))
+        canon_k.append(ch.keys)
+        vals.append(ch.values)
+        ids.append(ch.token_ids)
+        off += t
+    if canon_k:
+        ck = torch.cat(canon_k, dim=2).to(device, mdtype)  # [L, H_kv, Tc, D]
+        v = torch.cat(vals, dim=2).to(device, mdtype)
+        tok = torch.cat(ids)
+    else:
+        shape = (spec.num_layers, spec.num_kv_heads, 0, spec.head_dim)
+        ck = torch.zeros(shape, dtype=mdtype, device=device)
+        v = torch.zeros(shape, dtype=mdtype, device=device)
+        tok = torch.zeros(0, dtype=torch.long)
+    k = rope.place(ck, torch.arange(off, device=device))
+    sfx = suffix_ids if isinstance(suffix_ids, torch.Tensor) else torch.tensor(list(suffix_ids), dtype=torch.long)
+    return FusionInput(
+        model=model,
+        rope=rope,
+        spec=spec,
+        token_ids=tok,
+        keys=k,
+        values=v,
+        spans=spans,
+        suffix_ids=sfx,
+        canonical_keys=ck,
+    )

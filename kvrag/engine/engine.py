@@ -1,0 +1,330 @@
+"""KVRAGEngine: the facade that ingests chunks and answers prompts with reused, repaired KV."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from kvrag.config import EngineConfig, GenerationConfig
+from kvrag.engine.assemble import assemble, compute_chunk_kv
+from kvrag.engine.generate import decode
+from kvrag.engine.planner import Plan, PlannedSegment, TextPiece, plan_pieces, split_prompt
+from kvrag.errors import ConfigError, ContextLengthError
+from kvrag.fusion import FusionInput, FusionMethod, FusionOutput, get_method
+from kvrag.kv import hf_cache
+from kvrag.kv.chunk import ChunkKV
+from kvrag.kv.keys import ChunkKey
+from kvrag.kv.rope import Rope
+from kvrag.kv.spec import KVSpec, dtype_name
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Response:
+    """One answer with its timings (seconds) and reuse statistics."""
+
+    text: str
+    token_ids: list[int]
+    method: str
+    timings: dict[str, float]
+    stats: dict[str, Any]
+    chunk_keys: list[str]
+
+    @property
+    def ttft_s(self) -> float:
+        return self.timings["ttft_s"]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class Prepared:
+    """A request after repair and suffix prefill, ready to decode."""
+
+    plan: Plan
+    method: FusionMethod
+    fusion_input: FusionInput
+    fusion_output: FusionOutput
+    cache: Any
+    last_logits: torch.Tensor
+    timings: dict[str, float]
+    stats: dict[str, Any]
+    chunk_keys: list[str]
+    t0: float
+
+
+class KVRAGEngine:
+    """Ingest chunk caches once; answer prompts by splicing them in and repairing the cross-chunk attention.
+
+    Args:
+        loaded: a :class:`kvrag.models.LoadedModel` (model, tokenizer, fingerprints).
+        store: a :class:`kvrag.store.KVStore` holding canonical chunk caches.
+        config: engine settings.
+    """
+
+    def __init__(self, loaded: Any, store: Any, config: EngineConfig | None = None) -> None:
+        self.loaded = loaded
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.store = store
+        self.config = config or EngineConfig()
+        self.rope = Rope.from_model(self.model)
+        cfg = self.model.config
+        text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        mdtype = next(self.model.parameters()).dtype
+        self.spec = KVSpec(
+            num_layers=int(text_cfg.num_hidden_layers),
+            num_kv_heads=int(getattr(text_cfg, "num_key_value_heads", None) or text_cfg.num_attention_heads),
+            head_dim=int(getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // text_cfg.num_attention_heads),
+            dtype=self.config.store_dtype or dtype_name(mdtype),
+            rope_type=self._rope_type(),
+            model_fingerprint=loaded.fingerprint,
+        )
+        self.max_context = int(self.config.max_context or getattr(text_cfg, "max_position_embeddings", 2048))
+        self.chunk_prefix_ids: tuple[int, ...] = self._chunk_prefix()
+        self._lock = threading.RLock()
+        self.default_method = get_method(self.config.method)
+
+    @classmethod
+    def from_pretrained(
+        cls, model: str | None = None, store: Any = "memory://", *, device: str | None = None, dtype: Any = None,
+        **config: Any,
+    ) -> KVRAGEngine:
+        """Load a model (None: the embedded default) and open a store (URL or KVStore)."""
+        from kvrag.models import load_model
+        from kvrag.store.factory import store_from_url
+
+        loaded = load_model(model, device=device, dtype=dtype)
+        st = store_from_url(store) if isinstance(store, str) else store
+        return cls(loaded, st, EngineConfig(**config))
+
+    # ----------------------------------------------------------------- identity
+    def _rope_type(self) -> str:
+        from kvrag.kv.rope import rope_type_of
+
+        return rope_type_of(self.model.config)
+
+    def _chunk_prefix(self) -> tuple[int, ...]:
+        if self.config.chunk_prefix == "none":
+            return ()
+        pre = self.template_preamble()
+        return tuple(self.tokenize(pre)) if pre else ()
+
+    def template_preamble(self) -> str:
+        """The chat template's fixed text before a user message (system header); '' without a template."""
+        tok = self.tokenizer
+        if getattr(tok, "chat_template", None):
+            marker = "\u2063KVRAG_MARK\u2063"
+            s = tok.apply_chat_template([{"role": "user", "content": marker}], tokenize=False, add_generation_prompt=False)
+            return s.split(marker, 1)[0]
+        return tok.bos_token or ""
+
+    def tokenize(self, text: str) -> list[int]:
+        """Token ids of ``text`` alone, without special tokens being added."""
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def chunk_key(self, token_ids: Sequence[int], kind: str = "chunk") -> str:
+        prefix = () if kind == "prefix" else self.chunk_prefix_ids
+        return ChunkKey.make(
+            token_ids,
+            model_fingerprint=self.loaded.fingerprint,
+            tokenizer_fingerprint=self.loaded.tokenizer_fingerprint,
+            codec=self.spec.dtype,
+            prefix_ids=prefix,
+        ).digest
+
+    # ----------------------------------------------------------------- ingest
+    def _check_len(self, n: int, what: str) -> None:
+        if n + len(self.chunk_prefix_ids) > self.max_context:
+            msg = (f"{what} has {n} tokens (+{len(self.chunk_prefix_ids)} conditioning prefix) but the model's context "
+                   f"window is {self.max_context}; split it into smaller chunks")
+            raise ContextLengthError(msg)
+
+    def compute(self, token_ids: Sequence[int], kind: str = "chunk") -> ChunkKV:
+        """Compute a chunk's canonical cache (no store access)."""
+        prefix = () if kind == "prefix" else self.chunk_prefix_ids
+        with self._lock:
+            return compute_chunk_kv(self.model, self.rope, self.spec, token_ids, prefix)
+
+    def ensure(self, text: str, kind: str = "chunk") -> tuple[str, ChunkKV | None, bool]:
+        """Make sure ``text``'s cache is stored. Returns (key, chunk if it was computed or fetched, hit)."""
+        ids = self.tokenize(text)
+        if not ids:
+            msg = "cannot cache an empty or whitespace-free-of-tokens chunk; drop empty chunks before ingesting"
+            raise ConfigError(msg)
+        self._check_len(len(ids), "chunk")
+        key = self.chunk_key(ids, kind)
+        got = self.store.get(key)
+        if got is not None:
+            return key, got, True
+        ch = self.compute(ids, kind)
+        self.store.put(key, ch)
+        return key, ch, False
+
+    def ingest(self, texts: Sequence[str], progress: bool = False) -> list[str]:
+        """Compute and store caches for ``texts`` (skipping ones already stored). Returns their keys."""
+        from tqdm.auto import tqdm
+
+        keys = []
+        for t in tqdm(texts, desc="caching chunks", unit="chunk", disable=not progress):
+            ids = self.tokenize(t)
+            if not ids:
+                log.warning("skipping an empty chunk")
+                continue
+            self._check_len(len(ids), "chunk")
+            key = self.chunk_key(ids)
+            if not self.store.contains(key):
+                self.store.put(key, self.compute(ids))
+            keys.append(key)
+        return keys
+
+    # ----------------------------------------------------------------- query
+    def plan(self, prompt: str, chunks: Sequence[str]) -> Plan:
+        """Split a rendered prompt around the registered chunk texts (exact substring search)."""
+        pieces, _ = split_prompt(prompt, chunks)
+        return plan_pieces(pieces, self.tokenize, registered=len({c for c in chunks if c and c.strip()}))
+
+    def plan_parts(self, prefix: str, chunks: Sequence[str], suffix: str, separator: str = "") -> Plan:
+        """Plan from explicit parts (no search): prefix, chunks in order (joined by ``separator``), suffix."""
+        pieces = [TextPiece("prefix", prefix)]
+        for i, c in enumerate(chunks):
+            if i and separator:
+                pieces.append(TextPiece("text", separator))
+            pieces.append(TextPiece("chunk", c))
+        pieces.append(TextPiece("suffix", suffix))
+        return plan_pieces(pieces, self.tokenize, registered=len(chunks))
+
+    def _fetch(self, segs: Sequence[PlannedSegment], timings: dict[str, float]) -> tuple[list, dict[str, int], list[str]]:
+        t = time.perf_counter()
+        keys = [self.chunk_key(s.token_ids, s.kind) for s in segs]
+        got = self.store.get_many(keys) if hasattr(self.store, "get_many") else [self.store.get(k) for k in keys]
+        timings["fetch_s"] = time.perf_counter() - t
+        t = time.perf_counter()
+        counts = {"chunk_hits": 0, "chunk_misses": 0, "other_hits": 0, "other_misses": 0, "reused_tokens": 0}
+        pieces = []
+        for s, k, ch in zip(segs, keys, got):
+            tag = "chunk" if s.kind == "chunk" else "other"
+            if ch is None:
+                counts[f"{tag}_misses"] += 1
+                ch = self.compute(s.token_ids, s.kind)
+                self.store.put(k, ch)
+            else:
+                counts[f"{tag}_hits"] += 1
+                counts["reused_tokens"] += len(s.token_ids)
+            pieces.append((s.kind, ch, k))
+        timings["compute_misses_s"] = time.perf_counter() - t
+        return pieces, counts, keys
+
+    @torch.inference_mode()
+    def prepare(self, plan: Plan, method: str | FusionMethod | None = None) -> Prepared:
+        """Fetch, assemble, repair and prefill the suffix for ``plan``; returns the state to decode from."""
+        m = self.default_method if method is None else get_method(method)
+        if plan.total_len >= self.max_context:
+            msg = (f"the prompt has {plan.total_len} tokens ({plan.context_len} context + {len(plan.suffix.token_ids)} "
+                   f"suffix) but the model's context window is {self.max_context}; retrieve fewer or shorter chunks")
+            raise ContextLengthError(msg)
+        with self._lock:
+            t0 = time.perf_counter()
+            timings: dict[str, float] = {}
+            pieces, counts, keys = self._fetch(plan.context, timings)
+            t = time.perf_counter()
+            inp = assemble(self.model, self.rope, self.spec, pieces, plan.suffix.token_ids)
+            timings["assemble_s"] = time.perf_counter() - t
+            t = time.perf_counter()
+            out = m.fuse(inp)
+            timings["repair_s"] = time.perf_counter() - t
+            t = time.perf_counter()
+            if out.last_logits is None:
+                logits, cache = hf_cache.forward(self.model, inp.suffix_ids, out.cache, start=inp.context_len)
+                last = logits[-1]
+            else:
+                cache, last = out.cache, out.last_logits
+            timings["suffix_prefill_s"] = time.perf_counter() - t
+        found = plan.found
+        stats = {
+            "context_tokens": plan.context_len,
+            "suffix_tokens": len(plan.suffix.token_ids),
+            "chunk_tokens": plan.chunk_tokens,
+            "chunks_registered": plan.registered,
+            "chunks_found": found,
+            **counts,
+            "reused_tokens": 0 if m.name == "full" else counts["reused_tokens"],
+            "hit_rate": (counts["chunk_hits"] / plan.registered) if plan.registered else 0.0,
+            "method_stats": out.stats,
+        }
+        chunk_keys = [k for s, k in zip(plan.context, keys) if s.kind == "chunk"]
+        return Prepared(plan, m, inp, out, cache, last, timings, stats, chunk_keys, t0)
+
+    def stream(self, prepared: Prepared, gen: GenerationConfig | None = None) -> Iterator[str]:
+        """Decode from a prepared request, yielding text deltas; fills ``prepared.timings`` as it goes."""
+        gen = gen or GenerationConfig()
+        eos = self._eos_ids()
+        timings = prepared.timings
+        tokens: list[int] = []
+
+        def first() -> None:
+            timings["ttft_s"] = time.perf_counter() - prepared.t0
+
+        with self._lock:
+            t = time.perf_counter()
+            for tok, delta in decode(self.model, self.tokenizer, prepared.cache, prepared.last_logits, gen, eos, first):
+                if tok >= 0:
+                    tokens.append(tok)
+                if delta:
+                    yield delta
+            timings.setdefault("ttft_s", time.perf_counter() - prepared.t0)
+            timings["decode_s"] = time.perf_counter() - t
+            timings["total_s"] = time.perf_counter() - prepared.t0
+        prepared.stats["generated_tokens"] = len(tokens)
+        prepared.stats["token_ids"] = tokens
+
+    def _eos_ids(self) -> list[int]:
+        ids: set[int] = set()
+        gc = getattr(self.model, "generation_config", None)
+        for src in (getattr(gc, "eos_token_id", None), self.tokenizer.eos_token_id):
+            if isinstance(src, int):
+                ids.add(src)
+            elif src:
+                ids.update(int(x) for x in src)
+        return sorted(ids)
+
+    def answer_plan(self, plan: Plan, method: str | FusionMethod | None = None, gen: GenerationConfig | None = None) -> Response:
+        prep = self.prepare(plan, method)
+        text = "".join(self.stream(prep, gen))
+        tokens = prep.stats.pop("token_ids")
+        return Response(text, tokens, repr(prep.method), prep.timings, prep.stats, prep.chunk_keys)
+
+    def answer(self, prompt: str, chunks: Sequence[str] = (), method: str | FusionMethod | None = None,
+               gen: GenerationConfig | None = None, **gen_kwargs: Any) -> Response:
+        """Answer a fully rendered prompt; ``chunks`` are the registered chunk texts to find and reuse."""
+        if gen is None:
+            gen = GenerationConfig(**gen_kwargs)
+        return self.answer_plan(self.plan(prompt, chunks), method, gen)
+
+    def chat_prompt(self, user: str, system: str | None = None) -> str:
+        """Render one user turn with the tokenizer's chat template (plus the generation prompt)."""
+        msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
+        if getattr(self.tokenizer, "chat_template", None):
+            return self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        return (system + "\n\n" if system else "") + user
+
+    @torch.inference_mode()
+    def teacher_forced_logits(self, plan: Plan, target_ids: Sequence[int], method: str | FusionMethod | None = None) -> torch.Tensor:
+        """Next-token logits [n, V] along ``target_ids`` after repair (position i predicts target i)."""
+        prep = self.prepare(plan, method)
+        n = len(target_ids)
+        if n == 0:
+            return prep.last_logits[None]
+        with self._lock:
+            logits, _ = hf_cache.forward(self.model, torch.tensor(list(target_ids[:-1]), dtype=torch.long),
+                                         prep.cache, logits_to_keep=max(n - 1, 1)) if n > 1 else (None, None)
+        rows = [prep.last_logits[None]] + ([logits[-(n - 1):]] if n > 1 else [])
+        return torch.cat(rows, dim=0)

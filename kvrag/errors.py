@@ -1,0 +1,35 @@
+"""Exception hierarchy. Every error raised at a boundary says what was expected, what was got and the fix."""
+
+from __future__ import annotations
+
+
+class KVRAGError(Exception):
+    """Base class of every error kvrag raises on purpose."""
+
+
+class ConfigError(KVRAGError, ValueError):
+    """A configuration value or argument is invalid."""
+
+
+class UnsupportedModelError(KVRAGError):
+    """The model cannot be served with position-independent KV reuse (e.g. no RoPE, dynamic NTK)."""
+
+
+class CacheCorruptError(KVRAGError):
+    """A stored cache entry failed its integrity checks; it is dropped and recomputed, never served."""
+
+
+class CacheMismatchError(KVRAGError):
+    """A stored entry belongs to another model, tokenizer, dtype or format version."""
+
+
+class StoreError(KVRAGError):
+    """A storage backend failed (unreachable, disk full, permission)."""
+
+
+class ContextLengthError(KVRAGError, ValueError):
+    """A prompt or chunk does not fit the model's context window."""
+
+
+class CheckpointMismatchError(KVRAGError):
+    """A repairer checkpoint was trained for another model."""

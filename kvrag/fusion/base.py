@@ -1,0 +1,186 @@
+"""Fusion methods: how the stale concatenation of independently computed chunk caches is repaired.
+
+A method receives the *stale* KV of the reusable context (chunk caches placed at their global positions and
+concatenated) and returns the cache the question suffix is prefilled against. Methods are registered by name and
+built from specs such as ``"relaxkv:r=0.15"``.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import torch
+
+from kvrag.errors import ConfigError
+from kvrag.kv.rope import Rope
+from kvrag.kv.spec import KVSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class Span:
+    """A contiguous run of context positions [start, end) with one origin.
+
+    kind: 'prefix' (leading text computed exactly: position 0 onwards, nothing before it), 'chunk' (a stored,
+    independently computed chunk cache) or 'text' (non-chunk text between chunks, computed independently on the
+    fly like a chunk but not stored).
+    """
+
+    start: int
+    end: int
+    kind: str
+    key: str | None = None
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+
+@dataclasses.dataclass
+class FusionInput:
+    """Everything a fusion method may use.
+
+    Attributes:
+        model: the frozen transformers causal LM.
+        rope: the model's RoPE (place / canonicalize keys).
+        spec: the KV layout.
+        token_ids: [Tc] context token ids (prefix + chunks + text), positions 0..Tc-1.
+        keys: [L, H_kv, Tc, D] stale keys, RoPE applied at global positions (model dtype, model device).
+        values: [L, H_kv, Tc, D] stale values.
+        spans: ordered spans covering 0..Tc.
+        suffix_ids: [S] question suffix ids, positions Tc..Tc+S-1 (the tokens prefilled after repair).
+        canonical_keys: [L, H_kv, Tc, D] the same keys without RoPE (what a learned repairer consumes).
+    """
+
+    model: Any
+    rope: Rope
+    spec: KVSpec
+    token_ids: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    spans: list[Span]
+    suffix_ids: torch.Tensor
+    canonical_keys: torch.Tensor | None = None
+
+    @property
+    def context_len(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def reusable_mask(self) -> torch.Tensor:
+        """[Tc] bool: True at positions whose KV was computed without the preceding context (may be stale)."""
+        m = torch.zeros(self.context_len, dtype=torch.bool)
+        for s in self.spans:
+            if s.kind != "prefix":
+                m[s.start : s.end] = True
+        return m
+
+    def first_stale_position(self) -> int:
+        """Positions before this are exact (the leading prefix and, with matching conditioning, nothing else)."""
+        for s in self.spans:
+            if s.kind != "prefix":
+                return s.start
+        return self.context_len
+
+
+@dataclasses.dataclass
+class FusionOutput:
+    """The repaired cache.
+
+    Attributes:
+        cache: a transformers cache covering the context (and the suffix when ``last_logits`` is set).
+        last_logits: [V] next-token logits after the suffix, when the method already prefilled it (e.g. ``full``);
+            None means the engine prefills the suffix against ``cache``.
+        stats: method statistics (recomputed fractions, timings in seconds, ...), JSON-serializable.
+    """
+
+    cache: Any
+    last_logits: torch.Tensor | None = None
+    stats: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+class FusionMethod(abc.ABC):
+    """A registered repair strategy. Subclasses declare ``name`` and parse their parameters in ``__init__``."""
+
+    name: ClassVar[str] = ""
+    #: parameter name -> (type, default, validator description)
+    params: ClassVar[dict[str, tuple[type, Any]]] = {}
+
+    def __init__(self, **kwargs: Any) -> None:
+        unknown = set(kwargs) - set(self.params)
+        if unknown:
+            valid = ", ".join(f"{k} ({t.__name__}, default {d})" for k, (t, d) in self.params.items()) or "none"
+            msg = f"method {self.name!r} got unknown parameter(s) {sorted(unknown)}; valid parameters: {valid}"
+            raise ConfigError(msg)
+        for k, (typ, default) in self.params.items():
+            raw = kwargs.get(k, default)
+            try:
+                val = typ(raw) if raw is not None else None
+            except (TypeError, ValueError) as e:
+                msg = f"method {self.name!r}: parameter {k}={raw!r} is not a valid {typ.__name__}"
+                raise ConfigError(msg) from e
+            setattr(self, k, val)
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ConfigError for out-of-range parameters."""
+
+    @property
+    def config(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.params}
+
+    @abc.abstractmethod
+    def fuse(self, inp: FusionInput) -> FusionOutput:
+        """Repair ``inp``'s stale KV; must not modify ``inp.keys`` / ``inp.values`` in place."""
+
+    def __repr__(self) -> str:
+        args = ",".join(f"{k}={v}" for k, v in self.config.items())
+        return f"{self.name}:{args}" if args else self.name
+
+
+_REGISTRY: dict[str, type[FusionMethod]] = {}
+
+
+def register(cls: type[FusionMethod]) -> type[FusionMethod]:
+    """Class decorator registering a method under ``cls.name``."""
+    if not cls.name:
+        raise ValueError(f"{cls.__name__} has no name")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def available_methods() -> list[str]:
+    from kvrag import fusion as _f  # noqa: F401  (imports every built-in method module)
+
+    return sorted(_REGISTRY)
+
+
+def parse_method_spec(spec: str) -> tuple[str, dict[str, str]]:
+    """Parse ``"name:k=v,k2=v2"`` into (name, {k: v})."""
+    name, _, rest = spec.strip().partition(":")
+    params: dict[str, str] = {}
+    for part in filter(None, (p.strip() for p in rest.split(","))):
+        k, eq, v = part.partition("=")
+        if not eq or not k:
+            msg = f"bad method parameter {part!r} in {spec!r}; expected name:key=value[,key=value]"
+            raise ConfigError(msg)
+        params[k.strip()] = v.strip()
+    return name, params
+
+
+def get_method(spec: str | FusionMethod, **overrides: Any) -> FusionMethod:
+    """Build a method from a spec string (``"relaxkv:r=0.15"``) or return an instance unchanged."""
+    if isinstance(spec, FusionMethod):
+        return spec
+    name, params = parse_method_spec(spec)
+    valid = available_methods()
+    if name not in _REGISTRY:
+        msg = f"unknown fusion method {name!r}; valid methods: {', '.join(valid)}"
+        raise ConfigError(msg)
+    params.update(overrides)
+    return _REGISTRY[name](**params)
+
+
+MethodFactory = Callable[..., FusionMethod]

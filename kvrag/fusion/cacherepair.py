@@ -1,0 +1,154 @@
+"""``cacherepair``: a small learned network predicts the joint-minus-stale KV residual (CacheRepair §4.1).
+
+The repairer reads the stale canonical KV of every non-prefix context token (chunks and in-between text, each span
+one "chunk" of the block-causal mask) plus the frozen target token embeddings, adds ``sigma_delta * z`` to the
+stale cache in canonical coordinates and re-places the keys at their global positions. The leading prefix span is
+exact and left as it is.
+
+Parameter ``checkpoint``: a directory written by ``kvrag train-repairer`` / ``RepairModel.save_pretrained``. By
+default the shipped checkpoint for the model in use is taken from ``kvrag/data/repairers/`` (matched by model
+fingerprint, else by model name).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvrag.errors import CheckpointMismatchError, ConfigError
+from kvrag.fusion.base import FusionInput, FusionMethod, FusionOutput, register
+from kvrag.kv import hf_cache
+from kvrag.repair.model import CONFIG_NAME, RepairModel, pack_kv, unpack_kv
+
+log = logging.getLogger(__name__)
+
+SHIPPED_DIR = Path(__file__).resolve().parent.parent / "data" / "repairers"
+"""Where checkpoints shipped with kvrag live: ``kvrag/data/repairers/<model-name>/``."""
+
+_TRAIN_HINT = ("train one with `kvrag train-repairer --data CORPUS.jsonl --out DIR --preset small` (CORPUS: one "
+               '{"titles": [...], "passages": [...]} object a line) and use `cacherepair:checkpoint=DIR`')
+
+
+def model_dir_name(model: Any) -> str:
+    """The directory name a shipped repairer of ``model`` uses: its name (last path part), '/' -> '--'."""
+    name = str(getattr(model.config, "name_or_path", "") or getattr(model.config, "_name_or_path", "") or "")
+    if not name:
+        return ""
+    p = Path(name)
+    base = p.name if p.is_absolute() or p.exists() else name.replace("/", "--")
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", base).strip("-").lower()
+
+
+def find_shipped_checkpoint(model: Any, fingerprint: str, root: Path = SHIPPED_DIR) -> Path | None:
+    """A shipped repairer for the model: one whose recorded target fingerprint matches, else one named after it."""
+    if not root.is_dir():
+        return None
+    if fingerprint:
+        for cfg in sorted(root.glob(f"*/{CONFIG_NAME}")):
+            try:
+                meta = json.loads(cfg.read_text())
+            except (OSError, ValueError):
+                continue
+            if meta.get("target", {}).get("model_fingerprint") == fingerprint:
+                return cfg.parent
+    name = model_dir_name(model)
+    if name and (root / name / CONFIG_NAME).is_file():
+        return root / name
+    return None
+
+
+_LOAD_LOCK = threading.Lock()
+
+
+@register
+class CacheRepair(FusionMethod):
+    """Learned residual repair of the stale KV (CacheRepair, §4.1)."""
+
+    name = "cacherepair"
+    params = {"checkpoint": (str, None)}
+    checkpoint: str | None
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._repairers: dict[tuple[str, str], RepairModel] = {}
+
+    def _resolve(self, inp: FusionInput) -> Path:
+        if self.checkpoint:
+            path = Path(self.checkpoint).expanduser()
+            if not (path / CONFIG_NAME).is_file():
+                msg = f"cacherepair: no repairer in {path} ({CONFIG_NAME} not found); {_TRAIN_HINT}"
+                raise ConfigError(msg)
+            return path
+        found = find_shipped_checkpoint(inp.model, inp.spec.model_fingerprint)
+        if found is None:
+            name = model_dir_name(inp.model) or "<model-name>"
+            msg = (f"cacherepair: no repairer for this model (fingerprint {inp.spec.model_fingerprint[:16] or '?'}) "
+                   f"is shipped in {SHIPPED_DIR / name}; {_TRAIN_HINT}")
+            raise ConfigError(msg)
+        return found
+
+    def repairer(self, inp: FusionInput) -> RepairModel:
+        """The loaded repairer for ``inp``'s model (cached per checkpoint and device)."""
+        path = self._resolve(inp)
+        device = inp.keys.device
+        key = (str(path.resolve()), str(device))
+        with _LOAD_LOCK:
+            rep = self._repairers.get(key)
+            if rep is None:
+                fp = inp.spec.model_fingerprint or None
+                if fp is None:
+                    log.warning("cacherepair: the KV spec carries no model fingerprint; checking shapes only")
+                rep = RepairModel.from_pretrained(path, fp, map_location=device)
+                self._repairers[key] = rep
+        c, s = rep.cfg, inp.spec
+        if (c.num_layers, c.num_kv_heads, c.head_dim) != (s.num_layers, s.num_kv_heads, s.head_dim):
+            msg = (f"the repairer in {path} expects KV [L={c.num_layers}, H_kv={c.num_kv_heads}, D={c.head_dim}], "
+                   f"the model has [L={s.num_layers}, H_kv={s.num_kv_heads}, D={s.head_dim}]; {_TRAIN_HINT}")
+            raise CheckpointMismatchError(msg)
+        return rep
+
+    @torch.inference_mode()
+    def fuse(self, inp: FusionInput) -> FusionOutput:
+        t0 = time.perf_counter()
+        spans = [sp for sp in inp.spans if sp.kind != "prefix" and sp.length > 0]
+        if not spans:  # nothing is stale
+            cache = hf_cache.make_cache(inp.keys, inp.values, inp.model.config)
+            return FusionOutput(cache=cache, stats={"recomputed_fraction": 0.0, "repaired_tokens": 0})
+        rep = self.repairer(inp)
+        dev = inp.keys.device
+        idx = torch.cat([torch.arange(sp.start, sp.end) for sp in spans]).to(dev)  # [N] global positions
+        chunk_index = torch.cat([torch.full((sp.length,), i, dtype=torch.long) for i, sp in enumerate(spans)]).to(dev)
+        ck = inp.canonical_keys
+        if ck is None:
+            ck = inp.rope.canonicalize(inp.keys, torch.arange(inp.context_len, device=dev))
+        stale = pack_kv(ck[:, :, idx].float(), inp.values[:, :, idx].float())  # [N, S, D]
+        emb = hf_cache.embed(inp.model, inp.token_ids[idx.cpu()])[0]  # [N, E] frozen E_M(x)
+        positions = idx - idx[0]  # document positions (the repairer's RoPE is relative anyway)
+        t1 = time.perf_counter()
+        repaired = rep.repair(stale, emb, chunk_index, positions)  # stale + sigma_delta * z, canonical
+        t2 = time.perf_counter()
+        rk, rv = unpack_kv(repaired, inp.spec.num_layers, inp.spec.num_kv_heads)  # [L, H_kv, N, D]
+        keys = inp.keys.clone()  # never modify the input in place
+        values = inp.values.clone()
+        keys[:, :, idx] = inp.rope.place(rk, idx).to(keys.dtype)  # global RoPE after repair (§4.1)
+        values[:, :, idx] = rv.to(values.dtype)
+        cache = hf_cache.make_cache(keys, values, inp.model.config)
+        n = int(idx.shape[0])
+        return FusionOutput(
+            cache=cache,
+            stats={
+                "recomputed_fraction": 0.0,
+                "repaired_tokens": n,
+                "repaired_fraction": n / max(1, inp.context_len),
+                "repair_s": t2 - t1,
+                "fusion_s": time.perf_counter() - t0,
+                "repairer_parameters": rep.num_parameters,
+            },
+        )

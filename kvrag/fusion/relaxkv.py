@@ -1,0 +1,163 @@
+"""``relaxkv``: query-guided repair targets AND a query-relevant recomputation context (RelaxKV, arXiv 2609.33503).
+
+Selective repair methods choose which token states to recompute but let them attend to their whole causal prefix.
+RelaxKV also chooses the context: from layer-wise query attention it derives per-layer anchors, active targets
+(recomputed from layer 0 up to their deepest anchor layer) and one shared context ``U`` (the anchor union); every
+active target attends only to the causally valid part of ``U``. See baselines.md §6 for the reading we implement;
+everything the paper summary leaves open is a parameter here (marked [decision] below).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from kvrag.fusion.base import FusionInput, FusionMethod, FusionOutput, register
+from kvrag.fusion.recompute import (
+    Bool,
+    budget,
+    check_choice,
+    check_ratio,
+    exact_mask,
+    fusion_output,
+    positions_of,
+    query_attention_scores,
+    selective_recompute,
+    top_positions,
+)
+
+
+@dataclasses.dataclass
+class RelaxSchedule:
+    """RelaxKV's repair schedule (RelaxKV §3.2-§3.3, §A.1).
+
+    Attributes:
+        anchors: per layer, the [k] anchor positions A_l (sorted).
+        deepest: [Tc] int64, h(t) = the deepest layer whose anchors contain t (-1: never an anchor).
+        active: per layer, the active targets S_l = {t not exact : h(t) >= l} (sorted; nested, shrinking).
+        union: [|U|] the shared context U = ∪_l A_l (plus every exact position with ``exact_context='all'``).
+    """
+
+    anchors: list[torch.Tensor]
+    deepest: torch.Tensor
+    active: list[torch.Tensor]
+    union: torch.Tensor
+
+
+def relaxkv_schedule(
+    scores: torch.Tensor, k: int, exact: torch.Tensor, *, exact_context: str = "anchors"
+) -> RelaxSchedule:
+    """Anchors, active targets and shared context from per-layer scores.
+
+    Args:
+        scores: [L, Tc] query-attention score per layer and context position.
+        k: anchors per layer (``budget(r, Tc)``).
+        exact: [Tc] bool, positions whose KV is already exact (never targets).
+        exact_context: 'anchors' (exact positions compete for anchor slots; when picked they join U but are not
+            recomputed) or 'all' (exact positions are not ranked, so the k slots all go to repairable positions,
+            and every exact position joins U, which keeps the sink in the context).
+
+    Returns:
+        RelaxSchedule.
+    """
+    n_layers, tc = scores.shape
+    exact = exact.cpu()
+    cand = torch.ones(tc, dtype=torch.bool) if exact_context == "anchors" else ~exact
+    # RelaxKV §3.2: top-k anchors independently at every layer
+    anchors = [top_positions(scores[layer], k, cand) for layer in range(n_layers)]
+    deepest = torch.full((tc,), -1, dtype=torch.long)
+    for layer, a in enumerate(anchors):
+        deepest[a] = layer  # layers ascend, so the last write is the deepest
+    # RelaxKV §3.2 / §A.1: a token is active from layer 0 through its deepest anchor layer
+    active = [positions_of((deepest >= layer) & ~exact) for layer in range(n_layers)]
+    in_u = deepest >= 0
+    if exact_context == "all":
+        in_u |= exact
+    # RelaxKV §3.3: one shared context, the anchor union
+    return RelaxSchedule(anchors, deepest, active, positions_of(in_u))
+
+
+@register
+class RelaxKV(FusionMethod):
+    """RelaxKV repair: layer-wise query-attention anchors, active targets, sparse shared context.
+
+    Steps (RelaxKV §3.1-§3.4; baselines.md §6):
+
+    1. Scoring pass (§3.2): the whole question suffix attends over the stale cache; per layer the attention
+       to each context position is reduced to one score (``agg``, ``score``).
+    2. Anchors (§3.2): per layer the top ``k = max(1, round_half_up(r * Tc))`` positions.
+    3. Active targets (§3.2, §A.1): a position is recomputed at layers 0..h(t), h(t) its deepest anchor layer.
+    4. Context (§3.3): ``context='anchors'``: each target attends to the causally valid part of U = ∪ anchors
+       (RelaxKV); ``context='full'``: its full causal prefix (the paper's full-prefix control, §A.4; registered
+       as ``relaxkv-fullctx``).
+    5. Update (§3.4): fresh K/V of active targets overwrite the cache; everything else stays stale. Targets read
+       fresh K/V of positions active at the same layer and stale K/V for the rest.
+
+    Parameters ([decision] = not fixed by the paper summary; tune on data):
+        r: anchor ratio per layer, in (0, 1]. r = 1 recomputes everything with full context, i.e. ``full``.
+        context: 'anchors' | 'full' (see step 4).
+        agg: [decision] reduction of the per-head scores: 'mean' (rank-equivalent to ProphetKV's sum) or 'max'.
+        score: [decision] 'prob' (softmax over the context keys, ProphetKV's denominator) or 'logit' (scaled
+            q·k logits), averaged over the suffix rows.
+        exclude_first_chunk: [decision] treat the first non-prefix span as exact (never a target; InfoFlow
+            excludes the first chunk). Useful when chunks are conditioned on the leading prefix.
+        exact_context: [decision] how exact positions (the leading 'prefix' span, and the first chunk with
+            ``exclude_first_chunk``) enter the context: 'anchors' (they compete for anchor slots and join U when
+            picked; baselines.md §6 step 2) or 'all' (not ranked; all of them join U).
+    """
+
+    name = "relaxkv"
+    params = {
+        "r": (float, 0.15),
+        "context": (str, "anchors"),
+        "agg": (str, "mean"),
+        "score": (str, "prob"),
+        "exclude_first_chunk": (Bool, False),
+        "exact_context": (str, "anchors"),
+    }
+    r: float
+    context: str
+    agg: str
+    score: str
+    exclude_first_chunk: bool
+    exact_context: str
+
+    def validate(self) -> None:
+        check_ratio(self.name, "r", self.r)
+        check_choice(self.name, "context", self.context, ("anchors", "full"))
+        check_choice(self.name, "agg", self.agg, ("mean", "max"))
+        check_choice(self.name, "score", self.score, ("prob", "logit"))
+        check_choice(self.name, "exact_context", self.exact_context, ("anchors", "all"))
+
+    def schedule(self, inp: FusionInput) -> tuple[RelaxSchedule, int, int, float]:
+        """Run the scoring pass and derive the schedule: (schedule, k, scoring edges, scoring seconds)."""
+        scores, score_edges, score_s = query_attention_scores(inp, heads=self.agg, kind=self.score)
+        k = budget(self.r, inp.context_len)
+        exact = exact_mask(inp, first_chunk=self.exclude_first_chunk)
+        return relaxkv_schedule(scores, k, exact, exact_context=self.exact_context), k, score_edges, score_s
+
+    def fuse(self, inp: FusionInput) -> FusionOutput:
+        sched, k, score_edges, score_s = self.schedule(inp)
+        ctx = sched.union if self.context == "anchors" else None
+        res = selective_recompute(inp.model, inp.token_ids, inp.keys, inp.values, sched.active, ctx)
+        tc = max(1, inp.context_len)
+        u_frac = sched.union.numel() / tc if self.context == "anchors" else 1.0
+        return fusion_output(
+            inp,
+            res,
+            context_fraction=u_frac,
+            score_s=score_s,
+            score_edges=score_edges,
+            anchors_per_layer=k,
+            union_fraction=sched.union.numel() / tc,
+            sink_in_context=bool(self.context == "full" or (sched.union.numel() and int(sched.union[0]) == 0)),
+        )
+
+
+@register
+class RelaxKVFullContext(RelaxKV):
+    """RelaxKV's targets with the full causal prefix as context (the full-prefix control, RelaxKV §A.4)."""
+
+    name = "relaxkv-fullctx"
+    params = {**RelaxKV.params, "context": (str, "full")}

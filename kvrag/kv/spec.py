@@ -1,0 +1,91 @@
+"""KVSpec: the shape, dtype and RoPE identity of a model's KV cache."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import torch
+
+from kvrag.errors import ConfigError
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """Return the canonical name ('float32', 'float16', 'bfloat16') of a torch dtype."""
+    for name, dt in DTYPES.items():
+        if dt == dtype:
+            return name
+    msg = f"unsupported KV dtype {dtype}; expected one of {sorted(DTYPES)}"
+    raise ConfigError(msg)
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """Inverse of :func:`dtype_name`."""
+    try:
+        return DTYPES[name]
+    except KeyError as e:
+        msg = f"unknown dtype {name!r}; expected one of {sorted(DTYPES)}"
+        raise ConfigError(msg) from e
+
+
+@dataclasses.dataclass(frozen=True)
+class KVSpec:
+    """Everything that fixes the layout of one model's KV cache.
+
+    Attributes:
+        num_layers: L, decoder layers.
+        num_kv_heads: H_kv, key/value heads (GQA).
+        head_dim: D.
+        dtype: storage dtype name of K and V ('float32' | 'float16' | 'bfloat16').
+        rope_type: transformers rope type ('default', 'linear', 'llama3', 'yarn').
+        rope_pairing: 'half' (rotate_half, Llama/Qwen/Mistral) or 'interleaved' (GPT-J style).
+        model_fingerprint: hex digest identifying weights + architecture + compute dtype.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    rope_type: str = "default"
+    rope_pairing: str = "half"
+    model_fingerprint: str = ""
+
+    def __post_init__(self) -> None:
+        if min(self.num_layers, self.num_kv_heads, self.head_dim) <= 0:
+            msg = f"KVSpec dimensions must be positive, got {self}"
+            raise ConfigError(msg)
+        dtype_from_name(self.dtype)
+        if self.rope_pairing not in ("half", "interleaved"):
+            msg = f"rope_pairing must be 'half' or 'interleaved', got {self.rope_pairing!r}"
+            raise ConfigError(msg)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return dtype_from_name(self.dtype)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes of K plus V for one token across all layers at the storage dtype."""
+        itemsize = torch.empty((), dtype=self.torch_dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+
+    def with_dtype(self, dtype: str) -> KVSpec:
+        return dataclasses.replace(self, dtype=dtype)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> KVSpec:
+        fields = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in fields})
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)

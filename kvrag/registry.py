@@ -1,0 +1,299 @@
+"""Which chunk texts a request may reuse, and shared engine handles for the framework adapters.
+
+Framework retrievers/postprocessors find the chunks of a request; the LLM adapter renders the final prompt. The
+two only meet through this module (see DESIGN §1: chunk identity travels explicitly):
+
+* **Request scope** (``contextvars``): :func:`register_chunks` replaces the current context's request chunks and
+  :func:`current_chunks` reads them. Each thread and each asyncio task has its own context, so concurrent requests
+  never see each other's chunks. LlamaIndex query/chat engines retrieve, postprocess and synthesize in one context,
+  so this is all they need.
+* **Recent chunks** (process-wide, bounded LRU): every registration is also remembered here.
+  :meth:`RecentChunks.found_in` returns the remembered texts that occur verbatim in a prompt. LangChain's LCEL
+  runs each step of a chain in a *copy* of the caller's context (``RunnableParallel`` even in worker threads), so
+  a retriever's context-local registration is not visible to the chat model later in the same chain; the chat
+  model adapter therefore also looks up recent chunks by content. This cannot mix up requests: a chunk is used
+  only where its exact text is in the prompt, and caches are content-addressed, so the cache is the same
+  whichever request registered it.
+* **Explicit passing**: adapters accept the chunk texts as an argument; explicit chunks win over both scopes.
+
+The planner still decides everything: registered texts that are not found verbatim are simply prefilled as
+normal text and lower the reported hit rate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import dataclasses
+import threading
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from typing import Any, TypeVar
+
+from kvrag.errors import ConfigError
+
+T = TypeVar("T")
+
+CHUNK_KEY_METADATA = "kvrag_chunk_key"
+"""Metadata field that carries a node's / document's chunk key (excluded from what the LLM and embedder see)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RegisteredChunk:
+    """A chunk text as it will appear in the prompt, with its cache key when known."""
+
+    text: str
+    key: str | None = None
+
+
+ChunkLike = str | RegisteredChunk | tuple[str, str | None]
+
+_REQUEST: contextvars.ContextVar[tuple[RegisteredChunk, ...] | None] = contextvars.ContextVar(
+    "kvrag_request_chunks", default=None
+)
+
+
+def _as_chunk(c: ChunkLike | Any) -> RegisteredChunk:
+    if isinstance(c, RegisteredChunk):
+        return c
+    if isinstance(c, str):
+        return RegisteredChunk(c)
+    if isinstance(c, tuple) and len(c) == 2 and isinstance(c[0], str):
+        return RegisteredChunk(c[0], c[1])
+    text = getattr(c, "text", None)
+    if isinstance(text, str):
+        return RegisteredChunk(text, getattr(c, "key", None))
+    msg = f"a chunk must be a str, a (text, key) tuple or a RegisteredChunk, got {type(c).__name__}"
+    raise ConfigError(msg)
+
+
+def _normalize(chunks: Iterable[ChunkLike]) -> tuple[RegisteredChunk, ...]:
+    seen: set[str] = set()
+    out = []
+    for c in chunks:
+        rc = _as_chunk(c)
+        if rc.text.strip() and rc.text not in seen:
+            seen.add(rc.text)
+            out.append(rc)
+    return tuple(out)
+
+
+class RecentChunks:
+    """Thread-safe, bounded LRU of recently registered chunk texts (process-wide).
+
+    Args:
+        max_entries: most texts kept.
+        max_chars: most characters kept in total.
+    """
+
+    def __init__(self, max_entries: int = 2048, max_chars: int = 8_000_000) -> None:
+        if max_entries < 1 or max_chars < 1:
+            msg = f"RecentChunks needs max_entries >= 1 and max_chars >= 1, got {max_entries}, {max_chars}"
+            raise ConfigError(msg)
+        self.max_entries = max_entries
+        self.max_chars = max_chars
+        self._lock = threading.Lock()
+        self._items: OrderedDict[str, str | None] = OrderedDict()
+        self._chars = 0
+
+    def add(self, chunks: Iterable[ChunkLike]) -> None:
+        with self._lock:
+            for c in _normalize(chunks):
+                if c.text in self._items:
+                    self._items.move_to_end(c.text)
+                    if c.key is not None:
+                        self._items[c.text] = c.key
+                    continue
+                self._items[c.text] = c.key
+                self._chars += len(c.text)
+            while self._items and (len(self._items) > self.max_entries or self._chars > self.max_chars):
+                old, _ = self._items.popitem(last=False)
+                self._chars -= len(old)
+
+    def found_in(self, prompt: str) -> tuple[RegisteredChunk, ...]:
+        """The remembered chunks whose exact text occurs in ``prompt`` (most recent first)."""
+        with self._lock:
+            items = list(self._items.items())
+        return tuple(RegisteredChunk(t, k) for t, k in reversed(items) if t in prompt)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+            self._chars = 0
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._items)
+
+
+recent = RecentChunks()
+"""The process-wide table every :func:`register_chunks` call feeds."""
+
+
+def register_chunks(chunks: Iterable[ChunkLike], *, replace: bool = True) -> contextvars.Token:
+    """Set (``replace=True``) or extend the current context's request chunks; also remember them in :data:`recent`.
+
+    Returns:
+        A token for :func:`reset_chunks` (``chunk_scope`` does this for you).
+    """
+    new = _normalize(chunks)
+    recent.add(new)
+    if not replace:
+        new = _normalize((*(_REQUEST.get() or ()), *new))
+    return _REQUEST.set(new)
+
+
+def reset_chunks(token: contextvars.Token) -> None:
+    """Undo a :func:`register_chunks` call (in the same context)."""
+    _REQUEST.reset(token)
+
+
+def clear_chunks() -> None:
+    """Forget the current context's request chunks (``recent`` is kept)."""
+    _REQUEST.set(None)
+
+
+def current_chunks() -> tuple[RegisteredChunk, ...]:
+    """The request chunks registered in the current context (empty when none)."""
+    return _REQUEST.get() or ()
+
+
+@contextlib.contextmanager
+def chunk_scope(chunks: Iterable[ChunkLike] = ()) -> Iterator[None]:
+    """Register ``chunks`` for the duration of the block, restoring the previous request chunks afterwards."""
+    token = register_chunks(chunks)
+    try:
+        yield
+    finally:
+        _REQUEST.reset(token)
+
+
+def resolve_chunks(
+    prompt: str, explicit: Iterable[ChunkLike] | None = None, *, use_context: bool = True, use_recent: bool = False
+) -> tuple[RegisteredChunk, ...]:
+    """The chunks an LLM adapter offers the planner for ``prompt``.
+
+    Explicit chunks (when not None) are used alone. Otherwise the context's request chunks, plus, with
+    ``use_recent``, the recently registered chunks that occur verbatim in the prompt.
+    """
+    if explicit is not None:
+        return _normalize(explicit)
+    out: list[RegisteredChunk] = list(current_chunks()) if use_context else []
+    if use_recent:
+        out.extend(recent.found_in(prompt))
+    return _normalize(out)
+
+
+# ------------------------------------------------------------------------------------------------- engine handles
+_ENGINES: dict[tuple[Any, ...], Any] = {}
+_ENGINES_LOCK = threading.Lock()
+
+
+def shared_engine(model: str | None = None, store: Any = "memory://", **config: Any) -> Any:
+    """A process-wide :class:`~kvrag.engine.engine.KVRAGEngine` per (model, store URL, config), loaded once.
+
+    Framework objects are often constructed many times with the same settings (LangChain's standard tests, chains
+    rebuilt per request); they share one loaded model and store through this function. A ``KVStore`` instance as
+    ``store`` is keyed by identity.
+    """
+    from kvrag.engine.engine import KVRAGEngine
+
+    key = (model, store if isinstance(store, str) else id(store), tuple(sorted(config.items())))
+    with _ENGINES_LOCK:
+        eng = _ENGINES.get(key)
+        if eng is None:
+            eng = KVRAGEngine.from_pretrained(model, store=store, **config)
+            _ENGINES[key] = eng
+        return eng
+
+
+def ensure_chunks(engine: Any, texts: Sequence[str], *, progress: bool = False) -> list[tuple[str | None, bool]]:
+    """Make sure every text has a stored cache, without reading cached entries back.
+
+    Returns:
+        One ``(key, was_cached)`` per text; whitespace-only texts give ``(None, False)`` and are not cached.
+    """
+    from tqdm.auto import tqdm
+
+    out: list[tuple[str | None, bool]] = []
+    for text in tqdm(texts, desc="kvrag: caching chunks", unit="chunk", disable=not progress):
+        ids = engine.tokenize(text) if text.strip() else []
+        if not ids:
+            out.append((None, False))
+            continue
+        engine._check_len(len(ids), "chunk")
+        key = engine.chunk_key(ids)
+        cached = engine.store.contains(key)
+        if not cached:
+            engine.store.put(key, engine.compute(ids))
+        out.append((key, cached))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------- async helper
+_DONE = object()
+
+
+async def aiter_in_thread(factory: Callable[[], Iterator[T]]) -> AsyncIterator[T]:
+    """Iterate a blocking generator in ONE worker thread and yield its items asynchronously.
+
+    The engine's decode loop holds a lock across ``yield``; pulling items with ``run_in_executor(next)`` would
+    resume it on different threads. The worker runs in a copy of the caller's context (request chunks included).
+    """
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[Any] = asyncio.Queue()
+    stop = threading.Event()
+    ctx = contextvars.copy_context()
+
+    def work() -> None:
+        try:
+            it = factory()
+            try:
+                for item in it:
+                    loop.call_soon_threadsafe(queue.put_nowait, (True, item))
+                    if stop.is_set():
+                        break
+            finally:
+                close = getattr(it, "close", None)
+                if close is not None:
+                    close()
+        except BaseException as e:  # noqa: BLE001  (re-raised in the consumer)
+            loop.call_soon_threadsafe(queue.put_nowait, (False, e))
+            return
+        loop.call_soon_threadsafe(queue.put_nowait, (True, _DONE))
+
+    thread = threading.Thread(target=ctx.run, args=(work,), name="kvrag-stream", daemon=True)
+    thread.start()
+    try:
+        while True:
+            ok, item = await queue.get()
+            if not ok:
+                raise item
+            if item is _DONE:
+                break
+            yield item
+    finally:
+        stop.set()
+
+
+def chunk_texts(chunks: Sequence[RegisteredChunk]) -> list[str]:
+    return [c.text for c in chunks]
+
+
+__all__ = [
+    "CHUNK_KEY_METADATA",
+    "RecentChunks",
+    "RegisteredChunk",
+    "aiter_in_thread",
+    "chunk_scope",
+    "chunk_texts",
+    "clear_chunks",
+    "current_chunks",
+    "ensure_chunks",
+    "recent",
+    "register_chunks",
+    "reset_chunks",
+    "resolve_chunks",
+    "shared_engine",
+]

@@ -1,0 +1,510 @@
+"""The CacheRepair network (CacheRepair §4.1) and its on-disk format.
+
+The repairer reads the stale canonical KV of every document token (all layers, KV heads, K and V) together with
+the frozen target token embedding and predicts a normalized residual ``z``; the repaired cache is
+``stale + sigma_delta * z`` in canonical coordinates (K without RoPE, V as is).
+
+KV feature layout. The per-token KV of a target with L layers, H_kv KV heads and head dim D is packed into
+``[N, S, D]`` with ``S = 2 * L * H_kv`` segments ordered (layer, K/V, head): segment ``s = (l * 2 + c) * H_kv + h``
+with ``c = 0`` for K and ``1`` for V (see :func:`pack_kv` / :func:`unpack_kv`). The normalization statistics are
+stored as ``[L, 2, H_kv, D]`` (the same order).
+
+On disk a repairer is a directory holding ``repair_config.json`` (architecture, target model fingerprint, kvrag
+version, training summary, checksum of the weights) and ``repair_model.safetensors`` (weights plus the
+``sigma_stale`` / ``sigma_delta`` statistics as tensors).
+
+Presets (Table 4 scaled to the target). Table 4 keeps d_b / B / d_seg fixed across targets of 3B-14B; only the
+target-dependent parts (segment encoder, token projection, KV head ~ d_b * 2 L H_kv D) grow with the target. For the
+default SmolLM2-135M (L=30, H_kv=3, D=64, hidden 576: D_KV = 11,520) the parameter counts are:
+
+========  ====  ==  =====  ============  ==========================================================
+preset    d_b   B   d_seg  SmolLM2-135M  use
+========  ====  ==  =====  ============  ==========================================================
+tiny      64    1   4      0.93M         unit tests
+small     256   3   8      5.87M         CPU training (~1 h on 2 cores)
+base      256   5   8      7.32M         = Table 4 "Small" (9.45M for Qwen2.5-3B, as in Table 12)
+medium    512   6   16     25.7M         = Table 4 "Medium" (GPU)
+large     704   6   24     45.6M         = Table 4 "Large" (GPU)
+========  ====  ==  =====  ============  ==========================================================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvrag.errors import CacheCorruptError, CheckpointMismatchError, ConfigError
+
+log = logging.getLogger(__name__)
+
+CONFIG_NAME = "repair_config.json"
+WEIGHTS_NAME = "repair_model.safetensors"
+FORMAT_NAME = "kvrag-cacherepair"
+FORMAT_VERSION = 1
+
+PRESETS: dict[str, dict[str, int]] = {
+    "tiny": {"d_b": 64, "num_blocks": 1, "d_seg": 4},
+    "small": {"d_b": 256, "num_blocks": 3, "d_seg": 8},
+    "base": {"d_b": 256, "num_blocks": 5, "d_seg": 8},
+    "medium": {"d_b": 512, "num_blocks": 6, "d_seg": 16},
+    "large": {"d_b": 704, "num_blocks": 6, "d_seg": 24},
+}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# KV packing
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def pack_kv(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Pack keys, values [L, H_kv, N, D] into per-token features [N, S, D] (S = 2 L H_kv, order (l, K/V, h))."""
+    if keys.shape != values.shape or keys.dim() != 4:
+        msg = f"keys/values must both be [L, H_kv, N, D], got {tuple(keys.shape)} and {tuple(values.shape)}"
+        raise ConfigError(msg)
+    L, H, N, D = keys.shape
+    kv = torch.stack([keys, values], dim=1)  # [L, 2, H, N, D]
+    return kv.permute(3, 0, 1, 2, 4).reshape(N, L * 2 * H, D)  # [N, S, D]
+
+
+def unpack_kv(feats: torch.Tensor, num_layers: int, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`pack_kv`: features [N, S, D] -> keys, values [L, H_kv, N, D]."""
+    N, S, D = feats.shape
+    if S != 2 * num_layers * num_kv_heads:
+        msg = f"feature tensor has {S} segments, expected 2 * {num_layers} * {num_kv_heads}"
+        raise ConfigError(msg)
+    kv = feats.reshape(N, num_layers, 2, num_kv_heads, D).permute(1, 2, 3, 0, 4)  # [L, 2, H, N, D]
+    return kv[:, 0], kv[:, 1]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Config
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class RepairConfig:
+    """Architecture of a repairer (target-dependent sizes + capacity).
+
+    Attributes:
+        num_layers: L_M, target decoder layers.
+        num_kv_heads: H_KV, target KV heads.
+        head_dim: d_h, target head dim.
+        embed_dim: target hidden size (width of the frozen token embedding E_M).
+        d_b: backbone width.
+        num_blocks: B, repair blocks.
+        d_seg: per-segment projection width of the StaleEncoder.
+        attn_head_dim: repair attention head width (64 in the paper; d_b must be a multiple).
+        mlp_ratio: MLP expansion (3 in the paper).
+        rope_theta: base of the repairer's own RoPE.
+        norm_eps: LayerNorm epsilon.
+        preset: the preset name it was built from ('' for custom).
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    embed_dim: int
+    d_b: int = 256
+    num_blocks: int = 3
+    d_seg: int = 8
+    attn_head_dim: int = 64
+    mlp_ratio: int = 3
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    preset: str = ""
+
+    def __post_init__(self) -> None:
+        dims = (self.num_layers, self.num_kv_heads, self.head_dim, self.embed_dim, self.d_b, self.d_seg,
+                self.attn_head_dim, self.mlp_ratio)
+        if min(dims) <= 0 or self.num_blocks < 0:
+            msg = f"RepairConfig sizes must be positive, got {self}"
+            raise ConfigError(msg)
+        heads = min(self.attn_head_dim, self.d_b)
+        if self.d_b % heads or heads % 2:
+            msg = f"d_b={self.d_b} must be a multiple of the (even) attention head dim {self.attn_head_dim}"
+            raise ConfigError(msg)
+
+    @property
+    def num_segments(self) -> int:
+        """S = 2 L H_kv."""
+        return 2 * self.num_layers * self.num_kv_heads
+
+    @property
+    def kv_dim(self) -> int:
+        """D_KV = S d_h coordinates per token."""
+        return self.num_segments * self.head_dim
+
+    @property
+    def attn_heads(self) -> int:
+        return self.d_b // min(self.attn_head_dim, self.d_b)
+
+    @classmethod
+    def from_preset(cls, preset: str, *, num_layers: int, num_kv_heads: int, head_dim: int, embed_dim: int,
+                    **overrides: Any) -> RepairConfig:
+        """A config of a named preset for a target of the given shape (``overrides`` replace preset fields)."""
+        if preset not in PRESETS:
+            msg = f"unknown repairer preset {preset!r}; valid presets: {', '.join(PRESETS)}"
+            raise ConfigError(msg)
+        fields = {**PRESETS[preset], **overrides}
+        return cls(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, embed_dim=embed_dim,
+                   preset=preset, **fields)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RepairConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            msg = f"repairer architecture has unknown fields {sorted(unknown)} (written by a newer kvrag?)"
+            raise ConfigError(msg)
+        return cls(**d)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Modules
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class StaleEncoder(nn.Module):
+    """CacheRepair §4.1: one d_h -> d_seg projection per (layer, K/V, head) segment, concatenated, mapped to d_b."""
+
+    def __init__(self, num_segments: int, head_dim: int, d_seg: int, d_b: int) -> None:
+        super().__init__()
+        self.seg_weight = nn.Parameter(torch.randn(num_segments, head_dim, d_seg) / math.sqrt(head_dim))
+        self.seg_bias = nn.Parameter(torch.zeros(num_segments, d_seg))
+        self.out = nn.Linear(num_segments * d_seg, d_b)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [B, N, S, D] normalized stale KV -> s [B, N, d_b]."""
+        seg = torch.einsum("bnsd,sde->bnse", x, self.seg_weight) + self.seg_bias  # [B, N, S, d_seg]
+        seg = F.gelu(seg)  # nonlinearity between the two linear maps (the paper does not name one)
+        return self.out(seg.flatten(2))  # [B, N, S * d_seg] -> [B, N, d_b]
+
+
+def _rope_cos_sin(positions: torch.Tensor, dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [B, 1, N, dim] (rotate-half layout) for positions [B, N]."""
+    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) / dim))
+    freqs = positions.float()[..., None] * inv  # [B, N, dim/2]
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None]
+    return emb.cos(), emb.sin()
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class RepairBlock(nn.Module):
+    """Pre-LN transformer block: block-causal attention with the repairer's own RoPE, then an MLP (ratio 3)."""
+
+    def __init__(self, cfg: RepairConfig) -> None:
+        super().__init__()
+        d = cfg.d_b
+        self.heads = cfg.attn_heads
+        self.head_dim = d // self.heads
+        self.theta = cfg.rope_theta
+        self.ln1 = nn.LayerNorm(d, eps=cfg.norm_eps)
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.proj = nn.Linear(d, d, bias=False)
+        self.ln2 = nn.LayerNorm(d, eps=cfg.norm_eps)
+        self.fc1 = nn.Linear(d, cfg.mlp_ratio * d)
+        self.fc2 = nn.Linear(cfg.mlp_ratio * d, d)
+
+    def forward(self, h: torch.Tensor, mask: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """h [B, N, d_b]; mask [B, 1, N, N] bool (True = may attend); cos/sin [B, 1, N, head_dim]."""
+        B, N, d = h.shape
+        q, k, v = self.qkv(self.ln1(h)).view(B, N, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)  # [B, heads, N, hd]
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        h = h + self.proj(a.transpose(1, 2).reshape(B, N, d))
+        return h + self.fc2(F.gelu(self.fc1(self.ln2(h))))
+
+
+def block_causal_mask(chunk_index: torch.Tensor) -> torch.Tensor:
+    """CacheRepair §4.1 mask: token i may attend to token j iff chunk(j) <= chunk(i).
+
+    Args:
+        chunk_index: [B, N] chunk ordinal of every token; negative marks padding (never attended to; a padding
+            row attends to itself only so that softmax stays finite).
+
+    Returns:
+        [B, 1, N, N] bool.
+    """
+    ci = chunk_index[:, :, None]
+    cj = chunk_index[:, None, :]
+    allowed = (cj <= ci) & (cj >= 0)
+    eye = torch.eye(chunk_index.shape[1], dtype=torch.bool, device=chunk_index.device)[None]
+    return (allowed | eye)[:, None]
+
+
+class RepairModel(nn.Module):
+    """CacheRepair network.
+
+    Buffers ``sigma_stale`` and ``sigma_delta`` [L, 2, H_kv, D] are the fixed per-coordinate RMS scales of the stale
+    KV and of the joint-minus-stale residual (CacheRepair §4.2); they travel with the weights.
+
+    Args:
+        cfg: architecture.
+    """
+
+    def __init__(self, cfg: RepairConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        S, D, d = cfg.num_segments, cfg.head_dim, cfg.d_b
+        stats_shape = (cfg.num_layers, 2, cfg.num_kv_heads, D)
+        self.register_buffer("sigma_stale", torch.ones(stats_shape))
+        self.register_buffer("sigma_delta", torch.ones(stats_shape))
+        self.encoder = StaleEncoder(S, D, cfg.d_seg, d)
+        self.tok_proj = nn.Linear(cfg.embed_dim, d)  # P_tok
+        self.fusion = nn.Linear(2 * d, d)  # F
+        self.reinject = nn.ModuleList(nn.Linear(d, d) for _ in range(cfg.num_blocks))  # P_b
+        self.blocks = nn.ModuleList(RepairBlock(cfg) for _ in range(cfg.num_blocks))
+        self.ln_out = nn.LayerNorm(d, eps=cfg.norm_eps)
+        self.head = nn.Linear(d, S * D)  # KV residual head
+        self.zero_head()
+
+    # ----------------------------------------------------------------- helpers
+    def zero_head(self) -> None:
+        """Zero the residual head so the network returns the stale cache exactly (the initial state)."""
+        nn.init.zeros_(self.head.weight)
+        nn.init.zeros_(self.head.bias)
+
+    def set_stats(self, sigma_stale: torch.Tensor, sigma_delta: torch.Tensor) -> None:
+        """Install the normalization statistics [L, 2, H_kv, D] (any positive float tensors of that shape)."""
+        for name, t in (("sigma_stale", sigma_stale), ("sigma_delta", sigma_delta)):
+            buf = getattr(self, name)
+            if tuple(t.shape) != tuple(buf.shape):
+                msg = f"{name} must have shape {tuple(buf.shape)} [L, 2, H_kv, D], got {tuple(t.shape)}"
+                raise ConfigError(msg)
+            if not bool((t > 0).all()) or not bool(torch.isfinite(t).all()):
+                msg = f"{name} must be finite and positive"
+                raise ConfigError(msg)
+            buf.copy_(t.to(buf.dtype))
+
+    @property
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def _sig(self, name: str) -> torch.Tensor:
+        return getattr(self, name).reshape(self.cfg.num_segments, self.cfg.head_dim)  # [S, D]
+
+    # ----------------------------------------------------------------- forward
+    def forward(
+        self,
+        stale: torch.Tensor,
+        tok_emb: torch.Tensor,
+        chunk_index: torch.Tensor,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Predict the normalized residual.
+
+        Args:
+            stale: [B, N, S, D] (or [N, S, D]) stale canonical KV (raw, not normalized), packed by :func:`pack_kv`.
+            tok_emb: [B, N, E] (or [N, E]) frozen target token embeddings E_M(x_t).
+            chunk_index: [B, N] (or [N]) chunk ordinal per token (non-decreasing within a document; < 0 = padding).
+            positions: [B, N] document positions for the repairer's RoPE (default 0..N-1).
+
+        Returns:
+            z [B, N, S, D] (or [N, S, D]) normalized residual; the repaired KV is ``stale + sigma_delta * z``.
+        """
+        squeeze = stale.dim() == 3
+        if squeeze:
+            stale, tok_emb, chunk_index = stale[None], tok_emb[None], chunk_index[None]
+            positions = positions[None] if positions is not None else None
+        B, N, S, D = stale.shape
+        if S != self.cfg.num_segments or D != self.cfg.head_dim:
+            msg = f"stale KV has {S} segments of dim {D}; this repairer expects {self.cfg.num_segments} x {self.cfg.head_dim}"
+            raise ConfigError(msg)
+        if positions is None:
+            positions = torch.arange(N, device=stale.device).expand(B, N)
+        x = stale.float() / self._sig("sigma_stale")  # CacheRepair §4.1: KV^c_stale / sigma_stale
+        s = self.encoder(x)  # [B, N, d_b]
+        e = tok_emb.float()
+        e = e * torch.rsqrt(e.pow(2).mean(-1, keepdim=True) + 1e-12)  # parameter-free RMS scaling of E_M(x)
+        h = self.fusion(torch.cat([s, self.tok_proj(e)], dim=-1))  # h^0 = F([s; P_tok E_M(x)])
+        mask = block_causal_mask(chunk_index.to(stale.device))
+        head_dim = self.cfg.d_b // self.cfg.attn_heads
+        cos, sin = _rope_cos_sin(positions.to(stale.device), head_dim, self.cfg.rope_theta)
+        for proj, block in zip(self.reinject, self.blocks, strict=True):
+            h = block(h + proj(s), mask, cos, sin)  # h^b = RepairBlock_b(h^{b-1} + P_b(s); A, p)
+        z = self.head(self.ln_out(h)).view(B, N, S, D)
+        return z[0] if squeeze else z
+
+    def residual(self, z: torch.Tensor) -> torch.Tensor:
+        """sigma_delta * z: the predicted residual in KV units."""
+        return z * self._sig("sigma_delta")
+
+    @torch.inference_mode()
+    def repair(
+        self,
+        stale: torch.Tensor,
+        tok_emb: torch.Tensor,
+        chunk_index: torch.Tensor,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Repaired canonical KV ``stale + sigma_delta * z`` [.., N, S, D] in float32 (see :meth:`forward`)."""
+        z = self.forward(stale, tok_emb, chunk_index, positions)
+        return stale.float() + self.residual(z)
+
+    # ----------------------------------------------------------------- persistence
+    def save_pretrained(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        target_fingerprint: str,
+        target_name: str = "",
+        training: dict[str, Any] | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> Path:
+        """Write ``repair_config.json`` + ``repair_model.safetensors`` into ``directory`` (atomic per file).
+
+        Args:
+            target_fingerprint: :func:`kvrag.models.model_fingerprint` of the target LLM the repairer was trained for.
+            target_name: a human-readable name of the target.
+            training: a JSON-serializable training summary (data, steps, final metrics, ...).
+            extra: further JSON-serializable metadata (e.g. chunk-conditioning prefix ids).
+
+        Returns:
+            The directory.
+        """
+        from safetensors.torch import save_file
+
+        from kvrag import __version__
+
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        tensors = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in self.state_dict().items()}
+        tmp_w = _tmp_path(out, WEIGHTS_NAME)
+        save_file(tensors, str(tmp_w), metadata={"format": FORMAT_NAME})
+        digest = _sha256(tmp_w)
+        config = {
+            "format": FORMAT_NAME,
+            "format_version": FORMAT_VERSION,
+            "kvrag_version": __version__,
+            "architecture": self.cfg.to_dict(),
+            "num_parameters": self.num_parameters,
+            "target": {"model_fingerprint": target_fingerprint, "model_name": target_name},
+            "normalization": {
+                "tensors": ["sigma_stale", "sigma_delta"],
+                "layout": "[L, 2 (K, V), H_kv, D], RMS over training document tokens, canonical K / native V",
+            },
+            "weights": {"file": WEIGHTS_NAME, "sha256": digest, "dtype": "float32"},
+            "training": training or {},
+            **(extra or {}),
+        }
+        tmp_c = _tmp_path(out, CONFIG_NAME)
+        tmp_c.write_text(json.dumps(config, indent=2, sort_keys=True))
+        os.replace(tmp_w, out / WEIGHTS_NAME)
+        os.replace(tmp_c, out / CONFIG_NAME)
+        return out
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        directory: str | os.PathLike[str],
+        expected_model_fingerprint: str | None = None,
+        *,
+        map_location: str | torch.device = "cpu",
+    ) -> RepairModel:
+        """Load a repairer written by :meth:`save_pretrained`.
+
+        Args:
+            expected_model_fingerprint: the fingerprint of the target model it will repair; a checkpoint trained for
+                another model raises :class:`CheckpointMismatchError`. None skips the check.
+            map_location: device for the weights.
+
+        Raises:
+            ConfigError: the directory holds no repairer.
+            CheckpointMismatchError: trained for another model.
+            CacheCorruptError: the weights file does not match its recorded checksum.
+        """
+        from safetensors.torch import load_file
+
+        d = Path(directory)
+        meta = read_config(d)
+        target = meta.get("target", {}).get("model_fingerprint", "")
+        if expected_model_fingerprint is not None and target != expected_model_fingerprint:
+            msg = (
+                f"the CacheRepair checkpoint in {d} was trained for model fingerprint {target[:16]}... "
+                f"({meta.get('target', {}).get('model_name') or 'unnamed'}), but the model in use has fingerprint "
+                f"{expected_model_fingerprint[:16]}...; train a repairer for this model with "
+                "`kvrag train-repairer --data CORPUS.jsonl --out DIR` and pass `cacherepair:checkpoint=DIR`"
+            )
+            raise CheckpointMismatchError(msg)
+        wpath = d / meta.get("weights", {}).get("file", WEIGHTS_NAME)
+        if not wpath.is_file():
+            msg = f"{wpath} is missing; the repairer directory {d} is incomplete"
+            raise ConfigError(msg)
+        want = meta.get("weights", {}).get("sha256")
+        if want and _sha256(wpath) != want:
+            msg = f"{wpath} does not match the sha256 recorded in {CONFIG_NAME}; the checkpoint is corrupt"
+            raise CacheCorruptError(msg)
+        cfg = RepairConfig.from_dict(meta["architecture"])
+        model = cls(cfg)
+        state = load_file(str(wpath), device=str(map_location))
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            msg = f"{wpath}: missing tensors {sorted(missing)}, unexpected {sorted(unexpected)}"
+            raise CacheCorruptError(msg)
+        model.to(map_location)
+        model.eval()
+        model.meta = meta  # type: ignore[assignment]
+        return model
+
+
+def read_config(directory: str | os.PathLike[str]) -> dict[str, Any]:
+    """The parsed ``repair_config.json`` of a repairer directory (ConfigError if absent or not a repairer)."""
+    path = Path(directory) / CONFIG_NAME
+    try:
+        meta = json.loads(path.read_text())
+    except FileNotFoundError as e:
+        msg = f"no CacheRepair checkpoint in {directory}: {CONFIG_NAME} not found"
+        raise ConfigError(msg) from e
+    except ValueError as e:
+        msg = f"{path} is not valid JSON: {e}"
+        raise CacheCorruptError(msg) from e
+    if meta.get("format") != FORMAT_NAME or int(meta.get("format_version", 0)) > FORMAT_VERSION:
+        msg = (f"{path} is not a {FORMAT_NAME} v<={FORMAT_VERSION} checkpoint (format {meta.get('format')!r} "
+               f"v{meta.get('format_version')}); upgrade kvrag or retrain")
+        raise ConfigError(msg)
+    return meta
+
+
+def _tmp_path(directory: Path, name: str) -> Path:
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
+    os.close(fd)
+    return Path(tmp)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+__all__ = [
+    "CONFIG_NAME",
+    "PRESETS",
+    "WEIGHTS_NAME",
+    "RepairConfig",
+    "RepairModel",
+    "block_causal_mask",
+    "pack_kv",
+    "read_config",
+    "unpack_kv",
+]

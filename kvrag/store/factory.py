@@ -1,0 +1,159 @@
+"""store_from_url: build a KVStore from a URL (the form configs and the CLI use).
+
+=============================================  ==============================================
+``memory://``  ``memory://?max_bytes=1e9``     :class:`~kvrag.store.memory.MemoryStore`
+``file:///abs/path`` or a plain path           :class:`~kvrag.store.disk.DiskStore`
+``redis://host:port/db``, ``rediss://``        :class:`~kvrag.store.redis.RedisStore`
+``redis+cluster://host:port``                  RedisStore over ``redis.cluster.RedisCluster``
+=============================================  ==============================================
+
+Query parameters ``codec``, ``max_bytes`` (memory), ``ttl_s`` and ``prefix`` (redis) are read from the URL;
+keyword options passed to :func:`store_from_url` win over them. New backends register with
+:func:`register_store_scheme`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
+
+from kvrag.errors import ConfigError
+from kvrag.store.base import KVStore
+
+StoreFactory = Callable[[str, dict[str, Any]], KVStore]
+_REGISTRY: dict[str, StoreFactory] = {}
+_INT_OPTS = ("max_bytes",)
+_FLOAT_OPTS = ("ttl_s",)
+# kvrag's own query parameters; everything else in a redis URL is passed on to redis-py.
+_KVRAG_OPTS = ("codec", "max_bytes", "ttl_s", "prefix")
+
+
+def redact_url(url: str) -> str:
+    """The URL with any password replaced by '***' (safe for logs and error messages)."""
+    try:
+        parts = urlsplit(url)
+        if parts.password is None:
+            return url
+        host = parts.hostname or ""
+        host = f"[{host}]" if ":" in host else host
+        port = f":{parts.port}" if parts.port is not None else ""
+        return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}{port}"))
+    except ValueError:
+        return "<unparseable url>"
+
+
+def register_store_scheme(scheme: str, factory: StoreFactory) -> None:
+    """Register ``factory(url, opts) -> KVStore`` for URLs starting with ``scheme://``."""
+    _REGISTRY[scheme.lower()] = factory
+
+
+def valid_schemes() -> list[str]:
+    """Every URL scheme :func:`store_from_url` accepts."""
+    return sorted(_REGISTRY)
+
+
+def _parse_number(name: str, value: Any) -> Any:
+    if not isinstance(value, str):
+        return value
+    try:
+        if name in _INT_OPTS:
+            try:
+                return int(value)
+            except ValueError:
+                f = float(value)  # allow 1e9
+                if not f.is_integer():
+                    raise
+                return int(f)
+        if name in _FLOAT_OPTS:
+            return float(value)
+    except ValueError as e:
+        msg = f"store option {name}={value!r} is not a number"
+        raise ConfigError(msg) from e
+    return value
+
+
+def _split_opts(url: str, opts: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """Move kvrag's query parameters from ``url`` into the options (explicit ``opts`` take precedence)."""
+    parts = urlsplit(url)
+    kept, merged = [], {}
+    for k, v in parse_qsl(parts.query, keep_blank_values=True):
+        if k in _KVRAG_OPTS:
+            merged[k] = v
+        else:
+            kept.append((k, v))
+    merged.update(opts)
+    merged = {k: _parse_number(k, v) for k, v in merged.items()}
+    return urlunsplit(parts._replace(query=urlencode(kept))), merged
+
+
+def _memory(url: str, opts: dict[str, Any]) -> KVStore:
+    from kvrag.store.memory import MemoryStore
+
+    rest, opts = _split_opts(url, opts)
+    if urlsplit(rest).netloc or urlsplit(rest).path not in ("", "/"):
+        msg = f"memory store URL {url!r} takes no host or path; expected memory:// or memory://?max_bytes=N"
+        raise ConfigError(msg)
+    return MemoryStore(**opts)
+
+
+def _file(url: str, opts: dict[str, Any]) -> KVStore:
+    from kvrag.store.disk import DiskStore
+
+    rest, opts = _split_opts(url, opts)
+    parts = urlsplit(rest)
+    if parts.netloc not in ("", "localhost"):
+        msg = f"file store URL {url!r} names host {parts.netloc!r}; expected file:///absolute/path (three slashes)"
+        raise ConfigError(msg)
+    path = unquote(parts.path)
+    if not path.startswith("/"):
+        msg = f"file store URL {url!r} needs an absolute path; expected file:///absolute/path"
+        raise ConfigError(msg)
+    return DiskStore(path, **opts)
+
+
+def _redis(url: str, opts: dict[str, Any]) -> KVStore:
+    from kvrag.store.redis import RedisStore  # imported here so `import kvrag` never imports redis
+
+    rest, opts = _split_opts(url, opts)
+    return RedisStore(rest, **opts)
+
+
+for _scheme in ("redis", "rediss", "redis+cluster", "rediss+cluster", "unix"):
+    register_store_scheme(_scheme, _redis)
+register_store_scheme("memory", _memory)
+register_store_scheme("file", _file)
+
+
+def store_from_url(url: str, **opts: Any) -> KVStore:
+    """Build a store from a URL.
+
+    Args:
+        url: ``memory://[?max_bytes=N]``, ``file:///abs/path``, a plain filesystem path, ``redis://host:port/db``,
+            ``rediss://...``, ``redis+cluster://host:port`` (see the module docstring).
+        **opts: backend keyword arguments (``codec``, ``expected_spec``, ``max_bytes``, ``ttl_s``, ``prefix`` ...).
+
+    Raises:
+        ConfigError: unknown scheme (the message lists the valid ones) or a malformed URL/option.
+        StoreError: the backend cannot be opened (unwritable directory, unreachable server).
+    """
+    if not isinstance(url, str) or not url:
+        msg = f"store URL must be a non-empty string, got {url!r}; expected e.g. memory://, file:///path, redis://..."
+        raise ConfigError(msg)
+    m = re.match(r"^([A-Za-z][A-Za-z0-9+.\-]*)://", url)
+    if m is None:
+        # A plain path (relative or absolute) is a directory for a DiskStore.
+        from kvrag.store.disk import DiskStore
+
+        return DiskStore(url, **opts)
+    scheme = m.group(1).lower()
+    factory = _REGISTRY.get(scheme)
+    if factory is None:
+        msg = f"unknown store URL scheme {scheme!r} in {redact_url(url)!r}; valid schemes: {valid_schemes()} (or a plain path)"
+        raise ConfigError(msg)
+    try:
+        return factory(url, dict(opts))
+    except TypeError as e:
+        msg = f"bad options for a {scheme}:// store: {e}"
+        raise ConfigError(msg) from e

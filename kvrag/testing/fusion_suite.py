@@ -1,0 +1,204 @@
+"""``FusionMethodTests``: the standard pytest suite every fusion method passes (DESIGN.md §4).
+
+Subclass it in a test module and set the method under test::
+
+    class TestRelaxKV(FusionMethodTests):
+        method_spec = "relaxkv:r=0.3"
+        recompute_all_spec = "relaxkv:r=1.0"   # None when the method has no recompute-everything setting
+
+Every test runs on a tiny random model of each family in :data:`kvrag.testing.tiny.FAMILIES` with a context of a
+leading exact 'prefix' span, three stored chunks and one 'text' span, then a question suffix. Checked: registry
+round trip, output shapes / dtype / device, determinism, no mutation of the input KV nor of the stored chunk
+tensors, JSON-serializable stats, and (with ``recompute_all_spec``) equality with ``full``: KV allclose and the
+same greedy tokens over a few decode steps. Requires pytest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from typing import Any, ClassVar
+
+import pytest
+import torch
+
+from kvrag.engine.assemble import assemble, compute_chunk_kv
+from kvrag.fusion import FusionInput, FusionOutput, get_method
+from kvrag.kv import hf_cache
+from kvrag.kv.chunk import ChunkKV
+from kvrag.kv.rope import Rope
+from kvrag.kv.spec import KVSpec
+from kvrag.testing.tiny import FAMILIES, tiny_model
+
+#: lengths of the context pieces: (kind, length)
+LAYOUT: tuple[tuple[str, int], ...] = (("prefix", 6), ("chunk", 9), ("text", 4), ("chunk", 13), ("chunk", 11))
+SUFFIX_LEN = 7
+
+
+@dataclasses.dataclass
+class FusionCase:
+    """A tiny model and a multi-chunk context to fuse.
+
+    Attributes:
+        family: model family.
+        model, rope, spec: the tiny model, its RoPE and KV spec.
+        pieces: (kind, ChunkKV, key) as :func:`kvrag.engine.assemble.assemble` takes them.
+        suffix_ids: [S] question suffix.
+        full_keys, full_values: [L, H_kv, Tc, D] the exact context KV (full prefill of context + suffix).
+        full_tokens: greedy tokens decoded after a full prefill.
+    """
+
+    family: str
+    model: Any
+    rope: Rope
+    spec: KVSpec
+    pieces: list[tuple[str, ChunkKV, str | None]]
+    suffix_ids: torch.Tensor
+    full_keys: torch.Tensor
+    full_values: torch.Tensor
+    full_tokens: list[int]
+
+    def fusion_input(self) -> FusionInput:
+        """A freshly assembled stale input (new tensors each call)."""
+        return assemble(self.model, self.rope, self.spec, self.pieces, self.suffix_ids)
+
+
+def greedy_tokens(inp: FusionInput, out: FusionOutput, steps: int) -> list[int]:
+    """Greedy tokens decoded from a fusion output: prefill the suffix over ``out.cache`` unless the method already
+    did (``out.last_logits``), then ``steps`` argmax steps. Extends ``out.cache`` in place."""
+    model, tc = inp.model, inp.context_len
+    cache = out.cache
+    if out.last_logits is None:
+        logits, cache = hf_cache.forward(model, inp.suffix_ids, cache, start=tc)
+        last = logits[-1]
+    else:
+        last = out.last_logits
+    pos = tc + int(inp.suffix_ids.shape[0])
+    toks: list[int] = []
+    for _ in range(steps):
+        tok = int(torch.argmax(last))
+        toks.append(tok)
+        logits, cache = hf_cache.forward(model, torch.tensor([tok]), cache, start=pos)
+        last, pos = logits[-1], pos + 1
+    return toks
+
+
+def context_kv(out: FusionOutput, tc: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The context part [L, H_kv, Tc, D] of a fusion output's cache (``full`` also caches the suffix)."""
+    k, v = hf_cache.cache_to_tensors(out.cache)
+    return k[:, :, :tc], v[:, :, :tc]
+
+
+@functools.lru_cache(maxsize=16)
+def fusion_case(family: str, num_layers: int = 2, seed: int = 0, decode_steps: int = 4) -> FusionCase:
+    """Build (once per process) the standard case for ``family``."""
+    lm = tiny_model(family, num_layers=num_layers, seed=seed)
+    model, spec = lm.model, lm.kv_spec()
+    rope = Rope.from_model(model)
+    g = torch.Generator().manual_seed(1234 + seed)
+    pieces: list[tuple[str, ChunkKV, str | None]] = []
+    for i, (kind, n) in enumerate(LAYOUT):
+        ids = torch.randint(5, spec_vocab(model), (n,), generator=g).tolist()
+        pieces.append((kind, compute_chunk_kv(model, rope, spec, ids), f"{kind}{i}" if kind == "chunk" else None))
+    suffix = torch.randint(5, spec_vocab(model), (SUFFIX_LEN,), generator=g)
+    inp = assemble(model, rope, spec, pieces, suffix)
+    full = get_method("full").fuse(inp)
+    fk, fv = context_kv(full, inp.context_len)
+    tokens = greedy_tokens(inp, full, decode_steps)
+    return FusionCase(family, model, rope, spec, pieces, suffix, fk.clone(), fv.clone(), tokens)
+
+
+def spec_vocab(model: Any) -> int:
+    return int(model.config.vocab_size)
+
+
+@dataclasses.dataclass
+class FusionRun:
+    """One fuse of the method under test, with snapshots taken before it (shared by the suite's checks)."""
+
+    inp: FusionInput
+    out: FusionOutput
+    tokens: list[int]
+    inputs_before: list[torch.Tensor]
+    stored_before: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+class FusionMethodTests:
+    """Base class of the standard fusion-method suite. Subclasses set ``method_spec`` (and usually
+    ``recompute_all_spec``); ``num_layers``, ``decode_steps`` and ``atol`` may be overridden, and ``case`` too
+    (e.g. to restrict the families)."""
+
+    method_spec: ClassVar[str] = ""
+    recompute_all_spec: ClassVar[str | None] = None
+    num_layers: ClassVar[int] = 2
+    decode_steps: ClassVar[int] = 4
+    atol: ClassVar[float] = 1e-4
+
+    @pytest.fixture(params=FAMILIES, scope="class")
+    def case(self, request: Any) -> FusionCase:
+        return fusion_case(request.param, self.num_layers, 0, self.decode_steps)
+
+    @pytest.fixture(scope="class")
+    def run(self, case: FusionCase) -> FusionRun:
+        inp = case.fusion_input()
+        before = [t.clone() for t in (inp.keys, inp.values, inp.token_ids, inp.suffix_ids)]
+        stored = [(c.keys.clone(), c.values.clone(), c.token_ids.clone()) for _, c, _ in case.pieces]
+        out = get_method(self.method_spec).fuse(inp)
+        k, v = hf_cache.cache_to_tensors(out.cache)
+        fused_kv = (k.clone(), v.clone())  # decoding below extends out.cache; keep the fused state
+        tokens = greedy_tokens(inp, out, 2)  # decoding must not write through to the input either
+        out.cache = hf_cache.make_cache(*fused_kv, case.model.config)
+        return FusionRun(inp, out, tokens, before, stored)
+
+    def test_registered_and_repr_round_trips(self) -> None:
+        m = get_method(self.method_spec)
+        again = get_method(repr(m))
+        assert type(again) is type(m)
+        assert again.config == m.config
+
+    def test_output_shapes_dtype_device(self, case: FusionCase, run: FusionRun) -> None:
+        inp, out = run.inp, run.out
+        assert isinstance(out, FusionOutput)
+        k, v = hf_cache.cache_to_tensors(out.cache)
+        n_layers, h_kv, tc, d = inp.keys.shape
+        extra = 0 if out.last_logits is None else int(inp.suffix_ids.shape[0])
+        assert tuple(k.shape) == (n_layers, h_kv, tc + extra, d)
+        assert tuple(v.shape) == tuple(k.shape)
+        assert k.dtype == inp.keys.dtype and v.dtype == inp.values.dtype
+        assert k.device == inp.keys.device and v.device == inp.values.device
+        if out.last_logits is not None:
+            assert tuple(out.last_logits.shape) == (int(case.model.config.vocab_size),)
+
+    def test_deterministic(self, case: FusionCase, run: FusionRun) -> None:
+        inp = case.fusion_input()
+        again = get_method(self.method_spec).fuse(inp)
+        for x, y in zip(hf_cache.cache_to_tensors(run.out.cache), hf_cache.cache_to_tensors(again.cache), strict=True):
+            assert torch.equal(x, y)
+        assert set(run.out.stats) == set(again.stats)
+        assert greedy_tokens(inp, again, 2) == run.tokens
+
+    def test_does_not_mutate_inputs(self, case: FusionCase, run: FusionRun) -> None:
+        inp = run.inp
+        for old, new in zip(run.inputs_before, (inp.keys, inp.values, inp.token_ids, inp.suffix_ids), strict=True):
+            assert torch.equal(old, new)
+        for (k, v, ids), (_, c, _) in zip(run.stored_before, case.pieces, strict=True):
+            assert torch.equal(k, c.keys) and torch.equal(v, c.values) and torch.equal(ids, c.token_ids)
+
+    def test_stats(self, run: FusionRun) -> None:
+        json.dumps(run.out.stats)
+        frac = run.out.stats["recomputed_fraction"]
+        assert 0.0 <= frac <= 1.0
+
+    def test_recompute_all_equals_full(self, case: FusionCase) -> None:
+        if self.recompute_all_spec is None:
+            pytest.skip(f"{self.method_spec} has no recompute-everything setting")
+        inp = case.fusion_input()
+        out = get_method(self.recompute_all_spec).fuse(inp)
+        k, v = context_kv(out, inp.context_len)
+        torch.testing.assert_close(k, case.full_keys, atol=self.atol, rtol=0)
+        torch.testing.assert_close(v, case.full_values, atol=self.atol, rtol=0)
+        assert greedy_tokens(inp, out, self.decode_steps) == case.full_tokens
+
+
+__all__ = ["LAYOUT", "FusionCase", "FusionMethodTests", "FusionRun", "context_kv", "fusion_case", "greedy_tokens"]

@@ -1,0 +1,74 @@
+"""The core on the real default model: full == model.generate, and an ingest -> ask round trip via the CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvrag import cli
+from kvrag.config import GenerationConfig
+from kvrag.engine.engine import KVRAGEngine
+from kvrag.index import make_chunks, read_documents
+from kvrag.kv import hf_cache
+from kvrag.prompting import RagTemplate
+from kvrag.store.memory import MemoryStore
+
+pytestmark = pytest.mark.integration
+DOCS = Path(__file__).parent.parent / "data" / "docs"
+
+
+@pytest.fixture(scope="module")
+def engine(default_model) -> KVRAGEngine:
+    return KVRAGEngine(default_model, MemoryStore())
+
+
+@pytest.fixture(scope="module")
+def chunks(engine) -> list[str]:
+    return [c.text for c in make_chunks(read_documents(DOCS), lambda t: len(engine.tokenize(t)), 128)]
+
+
+def test_full_equals_model_generate_on_default_model(engine, chunks) -> None:
+    prefix, ps, suffix = RagTemplate().parts(engine.tokenizer, chunks, "How tall is the Harrow Point Lighthouse?")
+    plan = engine.plan_parts(prefix, ps, suffix)
+    ids = [t for s in (*plan.context, plan.suffix) for t in s.token_ids]
+    n = 16
+    ref = engine.model.generate(
+        torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), do_sample=False,
+        max_new_tokens=n, pad_token_id=engine.tokenizer.pad_token_id,
+    )[0, len(ids):].tolist()
+    eos = set(engine._eos_ids())
+    ref = [t for t in ref if t not in eos][: n]
+    got = engine.answer_plan(plan, "full", GenerationConfig(max_new_tokens=n)).token_ids
+    assert got == ref[: len(got)] and len(got) >= min(len(ref), 1)
+
+
+def test_stale_first_chunk_exact_and_later_chunks_stale(engine, chunks) -> None:
+    prefix, ps, suffix = RagTemplate().parts(engine.tokenizer, chunks, "Who?")
+    plan = engine.plan_parts(prefix, ps, suffix)
+    kf, vf = hf_cache.cache_to_tensors(engine.prepare(plan, "full").cache)
+    ks, vs = hf_cache.cache_to_tensors(engine.prepare(plan, "stale").cache)
+    n_pre = len(plan.context[0].token_ids)
+    torch.testing.assert_close(ks[:, :, :n_pre], kf[:, :, :n_pre], atol=1e-4, rtol=1e-4)  # the exact preamble
+    tc = plan.context_len
+    rel_k = ((ks[:, :, n_pre:tc] - kf[:, :, n_pre:tc]).norm() / kf[:, :, n_pre:tc].norm()).item()
+    rel_v = ((vs[:, :, n_pre:tc] - vf[:, :, n_pre:tc]).norm() / vf[:, :, n_pre:tc].norm()).item()
+    assert 0 < rel_k < 1 and 0 < rel_v < 1.5
+
+
+def test_cli_ingest_and_ask(tmp_path, capsys) -> None:
+    persist = tmp_path / "idx"
+    assert cli.main(["ingest", str(DOCS), "--persist", str(persist), "--chunk-tokens", "128"]) == 0
+    answers = {}
+    for method in ("stale", "full"):
+        q = "What is the best-known apple variety of the Kessler Orchard Cooperative?"
+        assert cli.main(["ask", q, "--persist", str(persist), "--method", method, "--top-k", "3",
+                         "--max-new-tokens", "24", "--json"]) == 0
+        out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert {"answer", "method", "ttft_s", "hit_rate", "chunks", "timings"} <= set(out)
+        assert out["hit_rate"] == 1.0 and any(c.startswith("orchard.md") for c in out["chunks"])
+        answers[method] = out["answer"]
+    assert all("Amsel Gold" in a for a in answers.values()), answers
+    assert cli.main(["store", "verify", "--persist", str(persist)]) == 0

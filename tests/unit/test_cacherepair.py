@@ -1,0 +1,356 @@
+"""CacheRepair: network invariants, paired data, training loop, checkpoints and the ``cacherepair`` method."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvrag.engine.assemble import assemble, compute_chunk_kv
+from kvrag.errors import CheckpointMismatchError, ConfigError
+from kvrag.fusion import get_method
+from kvrag.kv import hf_cache
+from kvrag.kv.rope import Rope
+from kvrag.repair.data import (
+    ChunkRenderer,
+    CorpusIndex,
+    PairBuilder,
+    PairDataset,
+    build_document,
+    make_pair,
+    region_masks,
+    template_prefix_ids,
+)
+from kvrag.repair.model import RepairConfig, RepairModel, block_causal_mask, pack_kv, unpack_kv
+from kvrag.repair.train import TrainConfig, Trainer, kv_spec_of, lr_factor
+from kvrag.testing.tiny import tiny_model
+
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau".split()
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return tiny_model("llama")
+
+
+def _cfg(**kw) -> RepairConfig:
+    base = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 16, "embed_dim": 64, "d_b": 64, "num_blocks": 2,
+            "d_seg": 4, "attn_head_dim": 32}
+    return RepairConfig(**{**base, **kw})
+
+
+def _randomized(cfg: RepairConfig, seed: int = 0) -> RepairModel:
+    torch.manual_seed(seed)
+    m = RepairModel(cfg)
+    torch.nn.init.normal_(m.head.weight, std=0.05)  # a non-trivial output (the real init is zero)
+    m.set_stats(torch.rand(cfg.num_layers, 2, cfg.num_kv_heads, cfg.head_dim) + 0.5,
+                torch.rand(cfg.num_layers, 2, cfg.num_kv_heads, cfg.head_dim) + 0.1)
+    return m.eval()
+
+
+def _corpus(path: Path, groups: int, seed: int = 0, chunks: tuple[int, int] = (2, 4)) -> Path:
+    r = random.Random(seed)
+    with path.open("w") as f:
+        for g in range(groups):
+            n = r.randint(*chunks)
+            f.write(json.dumps({
+                "id": f"group-{g}",
+                "titles": [f"Title {g}.{i}" for i in range(n)],
+                "passages": [" ".join(r.choice(WORDS) for _ in range(r.randint(4, 10))) for _ in range(n)],
+            }) + "\n")
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# network
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_pack_unpack_roundtrip() -> None:
+    k, v = torch.randn(3, 2, 5, 8), torch.randn(3, 2, 5, 8)
+    feats = pack_kv(k, v)
+    assert feats.shape == (5, 12, 8)
+    k2, v2 = unpack_kv(feats, 3, 2)
+    assert torch.equal(k, k2) and torch.equal(v, v2)
+    assert torch.equal(feats[:, (1 * 2 + 0) * 2 + 1], k[1, 1])  # segment (l=1, K, h=1)
+    assert torch.equal(feats[:, (2 * 2 + 1) * 2 + 0], v[2, 0])  # segment (l=2, V, h=0)
+
+
+def test_block_causal_mask_semantics() -> None:
+    ci = torch.tensor([[0, 0, 1, 1, 1, 2, -1]])
+    m = block_causal_mask(ci)[0, 0]
+    assert m[0, 1] and m[1, 0]  # bidirectional inside a chunk
+    assert m[3, 0] and not m[0, 3]  # later chunks see earlier ones, never the reverse
+    assert not m[5, 6] and m[6, 6] and not m[6, 0]  # padding is invisible and sees itself only
+
+
+def test_later_chunk_never_changes_earlier_outputs() -> None:
+    cfg = _cfg()
+    m = _randomized(cfg)
+    g = torch.Generator().manual_seed(1)
+    n = 15
+    ci = torch.tensor([0] * 5 + [1] * 6 + [2] * 4)
+    stale = torch.randn(n, cfg.num_segments, cfg.head_dim, generator=g)
+    emb = torch.randn(n, cfg.embed_dim, generator=g)
+    z = m(stale, emb, ci)
+    stale2, emb2 = stale.clone(), emb.clone()
+    stale2[11:] += torch.randn(4, cfg.num_segments, cfg.head_dim, generator=g)
+    emb2[11:] = torch.randn(4, cfg.embed_dim, generator=g)
+    z2 = m(stale2, emb2, ci)
+    assert torch.equal(z[:11], z2[:11])  # chunks 0 and 1 unaffected, bit for bit
+    assert not torch.allclose(z[11:], z2[11:])
+    stale3 = stale.clone()
+    stale3[5] += 1.0  # first token of chunk 1
+    z3 = m(stale3, emb, ci)
+    assert torch.equal(z[:5], z3[:5])
+    assert not torch.allclose(z[6:11], z3[6:11])  # bidirectional within chunk 1
+    assert not torch.allclose(z[11:], z3[11:])  # and forward to chunk 2
+
+
+def test_batched_padding_matches_unbatched() -> None:
+    cfg = _cfg()
+    m = _randomized(cfg)
+    g = torch.Generator().manual_seed(2)
+    s1, e1 = torch.randn(7, cfg.num_segments, 16, generator=g), torch.randn(7, 64, generator=g)
+    s2, e2 = torch.randn(4, cfg.num_segments, 16, generator=g), torch.randn(4, 64, generator=g)
+    c1, c2 = torch.tensor([0, 0, 0, 1, 1, 2, 2]), torch.tensor([0, 0, 1, 1])
+    pad = 3
+    stale = torch.stack([s1, torch.cat([s2, torch.zeros(pad, cfg.num_segments, 16)])])
+    emb = torch.stack([e1, torch.cat([e2, torch.zeros(pad, 64)])])
+    ci = torch.stack([c1, torch.cat([c2, torch.full((pad,), -1)])])
+    z = m(stale, emb, ci)
+    torch.testing.assert_close(z[0], m(s1, e1, c1), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(z[1, :4], m(s2, e2, c2), atol=1e-5, rtol=1e-5)
+
+
+def test_zero_head_returns_stale_exactly() -> None:
+    cfg = _cfg()
+    torch.manual_seed(0)
+    m = RepairModel(cfg)
+    m.set_stats(torch.rand(2, 2, 2, 16) + 0.5, torch.rand(2, 2, 2, 16) + 0.1)
+    stale = torch.randn(9, cfg.num_segments, 16) * 3
+    out = m.repair(stale, torch.randn(9, 64), torch.tensor([0] * 4 + [1] * 5))
+    assert torch.equal(out, stale)
+
+
+def test_preset_parameter_count_matches_paper_table_12() -> None:
+    # Qwen2.5-3B (36 layers, 2 KV heads, head dim 128, hidden 2048) with Table 4 "Small": 9.46M in Table 12.
+    cfg = RepairConfig.from_preset("base", num_layers=36, num_kv_heads=2, head_dim=128, embed_dim=2048)
+    assert abs(RepairModel(cfg).num_parameters / 1e6 - 9.46) < 0.02
+
+
+def test_save_load_roundtrip_bit_exact(tmp_path: Path) -> None:
+    cfg = _cfg()
+    m = _randomized(cfg)
+    m.save_pretrained(tmp_path, target_fingerprint="fp-a", target_name="tiny", training={"steps": 3})
+    meta = json.loads((tmp_path / "repair_config.json").read_text())
+    assert meta["target"]["model_fingerprint"] == "fp-a"
+    assert meta["kvrag_version"] and meta["architecture"]["d_b"] == 64 and meta["training"] == {"steps": 3}
+    m2 = RepairModel.from_pretrained(tmp_path, "fp-a")
+    sd, sd2 = m.state_dict(), m2.state_dict()
+    assert sd.keys() == sd2.keys() and all(torch.equal(sd[k], sd2[k]) for k in sd)
+    stale, emb, ci = torch.randn(6, cfg.num_segments, 16), torch.randn(6, 64), torch.tensor([0, 0, 0, 1, 1, 1])
+    assert torch.equal(m.repair(stale, emb, ci), m2.repair(stale, emb, ci))
+
+
+def test_checkpoint_for_other_model_raises(tmp_path: Path) -> None:
+    _randomized(_cfg()).save_pretrained(tmp_path, target_fingerprint="fp-a")
+    with pytest.raises(CheckpointMismatchError, match="train-repairer"):
+        RepairModel.from_pretrained(tmp_path, expected_model_fingerprint="fp-b")
+    with pytest.raises(ConfigError):
+        RepairModel.from_pretrained(tmp_path / "nowhere")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# data
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_build_document_budget() -> None:
+    tok = lambda s: s.split()  # noqa: E731  (one "token" per word)
+    r = ChunkRenderer("{title} {passage}")
+    chunks = build_document(["a", "b", "c"], ["x " * 10, "y " * 10, "z " * 10], tok, renderer=r, max_tokens=25)
+    assert [len(c) for c in chunks] == [11, 11]  # the third does not fit
+    chunks = build_document(["a", "b"], ["x " * 40, "y " * 5], tok, renderer=r, max_tokens=30, min_chunk_tokens=8)
+    assert [len(c) for c in chunks] == [22, 6]  # the first is cut so a second chunk fits; the second is cut too
+    assert build_document(["a"], ["x"], tok, renderer=r) is None
+    assert len(build_document(["t"] * 30, ["w"] * 30, tok, renderer=r, max_chunks=20)) == 20
+
+
+def test_make_pair_matches_engine_stale_and_joint_prefill(lm) -> None:
+    model, rope = lm.model, Rope.from_model(lm.model)
+    spec = kv_spec_of(model, lm.fingerprint)
+    prefix = template_prefix_ids(lm.tokenizer)
+    assert prefix  # the tiny tokenizer has a chat template
+    chunks = [list(range(10, 17)), list(range(40, 52)), list(range(80, 85))]
+    ex = make_pair(model, rope, spec, chunks, prefix)
+    assert ex.num_tokens == 24 and ex.num_chunks == 3
+    # stale == the engine's chunk cache conditioned on the prefix
+    c1 = compute_chunk_kv(model, rope, spec, chunks[1], prefix)
+    k, v = unpack_kv(ex.stale, spec.num_layers, spec.num_kv_heads)
+    assert torch.equal(k[:, :, 7:19], c1.keys) and torch.equal(v[:, :, 7:19], c1.values)
+    # joint == one prefill of prefix + all chunks, canonical
+    jk, jv = hf_cache.prefill_kv(model, torch.tensor([*prefix, *sum(chunks, [])]))
+    p = len(prefix)
+    jkc = rope.canonicalize(jk[:, :, p:], torch.arange(p, p + 24))
+    k2, v2 = unpack_kv(ex.joint, spec.num_layers, spec.num_kv_heads)
+    torch.testing.assert_close(k2, jkc, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(v2, jv[:, :, p:], atol=1e-5, rtol=1e-5)
+    regions = region_masks(ex.chunk_index)
+    assert regions["first"].sum() == 7 and regions["boundary"].sum() == 8 + 5 and regions["interior"].sum() == 4
+    assert ex.delta[regions["first"]].abs().max() < 1e-4  # the first chunk already has its full context
+    assert ex.delta[~regions["first"]].abs().mean() > 1e-2
+
+
+def test_prefix_matches_engine(lm) -> None:
+    from kvrag.engine.engine import KVRAGEngine
+    from kvrag.store.memory import MemoryStore
+
+    eng = KVRAGEngine(lm, MemoryStore())
+    assert template_prefix_ids(lm.tokenizer, "template") == eng.chunk_prefix_ids
+
+
+def test_pair_cache_roundtrip_and_manifest(lm, tmp_path: Path) -> None:
+    corpus = _corpus(tmp_path / "c.jsonl", 6)
+    rope = Rope.from_model(lm.model)
+    spec = kv_spec_of(lm.model, lm.fingerprint)
+    tok = lambda s: list(lm.tokenizer(s, add_special_tokens=False)["input_ids"])  # noqa: E731
+    builder = PairBuilder(lm.model, rope, spec, tok, prefix_ids=(3, 4), max_tokens=64)
+    index = CorpusIndex(corpus, "all")
+    assert len(index) == 6
+    ds = PairDataset(index, builder, tmp_path / "pairs", cache_dtype="float32")
+    a = ds[2]
+    assert ds.is_cached(2)
+    b = ds[2]
+    assert torch.equal(a.stale, b.stale) and torch.equal(a.delta, b.delta) and a.group_id == b.group_id
+    other = PairBuilder(lm.model, rope, spec, tok, prefix_ids=(3,), max_tokens=64)
+    with pytest.raises(ConfigError, match="different settings"):
+        PairDataset(index, other, tmp_path / "pairs", cache_dtype="float32")
+
+
+def test_lr_schedule() -> None:
+    f = [lr_factor(s, 100, 10, 0.1) for s in range(100)]
+    assert f[0] == pytest.approx(0.1) and f[9] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(f[9:], f[10:], strict=False))
+    assert f[-1] == pytest.approx(0.1, abs=1e-3)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# training
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _train_cfg(tmp_path: Path, corpus: Path, **kw) -> TrainConfig:
+    base = {"data": str(corpus), "out": str(tmp_path / "out"), "preset": "tiny", "steps": 6, "batch_docs": 2,
+            "max_tokens": 96, "eval_docs": 0, "stats_docs": 4, "progress": False, "log_every": 1,
+            "eval_every": 1000, "save_every": 1000, "lr": 3e-3, "pairs": str(tmp_path / "pairs")}
+    return TrainConfig(**{**base, **kw})
+
+
+def test_training_overfits_a_handful_of_documents(lm, tmp_path: Path) -> None:
+    torch.set_num_threads(1)
+    corpus = _corpus(tmp_path / "c.jsonl", 3, chunks=(2, 3))
+    cfg = _train_cfg(tmp_path, corpus, steps=120, batch_docs=3, max_train_docs=3, eval_modulus=10**9, d_b=128,
+                     lr=3e-3, min_lr=1e-3, warmup=5, weight_decay=0.0, cache_pairs=False)
+    tr = Trainer(cfg, lm)
+    assert len(tr.train_set) == 3
+    losses = [tr.train_step()["loss"] for _ in range(cfg.steps)]
+    assert losses[-1] < losses[0] / 10, (losses[0], losses[-1])
+
+
+def test_resume_continues_the_same_schedule(lm, tmp_path: Path) -> None:
+    corpus = _corpus(tmp_path / "c.jsonl", 12)
+    # A: uninterrupted
+    cfg_a = _train_cfg(tmp_path, corpus, out=str(tmp_path / "a"))
+    tr_a = Trainer(cfg_a, lm)
+    tr_a.train()
+    curve_a = [json.loads(x) for x in (tmp_path / "a" / "curve.jsonl").read_text().splitlines()]
+    # B: three updates, checkpoint, a new process resumes
+    cfg_b = _train_cfg(tmp_path, corpus, out=str(tmp_path / "b"))
+    tr_b = Trainer(cfg_b, lm)
+    lrs_b = [tr_b.train_step()["lr"] for _ in range(3)]
+    tr_b.save_state()
+    tr_c = Trainer(cfg_b, lm, resume=True)
+    assert tr_c.step == 3 and tr_c.samples == 6
+    assert tr_c.optimizer.param_groups[0]["lr"] == tr_b.optimizer.param_groups[0]["lr"]
+    lrs_c = [tr_c.train_step()["lr"] for _ in range(3)]
+    lrs_a = [r["lr"] for r in curve_a if r["kind"] == "train"]
+    assert lrs_a == lrs_b + lrs_c
+    sa, sc = tr_a.model.state_dict(), tr_c.model.state_dict()
+    assert all(torch.equal(sa[k], sc[k]) for k in sa)  # bit-exact continuation
+    # changing a pinned setting is refused
+    with pytest.raises(ConfigError, match="cannot resume"):
+        Trainer(_train_cfg(tmp_path, corpus, out=str(tmp_path / "b"), steps=7), lm, resume=True)
+    # the exported repairer loads for this model and is refused for another
+    RepairModel.from_pretrained(tmp_path / "a", lm.fingerprint)
+    with pytest.raises(CheckpointMismatchError):
+        RepairModel.from_pretrained(tmp_path / "a", "0" * 64)
+
+
+def test_eval_reports_regions(lm, tmp_path: Path) -> None:
+    corpus = _corpus(tmp_path / "c.jsonl", 30)
+    tr = Trainer(_train_cfg(tmp_path, corpus, eval_docs=2, eval_modulus=3, steps=0), lm)
+    r = tr.evaluate()
+    assert r["eval_docs"] == 2
+    assert r["nmse"] == pytest.approx(r["nmse_stale"])  # untrained: repair == stale
+    assert r["rel_rmse.boundary.K.stale"] > 0 and r["rel_rmse.first.V.stale"] < 1e-3
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# fusion method
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _fusion_input(lm):
+    model, rope = lm.model, Rope.from_model(lm.model)
+    spec = kv_spec_of(model, lm.fingerprint)
+    prefix = template_prefix_ids(lm.tokenizer)
+    pieces = [("prefix", compute_chunk_kv(model, rope, spec, prefix), None)]
+    for i, ids in enumerate((range(10, 19), range(30, 42), range(60, 66))):
+        pieces.append(("chunk", compute_chunk_kv(model, rope, spec, list(ids), prefix), f"c{i}"))
+    return assemble(model, rope, spec, pieces, [5, 6, 7]), len(prefix)
+
+
+def _checkpoint(lm, path: Path, *, zero: bool) -> Path:
+    spec = kv_spec_of(lm.model, lm.fingerprint)
+    cfg = RepairConfig.from_preset("tiny", num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads,
+                                   head_dim=spec.head_dim, embed_dim=64)
+    m = RepairModel(cfg) if zero else _randomized(cfg)
+    return m.save_pretrained(path, target_fingerprint=lm.fingerprint)
+
+
+def test_cacherepair_method_shapes_and_no_mutation(lm, tmp_path: Path) -> None:
+    inp, p = _fusion_input(lm)
+    before = (inp.keys.clone(), inp.values.clone(), inp.canonical_keys.clone())
+    method = get_method(f"cacherepair:checkpoint={_checkpoint(lm, tmp_path / 'r', zero=False)}")
+    out = method.fuse(inp)
+    k, v = hf_cache.cache_to_tensors(out.cache)
+    assert k.shape == inp.keys.shape and v.shape == inp.values.shape
+    assert k.dtype == inp.keys.dtype and v.dtype == inp.values.dtype
+    assert torch.equal(inp.keys, before[0]) and torch.equal(inp.values, before[1])
+    assert torch.equal(inp.canonical_keys, before[2])
+    assert torch.equal(k[:, :, :p], inp.keys[:, :, :p])  # the exact prefix is left alone
+    assert not torch.allclose(k[:, :, p:], inp.keys[:, :, p:])
+    assert out.stats["repaired_tokens"] == inp.context_len - p
+
+
+def test_cacherepair_untrained_equals_stale(lm, tmp_path: Path) -> None:
+    inp, _ = _fusion_input(lm)
+    out = get_method(f"cacherepair:checkpoint={_checkpoint(lm, tmp_path / 'z', zero=True)}").fuse(inp)
+    k, v = hf_cache.cache_to_tensors(out.cache)
+    assert torch.equal(k, inp.keys) and torch.equal(v, inp.values)
+
+
+def test_cacherepair_errors(lm, tmp_path: Path) -> None:
+    inp, _ = _fusion_input(lm)
+    with pytest.raises(ConfigError, match="train-repairer"):
+        get_method("cacherepair").fuse(inp)  # nothing shipped for a tiny random model
+    with pytest.raises(ConfigError, match="train-repairer"):
+        get_method(f"cacherepair:checkpoint={tmp_path / 'missing'}").fuse(inp)
+    other = RepairModel(RepairConfig.from_preset("tiny", num_layers=2, num_kv_heads=2, head_dim=16, embed_dim=64))
+    other.save_pretrained(tmp_path / "other", target_fingerprint="f" * 64)
+    with pytest.raises(CheckpointMismatchError):
+        get_method(f"cacherepair:checkpoint={tmp_path / 'other'}").fuse(inp)

@@ -1,0 +1,114 @@
+"""Engine equivalences on tiny models: full == model.generate, stale with one chunk == full, streaming."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvrag.config import EngineConfig, GenerationConfig
+from kvrag.engine.engine import KVRAGEngine
+from kvrag.errors import ConfigError, ContextLengthError
+from kvrag.fusion import get_method
+from kvrag.kv import hf_cache
+from kvrag.prompting import RagTemplate, render_passage
+from kvrag.store.memory import MemoryStore
+from kvrag.testing.tiny import FAMILIES, tiny_model
+
+PASSAGES = [
+    render_passage("Paris is the capital of France. The city has many museums.", "Paris"),
+    render_passage("Berlin is the capital of Germany. It is a large city.", "Berlin"),
+    render_passage("The quick brown fox jumps over the lazy dog.", "Fox"),
+]
+
+
+def make_engine(family: str = "llama", **cfg) -> KVRAGEngine:
+    return KVRAGEngine(tiny_model(family), MemoryStore(), EngineConfig(**cfg))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_full_matches_model_generate(family: str) -> None:
+    eng = make_engine(family)
+    prefix, ps, suffix = RagTemplate().parts(eng.tokenizer, PASSAGES, "What is the capital of France?")
+    plan = eng.plan_parts(prefix, ps, suffix)
+    ids = [t for s in (*plan.context, plan.suffix) for t in s.token_ids]
+    n = 12
+    ref = eng.model.generate(
+        torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), do_sample=False,
+        max_new_tokens=n, min_new_tokens=n, pad_token_id=eng.tokenizer.pad_token_id,
+    )[0, len(ids):].tolist()
+    resp = eng.answer_plan(plan, "full", GenerationConfig(max_new_tokens=n))
+    # min_new_tokens suppresses EOS in generate; compare the prefix up to our first EOS (if any)
+    assert resp.token_ids == ref[: len(resp.token_ids)]
+    assert len(resp.token_ids) == n or ref[len(resp.token_ids)] in eng._eos_ids()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("with_preamble", [True, False])
+def test_stale_single_chunk_equals_full(family: str, with_preamble: bool) -> None:
+    eng = make_engine(family, chunk_prefix="template" if with_preamble else "none")
+    if with_preamble:
+        # the only text before the chunk is exactly the conditioning preamble
+        prefix, suffix = eng.template_preamble(), "Question: capital of France?<|im_end|>\n<|im_start|>assistant\n"
+    else:
+        prefix, suffix = "", "Question: capital of France?"
+    plan = eng.plan_parts(prefix, PASSAGES[:1], suffix)
+    outs = {}
+    for m in ("full", "stale"):
+        prep = eng.prepare(plan, m)
+        outs[m] = (hf_cache.cache_to_tensors(prep.cache), prep.last_logits)
+    (kf, vf), lf = outs["full"]
+    (ks, vs), ls = outs["stale"]
+    torch.testing.assert_close(ks, kf, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(vs, vf, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(ls, lf, atol=1e-4, rtol=1e-4)
+    gen = GenerationConfig(max_new_tokens=8)
+    assert eng.answer_plan(plan, "stale", gen).token_ids == eng.answer_plan(plan, "full", gen).token_ids
+
+
+def test_stale_multi_chunk_differs_from_full_and_reports_stats() -> None:
+    eng = make_engine()
+    prompt = RagTemplate().render(eng.tokenizer, PASSAGES, "Who?")
+    r1 = eng.answer(prompt, PASSAGES, "stale", max_new_tokens=4)
+    assert r1.stats["chunks_found"] == 3 and r1.stats["chunk_misses"] == 3 and r1.stats["hit_rate"] == 0.0
+    r2 = eng.answer(prompt, PASSAGES, "stale", max_new_tokens=4)
+    assert r2.stats["chunk_hits"] == 3 and r2.stats["hit_rate"] == 1.0
+    assert r2.stats["reused_tokens"] == r2.stats["context_tokens"]
+    for k in ("fetch_s", "assemble_s", "repair_s", "suffix_prefill_s", "ttft_s", "total_s"):
+        assert r2.timings[k] >= 0
+    pf = eng.prepare(eng.plan(prompt, PASSAGES), "full")
+    ps = eng.prepare(eng.plan(prompt, PASSAGES), "stale")
+    kf, _ = hf_cache.cache_to_tensors(pf.cache)
+    ks, _ = hf_cache.cache_to_tensors(ps.cache)
+    assert not torch.allclose(kf, ks, atol=1e-4)  # later chunks really are stale
+
+
+def test_streaming_concatenates_to_answer() -> None:
+    eng = make_engine()
+    plan = eng.plan_parts("Context:\n", PASSAGES[:2], "Question: who?\nAnswer:")
+    gen = GenerationConfig(max_new_tokens=10)
+    streamed = "".join(eng.stream(eng.prepare(plan, "stale"), gen))
+    assert streamed == eng.answer_plan(plan, "stale", gen).text
+
+
+def test_stop_strings_and_sampling_are_deterministic_with_seed() -> None:
+    eng = make_engine()
+    plan = eng.plan_parts("Context:\n", PASSAGES[:1], "Q:")
+    g = GenerationConfig(max_new_tokens=12, do_sample=True, seed=3, top_p=0.9, top_k=20)
+    a, b = eng.answer_plan(plan, "stale", g), eng.answer_plan(plan, "stale", g)
+    assert a.token_ids == b.token_ids
+    full = eng.answer_plan(plan, "stale", GenerationConfig(max_new_tokens=12)).text
+    if len(full) > 3:
+        stop = full[2:4]
+        cut = eng.answer_plan(plan, "stale", GenerationConfig(max_new_tokens=12, stop=(stop,))).text
+        assert stop not in cut and full.startswith(cut)
+
+
+def test_context_overflow_and_bad_method_raise() -> None:
+    eng = make_engine(max_context=40)
+    plan = eng.plan_parts("Context:\n", PASSAGES, "Q:")
+    with pytest.raises(ContextLengthError, match="context window"):
+        eng.prepare(plan, "stale")
+    with pytest.raises(ConfigError, match="valid methods"):
+        get_method("nope")
+    with pytest.raises(ConfigError, match="valid parameters"):
+        get_method("stale:r=0.5")

@@ -1,0 +1,320 @@
+"""Fusion methods on tiny random models: the standard suite for every built-in method, recompute-all equivalence
+for the variants, parameter validation, the selective-recompute executor and the scoring pass."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from kvrag.errors import ConfigError
+from kvrag.fusion import get_method
+from kvrag.fusion.recompute import budget, query_attention_scores, selective_recompute
+from kvrag.kv import hf_cache
+from kvrag.testing.fusion_suite import FusionCase, FusionMethodTests, context_kv, fusion_case, greedy_tokens
+from kvrag.testing.tiny import FAMILIES
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Any:
+    """Tiny models run ~3x faster on one intra-op thread (no thread sync per small kernel), more on a busy box."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+# --- the standard suite -----------------------------------------------------------------------------------------
+
+
+class TestFull(FusionMethodTests):
+    method_spec = "full"
+    recompute_all_spec = "full"
+
+
+class TestStale(FusionMethodTests):
+    method_spec = "stale"
+
+
+class TestRelaxKV(FusionMethodTests):
+    method_spec = "relaxkv:r=0.3"
+    recompute_all_spec = "relaxkv:r=1.0"
+
+
+class TestRelaxKVFullContext(FusionMethodTests):
+    method_spec = "relaxkv-fullctx:r=0.3"
+    recompute_all_spec = "relaxkv-fullctx:r=1.0"
+
+
+class TestCacheBlend(FusionMethodTests):
+    method_spec = "cacheblend:r=0.3"
+    recompute_all_spec = "cacheblend:r=1.0"
+
+
+class TestEpic(FusionMethodTests):
+    method_spec = "epic:k=4"
+    recompute_all_spec = "epic:k=1000"
+
+
+class TestProphetKV(FusionMethodTests):
+    method_spec = "prophetkv:r=0.3"
+    recompute_all_spec = "prophetkv:r=1.0"
+
+
+# --- recompute-all for the non-default variants (two families: one with q/k norms) ------------------------------
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "relaxkv:r=1.0,exact_context=all",
+        "relaxkv:r=1.0,agg=max,score=logit",
+        "cacheblend:r=1.0,deviation=k,check_write=selected",
+    ],
+)
+def test_recompute_all_variants_equal_full(family: str, spec: str) -> None:
+    case = fusion_case(family)
+    inp = case.fusion_input()
+    out = get_method(spec).fuse(inp)
+    k, v = context_kv(out, inp.context_len)
+    torch.testing.assert_close(k, case.full_keys, atol=1e-4, rtol=0)
+    torch.testing.assert_close(v, case.full_values, atol=1e-4, rtol=0)
+    assert greedy_tokens(inp, out, 4) == case.full_tokens
+
+
+# --- parameters ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "relaxkv:r=0",
+        "relaxkv:r=-0.1",
+        "relaxkv:r=1.5",
+        "relaxkv:r=nan",
+        "relaxkv:context=sparse",
+        "relaxkv:agg=sum",
+        "relaxkv:score=entropy",
+        "relaxkv:exact_context=none",
+        "relaxkv-fullctx:r=0",
+        "cacheblend:r=0",
+        "cacheblend:r=1.01",
+        "cacheblend:check_layer=0",
+        "cacheblend:deviation=kv",
+        "cacheblend:check_write=none",
+        "epic:k=-1",
+        "epic:k=two",
+        "prophetkv:r=0",
+        "prophetkv:r=2",
+        "prophetkv:bogus=1",
+    ],
+)
+def test_out_of_range_parameters_raise_config_error(spec: str) -> None:
+    with pytest.raises(ConfigError):
+        get_method(spec)
+
+
+def test_defaults_and_alias() -> None:
+    assert get_method("relaxkv").config == {
+        "r": 0.15,
+        "context": "anchors",
+        "agg": "mean",
+        "score": "prob",
+        "exclude_first_chunk": False,
+        "exact_context": "anchors",
+    }
+    assert get_method("relaxkv-fullctx").context == "full"  # type: ignore[attr-defined]
+    assert get_method("cacheblend").r == 0.15  # type: ignore[attr-defined]
+    assert get_method("epic").k == 16  # type: ignore[attr-defined]
+    assert get_method("prophetkv").r == 0.20  # type: ignore[attr-defined]
+    assert get_method("relaxkv:exclude_first_chunk=false").exclude_first_chunk is False  # type: ignore[attr-defined]
+
+
+def test_cacheblend_check_layer_beyond_the_model() -> None:
+    case = fusion_case("llama")
+    with pytest.raises(ConfigError, match="check_layer"):
+        get_method("cacheblend:check_layer=2").fuse(case.fusion_input())  # the tiny model has 2 layers
+
+
+# --- method behaviour ---------------------------------------------------------------------------------------------
+
+
+def _rel_err(case: FusionCase, out: Any, tc: int) -> float:
+    k, v = context_kv(out, tc)
+    ek = ((k - case.full_keys).norm() / case.full_keys.norm()).item()
+    ev = ((v - case.full_values).norm() / case.full_values.norm()).item()
+    return ek + ev
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_moderate_ratio_is_not_worse_than_stale(family: str) -> None:
+    """Loose sanity check on random weights, not a quality claim.
+
+    Methods whose targets attend to their full causal prefix only replace stale states by states computed from
+    more (fresher) information, so at r = 0.3 their KV must not be further from ``full`` than ``stale``; they pass
+    with margin here. RelaxKV's sparse context drops every position outside U from a target's attention, which on
+    these random models (attention spread over many keys, no sinks) can make a target worse than its stale state:
+    on 2-layer Llama its relative KV error is 2.15 vs stale's 2.08. It gets a 10% allowance, and that observation
+    is the reason the sparse-context choice must be measured on real models.
+    """
+    case = fusion_case(family)
+    inp = case.fusion_input()
+    stale = _rel_err(case, get_method("stale").fuse(inp), inp.context_len)
+    allowance = {"relaxkv:r=0.3": 1.10}
+    for spec in ("relaxkv:r=0.3", "relaxkv-fullctx:r=0.3", "cacheblend:r=0.3", "epic:k=4", "prophetkv:r=0.3"):
+        err = _rel_err(case, get_method(spec).fuse(case.fusion_input()), inp.context_len)
+        assert err <= stale * allowance.get(spec, 1.0), f"{spec}: KV error {err:.4f} > stale {stale:.4f}"
+
+
+def test_relaxkv_stats_and_context_restriction() -> None:
+    case = fusion_case("qwen3")
+    inp = case.fusion_input()
+    sparse = get_method("relaxkv:r=0.3").fuse(inp).stats
+    full_ctx = get_method("relaxkv-fullctx:r=0.3").fuse(inp).stats
+    assert sparse["anchors_per_layer"] == budget(0.3, inp.context_len) == 13
+    assert sparse["recomputed_per_layer"] == full_ctx["recomputed_per_layer"]  # same targets
+    assert sparse["recomputed_per_layer"] == sorted(sparse["recomputed_per_layer"], reverse=True)
+    assert 0 < sparse["context_fraction"] < 1 and full_ctx["context_fraction"] == 1.0
+    assert sparse["attention_edges_ratio"] < full_ctx["attention_edges_ratio"] < 1.0
+    for key in ("recomputed_fraction", "context_fraction", "attention_edges_ratio", "score_s", "recompute_s"):
+        assert key in sparse
+
+
+def test_untargeted_positions_keep_their_stale_kv() -> None:
+    case = fusion_case("qwen2")
+    inp = case.fusion_input()
+    for spec in ("relaxkv:r=0.3", "prophetkv:r=0.3", "epic:k=4", "cacheblend:r=0.3,check_write=selected"):
+        out = get_method(spec).fuse(inp)
+        k, v = context_kv(out, inp.context_len)
+        changed = (k != inp.keys).any(dim=(1, 3)) | (v != inp.values).any(dim=(1, 3))  # [L, Tc]
+        assert not changed[:, :6].any(), spec  # the exact prefix is never rewritten
+        per_layer = out.stats["recomputed_per_layer"]
+        assert all(int(changed[layer].sum()) <= per_layer[layer] for layer in range(len(per_layer))), spec
+
+
+def test_cacheblend_check_write_all_refreshes_every_token_at_the_check_layer() -> None:
+    case = fusion_case("llama")
+    inp = case.fusion_input()
+    out = get_method("cacheblend:r=0.3").fuse(inp)
+    k, v = context_kv(out, inp.context_len)
+    torch.testing.assert_close(v[:2], case.full_values[:2], atol=1e-4, rtol=0)  # layers 0 and 1: fresh everywhere
+    assert out.stats["recomputed_per_layer"] == [37, 11]
+
+
+# --- the executor ---------------------------------------------------------------------------------------------------
+
+
+def test_selective_recompute_rejects_non_nested_targets() -> None:
+    case = fusion_case("llama")
+    inp = case.fusion_input()
+    with pytest.raises(ValueError, match="nested"):
+        selective_recompute(inp.model, inp.token_ids, inp.keys, inp.values, [torch.tensor([7]), torch.tensor([8])])
+
+
+def test_selective_recompute_block_size_does_not_change_the_result() -> None:
+    case = fusion_case("mistral")
+    inp = case.fusion_input()
+    tgt = torch.arange(6, inp.context_len)
+    u = torch.tensor([0, 3, 8, 12, 20, 25, 30, 41])
+    a = selective_recompute(inp.model, inp.token_ids, inp.keys, inp.values, [tgt, tgt[::2]], u, block_size=4096)
+    b = selective_recompute(inp.model, inp.token_ids, inp.keys, inp.values, [tgt, tgt[::2]], u, block_size=5)
+    torch.testing.assert_close(a.keys, b.keys, atol=1e-5, rtol=0)
+    torch.testing.assert_close(a.values, b.values, atol=1e-5, rtol=0)
+    assert a.edges == b.edges and a.states == b.states == len(tgt) + len(tgt[::2])
+
+
+def test_sparse_context_reads_only_u() -> None:
+    """With context U, stale K/V outside U (and outside the targets) cannot influence the repair; with the full
+    causal prefix they do."""
+    case = fusion_case("qwen3")
+    inp = case.fusion_input()
+    tgt = torch.tensor([10, 14, 20, 30])
+    u = torch.tensor([0, 2, 10, 14, 16, 20, 30])
+    outside = torch.tensor([p for p in range(inp.context_len) if p not in set(u.tolist())])
+    noisy_k, noisy_v = inp.keys.clone(), inp.values.clone()
+    noisy_k[:, :, outside] += 1.0
+    noisy_v[:, :, outside] -= 1.0
+    for ctx, same in ((u, True), (None, False)):
+        a = selective_recompute(inp.model, inp.token_ids, inp.keys, inp.values, [tgt, tgt], ctx)
+        b = selective_recompute(inp.model, inp.token_ids, noisy_k, noisy_v, [tgt, tgt], ctx)
+        assert torch.allclose(a.keys[:, :, tgt], b.keys[:, :, tgt], atol=1e-6) is same
+        assert torch.allclose(a.values[1][:, tgt], b.values[1][:, tgt], atol=1e-6) is same
+
+
+# --- transformers helpers -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_scoring_pass_matches_eager_attention(family: str) -> None:
+    """The captured post-RoPE (post q-norm) queries give the same context attention as the model's own eager
+    attention over the stale cache (renormalised over the context columns), for every family."""
+    case = fusion_case(family)
+    inp = case.fusion_input()
+    model = case.model
+    scores, edges, _ = query_attention_scores(inp)
+    assert model.config._attn_implementation == "sdpa"  # restored after the capture
+    saved = model.config._attn_implementation
+    model.config._attn_implementation = "eager"
+    try:
+        cache = hf_cache.make_cache(inp.keys, inp.values, model.config)
+        tc, s = inp.context_len, int(inp.suffix_ids.shape[0])
+        out = model(
+            input_ids=inp.suffix_ids.view(1, -1),
+            position_ids=torch.arange(tc, tc + s).view(1, -1),
+            cache=cache,
+            output_attentions=True,
+        )
+    finally:
+        model.config._attn_implementation = saved
+    for layer, att in enumerate(out.attentions):
+        a = att[0, :, :, :tc].float()  # [H, S, Tc]
+        ref = (a / a.sum(-1, keepdim=True)).mean(dim=(0, 1))
+        torch.testing.assert_close(scores[layer], ref, atol=1e-5, rtol=1e-4)
+    assert edges == len(out.attentions) * (s * tc + s * (s + 1) // 2)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_project_kv_equals_run_layer_kv_and_capture_is_transparent(family: str) -> None:
+    case = fusion_case(family)
+    inp = case.fusion_input()
+    model = case.model
+    pos = torch.arange(6, 12)
+    hidden = hf_cache.embed(model, inp.token_ids[pos])
+    mask = torch.cat([torch.ones(6, 6, dtype=torch.bool), torch.tril(torch.ones(6, 6, dtype=torch.bool))], dim=1)
+    ctx_k, ctx_v = inp.keys[1][:, :6], inp.values[1][:, :6]
+    h, fk, fv = hf_cache.run_layer(model, 1, hidden, pos, ctx_k, ctx_v, mask)
+    pk, pv = hf_cache.project_kv(model, 1, hidden, pos)
+    torch.testing.assert_close(pk, fk, atol=1e-6, rtol=0)
+    torch.testing.assert_close(pv, fv, atol=1e-6, rtol=0)
+    seen: list[tuple[int, tuple[int, ...]]] = []
+    with hf_cache.capture_attention(model, lambda mod, q, k, m, sc: seen.append((mod.layer_idx, tuple(q.shape)))):
+        h2, _, _ = hf_cache.run_layer(model, 1, hidden, pos, ctx_k, ctx_v, mask)
+    torch.testing.assert_close(h2, h, atol=1e-6, rtol=0)
+    assert seen == [(1, (1, 4, 6, 16))]
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_bfloat16_model_keeps_dtype_and_recompute_all_is_close() -> None:
+    """bf16 end to end (scoring in fp32, recompute in the model dtype): dtype kept, r = 1 within bf16 noise."""
+    from kvrag.engine.assemble import assemble, compute_chunk_kv
+    from kvrag.kv.rope import Rope
+    from kvrag.testing.fusion_suite import LAYOUT
+    from kvrag.testing.tiny import tiny_model
+
+    lm = tiny_model("qwen3", dtype=torch.bfloat16)
+    model, spec = lm.model, lm.kv_spec()
+    rope = Rope.from_model(model)
+    g = torch.Generator().manual_seed(0)
+    pieces = [
+        (kind, compute_chunk_kv(model, rope, spec, torch.randint(5, 256, (n,), generator=g).tolist()), None)
+        for kind, n in LAYOUT
+    ]
+    suffix = torch.randint(5, 256, (7,), generator=g)
+    inp = assemble(model, rope, spec, pieces, suffix)
+    fk, fv = context_kv(get_method("full").fuse(inp), inp.context_len)
+    for spec_ in ("relaxkv:r=1.0", "prophetkv:r=1.0", "cacheblend:r=1.0"):
+        k, v = context_kv(get_method(spec_).fuse(assemble(model, rope, spec, pieces, suffix)), inp.context_len)
+        assert k.dtype == v.dtype == torch.bfloat16
+        assert (k.float() - fk.float()).abs().max() < 0.1 and (v.float() - fv.float()).abs().max() < 0.1

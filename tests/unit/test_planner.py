@@ -1,0 +1,80 @@
+"""Planner: pure splitting and layout (no model)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvrag.engine.planner import plan_pieces, plan_prompt, split_prompt
+from kvrag.errors import ConfigError
+
+
+def tok(text: str) -> list[int]:
+    return [ord(c) for c in text]
+
+
+def test_split_finds_chunks_in_order() -> None:
+    prompt = "SYS A-chunk mid B-chunk Q?"
+    pieces, found = split_prompt(prompt, ["B-chunk", "A-chunk", "missing"])
+    assert found == 2
+    assert [p.kind for p in pieces] == ["prefix", "chunk", "text", "chunk", "suffix"]
+    assert [p.text for p in pieces] == ["SYS ", "A-chunk", " mid ", "B-chunk", " Q?"]
+    assert "".join(p.text for p in pieces) == prompt
+
+
+def test_longer_chunk_claims_first_and_no_overlap() -> None:
+    pieces, found = split_prompt("xx abcdef yy abc zz", ["abc", "abcdef"])
+    assert found == 2
+    assert [p.text for p in pieces if p.kind == "chunk"] == ["abcdef", "abc"]
+
+
+def test_duplicate_registration_counts_once_and_empty_ignored() -> None:
+    plan = plan_prompt("pre CHUNK post", ["CHUNK", "CHUNK", "", "   "], tok)
+    assert plan.registered == 1 and plan.found == 1
+
+
+def test_positions_are_contiguous() -> None:
+    plan = plan_prompt("pre C1 and C2 suffix", ["C1", "C2"], tok)
+    pos = 0
+    for s in (*plan.context, plan.suffix):
+        assert s.start == pos
+        pos = s.end
+    assert plan.total_len == len("pre C1 and C2 suffix")
+    assert plan.chunk_tokens == 4
+
+
+def test_stored_ids_are_spliced_not_retokenized() -> None:
+    plan = plan_prompt("pre CHUNK post", ["CHUNK"], tok, token_ids_of=lambda t: [7, 7])
+    chunk = [s for s in plan.context if s.kind == "chunk"][0]
+    assert chunk.token_ids == (7, 7)
+
+
+def test_prompt_ending_in_chunk_is_refused() -> None:
+    with pytest.raises(ConfigError, match="after the last chunk"):
+        plan_prompt("pre CHUNK", ["CHUNK"], tok)
+
+
+def test_no_chunk_moves_text_to_suffix() -> None:
+    plan = plan_prompt("just a prompt", [], tok)
+    assert plan.context == () and plan.suffix.text == "just a prompt" and plan.found == 0
+
+
+def test_empty_prompt_refused() -> None:
+    with pytest.raises(ConfigError, match="empty"):
+        plan_pieces([], tok)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.text(alphabet="abcXYZ ", min_size=1, max_size=6), min_size=0, max_size=4),
+    st.lists(st.text(alphabet="abcXYZ ", min_size=0, max_size=8), min_size=1, max_size=6),
+)
+def test_split_reassembles_exactly(chunks: list[str], fillers: list[str]) -> None:
+    prompt = "".join(f + (chunks[i] if i < len(chunks) else "") for i, f in enumerate(fillers))
+    pieces, found = split_prompt(prompt, chunks)
+    assert "".join(p.text for p in pieces) == prompt
+    assert sum(p.kind == "chunk" for p in pieces) == found
+    for p in pieces:
+        if p.kind == "chunk":
+            assert p.text in chunks
