@@ -170,16 +170,26 @@ def chunk_scope(chunks: Iterable[ChunkLike] = ()) -> Iterator[None]:
 
 
 def resolve_chunks(
-    prompt: str, explicit: Iterable[ChunkLike] | None = None, *, use_context: bool = True, use_recent: bool = False
+    prompt: str,
+    explicit: Iterable[ChunkLike] | None = None,
+    *,
+    use_context: bool = True,
+    use_recent: bool = False,
+    only_found: bool = False,
 ) -> tuple[RegisteredChunk, ...]:
     """The chunks an LLM adapter offers the planner for ``prompt``.
 
     Explicit chunks (when not None) are used alone. Otherwise the context's request chunks, plus, with
-    ``use_recent``, the recently registered chunks that occur verbatim in the prompt.
+    ``use_recent``, the recently registered chunks that occur verbatim in the prompt. ``only_found`` drops
+    context chunks that are not in the prompt: for frameworks whose context does not delimit a request (LangChain,
+    where a context registration may be left over from an earlier call in the same thread), so that they do not
+    count as registered-but-missing in the hit rate.
     """
     if explicit is not None:
         return _normalize(explicit)
     out: list[RegisteredChunk] = list(current_chunks()) if use_context else []
+    if only_found:
+        out = [c for c in out if c.text in prompt]
     if use_recent:
         out.extend(recent.found_in(prompt))
     return _normalize(out)
@@ -198,8 +208,10 @@ def shared_engine(model: str | None = None, store: Any = "memory://", **config: 
     ``store`` is keyed by identity.
     """
     from kvrag.engine.engine import KVRAGEngine
+    from kvrag.models import DEFAULT_MODEL
 
-    key = (model, store if isinstance(store, str) else id(store), tuple(sorted(config.items())))
+    name = DEFAULT_MODEL if model is None else str(model)
+    key = (name, store if isinstance(store, str) else id(store), tuple(sorted(config.items())))
     with _ENGINES_LOCK:
         eng = _ENGINES.get(key)
         if eng is None:

@@ -5,9 +5,9 @@ one "chunk" of the block-causal mask) plus the frozen target token embeddings, a
 stale cache in canonical coordinates and re-places the keys at their global positions. The leading prefix span is
 exact and left as it is.
 
-Parameter ``checkpoint``: a directory written by ``kvrag train-repairer`` / ``RepairModel.save_pretrained``. By
-default the shipped checkpoint for the model in use is taken from ``kvrag/data/repairers/`` (matched by model
-fingerprint, else by model name).
+Parameter ``checkpoint``: a directory written by ``kvrag train-repairer`` / ``RepairModel.save_pretrained``, or a
+directory of such directories (the one trained for the model in use is picked by fingerprint, else by name). By
+default the shipped checkpoints in ``kvrag/data/repairers/`` are searched that way.
 """
 
 from __future__ import annotations
@@ -82,10 +82,14 @@ class CacheRepair(FusionMethod):
     def _resolve(self, inp: FusionInput) -> Path:
         if self.checkpoint:
             path = Path(self.checkpoint).expanduser()
-            if not (path / CONFIG_NAME).is_file():
-                msg = f"cacherepair: no repairer in {path} ({CONFIG_NAME} not found); {_TRAIN_HINT}"
+            if (path / CONFIG_NAME).is_file():
+                return path
+            found = find_shipped_checkpoint(inp.model, inp.spec.model_fingerprint, root=path)
+            if found is None:
+                msg = (f"cacherepair: no repairer in {path} ({CONFIG_NAME} not found there nor in a subdirectory for "
+                       f"this model); {_TRAIN_HINT}")
                 raise ConfigError(msg)
-            return path
+            return found
         found = find_shipped_checkpoint(inp.model, inp.spec.model_fingerprint)
         if found is None:
             name = model_dir_name(inp.model) or "<model-name>"

@@ -22,7 +22,7 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
+import uuid
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -448,10 +448,10 @@ def _save_pair(path: Path, ex: PairedExample, dtype: torch.dtype) -> torch.dtype
         "stale": ex.stale.to(dtype).contiguous(),
         "delta": ex.delta.to(dtype).contiguous(),
     }
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
+    tmp = str(_tmp_sibling(path))
     try:
         save_file(tensors, tmp, metadata={"group_id": ex.group_id, "format_version": str(PAIR_FORMAT_VERSION)})
+        os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -469,10 +469,14 @@ def _load_pair(path: Path) -> PairedExample:
                          meta.get("group_id", ""))
 
 
+def _tmp_sibling(path: Path) -> Path:
+    """A unique temp path next to ``path`` (created later with the umask's permissions, unlike mkstemp's 0600)."""
+    return path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:12]}.tmp")
+
+
 def _atomic_write_text(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
+    tmp = _tmp_sibling(path)
+    tmp.write_text(text)
     os.replace(tmp, path)
 
 

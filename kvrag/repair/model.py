@@ -36,7 +36,7 @@ import json
 import logging
 import math
 import os
-import tempfile
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -388,7 +388,9 @@ class RepairModel(nn.Module):
         out.mkdir(parents=True, exist_ok=True)
         tensors = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in self.state_dict().items()}
         tmp_w = _tmp_path(out, WEIGHTS_NAME)
+        mode = tmp_w.stat().st_mode & 0o777  # the umask's permissions; safetensors writes its file as 0600
         save_file(tensors, str(tmp_w), metadata={"format": FORMAT_NAME})
+        os.chmod(tmp_w, mode)
         digest = _sha256(tmp_w)
         config = {
             "format": FORMAT_NAME,
@@ -484,9 +486,11 @@ def read_config(directory: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def _tmp_path(directory: Path, name: str) -> Path:
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
-    os.close(fd)
-    return Path(tmp)
+    """A new empty temp file next to the target, created with the umask's permissions (not mkstemp's 0600)."""
+    tmp = directory / f".{name}.{os.getpid()}-{uuid.uuid4().hex[:12]}.tmp"
+    with open(tmp, "xb"):
+        pass
+    return tmp
 
 
 def _sha256(path: Path) -> str:

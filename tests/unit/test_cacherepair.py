@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import random
+import shutil
+import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -26,7 +30,8 @@ from kvrag.repair.data import (
 )
 from kvrag.repair.model import RepairConfig, RepairModel, block_causal_mask, pack_kv, unpack_kv
 from kvrag.repair.train import TrainConfig, Trainer, kv_spec_of, lr_factor
-from kvrag.testing.tiny import tiny_model
+from kvrag.testing.fusion_suite import FusionCase, FusionMethodTests, fusion_case
+from kvrag.testing.tiny import FAMILIES, tiny_model
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau".split()
 
@@ -354,3 +359,27 @@ def test_cacherepair_errors(lm, tmp_path: Path) -> None:
     other.save_pretrained(tmp_path / "other", target_fingerprint="f" * 64)
     with pytest.raises(CheckpointMismatchError):
         get_method(f"cacherepair:checkpoint={tmp_path / 'other'}").fuse(inp)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the standard fusion-method suite (DESIGN.md §4), with a randomized repairer per tiny family
+# ---------------------------------------------------------------------------------------------------------------
+
+_SUITE_ROOT = Path(tempfile.mkdtemp(prefix="kvrag-cacherepair-suite-"))
+atexit.register(shutil.rmtree, _SUITE_ROOT, ignore_errors=True)
+
+
+class TestCacheRepairSuite(FusionMethodTests):
+    method_spec = f"cacherepair:checkpoint={_SUITE_ROOT}"  # a directory of repairers, one per model fingerprint
+
+    @pytest.fixture(params=FAMILIES, scope="class")
+    def case(self, request: Any) -> FusionCase:
+        torch.set_num_threads(1)
+        case = fusion_case(request.param, self.num_layers, 0, self.decode_steps)
+        target = _SUITE_ROOT / request.param
+        if not (target / "repair_config.json").is_file():
+            s = case.spec
+            cfg = RepairConfig.from_preset("tiny", num_layers=s.num_layers, num_kv_heads=s.num_kv_heads,
+                                           head_dim=s.head_dim, embed_dim=int(case.model.config.hidden_size))
+            _randomized(cfg).save_pretrained(target, target_fingerprint=s.model_fingerprint)
+        return case

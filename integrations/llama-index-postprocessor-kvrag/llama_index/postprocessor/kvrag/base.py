@@ -57,7 +57,7 @@ def ensure_node_caches(engine: Any, nodes: Sequence[BaseNode], *, key_name: str 
         exclude_key(n, key_name)
     texts = [render_node(n) for n in nodes]
     out = []
-    for n, text, (key, _cached) in zip(nodes, texts, registry.ensure_chunks(engine, texts, progress=progress)):
+    for n, text, (key, _cached) in zip(nodes, texts, registry.ensure_chunks(engine, texts, progress=progress), strict=True):
         if key is None:
             continue
         n.metadata[key_name] = key

@@ -15,7 +15,6 @@ from typing import Any
 
 from llama_index.core import StorageContext, VectorStoreIndex, load_index_from_storage
 from llama_index.core.schema import BaseNode, Document, TransformComponent
-
 from llama_index.postprocessor.kvrag.base import KVCacheTransform
 
 log = logging.getLogger(__name__)

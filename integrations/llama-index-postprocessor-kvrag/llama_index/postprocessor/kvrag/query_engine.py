@@ -19,7 +19,6 @@ from llama_index.core.prompts import BasePromptTemplate
 from llama_index.core.prompts.default_prompt_selectors import DEFAULT_TEXT_QA_PROMPT_SEL
 from llama_index.core.query_engine import CustomQueryEngine
 from llama_index.core.schema import NodeWithScore, QueryBundle
-
 from llama_index.postprocessor.kvrag.base import KVCachePostprocessor, ensure_node_caches
 
 _MARK = "\u2063KVRAG_CONTEXT\u2063"

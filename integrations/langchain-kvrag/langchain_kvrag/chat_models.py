@@ -1,0 +1,247 @@
+"""ChatKVCached: a LangChain chat model that answers with reused per-chunk KV caches (kvrag).
+
+A thin adapter: messages are rendered with the tokenizer's chat template; the chunk texts the request may reuse
+come from ``chunks=[...]`` (explicit), the current context's registration, or — because LCEL runs the steps of a
+chain in separate contexts — the recently registered chunks found verbatim in the prompt (see
+:mod:`kvrag.registry`). :class:`kvrag.engine.engine.KVRAGEngine` does the planning, splicing, repair and decoding.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any
+
+from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.language_models.chat_models import BaseChatModel
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
+from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from pydantic import ConfigDict, Field, PrivateAttr
+
+from kvrag import registry
+from kvrag.config import GenerationConfig
+from kvrag.models import DEFAULT_MODEL
+
+_ROLES = {"human": "user", "ai": "assistant", "system": "system"}
+
+
+def _text_content(msg: BaseMessage) -> str:
+    content = msg.content
+    if isinstance(content, str):
+        return content
+    parts = []
+    for block in content:
+        if isinstance(block, str):
+            parts.append(block)
+        elif isinstance(block, dict) and block.get("type") == "text":
+            parts.append(str(block.get("text", "")))
+        else:
+            kind = block.get("type") if isinstance(block, dict) else type(block).__name__
+            msg_ = f"ChatKVCached accepts text content only; got a {kind!r} content block (images, audio and files are not supported)"
+            raise ValueError(msg_)
+    return "".join(parts)
+
+
+def messages_to_dicts(messages: Sequence[BaseMessage]) -> list[dict[str, str]]:
+    """LangChain messages -> chat-template dicts (system / user / assistant)."""
+    out = []
+    for m in messages:
+        if m.type in _ROLES:
+            role = _ROLES[m.type]
+        elif m.type == "chat":
+            role = getattr(m, "role", "user")
+        else:
+            msg = (f"ChatKVCached does not support {m.type!r} messages (tool calling is not supported); "
+                   "use system, human and ai messages")
+            raise ValueError(msg)
+        out.append({"role": role, "content": _text_content(m)})
+    return out
+
+
+class ChatKVCached(BaseChatModel):
+    """Local Hugging Face chat model with reusable chunk KV caches.
+
+    Args:
+        engine: a :class:`kvrag.KVRAGEngine` (shares its model and store). When omitted, one is loaded lazily from
+            ``model`` and ``store`` and shared process-wide (:func:`kvrag.registry.shared_engine`).
+        method / method_params: fusion method (``kvrag.fusion.available_methods()``) and its parameters.
+        temperature: 0 (default) is greedy decoding.
+        max_tokens: most generated tokens.
+
+    Per call, ``invoke(..., chunks=[...])`` passes chunk texts explicitly; ``method=`` overrides the method.
+    ``response_metadata["kvrag"]`` holds ttft_s, hit_rate, chunk counts, method stats and timings;
+    ``usage_metadata`` the token counts. ``timeout`` and ``max_retries`` are accepted for compatibility (local
+    inference neither times out nor retries).
+    """
+
+    model_config = ConfigDict(populate_by_name=True, protected_namespaces=())
+
+    model_name: str = Field(default=DEFAULT_MODEL, alias="model")
+    store: str = Field(default="memory://", description="KV store URL used when no engine is passed.")
+    method: str = "stale"
+    method_params: dict[str, Any] = Field(default_factory=dict)
+    max_tokens: int = Field(default=256, gt=0, alias="max_new_tokens")
+    temperature: float = Field(default=0.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)
+    seed: int | None = None
+    stop: list[str] | None = Field(default=None, alias="stop_sequences")
+    timeout: float | None = None
+    max_retries: int = 0
+    streaming: bool = False
+    use_recent_chunks: bool = Field(
+        default=True, description="Reuse recently registered chunks found verbatim in the prompt (LCEL needs it)."
+    )
+
+    _engine: Any = PrivateAttr(default=None)
+    _history: Any = PrivateAttr(default=None)
+
+    def __init__(self, engine: Any = None, **kwargs: Any) -> None:
+        if engine is not None:
+            kwargs.setdefault("model", engine.loaded.name)
+        super().__init__(**kwargs)
+        self._engine = engine
+        self._history = collections.deque(maxlen=32)
+        from kvrag.fusion import get_method
+
+        get_method(self.method, **self.method_params)  # unknown names raise listing the valid ones
+
+    @property
+    def engine(self) -> Any:
+        """The :class:`kvrag.KVRAGEngine` (loaded on first use when none was passed)."""
+        if self._engine is None:
+            self._engine = registry.shared_engine(self.model_name, self.store)
+        return self._engine
+
+    @property
+    def history(self) -> list[dict[str, Any]]:
+        """The latest requests (prompt, chunk texts, response metadata, usage), oldest first (at most 32)."""
+        return list(self._history)
+
+    @property
+    def _llm_type(self) -> str:
+        return "kvrag-chat"
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {
+            "model_name": self.model_name,
+            "method": self.method,
+            "method_params": self.method_params,
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+        }
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> Any:
+        params = super()._get_ls_params(stop=stop, **kwargs)
+        params["ls_provider"] = "kvrag"
+        model = kwargs.get("model")
+        params["ls_model_name"] = model if isinstance(model, str) else self.model_name
+        return params
+
+    # ------------------------------------------------------------------------------------------- requests
+    def render(self, messages: Sequence[BaseMessage]) -> str:
+        """The prompt string the model sees (chat template with the generation prompt)."""
+        tok = self.engine.tokenizer
+        dicts = messages_to_dicts(messages)
+        if getattr(tok, "chat_template", None):
+            return tok.apply_chat_template(dicts, tokenize=False, add_generation_prompt=True)
+        return "\n".join(f"{d['role']}: {d['content']}" for d in dicts) + "\nassistant: "
+
+    def _request(self, messages: Sequence[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
+        from kvrag.fusion import get_method
+
+        kw = dict(kwargs)
+        prompt = self.render(messages)
+        use_recent = bool(kw.pop("use_recent_chunks", self.use_recent_chunks))
+        # LCEL gives no request-scoped context: count only registered chunks that this prompt contains
+        chunks = registry.resolve_chunks(prompt, kw.pop("chunks", None), use_recent=use_recent, only_found=use_recent)
+        temperature = float(kw.pop("temperature", self.temperature))
+        gen = GenerationConfig(
+            max_new_tokens=int(kw.pop("max_tokens", kw.pop("max_new_tokens", self.max_tokens))),
+            do_sample=temperature > 0,
+            temperature=temperature if temperature > 0 else 1.0,
+            top_p=float(kw.pop("top_p", self.top_p)),
+            top_k=int(kw.pop("top_k", self.top_k)),
+            seed=kw.pop("seed", self.seed),
+            stop=tuple(stop if stop is not None else (self.stop or ())),
+        )
+        method = get_method(kw.pop("method", self.method), **kw.pop("method_params", self.method_params))
+        return {"prompt": prompt, "chunks": registry.chunk_texts(chunks), "gen": gen, "method": method}
+
+    def _prepare(self, req: dict[str, Any]) -> Any:
+        return self.engine.prepare(self.engine.plan(req["prompt"], req["chunks"]), req["method"])
+
+    def _metadata(self, req: dict[str, Any], prep: Any) -> tuple[dict[str, Any], dict[str, int]]:
+        stats = {k: v for k, v in prep.stats.items() if k != "token_ids"}
+        generated = int(stats.get("generated_tokens", 0))
+        info = {
+            "method": repr(prep.method),
+            "ttft_s": prep.timings.get("ttft_s"),
+            "hit_rate": stats.get("hit_rate"),
+            "chunks_registered": stats.get("chunks_registered"),
+            "chunks_found": stats.get("chunks_found"),
+            "chunk_hits": stats.get("chunk_hits"),
+            "chunk_misses": stats.get("chunk_misses"),
+            "reused_tokens": stats.get("reused_tokens"),
+            "method_stats": stats.get("method_stats", {}),
+            "timings": dict(prep.timings),
+            "chunk_keys": list(prep.chunk_keys),
+            "token_ids": list(prep.stats.get("token_ids", [])),
+        }
+        meta = {
+            "model_name": self.model_name,
+            "finish_reason": "length" if generated >= req["gen"].max_new_tokens else "stop",
+            "kvrag": info,
+        }
+        prompt_tokens = prep.plan.total_len
+        usage = {"input_tokens": prompt_tokens, "output_tokens": generated, "total_tokens": prompt_tokens + generated}
+        self._history.append({"prompt": req["prompt"], "chunks": list(req["chunks"]), "response_metadata": meta,
+                              "usage_metadata": usage})
+        return meta, usage
+
+    # ------------------------------------------------------------------------------------------- LangChain API
+    def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                  run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
+        return self._run(self._request(messages, stop, kwargs))
+
+    def _run(self, req: dict[str, Any]) -> ChatResult:
+        prep = self._prepare(req)
+        text = "".join(self.engine.stream(prep, req["gen"]))
+        meta, usage = self._metadata(req, prep)
+        msg = AIMessage(content=text, response_metadata=meta, usage_metadata=usage)  # type: ignore[arg-type]
+        return ChatResult(generations=[ChatGeneration(message=msg)], llm_output={"model_name": self.model_name})
+
+    def _stream_request(self, req: dict[str, Any]) -> Iterator[ChatGenerationChunk]:
+        prep = self._prepare(req)
+        for delta in self.engine.stream(prep, req["gen"]):
+            yield ChatGenerationChunk(message=AIMessageChunk(content=delta))
+        meta, usage = self._metadata(req, prep)
+        yield ChatGenerationChunk(
+            message=AIMessageChunk(content="", response_metadata=meta, usage_metadata=usage, chunk_position="last")  # type: ignore[arg-type]
+        )
+
+    def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
+        req = self._request(messages, stop, kwargs)
+        for chunk in self._stream_request(req):
+            if run_manager and chunk.text:
+                run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+            yield chunk
+
+    async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                         run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
+        req = self._request(messages, stop, kwargs)  # resolve chunks in this task's context
+        return await asyncio.to_thread(self._run, req)
+
+    async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                       run_manager: AsyncCallbackManagerForLLMRun | None = None,
+                       **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
+        req = self._request(messages, stop, kwargs)
+        async for chunk in registry.aiter_in_thread(lambda: self._stream_request(req)):
+            if run_manager and chunk.text:
+                await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+            yield chunk

@@ -1,0 +1,238 @@
+"""``kvrag bench`` command line: the QA benchmark and its ``sweep``, ``store`` and ``templates`` subcommands.
+
+Mounted by :mod:`kvrag.cli` through :func:`add_bench_arguments`; also runnable alone as
+``python -m kvrag.bench.cli bench ...``. Options of a subcommand go after its name
+(``kvrag bench sweep --lengths 1024,2048``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from typing import Any
+
+from kvrag.errors import ConfigError, KVRAGError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_METHODS = "full,stale"
+
+
+def _int_list(s: str) -> list[int]:
+    try:
+        vals = [int(float(x)) for x in s.split(",") if x.strip()]
+    except ValueError as e:
+        msg = f"expected a comma-separated list of integers, got {s!r}"
+        raise argparse.ArgumentTypeError(msg) from e
+    if not vals or min(vals) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {s!r}")
+    return vals
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF model id or path (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when available)")
+    p.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: fp32 on CPU, bf16 on CUDA)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's choice; use 1 on a shared, oversubscribed CPU)")
+    p.add_argument("--seed", type=int, default=0, help="torch and bootstrap seed")
+    p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+
+
+def _add_qa_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data", default=None, help="QA JSONL (id, question, answers, contexts[{title, text}])")
+    p.add_argument("--limit", type=int, default=None, help="use only the first N requests (after --offset)")
+    p.add_argument("--offset", type=int, default=0, help="skip the first N requests of the file")
+    p.add_argument("--methods", default=DEFAULT_METHODS,
+                   help="comma-separated method specs, e.g. full,stale,relaxkv:r=0.15,cacheblend:r=0.15,epic:k=16 "
+                        "(parameters of one method are separated by ',' too: a token with '=' belongs to the "
+                        "method before it)")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--template", default=None, help="prompt template name (default: the selected default)")
+    p.add_argument("--out", default="runs/bench", help="output directory (resumable)")
+    p.add_argument("--peer", default=None, choices=["llamaindex-hf"], help="also run a peer stack on the same prompts")
+    p.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples (0: no intervals)")
+    p.add_argument("--kl-tokens", type=int, default=32, help="teacher-forced positions for KL")
+    p.add_argument("--store", default="memory://?max_bytes=4e9", help="KV store URL for the chunk caches")
+    p.add_argument("--chunk-prefix", choices=["none", "template"], default="template")
+    p.add_argument("--warmup", type=int, default=1, help="untimed warm-up requests")
+    p.add_argument("--overwrite", action="store_true", help="discard earlier results in --out instead of resuming")
+    p.add_argument("--no-plots", action="store_true")
+    _add_model_args(p)
+
+
+def add_bench_arguments(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``bench`` (with ``sweep``, ``store``, ``templates``) to a top-level ``add_subparsers()`` object.
+
+    Every parser sets ``func`` (``func(args) -> int``).
+    """
+    p = subparsers.add_parser(
+        "bench", help="QA benchmark of the fusion methods (and sweep / store / templates subcommands)",
+        description="Benchmark fusion methods on multi-document QA: F1/EM, KL vs full, KV error, cache-ready TTFT.",
+    )
+    _add_qa_args(p)
+    p.set_defaults(func=run_bench)
+    sub = p.add_subparsers(dest="bench_command", metavar="{sweep,store,templates}")
+
+    s = sub.add_parser("sweep", help="TTFT and memory vs context length and vs chunk count, every method")
+    s.add_argument("--data", default=None, help="QA JSONL whose passages supply the text (default: built-in text)")
+    s.add_argument("--methods", default=DEFAULT_METHODS)
+    s.add_argument("--lengths", type=_int_list, default=[1024, 2048, 4096, 8192],
+                   help="total context tokens at a fixed chunk count")
+    s.add_argument("--chunks", type=int, default=8, help="chunk count of the length sweep")
+    s.add_argument("--chunk-counts", type=_int_list, default=[1, 2, 4, 8, 16, 32],
+                   help="chunk counts of the fixed-content sweep")
+    s.add_argument("--content-tokens", type=int, default=2048, help="total tokens of the chunk-count sweep")
+    s.add_argument("--repeats", type=int, default=3, help="timed repeats per point (the median is reported)")
+    s.add_argument("--out", default="runs/sweep")
+    s.add_argument("--overwrite", action="store_true")
+    _add_model_args(s)
+    s.set_defaults(func=run_sweep)
+
+    st = sub.add_parser("store", help="read/write throughput of each store backend and bytes per token per codec")
+    st.add_argument("--backends", default="memory,file", help="comma-separated: memory,file,tiered,redis")
+    st.add_argument("--codecs", default="native,float16,bfloat16,int8")
+    st.add_argument("--redis-url", default=None, help="redis URL for the redis / tiered backends")
+    st.add_argument("--dir", default=None, help="directory for the file backend (default: a temp dir under --out)")
+    st.add_argument("--chunks", type=int, default=32, help="chunks written and read per backend and codec")
+    st.add_argument("--chunk-tokens", type=int, default=256)
+    st.add_argument("--repeats", type=int, default=3)
+    st.add_argument("--out", default="runs/store")
+    _add_model_args(st)
+    st.set_defaults(func=run_store)
+
+    t = sub.add_parser("templates", help="choose the prompt template by full-prefill F1 on dev data")
+    t.add_argument("--data", required=True)
+    t.add_argument("--limit", type=int, default=60)
+    t.add_argument("--offset", type=int, default=0)
+    t.add_argument("--candidates", default="all", help="comma-separated template names or 'all'")
+    t.add_argument("--max-new-tokens", type=int, default=32)
+    t.add_argument("--bootstrap", type=int, default=1000)
+    t.add_argument("--out", default="runs/templates")
+    _add_model_args(t)
+    t.set_defaults(func=run_templates)
+    return p
+
+
+def _setup(args: argparse.Namespace) -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if getattr(args, "threads", None):
+        import torch
+
+        torch.set_num_threads(args.threads)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """``kvrag bench``: the QA benchmark."""
+    from kvrag.bench.aggregate import summary_markdown
+    from kvrag.bench.runner import BenchConfig, QABenchmark, split_method_specs
+
+    if not args.data:
+        print("error: kvrag bench needs --data QA.jsonl", file=sys.stderr)
+        return 2
+    _setup(args)
+    if args.peer:
+        from kvrag.bench.peer import peer_available
+
+        if not peer_available(args.peer):
+            print(f"error: peer {args.peer} needs `pip install llama-index-core llama-index-llms-huggingface`",
+                  file=sys.stderr)
+            return 2
+    cfg = BenchConfig(
+        data=args.data, out=args.out, methods=split_method_specs(args.methods), limit=args.limit, offset=args.offset,
+        model=args.model, template=args.template, max_new_tokens=args.max_new_tokens, kl_tokens=args.kl_tokens,
+        seed=args.seed, bootstrap=args.bootstrap, peer=args.peer, store=args.store, chunk_prefix=args.chunk_prefix,
+        warmup=args.warmup, threads=args.threads, device=args.device, dtype=args.dtype, overwrite=args.overwrite,
+        plots=not args.no_plots, progress=not args.no_progress,
+    )
+    bench = QABenchmark(cfg)
+    for spec in bench.skipped:
+        print(f"warning: skipping method {spec!r}: not a registered fusion method", file=sys.stderr)
+    summary = bench.run()
+    for spec, why in bench.skip_reasons.items():
+        if why != "not a registered fusion method":
+            print(f"warning: skipped method {spec!r}: {why}", file=sys.stderr)
+    print(summary_markdown(summary))
+    print(f"results in {args.out}/ (results.jsonl, summary.json, summary.md, pareto_*.png)", file=sys.stderr)
+    return 0
+
+
+def run_sweep(args: argparse.Namespace) -> int:
+    """``kvrag bench sweep``."""
+    from kvrag.bench.runner import split_method_specs
+    from kvrag.bench.sweep import SweepConfig
+    from kvrag.bench.sweep import run_sweep as _run
+
+    _setup(args)
+    cfg = SweepConfig(
+        methods=split_method_specs(args.methods), data=args.data, lengths=args.lengths, chunks=args.chunks,
+        chunk_counts=args.chunk_counts, content_tokens=args.content_tokens, repeats=args.repeats, out=args.out,
+        model=args.model, device=args.device, dtype=args.dtype, threads=args.threads, seed=args.seed,
+        overwrite=args.overwrite, progress=not args.no_progress,
+    )
+    result = _run(cfg)
+    from kvrag.bench.sweep import sweep_markdown
+
+    print(sweep_markdown(result))
+    print(f"results in {args.out}/ (sweep.jsonl, sweep.json, sweep.md, sweep_*.png)", file=sys.stderr)
+    return 0
+
+
+def run_store(args: argparse.Namespace) -> int:
+    """``kvrag bench store``."""
+    from kvrag.bench.store_bench import StoreBenchConfig, run_store_bench, store_markdown
+
+    _setup(args)
+    cfg = StoreBenchConfig(
+        backends=[b.strip() for b in args.backends.split(",") if b.strip()],
+        codecs=[c.strip() for c in args.codecs.split(",") if c.strip()],
+        redis_url=args.redis_url, dir=args.dir, chunks=args.chunks, chunk_tokens=args.chunk_tokens,
+        repeats=args.repeats, out=args.out, model=args.model, seed=args.seed, progress=not args.no_progress,
+    )
+    result = run_store_bench(cfg)
+    print(store_markdown(result))
+    print(f"results in {args.out}/ (store.json, store.md)", file=sys.stderr)
+    return 0
+
+
+def run_templates(args: argparse.Namespace) -> int:
+    """``kvrag bench templates``."""
+    from kvrag.bench.runner import load_requests
+    from kvrag.bench.templates import select_template, templates_markdown
+    from kvrag.config import EngineConfig
+    from kvrag.engine.engine import KVRAGEngine
+    from kvrag.models import load_model
+    from kvrag.prompting import TEMPLATES
+    from kvrag.store.memory import MemoryStore
+
+    _setup(args)
+    names = list(TEMPLATES) if args.candidates in ("all", "") else [c.strip() for c in args.candidates.split(",")]
+    reqs = load_requests(args.data, args.limit, args.offset)
+    eng = KVRAGEngine(load_model(args.model, device=args.device, dtype=args.dtype), MemoryStore(), EngineConfig())
+    result = select_template(eng, reqs, args.out, names, max_new_tokens=args.max_new_tokens, n_boot=args.bootstrap,
+                             seed=args.seed, progress=not args.no_progress)
+    print(templates_markdown(result))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Standalone entry point: ``python -m kvrag.bench.cli bench ...``."""
+    parser = argparse.ArgumentParser(prog="kvrag")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_bench_arguments(sub)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args) or 0)
+    except (KVRAGError, ConfigError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
