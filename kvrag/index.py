@@ -156,7 +156,7 @@ class ChunkIndex:
             raise ConfigError(f"top_k must be >= 1, got {top_k}")
         q = self.embed(embedder, [query])
         scores, idx = self.vectors.search(q, min(top_k, len(self.chunks)))
-        return [(self.chunks[i], float(s)) for s, i in zip(scores[0], idx[0]) if i >= 0]
+        return [(self.chunks[i], float(s)) for s, i in zip(scores[0], idx[0], strict=True) if i >= 0]
 
 
 def make_chunks(docs: Iterable[tuple[str, str]], count_tokens: Callable[[str], int], chunk_tokens: int) -> list[Chunk]:

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kvrag.engine.planner import PlannedSegment
 from kvrag.fusion.base import FusionInput, Span
 from kvrag.kv import hf_cache
 from kvrag.kv.chunk import ChunkKV
@@ -99,4 +100,33 @@ def assemble(
         spans=spans,
         suffix_ids=sfx,
         canonical_keys=ck,
+    )
+
+
+def context_only_input(
+    model: torch.nn.Module,
+    rope: Rope,
+    spec: KVSpec,
+    segments: Sequence[PlannedSegment],
+    suffix_ids: Sequence[int] | torch.Tensor,
+) -> FusionInput:
+    """A FusionInput with the context's token ids and spans but empty KV ([L, H_kv, 0, D]).
+
+    For methods that never read the stale cache (``FusionMethod.reads_cache = False``, e.g. ``full``), so that they
+    are not charged for fetching and assembling caches they ignore.
+    """
+    spans = [Span(s.start, s.end, s.kind, None) for s in segments if s.token_ids]
+    ids = [t for s in segments for t in s.token_ids]
+    mdtype = next(model.parameters()).dtype
+    empty = torch.zeros((spec.num_layers, spec.num_kv_heads, 0, spec.head_dim), dtype=mdtype, device=model.device)
+    sfx = suffix_ids if isinstance(suffix_ids, torch.Tensor) else torch.tensor(list(suffix_ids), dtype=torch.long)
+    return FusionInput(
+        model=model,
+        rope=rope,
+        spec=spec,
+        token_ids=torch.tensor(ids, dtype=torch.long),
+        keys=empty,
+        values=empty,
+        spans=spans,
+        suffix_ids=sfx,
     )

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from kvrag.config import EngineConfig, GenerationConfig
-from kvrag.engine.assemble import assemble, compute_chunk_kv
+from kvrag.engine.assemble import assemble, compute_chunk_kv, context_only_input
 from kvrag.engine.generate import decode
 from kvrag.engine.planner import Plan, PlannedSegment, TextPiece, plan_pieces, split_prompt
 from kvrag.errors import ConfigError, ContextLengthError
@@ -210,7 +210,7 @@ class KVRAGEngine:
         t = time.perf_counter()
         counts = {"chunk_hits": 0, "chunk_misses": 0, "other_hits": 0, "other_misses": 0, "reused_tokens": 0}
         pieces = []
-        for s, k, ch in zip(segs, keys, got):
+        for s, k, ch in zip(segs, keys, got, strict=True):
             tag = "chunk" if s.kind == "chunk" else "other"
             if ch is None:
                 counts[f"{tag}_misses"] += 1
@@ -234,10 +234,15 @@ class KVRAGEngine:
         with self._lock:
             t0 = time.perf_counter()
             timings: dict[str, float] = {}
-            pieces, counts, keys = self._fetch(plan.context, timings)
-            t = time.perf_counter()
-            inp = assemble(self.model, self.rope, self.spec, pieces, plan.suffix.token_ids)
-            timings["assemble_s"] = time.perf_counter() - t
+            if m.reads_cache:
+                pieces, counts, keys = self._fetch(plan.context, timings)
+                t = time.perf_counter()
+                inp = assemble(self.model, self.rope, self.spec, pieces, plan.suffix.token_ids)
+                timings["assemble_s"] = time.perf_counter() - t
+            else:  # e.g. full prefill: the stale KV is never read, so it is neither fetched nor assembled
+                counts = dict.fromkeys(("chunk_hits", "chunk_misses", "other_hits", "other_misses", "reused_tokens"), 0)
+                keys = [None] * len(plan.context)
+                inp = context_only_input(self.model, self.rope, self.spec, plan.context, plan.suffix.token_ids)
             t = time.perf_counter()
             out = m.fuse(inp)
             timings["repair_s"] = time.perf_counter() - t
@@ -260,7 +265,7 @@ class KVRAGEngine:
             "hit_rate": (counts["chunk_hits"] / plan.registered) if plan.registered else 0.0,
             "method_stats": out.stats,
         }
-        chunk_keys = [k for s, k in zip(plan.context, keys) if s.kind == "chunk"]
+        chunk_keys = [k for s, k in zip(plan.context, keys, strict=True) if s.kind == "chunk" and k]
         return Prepared(plan, m, inp, out, cache, last, timings, stats, chunk_keys, t0)
 
     def stream(self, prepared: Prepared, gen: GenerationConfig | None = None) -> Iterator[str]:

@@ -18,6 +18,27 @@ from kvrag.errors import ConfigError
 from kvrag.kv.rope import Rope
 from kvrag.kv.spec import KVSpec
 
+_TRUE = {"1", "true", "yes", "on", "y", "t"}
+_FALSE = {"0", "false", "no", "off", "n", "f"}
+
+
+class Bool:
+    """Parameter type for flags given as strings in method specs ("true"/"false", "1"/"0", "yes"/"no").
+
+    ``bool("false")`` is True, so ``FusionMethod.params`` entries use this instead of ``bool``.
+    """
+
+    def __new__(cls, raw: object) -> bool:  # type: ignore[misc]
+        if isinstance(raw, bool | int):
+            return bool(raw)
+        s = str(raw).strip().lower()
+        if s in _TRUE:
+            return True
+        if s in _FALSE:
+            return False
+        msg = f"expected a boolean (true/false/1/0/yes/no), got {raw!r}"
+        raise ValueError(msg)
+
 
 @dataclasses.dataclass(frozen=True)
 class Span:
@@ -105,8 +126,11 @@ class FusionMethod(abc.ABC):
     """A registered repair strategy. Subclasses declare ``name`` and parse their parameters in ``__init__``."""
 
     name: ClassVar[str] = ""
-    #: parameter name -> (type, default, validator description)
+    #: parameter name -> (type, default)
     params: ClassVar[dict[str, tuple[type, Any]]] = {}
+    #: False for methods that ignore the stale KV (``full``): the engine then skips fetching and assembling the
+    #: chunk caches, and ``FusionInput.keys`` / ``values`` are empty ([L, H_kv, 0, D]).
+    reads_cache: ClassVar[bool] = True
 
     def __init__(self, **kwargs: Any) -> None:
         unknown = set(kwargs) - set(self.params)
@@ -124,7 +148,7 @@ class FusionMethod(abc.ABC):
             setattr(self, k, val)
         self.validate()
 
-    def validate(self) -> None:
+    def validate(self) -> None:  # noqa: B027 (optional hook, not abstract)
         """Raise ConfigError for out-of-range parameters."""
 
     @property

@@ -17,6 +17,7 @@ class Full(FusionMethod):
     """
 
     name = "full"
+    reads_cache = False
 
     def fuse(self, inp: FusionInput) -> FusionOutput:
         ids = torch.cat([inp.token_ids, inp.suffix_ids.to(inp.token_ids.device)])

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from kvrag.fusion.base import FusionInput, FusionMethod, FusionOutput, register
+from kvrag.fusion.base import Bool, FusionInput, FusionMethod, FusionOutput, register
 from kvrag.fusion.recompute import (
-    Bool,
     budget,
     check_ratio,
     exact_mask,

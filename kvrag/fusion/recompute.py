@@ -27,27 +27,6 @@ from kvrag.errors import ConfigError
 from kvrag.fusion.base import FusionInput, FusionOutput
 from kvrag.kv import hf_cache
 
-_TRUE = {"1", "true", "yes", "on", "y", "t"}
-_FALSE = {"0", "false", "no", "off", "n", "f"}
-
-
-class Bool:
-    """Parameter type for flags given as strings in method specs ("true"/"false", "1"/"0", "yes"/"no").
-
-    ``bool("false")`` is True, so ``FusionMethod.params`` entries use this instead of ``bool``.
-    """
-
-    def __new__(cls, raw: object) -> bool:  # type: ignore[misc]
-        if isinstance(raw, bool | int):
-            return bool(raw)
-        s = str(raw).strip().lower()
-        if s in _TRUE:
-            return True
-        if s in _FALSE:
-            return False
-        msg = f"expected a boolean (true/false/1/0/yes/no), got {raw!r}"
-        raise ValueError(msg)
-
 
 def check_ratio(method: str, name: str, value: float) -> None:
     """Raise ConfigError unless ``0 < value <= 1``."""

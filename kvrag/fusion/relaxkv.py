@@ -13,9 +13,8 @@ import dataclasses
 
 import torch
 
-from kvrag.fusion.base import FusionInput, FusionMethod, FusionOutput, register
+from kvrag.fusion.base import Bool, FusionInput, FusionMethod, FusionOutput, register
 from kvrag.fusion.recompute import (
-    Bool,
     budget,
     check_choice,
     check_ratio,

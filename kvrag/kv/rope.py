@@ -47,7 +47,7 @@ def find_rotary_module(model: torch.nn.Module) -> torch.nn.Module:
     if rot is not None and hasattr(rot, "inv_freq"):
         return rot
     for _, mod in model.named_modules():
-        if hasattr(mod, "inv_freq") and isinstance(getattr(mod, "inv_freq"), torch.Tensor):
+        if hasattr(mod, "inv_freq") and isinstance(mod.inv_freq, torch.Tensor):
             return mod
     name = type(model).__name__
     msg = (
@@ -97,14 +97,6 @@ class Rope:
             emb = torch.repeat_interleave(freqs, 2, dim=-1)
         return emb.cos(), emb.sin()
 
-    def _rotate_pairs(self, x: torch.Tensor) -> torch.Tensor:
-        if self.pairing == "half":
-            x1, x2 = x.chunk(2, dim=-1)
-            return torch.cat((-x2, x1), dim=-1)
-        x1 = x[..., 0::2]
-        x2 = x[..., 1::2]
-        return torch.stack((-x2, x1), dim=-1).flatten(-2)
-
     def rotate(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         """Rotate ``x`` [..., T, D] by ``+positions`` (or ``-positions`` when inverse); fp32 math, x's dtype out."""
         if x.shape[-1] != self.head_dim:
@@ -114,7 +106,16 @@ class Rope:
         if inverse:
             sin = -sin
         xf = x.float()
-        out = xf * cos + self._rotate_pairs(xf) * sin
+        # out = xf * cos + rotate_pairs(xf) * sin, written in place: one [..., T, D] temporary instead of five
+        # (assembling a long context moves tens of MB through here).
+        out = xf * cos
+        if self.pairing == "half":
+            h = self.head_dim // 2
+            out[..., :h].addcmul_(xf[..., h:], sin[..., :h], value=-1.0)
+            out[..., h:].addcmul_(xf[..., :h], sin[..., h:])
+        else:
+            out[..., 0::2].addcmul_(xf[..., 1::2], sin[..., 0::2], value=-1.0)
+            out[..., 1::2].addcmul_(xf[..., 0::2], sin[..., 1::2])
         return out.to(x.dtype)
 
     def canonicalize(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from kvrag.errors import ConfigError
-from kvrag.fusion.base import FusionInput, Span
+from kvrag.fusion.base import Bool, FusionInput, Span
 from kvrag.fusion.cacheblend import kv_deviation
 from kvrag.fusion.epic import epic_positions
 from kvrag.fusion.prophetkv import prophet_select
-from kvrag.fusion.recompute import Bool, budget, exact_mask, top_positions
+from kvrag.fusion.recompute import budget, exact_mask, top_positions
 from kvrag.fusion.relaxkv import relaxkv_schedule
 
 
