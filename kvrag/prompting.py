@@ -28,6 +28,20 @@ ANSWER_EXTRACTIONS = ("line", "raw", "short")
 ``short`` = ``line``, then a leading yes/no alone, else the first sentence (see ``kvrag.bench.runner``)."""
 
 
+def chat_preamble(tokenizer: Any) -> str:
+    """The chat template's fixed text before a user message (system header), or the BOS token without a template.
+
+    This is what chunk caches are conditioned on with ``chunk_prefix='template'`` (the engine and the CacheRepair
+    data pipeline share it, so a repairer is trained on caches computed exactly like the engine's).
+    """
+    if getattr(tokenizer, "chat_template", None):
+        marker = "\u2063KVRAG_MARK\u2063"
+        s = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False,
+                                          add_generation_prompt=False)
+        return s.split(marker, 1)[0]
+    return tokenizer.bos_token or ""
+
+
 def render_passage(text: str, title: str | None = None) -> str:
     """The exact text a passage contributes to a prompt (and the text its cache is computed for)."""
     body = text.strip()

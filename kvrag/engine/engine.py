@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import threading
@@ -22,6 +23,7 @@ from kvrag.kv.chunk import ChunkKV
 from kvrag.kv.keys import ChunkKey
 from kvrag.kv.rope import Rope
 from kvrag.kv.spec import KVSpec, dtype_name
+from kvrag.prompting import chat_preamble
 
 log = logging.getLogger(__name__)
 
@@ -64,10 +66,22 @@ class Prepared:
 class KVRAGEngine:
     """Ingest chunk caches once; answer prompts by splicing them in and repairing the cross-chunk attention.
 
+    Thread safety: one engine may serve many threads and asyncio tasks at once. Model forwards are serialized by
+    an engine lock, which is held per step and never while a :meth:`stream` consumer runs between tokens, so a slow
+    or abandoned stream does not block other requests. Each request has its own KV cache (no cross-talk).
+
+    Store failures: with ``config.on_store_error="recompute"`` (default) the answering path reads and writes the
+    store through a :class:`~kvrag.store.fallback.FallbackStore`: if the store fails, a warning is logged once,
+    the needed caches are computed on demand, and the store is used again when it works. :meth:`ingest` always
+    raises :class:`~kvrag.errors.StoreError`.
+
     Args:
         loaded: a :class:`kvrag.models.LoadedModel` (model, tokenizer, fingerprints).
         store: a :class:`kvrag.store.KVStore` holding canonical chunk caches.
         config: engine settings.
+
+    Attributes:
+        counters: ``chunks_computed`` / ``chunks_reused`` since creation (every path: ingest, ensure, answers).
     """
 
     def __init__(self, loaded: Any, store: Any, config: EngineConfig | None = None) -> None:
@@ -76,6 +90,12 @@ class KVRAGEngine:
         self.tokenizer = loaded.tokenizer
         self.store = store
         self.config = config or EngineConfig()
+        from kvrag.store.fallback import with_fallback
+
+        # The answering path's view of the store: degrades instead of failing when on_store_error="recompute".
+        self.serving_store = with_fallback(store, self.config.on_store_error, retry_s=self.config.store_retry_s)
+        self.counters: collections.Counter[str] = collections.Counter()
+        self._counter_lock = threading.Lock()
         self.rope = Rope.from_model(self.model)
         cfg = self.model.config
         text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
@@ -98,13 +118,25 @@ class KVRAGEngine:
         cls, model: str | None = None, store: Any = "memory://", *, device: str | None = None, dtype: Any = None,
         **config: Any,
     ) -> KVRAGEngine:
-        """Load a model (None: the embedded default) and open a store (URL or KVStore)."""
-        from kvrag.models import load_model
-        from kvrag.store.factory import store_from_url
+        """Load a model (None: the embedded default) and open a store (URL or KVStore).
 
+        With ``on_store_error="recompute"`` (default) a Redis URL whose server is down at start is accepted: a
+        warning is logged and the store is used once the server is up.
+        """
+        from kvrag.models import load_model
+        from kvrag.store.fallback import FallbackStore, open_store
+
+        cfg = EngineConfig(**config)
+        start_error = None
+        if isinstance(store, str):
+            st, start_error = open_store(store, cfg.on_store_error)
+        else:
+            st = store
         loaded = load_model(model, device=device, dtype=dtype)
-        st = store_from_url(store) if isinstance(store, str) else store
-        return cls(loaded, st, EngineConfig(**config))
+        eng = cls(loaded, st, cfg)
+        if start_error is not None and isinstance(eng.serving_store, FallbackStore):
+            eng.serving_store.mark_down("connect", start_error)
+        return eng
 
     # ----------------------------------------------------------------- identity
     def _rope_type(self) -> str:
@@ -120,16 +152,31 @@ class KVRAGEngine:
 
     def template_preamble(self) -> str:
         """The chat template's fixed text before a user message (system header); '' without a template."""
-        tok = self.tokenizer
-        if getattr(tok, "chat_template", None):
-            marker = "\u2063KVRAG_MARK\u2063"
-            s = tok.apply_chat_template([{"role": "user", "content": marker}], tokenize=False, add_generation_prompt=False)
-            return s.split(marker, 1)[0]
-        return tok.bos_token or ""
+        return chat_preamble(self.tokenizer)
 
     def tokenize(self, text: str) -> list[int]:
-        """Token ids of ``text`` alone, without special tokens being added."""
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        """Token ids of ``text`` alone, without special tokens being added.
+
+        Raises:
+            ConfigError: ``text`` is not a str, or holds code points that are not valid Unicode text (lone
+                surrogates, e.g. from ``bytes.decode(errors="surrogateescape")``). Control characters are
+                ordinary text and go to the tokenizer as they are.
+        """
+        if not isinstance(text, str):
+            msg = (f"expected text as str, got {type(text).__name__}; decode bytes first, e.g. "
+                   "data.decode('utf-8', errors='replace')")
+            raise ConfigError(msg)
+        try:
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        except (TypeError, ValueError, UnicodeError) as e:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as ue:
+                msg = (f"text holds a code point that is not valid Unicode ({text[ue.start]!r} at index {ue.start}, "
+                       "a lone surrogate); decode the source bytes with errors='replace' instead of "
+                       "'surrogateescape'")
+                raise ConfigError(msg) from e
+            raise
 
     def chunk_key(self, token_ids: Sequence[int], kind: str = "chunk") -> str:
         prefix = () if kind == "prefix" else self.chunk_prefix_ids
@@ -148,40 +195,78 @@ class KVRAGEngine:
                    f"window is {self.max_context}; split it into smaller chunks")
             raise ContextLengthError(msg)
 
+    def _count(self, **kw: int) -> None:
+        with self._counter_lock:
+            self.counters.update(kw)
+
     def compute(self, token_ids: Sequence[int], kind: str = "chunk") -> ChunkKV:
         """Compute a chunk's canonical cache (no store access)."""
         prefix = () if kind == "prefix" else self.chunk_prefix_ids
         with self._lock:
-            return compute_chunk_kv(self.model, self.rope, self.spec, token_ids, prefix)
+            out = compute_chunk_kv(self.model, self.rope, self.spec, token_ids, prefix)
+        self._count(chunks_computed=1)
+        return out
+
+    def _chunk_ids(self, text: str) -> list[int]:
+        """Token ids of a chunk, or [] for an empty / whitespace-only one (never cached)."""
+        return self.tokenize(text) if text.strip() else []
 
     def ensure(self, text: str, kind: str = "chunk") -> tuple[str, ChunkKV | None, bool]:
-        """Make sure ``text``'s cache is stored. Returns (key, chunk if it was computed or fetched, hit)."""
-        ids = self.tokenize(text)
+        """Make sure ``text``'s cache is stored. Returns (key, chunk if it was computed or fetched, hit).
+
+        Raises:
+            ConfigError: ``text`` is empty or whitespace-only.
+            ContextLengthError: the chunk does not fit the context window.
+        """
+        ids = self._chunk_ids(text)
         if not ids:
-            msg = "cannot cache an empty or whitespace-free-of-tokens chunk; drop empty chunks before ingesting"
+            msg = f"cannot cache an empty or whitespace-only chunk (got {text!r}); drop empty chunks before caching"
             raise ConfigError(msg)
         self._check_len(len(ids), "chunk")
         key = self.chunk_key(ids, kind)
-        got = self.store.get(key)
+        got = self.serving_store.get(key)
         if got is not None:
+            self._count(chunks_reused=1)
             return key, got, True
         ch = self.compute(ids, kind)
-        self.store.put(key, ch)
+        self.serving_store.put(key, ch)
         return key, ch, False
 
+    def ensure_ids(self, token_ids: Sequence[int], kind: str = "chunk") -> tuple[str, bool]:
+        """Store the cache of ``token_ids`` unless it is stored already (not read back). Returns (key, was_cached).
+
+        Goes through the serving store: with ``on_store_error="recompute"`` a failing store is skipped.
+        """
+        self._check_len(len(token_ids), "chunk")
+        key = self.chunk_key(token_ids, kind)
+        if self.serving_store.contains(key):
+            self._count(chunks_reused=1)
+            return key, True
+        self.serving_store.put(key, self.compute(token_ids, kind))
+        return key, False
+
     def ingest(self, texts: Sequence[str], progress: bool = False) -> list[str]:
-        """Compute and store caches for ``texts`` (skipping ones already stored). Returns their keys."""
+        """Compute and store caches for ``texts``, skipping those already stored (so an interrupted ingest resumes).
+
+        Empty and whitespace-only texts are skipped with a warning. Returns the keys of the non-empty texts.
+
+        Raises:
+            StoreError: the store failed (disk full, Redis down) -- also with ``on_store_error="recompute"``.
+            ContextLengthError: a chunk does not fit the context window (nothing after it is ingested).
+        """
         from tqdm.auto import tqdm
 
         keys = []
-        for t in tqdm(texts, desc="caching chunks", unit="chunk", disable=not progress):
-            ids = self.tokenize(t)
+        for i, t in enumerate(tqdm(texts, desc="caching chunks", unit="chunk", disable=not progress)):
+            ids = self._chunk_ids(t)
             if not ids:
-                log.warning("skipping an empty chunk")
+                log.warning("skipping empty or whitespace-only chunk #%d", i)
                 continue
-            self._check_len(len(ids), "chunk")
+            self._check_len(len(ids), f"chunk #{i}")
             key = self.chunk_key(ids)
-            if not self.store.contains(key):
+            if self.store.contains(key):
+                self._count(chunks_reused=1)
+            else:
                 self.store.put(key, self.compute(ids))
             keys.append(key)
         return keys
@@ -205,7 +290,7 @@ class KVRAGEngine:
     def _fetch(self, segs: Sequence[PlannedSegment], timings: dict[str, float]) -> tuple[list, dict[str, int], list[str]]:
         t = time.perf_counter()
         keys = [self.chunk_key(s.token_ids, s.kind) for s in segs]
-        got = self.store.get_many(keys) if hasattr(self.store, "get_many") else [self.store.get(k) for k in keys]
+        got = self.serving_store.get_many(keys)
         timings["fetch_s"] = time.perf_counter() - t
         t = time.perf_counter()
         counts = {"chunk_hits": 0, "chunk_misses": 0, "other_hits": 0, "other_misses": 0, "reused_tokens": 0}
@@ -215,10 +300,11 @@ class KVRAGEngine:
             if ch is None:
                 counts[f"{tag}_misses"] += 1
                 ch = self.compute(s.token_ids, s.kind)
-                self.store.put(k, ch)
+                self.serving_store.put(k, ch)
             else:
                 counts[f"{tag}_hits"] += 1
                 counts["reused_tokens"] += len(s.token_ids)
+                self._count(chunks_reused=1)
             pieces.append((s.kind, ch, k))
         timings["compute_misses_s"] = time.perf_counter() - t
         return pieces, counts, keys
@@ -269,7 +355,12 @@ class KVRAGEngine:
         return Prepared(plan, m, inp, out, cache, last, timings, stats, chunk_keys, t0)
 
     def stream(self, prepared: Prepared, gen: GenerationConfig | None = None) -> Iterator[str]:
-        """Decode from a prepared request, yielding text deltas; fills ``prepared.timings`` as it goes."""
+        """Decode from a prepared request, yielding text deltas; fills ``prepared.timings`` as it goes.
+
+        The engine lock is taken for each decode step and released before a delta is yielded, so other requests
+        proceed while the consumer handles it (or never resumes the generator). Each step may run in a different
+        thread.
+        """
         gen = gen or GenerationConfig()
         eos = self._eos_ids()
         timings = prepared.timings
@@ -278,16 +369,24 @@ class KVRAGEngine:
         def first() -> None:
             timings["ttft_s"] = time.perf_counter() - prepared.t0
 
-        with self._lock:
-            t = time.perf_counter()
-            for tok, delta in decode(self.model, self.tokenizer, prepared.cache, prepared.last_logits, gen, eos, first):
+        t = time.perf_counter()
+        steps = decode(self.model, self.tokenizer, prepared.cache, prepared.last_logits, gen, eos, first)
+        try:
+            while True:
+                with self._lock:  # per step, NOT across the yield below
+                    try:
+                        tok, delta = next(steps)
+                    except StopIteration:
+                        break
                 if tok >= 0:
                     tokens.append(tok)
                 if delta:
                     yield delta
-            timings.setdefault("ttft_s", time.perf_counter() - prepared.t0)
-            timings["decode_s"] = time.perf_counter() - t
-            timings["total_s"] = time.perf_counter() - prepared.t0
+        finally:
+            steps.close()
+        timings.setdefault("ttft_s", time.perf_counter() - prepared.t0)
+        timings["decode_s"] = time.perf_counter() - t
+        timings["total_s"] = time.perf_counter() - prepared.t0
         prepared.stats["generated_tokens"] = len(tokens)
         prepared.stats["token_ids"] = tokens
 

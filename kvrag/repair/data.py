@@ -34,6 +34,7 @@ from kvrag.errors import ConfigError
 from kvrag.kv import hf_cache
 from kvrag.kv.rope import Rope
 from kvrag.kv.spec import KVSpec
+from kvrag.prompting import chat_preamble
 from kvrag.repair.model import pack_kv
 
 log = logging.getLogger(__name__)
@@ -91,13 +92,7 @@ def template_prefix_ids(tokenizer: Any, mode: str = "template") -> tuple[int, ..
     if mode != "template":
         msg = f"chunk prefix mode must be 'template' or 'none', got {mode!r}"
         raise ConfigError(msg)
-    if getattr(tokenizer, "chat_template", None):
-        marker = "\u2063KVRAG_MARK\u2063"
-        s = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False,
-                                          add_generation_prompt=False)
-        pre = s.split(marker, 1)[0]
-    else:
-        pre = tokenizer.bos_token or ""
+    pre = chat_preamble(tokenizer)
     return tuple(tokenizer(pre, add_special_tokens=False)["input_ids"]) if pre else ()
 
 
