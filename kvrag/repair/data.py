@@ -2,7 +2,7 @@
 
 Corpus: one JSON object a line, ``{"id": ..., "titles": [...], "passages": [...]}`` (``id`` optional). Each group
 becomes one ordered multi-chunk document: chunk ``i`` is ``renderer(titles[i], passages[i])`` (by default
-``"Title: {title}\\n{passage}\\n\\n"``, as the benchmark renders context passages), tokenized alone like the engine
+``"\\n\\nTitle: {title}\\n{passage}"``, as the benchmark renders context passages), tokenized alone like the engine
 tokenizes a chunk, taken in order under a token budget (2-20 chunks).
 
 Conditioning, as the engine does it: every chunk cache is computed after a fixed prefix P (the chat template's
@@ -39,7 +39,7 @@ from kvrag.repair.model import pack_kv
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CHUNK_FORMAT = "Title: {title}\n{passage}\n\n"
+DEFAULT_CHUNK_FORMAT = "\n\nTitle: {title}\n{passage}"
 """How the benchmark renders one retrieved passage into the prompt."""
 
 PAIR_FORMAT_VERSION = 1
@@ -62,7 +62,7 @@ class ChunkRenderer:
         self.fmt = fmt
 
     def __call__(self, title: str, passage: str) -> str:
-        return self.fmt.format(title=title, passage=passage)
+        return self.fmt.format(title=title.strip(), passage=passage.strip())
 
     @property
     def identity(self) -> str:

@@ -13,7 +13,7 @@ from kvrag.config import GenerationConfig
 from kvrag.engine.engine import KVRAGEngine
 from kvrag.index import make_chunks, read_documents
 from kvrag.kv import hf_cache
-from kvrag.prompting import RagTemplate
+from kvrag.prompting import TEMPLATES, RagTemplate, render_passage
 from kvrag.store.memory import MemoryStore
 
 pytestmark = pytest.mark.integration
@@ -43,6 +43,20 @@ def test_full_equals_model_generate_on_default_model(engine, chunks) -> None:
     ref = [t for t in ref if t not in eos][: n]
     got = engine.answer_plan(plan, "full", GenerationConfig(max_new_tokens=n)).token_ids
     assert got == ref[: len(got)] and len(got) >= min(len(ref), 1)
+
+
+@pytest.mark.parametrize("name", sorted(TEMPLATES))
+def test_rendered_passages_tokenize_as_in_the_whole_prompt(engine, name) -> None:
+    """Each passage tokenized alone gives exactly the ids of its place in the tokenized prompt string, so the
+    cached prompt is the prompt ``model.generate`` (or any HF pipeline) would see for the same text."""
+    passages = [render_passage("Edith Crane (1841-1913) was a civil engineer.", "Edith Crane"),
+                render_passage("It opened in 1874; 3.5 km long!", "Marlow Viaduct"),
+                render_passage("  body with spaces and a trailing newline\n", None)]
+    prefix, ps, suffix = TEMPLATES[name].parts(engine.tokenizer, passages, "Who designed it?")
+    plan = engine.plan_parts(prefix, ps, suffix)
+    ids = [t for s in (*plan.context, plan.suffix) for t in s.token_ids]
+    whole = engine.tokenizer(prefix + "".join(ps) + suffix, add_special_tokens=False)["input_ids"]
+    assert ids == whole
 
 
 def test_stale_first_chunk_exact_and_later_chunks_stale(engine, chunks) -> None:

@@ -62,7 +62,7 @@ def test_unregistered_method_is_skipped_bad_params_raise() -> None:
 def test_load_requests_validates(tmp_path: Path) -> None:
     reqs = load_requests(DATA, limit=2, offset=1)
     assert [r.id for r in reqs] == ["tiny-2", "tiny-3"]
-    assert reqs[0].passages()[0].startswith("Title: Report\nThe committee")
+    assert reqs[0].passages()[0].startswith("\n\nTitle: Report\nThe committee")
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"id": "x", "question": "q", "answers": "not a list", "contexts": [{"title": "", "text": "t"}]}\n')
     with pytest.raises(ConfigError, match="bad.jsonl:1"):

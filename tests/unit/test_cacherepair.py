@@ -28,7 +28,7 @@ from kvrag.repair.data import (
     region_masks,
     template_prefix_ids,
 )
-from kvrag.repair.model import RepairConfig, RepairModel, block_causal_mask, pack_kv, unpack_kv
+from kvrag.repair.model import CONFIG_NAME, RepairConfig, RepairModel, block_causal_mask, pack_kv, unpack_kv
 from kvrag.repair.train import TrainConfig, Trainer, kv_spec_of, lr_factor
 from kvrag.testing.fusion_suite import FusionCase, FusionMethodTests, fusion_case
 from kvrag.testing.tiny import FAMILIES, tiny_model
@@ -302,6 +302,24 @@ def test_eval_reports_regions(lm, tmp_path: Path) -> None:
     assert r["eval_docs"] == 2
     assert r["nmse"] == pytest.approx(r["nmse_stale"])  # untrained: repair == stale
     assert r["rel_rmse.boundary.K.stale"] > 0 and r["rel_rmse.first.V.stale"] < 1e-3
+
+
+def test_publish_writes_card_from_the_run(lm, tmp_path: Path) -> None:
+    """The model card quotes the run's own numbers, and the published checkpoint loads for the same model."""
+    from kvrag.repair.card import CARD, publish
+
+    corpus = _corpus(tmp_path / "c.jsonl", 12)
+    tr = Trainer(_train_cfg(tmp_path, corpus, eval_docs=2, eval_modulus=3, steps=3, eval_every=3), lm)
+    tr.train()
+    tr.export()
+    dest = publish(tmp_path / "out", tmp_path / "shipped", command="kvrag train-repairer --steps 3")
+    card = (dest / CARD).read_text()
+    ev = json.loads((dest / CONFIG_NAME).read_text())["training"]["final_eval"]
+    assert f"{ev['nmse']:.4f}" in card and "kvrag train-repairer --steps 3" in card
+    assert f"{tr.summary()['train_documents']} documents for training" in card
+    RepairModel.from_pretrained(dest, lm.fingerprint)
+    with pytest.raises(FileNotFoundError, match="train-repairer"):
+        publish(tmp_path / "nothing-here")
 
 
 # ---------------------------------------------------------------------------------------------------------------

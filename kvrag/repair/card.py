@@ -1,0 +1,175 @@
+"""Publish a trained repairer: copy the deployable files, plot the learning curve and write a model card.
+
+    python -m kvrag.repair.card RUN_DIR [--dest DIR] [--command "kvrag train-repairer ..."]
+                                [--bench SUMMARY_JSON --bench-command "kvrag bench ..."]
+
+``RUN_DIR`` is a ``kvrag train-repairer --out`` directory. ``--dest`` defaults to the shipped location for the
+target model (``kvrag/data/repairers/<model-name>/``), where ``method="cacherepair"`` finds it by fingerprint.
+Everything in the card is read from the run's ``repair_config.json`` and ``curve.jsonl`` (and, with ``--bench``,
+from a ``kvrag bench`` summary.json), never typed in by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from kvrag.repair.model import CONFIG_NAME
+
+FILES = (CONFIG_NAME, "repair_model.safetensors", "stats.safetensors", "curve.jsonl")
+CARD = "MODEL_CARD.md"
+CURVE_PNG = "learning_curve.png"
+
+
+def read_curve(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(train rows, eval rows) of a ``curve.jsonl``."""
+    rows = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.is_file() else []
+    return [r for r in rows if r.get("kind") == "train"], [r for r in rows if r.get("kind") == "eval"]
+
+
+def plot_curve(curve: Path, out: Path) -> Path | None:
+    """Training loss and held-out normalized KV MSE (repaired vs stale) against the step; None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    train, evals = read_curve(curve)
+    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=120)
+    if train:
+        ax.plot([r["step"] for r in train], [r["loss"] for r in train], lw=1, alpha=0.7, label="train loss (normalized MSE)")
+    if evals:
+        ax.plot([r["step"] for r in evals], [r["nmse"] for r in evals], "o-", label="held-out NMSE, repaired")
+        ax.plot([r["step"] for r in evals], [r["nmse_stale"] for r in evals], "--", color="grey",
+                label="held-out NMSE, stale (no repair)")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("normalized residual MSE")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title("CacheRepair learning curve")
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return out
+
+
+def _fmt(x: Any, nd: int = 4) -> str:
+    return f"{x:.{nd}f}" if isinstance(x, float) else str(x)
+
+
+def render_card(meta: dict[str, Any], *, command: str | None, bench: dict[str, Any] | None,
+                bench_command: str | None, has_plot: bool) -> str:
+    """The model card text."""
+    tr = meta.get("training", {})
+    arch = meta.get("architecture", {})
+    target = meta.get("target", {})
+    ev = tr.get("final_eval") or {}
+    lines = [
+        f"# CacheRepair repairer for `{target.get('model_name', '?')}`",
+        "",
+        "A small learned network (CacheRepair §4.1) that predicts the residual between the stale KV of independently",
+        "cached chunks and the jointly prefilled KV. Used by `method=\"cacherepair\"` when the engine's model has",
+        f"fingerprint `{target.get('model_fingerprint', '?')}` (checked at load time).",
+        "",
+        "## Architecture",
+        "",
+        f"preset `{arch.get('preset')}`: d_b {arch.get('d_b')}, {arch.get('num_blocks')} repair blocks, d_seg "
+        f"{arch.get('d_seg')}, {meta.get('num_parameters', 0) / 1e6:.2f} M parameters; target KV "
+        f"[L={arch.get('num_layers')}, H_kv={arch.get('num_kv_heads')}, D={arch.get('head_dim')}].",
+        "",
+        "## Training",
+        "",
+        f"- data: `{Path(str(tr.get('data', '?'))).name}` ({tr.get('train_documents')} documents for training, "
+        f"{tr.get('eval_documents')} held aside for evaluation)",
+        f"- {tr.get('steps')} optimizer steps, {tr.get('samples')} document samples ({tr.get('epochs')} epochs), "
+        f"{tr.get('tokens')} tokens, wall time {tr.get('wall_s', 0) / 60:.1f} min",
+        f"- chunk format `{json.dumps(meta.get('conditioning', {}).get('chunk_format'))}`, chunk prefix "
+        f"`{meta.get('conditioning', {}).get('chunk_prefix')}`",
+    ]
+    if command:
+        lines += ["", "Command:", "", "```bash", command, "```"]
+    cfg = tr.get("config", {})
+    if cfg:
+        keep = {k: v for k, v in cfg.items() if k not in ("out", "pairs", "progress")}
+        lines += ["", "<details><summary>full training config</summary>", "", "```json",
+                  json.dumps(keep, indent=1, sort_keys=True), "```", "", "</details>"]
+    if ev:
+        lines += ["", f"## Held-out evaluation (step {ev.get('step')}, {ev.get('eval_docs')} documents)", "",
+                  f"Normalized residual MSE: repaired **{_fmt(ev.get('nmse'))}** vs stale {_fmt(ev.get('nmse_stale'))}.",
+                  "", "| K/V relative RMSE vs joint prefill | stale | repaired |", "|---|---:|---:|"]
+        for region in ("first", "boundary", "interior"):
+            for kv in ("K", "V"):
+                s, r = ev.get(f"rel_rmse.{region}.{kv}.stale"), ev.get(f"rel_rmse.{region}.{kv}.repair")
+                if s is not None:
+                    lines.append(f"| {kv} {region} | {_fmt(s)} | {_fmt(r)} |")
+        lines += ["", "Regions: `first` = the first chunk (exact when stale), `boundary` = the first tokens of each "
+                  "later chunk, `interior` = the rest."]
+    if has_plot:
+        lines += ["", f"![learning curve]({CURVE_PNG})"]
+    if bench:
+        lines += ["", "## End to end (kvrag bench)", ""]
+        hw = bench.get("hardware", {})
+        lines.append(f"{bench.get('config', {}).get('limit') or ''} requests from "
+                     f"`{Path(str(bench.get('config', {}).get('data', '?'))).name}`; hardware: "
+                     f"{hw.get('cpu', '?')} ({hw.get('cores', '?')} cores, torch threads {hw.get('torch_threads', '?')}).")
+        lines += ["", "| method | n | F1 | KL(full‖m) | TTFT p50 s | TTFT / full |", "|---|---:|---:|---:|---:|---:|"]
+        for name, m in bench.get("methods", {}).items():
+            lines.append(f"| `{name}` | {m.get('n')} | {_fmt(m.get('f1'), 3)} | {_fmt(m.get('kl'))} | "
+                         f"{_fmt(m.get('ttft_p50_s'), 3)} | {_fmt(m.get('ttft_ratio'), 2)} |")
+        if bench_command:
+            lines += ["", "```bash", bench_command, "```"]
+    lines += ["", "## Limits", "",
+              "Trained for this exact model (weights fingerprint), tokenizer and chunk conditioning; the engine refuses",
+              "it for any other model. Trained on CPU in the background with the small preset, far fewer steps than",
+              "the paper's GPU runs: it narrows the stale-vs-joint gap, it does not close it.", ""]
+    return "\n".join(lines)
+
+
+def publish(run_dir: str | Path, dest: str | Path | None = None, *, command: str | None = None,
+            bench: str | Path | None = None, bench_command: str | None = None) -> Path:
+    """Copy a trained repairer into ``dest`` with its learning curve plot and model card; returns ``dest``."""
+    run = Path(run_dir)
+    cfg_path = run / CONFIG_NAME
+    if not cfg_path.is_file():
+        msg = f"{run} has no {CONFIG_NAME}: pass the --out directory of a finished `kvrag train-repairer` run"
+        raise FileNotFoundError(msg)
+    meta = json.loads(cfg_path.read_text())
+    if dest is None:
+        from kvrag.fusion.cacherepair import SHIPPED_DIR
+
+        name = str(meta.get("target", {}).get("model_name") or "model")
+        dest = SHIPPED_DIR / name
+    out = Path(dest)
+    out.mkdir(parents=True, exist_ok=True)
+    for f in FILES:
+        if (run / f).is_file():
+            shutil.copy2(run / f, out / f)
+    has_plot = plot_curve(run / "curve.jsonl", out / CURVE_PNG) is not None
+    summary = json.loads(Path(bench).read_text()) if bench else None
+    (out / CARD).write_text(render_card(meta, command=command, bench=summary, bench_command=bench_command,
+                                        has_plot=has_plot))
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m kvrag.repair.card", description=__doc__.splitlines()[0])
+    ap.add_argument("run_dir", type=Path)
+    ap.add_argument("--dest", type=Path, default=None)
+    ap.add_argument("--command", default=None, help="the training command, shown verbatim in the card")
+    ap.add_argument("--bench", type=Path, default=None, help="a kvrag bench summary.json to quote")
+    ap.add_argument("--bench-command", default=None)
+    args = ap.parse_args(argv)
+    out = publish(args.run_dir, args.dest, command=args.command, bench=args.bench, bench_command=args.bench_command)
+    print(f"published {args.run_dir} -> {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
