@@ -16,16 +16,32 @@ from kvrag.errors import KVRAGError
 log = logging.getLogger("kvrag.cli")
 
 
+def _manifest(persist: str | None) -> dict[str, Any]:
+    if not persist:
+        return {}
+    p = Path(persist) / "index.json"
+    try:
+        return dict(json.loads(p.read_text()))
+    except (OSError, ValueError):
+        return {}
+
+
 def _store_url(args: argparse.Namespace) -> str:
+    """--store, else the store recorded in PERSIST's manifest, else the file store PERSIST/kv."""
     if getattr(args, "store", None):
         return args.store
+    recorded = _manifest(getattr(args, "persist", None)).get("store")
+    if recorded:
+        return str(recorded)
     return "file://" + str((Path(args.persist) / "kv").resolve())
 
 
-def _engine(model: str | None, store: str, chunk_prefix: str = "template", method: str = "stale") -> Any:
+def _engine(model: str | None, store: str, chunk_prefix: str = "template", method: str = "stale",
+            on_store_error: str = "recompute") -> Any:
     from kvrag.engine.engine import KVRAGEngine
 
-    return KVRAGEngine.from_pretrained(model, store, chunk_prefix=chunk_prefix, method=method)
+    return KVRAGEngine.from_pretrained(model, store, chunk_prefix=chunk_prefix, method=method,
+                                       on_store_error=on_store_error)
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
@@ -45,7 +61,8 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     from kvrag.models import load_embedder
 
     t0 = time.perf_counter()
-    eng = _engine(args.model, _store_url(args), args.chunk_prefix)
+    # ingest always fails on store errors (its job is to fill the store), whatever on_store_error says
+    eng = _engine(args.model, _store_url(args), args.chunk_prefix, on_store_error="raise")
     docs = read_documents(args.docs_dir)
     chunks = make_chunks(docs, lambda t: len(eng.tokenize(t)), args.chunk_tokens)
     if not chunks:
@@ -63,7 +80,9 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     }
     index = ChunkIndex.build(chunks, embedder, manifest, progress=True)
     index.save(args.persist)
-    print(f"ingested {len(docs)} documents -> {len(chunks)} chunks ({len(set(keys))} caches) into {args.persist} "
+    c = eng.counters
+    print(f"ingested {len(docs)} documents -> {len(chunks)} chunks ({len(set(keys))} caches: "
+          f"{c['chunks_computed']} computed, {c['chunks_reused']} already stored) into {args.persist} "
           f"in {time.perf_counter() - t0:.1f}s")
     return 0
 
@@ -78,7 +97,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
     man = index.manifest
     model = args.model or (None if man.get("model") == "smollm2-135m-instruct" else man.get("model"))
     store = args.store or man.get("store") or _store_url(args)
-    eng = _engine(model, store, man.get("chunk_prefix", "template"))
+    eng = _engine(model, store, man.get("chunk_prefix", "template"), on_store_error=args.on_store_error)
     hits = index.search(load_embedder(), args.question, args.top_k)
     passages = [c.text for c, _ in hits]
     prompt = RagTemplate().render(eng.tokenizer, passages, args.question)
@@ -111,25 +130,77 @@ def cmd_ask(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_store(args: argparse.Namespace) -> int:
-    from kvrag.store.factory import store_from_url
+def _keep_fingerprints(args: argparse.Namespace) -> list[str] | None:
+    """Model fingerprints whose entries to keep: --keep-fingerprint, --model (loaded), or PERSIST's manifest."""
+    fps = list(getattr(args, "keep_fingerprint", None) or [])
+    model = getattr(args, "model", None)
+    if model:
+        from kvrag.models import load_model
 
-    store = store_from_url(_store_url(args))
+        fps.append(load_model(None if model == "default" else model).fingerprint)
+    if not fps:
+        recorded = _manifest(getattr(args, "persist", None)).get("model_fingerprint")
+        if recorded:
+            fps.append(str(recorded))
+    return fps or None
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.1f} MB"
+
+
+def cmd_store(args: argparse.Namespace) -> int:
+    from kvrag.store import maintenance
+    from kvrag.store.factory import redact_url, store_from_url
+
+    url = _store_url(args)
+    store = store_from_url(url)
+    progress = not args.json
     if args.action == "stats":
         print(json.dumps(store.stats(), indent=2, default=str))
         return 0
-    # verify: read every entry; decoding checks magic, header, checksum and shapes. Bad entries are dropped.
-    from tqdm.auto import tqdm
-
-    keys = list(store.iter_keys())
-    bad = []
-    for k in tqdm(keys, desc="verifying", unit="entry"):
-        if store.get(k) is None:
-            bad.append(k)
-    for k in bad:
-        print(f"BAD {k}")
-    print(f"{len(keys) - len(bad)}/{len(keys)} entries ok" + (f"; {len(bad)} bad entries dropped" if bad else ""))
-    return 1 if bad else 0
+    keep = _keep_fingerprints(args)
+    if args.action == "verify":
+        # reads every entry; decoding checks magic, header, checksums and shapes. Nothing is modified.
+        v = maintenance.verify_store(store, keep, progress=progress)
+        if args.json:
+            print(json.dumps(v.to_dict()))
+        else:
+            for reason, keys in v.bad.items():
+                for k in keys:
+                    print(f"BAD {k} ({reason})")
+            bad = v.scanned - v.ok
+            print(f"{v.ok}/{v.scanned} entries ok" + (f"; {bad} unusable (remove them with `kvrag store gc`)" if bad else ""))
+        return 0 if v.clean else 1
+    if args.action == "gc":
+        g = maintenance.gc_store(store, keep, dry_run=args.dry_run, progress=progress)
+        if args.json:
+            print(json.dumps(g.to_dict()))
+            return 0
+        verb = "would remove" if g.dry_run else "removed"
+        why = ", ".join(f"{n} {r.replace('_', ' ')}" for r, n in g.removed.items())
+        print(f"gc{' (dry run)' if g.dry_run else ''}: scanned {g.scanned} entries, kept {g.kept}, {verb} "
+              f"{g.total_removed} ({why}), {_mb(g.bytes_freed)}" +
+              (f"; removed {g.temp_files_removed} abandoned temp files" if g.temp_files_removed else ""))
+        if keep is None:
+            print("note: entries of every model were kept; pass --model, --keep-fingerprint or --persist (with an "
+                  "index manifest) to also remove entries of other models", file=sys.stderr)
+        return 0
+    # migrate
+    dst = store_from_url(args.to)
+    m = maintenance.migrate_store(store, dst, keep_fingerprints=keep, overwrite=args.overwrite,
+                                  dry_run=args.dry_run, progress=progress)
+    if args.json:
+        print(json.dumps(m.to_dict()))
+    else:
+        skipped = ", ".join(f"{n} {r.replace('_', ' ')}" for r, n in m.skipped.items())
+        print(f"migrate{' (dry run)' if m.dry_run else ''} {redact_url(url)} -> {redact_url(args.to)}: scanned "
+              f"{m.scanned}, {'would copy' if m.dry_run else 'copied and verified'} {m.copied} "
+              f"({_mb(m.bytes_copied)}), already there {m.skipped_existing}, not copied: {skipped}")
+        for k in m.failed_keys:
+            print(f"FAILED {k} (the copy did not read back intact and was removed)")
+    dst.close()
+    return 0 if m.ok else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -156,15 +227,30 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--model", default=None)
     sp.add_argument("--store", default=None)
     sp.add_argument("--method", default="stale")
+    sp.add_argument("--on-store-error", choices=["recompute", "raise"], default="recompute",
+                    help="when the KV store fails: warn and compute caches on demand (default), or fail")
     sp.add_argument("--top-k", type=int, default=4)
     sp.add_argument("--max-new-tokens", type=int, default=128)
     sp.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     sp.set_defaults(func=cmd_ask)
 
-    sp = sub.add_parser("store", help="inspect a KV store")
-    sp.add_argument("action", choices=["stats", "verify"])
-    sp.add_argument("--persist", default=None)
-    sp.add_argument("--store", default=None)
+    sp = sub.add_parser(
+        "store", help="inspect and maintain a KV store (stats, verify, gc, migrate)",
+        description="stats: counters. verify: check every entry (read-only). gc: remove damaged entries, entries of "
+                    "older format versions and (given the model to keep) entries of other models. migrate: copy the "
+                    "usable entries into another store (--to URL), verifying each copy.",
+    )
+    sp.add_argument("action", choices=["stats", "verify", "gc", "migrate"])
+    sp.add_argument("--persist", default=None, help="index directory (its manifest names the store and model)")
+    sp.add_argument("--store", default=None, help="store URL (file:///path, redis://host:port/db, memory://)")
+    sp.add_argument("--to", default=None, help="migrate: destination store URL")
+    sp.add_argument("--model", default=None,
+                    help="gc/verify/migrate: keep only this model's entries ('default' for the embedded model)")
+    sp.add_argument("--keep-fingerprint", action="append", default=None, metavar="FP",
+                    help="gc/verify/migrate: keep only entries of this model fingerprint (repeatable)")
+    sp.add_argument("--dry-run", action="store_true", help="gc/migrate: report what would change, change nothing")
+    sp.add_argument("--overwrite", action="store_true", help="migrate: replace entries the destination has")
+    sp.add_argument("--json", action="store_true", help="print the report as one JSON object")
     sp.set_defaults(func=cmd_store)
 
     try:
@@ -192,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "store" and not (args.persist or args.store):
         parser.error("store needs --persist DIR or --store URL")
+    if args.command == "store" and args.action == "migrate" and not args.to:
+        parser.error("store migrate needs --to URL (the destination store)")
     try:
         return int(args.func(args) or 0)
     except KVRAGError as e:

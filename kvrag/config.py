@@ -7,6 +7,7 @@ import dataclasses
 from kvrag.errors import ConfigError
 
 CHUNK_PREFIX_MODES = ("none", "template")
+ON_STORE_ERROR = ("recompute", "raise")
 
 
 @dataclasses.dataclass
@@ -52,12 +53,18 @@ class EngineConfig:
             Part of the cache key.
         store_dtype: storage dtype name or None for the model dtype.
         max_context: override of the model's context window (None: from the config).
+        on_store_error: what answering does when the KV store fails (Redis down, disk full): "recompute" logs a
+            warning once, computes the needed caches on demand and uses the store again once it works;
+            "raise" lets the StoreError propagate. ``ingest()`` always raises: storing is its purpose.
+        store_retry_s: with "recompute", seconds to leave a failed store alone before trying it again.
     """
 
     method: str = "stale"
     chunk_prefix: str = "template"
     store_dtype: str | None = None
     max_context: int | None = None
+    on_store_error: str = "recompute"
+    store_retry_s: float = 2.0
 
     def __post_init__(self) -> None:
         if self.chunk_prefix not in CHUNK_PREFIX_MODES:
@@ -68,3 +75,8 @@ class EngineConfig:
             raise ConfigError(msg)
         if self.max_context is not None and self.max_context < 2:
             raise ConfigError(f"max_context must be >= 2, got {self.max_context}")
+        if self.on_store_error not in ON_STORE_ERROR:
+            msg = f"on_store_error must be one of {list(ON_STORE_ERROR)}, got {self.on_store_error!r}"
+            raise ConfigError(msg)
+        if not self.store_retry_s >= 0:
+            raise ConfigError(f"store_retry_s must be >= 0 seconds, got {self.store_retry_s!r}")

@@ -234,11 +234,8 @@ def ensure_chunks(engine: Any, texts: Sequence[str], *, progress: bool = False) 
         if not ids:
             out.append((None, False))
             continue
-        engine._check_len(len(ids), "chunk")
-        key = engine.chunk_key(ids)
-        cached = engine.store.contains(key)
-        if not cached:
-            engine.store.put(key, engine.compute(ids))
+        # ensure_ids goes through the engine's serving store: a failing store degrades (on_store_error)
+        key, cached = engine.ensure_ids(ids)
         out.append((key, cached))
     return out
 
@@ -250,8 +247,8 @@ _DONE = object()
 async def aiter_in_thread(factory: Callable[[], Iterator[T]]) -> AsyncIterator[T]:
     """Iterate a blocking generator in ONE worker thread and yield its items asynchronously.
 
-    The engine's decode loop holds a lock across ``yield``; pulling items with ``run_in_executor(next)`` would
-    resume it on different threads. The worker runs in a copy of the caller's context (request chunks included).
+    One thread drives the whole generator (no executor hop per item) and runs in a copy of the caller's context
+    (request chunks included).
     """
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[Any] = asyncio.Queue()

@@ -115,15 +115,16 @@ class KVRAGEngine:
 
     @classmethod
     def from_pretrained(
-        cls, model: str | None = None, store: Any = "memory://", *, device: str | None = None, dtype: Any = None,
+        cls, model: Any = None, store: Any = "memory://", *, device: str | None = None, dtype: Any = None,
         **config: Any,
     ) -> KVRAGEngine:
-        """Load a model (None: the embedded default) and open a store (URL or KVStore).
+        """Load a model (HF id or path; None: the embedded default; or an already loaded ``LoadedModel``) and open
+        a store (URL or KVStore).
 
         With ``on_store_error="recompute"`` (default) a Redis URL whose server is down at start is accepted: a
         warning is logged and the store is used once the server is up.
         """
-        from kvrag.models import load_model
+        from kvrag.models import LoadedModel, load_model
         from kvrag.store.fallback import FallbackStore, open_store
 
         cfg = EngineConfig(**config)
@@ -132,7 +133,7 @@ class KVRAGEngine:
             st, start_error = open_store(store, cfg.on_store_error)
         else:
             st = store
-        loaded = load_model(model, device=device, dtype=dtype)
+        loaded = model if isinstance(model, LoadedModel) else load_model(model, device=device, dtype=dtype)
         eng = cls(loaded, st, cfg)
         if start_error is not None and isinstance(eng.serving_store, FallbackStore):
             eng.serving_store.mark_down("connect", start_error)

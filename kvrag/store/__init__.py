@@ -11,6 +11,8 @@ from kvrag.store import serde
 from kvrag.store.base import KVStore, check_key
 from kvrag.store.disk import DiskStore
 from kvrag.store.factory import register_store_scheme, store_from_url, valid_schemes
+from kvrag.store.fallback import FallbackStore, open_store, with_fallback
+from kvrag.store.maintenance import gc_store, migrate_store, verify_store
 from kvrag.store.memory import MemoryStore
 from kvrag.store.serde import CODECS, decode, encode
 from kvrag.store.tiered import TieredStore
@@ -21,6 +23,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CODECS",
     "DiskStore",
+    "FallbackStore",
     "KVStore",
     "MemoryStore",
     "RedisStore",
@@ -28,10 +31,15 @@ __all__ = [
     "check_key",
     "decode",
     "encode",
+    "gc_store",
+    "migrate_store",
+    "open_store",
     "register_store_scheme",
     "serde",
     "store_from_url",
     "valid_schemes",
+    "verify_store",
+    "with_fallback",
 ]
 
 

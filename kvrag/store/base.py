@@ -86,6 +86,15 @@ class KVStore(abc.ABC):
         for k, c in items:
             self._put(k, c)
 
+    def _get_bytes(self, key: str) -> bytes | None:
+        """Raw entry bytes; the default re-encodes what ``_get`` returns (backends storing bytes override it)."""
+        chunk = self._get(key)
+        return None if chunk is None else serde.encode(chunk)
+
+    def _put_bytes(self, key: str, data: bytes) -> None:
+        """Store encoded entry bytes; the default decodes them and stores the chunk."""
+        self._put(key, serde.decode(data))
+
     # ---- public API -----------------------------------------------------------------------------------------
     def get(self, key: str) -> ChunkKV | None:
         """Fetch a chunk cache; None on a miss or when the entry is corrupt/foreign (never served).
@@ -120,6 +129,34 @@ class KVStore(abc.ABC):
         its = [(check_key(k), c) for k, c in items]
         if its:
             self._put_many(its)
+
+    def get_bytes(self, key: str) -> bytes | None:
+        """The stored entry's bytes exactly as held (header + payload, NOT verified), or None on a miss.
+
+        For maintenance (``gc``, ``migrate``, ``verify``) that must see foreign or damaged entries too; serving
+        code uses :meth:`get`. Not counted in hits/misses.
+
+        Raises:
+            ConfigError: malformed key.
+            StoreError: the backend failed.
+        """
+        return self._get_bytes(check_key(key))
+
+    def put_bytes(self, key: str, data: bytes | bytearray | memoryview) -> None:
+        """Store already-encoded entry bytes (as produced by :func:`kvrag.store.serde.encode`) under ``key``.
+
+        The bytes are written as they are (their codec is kept); they are verified when read. Used by
+        :func:`kvrag.store.maintenance.migrate_store`.
+
+        Raises:
+            ConfigError: malformed key, or data that does not start with the kvrag entry magic.
+            StoreError: the backend failed.
+        """
+        raw = bytes(data)
+        if not raw.startswith(serde.MAGIC):
+            msg = f"put_bytes({key!r}): data is not a kvrag KV entry (missing the {serde.MAGIC!r} magic)"
+            raise ConfigError(msg)
+        self._put_bytes(check_key(key), raw)
 
     def contains(self, key: str) -> bool:
         """True when an entry is stored under ``key`` (a later ``get`` may still drop it as corrupt)."""

@@ -155,19 +155,25 @@ class DiskStore(KVStore):
         return removed
 
     # ---- primitives ------------------------------------------------------------------------------------
-    def _get(self, key: str) -> ChunkKV | None:
+    def _get_bytes(self, key: str) -> bytes | None:
         path = self.path_for(key)
         try:
-            data = path.read_bytes()
+            return path.read_bytes()
         except FileNotFoundError:
             return None
         except OSError as e:
             msg = f"cannot read KV entry {path}: {e}; check permissions of {self.root}"
             raise StoreError(msg) from e
-        return self._decode_or_drop(key, data)
+
+    def _get(self, key: str) -> ChunkKV | None:
+        data = self._get_bytes(key)
+        return None if data is None else self._decode_or_drop(key, data)
 
     def _put(self, key: str, chunk: ChunkKV) -> None:
         self.write_bytes(key, serde.encode(chunk, self.codec))
+
+    def _put_bytes(self, key: str, data: bytes) -> None:
+        self.write_bytes(key, data)
 
     def write_bytes(self, key: str, data: bytes) -> None:
         """Atomically store already-encoded entry bytes (temp file + fsync + os.replace).

@@ -82,6 +82,9 @@ class MemoryStore(KVStore):
     def _put(self, key: str, chunk: ChunkKV) -> None:
         chunk.validate()
         entry: ChunkKV | bytes = _clone(chunk) if self.codec == "native" else serde.encode(chunk, self.codec)
+        self._insert(key, entry)
+
+    def _insert(self, key: str, entry: ChunkKV | bytes) -> None:
         size = _entry_nbytes(entry)
         with self._lock:
             self._pop(key)
@@ -93,6 +96,20 @@ class MemoryStore(KVStore):
             self._entries[key] = entry
             self._bytes += size
             self._evict()
+
+    def _get_bytes(self, key: str) -> bytes | None:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or isinstance(entry, bytes):
+                return entry
+            out = _clone(entry)
+        return serde.encode(out)
+
+    def _put_bytes(self, key: str, data: bytes) -> None:
+        if self.codec == "native":
+            self._put(key, serde.decode(data))  # native entries are held as tensors
+            return
+        self._insert(key, data)
 
     def _evict(self) -> None:
         """Drop least-recently-used entries until the budget holds (caller holds the lock)."""

@@ -53,6 +53,14 @@ class RedisStore(KVStore):
         expected_spec: only entries with this KVSpec are served (see :class:`KVStore`).
         socket_timeout: seconds before a connect/command fails.
         client: an existing redis-py client to use instead of connecting to ``url``.
+        check_connection: PING the server now and raise when it cannot be reached. With False the store is
+            created without a server (redis-py connects on the first command, and again after the server comes
+            back); :class:`~kvrag.engine.engine.KVRAGEngine` uses this to start while Redis is down.
+
+    Credentials and TLS go in the URL: ``redis://user:password@host:6379/0`` (ACL user, or ``:password@`` for
+    ``requirepass``), ``rediss://host:6380/0`` for TLS, with redis-py's ``ssl_*`` query parameters, e.g.
+    ``rediss://host:6380/0?ssl_cert_reqs=required&ssl_ca_certs=/etc/ssl/ca.pem`` (and ``ssl_certfile`` /
+    ``ssl_keyfile`` for client certificates). Passwords never appear in logs or error messages.
 
     Raises:
         ImportError: redis-py is not installed.
@@ -70,6 +78,7 @@ class RedisStore(KVStore):
         expected_spec: KVSpec | None = None,
         socket_timeout: float = 5.0,
         client: Any = None,
+        check_connection: bool = True,
     ) -> None:
         super().__init__(expected_spec=expected_spec)
         if codec not in serde.CODECS:
@@ -84,8 +93,9 @@ class RedisStore(KVStore):
         self.codec = codec
         self._redis = _import_redis()
         self._client = client if client is not None else self._connect(url, socket_timeout)
-        with self._errors("PING"):
-            self._client.ping()
+        if check_connection:
+            with self._errors("PING"):
+                self._client.ping()
 
     def _connect(self, url: str, socket_timeout: float) -> Any:
         scheme = url.split("://", 1)[0].lower() if "://" in url else ""
@@ -147,8 +157,15 @@ class RedisStore(KVStore):
             raw = pipe.execute()
         return [None if d is None else self._decode_or_drop(k, d) for k, d in zip(keys, raw, strict=True)]
 
+    def _get_bytes(self, key: str) -> bytes | None:
+        with self._errors("GET"):
+            data = self._client.get(self._k(key))
+        return None if data is None else bytes(data)
+
     def _put(self, key: str, chunk: ChunkKV) -> None:
-        data = serde.encode(chunk, self.codec)
+        self._put_bytes(key, serde.encode(chunk, self.codec))
+
+    def _put_bytes(self, key: str, data: bytes) -> None:
         with self._errors("SET"):
             self._client.set(self._k(key), data, **self._set_kwargs())
 

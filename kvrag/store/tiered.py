@@ -58,6 +58,15 @@ class TieredStore(KVStore):
         self.back.put_many(items)
         self.front.put_many(items)
 
+    def _get_bytes(self, key: str) -> bytes | None:
+        # The back tier is the source of truth; the front only holds copies.
+        data = self.back.get_bytes(key)
+        return data if data is not None else self.front.get_bytes(key)
+
+    def _put_bytes(self, key: str, data: bytes) -> None:
+        self.back.put_bytes(key, data)
+        self.front.delete(key)  # an older front copy must not shadow the new entry
+
     def _contains(self, key: str) -> bool:
         return self.front.contains(key) or self.back.contains(key)
 

@@ -1,0 +1,197 @@
+"""FallbackStore: keep serving when the store fails (Redis down, disk full) by computing caches on demand.
+
+Wraps another store. While the inner store works it is a transparent pass-through. When an operation raises
+:class:`~kvrag.errors.StoreError`, the failure is logged once (a WARNING naming the store and the error), reads
+answer "miss", writes are dropped and ``contains`` is False, so callers compute what they need and answer without
+the store. For ``retry_s`` seconds after a failure the inner store is not touched at all (no connect timeouts per
+request); then the next operation tries it again, and the first success logs that the store is back.
+
+:class:`~kvrag.engine.engine.KVRAGEngine` puts one in front of its store unless ``on_store_error="raise"``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
+
+from kvrag.config import ON_STORE_ERROR  # "recompute" | "raise"
+from kvrag.errors import ConfigError, StoreError
+from kvrag.kv.chunk import ChunkKV
+from kvrag.store.base import KVStore
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class FallbackStore(KVStore):
+    """A store that degrades to "always miss, drop writes" while ``inner`` fails, and recovers by itself.
+
+    Args:
+        inner: the real store.
+        retry_s: after a failure, seconds during which ``inner`` is skipped before it is tried again.
+
+    Attributes not defined here (``root``, ``url``, ``codec`` ...) are read from ``inner``.
+    """
+
+    def __init__(self, inner: KVStore, *, retry_s: float = 2.0) -> None:
+        super().__init__(expected_spec=None)
+        if not retry_s >= 0:
+            msg = f"FallbackStore retry_s must be >= 0 seconds, got {retry_s!r}"
+            raise ConfigError(msg)
+        self.inner = inner
+        self.retry_s = float(retry_s)
+        self._state = threading.Lock()
+        self._down_since: float | None = None
+        self._retry_at = 0.0
+        self._errors = 0
+        self._outages = 0
+        self._skipped = 0
+        self._last_error = ""
+
+    # ---- state -------------------------------------------------------------------------------------------------
+    @property
+    def degraded(self) -> bool:
+        """True while the inner store is considered down."""
+        with self._state:
+            return self._down_since is not None
+
+    def mark_down(self, op: str, error: BaseException) -> None:
+        """Record a failure of ``op`` (logs the warning once per outage)."""
+        now = time.monotonic()
+        with self._state:
+            self._errors += 1
+            self._retry_at = now + self.retry_s
+            self._last_error = f"{op}: {error}"
+            first = self._down_since is None
+            if first:
+                self._down_since = now
+                self._outages += 1
+        if first:
+            logger.warning(
+                "KV store %r failed (%s): %s -- continuing WITHOUT the store: caches are computed on demand "
+                "and not saved until it works again (retrying every %.3g s; set on_store_error='raise' to fail "
+                "instead)", self.inner, op, error, self.retry_s,
+            )
+        else:
+            logger.debug("KV store %r still failing (%s): %s", self.inner, op, error)
+
+    def _mark_up(self) -> None:
+        with self._state:
+            since = self._down_since
+            self._down_since = None
+        if since is not None:
+            logger.warning("KV store %r works again after %.1f s; using it again", self.inner, time.monotonic() - since)
+
+    def _call(self, op: str, fn: Callable[[], T], default: T) -> T:
+        with self._state:
+            skip = self._down_since is not None and time.monotonic() < self._retry_at
+            if skip:
+                self._skipped += 1
+        if skip:
+            return default
+        try:
+            out = fn()
+        except StoreError as e:
+            self.mark_down(op, e)
+            return default
+        self._mark_up()
+        return out
+
+    # ---- primitives --------------------------------------------------------------------------------------------
+    def _get(self, key: str) -> ChunkKV | None:
+        return self._call("get", lambda: self.inner.get(key), None)
+
+    def _get_many(self, keys: Sequence[str]) -> list[ChunkKV | None]:
+        return self._call("get", lambda: self.inner.get_many(keys), [None] * len(keys))
+
+    def _put(self, key: str, chunk: ChunkKV) -> None:
+        self._call("put", lambda: self.inner.put(key, chunk), None)
+
+    def _put_many(self, items: Sequence[tuple[str, ChunkKV]]) -> None:
+        self._call("put", lambda: self.inner.put_many(items), None)
+
+    def _get_bytes(self, key: str) -> bytes | None:
+        return self._call("get", lambda: self.inner.get_bytes(key), None)
+
+    def _put_bytes(self, key: str, data: bytes) -> None:
+        self._call("put", lambda: self.inner.put_bytes(key, data), None)
+
+    def _contains(self, key: str) -> bool:
+        return self._call("contains", lambda: self.inner.contains(key), False)
+
+    def _delete(self, key: str) -> bool:
+        return self._call("delete", lambda: self.inner.delete(key), False)
+
+    def _iter_keys(self) -> Iterator[str]:
+        return iter(self._call("iter_keys", lambda: list(self.inner.iter_keys()), []))
+
+    def _usage(self) -> tuple[int, int]:
+        s = self._call("stats", self.inner.stats, {"entries": 0, "bytes": 0})
+        return int(s["entries"]), int(s["bytes"])
+
+    def stats(self) -> dict[str, Any]:
+        """The inner store's stats (when reachable) plus ``degraded``, ``store_errors``, ``outages``, ``skipped``."""
+        inner = self._call("stats", self.inner.stats, None)
+        out: dict[str, Any] = dict(inner) if inner is not None else {"backend": type(self.inner).__name__,
+                                                                     "entries": None, "bytes": None}
+        with self._state:
+            out.update(
+                fallback_hits=self._hits, fallback_misses=self._misses, degraded=self._down_since is not None,
+                store_errors=self._errors, outages=self._outages, skipped=self._skipped,
+                last_store_error=self._last_error,
+            )
+        return out
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for attributes this class lacks; "inner" itself must exist (not during unpickling/init).
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def __repr__(self) -> str:
+        return f"FallbackStore({self.inner!r}, retry_s={self.retry_s})"
+
+
+def with_fallback(store: KVStore, on_error: str = "recompute", *, retry_s: float = 2.0) -> KVStore:
+    """``store`` behind a :class:`FallbackStore` for ``on_error="recompute"``; unchanged for ``"raise"``."""
+    if on_error not in ON_STORE_ERROR:
+        msg = f"on_store_error must be one of {list(ON_STORE_ERROR)}, got {on_error!r}"
+        raise ConfigError(msg)
+    if on_error == "raise" or isinstance(store, FallbackStore):
+        return store
+    return FallbackStore(store, retry_s=retry_s)
+
+
+def open_store(url: str, on_error: str = "recompute", **opts: Any) -> tuple[KVStore, StoreError | None]:
+    """Open the store at ``url``; with ``on_error="recompute"`` a Redis server that is down does not stop us.
+
+    Returns:
+        (store, the start-up error or None). When Redis cannot be reached at start and ``on_error`` is
+        ``"recompute"``, the store is created without a connection check (it connects once the server is up)
+        and the error is returned so the caller can mark its :class:`FallbackStore` down.
+
+    Raises:
+        StoreError: with ``on_error="raise"``, or for backends that cannot start without their medium.
+    """
+    from kvrag.store.factory import store_from_url
+
+    if on_error not in ON_STORE_ERROR:
+        msg = f"on_store_error must be one of {list(ON_STORE_ERROR)}, got {on_error!r}"
+        raise ConfigError(msg)
+    try:
+        return store_from_url(url, **opts), None
+    except StoreError as e:
+        scheme = url.split("://", 1)[0].lower() if "://" in url else ""
+        if on_error == "raise" or not (scheme.startswith("redis") or scheme == "unix"):
+            raise
+        return store_from_url(url, check_connection=False, **opts), e
+
+
+__all__ = ["ON_STORE_ERROR", "FallbackStore", "open_store", "with_fallback"]

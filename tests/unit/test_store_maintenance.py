@@ -1,0 +1,198 @@
+"""Store maintenance: raw-bytes access, verify, gc and migrate (library and `kvrag store ...`), on real backends."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvrag import cli
+from kvrag.errors import ConfigError
+from kvrag.store import DiskStore, KVStore, MemoryStore, TieredStore, serde
+from kvrag.store.maintenance import gc_store, inspect_entry, migrate_store, verify_store
+from kvrag.testing.store_suite import assert_chunks_equal, chunk_key, make_spec, random_chunk
+
+A, B = "model-a", "model-b"
+
+
+def with_format_version(data: bytes, version: int) -> bytes:
+    """Re-seal an entry's header as if another kvrag format version had written it (checksums stay valid)."""
+    hlen = int.from_bytes(data[6:14], "little")
+    header = json.loads(data[14 : 14 + hlen])
+    header["format_version"] = version
+    del header["header_sha256"]
+    header["header_sha256"] = hashlib.sha256(serde._canonical_json(header)).hexdigest()
+    hb = serde._canonical_json(header)
+    return serde.MAGIC + len(hb).to_bytes(8, "little") + hb + data[14 + hlen :]
+
+
+def damaged(data: bytes) -> bytes:
+    return data[:-1] + bytes([data[-1] ^ 1])
+
+
+@pytest.fixture(scope="module")
+def redis_srv() -> Iterator[Any]:
+    pytest.importorskip("redis", reason="redis-py not installed (pip install 'kvrag[redis]')")
+    from kvrag.testing.redis_server import RedisServer
+
+    try:
+        srv = RedisServer()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    with srv:
+        yield srv
+
+
+def open_backend(kind: str, tmp_path: Path, redis_srv: Any = None) -> KVStore:
+    if kind == "disk":
+        return DiskStore(tmp_path / f"kv-{uuid.uuid4().hex[:6]}")
+    if kind == "memory":
+        return MemoryStore(codec="float32")  # keeps encoded bytes, so damaged entries can sit in it
+    if kind == "tiered":
+        return TieredStore(MemoryStore(), DiskStore(tmp_path / f"kv-{uuid.uuid4().hex[:6]}"))
+    from kvrag.store.redis import RedisStore
+
+    return RedisStore(redis_srv.url, prefix=f"kvrag-m-{uuid.uuid4().hex}:")
+
+
+@pytest.fixture(params=["disk", "memory", "tiered", "redis"])
+def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[KVStore]:
+    srv = request.getfixturevalue("redis_srv") if request.param == "redis" else None
+    s = open_backend(request.param, tmp_path, srv)
+    yield s
+    s.close()
+
+
+def populate(store: KVStore) -> dict[str, list[str]]:
+    """2 entries of model A, 1 of model B, 1 of an older format version, 1 damaged; returns keys by kind."""
+    a = [random_chunk(make_spec(fingerprint=A), T=5 + i, seed=i) for i in range(2)]
+    b = random_chunk(make_spec("float16", fingerprint=B), T=4, seed=7)
+    old = random_chunk(make_spec(fingerprint=A), T=3, seed=8)
+    bad = random_chunk(make_spec(fingerprint=A), T=6, seed=9)
+    for c in (*a, b):
+        store.put(chunk_key(c), c)
+    store.put_bytes(chunk_key(old), with_format_version(serde.encode(old), 0))
+    store.put_bytes(chunk_key(bad), damaged(serde.encode(bad)))
+    return {"a": [chunk_key(c) for c in a], "b": [chunk_key(b)], "old": [chunk_key(old)], "bad": [chunk_key(bad)]}
+
+
+def test_raw_bytes_round_trip_and_checks(backend: KVStore) -> None:
+    c = random_chunk(make_spec(), T=7, seed=1)
+    k = chunk_key(c)
+    assert backend.get_bytes(k) is None
+    backend.put_bytes(k, serde.encode(c))
+    assert_chunks_equal(serde.decode(backend.get_bytes(k) or b""), c)
+    assert_chunks_equal(backend.get(k), c)
+    with pytest.raises(ConfigError, match="magic"):
+        backend.put_bytes(k, b"\x80\x04 not an entry")
+    with pytest.raises(ConfigError):
+        backend.get_bytes("../" + "a" * 61)
+
+
+def test_inspect_entry_classifies() -> None:
+    c = random_chunk(make_spec(fingerprint=A), T=3, seed=2)
+    data = serde.encode(c)
+    assert inspect_entry(data).reason is None
+    assert inspect_entry(data, [A]).reason is None
+    assert inspect_entry(data, [B]).reason == "other_model"
+    assert inspect_entry(with_format_version(data, 99)).reason == "format_version"
+    assert inspect_entry(damaged(data)).reason == "corrupt"
+    assert inspect_entry(data[:20]).reason == "corrupt"
+
+
+def test_verify_gc_dry_run_then_gc(backend: KVStore) -> None:
+    keys = populate(backend)
+    v = verify_store(backend, [A])
+    assert (v.scanned, v.ok, v.clean) == (5, 2, False)
+    assert {r: sorted(k) for r, k in v.bad.items()} == {
+        "other_model": keys["b"], "format_version": keys["old"], "corrupt": keys["bad"]}
+    assert verify_store(backend).bad.keys() == {"format_version", "corrupt"}  # every model kept
+    assert len(list(backend.iter_keys())) == 5  # verify changes nothing
+
+    dry = gc_store(backend, [A], dry_run=True)
+    assert dry.removed == {"corrupt": 1, "format_version": 1, "other_model": 1} and dry.kept == 2
+    assert dry.bytes_freed > 0 and len(list(backend.iter_keys())) == 5
+
+    g = gc_store(backend, [A])
+    assert g.removed == dry.removed and g.total_removed == 3
+    assert sorted(backend.iter_keys()) == sorted(keys["a"])
+    assert verify_store(backend, [A]).clean
+    assert gc_store(backend, [A]).total_removed == 0  # idempotent
+
+
+def test_gc_without_fingerprints_keeps_every_model(tmp_path: Path) -> None:
+    store = DiskStore(tmp_path)
+    keys = populate(store)
+    g = gc_store(store)
+    assert g.removed == {"corrupt": 1, "format_version": 1, "other_model": 0}
+    assert sorted(store.iter_keys()) == sorted(keys["a"] + keys["b"])
+
+
+@pytest.mark.parametrize(("src_kind", "dst_kind"), [("disk", "redis"), ("redis", "disk"), ("disk", "memory")])
+def test_migrate_copies_and_verifies(tmp_path: Path, redis_srv: Any, src_kind: str, dst_kind: str) -> None:
+    src, dst = open_backend(src_kind, tmp_path, redis_srv), open_backend(dst_kind, tmp_path, redis_srv)
+    keys = populate(src)
+    m = migrate_store(src, dst, dry_run=True)
+    assert (m.copied, list(dst.iter_keys())) == (3, [])
+    m = migrate_store(src, dst)
+    assert m.ok and m.copied == 3 and m.skipped == {"corrupt": 1, "format_version": 1, "other_model": 0}
+    assert sorted(dst.iter_keys()) == sorted(keys["a"] + keys["b"])
+    for k in keys["a"] + keys["b"]:
+        got, want = dst.get(k), src.get(k)
+        assert want is not None
+        assert_chunks_equal(got, want)
+    again = migrate_store(src, dst)
+    assert (again.copied, again.skipped_existing) == (0, 3)
+    assert migrate_store(src, dst, overwrite=True, keep_fingerprints=[A]).copied == 2
+    assert len(list(src.iter_keys())) == 5  # the source is never modified
+    src.close()
+    dst.close()
+
+
+class _BitFlipDisk(DiskStore):
+    """A disk whose writes arrive damaged (to exercise migrate's read-back check)."""
+
+    def _put_bytes(self, key: str, data: bytes) -> None:
+        super()._put_bytes(key, damaged(data))
+
+
+def test_migrate_removes_copies_that_do_not_read_back(tmp_path: Path) -> None:
+    src, dst = DiskStore(tmp_path / "src"), _BitFlipDisk(tmp_path / "dst")
+    keys = populate(src)
+    m = migrate_store(src, dst)
+    assert not m.ok and sorted(m.failed_keys) == sorted(keys["a"] + keys["b"]) and m.copied == 0
+    assert list(dst.iter_keys()) == []
+
+
+def test_cli_store_verify_gc_migrate(tmp_path: Path, redis_srv: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    src_dir = tmp_path / "src"
+    keys = populate(DiskStore(src_dir))
+    url = f"file://{src_dir}"
+
+    def run(*argv: str) -> tuple[int, str]:
+        rc = cli.main(["store", *argv, "--store", url])
+        return rc, capsys.readouterr().out
+
+    rc, out = run("verify")
+    assert rc == 1 and "3/5 entries ok" in out and f"BAD {keys['bad'][0]} (corrupt)" in out
+    rc, out = run("gc", "--dry-run", "--keep-fingerprint", A)
+    assert rc == 0 and "would remove 3 (1 corrupt, 1 format version, 1 other model)" in out
+    rc, out = run("migrate", "--to", redis_srv.url + "?prefix=kvrag-cli-mig:", "--json")
+    rep = json.loads(out)
+    assert rc == 0 and rep["copied"] == 3 and rep["ok"] and rep["skipped"]["corrupt"] == 1
+    rc, out = run("gc", "--keep-fingerprint", A, "--json")
+    assert rc == 0 and json.loads(out)["total_removed"] == 3
+    rc, out = run("verify")
+    assert rc == 0 and "2/2 entries ok" in out
+    from kvrag.store.redis import RedisStore
+
+    dst = RedisStore(redis_srv.url, prefix="kvrag-cli-mig:")
+    assert sorted(dst.iter_keys()) == sorted(keys["a"] + keys["b"])
+    dst.close()
+    with pytest.raises(SystemExit):
+        cli.main(["store", "migrate", "--store", url])  # --to is required
