@@ -61,9 +61,13 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     from kvrag.models import load_embedder
 
     t0 = time.perf_counter()
+    docs = read_documents(args.docs_dir)
+    if not any(text.strip() for _, text in docs):  # before loading a model for nothing
+        print(f"error: every document under {args.docs_dir} is empty or whitespace-only; nothing to ingest",
+              file=sys.stderr)
+        return 2
     # ingest always fails on store errors (its job is to fill the store), whatever on_store_error says
     eng = _engine(args.model, _store_url(args), args.chunk_prefix, on_store_error="raise")
-    docs = read_documents(args.docs_dir)
     chunks = make_chunks(docs, lambda t: len(eng.tokenize(t)), args.chunk_tokens)
     if not chunks:
         print("no non-empty chunks found", file=sys.stderr)

@@ -89,6 +89,23 @@ def assert_chunks_equal(a: ChunkKV | None, b: ChunkKV) -> None:
         ), f"{name} differs"
 
 
+def with_format_version(data: bytes, version: int) -> bytes:
+    """Entry bytes re-sealed as if kvrag format ``version`` had written them (every checksum stays valid)."""
+    import hashlib
+    import json
+
+    from kvrag.store import serde
+
+    hlen = int.from_bytes(data[len(serde.MAGIC) : len(serde.MAGIC) + 8], "little")
+    start = len(serde.MAGIC) + 8
+    header = json.loads(data[start : start + hlen])
+    header["format_version"] = version
+    del header["header_sha256"]
+    header["header_sha256"] = hashlib.sha256(serde._canonical_json(header)).hexdigest()
+    hb = serde._canonical_json(header)
+    return serde.MAGIC + len(hb).to_bytes(8, "little") + hb + data[start + hlen :]
+
+
 def relative_rmse(a: torch.Tensor, b: torch.Tensor) -> float:
     """||a - b||_rms / ||b||_rms in float32."""
     a32, b32 = a.float(), b.float()

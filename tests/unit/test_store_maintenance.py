@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import uuid
 from collections.abc import Iterator
@@ -15,20 +14,15 @@ from kvrag import cli
 from kvrag.errors import ConfigError
 from kvrag.store import DiskStore, KVStore, MemoryStore, TieredStore, serde
 from kvrag.store.maintenance import gc_store, inspect_entry, migrate_store, verify_store
-from kvrag.testing.store_suite import assert_chunks_equal, chunk_key, make_spec, random_chunk
+from kvrag.testing.store_suite import (
+    assert_chunks_equal,
+    chunk_key,
+    make_spec,
+    random_chunk,
+    with_format_version,
+)
 
 A, B = "model-a", "model-b"
-
-
-def with_format_version(data: bytes, version: int) -> bytes:
-    """Re-seal an entry's header as if another kvrag format version had written it (checksums stay valid)."""
-    hlen = int.from_bytes(data[6:14], "little")
-    header = json.loads(data[14 : 14 + hlen])
-    header["format_version"] = version
-    del header["header_sha256"]
-    header["header_sha256"] = hashlib.sha256(serde._canonical_json(header)).hexdigest()
-    hb = serde._canonical_json(header)
-    return serde.MAGIC + len(hb).to_bytes(8, "little") + hb + data[14 + hlen :]
 
 
 def damaged(data: bytes) -> bytes:

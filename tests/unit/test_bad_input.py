@@ -1,0 +1,264 @@
+"""Bad input: every item gets a clear error (or documented behaviour). Security checks on keys and serialization.
+
+Covered elsewhere (not repeated here):
+  * unknown fusion method lists the valid ones -- tests/unit/test_engine.py::test_context_overflow_and_bad_method_raise
+    (also unknown method parameters) and the LlamaIndex LLM tests;
+  * repairer checkpoint trained for another model -- tests/unit/test_cacherepair.py::test_checkpoint_for_other_model_raises;
+  * model without RoPE / unsupported RoPE -- tests/unit/test_models.py::test_gpt2_like_model_raises and neighbours;
+  * corrupt / truncated store entries -- tests/unit/test_store.py; foreign spec in every backend -- KVStoreTests;
+  * empty prompt -- tests/unit/test_planner.py::test_empty_prompt_refused;
+  * Redis password never in messages -- tests/unit/test_store.py::test_redis_unreachable_names_url_without_password.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvrag import cli, registry
+from kvrag.config import EngineConfig, GenerationConfig
+from kvrag.engine.engine import KVRAGEngine
+from kvrag.errors import ConfigError, ContextLengthError
+from kvrag.fusion import get_method
+from kvrag.index import make_chunks, read_documents
+from kvrag.prompting import RagTemplate, render_passage
+from kvrag.store import DiskStore, MemoryStore, serde
+from kvrag.store.maintenance import gc_store
+from kvrag.testing.store_suite import chunk_key, make_spec, random_chunk, with_format_version
+from kvrag.testing.tiny import tiny_model
+
+ROOT = Path(__file__).resolve().parents[2]
+PASSAGES = [
+    render_passage("Paris is the capital of France. The city has many museums.", "Paris"),
+    render_passage("Berlin is the capital of Germany. It is a large city.", "Berlin"),
+]
+GEN = GenerationConfig(max_new_tokens=6)
+
+
+@pytest.fixture(scope="module")
+def lm() -> Any:
+    return tiny_model("llama")
+
+
+@pytest.fixture
+def eng(lm: Any) -> KVRAGEngine:
+    return KVRAGEngine(lm, MemoryStore(), EngineConfig())
+
+
+def ask(eng: KVRAGEngine, passages: list[str], question: str = "Capital?") -> Any:
+    return eng.answer(RagTemplate().render(eng.tokenizer, passages, question), passages, "stale", GEN)
+
+
+# ---- empty and whitespace-only documents and chunks ----------------------------------------------------------------
+@pytest.mark.parametrize("text", ["", " ", "\n\n\t  \n"])
+def test_empty_chunk_refused_by_ensure_and_skipped_by_ingest(
+    eng: KVRAGEngine, text: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    with pytest.raises(ConfigError, match="empty or whitespace-only"):
+        eng.ensure(text)
+    with caplog.at_level(logging.WARNING, logger="kvrag.engine"):
+        keys = eng.ingest([text, PASSAGES[0], text])
+    assert len(keys) == 1 and eng.store.stats()["entries"] == 1
+    assert sum("whitespace-only chunk" in r.getMessage() for r in caplog.records) == 2
+    assert registry.ensure_chunks(eng, [text]) == [(None, False)]  # the framework path skips them too
+
+
+def test_whitespace_chunk_registered_with_a_request_is_ignored(eng: KVRAGEngine) -> None:
+    r = eng.answer(RagTemplate().render(eng.tokenizer, PASSAGES, "Capital?"), [*PASSAGES, "  ", ""], "stale", GEN)
+    assert r.stats["chunks_registered"] == 2 and r.stats["chunks_found"] == 2
+
+
+def test_empty_and_whitespace_documents(tmp_path: Path, eng: KVRAGEngine, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "a.md").write_text("")
+    (tmp_path / "b.txt").write_text("  \n\n\t\n")
+    docs = read_documents(tmp_path)
+    assert [d for d, _ in docs] == ["a.md", "b.txt"]
+    assert make_chunks(docs, lambda t: len(eng.tokenize(t)), 64) == []
+    # the CLI says so before it loads any model
+    assert cli.main(["ingest", str(tmp_path), "--persist", str(tmp_path / "idx")]) == 2
+    assert "empty or whitespace-only" in capsys.readouterr().err
+    (tmp_path / "c.md").write_text("Some text.\n\n   \n\nMore text.")
+    chunks = make_chunks(read_documents(tmp_path), lambda t: len(eng.tokenize(t)), 64)
+    assert [c.source for c in chunks] == ["c.md"] and all(c.text.strip() for c in chunks)
+    with pytest.raises(ConfigError, match="does not exist"):
+        read_documents(tmp_path / "missing")
+
+
+# ---- lengths ---------------------------------------------------------------------------------------------------------
+def test_chunk_longer_than_the_context_window(lm: Any) -> None:
+    eng = KVRAGEngine(lm, MemoryStore(), EngineConfig(max_context=32, chunk_prefix="none"))
+    long = "The quick brown fox jumps over the lazy dog. " * 10
+    n = len(eng.tokenize(long))
+    for call in (lambda: eng.ingest(["short", long]), lambda: eng.ensure(long),
+                 lambda: registry.ensure_chunks(eng, [long])):
+        with pytest.raises(ContextLengthError) as ei:
+            call()
+        msg = str(ei.value)
+        assert f"{n} tokens" in msg and "context window is 32" in msg and "smaller chunks" in msg
+
+
+def test_prompt_longer_than_the_context_window_names_the_lengths(lm: Any) -> None:
+    eng = KVRAGEngine(lm, MemoryStore(), EngineConfig(max_context=40))
+    prompt = RagTemplate().render(eng.tokenizer, PASSAGES, "Capital?")
+    plan = eng.plan(prompt, PASSAGES)
+    with pytest.raises(ContextLengthError) as ei:
+        eng.prepare(plan, "stale")
+    msg = str(ei.value)
+    assert (f"{plan.total_len} tokens" in msg and f"{plan.context_len} context" in msg
+            and "context window is 40" in msg and "fewer or shorter chunks" in msg)
+
+
+# ---- text encoding ---------------------------------------------------------------------------------------------------
+def test_non_utf8_document_bytes_are_replaced_with_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    (tmp_path / "latin1.txt").write_bytes("Caf\xe9 au lait, 3\xa0\u20ac".encode("latin-1", errors="replace"))
+    (tmp_path / "ctrl.md").write_bytes(b"bell\x07 nul\x00 esc\x1b[31m red\r\nline")
+    with caplog.at_level(logging.WARNING, logger="kvrag.index"):
+        docs = dict(read_documents(tmp_path))
+    assert "\ufffd" in docs["latin1.txt"] and any("not valid UTF-8" in r.getMessage() for r in caplog.records)
+    assert docs["ctrl.md"] == "bell nul esc[31m red\r\nline"  # control characters are dropped, newlines kept
+
+
+def test_control_characters_in_chunks_are_ordinary_text(eng: KVRAGEngine) -> None:
+    weird = [render_passage("Tab\there, bell\x07, nul\x00, esc\x1b[0m, form\x0cfeed.", "Ctrl"), PASSAGES[0]]
+    first, second = ask(eng, weird), ask(eng, weird)
+    assert second.stats["chunk_hits"] == 2 and second.stats["chunks_found"] == 2 and first.text == second.text
+
+
+def test_invalid_unicode_and_non_str_text_raise_config_error(eng: KVRAGEngine) -> None:
+    bad = "abc" + "\udcff" + "def"  # what bytes.decode(errors="surrogateescape") makes of an invalid byte
+    with pytest.raises(ConfigError, match=r"index 3, a lone surrogate"):
+        eng.ingest([bad])
+    with pytest.raises(ConfigError, match="not valid Unicode"):
+        ask(eng, [render_passage(bad)])
+    with pytest.raises(ConfigError, match="got bytes; decode"):
+        eng.tokenize(b"bytes are not text")  # type: ignore[arg-type]
+
+
+# ---- methods and parameters ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("spec", "match"),
+    [
+        ("relaxkv:r=1.5", r"r must be in \(0, 1\].*got 1.5"),
+        ("relaxkv:r=0", r"r must be in \(0, 1\]"),
+        ("cacheblend:r=-0.1", r"r must be in \(0, 1\]"),
+        ("relaxkv:agg=median", r"agg must be one of \['mean', 'max'\], got 'median'"),
+        ("epic:k=-1", "k .* must be >= 0"),
+        ("relaxkv:r=lots", "not a valid float"),
+        ("relaxkv:r", "expected name:key=value"),
+    ],
+)
+def test_method_parameter_out_of_range_lists_valid_values(spec: str, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        get_method(spec)
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: EngineConfig(on_store_error="ignore"), r"on_store_error must be one of \['recompute', 'raise'\]"),
+        (lambda: EngineConfig(chunk_prefix="system"), "chunk_prefix must be one of"),
+        (lambda: EngineConfig(store_dtype="int4"), "store_dtype must be float32, float16, bfloat16 or None"),
+        (lambda: EngineConfig(max_context=1), "max_context must be >= 2"),
+        (lambda: GenerationConfig(max_new_tokens=0), "max_new_tokens must be >= 1"),
+        (lambda: GenerationConfig(top_p=1.5), r"top_p must be in \(0, 1\]"),
+        (lambda: GenerationConfig(temperature=0), "use do_sample=False for greedy"),
+    ],
+)
+def test_config_out_of_range_says_what_is_valid(make: Any, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        make()
+
+
+def test_engine_with_unknown_default_method_lists_valid(lm: Any) -> None:
+    with pytest.raises(ConfigError, match="valid methods: .*stale"):
+        KVRAGEngine(lm, MemoryStore(), EngineConfig(method="fastest"))
+
+
+# ---- a store written by another model or format version ----------------------------------------------------------------
+def test_store_from_another_model_is_never_served_and_gc_removes_it(tmp_path: Path, lm: Any) -> None:
+    store = DiskStore(tmp_path)
+    a = KVRAGEngine(lm, store, EngineConfig())
+    a_keys = a.ingest(PASSAGES)
+    b = KVRAGEngine(tiny_model("llama", seed=1), store, EngineConfig())  # same architecture, other weights
+    assert b.spec.model_fingerprint != a.spec.model_fingerprint
+    r = ask(b, PASSAGES)
+    assert r.stats["chunk_hits"] == 0 and r.stats["chunk_misses"] == 2  # content-addressed keys never collide
+    assert ask(b, PASSAGES).stats["chunk_hits"] == 2
+    g = gc_store(store, [b.spec.model_fingerprint])
+    assert g.removed["other_model"] == len(a_keys) and not any(store.contains(k) for k in a_keys)
+    assert ask(b, PASSAGES).stats["chunk_hits"] == 2
+
+
+def test_entry_of_another_format_version_is_not_served(tmp_path: Path, eng: KVRAGEngine,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    store = DiskStore(tmp_path)
+    e = KVRAGEngine(eng.loaded, store, EngineConfig())
+    ref = ask(e, PASSAGES)
+    key = e.chunk_key(e.tokenize(PASSAGES[0]))
+    store.put_bytes(key, with_format_version(store.get_bytes(key) or b"", 0))
+    with caplog.at_level(logging.WARNING, logger="kvrag.store"):
+        r = ask(e, PASSAGES)
+    assert r.text == ref.text and r.stats["chunk_misses"] == 1 and r.stats["chunk_hits"] == 1
+    assert any("format_version 0" in m.getMessage() for m in caplog.records)
+    assert store.stats()["foreign_skipped"] == 1
+    assert ask(e, PASSAGES).stats["chunk_hits"] == 2  # recomputed and rewritten in the current format
+
+
+def test_store_bound_to_a_spec_skips_entries_of_another_spec(tmp_path: Path) -> None:
+    c = random_chunk(make_spec(fingerprint="other"), T=4, seed=1)
+    DiskStore(tmp_path).put(chunk_key(c), c)
+    bound = DiskStore(tmp_path, expected_spec=make_spec(fingerprint="mine"))
+    assert bound.get(chunk_key(c)) is None and bound.contains(chunk_key(c))
+
+
+# ---- security --------------------------------------------------------------------------------------------------------
+TRAVERSAL = ["../" * 3 + "etc/passwd", "/etc/passwd", "..", "a" * 62 + "/.", "..%2f" + "a" * 59,
+             "a" * 63 + "\x00", "ab/../../" + "c" * 55, "C:\\" + "a" * 61]
+
+
+@pytest.mark.parametrize("key", TRAVERSAL, ids=repr)
+def test_disk_store_rejects_path_traversal_keys(tmp_path: Path, key: str) -> None:
+    root = tmp_path / "store"
+    store = DiskStore(root)
+    chunk = random_chunk(make_spec(), T=2, seed=1)
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    for call in (lambda: store.put(key, chunk), lambda: store.get(key), lambda: store.delete(key),
+                 lambda: store.contains(key), lambda: store.put_bytes(key, serde.encode(chunk)),
+                 lambda: store.get_bytes(key), lambda: store.write_bytes(key, serde.encode(chunk))):
+        with pytest.raises(ConfigError, match="64-char lowercase hex"):
+            call()
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+    good = chunk_key(chunk)
+    assert store.path_for(good).resolve().is_relative_to(root.resolve())
+
+
+def test_disk_store_ignores_foreign_files_and_names(tmp_path: Path) -> None:
+    store = DiskStore(tmp_path)
+    (tmp_path / "ab").mkdir()
+    (tmp_path / "ab" / "not-a-key.kv").write_bytes(b"x")
+    (tmp_path / "zz").mkdir()
+    (tmp_path / "zz" / ("0" * 62 + ".kv")).write_bytes(b"x")
+    (tmp_path / "README").write_text("hi")
+    assert list(store.iter_keys()) == []
+
+
+_PICKLE = re.compile(r"^\s*(import|from)\s+(pickle|cPickle|dill|cloudpickle|joblib)\b|pickle\.loads?\(|\.load_pickle\(",
+                     re.M)
+_TORCH_LOAD = re.compile(r"torch\.load\(([^)]*)\)")
+
+
+def test_no_pickle_anywhere() -> None:
+    offenders = []
+    for base in (ROOT / "kvrag", ROOT / "integrations"):
+        for p in base.rglob("*.py"):
+            src = p.read_text(encoding="utf-8")
+            if _PICKLE.search(src):
+                offenders.append(f"{p.relative_to(ROOT)}: pickle")
+            for m in _TORCH_LOAD.finditer(src):
+                if "weights_only=True" not in m.group(1):
+                    offenders.append(f"{p.relative_to(ROOT)}: torch.load without weights_only=True")
+    assert offenders == []
