@@ -1,4 +1,4 @@
-"""``kvrag bench`` command line: the QA benchmark and its ``sweep``, ``store`` and ``templates`` subcommands.
+"""``kvrag bench`` command line: the QA benchmark and its ``sweep``, ``store``, ``load`` and ``templates`` subcommands.
 
 Mounted by :mod:`kvrag.cli` through :func:`add_bench_arguments`; also runnable alone as
 ``python -m kvrag.bench.cli bench ...``. Options of a subcommand go after its name
@@ -64,7 +64,7 @@ def _add_qa_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_bench_arguments(subparsers: Any) -> argparse.ArgumentParser:
-    """Add ``bench`` (with ``sweep``, ``store``, ``templates``) to a top-level ``add_subparsers()`` object.
+    """Add ``bench`` (with ``sweep``, ``store``, ``load``, ``templates``) to a top-level ``add_subparsers()`` object.
 
     Every parser sets ``func`` (``func(args) -> int``).
     """
@@ -74,7 +74,7 @@ def add_bench_arguments(subparsers: Any) -> argparse.ArgumentParser:
     )
     _add_qa_args(p)
     p.set_defaults(func=run_bench)
-    sub = p.add_subparsers(dest="bench_command", metavar="{sweep,store,templates}")
+    sub = p.add_subparsers(dest="bench_command", metavar="{sweep,store,load,templates}")
 
     s = sub.add_parser("sweep", help="TTFT and memory vs context length and vs chunk count, every method")
     s.add_argument("--data", default=None, help="QA JSONL whose passages supply the text (default: built-in text)")
@@ -102,6 +102,22 @@ def add_bench_arguments(subparsers: Any) -> argparse.ArgumentParser:
     st.add_argument("--out", default="runs/store")
     _add_model_args(st)
     st.set_defaults(func=run_store)
+
+    ld = sub.add_parser("load", help="N concurrent clients x M questions through a LlamaIndex query engine",
+                        description="Concurrent clients through a stock LlamaIndex streaming query engine "
+                                    "(KVCachedLLM + KVCachePostprocessor over the sample documents): checks no "
+                                    "errors and no cross-talk, reports questions/s and TTFT percentiles.")
+    ld.add_argument("--clients", type=int, default=4, help="concurrent clients (N)")
+    ld.add_argument("--questions", type=int, default=10, help="questions per client (M)")
+    ld.add_argument("--method", default="stale", help="fusion method spec")
+    ld.add_argument("--max-new-tokens", type=int, default=16)
+    ld.add_argument("--top-k", type=int, default=2)
+    ld.add_argument("--chunk-size", type=int, default=256, help="SentenceSplitter chunk size")
+    ld.add_argument("--docs", default=None, help="document folder (default: examples/data)")
+    ld.add_argument("--store", default="memory://", help="KV store URL for the chunk caches")
+    ld.add_argument("--out", default="runs/load", help="output .json file or directory (gets load.json)")
+    _add_model_args(ld)
+    ld.set_defaults(func=run_load)
 
     t = sub.add_parser("templates", help="choose the prompt template by full-prefill F1 on dev data")
     t.add_argument("--data", required=True)
@@ -196,6 +212,23 @@ def run_store(args: argparse.Namespace) -> int:
     print(store_markdown(result))
     print(f"results in {args.out}/ (store.json, store.md)", file=sys.stderr)
     return 0
+
+
+def run_load(args: argparse.Namespace) -> int:
+    """``kvrag bench load``; exit status 1 when a request failed or an answer differed from single-threaded."""
+    from kvrag.bench.load import LoadConfig, load_markdown
+    from kvrag.bench.load import run_load as _run
+
+    _setup(args)
+    cfg = LoadConfig(
+        clients=args.clients, questions=args.questions, method=args.method, max_new_tokens=args.max_new_tokens,
+        top_k=args.top_k, chunk_size=args.chunk_size, docs=args.docs, store=args.store, out=args.out,
+        model=args.model, device=args.device, dtype=args.dtype, threads=args.threads, progress=not args.no_progress,
+    )
+    result = _run(cfg)
+    print(load_markdown(result))
+    print(f"results in {result['path']}", file=sys.stderr)
+    return 0 if result["ok"] else 1
 
 
 def run_templates(args: argparse.Namespace) -> int:
