@@ -72,7 +72,10 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     if not chunks:
         print("no non-empty chunks found", file=sys.stderr)
         return 2
-    keys = eng.ingest([c.text for c in chunks], progress=True)
+    from kvrag.prompting import render_passage
+
+    # cache each chunk as a prompt will contain it (the blank line first: see render_passage)
+    keys = eng.ingest([render_passage(c.text) for c in chunks], progress=True)
     embedder = load_embedder()
     manifest = {
         "model": args.model or "smollm2-135m-instruct",
@@ -95,7 +98,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
     from kvrag.config import GenerationConfig
     from kvrag.index import ChunkIndex
     from kvrag.models import load_embedder
-    from kvrag.prompting import RagTemplate
+    from kvrag.prompting import RagTemplate, get_template, render_passage
 
     index = ChunkIndex.load(args.persist)
     man = index.manifest
@@ -103,8 +106,9 @@ def cmd_ask(args: argparse.Namespace) -> int:
     store = args.store or man.get("store") or _store_url(args)
     eng = _engine(model, store, man.get("chunk_prefix", "template"), on_store_error=args.on_store_error)
     hits = index.search(load_embedder(), args.question, args.top_k)
-    passages = [c.text for c, _ in hits]
-    prompt = RagTemplate().render(eng.tokenizer, passages, args.question)
+    passages = [render_passage(c.text) for c, _ in hits]
+    template = RagTemplate() if args.template is None else get_template(args.template)
+    prompt = template.render(eng.tokenizer, passages, args.question)
     gen = GenerationConfig(max_new_tokens=args.max_new_tokens)
     if args.json:
         resp = eng.answer(prompt, passages, args.method, gen)
@@ -235,6 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="when the KV store fails: warn and compute caches on demand (default), or fail")
     sp.add_argument("--top-k", type=int, default=4)
     sp.add_argument("--max-new-tokens", type=int, default=128)
+    sp.add_argument("--template", default=None,
+                    help="prompt template name (default: a plain instruction + question; 'oneshot-chat-answer-is' "
+                         "is the benchmark's short-answer template)")
     sp.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     sp.set_defaults(func=cmd_ask)
 

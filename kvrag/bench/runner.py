@@ -280,10 +280,10 @@ def ensure_cached(engine: Any, plans: Sequence[Any], progress: bool = False) -> 
     """
     from tqdm.auto import tqdm
 
-    todo = dict.fromkeys((seg.kind, seg.text) for plan in plans for seg in plan.context)
+    todo = dict.fromkeys((seg.kind, seg.token_ids) for plan in plans for seg in plan.context)
     computed = 0
-    for kind, text in tqdm(list(todo), desc="caching chunks", unit="chunk", disable=not progress, leave=False):
-        _, _, hit = engine.ensure(text, "prefix" if kind == "prefix" else "chunk")
+    for kind, ids in tqdm(list(todo), desc="caching chunks", unit="chunk", disable=not progress, leave=False):
+        _, hit = engine.ensure_ids(ids, "prefix" if kind == "prefix" else "chunk")
         computed += not hit
     return computed
 
@@ -496,7 +496,7 @@ class QABenchmark:
         return ensure_cached(self.engine, plans, progress)
 
     def _cache_bytes(self, plans: Sequence[Any]) -> int:
-        segs = {(s.kind, s.text): len(s.token_ids) for p in plans for s in p.context}
+        segs = {(s.kind, s.token_ids): len(s.token_ids) for p in plans for s in p.context}
         return sum(segs.values()) * self.engine.spec.bytes_per_token
 
     # -------------------------------------------------------------- one method on one request

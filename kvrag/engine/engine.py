@@ -15,7 +15,7 @@ import torch
 from kvrag.config import EngineConfig, GenerationConfig
 from kvrag.engine.assemble import assemble, compute_chunk_kv, context_only_input
 from kvrag.engine.generate import decode
-from kvrag.engine.planner import Plan, PlannedSegment, TextPiece, plan_pieces, split_prompt
+from kvrag.engine.planner import Plan, PlannedSegment, TextPiece, plan_pieces, plan_prompt
 from kvrag.errors import ConfigError, ContextLengthError
 from kvrag.fusion import FusionInput, FusionMethod, FusionOutput, get_method
 from kvrag.kv import hf_cache
@@ -275,8 +275,7 @@ class KVRAGEngine:
     # ----------------------------------------------------------------- query
     def plan(self, prompt: str, chunks: Sequence[str]) -> Plan:
         """Split a rendered prompt around the registered chunk texts (exact substring search)."""
-        pieces, _ = split_prompt(prompt, chunks)
-        return plan_pieces(pieces, self.tokenize, registered=len({c for c in chunks if c and c.strip()}))
+        return plan_prompt(prompt, chunks, self.tokenize, decode=self._decode)
 
     def plan_parts(self, prefix: str, chunks: Sequence[str], suffix: str, separator: str = "") -> Plan:
         """Plan from explicit parts (no search): prefix, chunks in order (joined by ``separator``), suffix."""
@@ -286,7 +285,11 @@ class KVRAGEngine:
                 pieces.append(TextPiece("text", separator))
             pieces.append(TextPiece("chunk", c))
         pieces.append(TextPiece("suffix", suffix))
-        return plan_pieces(pieces, self.tokenize, registered=len(chunks))
+        whole = self.tokenize("".join(p.text for p in pieces))
+        return plan_pieces(pieces, self.tokenize, registered=len(chunks), whole=whole, decode=self._decode)
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     def _fetch(self, segs: Sequence[PlannedSegment], timings: dict[str, float]) -> tuple[list, dict[str, int], list[str]]:
         t = time.perf_counter()

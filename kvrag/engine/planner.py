@@ -1,8 +1,14 @@
 """Pure planning: split a prompt into [text | cached chunk]* + suffix and lay out global positions.
 
 No tensors and no model here, so the splitting rules are unit-testable on their own. Registered chunks are found
-by exact substring search of their rendered text (never fuzzy); their stored token ids are spliced in, so the
-joined prompt is never re-tokenized.
+by exact substring search of their rendered text (never fuzzy); their stored token ids are spliced in.
+
+Token alignment: a BPE tokenizer may tokenize a piece alone differently from the same characters inside the whole
+prompt (e.g. ``"\n\n"`` is one token alone but two before a word). Given the ids of the whole prompt string, the
+planner makes the plan's ids *equal* to them: every non-chunk segment takes its ids from the whole tokenization,
+and a chunk is spliced only where its stored ids occur there verbatim; a chunk that does not (its boundary tokens
+merge with the neighbouring text) is prefilled as ordinary text and counted as not found, which lowers the hit
+rate instead of silently changing the prompt the model sees.
 """
 
 from __future__ import annotations
@@ -98,22 +104,90 @@ def split_prompt(prompt: str, chunk_texts: Sequence[str]) -> tuple[list[TextPiec
     return pieces, len(spans)
 
 
+def find_ids(haystack: Sequence[int], needle: Sequence[int], start: int = 0) -> int | None:
+    """First index ``j >= start`` with ``haystack[j:j+len(needle)] == needle`` (None if there is none)."""
+    n = len(needle)
+    if n == 0:
+        return None
+    first = needle[0]
+    hay = list(haystack)
+    nee = list(needle)
+    j = start
+    last = len(hay) - n
+    while j <= last:
+        try:
+            j = hay.index(first, j, last + 1)
+        except ValueError:
+            return None
+        if hay[j : j + n] == nee:
+            return j
+        j += 1
+    return None
+
+
+def align_to_whole(
+    pieces: Sequence[tuple[TextPiece, tuple[int, ...]]],
+    whole: Sequence[int],
+    decode: Callable[[Sequence[int]], str] | None = None,
+) -> list[tuple[TextPiece, tuple[int, ...]]]:
+    """Re-derive (piece, ids) so that the concatenated ids equal ``whole`` (see the module docstring).
+
+    Chunks are matched in order, each at the first occurrence of its ids after the previous match; the ids between
+    matches become one 'prefix'/'text' piece and the rest the 'suffix'. A matched chunk's ids are its own ids, so
+    splicing its cache is exact for the prompt as tokenized.
+    """
+    whole = tuple(whole)
+    out: list[tuple[TextPiece, tuple[int, ...]]] = []
+    start = 0
+    pending: list[str] = []
+
+    def flush(end: int, kind: str) -> None:
+        ids = whole[start:end]
+        if ids or kind == "suffix":
+            text = decode(ids) if decode is not None else "".join(pending)
+            out.append((TextPiece(kind, text), ids))
+
+    for piece, ids in pieces:
+        j = find_ids(whole, ids, start) if piece.kind == "chunk" else None
+        if j is None:
+            pending.append(piece.text)
+            continue
+        flush(j, "prefix" if not out else "text")
+        out.append((piece, ids))
+        start = j + len(ids)
+        pending = []
+    flush(len(whole), "suffix")
+    return out
+
+
 def plan_pieces(pieces: Sequence[TextPiece], tokenize: Tokenize, token_ids_of: Callable[[str], Sequence[int]] | None = None,
-                registered: int | None = None) -> Plan:
+                registered: int | None = None, whole: Sequence[int] | None = None,
+                decode: Callable[[Sequence[int]], str] | None = None) -> Plan:
     """Tokenize pieces (chunks through ``token_ids_of`` when given: the stored, fixed ids) and assign positions.
+
+    Args:
+        whole: the ids of the whole prompt string (``tokenize("".join(texts))``); when given, the plan's ids are
+            made equal to them (:func:`align_to_whole`). Without it each piece is tokenized alone.
+        decode: ids -> text, for the text of re-derived segments (else the pieces' own text is joined).
 
     Raises:
         ConfigError: the suffix is empty (there must be something after the last chunk to prefill).
     """
-    segs: list[PlannedSegment] = []
-    pos = 0
-    found = 0
+    tokenized: list[tuple[TextPiece, tuple[int, ...]]] = []
     for p in pieces:
         if p.kind == "chunk":
-            found += 1
             ids = tuple(token_ids_of(p.text)) if token_ids_of is not None else tuple(tokenize(p.text))
         else:
             ids = tuple(tokenize(p.text)) if p.text else ()
+        tokenized.append((p, ids))
+    if whole is not None and tuple(t for _, ids in tokenized for t in ids) != tuple(whole):
+        tokenized = align_to_whole(tokenized, whole, decode)
+    segs: list[PlannedSegment] = []
+    pos = 0
+    found = 0
+    for p, ids in tokenized:
+        if p.kind == "chunk":
+            found += 1
         if not ids and p.kind != "suffix":
             continue
         segs.append(PlannedSegment(p.kind, p.text, ids, pos))
@@ -138,7 +212,12 @@ def plan_pieces(pieces: Sequence[TextPiece], tokenize: Tokenize, token_ids_of: C
 
 
 def plan_prompt(prompt: str, chunk_texts: Sequence[str], tokenize: Tokenize,
-                token_ids_of: Callable[[str], Sequence[int]] | None = None) -> Plan:
-    """Split + plan in one step (see :func:`split_prompt` and :func:`plan_pieces`)."""
+                token_ids_of: Callable[[str], Sequence[int]] | None = None, *, align: bool = True,
+                decode: Callable[[Sequence[int]], str] | None = None) -> Plan:
+    """Split + plan in one step (see :func:`split_prompt` and :func:`plan_pieces`).
+
+    With ``align`` (default) the plan's ids equal ``tokenize(prompt)``.
+    """
     pieces, _ = split_prompt(prompt, chunk_texts)
-    return plan_pieces(pieces, tokenize, token_ids_of, registered=len({t for t in chunk_texts if t and t.strip()}))
+    return plan_pieces(pieces, tokenize, token_ids_of, registered=len({t for t in chunk_texts if t and t.strip()}),
+                       whole=tokenize(prompt) if align else None, decode=decode)

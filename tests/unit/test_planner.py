@@ -45,7 +45,7 @@ def test_positions_are_contiguous() -> None:
 
 
 def test_stored_ids_are_spliced_not_retokenized() -> None:
-    plan = plan_prompt("pre CHUNK post", ["CHUNK"], tok, token_ids_of=lambda t: [7, 7])
+    plan = plan_prompt("pre CHUNK post", ["CHUNK"], tok, token_ids_of=lambda t: [7, 7], align=False)
     chunk = [s for s in plan.context if s.kind == "chunk"][0]
     assert chunk.token_ids == (7, 7)
 
@@ -78,3 +78,60 @@ def test_split_reassembles_exactly(chunks: list[str], fillers: list[str]) -> Non
     for p in pieces:
         if p.kind == "chunk":
             assert p.text in chunks
+
+
+# ------------------------------------------------------------------ alignment with the whole-prompt tokenization
+
+
+def merging_tok(text: str) -> list[int]:
+    """A context-dependent toy tokenizer: 'ab' is one token (1000), everything else one token per character,
+    and a run of two newlines is one token (2000) only at the very end of the text (like byte-level BPE's
+    trailing-whitespace rule)."""
+    out: list[int] = []
+    i = 0
+    while i < len(text):
+        if text.startswith("ab", i):
+            out.append(1000)
+            i += 2
+        elif text.startswith("\n\n", i) and i + 2 == len(text):
+            out.append(2000)
+            i += 2
+        else:
+            out.append(ord(text[i]))
+            i += 1
+    return out
+
+
+def test_alignment_makes_plan_ids_equal_the_whole_tokenization() -> None:
+    prompt = "sys: CHUNK-1\n\nCHUNK-2\n\nQ?"
+    plan = plan_prompt(prompt, ["CHUNK-1", "CHUNK-2"], merging_tok)
+    ids = [t for s in (*plan.context, plan.suffix) for t in s.token_ids]
+    assert ids == merging_tok(prompt)
+    assert plan.found == 2  # both chunks still splice: their own ids occur verbatim
+    unaligned = plan_prompt(prompt, ["CHUNK-1", "CHUNK-2"], merging_tok, align=False)
+    assert [t for s in (*unaligned.context, unaligned.suffix) for t in s.token_ids] != ids
+
+
+def test_chunk_whose_boundary_merges_is_prefilled_as_text() -> None:
+    # alone "bcd" -> [b, c, d]; inside "xabcd" the 'ab' merge swallows its first character
+    plan = plan_prompt("xabcd tail", ["bcd"], merging_tok)
+    assert plan.found == 0 and plan.registered == 1
+    assert [t for s in (*plan.context, plan.suffix) for t in s.token_ids] == merging_tok("xabcd tail")
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    chunks=st.lists(st.text(alphabet="ab\n c", min_size=1, max_size=8), min_size=1, max_size=4),
+    fillers=st.lists(st.text(alphabet="ab\n x", max_size=5), min_size=5, max_size=5),
+)
+def test_aligned_plan_always_equals_whole_tokenization(chunks: list[str], fillers: list[str]) -> None:
+    prompt = fillers[0] + "".join(c + f for c, f in zip(chunks, fillers[1:], strict=False)) + "?END"
+    plan = plan_prompt(prompt, chunks, merging_tok)
+    assert [t for s in (*plan.context, plan.suffix) for t in s.token_ids] == merging_tok(prompt)
+    pos = 0
+    for s in (*plan.context, plan.suffix):
+        assert s.start == pos
+        pos = s.end
+    for s in plan.context:  # a spliced chunk carries exactly its own ids
+        if s.kind == "chunk":
+            assert list(s.token_ids) == merging_tok(s.text)
