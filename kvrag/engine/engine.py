@@ -387,7 +387,9 @@ class KVRAGEngine:
                 if delta:
                     yield delta
         finally:
-            steps.close()
+            close = getattr(steps, "close", None)  # a generator: release its frame if the consumer stopped early
+            if close is not None:
+                close()
         timings.setdefault("ttft_s", time.perf_counter() - prepared.t0)
         timings["decode_s"] = time.perf_counter() - t
         timings["total_s"] = time.perf_counter() - prepared.t0

@@ -127,7 +127,8 @@ class FallbackStore(KVStore):
         return self._call("delete", lambda: self.inner.delete(key), False)
 
     def _iter_keys(self) -> Iterator[str]:
-        return iter(self._call("iter_keys", lambda: list(self.inner.iter_keys()), []))
+        none: list[str] = []
+        return iter(self._call("iter_keys", lambda: list(self.inner.iter_keys()), none))
 
     def _usage(self) -> tuple[int, int]:
         s = self._call("stats", self.inner.stats, {"entries": 0, "bytes": 0})
