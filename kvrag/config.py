@@ -57,6 +57,10 @@ class EngineConfig:
             warning once, computes the needed caches on demand and uses the store again once it works;
             "raise" lets the StoreError propagate. ``ingest()`` always raises: storing is its purpose.
         store_retry_s: with "recompute", seconds to leave a failed store alone before trying it again.
+        strict_tokenization: a registered chunk whose own token ids do not occur in the tokenized prompt (its
+            boundary token merges with the text around it, e.g. after indentation) is prefilled as text (True), or
+            spliced anyway and counted as ``inexact_chunks`` in the response stats (False, default). Either way
+            every other id of the plan is the tokenized prompt's (see :mod:`kvrag.engine.planner`).
     """
 
     method: str = "stale"
@@ -65,6 +69,7 @@ class EngineConfig:
     max_context: int | None = None
     on_store_error: str = "recompute"
     store_retry_s: float = 2.0
+    strict_tokenization: bool = False
 
     def __post_init__(self) -> None:
         if self.chunk_prefix not in CHUNK_PREFIX_MODES:

@@ -275,7 +275,7 @@ class KVRAGEngine:
     # ----------------------------------------------------------------- query
     def plan(self, prompt: str, chunks: Sequence[str]) -> Plan:
         """Split a rendered prompt around the registered chunk texts (exact substring search)."""
-        return plan_prompt(prompt, chunks, self.tokenize, decode=self._decode)
+        return plan_prompt(prompt, chunks, self.tokenize, decode=self._decode, strict=self.config.strict_tokenization)
 
     def plan_parts(self, prefix: str, chunks: Sequence[str], suffix: str, separator: str = "") -> Plan:
         """Plan from explicit parts (no search): prefix, chunks in order (joined by ``separator``), suffix."""
@@ -286,7 +286,8 @@ class KVRAGEngine:
             pieces.append(TextPiece("chunk", c))
         pieces.append(TextPiece("suffix", suffix))
         whole = self.tokenize("".join(p.text for p in pieces))
-        return plan_pieces(pieces, self.tokenize, registered=len(chunks), whole=whole, decode=self._decode)
+        return plan_pieces(pieces, self.tokenize, registered=len(chunks), whole=whole, decode=self._decode,
+                           strict=self.config.strict_tokenization)
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
@@ -350,6 +351,7 @@ class KVRAGEngine:
             "chunk_tokens": plan.chunk_tokens,
             "chunks_registered": plan.registered,
             "chunks_found": found,
+            "inexact_chunks": plan.inexact_chunks,
             **counts,
             "reused_tokens": 0 if m.name == "full" else counts["reused_tokens"],
             "hit_rate": (counts["chunk_hits"] / plan.registered) if plan.registered else 0.0,

@@ -5,10 +5,12 @@ by exact substring search of their rendered text (never fuzzy); their stored tok
 
 Token alignment: a BPE tokenizer may tokenize a piece alone differently from the same characters inside the whole
 prompt (e.g. ``"\n\n"`` is one token alone but two before a word). Given the ids of the whole prompt string, the
-planner makes the plan's ids *equal* to them: every non-chunk segment takes its ids from the whole tokenization,
-and a chunk is spliced only where its stored ids occur there verbatim; a chunk that does not (its boundary tokens
-merge with the neighbouring text) is prefilled as ordinary text and counted as not found, which lowers the hit
-rate instead of silently changing the prompt the model sees.
+planner makes the plan's ids follow them: every non-chunk segment takes its ids from the whole tokenization and
+a chunk splices exactly where its stored ids occur there verbatim, so for prompts built from
+:func:`kvrag.prompting.render_passage` passages the plan's ids *equal* ``tokenize(prompt)``. A chunk whose ids do
+not occur (its boundary token merges with the neighbouring text, e.g. a passage placed after indentation) is
+spliced anyway with its own ids and counted in ``Plan.inexact_chunks`` (the field's usual practice: reuse wins
+over one boundary token), or with ``strict`` prefilled as text and not counted as found.
 """
 
 from __future__ import annotations
@@ -51,12 +53,15 @@ class Plan:
         context: prefix/chunk/text segments, positions 0..context_len-1.
         suffix: the tail after the last chunk, prefilled after repair.
         registered: number of registered chunk texts offered; found: how many were found in the prompt.
+        inexact_chunks: spliced chunks whose own tokenization differs from the prompt string's at a boundary (their
+            ids are used anyway; 0 means the plan's ids equal the tokenized prompt).
     """
 
     context: tuple[PlannedSegment, ...]
     suffix: PlannedSegment
     registered: int
     found: int
+    inexact_chunks: int = 0
 
     @property
     def context_len(self) -> int:
@@ -129,46 +134,67 @@ def align_to_whole(
     pieces: Sequence[tuple[TextPiece, tuple[int, ...]]],
     whole: Sequence[int],
     decode: Callable[[Sequence[int]], str] | None = None,
-) -> list[tuple[TextPiece, tuple[int, ...]]]:
-    """Re-derive (piece, ids) so that the concatenated ids equal ``whole`` (see the module docstring).
+    *,
+    tokenize: Tokenize | None = None,
+    strict: bool = True,
+) -> list[tuple[TextPiece, tuple[int, ...], bool]]:
+    """Re-derive (piece, ids, exact) so that the ids follow ``whole`` (see the module docstring).
 
     Chunks are matched in order, each at the first occurrence of its ids after the previous match; the ids between
     matches become one 'prefix'/'text' piece and the rest the 'suffix'. A matched chunk's ids are its own ids, so
     splicing its cache is exact for the prompt as tokenized.
-    """
-    whole = tuple(whole)
-    out: list[tuple[TextPiece, tuple[int, ...]]] = []
-    start = 0
-    pending: list[str] = []
 
-    def flush(end: int, kind: str) -> None:
-        ids = whole[start:end]
+    A chunk whose ids do not occur (a boundary token merges with the neighbouring text, e.g. a chunk placed after
+    indentation) is, with ``strict``, left to the surrounding text (prefilled, not a hit). Without ``strict`` it is
+    spliced anyway with its own ids, marked inexact (``exact=False``): the text before it is tokenized alone and
+    the rest of the prompt is tokenized afresh from the chunk's end (``tokenize`` is required), so only the ids at
+    that chunk's two boundaries differ from the whole-string tokenization.
+    """
+    if not strict and tokenize is None:
+        raise ValueError("align_to_whole(strict=False) needs tokenize")
+    rest = tuple(whole)  # ids of the prompt from the current resync point on
+    out: list[tuple[TextPiece, tuple[int, ...], bool]] = []
+    start = 0  # index into ``rest`` where the pending text begins
+    pending: list[str] = []
+    texts = [p.text for p, _ in pieces]
+
+    def text_piece(ids: tuple[int, ...], kind: str) -> None:
         if ids or kind == "suffix":
             text = decode(ids) if decode is not None else "".join(pending)
-            out.append((TextPiece(kind, text), ids))
+            out.append((TextPiece(kind, text), ids, True))
 
-    for piece, ids in pieces:
-        j = find_ids(whole, ids, start) if piece.kind == "chunk" else None
-        if j is None:
+    for i, (piece, ids) in enumerate(pieces):
+        j = find_ids(rest, ids, start) if piece.kind == "chunk" else None
+        if j is not None:
+            text_piece(rest[start:j], "prefix" if not out else "text")
+            out.append((piece, ids, True))
+            start = j + len(ids)
+        elif piece.kind == "chunk" and ids and not strict:
+            assert tokenize is not None
+            before = "".join(pending)
+            if before:
+                out.append((TextPiece("prefix" if not out else "text", before), tuple(tokenize(before)), False))
+            out.append((piece, ids, False))
+            rest, start = tuple(tokenize("".join(texts[i + 1 :]))), 0  # resync after the chunk
+        else:
             pending.append(piece.text)
             continue
-        flush(j, "prefix" if not out else "text")
-        out.append((piece, ids))
-        start = j + len(ids)
         pending = []
-    flush(len(whole), "suffix")
+    text_piece(rest[start:], "suffix")
     return out
 
 
 def plan_pieces(pieces: Sequence[TextPiece], tokenize: Tokenize, token_ids_of: Callable[[str], Sequence[int]] | None = None,
                 registered: int | None = None, whole: Sequence[int] | None = None,
-                decode: Callable[[Sequence[int]], str] | None = None) -> Plan:
+                decode: Callable[[Sequence[int]], str] | None = None, strict: bool = False) -> Plan:
     """Tokenize pieces (chunks through ``token_ids_of`` when given: the stored, fixed ids) and assign positions.
 
     Args:
         whole: the ids of the whole prompt string (``tokenize("".join(texts))``); when given, the plan's ids are
             made equal to them (:func:`align_to_whole`). Without it each piece is tokenized alone.
         decode: ids -> text, for the text of re-derived segments (else the pieces' own text is joined).
+        strict: a chunk whose ids do not occur in ``whole`` is prefilled as text (True) or spliced with its own
+            ids and counted in ``Plan.inexact_chunks`` (False, default: reuse wins over a boundary token).
 
     Raises:
         ConfigError: the suffix is empty (there must be something after the last chunk to prefill).
@@ -180,14 +206,16 @@ def plan_pieces(pieces: Sequence[TextPiece], tokenize: Tokenize, token_ids_of: C
         else:
             ids = tuple(tokenize(p.text)) if p.text else ()
         tokenized.append((p, ids))
+    aligned: list[tuple[TextPiece, tuple[int, ...], bool]] = [(p, ids, True) for p, ids in tokenized]
     if whole is not None and tuple(t for _, ids in tokenized for t in ids) != tuple(whole):
-        tokenized = align_to_whole(tokenized, whole, decode)
+        aligned = align_to_whole(tokenized, whole, decode, tokenize=tokenize, strict=strict)
     segs: list[PlannedSegment] = []
     pos = 0
-    found = 0
-    for p, ids in tokenized:
+    found = inexact = 0
+    for p, ids, exact in aligned:
         if p.kind == "chunk":
             found += 1
+            inexact += not exact
         if not ids and p.kind != "suffix":
             continue
         segs.append(PlannedSegment(p.kind, p.text, ids, pos))
@@ -208,16 +236,18 @@ def plan_pieces(pieces: Sequence[TextPiece], tokenize: Tokenize, token_ids_of: C
         segs = segs[:-2] + [PlannedSegment("suffix", last.text, last.token_ids, last.start)]
         suffix = segs[-1]
     context = tuple(s for s in segs[:-1])
-    return Plan(context=context, suffix=suffix, registered=registered if registered is not None else found, found=found)
+    return Plan(context=context, suffix=suffix, registered=registered if registered is not None else found, found=found,
+                inexact_chunks=inexact)
 
 
 def plan_prompt(prompt: str, chunk_texts: Sequence[str], tokenize: Tokenize,
                 token_ids_of: Callable[[str], Sequence[int]] | None = None, *, align: bool = True,
-                decode: Callable[[Sequence[int]], str] | None = None) -> Plan:
+                strict: bool = False, decode: Callable[[Sequence[int]], str] | None = None) -> Plan:
     """Split + plan in one step (see :func:`split_prompt` and :func:`plan_pieces`).
 
-    With ``align`` (default) the plan's ids equal ``tokenize(prompt)``.
+    With ``align`` (default) the plan's ids follow ``tokenize(prompt)`` (equal to it unless a chunk is spliced
+    inexactly, see ``strict``).
     """
     pieces, _ = split_prompt(prompt, chunk_texts)
     return plan_pieces(pieces, tokenize, token_ids_of, registered=len({t for t in chunk_texts if t and t.strip()}),
-                       whole=tokenize(prompt) if align else None, decode=decode)
+                       whole=tokenize(prompt) if align else None, decode=decode, strict=strict)

@@ -90,3 +90,16 @@ def test_cli_ingest_and_ask(tmp_path, capsys) -> None:
         answers[method] = out["answer"]
     assert all("Amsel Gold" in a for a in answers.values()), answers
     assert cli.main(["store", "verify", "--persist", str(persist)]) == 0
+
+
+def test_chunk_after_indentation_is_spliced_inexactly_or_prefilled_when_strict(default_model) -> None:
+    from kvrag.config import EngineConfig
+
+    chunk = "source: fares.md\n\nA day pass costs 9 marks."
+    prompt = "Documents:\n\n  " + chunk + "\n\nQuestion: how much is a day pass?"  # "  source" merges the space
+    loose = KVRAGEngine(default_model, MemoryStore()).plan(prompt, [chunk])
+    assert loose.found == 1 and loose.inexact_chunks == 1
+    strict = KVRAGEngine(default_model, MemoryStore(), EngineConfig(strict_tokenization=True)).plan(prompt, [chunk])
+    assert strict.found == 0 and strict.inexact_chunks == 0
+    ids = [t for s in (*strict.context, strict.suffix) for t in s.token_ids]
+    assert ids == default_model.tokenizer(prompt, add_special_tokens=False)["input_ids"]

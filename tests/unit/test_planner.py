@@ -112,11 +112,15 @@ def test_alignment_makes_plan_ids_equal_the_whole_tokenization() -> None:
     assert [t for s in (*unaligned.context, unaligned.suffix) for t in s.token_ids] != ids
 
 
-def test_chunk_whose_boundary_merges_is_prefilled_as_text() -> None:
+def test_chunk_whose_boundary_merges() -> None:
     # alone "bcd" -> [b, c, d]; inside "xabcd" the 'ab' merge swallows its first character
-    plan = plan_prompt("xabcd tail", ["bcd"], merging_tok)
-    assert plan.found == 0 and plan.registered == 1
-    assert [t for s in (*plan.context, plan.suffix) for t in s.token_ids] == merging_tok("xabcd tail")
+    strict = plan_prompt("xabcd tail", ["bcd"], merging_tok, strict=True)  # prefilled as text
+    assert strict.found == 0 and strict.registered == 1 and strict.inexact_chunks == 0
+    assert [t for s in (*strict.context, strict.suffix) for t in s.token_ids] == merging_tok("xabcd tail")
+    loose = plan_prompt("xabcd tail", ["bcd"], merging_tok)  # default: spliced with its own ids, reported
+    assert loose.found == 1 and loose.inexact_chunks == 1
+    assert [t for s in (*loose.context, loose.suffix) for t in s.token_ids] == merging_tok("xa") + merging_tok(
+        "bcd") + merging_tok(" tail")
 
 
 @settings(max_examples=200, deadline=None)
@@ -126,8 +130,13 @@ def test_chunk_whose_boundary_merges_is_prefilled_as_text() -> None:
 )
 def test_aligned_plan_always_equals_whole_tokenization(chunks: list[str], fillers: list[str]) -> None:
     prompt = fillers[0] + "".join(c + f for c, f in zip(chunks, fillers[1:], strict=False)) + "?END"
-    plan = plan_prompt(prompt, chunks, merging_tok)
+    plan = plan_prompt(prompt, chunks, merging_tok, strict=True)
+    assert plan.inexact_chunks == 0
     assert [t for s in (*plan.context, plan.suffix) for t in s.token_ids] == merging_tok(prompt)
+    loose = plan_prompt(prompt, chunks, merging_tok)
+    assert loose.found >= plan.found
+    if loose.inexact_chunks == 0:  # then nothing was spliced loosely and the ids are the prompt's
+        assert [t for s in (*loose.context, loose.suffix) for t in s.token_ids] == merging_tok(prompt)
     pos = 0
     for s in (*plan.context, plan.suffix):
         assert s.start == pos
