@@ -56,8 +56,8 @@ def pick_methods(requested: str | None) -> tuple[list[str], list[str]]:
     return methods, notes
 
 
-def first_token_query(query_engine: Any, question: str) -> tuple[str, float]:
-    """Run a streaming query; returns (answer, seconds from the call to the first non-empty token)."""
+def streamed_query(query_engine: Any, question: str) -> tuple[str, float, float]:
+    """Run a streaming query: (answer, seconds from the call to the first non-empty token, total seconds)."""
     t0 = time.perf_counter()
     resp = query_engine.query(question)
     ttft, parts = None, []
@@ -65,7 +65,14 @@ def first_token_query(query_engine: Any, question: str) -> tuple[str, float]:
         if delta and ttft is None:
             ttft = time.perf_counter() - t0
         parts.append(delta)
-    return "".join(parts).strip(), ttft if ttft is not None else time.perf_counter() - t0
+    total = time.perf_counter() - t0
+    return "".join(parts), ttft if ttft is not None else total, total
+
+
+def first_token_query(query_engine: Any, question: str) -> tuple[str, float]:
+    """Run a streaming query; returns (answer, seconds from the call to the first non-empty token)."""
+    answer, ttft, _ = streamed_query(query_engine, question)
+    return answer.strip(), ttft
 
 
 def build_or_load(docs_dir: Path, persist: Path, rebuild: bool) -> tuple[Any, Any]:

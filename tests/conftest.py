@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -16,3 +18,28 @@ def default_model():
     from kvrag.models import load_model
 
     return load_model(None)
+
+
+def _new_redis_server() -> Any:
+    pytest.importorskip("redis", reason="redis-py not installed (pip install 'kvrag[redis]')")
+    from kvrag.testing.redis_server import RedisServer
+
+    try:
+        return RedisServer()
+    except FileNotFoundError as e:  # no redis-server binary (.ci/run installs one)
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="module")
+def redis_srv() -> Iterator[Any]:
+    """A real loopback redis-server, running for the module."""
+    with _new_redis_server() as srv:
+        yield srv
+
+
+@pytest.fixture
+def redis_server() -> Iterator[Any]:
+    """A real redis-server the test starts, kills and restarts itself (not started yet)."""
+    srv = _new_redis_server()
+    yield srv
+    srv.stop()

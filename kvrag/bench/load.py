@@ -143,17 +143,12 @@ def build_query_engine(engine: Any, embed_model: Any, cfg: LoadConfig) -> tuple[
 
 def timed_query(qe: Any, llm: Any, question: str) -> dict[str, Any]:
     """One streaming query: answer, TTFT (call -> first non-empty token), total time, LLM-side stats."""
-    t0 = time.perf_counter()
-    resp = qe.query(question)
-    ttft, parts = None, []
-    for delta in resp.response_gen:
-        if delta and ttft is None:
-            ttft = time.perf_counter() - t0
-        parts.append(delta)
-    total = time.perf_counter() - t0
+    from kvrag.demo import streamed_query
+
+    answer, ttft, total = streamed_query(qe, question)
     info = llm.last_info or {}  # the record made in THIS thread's context
     kw = info.get("additional_kwargs", {})
-    return {"answer": "".join(parts), "ttft_s": ttft if ttft is not None else total, "total_s": total,
+    return {"answer": answer, "ttft_s": ttft, "total_s": total,
             "llm_ttft_s": kw.get("ttft_s"), "hit_rate": kw.get("hit_rate"), "chunks_found": kw.get("chunks_found"),
             "chunk_keys": info.get("raw", {}).get("chunk_keys", [])}
 

@@ -9,7 +9,6 @@ import asyncio
 import multiprocessing
 import threading
 import uuid
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -42,19 +41,6 @@ REQUESTS = [
     ([0, 4, 2, 3], "Answer in one sentence."),
 ]
 GEN = GenerationConfig(max_new_tokens=8)
-
-
-@pytest.fixture(scope="module")
-def redis_srv() -> Iterator[Any]:
-    pytest.importorskip("redis", reason="redis-py not installed (pip install 'kvrag[redis]')")
-    from kvrag.testing.redis_server import RedisServer
-
-    try:
-        srv = RedisServer()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-    with srv:
-        yield srv
 
 
 def _redis_hammer(url: str, prefix: str, key: str, chunk: Any, go: Any, n: int) -> None:

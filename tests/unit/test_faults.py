@@ -46,19 +46,6 @@ def lm() -> Any:
     return tiny_model("llama")
 
 
-@pytest.fixture
-def redis_server() -> Iterator[Any]:
-    pytest.importorskip("redis", reason="redis-py not installed (pip install 'kvrag[redis]')")
-    from kvrag.testing.redis_server import RedisServer
-
-    try:
-        srv = RedisServer()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-    yield srv
-    srv.stop()
-
-
 def ask(eng: KVRAGEngine) -> Any:
     prompt = RagTemplate().render(eng.tokenizer, PASSAGES, "Which city is the capital of France?")
     return eng.answer(prompt, PASSAGES, "stale", max_new_tokens=N_NEW)

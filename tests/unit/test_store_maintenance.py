@@ -29,19 +29,6 @@ def damaged(data: bytes) -> bytes:
     return data[:-1] + bytes([data[-1] ^ 1])
 
 
-@pytest.fixture(scope="module")
-def redis_srv() -> Iterator[Any]:
-    pytest.importorskip("redis", reason="redis-py not installed (pip install 'kvrag[redis]')")
-    from kvrag.testing.redis_server import RedisServer
-
-    try:
-        srv = RedisServer()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-    with srv:
-        yield srv
-
-
 def open_backend(kind: str, tmp_path: Path, redis_srv: Any = None) -> KVStore:
     if kind == "disk":
         return DiskStore(tmp_path / f"kv-{uuid.uuid4().hex[:6]}")
