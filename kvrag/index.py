@@ -56,7 +56,7 @@ def split_text(text: str, count_tokens: Callable[[str], int], chunk_tokens: int)
             if count_tokens(s) <= chunk_tokens:
                 units.append(s)
                 continue
-            words, cur = s.split(), []
+            words, cur = s.split(), []  # type: list[str], list[str]
             for w in words:
                 if cur and count_tokens(" ".join([*cur, w])) > chunk_tokens:
                     units.append(" ".join(cur))

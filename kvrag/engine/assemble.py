@@ -8,6 +8,7 @@ into the stale KV a fusion method repairs.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -21,7 +22,7 @@ from kvrag.kv.spec import KVSpec
 
 @torch.inference_mode()
 def compute_chunk_kv(
-    model: torch.nn.Module, rope: Rope, spec: KVSpec, token_ids: Sequence[int], prefix_ids: Sequence[int] = ()
+    model: Any, rope: Rope, spec: KVSpec, token_ids: Sequence[int], prefix_ids: Sequence[int] = ()
 ) -> ChunkKV:
     """Prefill ``prefix_ids + token_ids`` and keep the chunk part, canonicalized.
 
@@ -50,7 +51,7 @@ def compute_chunk_kv(
 
 @torch.inference_mode()
 def assemble(
-    model: torch.nn.Module,
+    model: Any,
     rope: Rope,
     spec: KVSpec,
     pieces: Sequence[tuple[str, ChunkKV, str | None]],
@@ -104,7 +105,7 @@ def assemble(
 
 
 def context_only_input(
-    model: torch.nn.Module,
+    model: Any,
     rope: Rope,
     spec: KVSpec,
     segments: Sequence[PlannedSegment],

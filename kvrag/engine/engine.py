@@ -108,7 +108,7 @@ class KVRAGEngine:
             rope_type=self._rope_type(),
             model_fingerprint=loaded.fingerprint,
         )
-        self.max_context = int(self.config.max_context or getattr(text_cfg, "max_position_embeddings", 2048))
+        self.max_context = int(self.config.max_context or getattr(text_cfg, "max_position_embeddings", None) or 2048)
         self.chunk_prefix_ids: tuple[int, ...] = self._chunk_prefix()
         self._lock = threading.RLock()
         self.default_method = get_method(self.config.method)
@@ -325,6 +325,7 @@ class KVRAGEngine:
         with self._lock:
             t0 = time.perf_counter()
             timings: dict[str, float] = {}
+            keys: list[str] | list[None]
             if m.reads_cache:
                 pieces, counts, keys = self._fetch(plan.context, timings)
                 t = time.perf_counter()
@@ -438,5 +439,5 @@ class KVRAGEngine:
         with self._lock:
             logits, _ = hf_cache.forward(self.model, torch.tensor(list(target_ids[:-1]), dtype=torch.long),
                                          prep.cache, logits_to_keep=max(n - 1, 1)) if n > 1 else (None, None)
-        rows = [prep.last_logits[None]] + ([logits[-(n - 1):]] if n > 1 else [])
+        rows = [prep.last_logits[None]] + ([logits[-(n - 1):]] if n > 1 and logits is not None else [])
         return torch.cat(rows, dim=0)

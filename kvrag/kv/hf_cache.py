@@ -28,8 +28,8 @@ def make_cache(keys: torch.Tensor | None, values: torch.Tensor | None, config: A
 
 def cache_to_tensors(cache: DynamicCache) -> tuple[torch.Tensor, torch.Tensor]:
     """Stack a batch-1 cache into keys, values [L, H_kv, T, D]."""
-    ks = [layer.keys[0] for layer in cache.layers]
-    vs = [layer.values[0] for layer in cache.layers]
+    ks = [layer.keys[0] for layer in cache.layers]  # type: ignore[union-attr,index]
+    vs = [layer.values[0] for layer in cache.layers]  # type: ignore[union-attr,index]
     return torch.stack(ks), torch.stack(vs)
 
 

@@ -81,7 +81,9 @@ class Rope:
             )
             raise UnsupportedModelError(msg)
         rot = find_rotary_module(model)
-        return cls(rot.inv_freq, pairing=pairing)
+        inv_freq = rot.inv_freq
+        assert isinstance(inv_freq, torch.Tensor)
+        return cls(inv_freq, pairing=pairing)
 
     @property
     def head_dim(self) -> int:
