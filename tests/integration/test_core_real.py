@@ -103,3 +103,21 @@ def test_chunk_after_indentation_is_spliced_inexactly_or_prefilled_when_strict(d
     assert strict.found == 0 and strict.inexact_chunks == 0
     ids = [t for s in (*strict.context, strict.suffix) for t in s.token_ids]
     assert ids == default_model.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+
+
+def test_shipped_cacherepair_moves_stale_kv_towards_full(engine, chunks) -> None:
+    """The repairer shipped for the default model is found by fingerprint and brings the spliced KV closer to the
+    jointly prefilled KV than stale reuse, for keys and for values."""
+    prefix, ps, suffix = RagTemplate().parts(engine.tokenizer, chunks[:6], "How tall is the lighthouse?")
+    plan = engine.plan_parts(prefix, ps, suffix)
+    start, tc = len(plan.context[0].token_ids), plan.context_len  # after the exact preamble
+    kf, vf = hf_cache.cache_to_tensors(engine.prepare(plan, "full").cache)
+    ks, vs = hf_cache.cache_to_tensors(engine.prepare(plan, "stale").cache)
+    prep = engine.prepare(plan, "cacherepair")
+    assert prep.stats["method_stats"]["repaired_tokens"] == tc - start
+    kr, vr = hf_cache.cache_to_tensors(prep.cache)
+
+    def err(a: torch.Tensor, ref: torch.Tensor) -> float:
+        return ((a[:, :, start:tc] - ref[:, :, start:tc]).norm() / ref[:, :, start:tc].norm()).item()
+
+    assert err(kr, kf) < err(ks, kf) and err(vr, vf) < err(vs, vf), (err(kr, kf), err(ks, kf), err(vr, vf), err(vs, vf))
