@@ -74,7 +74,7 @@ def add_bench_arguments(subparsers: Any) -> argparse.ArgumentParser:
     )
     _add_qa_args(p)
     p.set_defaults(func=run_bench)
-    sub = p.add_subparsers(dest="bench_command", metavar="{sweep,store,load,templates}")
+    sub = p.add_subparsers(dest="bench_command", metavar="{sweep,store,load,templates,plot}")
 
     s = sub.add_parser("sweep", help="TTFT and memory vs context length and vs chunk count, every method")
     s.add_argument("--data", default=None, help="QA JSONL whose passages supply the text (default: built-in text)")
@@ -129,7 +129,33 @@ def add_bench_arguments(subparsers: Any) -> argparse.ArgumentParser:
     t.add_argument("--out", default="runs/templates")
     _add_model_args(t)
     t.set_defaults(func=run_templates)
+
+    pl = sub.add_parser("plot", help="one KL (or F1) vs TTFT/TTFT_full chart over several runs' summary.json")
+    pl.add_argument("runs", nargs="+", help="NAME=PATH/summary.json (or a run directory) per run")
+    pl.add_argument("--metric", choices=["kl", "f1"], default="kl")
+    pl.add_argument("--out", required=True, help="PNG path")
+    pl.set_defaults(func=run_plot)
     return p
+
+
+def run_plot(args: argparse.Namespace) -> int:
+    """``kvrag bench plot``: a combined Pareto chart from finished runs (no model is loaded)."""
+    import json
+    from pathlib import Path
+
+    from kvrag.bench.plots import combined_pareto
+
+    runs = []
+    for spec in args.runs:
+        name, eq, path = spec.partition("=")
+        p = Path(path if eq else name)
+        if p.is_dir():
+            p = p / "summary.json"
+        if not p.is_file():
+            raise ConfigError(f"{p} not found: pass NAME=PATH where PATH is a kvrag bench --out directory or its summary.json")
+        runs.append((name if eq else p.parent.name, json.loads(p.read_text())))
+    print(combined_pareto(runs, args.out, metric=args.metric))
+    return 0
 
 
 def _setup(args: argparse.Namespace) -> None:

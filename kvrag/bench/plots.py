@@ -152,3 +152,53 @@ def sweep_plots(points: Sequence[dict[str, Any]], out_dir: str | os.PathLike[str
         plt.close(fig)
         paths.append(p)
     return paths
+
+
+def combined_pareto(summaries: Sequence[tuple[str, dict[str, Any]]], out_path: str | os.PathLike[str],
+                    metric: str = "kl") -> Path:
+    """One KL (or F1) vs TTFT/TTFT_full chart over several ``kvrag bench`` runs.
+
+    Each run's TTFT is divided by the p50 TTFT of ``full`` *in that run* (its ``ttft_ratio``), so runs made at
+    different times on the same machine share the x axis without mixing absolute timings. A method that appears
+    in several runs is drawn once per run (labels carry the run name). The dashed line is the Pareto front over
+    every point.
+
+    Args:
+        summaries: (run name, summary.json dict) pairs.
+        metric: 'kl' (lower is better, symlog axis) or 'f1' (higher is better).
+    """
+    if metric not in ("kl", "f1"):
+        raise ValueError(f"metric must be 'kl' or 'f1', got {metric!r}")
+    plt = _pyplot()
+    markers = "osD^vP*X"
+    fig, ax = plt.subplots(figsize=(8, 5))
+    pts: list[tuple[float, float]] = []
+    labels: list[str] = []
+    for i, (run, summary) in enumerate(summaries):
+        for lbl, m in summary.get("methods", {}).items():
+            x, y = m.get("ttft_ratio"), m.get(metric)
+            if x is None or y is None:
+                continue
+            ax.plot([x], [y], markers[i % len(markers)], markersize=7, label=run if not any(
+                h.get_label() == run for h in ax.lines[:-1]) else None)
+            ax.annotate(lbl, (x, y), textcoords="offset points", xytext=(5, 3), fontsize=7)
+            pts.append((x, y))
+            labels.append(lbl)
+    if len(pts) > 1:
+        front = pareto_front(pts, higher_is_better=metric == "f1")
+        ax.plot([pts[j][0] for j in front], [pts[j][1] for j in front], "--", color="gray", lw=1, label="Pareto front")
+    ax.set_xlabel("TTFT / TTFT(full), p50 in the same run")
+    ax.set_ylabel("KL(full ‖ method), nats per token" if metric == "kl" else "F1")
+    if metric == "kl":
+        pos = [y for _, y in pts if y > 0]
+        if pos and max(pos) / min(pos) > 10:
+            ax.set_yscale("symlog", linthresh=10 ** math.floor(math.log10(min(pos))))
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best", fontsize=8)
+    ax.set_title(f"{'KL' if metric == 'kl' else 'F1'} vs relative TTFT, every method")
+    fig.tight_layout()
+    out = Path(out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out

@@ -261,3 +261,18 @@ def test_cli_mounts_bench_commands() -> None:
     assert a.func is run_sweep and a.lengths == [1024, 2048]
     assert p.parse_args(["bench", "store", "--codecs", "int8"]).func is run_store
     assert p.parse_args(["bench", "templates", "--data", "x"]).func is run_templates
+
+
+def test_combined_pareto_plot(tmp_path: Path) -> None:
+    from kvrag.bench.cli import main as bench_main
+
+    def summ(methods: dict[str, tuple[float, float]]) -> dict:
+        return {"methods": {k: {"ttft_ratio": r, "kl": kl, "f1": 0.5} for k, (r, kl) in methods.items()}}
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "summary.json").write_text(json.dumps(summ({"full": (1.0, 0.0), "stale": (0.1, 0.6)})))
+    (tmp_path / "b.json").write_text(json.dumps(summ({"cacherepair": (0.2, 0.2)})))
+    out = tmp_path / "p.png"
+    assert bench_main(["bench", "plot", str(tmp_path / "a"), f"cr={tmp_path / 'b.json'}", "--out", str(out)]) == 0
+    assert out.stat().st_size > 1000
+    assert bench_main(["bench", "plot", f"x={tmp_path / 'missing'}", "--out", str(out)]) == 2
