@@ -50,7 +50,9 @@ class EngineConfig:
         method: default fusion method spec (e.g. "relaxkv:r=0.15").
         chunk_prefix: what each chunk is conditioned on when its cache is computed: "none" (the chunk alone) or
             "template" (after the chat template's fixed system header, which then also serves as attention sink).
-            Part of the cache key.
+            Part of the cache key. Default "template", by measurement (SmolLM2-135M-Instruct, qa_dev rows 0-19,
+            ``kvrag bench --limit 20 --chunk-prefix none`` vs the same requests with "template"): KL(full || m)
+            of ``stale`` 0.69 -> 0.60 and of ``relaxkv:r=0.15`` 0.129 -> 0.106 with the header; same TTFT.
         store_dtype: storage dtype name or None for the model dtype.
         max_context: override of the model's context window (None: from the config).
         on_store_error: what answering does when the KV store fails (Redis down, disk full): "recompute" logs a
