@@ -108,17 +108,24 @@ def _short(text: str, n: int = 90) -> str:
 
 
 def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, str]]:
-    """Mean TTFTs and hit rate per method."""
+    """Per method: mean TTFTs, TTFT relative to ``full`` (same questions, same run), hit rate, answers equal to
+    ``full``'s."""
+    ref = {r["question"]: r for r in rows if r["method"] == "full"}
+    ref_ttft = sum(r["ttft_s"] for r in ref.values()) / len(ref) if ref else None
     out = []
     for method in dict.fromkeys(r["method"] for r in rows):
         rs = [r for r in rows if r["method"] == method]
         llm = [r["engine_ttft_s"] for r in rs if r["engine_ttft_s"] is not None]
         hits = [r["hit_rate"] for r in rs if r["hit_rate"] is not None]
+        mean = sum(r["ttft_s"] for r in rs) / len(rs)
+        same = [r["answer"].strip() == ref[r["question"]]["answer"].strip() for r in rs if r["question"] in ref]
         out.append({
             "method": method,
-            "ttft": f"{1000 * sum(r['ttft_s'] for r in rs) / len(rs):.0f} ms",
+            "ttft": f"{1000 * mean:.0f} ms",
+            "ttft_vs_full": f"{mean / ref_ttft:.2f}" if ref_ttft else "-",
             "engine_ttft": f"{1000 * sum(llm) / len(llm):.0f} ms" if llm else "-",
             "hit_rate": f"{sum(hits) / len(hits):.2f}" if hits else "-",
+            "same_as_full": f"{sum(same)}/{len(same)}" if same else "-",
         })
     return out
 
@@ -133,7 +140,8 @@ def print_tables(rows: Sequence[dict[str, Any]]) -> None:
             print(f"{r['method']:<18} {r['ttft_s'] * 1000:>7.0f} ms  {_short(r['question'], 40):<40} {_short(r['answer'])}")
         print()
         for m in summary:
-            print(f"{m['method']:<18} TTFT e2e {m['ttft']:>9}  TTFT LLM {m['engine_ttft']:>9}  hit rate {m['hit_rate']}")
+            print(f"{m['method']:<18} TTFT e2e {m['ttft']:>9} ({m['ttft_vs_full']} x full)  TTFT LLM "
+                  f"{m['engine_ttft']:>9}  hit rate {m['hit_rate']}  same answer as full {m['same_as_full']}")
         return
     console = Console(width=None if sys.stdout.isatty() else 150)
     answers = Table(title="Answers (stock LlamaIndex streaming query engine, top-k chunks from the KV store)")
@@ -143,10 +151,10 @@ def print_tables(rows: Sequence[dict[str, Any]]) -> None:
         answers.add_row(r["method"], r["question"], _short(r["answer"]), f"{r['ttft_s'] * 1000:.0f} ms")
     console.print(answers)
     table = Table(title="Per method (means over the questions)")
-    for col in ("method", "TTFT e2e", "TTFT LLM", "hit rate"):
+    for col in ("method", "TTFT e2e", "vs full", "TTFT LLM", "hit rate", "same answer as full"):
         table.add_column(col, justify="left" if col == "method" else "right")
     for m in summary:
-        table.add_row(m["method"], m["ttft"], m["engine_ttft"], m["hit_rate"])
+        table.add_row(m["method"], m["ttft"], m["ttft_vs_full"], m["engine_ttft"], m["hit_rate"], m["same_as_full"])
     console.print(table)
 
 
@@ -187,30 +195,36 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from kvrag.errors import KVRAGError
 
-    rows = []
+    engines: dict[str, tuple[Any, Any]] = {}
     for method in methods:
         llm = KVCachedLLM(engine=engine, method=method, max_new_tokens=args.max_new_tokens)
-        qe = engine_for(llm)
-        for q in questions:
-            try:
-                answer, ttft = first_token_query(qe, q)
-            except KVRAGError as e:  # e.g. a learned method without a trained repairer for this model
-                notes.append(f"{method}: skipped ({e})")
-                break
-            kw = llm.last_info["additional_kwargs"]
-            rows.append({"question": q, "method": method, "answer": answer, "ttft_s": ttft,
-                         "engine_ttft_s": kw["ttft_s"], "hit_rate": kw["hit_rate"]})
+        engines[method] = (llm, engine_for(llm))
     if args.hf_baseline:
         from llama_index.llms.huggingface import HuggingFaceLLM
 
         hf = HuggingFaceLLM(model=engine.model, tokenizer=engine.tokenizer, is_chat_model=True,
                             max_new_tokens=args.max_new_tokens, generate_kwargs={"do_sample": False},
                             tokenizer_outputs_to_remove=["token_type_ids"], context_window=engine.max_context)
-        qe = engine_for(hf)
-        for q in questions:
-            answer, ttft = first_token_query(qe, q)
-            rows.append({"question": q, "method": "HuggingFaceLLM", "answer": answer, "ttft_s": ttft,
-                         "engine_ttft_s": None, "hit_rate": None})
+        engines["HuggingFaceLLM"] = (None, engine_for(hf))
+    # question by question, every method in a rotating order: load drift on a shared machine hits all alike
+    rows, skipped = [], set()
+    names = list(engines)
+    for i, q in enumerate(questions):
+        for method in names[i % len(names):] + names[: i % len(names)]:
+            if method in skipped:
+                continue
+            llm, qe = engines[method]
+            try:
+                answer, ttft = first_token_query(qe, q)
+            except KVRAGError as e:  # e.g. a learned method without a trained repairer for this model
+                notes.append(f"{method}: skipped ({e})")
+                skipped.add(method)
+                continue
+            kw = llm.last_info["additional_kwargs"] if llm is not None else {}
+            rows.append({"question": q, "method": method, "answer": answer, "ttft_s": ttft,
+                         "engine_ttft_s": kw.get("ttft_s"), "hit_rate": kw.get("hit_rate")})
+    order = {m: k for k, m in enumerate(names)}
+    rows.sort(key=lambda r: order[r["method"]])
     print_tables(rows)
     for n in notes:
         print("note:", n)

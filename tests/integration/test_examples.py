@@ -81,5 +81,5 @@ def test_demo_main(example_dir, capsys):
     out = capsys.readouterr().out
     assert rc == 0
     assert "reloaded the index" in out
-    for label in ("full", "stale", "HuggingFaceLLM", "TTFT e2e", "hit rate"):
+    for label in ("full", "stale", "HuggingFaceLLM", "TTFT e2e", "hit rate", "same answer as full", "vs full"):
         assert label in out
