@@ -179,8 +179,8 @@ def combined_pareto(summaries: Sequence[tuple[str, dict[str, Any]]], out_path: s
             x, y = m.get("ttft_ratio"), m.get(metric)
             if x is None or y is None:
                 continue
-            ax.plot([x], [y], markers[i % len(markers)], markersize=7, label=run if not any(
-                h.get_label() == run for h in ax.lines[:-1]) else None)
+            ax.plot([x], [y], markers[i % len(markers)], color=f"C{i % 10}", markersize=7,
+                    label=run if lbl == next(iter(summary["methods"])) else None)
             ax.annotate(lbl, (x, y), textcoords="offset points", xytext=(5, 3), fontsize=7)
             pts.append((x, y))
             labels.append(lbl)
