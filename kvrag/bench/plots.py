@@ -173,17 +173,16 @@ def combined_pareto(summaries: Sequence[tuple[str, dict[str, Any]]], out_path: s
     markers = "osD^vP*X"
     fig, ax = plt.subplots(figsize=(8, 5))
     pts: list[tuple[float, float]] = []
-    labels: list[str] = []
     for i, (run, summary) in enumerate(summaries):
+        legend: str | None = run  # the run's first drawn point carries its legend entry
         for lbl, m in summary.get("methods", {}).items():
             x, y = m.get("ttft_ratio"), m.get(metric)
             if x is None or y is None:
                 continue
-            ax.plot([x], [y], markers[i % len(markers)], color=f"C{i % 10}", markersize=7,
-                    label=run if lbl == next(iter(summary["methods"])) else None)
+            ax.plot([x], [y], markers[i % len(markers)], color=f"C{i % 10}", markersize=7, label=legend)
+            legend = None
             ax.annotate(lbl, (x, y), textcoords="offset points", xytext=(5, 3), fontsize=7)
             pts.append((x, y))
-            labels.append(lbl)
     if len(pts) > 1:
         front = pareto_front(pts, higher_is_better=metric == "f1")
         ax.plot([pts[j][0] for j in front], [pts[j][1] for j in front], "--", color="gray", lw=1, label="Pareto front")
