@@ -115,8 +115,8 @@ def find_ids(haystack: Sequence[int], needle: Sequence[int], start: int = 0) -> 
     if n == 0:
         return None
     first = needle[0]
-    hay = list(haystack)
-    nee = list(needle)
+    hay = haystack if isinstance(haystack, tuple) else tuple(haystack)  # the planner passes tuples: no copy
+    nee = tuple(needle)
     j = start
     last = len(hay) - n
     while j <= last:
