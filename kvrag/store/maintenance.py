@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -97,6 +97,17 @@ class VerifyReport:
                 "bad": {k: len(v) for k, v in self.bad.items()}, "bad_keys": self.bad, "models": dict(self.models)}
 
 
+def _scan(
+    store: KVStore, keep_fingerprints: Iterable[str] | None, desc: str, progress: bool
+) -> Iterator[tuple[str, bytes, EntryStatus]]:
+    """(key, raw bytes, status) of every entry still present (entries deleted meanwhile are skipped)."""
+    keep = None if keep_fingerprints is None else list(keep_fingerprints)
+    for key in _progress(_keys(store), desc, progress):
+        data = store.get_bytes(key)
+        if data is not None:
+            yield key, data, inspect_entry(data, keep)
+
+
 def verify_store(
     store: KVStore, keep_fingerprints: Iterable[str] | None = None, *, progress: bool = False
 ) -> VerifyReport:
@@ -105,14 +116,9 @@ def verify_store(
     Args:
         keep_fingerprints: when given, entries of other models count as bad (``other_model``).
     """
-    keep = None if keep_fingerprints is None else list(keep_fingerprints)
     rep = VerifyReport()
-    for key in _progress(_keys(store), "verifying", progress):
-        data = store.get_bytes(key)
-        if data is None:  # deleted meanwhile
-            continue
+    for key, _data, st in _scan(store, keep_fingerprints, "verifying", progress):
         rep.scanned += 1
-        st = inspect_entry(data, keep)
         if st.model_fingerprint:
             rep.models[st.model_fingerprint] += 1
         if st.reason is None:
@@ -162,14 +168,9 @@ def gc_store(
     Returns:
         A :class:`GCReport`; a DiskStore also gets its abandoned temp files removed (``temp_files_removed``).
     """
-    keep = None if keep_fingerprints is None else list(keep_fingerprints)
     rep = GCReport(dry_run=dry_run)
-    for key in _progress(_keys(store), "collecting", progress):
-        data = store.get_bytes(key)
-        if data is None:
-            continue
+    for key, data, st in _scan(store, keep_fingerprints, "collecting", progress):
         rep.scanned += 1
-        st = inspect_entry(data, keep)
         if st.reason is None:
             rep.kept += 1
             continue
@@ -240,14 +241,9 @@ def migrate_store(
     Raises:
         StoreError: a backend failed (the entries copied so far stay valid in ``dst``).
     """
-    keep = None if keep_fingerprints is None else list(keep_fingerprints)
     rep = MigrateReport(dry_run=dry_run)
-    for key in _progress(_keys(src), "migrating", progress):
-        data = src.get_bytes(key)
-        if data is None:
-            continue
+    for key, data, st in _scan(src, keep_fingerprints, "migrating", progress):
         rep.scanned += 1
-        st = inspect_entry(data, keep)
         if st.reason is not None:
             rep.skipped[st.reason] += 1
             logger.info("migrate: not copying %s (%s): %s", key, st.reason, st.detail)
