@@ -23,6 +23,7 @@ import os
 import shutil
 import time
 import uuid
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -566,6 +567,36 @@ def model_fingerprint(model: PreTrainedModel, dtype: torch.dtype | str | None = 
         seen[ident] = name
         _tensor_digest(h, name, tensor)
     return h.hexdigest()
+
+
+_WEIGHTS_FP: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+
+
+@torch.no_grad()
+def weights_fingerprint(model: PreTrainedModel) -> str:
+    """sha256 hex digest of a model's architecture and weights, independent of the compute dtype.
+
+    Every floating-point tensor is digested after rounding to bfloat16, so the same checkpoint loaded in float32
+    or bfloat16 has one weights identity (what a learned repairer is tied to), while :func:`model_fingerprint`
+    (cache keys) still separates dtypes. Memoized per model object (weights do not change while serving).
+    """
+    got = _WEIGHTS_FP.get(model)
+    if got is not None:
+        return got
+    h = hashlib.sha256()
+    h.update(b"kvrag-weights-fp-v1\x00")
+    h.update(json.dumps(_config_for_fingerprint(model.config), sort_keys=True, default=str).encode())
+    seen: dict[tuple[Any, ...], str] = {}
+    for name, tensor in sorted(model.state_dict().items()):
+        ident = (tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()))
+        if tensor.numel() and ident in seen:
+            h.update(f"{name}|alias-of|{seen[ident]}|".encode())
+            continue
+        seen[ident] = name
+        _tensor_digest(h, name, tensor.to(torch.bfloat16) if tensor.is_floating_point() else tensor)
+    fp = h.hexdigest()
+    _WEIGHTS_FP[model] = fp
+    return fp
 
 
 def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:

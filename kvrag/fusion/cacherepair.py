@@ -46,17 +46,21 @@ def model_dir_name(model: Any) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", base).strip("-").lower()
 
 
-def find_shipped_checkpoint(model: Any, fingerprint: str, root: Path = SHIPPED_DIR) -> Path | None:
-    """A shipped repairer for the model: one whose recorded target fingerprint matches, else one named after it."""
+def find_shipped_checkpoint(model: Any, fingerprint: str, root: Path = SHIPPED_DIR,
+                            weights_fingerprint: str = "") -> Path | None:
+    """A shipped repairer for the model: one whose recorded target (weights or model) fingerprint matches, else
+    one named after it."""
     if not root.is_dir():
         return None
-    if fingerprint:
+    if fingerprint or weights_fingerprint:
         for cfg in sorted(root.glob(f"*/{CONFIG_NAME}")):
             try:
                 meta = json.loads(cfg.read_text())
             except (OSError, ValueError):
                 continue
-            if meta.get("target", {}).get("model_fingerprint") == fingerprint:
+            target = meta.get("target", {})
+            if (weights_fingerprint and target.get("weights_fingerprint") == weights_fingerprint) or (
+                    fingerprint and target.get("model_fingerprint") == fingerprint):
                 return cfg.parent
     name = model_dir_name(model)
     if name and (root / name / CONFIG_NAME).is_file():
@@ -67,9 +71,23 @@ def find_shipped_checkpoint(model: Any, fingerprint: str, root: Path = SHIPPED_D
 _LOAD_LOCK = threading.Lock()
 
 
+def _weights_fp(model: Any) -> str:
+    from kvrag.models import weights_fingerprint
+
+    try:
+        return weights_fingerprint(model)
+    except Exception:  # a model object without a state dict (never in kvrag): fall back to the model fingerprint
+        return ""
+
+
 @register
 class CacheRepair(FusionMethod):
-    """Learned residual repair of the stale KV (CacheRepair, §4.1)."""
+    """Learned residual repair of the stale KV (CacheRepair, §4.1).
+
+    A checkpoint trained with an exact lead (``conditioning.exact_lead``, kvrag >= v2 data) reads the prompt's
+    leading prefix span as chunk 0 (exact context, never written back), so the first retrieved chunk is repaired
+    like any later one; an older checkpoint sees only the stale spans, as it was trained.
+    """
 
     name = "cacherepair"
     params = {"checkpoint": (str, None)}
@@ -78,22 +96,34 @@ class CacheRepair(FusionMethod):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._repairers: dict[tuple[str, str], RepairModel] = {}
+        self._paths: dict[tuple[str, str], Path] = {}
 
     def _resolve(self, inp: FusionInput) -> Path:
+        """The checkpoint directory for ``inp``'s model (resolved once per model identity)."""
+        wfp = _weights_fp(inp.model)
+        memo = (inp.spec.model_fingerprint, wfp)
+        got = self._paths.get(memo)
+        if got is None:
+            got = self._find(inp, wfp)
+            self._paths[memo] = got
+        return got
+
+    def _find(self, inp: FusionInput, wfp: str) -> Path:
+        fp = inp.spec.model_fingerprint
         if self.checkpoint:
             path = Path(self.checkpoint).expanduser()
             if (path / CONFIG_NAME).is_file():
                 return path
-            found = find_shipped_checkpoint(inp.model, inp.spec.model_fingerprint, root=path)
+            found = find_shipped_checkpoint(inp.model, fp, root=path, weights_fingerprint=wfp)
             if found is None:
                 msg = (f"cacherepair: no repairer in {path} ({CONFIG_NAME} not found there nor in a subdirectory for "
                        f"this model); {_TRAIN_HINT}")
                 raise ConfigError(msg)
             return found
-        found = find_shipped_checkpoint(inp.model, inp.spec.model_fingerprint)
+        found = find_shipped_checkpoint(inp.model, fp, weights_fingerprint=wfp)
         if found is None:
             name = model_dir_name(inp.model) or "<model-name>"
-            msg = (f"cacherepair: no repairer for this model (fingerprint {inp.spec.model_fingerprint[:16] or '?'}) "
+            msg = (f"cacherepair: no repairer for this model (fingerprint {fp[:16] or '?'}) "
                    f"is shipped in {SHIPPED_DIR / name}; {_TRAIN_HINT}")
             raise ConfigError(msg)
         return found
@@ -109,7 +139,8 @@ class CacheRepair(FusionMethod):
                 fp = inp.spec.model_fingerprint or None
                 if fp is None:
                     log.warning("cacherepair: the KV spec carries no model fingerprint; checking shapes only")
-                rep = RepairModel.from_pretrained(path, fp, map_location=device)
+                rep = RepairModel.from_pretrained(path, fp, expected_weights_fingerprint=_weights_fp(inp.model) or None,
+                                                  map_location=device)
                 self._repairers[key] = rep
         c, s = rep.cfg, inp.spec
         if (c.num_layers, c.num_kv_heads, c.head_dim) != (s.num_layers, s.num_kv_heads, s.head_dim):
@@ -117,6 +148,12 @@ class CacheRepair(FusionMethod):
                    f"the model has [L={s.num_layers}, H_kv={s.num_kv_heads}, D={s.head_dim}]; {_TRAIN_HINT}")
             raise CheckpointMismatchError(msg)
         return rep
+
+    @staticmethod
+    def reads_exact_lead(rep: RepairModel) -> bool:
+        """Whether the checkpoint was trained with the exact lead as chunk 0 (v2 data)."""
+        meta = getattr(rep, "meta", {}) or {}
+        return bool(meta.get("conditioning", {}).get("exact_lead", False))
 
     @torch.inference_mode()
     def fuse(self, inp: FusionInput) -> FusionOutput:
@@ -127,8 +164,12 @@ class CacheRepair(FusionMethod):
             return FusionOutput(cache=cache, stats={"recomputed_fraction": 0.0, "repaired_tokens": 0})
         rep = self.repairer(inp)
         dev = inp.keys.device
-        idx = torch.cat([torch.arange(sp.start, sp.end) for sp in spans]).to(dev)  # [N] global positions
-        chunk_index = torch.cat([torch.full((sp.length,), i, dtype=torch.long) for i, sp in enumerate(spans)]).to(dev)
+        # CacheRepair v2: the exact leading prefix is read as chunk 0 (context for the repair, never written back)
+        lead = [sp for sp in inp.spans if sp.kind == "prefix" and sp.length > 0 and sp.start == 0][:1]
+        read = (lead if self.reads_exact_lead(rep) else []) + spans
+        num_exact = lead[0].length if read and lead and read[0] is lead[0] else 0
+        idx = torch.cat([torch.arange(sp.start, sp.end) for sp in read]).to(dev)  # [N] global positions
+        chunk_index = torch.cat([torch.full((sp.length,), i, dtype=torch.long) for i, sp in enumerate(read)]).to(dev)
         ck = inp.canonical_keys
         if ck is None:
             ck = inp.rope.canonicalize(inp.keys, torch.arange(inp.context_len, device=dev))
@@ -136,21 +177,23 @@ class CacheRepair(FusionMethod):
         emb = hf_cache.embed(inp.model, inp.token_ids[idx.cpu()])[0]  # [N, E] frozen E_M(x)
         positions = idx - idx[0]  # document positions (the repairer's RoPE is relative anyway)
         t1 = time.perf_counter()
-        repaired = rep.repair(stale, emb, chunk_index, positions)  # stale + sigma_delta * z, canonical
+        repaired = rep.repair(stale, emb, chunk_index, positions)[num_exact:]  # stale + sigma_delta * z, canonical
         t2 = time.perf_counter()
+        out_idx = idx[num_exact:]
         rk, rv = unpack_kv(repaired, inp.spec.num_layers, inp.spec.num_kv_heads)  # [L, H_kv, N, D]
         keys = inp.keys.clone()  # never modify the input in place
         values = inp.values.clone()
-        keys[:, :, idx] = inp.rope.place(rk, idx).to(keys.dtype)  # global RoPE after repair (§4.1)
-        values[:, :, idx] = rv.to(values.dtype)
+        keys[:, :, out_idx] = inp.rope.place(rk, out_idx).to(keys.dtype)  # global RoPE after repair (§4.1)
+        values[:, :, out_idx] = rv.to(values.dtype)
         cache = hf_cache.make_cache(keys, values, inp.model.config)
-        n = int(idx.shape[0])
+        n = int(out_idx.shape[0])
         return FusionOutput(
             cache=cache,
             stats={
                 "recomputed_fraction": 0.0,
                 "repaired_tokens": n,
                 "repaired_fraction": n / max(1, inp.context_len),
+                "exact_lead_tokens": num_exact,
                 "repair_s": t2 - t1,
                 "fusion_s": time.perf_counter() - t0,
                 "repairer_parameters": rep.num_parameters,

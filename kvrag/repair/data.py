@@ -7,9 +7,12 @@ tokenizes a chunk, taken in order under a token budget (2-20 chunks).
 
 Conditioning, as the engine does it: every chunk cache is computed after a fixed prefix P (the chat template's
 system header, ``KVRAGEngine.chunk_prefix_ids``), whose own KV is discarded. The joint reference is one prefill
-of ``lead + chunk_1 + ... + chunk_m`` where ``lead`` is the exact leading text placed before the first chunk
-(default: P itself). Both are put in canonical coordinates over the chunk tokens; the lead is exact and not part
-of the example.
+of ``lead + chunk_1 + ... + chunk_m`` where ``lead`` is the exact leading text placed before the first chunk: with
+``lead_kinds`` one of the leads real prompts produce (:mod:`kvrag.repair.leads`, picked per group), else P itself.
+Both are put in canonical coordinates. With ``exact_lead`` (v2, what the engine serves) the lead is part of the
+example as chunk 0: its stale KV *is* its joint KV (the engine prefills it exactly), the repairer reads it and the
+loss skips it (``num_exact`` tokens), so chunk 1 is repaired like any later chunk. Without it (v1) the lead is
+dropped from the example and chunk 1 is the first chunk.
 
 The corpus is streamed: an index keeps byte offsets only, and each example is built (or read from the optional
 on-disk pair cache, one safetensors file per document) when it is asked for.
@@ -42,7 +45,7 @@ log = logging.getLogger(__name__)
 DEFAULT_CHUNK_FORMAT = "\n\nTitle: {title}\n{passage}"
 """How the benchmark renders one retrieved passage into the prompt."""
 
-PAIR_FORMAT_VERSION = 1
+PAIR_FORMAT_VERSION = 2
 BOUNDARY_TOKENS = 8
 """Tokens at the start of a later chunk counted as its boundary (CacheRepair Table 16)."""
 
@@ -153,6 +156,9 @@ class PairedExample:
         stale: [N, S, D] stale canonical KV packed by :func:`kvrag.repair.model.pack_kv`.
         delta: [N, S, D] joint minus stale (the residual target, CacheRepair §4.2).
         group_id: the corpus group it came from.
+        num_exact: leading tokens that are exact context (the lead as chunk 0: read by the repairer, never
+            repaired, no loss); 0 for v1 examples.
+        lead_kind: which lead the joint reference used ('' for the conditioning prefix P).
     """
 
     token_ids: torch.Tensor
@@ -160,6 +166,8 @@ class PairedExample:
     stale: torch.Tensor
     delta: torch.Tensor
     group_id: str = ""
+    num_exact: int = 0
+    lead_kind: str = ""
 
     @property
     def num_tokens(self) -> int:
@@ -187,6 +195,9 @@ def make_pair(
     prefix_ids: Sequence[int] = (),
     lead_ids: Sequence[int] | None = None,
     group_id: str = "",
+    *,
+    exact_lead: bool = False,
+    lead_kind: str = "",
 ) -> PairedExample:
     """Compute stale and joint KV of one document with the frozen target.
 
@@ -194,6 +205,8 @@ def make_pair(
         chunks: the chunks' token ids in document order.
         prefix_ids: P, what every chunk cache is conditioned on (``compute_chunk_kv(..., prefix_ids=P)``).
         lead_ids: exact leading tokens before the first chunk in the joint prefill (default: ``prefix_ids``).
+        exact_lead: keep the lead in the example as exact chunk 0 (``num_exact`` tokens, stale == joint there).
+        lead_kind: recorded on the example.
 
     Returns:
         A float32 :class:`PairedExample` on the CPU.
@@ -209,12 +222,19 @@ def make_pair(
     ids = [t for ch in chunks for t in ch]
     n, p = len(ids), len(lead)
     jk, jv = hf_cache.prefill_kv(model, torch.tensor(lead + ids, dtype=torch.long))  # one joint prefill
-    jk = rope.canonicalize(jk[:, :, p:].float(), torch.arange(p, p + n, device=jk.device)).cpu()
-    jv = jv[:, :, p:].float().cpu()
+    first = 0 if exact_lead else p  # v2 keeps the lead as exact chunk 0
+    jk = rope.canonicalize(jk[:, :, first:].float(), torch.arange(first, p + n, device=jk.device)).cpu()
+    jv = jv[:, :, first:].float().cpu()
+    if exact_lead and p:  # the lead's stale KV is its joint KV: the engine prefills the lead exactly
+        stale_k = torch.cat([jk[:, :, :p], stale_k], dim=2)
+        stale_v = torch.cat([jv[:, :, :p], stale_v], dim=2)
     stale = pack_kv(stale_k, stale_v).contiguous()  # [N, S, D]
     delta = (pack_kv(jk, jv) - stale).contiguous()
-    chunk_index = torch.cat([torch.full((len(ch),), i, dtype=torch.long) for i, ch in enumerate(chunks)])
-    return PairedExample(torch.tensor(ids, dtype=torch.long), chunk_index, stale, delta, group_id)
+    spans = ([lead] if exact_lead and p else []) + [list(ch) for ch in chunks]
+    chunk_index = torch.cat([torch.full((len(ch),), i, dtype=torch.long) for i, ch in enumerate(spans)])
+    token_ids = torch.tensor((lead if exact_lead else []) + ids, dtype=torch.long)
+    return PairedExample(token_ids, chunk_index, stale, delta, group_id,
+                         num_exact=p if exact_lead else 0, lead_kind=lead_kind)
 
 
 @dataclasses.dataclass
@@ -225,7 +245,10 @@ class PairBuilder:
         model, rope, spec: the frozen target and its KV layout (``spec.model_fingerprint`` identifies the target).
         tokenize: text -> ids without special tokens (how the engine tokenizes a chunk).
         prefix_ids: chunk-conditioning prefix P.
-        lead_ids: exact text before the first chunk in the joint prefill (None: P).
+        lead_ids: exact text before the first chunk in the joint prefill (None: P); ignored with ``lead_kinds``.
+        lead_kinds: leads to draw from per group (:data:`kvrag.repair.leads.LEAD_KINDS`); needs ``tokenizer``.
+        exact_lead: keep the lead in each example as exact chunk 0 (v2; what the engine serves).
+        tokenizer: renders the leads through its chat template.
         renderer: (title, passage) -> chunk text.
         max_tokens: document token budget (chunk tokens, lead excluded).
         max_chunks / min_chunks: chunks per document.
@@ -237,6 +260,9 @@ class PairBuilder:
     tokenize: Callable[[str], list[int]]
     prefix_ids: tuple[int, ...] = ()
     lead_ids: tuple[int, ...] | None = None
+    lead_kinds: tuple[str, ...] = ()
+    exact_lead: bool = False
+    tokenizer: Any = None
     renderer: Renderer = dataclasses.field(default_factory=ChunkRenderer)
     max_tokens: int = 1024
     max_chunks: int = 20
@@ -249,6 +275,19 @@ class PairBuilder:
         if not 2 <= self.min_chunks <= self.max_chunks:
             msg = f"need 2 <= min_chunks <= max_chunks, got {self.min_chunks} and {self.max_chunks}"
             raise ConfigError(msg)
+        if self.lead_kinds and self.tokenizer is None:
+            msg = "lead_kinds need the tokenizer (to render the leads through its chat template)"
+            raise ConfigError(msg)
+
+    def lead(self, group: dict[str, Any]) -> tuple[str, tuple[int, ...] | None]:
+        """(lead kind, lead ids) of one group: a drawn real-prompt lead, else ``lead_ids`` (None: P)."""
+        if not self.lead_kinds:
+            return "", self.lead_ids
+        from kvrag.repair.leads import group_question, pick_lead, render_lead
+
+        kind = pick_lead(self.lead_kinds, str(group.get("id", "")))
+        text = render_lead(self.tokenizer, kind, group_question(group))
+        return kind, tuple(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def chunks(self, group: dict[str, Any]) -> list[list[int]] | None:
         passages = group.get("passages") or []
@@ -260,8 +299,9 @@ class PairBuilder:
         chunks = self.chunks(group)
         if chunks is None:
             return None
-        return make_pair(self.model, self.rope, self.spec, chunks, self.prefix_ids, self.lead_ids,
-                         group_id=str(group.get("id", "")))
+        kind, lead_ids = self.lead(group)
+        return make_pair(self.model, self.rope, self.spec, chunks, self.prefix_ids, lead_ids,
+                         group_id=str(group.get("id", "")), exact_lead=self.exact_lead, lead_kind=kind)
 
     def identity(self) -> dict[str, Any]:
         """What the examples depend on (the pair-cache manifest)."""
@@ -271,6 +311,8 @@ class PairBuilder:
             "kv_shape": [self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim],
             "prefix_ids": list(self.prefix_ids),
             "lead_ids": None if self.lead_ids is None else list(self.lead_ids),
+            "lead_kinds": list(self.lead_kinds),
+            "exact_lead": self.exact_lead,
             "renderer": renderer_identity(self.renderer),
             "max_tokens": self.max_tokens,
             "max_chunks": self.max_chunks,
@@ -445,7 +487,8 @@ def _save_pair(path: Path, ex: PairedExample, dtype: torch.dtype) -> torch.dtype
     }
     tmp = str(_tmp_sibling(path))
     try:
-        save_file(tensors, tmp, metadata={"group_id": ex.group_id, "format_version": str(PAIR_FORMAT_VERSION)})
+        save_file(tensors, tmp, metadata={"group_id": ex.group_id, "format_version": str(PAIR_FORMAT_VERSION),
+                                          "num_exact": str(ex.num_exact), "lead_kind": ex.lead_kind})
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     finally:
@@ -461,7 +504,8 @@ def _load_pair(path: Path) -> PairedExample:
         meta = f.metadata() or {}
         t = {k: f.get_tensor(k) for k in ("token_ids", "chunk_index", "stale", "delta")}
     return PairedExample(t["token_ids"], t["chunk_index"], t["stale"].float(), t["delta"].float(),
-                         meta.get("group_id", ""))
+                         meta.get("group_id", ""), num_exact=int(meta.get("num_exact", 0)),
+                         lead_kind=meta.get("lead_kind", ""))
 
 
 def _tmp_sibling(path: Path) -> Path:
@@ -495,10 +539,10 @@ def compute_stats(examples: Iterable[PairedExample], num_layers: int, num_kv_hea
     ss = sd = None
     n = docs = 0
     for ex in examples:
-        st, de = ex.stale.double(), ex.delta.double()
+        st, de = ex.stale[ex.num_exact:].double(), ex.delta[ex.num_exact:].double()  # repaired tokens only
         ss = st.pow(2).sum(0) if ss is None else ss + st.pow(2).sum(0)  # [S, D]
         sd = de.pow(2).sum(0) if sd is None else sd + de.pow(2).sum(0)
-        n += ex.num_tokens
+        n += ex.num_tokens - ex.num_exact
         docs += 1
     if ss is None or sd is None or n == 0:
         msg = "cannot compute normalization statistics from zero documents"
@@ -511,14 +555,16 @@ def compute_stats(examples: Iterable[PairedExample], num_layers: int, num_kv_hea
     return out
 
 
-def region_masks(chunk_index: torch.Tensor, boundary: int = BOUNDARY_TOKENS) -> dict[str, torch.Tensor]:
-    """Token regions of one document (CacheRepair Table 16).
+def region_masks(chunk_index: torch.Tensor, boundary: int = BOUNDARY_TOKENS, num_exact: int = 0) -> dict[str, torch.Tensor]:
+    """Token regions of one document (CacheRepair Table 16), over its repaired tokens.
 
     Args:
         chunk_index: [N] chunk ordinals (non-decreasing).
+        num_exact: leading exact tokens (the lead as chunk 0); in no region.
 
     Returns:
-        {"first": first chunk, "boundary": first ``boundary`` tokens of later chunks, "interior": the rest} ([N] bool).
+        {"first": first repaired chunk, "boundary": first ``boundary`` tokens of later chunks, "interior": the rest}
+        ([N] bool).
     """
     n = chunk_index.shape[0]
     starts = torch.ones(n, dtype=torch.bool)
@@ -526,9 +572,11 @@ def region_masks(chunk_index: torch.Tensor, boundary: int = BOUNDARY_TOKENS) -> 
     idx = torch.arange(n)
     start_pos = torch.cummax(torch.where(starts, idx, torch.zeros_like(idx)), dim=0).values
     pos_in_chunk = idx - start_pos
-    first = chunk_index == chunk_index[0] if n else torch.zeros(0, dtype=torch.bool)
-    bnd = ~first & (pos_in_chunk < boundary)
-    return {"first": first, "boundary": bnd, "interior": ~first & ~bnd}
+    exact = idx < num_exact
+    first_rep = chunk_index[num_exact] if n > num_exact else chunk_index.new_tensor(-1)
+    first = (chunk_index == first_rep) & ~exact if n else torch.zeros(0, dtype=torch.bool)
+    bnd = ~first & ~exact & (pos_in_chunk < boundary)
+    return {"first": first, "boundary": bnd, "interior": ~first & ~exact & ~bnd}
 
 
 __all__ = [

@@ -366,6 +366,7 @@ class RepairModel(nn.Module):
         *,
         target_fingerprint: str,
         target_name: str = "",
+        target_weights_fingerprint: str = "",
         training: dict[str, Any] | None = None,
         extra: dict[str, Any] | None = None,
     ) -> Path:
@@ -374,6 +375,8 @@ class RepairModel(nn.Module):
         Args:
             target_fingerprint: :func:`kvrag.models.model_fingerprint` of the target LLM the repairer was trained for.
             target_name: a human-readable name of the target.
+            target_weights_fingerprint: :func:`kvrag.models.weights_fingerprint` of the target (dtype-independent;
+                what loading checks when present, so one repairer serves every compute dtype of its model).
             training: a JSON-serializable training summary (data, steps, final metrics, ...).
             extra: further JSON-serializable metadata (e.g. chunk-conditioning prefix ids).
 
@@ -398,7 +401,8 @@ class RepairModel(nn.Module):
             "kvrag_version": __version__,
             "architecture": self.cfg.to_dict(),
             "num_parameters": self.num_parameters,
-            "target": {"model_fingerprint": target_fingerprint, "model_name": target_name},
+            "target": {"model_fingerprint": target_fingerprint, "model_name": target_name,
+                       **({"weights_fingerprint": target_weights_fingerprint} if target_weights_fingerprint else {})},
             "normalization": {
                 "tensors": ["sigma_stale", "sigma_delta"],
                 "layout": "[L, 2 (K, V), H_kv, D], RMS over training document tokens, canonical K / native V",
@@ -419,6 +423,7 @@ class RepairModel(nn.Module):
         directory: str | os.PathLike[str],
         expected_model_fingerprint: str | None = None,
         *,
+        expected_weights_fingerprint: str | None = None,
         map_location: str | torch.device = "cpu",
     ) -> RepairModel:
         """Load a repairer written by :meth:`save_pretrained`.
@@ -426,6 +431,9 @@ class RepairModel(nn.Module):
         Args:
             expected_model_fingerprint: the fingerprint of the target model it will repair; a checkpoint trained for
                 another model raises :class:`CheckpointMismatchError`. None skips the check.
+            expected_weights_fingerprint: the target's dtype-independent weights identity; when both it and the
+                checkpoint's recorded one are known, it is compared instead of ``expected_model_fingerprint`` (so a
+                repairer trained in float32 serves the bfloat16 model too).
             map_location: device for the weights.
 
         Raises:
@@ -438,7 +446,13 @@ class RepairModel(nn.Module):
         d = Path(directory)
         meta = read_config(d)
         target = meta.get("target", {}).get("model_fingerprint", "")
-        if expected_model_fingerprint is not None and target != expected_model_fingerprint:
+        target_w = meta.get("target", {}).get("weights_fingerprint", "")
+        if expected_weights_fingerprint and target_w:
+            mismatch = target_w != expected_weights_fingerprint
+            target, expected_model_fingerprint = target_w, expected_weights_fingerprint
+        else:
+            mismatch = expected_model_fingerprint is not None and target != expected_model_fingerprint
+        if mismatch and expected_model_fingerprint is not None:
             msg = (
                 f"the CacheRepair checkpoint in {d} was trained for model fingerprint {target[:16]}... "
                 f"({meta.get('target', {}).get('model_name') or 'unnamed'}), but the model in use has fingerprint "

@@ -38,6 +38,7 @@ from kvrag.errors import ConfigError
 from kvrag.kv import hf_cache
 from kvrag.kv.rope import Rope, rope_type_of
 from kvrag.kv.spec import KVSpec, dtype_name
+from kvrag.models import weights_fingerprint
 from kvrag.repair.data import (
     DEFAULT_CHUNK_FORMAT,
     ChunkRenderer,
@@ -66,7 +67,7 @@ at 1e-3, 0.661 at 2e-3, 0.697 at 3e-4)."""
 _RESUME_PINNED = ("data", "preset", "d_b", "num_blocks", "d_seg", "steps", "batch_docs", "peak_lr", "final_lr",
                   "warmup_steps",
                   "weight_decay", "max_tokens", "max_chunks", "chunk_format", "chunk_prefix", "seed",
-                  "max_train_docs", "eval_modulus", "sources", "stats_docs")
+                  "max_train_docs", "eval_modulus", "sources", "stats_docs", "lead_kinds", "exact_lead")
 
 
 @dataclasses.dataclass
@@ -92,6 +93,10 @@ class TrainConfig:
         pairs: pair-cache directory (None: OUT/pairs); cache_pairs=False disables caching.
         cache_dtype: 'float16' | 'float32' storage of cached pairs.
         sources: only groups with these ``source`` values (None: all).
+        lead_kinds: the real-prompt leads drawn per document for the joint reference
+            (:data:`kvrag.repair.leads.LEAD_KINDS`; None: all of them; []: the conditioning prefix only, as v1).
+        exact_lead: the lead is part of each example as exact chunk 0 (read, never repaired) -- what
+            ``cacherepair`` serves for a checkpoint trained this way.
     """
 
     data: str
@@ -122,6 +127,8 @@ class TrainConfig:
     cache_pairs: bool = True
     cache_dtype: str = "float16"
     sources: list[str] | None = None
+    lead_kinds: list[str] | None = None
+    exact_lead: bool = True
     seed: int = 0
     progress: bool = True
 
@@ -139,6 +146,15 @@ class TrainConfig:
             raise ConfigError(f"chunk_prefix must be 'template' or 'none', got {self.chunk_prefix!r}")
         if self.eval_docs < 0:
             raise ConfigError(f"eval_docs must be >= 0, got {self.eval_docs}")
+        if self.lead_kinds is None:
+            from kvrag.repair.leads import DEFAULT_LEAD_KINDS
+
+            self.lead_kinds = list(DEFAULT_LEAD_KINDS)
+        from kvrag.repair.leads import LEAD_KINDS
+
+        unknown = [k for k in self.lead_kinds if k not in LEAD_KINDS]
+        if unknown:
+            raise ConfigError(f"unknown lead kinds {unknown}; valid kinds: {', '.join(LEAD_KINDS)}")
 
     @property
     def peak_lr(self) -> float:
@@ -210,6 +226,7 @@ def make_datasets(cfg: TrainConfig, loaded: Any) -> Datasets:
         tokenize=lambda text: list(tok(text, add_special_tokens=False)["input_ids"]),
         prefix_ids=prefix_ids, renderer=ChunkRenderer(cfg.chunk_format),
         max_tokens=cfg.max_tokens, max_chunks=cfg.max_chunks,
+        lead_kinds=tuple(cfg.lead_kinds or ()), exact_lead=cfg.exact_lead, tokenizer=tok,
     )
     pairs = cfg.pairs_dir
     train_set = PairDataset(
@@ -372,12 +389,13 @@ class Trainer:
             stale, emb, ci, pos, delta = self._inputs(ex)
             t1 = time.perf_counter()
             z = self.model(stale, emb, ci, pos)
-            loss = F.mse_loss(z, delta / sig)  # CacheRepair §4.2: MSE in normalized coordinates
+            ne = ex.num_exact  # the exact lead is read, never repaired: no loss there
+            loss = F.mse_loss(z[ne:], (delta / sig)[ne:])  # CacheRepair §4.2: MSE in normalized coordinates
             (loss / self.cfg.batch_docs).backward()
             comp_s += time.perf_counter() - t1
             data_s += t1 - t0
             loss_sum += float(loss.detach())
-            toks += ex.num_tokens
+            toks += ex.num_tokens - ne
             self.samples += 1
         t1 = time.perf_counter()
         gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.clip)
@@ -459,14 +477,15 @@ class Trainer:
             ex = ds[i]
             stale, emb, ci, pos, delta = self._inputs(ex)
             z = self.model(stale, emb, ci, pos)
+            ne = ex.num_exact
             target = delta / sig
-            add("sq_repair", (z - target).pow(2).sum())
-            add("sq_stale", target.pow(2).sum())
-            add("count", torch.tensor(target.numel()))
+            add("sq_repair", (z - target)[ne:].pow(2).sum())
+            add("sq_stale", target[ne:].pow(2).sum())
+            add("count", torch.tensor(target[ne:].numel()))
             err_repair = (z * sig - delta).pow(2).sum(-1)  # [N, S]
             err_stale = delta.pow(2).sum(-1)
             ref = (stale + delta).pow(2).sum(-1)
-            for region, m in region_masks(ex.chunk_index).items():
+            for region, m in region_masks(ex.chunk_index, num_exact=ne).items():
                 m = m.to(self.device)
                 for comp, sel in (("K", is_k), ("V", ~is_k)):
                     add(f"{region}.{comp}.repair", err_repair[m][:, sel].sum())
@@ -518,9 +537,13 @@ class Trainer:
             directory or self.out,
             target_fingerprint=self.spec.model_fingerprint,
             target_name=str(getattr(self.loaded, "name", "")),
+            target_weights_fingerprint=weights_fingerprint(self.target),
             training=self.summary(),
             extra={"conditioning": {"chunk_prefix": self.cfg.chunk_prefix, "chunk_prefix_ids": list(self.prefix_ids),
-                                    "chunk_format": self.cfg.chunk_format}},
+                                    "chunk_format": self.cfg.chunk_format,
+                                    "lead_kinds": list(self.cfg.lead_kinds or ()),
+                                    "exact_lead": self.cfg.exact_lead,
+                                    "target_dtype": str(self.spec.dtype)}},
         )
 
     # ----------------------------------------------------------------- resumable state
@@ -654,6 +677,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk-prefix", default=d.chunk_prefix, choices=["template", "none"],
                    help="what chunk caches are conditioned on (must match the engine's chunk_prefix)")
     p.add_argument("--sources", nargs="*", default=None, help="only groups with these 'source' values")
+    p.add_argument("--leads", nargs="*", default=None,
+                   help="lead kinds drawn per document (default: all of kvrag.repair.leads.LEAD_KINDS; none: v1)")
+    p.add_argument("--no-exact-lead", action="store_true",
+                   help="v1 data: drop the lead from the examples (the first chunk is never repaired)")
     p.add_argument("--max-train-docs", type=int, default=None, help="use a fixed subset of this many groups")
     p.add_argument("--eval-docs", type=int, default=d.eval_docs, help="held-aside documents for evaluation")
     p.add_argument("--eval-every", type=int, default=d.eval_every)
@@ -683,6 +710,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         chunk_prefix=args.chunk_prefix, max_train_docs=args.max_train_docs, eval_docs=args.eval_docs,
         eval_every=args.eval_every, save_every=args.save_every, log_every=args.log_every, stats_docs=args.stats_docs,
         pairs=args.pairs, cache_pairs=not args.no_pair_cache, cache_dtype=args.cache_dtype, sources=args.sources,
+        lead_kinds=args.leads, exact_lead=not args.no_exact_lead,
         seed=args.seed, progress=not args.no_progress,
     )
 

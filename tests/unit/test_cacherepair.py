@@ -297,11 +297,39 @@ def test_resume_continues_the_same_schedule(lm, tmp_path: Path) -> None:
 
 def test_eval_reports_regions(lm, tmp_path: Path) -> None:
     corpus = _corpus(tmp_path / "c.jsonl", 30)
-    tr = Trainer(_train_cfg(tmp_path, corpus, eval_docs=2, eval_modulus=3, steps=0), lm)
+    # v1 data (lead = the conditioning prefix, dropped): the first chunk's stale KV is exact
+    tr = Trainer(_train_cfg(tmp_path, corpus, eval_docs=2, eval_modulus=3, steps=0, lead_kinds=[], exact_lead=False,
+                            pairs=str(tmp_path / "pairs_v1")), lm)
     r = tr.evaluate()
     assert r["eval_docs"] == 2
     assert r["nmse"] == pytest.approx(r["nmse_stale"])  # untrained: repair == stale
     assert r["rel_rmse.boundary.K.stale"] > 0 and r["rel_rmse.first.V.stale"] < 1e-3
+    # v2 (default): a real-prompt lead precedes chunk 1, so the first chunk is stale too and gets a target
+    tr2 = Trainer(_train_cfg(tmp_path, corpus, eval_docs=2, eval_modulus=3, steps=0, out=str(tmp_path / "o2")), lm)
+    r2 = tr2.evaluate()
+    assert r2["nmse"] == pytest.approx(r2["nmse_stale"])
+    assert r2["rel_rmse.first.V.stale"] > 1e-2 and r2["rel_rmse.first.K.stale"] > 1e-2
+
+
+def test_v2_pair_keeps_the_exact_lead_as_chunk_zero(lm) -> None:
+    """The lead is chunk 0 with stale == joint (delta 0) and the chunks' joint KV equals one joint prefill."""
+    from kvrag.repair.leads import LEAD_KINDS, render_lead
+
+    rope, spec = Rope.from_model(lm.model), lm.kv_spec("float32")
+    tok = lm.tokenizer
+    lead = tuple(tok(render_lead(tok, "llamaindex-text-qa", "Who?"), add_special_tokens=False)["input_ids"])
+    chunks = [[5, 6, 7, 8], [9, 10, 11]]
+    ex = make_pair(lm.model, rope, spec, chunks, (3, 4), lead, exact_lead=True, lead_kind="llamaindex-text-qa")
+    p = len(lead)
+    assert ex.num_exact == p and ex.num_tokens == p + 7 and ex.lead_kind == "llamaindex-text-qa"
+    assert ex.chunk_index.tolist() == [0] * p + [1] * 4 + [2] * 3
+    assert ex.token_ids.tolist() == list(lead) + [5, 6, 7, 8, 9, 10, 11]
+    assert float(ex.delta[:p].abs().max()) == 0.0
+    assert float(ex.delta[p:p + 4].abs().max()) > 0  # chunk 1 is stale behind a real lead
+    v1 = make_pair(lm.model, rope, spec, chunks, (3, 4), lead)
+    torch.testing.assert_close(ex.joint[p:], v1.joint, rtol=0, atol=1e-5)
+    for kind in LEAD_KINDS:  # every lead renders and ends before the chunk would start
+        assert render_lead(tok, kind, "Who?").strip()
 
 
 def test_publish_writes_card_from_the_run(lm, tmp_path: Path) -> None:
