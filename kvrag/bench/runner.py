@@ -505,7 +505,7 @@ class QABenchmark:
         """Timed prepare + decode of one method; returns the record and the cache for the fidelity pass."""
         eng = self.engine
         with PeakMemory(eng.model.device) as mem:
-            prep = eng.prepare(plan, method)
+            prep = eng.prepare(plan, method, reserve=(gen or self.gen).max_new_tokens)
             text = "".join(eng.stream(prep, gen or self.gen))
         tokens = list(prep.stats.pop("token_ids"))
         k, v = hf_cache.cache_to_tensors(prep.cache)  # [L, H_kv, T, D] incl. generated tokens

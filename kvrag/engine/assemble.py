@@ -56,51 +56,54 @@ def assemble(
     spec: KVSpec,
     pieces: Sequence[tuple[str, ChunkKV, str | None]],
     suffix_ids: Sequence[int] | torch.Tensor,
+    *,
+    reserve: int = 0,
 ) -> FusionInput:
-    """Place canonical caches at consecutive global offsets and concatenate them (the "stale" KV).
+    """Place canonical caches at consecutive global offsets into one request buffer (the "stale" KV).
+
+    Zero-copy: one :class:`~kvrag.kv.hf_cache.KVBuffer` is allocated with room for context + suffix + ``reserve``
+    (decode) positions; each chunk's canonical keys are rotated straight into it (fp32 math) and its values copied
+    in. The returned input's ``keys``/``values`` are views of that buffer, which fusion methods repair in place and
+    the suffix prefill and decode append to.
 
     Args:
         pieces: ordered (kind, chunk, key) with kind 'prefix' | 'chunk' | 'text'.
         suffix_ids: [S] ids prefilled after repair.
+        reserve: extra positions to allocate for decoding (the buffer grows if more are needed).
 
     Returns:
-        FusionInput with keys/values [L, H_kv, Tc, D] in the model's dtype on its device.
+        FusionInput with keys/values [L, H_kv, Tc, D] in the model's dtype on its device, ``buffer`` set.
     """
     device = model.device
     mdtype = next(model.parameters()).dtype
+    sfx = suffix_ids if isinstance(suffix_ids, torch.Tensor) else torch.tensor(list(suffix_ids), dtype=torch.long)
+    used = [(kind, ch, key) for kind, ch, key in pieces if ch.num_tokens > 0]
+    tc = sum(ch.num_tokens for _, ch, _ in used)
+    buf = hf_cache.KVBuffer(spec.num_layers, spec.num_kv_heads, spec.head_dim, tc + int(sfx.shape[0]) + reserve,
+                            mdtype, device)
+    keys, values = buf.context(tc)  # [L, H_kv, Tc, D] views
     spans: list[Span] = []
-    canon_k, vals, ids = [], [], []
+    ids = []
     off = 0
-    for kind, ch, key in pieces:
+    for kind, ch, key in used:
         t = ch.num_tokens
-        if t == 0:
-            continue
         spans.append(Span(off, off + t, kind, key))
-        canon_k.append(ch.keys)
-        vals.append(ch.values)
+        pos = torch.arange(off, off + t, device=device)
+        rope.place(ch.keys.to(device, non_blocking=True), pos, out=keys[:, :, off : off + t])
+        values[:, :, off : off + t].copy_(ch.values, non_blocking=True)
         ids.append(ch.token_ids)
         off += t
-    if canon_k:
-        ck = torch.cat(canon_k, dim=2).to(device, mdtype)  # [L, H_kv, Tc, D]
-        v = torch.cat(vals, dim=2).to(device, mdtype)
-        tok = torch.cat(ids)
-    else:
-        shape = (spec.num_layers, spec.num_kv_heads, 0, spec.head_dim)
-        ck = torch.zeros(shape, dtype=mdtype, device=device)
-        v = torch.zeros(shape, dtype=mdtype, device=device)
-        tok = torch.zeros(0, dtype=torch.long)
-    k = rope.place(ck, torch.arange(off, device=device))
-    sfx = suffix_ids if isinstance(suffix_ids, torch.Tensor) else torch.tensor(list(suffix_ids), dtype=torch.long)
+    tok = torch.cat(ids) if ids else torch.zeros(0, dtype=torch.long)
     return FusionInput(
         model=model,
         rope=rope,
         spec=spec,
         token_ids=tok,
-        keys=k,
-        values=v,
+        keys=keys,
+        values=values,
         spans=spans,
         suffix_ids=sfx,
-        canonical_keys=ck,
+        buffer=buf,
     )
 
 
@@ -110,24 +113,30 @@ def context_only_input(
     spec: KVSpec,
     segments: Sequence[PlannedSegment],
     suffix_ids: Sequence[int] | torch.Tensor,
+    *,
+    reserve: int = 0,
 ) -> FusionInput:
     """A FusionInput with the context's token ids and spans but empty KV ([L, H_kv, 0, D]).
 
     For methods that never read the stale cache (``FusionMethod.reads_cache = False``, e.g. ``full``), so that they
-    are not charged for fetching and assembling caches they ignore.
+    are not charged for fetching and assembling caches they ignore. Its (empty) request buffer has room for the
+    whole prompt plus ``reserve`` decode positions, so ``full`` also prefills and decodes without concatenation.
     """
     spans = [Span(s.start, s.end, s.kind, None) for s in segments if s.token_ids]
     ids = [t for s in segments for t in s.token_ids]
     mdtype = next(model.parameters()).dtype
-    empty = torch.zeros((spec.num_layers, spec.num_kv_heads, 0, spec.head_dim), dtype=mdtype, device=model.device)
     sfx = suffix_ids if isinstance(suffix_ids, torch.Tensor) else torch.tensor(list(suffix_ids), dtype=torch.long)
+    buf = hf_cache.KVBuffer(spec.num_layers, spec.num_kv_heads, spec.head_dim, len(ids) + int(sfx.shape[0]) + reserve,
+                            mdtype, model.device)
+    keys, values = buf.context(0)
     return FusionInput(
         model=model,
         rope=rope,
         spec=spec,
         token_ids=torch.tensor(ids, dtype=torch.long),
-        keys=empty,
-        values=empty,
+        keys=keys,
+        values=values,
         spans=spans,
         suffix_ids=sfx,
+        buffer=buf,
     )

@@ -111,7 +111,9 @@ class KVRAGEngine:
         self.max_context = int(self.config.max_context or getattr(text_cfg, "max_position_embeddings", None) or 2048)
         self.chunk_prefix_ids: tuple[int, ...] = self._chunk_prefix()
         self._lock = threading.RLock()
+        self._methods_lock = threading.Lock()
         self.default_method = get_method(self.config.method)
+        self._methods: dict[str, FusionMethod] = {repr(self.default_method): self.default_method}
 
     @classmethod
     def from_pretrained(
@@ -314,10 +316,27 @@ class KVRAGEngine:
         timings["compute_misses_s"] = time.perf_counter() - t
         return pieces, counts, keys
 
+    def method(self, method: str | FusionMethod | None = None, **params: Any) -> FusionMethod:
+        """The fusion method for a spec or instance (None: the configured default), one instance per canonical spec.
+
+        Method instances carry state (a CacheRepair checkpoint resolved, hashed and loaded once per device), so
+        every caller -- ``answer(method="...")``, the LlamaIndex and LangChain adapters, the benchmark -- gets the
+        engine's instance for the same canonical spec (``repr``) instead of building a new one per request.
+        """
+        if method is None and not params:
+            return self.default_method
+        built = method if isinstance(method, FusionMethod) and not params else get_method(
+            method if method is not None else self.config.method, **params)
+        with self._methods_lock:
+            return self._methods.setdefault(repr(built), built)
+
     @torch.inference_mode()
-    def prepare(self, plan: Plan, method: str | FusionMethod | None = None) -> Prepared:
-        """Fetch, assemble, repair and prefill the suffix for ``plan``; returns the state to decode from."""
-        m = self.default_method if method is None else get_method(method)
+    def prepare(self, plan: Plan, method: str | FusionMethod | None = None, *, reserve: int = 64) -> Prepared:
+        """Fetch, assemble, repair and prefill the suffix for ``plan``; returns the state to decode from.
+
+        ``reserve``: decode positions to allocate in the request's KV buffer up front (it grows if needed).
+        """
+        m = self.method(method)
         if plan.total_len >= self.max_context:
             msg = (f"the prompt has {plan.total_len} tokens ({plan.context_len} context + {len(plan.suffix.token_ids)} "
                    f"suffix) but the model's context window is {self.max_context}; retrieve fewer or shorter chunks")
@@ -329,12 +348,13 @@ class KVRAGEngine:
             if m.reads_cache:
                 pieces, counts, keys = self._fetch(plan.context, timings)
                 t = time.perf_counter()
-                inp = assemble(self.model, self.rope, self.spec, pieces, plan.suffix.token_ids)
+                inp = assemble(self.model, self.rope, self.spec, pieces, plan.suffix.token_ids, reserve=reserve)
                 timings["assemble_s"] = time.perf_counter() - t
             else:  # e.g. full prefill: the stale KV is never read, so it is neither fetched nor assembled
                 counts = dict.fromkeys(("chunk_hits", "chunk_misses", "other_hits", "other_misses", "reused_tokens"), 0)
                 keys = [None] * len(plan.context)
-                inp = context_only_input(self.model, self.rope, self.spec, plan.context, plan.suffix.token_ids)
+                inp = context_only_input(self.model, self.rope, self.spec, plan.context, plan.suffix.token_ids,
+                                         reserve=reserve)
             t = time.perf_counter()
             out = m.fuse(inp)
             timings["repair_s"] = time.perf_counter() - t
@@ -410,7 +430,7 @@ class KVRAGEngine:
         return sorted(ids)
 
     def answer_plan(self, plan: Plan, method: str | FusionMethod | None = None, gen: GenerationConfig | None = None) -> Response:
-        prep = self.prepare(plan, method)
+        prep = self.prepare(plan, method, reserve=(gen or GenerationConfig()).max_new_tokens)
         text = "".join(self.stream(prep, gen))
         tokens = prep.stats.pop("token_ids")
         return Response(text, tokens, repr(prep.method), prep.timings, prep.stats, prep.chunk_keys)

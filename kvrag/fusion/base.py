@@ -72,7 +72,12 @@ class FusionInput:
         values: [L, H_kv, Tc, D] stale values.
         spans: ordered spans covering 0..Tc.
         suffix_ids: [S] question suffix ids, positions Tc..Tc+S-1 (the tokens prefilled after repair).
-        canonical_keys: [L, H_kv, Tc, D] the same keys without RoPE (what a learned repairer consumes).
+        canonical_keys: [L, H_kv, Tc, D] the same keys without RoPE (what a learned repairer consumes), when the
+            caller has them; None: methods canonicalize the positions they need.
+        buffer: the request's own :class:`~kvrag.kv.hf_cache.KVBuffer` when ``keys``/``values`` are views of it
+            (the engine's zero-copy path): methods then write their fresh K/V into ``keys``/``values`` in place
+            and the suffix prefill appends into the same buffer. None (e.g. tensors a test built): methods work
+            on copies and never modify the inputs. Use :meth:`working_kv` and :meth:`cache_over`.
     """
 
     model: Any
@@ -84,6 +89,22 @@ class FusionInput:
     spans: list[Span]
     suffix_ids: torch.Tensor
     canonical_keys: torch.Tensor | None = None
+    buffer: Any = None
+
+    def working_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys, values [L, H_kv, Tc, D] a method may overwrite: the request's buffer in place, else copies."""
+        if self.buffer is not None:
+            return self.keys, self.values
+        return self.keys.clone(), self.values.clone()
+
+    def cache_over(self, keys: torch.Tensor, values: torch.Tensor) -> Any:
+        """The transformers cache holding the repaired context KV ``keys``/``values`` (from :meth:`working_kv`)
+        that the suffix is prefilled against: the buffer itself (no copy) on the zero-copy path."""
+        from kvrag.kv import hf_cache
+
+        if self.buffer is not None and keys.data_ptr() == self.keys.data_ptr():
+            return self.buffer.as_cache(self.context_len)
+        return hf_cache.make_cache(keys, values, self.model.config)
 
     @property
     def context_len(self) -> int:
@@ -157,7 +178,8 @@ class FusionMethod(abc.ABC):
 
     @abc.abstractmethod
     def fuse(self, inp: FusionInput) -> FusionOutput:
-        """Repair ``inp``'s stale KV; must not modify ``inp.keys`` / ``inp.values`` in place."""
+        """Repair ``inp``'s stale KV: in place when ``inp.buffer`` is set, else on copies (see
+        :meth:`FusionInput.working_kv`); stored chunk caches are never modified."""
 
     def __repr__(self) -> str:
         args = ",".join(f"{k}={v}" for k, v in self.config.items())

@@ -116,5 +116,6 @@ class CacheBlend(FusionMethod):
             return select_hkvd(model, state, k, deviation=self.deviation, write_all=self.check_write == "all")
 
         # CacheBlend §3: every reusable token until the check layer, then the selected ones
-        res = selective_recompute(inp.model, inp.token_ids, inp.keys, inp.values, [cand] * n_layers, None, hook=hook)
+        res = selective_recompute(inp.model, inp.token_ids, *inp.working_kv(), [cand] * n_layers, None, hook=hook,
+                                  inplace=True)
         return fusion_output(inp, res, selected=k, candidates=int(cand.numel()))

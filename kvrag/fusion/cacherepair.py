@@ -95,7 +95,7 @@ class CacheRepair(FusionMethod):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self._repairers: dict[tuple[str, str], RepairModel] = {}
+        self._repairers: dict[tuple[str, str, str], RepairModel] = {}
         self._paths: dict[tuple[str, str], Path] = {}
 
     def _resolve(self, inp: FusionInput) -> Path:
@@ -131,8 +131,8 @@ class CacheRepair(FusionMethod):
     def repairer(self, inp: FusionInput) -> RepairModel:
         """The loaded repairer for ``inp``'s model (cached per checkpoint and device)."""
         path = self._resolve(inp)
-        device = inp.keys.device
-        key = (str(path.resolve()), str(device))
+        device, dtype = inp.keys.device, inp.keys.dtype
+        key = (str(path.resolve()), str(device), str(dtype))
         with _LOAD_LOCK:
             rep = self._repairers.get(key)
             if rep is None:
@@ -141,6 +141,7 @@ class CacheRepair(FusionMethod):
                     log.warning("cacherepair: the KV spec carries no model fingerprint; checking shapes only")
                 rep = RepairModel.from_pretrained(path, fp, expected_weights_fingerprint=_weights_fp(inp.model) or None,
                                                   map_location=device)
+                rep.to(dtype)  # runs in the model's compute dtype (weights are stored in float32)
                 self._repairers[key] = rep
         c, s = rep.cfg, inp.spec
         if (c.num_layers, c.num_kv_heads, c.head_dim) != (s.num_layers, s.num_kv_heads, s.head_dim):
@@ -159,36 +160,42 @@ class CacheRepair(FusionMethod):
     def fuse(self, inp: FusionInput) -> FusionOutput:
         t0 = time.perf_counter()
         spans = [sp for sp in inp.spans if sp.kind != "prefix" and sp.length > 0]
+        keys, values = inp.working_kv()
         if not spans:  # nothing is stale
-            cache = hf_cache.make_cache(inp.keys, inp.values, inp.model.config)
-            return FusionOutput(cache=cache, stats={"recomputed_fraction": 0.0, "repaired_tokens": 0})
+            return FusionOutput(cache=inp.cache_over(keys, values),
+                                stats={"recomputed_fraction": 0.0, "repaired_tokens": 0})
         rep = self.repairer(inp)
-        dev = inp.keys.device
+        dev = keys.device
         # CacheRepair v2: the exact leading prefix is read as chunk 0 (context for the repair, never written back)
         lead = [sp for sp in inp.spans if sp.kind == "prefix" and sp.length > 0 and sp.start == 0][:1]
         read = (lead if self.reads_exact_lead(rep) else []) + spans
-        num_exact = lead[0].length if read and lead and read[0] is lead[0] else 0
-        idx = torch.cat([torch.arange(sp.start, sp.end) for sp in read]).to(dev)  # [N] global positions
+        num_exact = read[0].length if lead and read[0] is lead[0] else 0
+        lo, hi = read[0].start, read[-1].end
+        contiguous = all(a.end == b.start for a, b in zip(read, read[1:], strict=False))
+        idx = (torch.arange(lo, hi) if contiguous else torch.cat([torch.arange(sp.start, sp.end) for sp in read])
+               ).to(dev)  # [N] global positions
         chunk_index = torch.cat([torch.full((sp.length,), i, dtype=torch.long) for i, sp in enumerate(read)]).to(dev)
-        ck = inp.canonical_keys
-        if ck is None:
-            ck = inp.rope.canonicalize(inp.keys, torch.arange(inp.context_len, device=dev))
-        stale = pack_kv(ck[:, :, idx].float(), inp.values[:, :, idx].float())  # [N, S, D]
+        sel_k = keys[:, :, lo:hi] if contiguous else keys[:, :, idx]  # [L, H_kv, N, D] (a view when contiguous)
+        sel_v = values[:, :, lo:hi] if contiguous else values[:, :, idx]
+        ck = inp.canonical_keys[:, :, idx] if inp.canonical_keys is not None else inp.rope.canonicalize(sel_k, idx)
+        stale = pack_kv(ck.float(), sel_v.float())  # [N, S, D], one copy
         emb = hf_cache.embed(inp.model, inp.token_ids[idx.cpu()])[0]  # [N, E] frozen E_M(x)
         positions = idx - idx[0]  # document positions (the repairer's RoPE is relative anyway)
         t1 = time.perf_counter()
         repaired = rep.repair(stale, emb, chunk_index, positions)[num_exact:]  # stale + sigma_delta * z, canonical
         t2 = time.perf_counter()
+        rk, rv = unpack_kv(repaired, inp.spec.num_layers, inp.spec.num_kv_heads)  # [L, H_kv, N', D] views
         out_idx = idx[num_exact:]
-        rk, rv = unpack_kv(repaired, inp.spec.num_layers, inp.spec.num_kv_heads)  # [L, H_kv, N, D]
-        keys = inp.keys.clone()  # never modify the input in place
-        values = inp.values.clone()
-        keys[:, :, out_idx] = inp.rope.place(rk, out_idx).to(keys.dtype)  # global RoPE after repair (§4.1)
-        values[:, :, out_idx] = rv.to(values.dtype)
-        cache = hf_cache.make_cache(keys, values, inp.model.config)
+        if contiguous:  # write straight into the (request's) cache: global RoPE after repair (§4.1)
+            w0 = lo + num_exact
+            inp.rope.place(rk, out_idx, out=keys[:, :, w0:hi])
+            values[:, :, w0:hi].copy_(rv)
+        else:
+            keys[:, :, out_idx] = inp.rope.place(rk, out_idx).to(keys.dtype)
+            values[:, :, out_idx] = rv.to(values.dtype)
         n = int(out_idx.shape[0])
         return FusionOutput(
-            cache=cache,
+            cache=inp.cache_over(keys, values),
             stats={
                 "recomputed_fraction": 0.0,
                 "repaired_tokens": n,

@@ -54,5 +54,5 @@ class Epic(FusionMethod):
     def fuse(self, inp: FusionInput) -> FusionOutput:
         n_layers = inp.keys.shape[0]
         tgt = epic_positions(inp.spans, self.k)
-        res = selective_recompute(inp.model, inp.token_ids, inp.keys, inp.values, [tgt] * n_layers, None)
+        res = selective_recompute(inp.model, inp.token_ids, *inp.working_kv(), [tgt] * n_layers, None, inplace=True)
         return fusion_output(inp, res, selected=int(tgt.numel()))

@@ -21,5 +21,6 @@ class Full(FusionMethod):
 
     def fuse(self, inp: FusionInput) -> FusionOutput:
         ids = torch.cat([inp.token_ids, inp.suffix_ids.to(inp.token_ids.device)])
-        logits, cache = hf_cache.forward(inp.model, ids, None, start=0)
+        cache = inp.buffer.as_cache(0) if inp.buffer is not None else None  # the request's buffer: no concatenation
+        logits, cache = hf_cache.forward(inp.model, ids, cache, start=0)
         return FusionOutput(cache=cache, last_logits=logits[-1], stats={"recomputed_fraction": 1.0})

@@ -65,7 +65,7 @@ class ProphetKV(FusionMethod):
         scores, score_edges, score_s = query_attention_scores(inp, heads="mean", kind="prob")
         cand = ~exact_mask(inp, first_chunk=self.exclude_first_chunk)
         tgt = prophet_select(scores, cand, self.r)
-        res = selective_recompute(inp.model, inp.token_ids, inp.keys, inp.values, [tgt] * n_layers, None)
+        res = selective_recompute(inp.model, inp.token_ids, *inp.working_kv(), [tgt] * n_layers, None, inplace=True)
         return fusion_output(
             inp, res, score_s=score_s, score_edges=score_edges, selected=int(tgt.numel()), candidates=int(cand.sum())
         )

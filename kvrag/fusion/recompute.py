@@ -147,6 +147,7 @@ def selective_recompute(
     *,
     hook: LayerHook | None = None,
     block_size: int = 2048,
+    inplace: bool = False,
 ) -> RecomputeResult:
     """Layer-by-layer selective recomputation over a stale cache. baselines.md §0.1; RelaxKV §3.3-§3.4, §A.2.
 
@@ -159,7 +160,8 @@ def selective_recompute(
     * the targets ``t' <= t`` of this layer with their FRESH K/V (itself included),
 
     and its fresh K/V overwrite the cache at layer ``l``. Targets must be nested (``targets[l+1] ⊆ targets[l]``),
-    because a token needs a fresh hidden state from the previous layer. The inputs are never modified in place.
+    because a token needs a fresh hidden state from the previous layer. ``keys``/``values`` are modified in place
+    with ``inplace`` (the caller owns them, e.g. :meth:`FusionInput.working_kv`), else never.
 
     Args:
         model: the causal LM.
@@ -195,7 +197,7 @@ def selective_recompute(
             raise ValueError(msg)
     sync(keys.device)
     t0 = time.perf_counter()
-    k_out, v_out = keys.clone(), values.clone()
+    k_out, v_out = (keys, values) if inplace else (keys.clone(), values.clone())
     done: list[torch.Tensor] = []
     states = edges = extra = 0
     prev = plan[0]
@@ -366,7 +368,7 @@ def fusion_output(
         "recomputed_per_layer": [int(t.numel()) for t in res.targets],
     }
     stats.update(extra)
-    cache = hf_cache.make_cache(res.keys, res.values, inp.model.config)
+    cache = inp.cache_over(res.keys, res.values)
     return FusionOutput(cache=cache, stats=stats)
 
 

@@ -161,7 +161,7 @@ class RelaxKV(FusionMethod):
     def fuse(self, inp: FusionInput) -> FusionOutput:
         sched, k, score_edges, score_s = self.schedule(inp)
         ctx = sched.union if self.context == "anchors" else None
-        res = selective_recompute(inp.model, inp.token_ids, inp.keys, inp.values, sched.active, ctx)
+        res = selective_recompute(inp.model, inp.token_ids, *inp.working_kv(), sched.active, ctx, inplace=True)
         tc = max(1, inp.context_len)
         u_frac = sched.union.numel() / tc if self.context == "anchors" else 1.0
         return fusion_output(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from kvrag.fusion.base import FusionInput, FusionMethod, FusionOutput, register
-from kvrag.kv import hf_cache
 
 
 @register
@@ -13,5 +12,5 @@ class Stale(FusionMethod):
     name = "stale"
 
     def fuse(self, inp: FusionInput) -> FusionOutput:
-        cache = hf_cache.make_cache(inp.keys, inp.values, inp.model.config)
+        cache = inp.cache_over(inp.keys, inp.values)  # read-only: no copy
         return FusionOutput(cache=cache, stats={"recomputed_fraction": 0.0})

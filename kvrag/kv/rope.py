@@ -99,8 +99,13 @@ class Rope:
             emb = torch.repeat_interleave(freqs, 2, dim=-1)
         return emb.cos(), emb.sin()
 
-    def rotate(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-        """Rotate ``x`` [..., T, D] by ``+positions`` (or ``-positions`` when inverse); fp32 math, x's dtype out."""
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rotate ``x`` [..., T, D] by ``+positions`` (or ``-positions`` when inverse); fp32 math.
+
+        Returns x's dtype, or writes into ``out`` (same shape, any float dtype, must not overlap ``x``) and
+        returns it: a float32 ``out`` is computed in place with no temporary (the zero-copy assembly path).
+        """
         if x.shape[-1] != self.head_dim:
             msg = f"head dim {x.shape[-1]} does not match the RoPE's {self.head_dim}"
             raise ValueError(msg)
@@ -108,9 +113,18 @@ class Rope:
         if inverse:
             sin = -sin
         xf = x.float()
-        # out = xf * cos + rotate_pairs(xf) * sin, written in place: one [..., T, D] temporary instead of five
+        # res = xf * cos + rotate_pairs(xf) * sin, written in place: at most one [..., T, D] temporary
         # (assembling a long context moves tens of MB through here).
-        out = xf * cos
+        direct = out is not None and out.dtype == torch.float32
+        res = torch.mul(xf, cos, out=out) if direct else xf * cos
+        self._add_rotated(res, xf, sin)
+        if out is None:
+            return res.to(x.dtype)
+        if not direct:
+            out.copy_(res)
+        return out
+
+    def _add_rotated(self, out: torch.Tensor, xf: torch.Tensor, sin: torch.Tensor) -> None:
         if self.pairing == "half":
             h = self.head_dim // 2
             out[..., :h].addcmul_(xf[..., h:], sin[..., :h], value=-1.0)
@@ -118,12 +132,11 @@ class Rope:
         else:
             out[..., 0::2].addcmul_(xf[..., 1::2], sin[..., 0::2], value=-1.0)
             out[..., 1::2].addcmul_(xf[..., 0::2], sin[..., 1::2])
-        return out.to(x.dtype)
 
     def canonicalize(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Remove RoPE from keys [..., T, D] cached at ``positions`` [T]."""
         return self.rotate(keys, positions, inverse=True)
 
-    def place(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Apply RoPE for global ``positions`` [T] to canonical keys [..., T, D]."""
-        return self.rotate(keys, positions)
+    def place(self, keys: torch.Tensor, positions: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Apply RoPE for global ``positions`` [T] to canonical keys [..., T, D] (into ``out`` when given)."""
+        return self.rotate(keys, positions, out=out)

@@ -223,14 +223,34 @@ class RepairBlock(nn.Module):
         self.fc1 = nn.Linear(d, cfg.mlp_ratio * d)
         self.fc2 = nn.Linear(cfg.mlp_ratio * d, d)
 
-    def forward(self, h: torch.Tensor, mask: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """h [B, N, d_b]; mask [B, 1, N, N] bool (True = may attend); cos/sin [B, 1, N, head_dim]."""
+    def forward(self, h: torch.Tensor, mask: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                spans: list[tuple[int, int]] | None = None) -> torch.Tensor:
+        """h [B, N, d_b]; mask [B, 1, N, N] bool (True = may attend); cos/sin [B, 1, N, head_dim].
+
+        With ``spans`` (batch size 1, the chunks' [start, end) in order) the block-causal attention runs chunk by
+        chunk over its prefix, with no N x N mask: chunk c's queries attend to keys [0, end_c) (the same pairs the
+        mask allows, none of the masked ones).
+        """
         B, N, d = h.shape
         q, k, v = self.qkv(self.ln1(h)).view(B, N, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
         q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)  # [B, heads, N, hd]
-        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        if spans is None:
+            a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        else:
+            a = torch.cat([F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, :e], v[:, :, :e]) for s, e in spans],
+                          dim=2)
         h = h + self.proj(a.transpose(1, 2).reshape(B, N, d))
         return h + self.fc2(F.gelu(self.fc1(self.ln2(h))))
+
+
+def _chunk_spans(chunk_index: torch.Tensor) -> list[tuple[int, int]] | None:
+    """[start, end) of each chunk of a non-decreasing, unpadded [N] chunk index; None if it is not such."""
+    ci = chunk_index.detach().cpu()
+    if ci.numel() == 0 or bool((ci < 0).any()) or bool((ci[1:] < ci[:-1]).any()):
+        return None
+    _, counts = torch.unique_consecutive(ci, return_counts=True)
+    ends = torch.cumsum(counts, 0).tolist()
+    return list(zip([0, *ends[:-1]], ends, strict=True))
 
 
 def block_causal_mask(chunk_index: torch.Tensor) -> torch.Tensor:
@@ -330,16 +350,19 @@ class RepairModel(nn.Module):
             raise ConfigError(msg)
         if positions is None:
             positions = torch.arange(N, device=stale.device).expand(B, N)
-        x = stale.float() / self._sig("sigma_stale")  # CacheRepair §4.1: KV^c_stale / sigma_stale
+        dt = self.head.weight.dtype  # the repairer's compute dtype
+        x = stale.to(dt) * (1.0 / self._sig("sigma_stale")).to(dt)  # CacheRepair §4.1: KV^c_stale / sigma_stale
         s = self.encoder(x)  # [B, N, d_b]
         e = tok_emb.float()
-        e = e * torch.rsqrt(e.pow(2).mean(-1, keepdim=True) + 1e-12)  # parameter-free RMS scaling of E_M(x)
+        e = (e * torch.rsqrt(e.pow(2).mean(-1, keepdim=True) + 1e-12)).to(dt)  # parameter-free RMS scaling of E_M(x)
         h = self.fusion(torch.cat([s, self.tok_proj(e)], dim=-1))  # h^0 = F([s; P_tok E_M(x)])
-        mask = block_causal_mask(chunk_index.to(stale.device))
+        spans = _chunk_spans(chunk_index[0]) if B == 1 and not self.training else None
+        mask = None if spans is not None else block_causal_mask(chunk_index.to(stale.device))
         head_dim = self.cfg.d_b // self.cfg.attn_heads
         cos, sin = _rope_cos_sin(positions.to(stale.device), head_dim, self.cfg.rope_theta)
+        cos, sin = cos.to(dt), sin.to(dt)
         for proj, block in zip(self.reinject, self.blocks, strict=True):
-            h = block(h + proj(s), mask, cos, sin)  # h^b = RepairBlock_b(h^{b-1} + P_b(s); A, p)
+            h = block(h + proj(s), mask, cos, sin, spans)  # h^b = RepairBlock_b(h^{b-1} + P_b(s); A, p)
         z = self.head(self.ln_out(h)).view(B, N, S, D)
         return z[0] if squeeze else z
 
@@ -357,7 +380,7 @@ class RepairModel(nn.Module):
     ) -> torch.Tensor:
         """Repaired canonical KV ``stale + sigma_delta * z`` [.., N, S, D] in float32 (see :meth:`forward`)."""
         z = self.forward(stale, tok_emb, chunk_index, positions)
-        return stale.float() + self.residual(z)
+        return self.residual(z.float()).add_(stale)
 
     # ----------------------------------------------------------------- persistence
     def save_pretrained(

@@ -59,9 +59,11 @@ class FusionCase:
     full_values: torch.Tensor
     full_tokens: list[int]
 
-    def fusion_input(self) -> FusionInput:
-        """A freshly assembled stale input (new tensors each call)."""
-        return assemble(self.model, self.rope, self.spec, self.pieces, self.suffix_ids)
+    def fusion_input(self, *, zero_copy: bool = False) -> FusionInput:
+        """A freshly assembled stale input (new tensors each call). ``zero_copy``: as the engine serves it (the
+        input owns its buffer, so methods repair it in place); else a plain input methods must not modify."""
+        inp = assemble(self.model, self.rope, self.spec, self.pieces, self.suffix_ids)
+        return inp if zero_copy else dataclasses.replace(inp, buffer=None)
 
 
 def greedy_tokens(inp: FusionInput, out: FusionOutput, steps: int) -> list[int]:
@@ -177,6 +179,19 @@ class FusionMethodTests:
             assert torch.equal(x, y)
         assert set(run.out.stats) == set(again.stats)
         assert greedy_tokens(inp, again, 2) == run.tokens
+
+    def test_zero_copy_path_matches(self, case: FusionCase, run: FusionRun) -> None:
+        """On a buffer-owning input (the engine's path) the method repairs in place and returns the same KV."""
+        inp = case.fusion_input(zero_copy=True)
+        out = get_method(self.method_spec).fuse(inp)
+        k, v = context_kv(out, inp.context_len)
+        rk, rv = context_kv(run.out, inp.context_len)
+        torch.testing.assert_close(k, rk, atol=self.atol, rtol=0)
+        torch.testing.assert_close(v, rv, atol=self.atol, rtol=0)
+        if out.last_logits is None:  # the cache the suffix is prefilled against is the request's buffer
+            assert hf_cache.cache_to_tensors(out.cache)[0].data_ptr() == inp.buffer.keys.data_ptr()
+        for (k0, v0, ids), (_, c, _) in zip(run.stored_before, case.pieces, strict=True):
+            assert torch.equal(k0, c.keys) and torch.equal(v0, c.values) and torch.equal(ids, c.token_ids)
 
     def test_does_not_mutate_inputs(self, case: FusionCase, run: FusionRun) -> None:
         inp = run.inp

@@ -152,7 +152,6 @@ class ChatKVCached(BaseChatModel):
         return "\n".join(f"{d['role']}: {d['content']}" for d in dicts) + "\nassistant: "
 
     def _request(self, messages: Sequence[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
-        from kvrag.fusion import get_method
 
         kw = dict(kwargs)
         prompt = self.render(messages)
@@ -169,11 +168,12 @@ class ChatKVCached(BaseChatModel):
             seed=kw.pop("seed", self.seed),
             stop=tuple(stop if stop is not None else (self.stop or ())),
         )
-        method = get_method(kw.pop("method", self.method), **kw.pop("method_params", self.method_params))
+        method = self.engine.method(kw.pop("method", self.method), **kw.pop("method_params", self.method_params))
         return {"prompt": prompt, "chunks": registry.chunk_texts(chunks), "gen": gen, "method": method}
 
     def _prepare(self, req: dict[str, Any]) -> Any:
-        return self.engine.prepare(self.engine.plan(req["prompt"], req["chunks"]), req["method"])
+        return self.engine.prepare(self.engine.plan(req["prompt"], req["chunks"]), req["method"],
+                                   reserve=req["gen"].max_new_tokens)
 
     def _metadata(self, req: dict[str, Any], prep: Any) -> tuple[dict[str, Any], dict[str, int]]:
         stats = {k: v for k, v in prep.stats.items() if k != "token_ids"}

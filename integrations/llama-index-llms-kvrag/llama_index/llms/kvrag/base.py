@@ -171,9 +171,7 @@ class KVCachedLLM(CustomLLM):
         )
 
     def _method(self, kw: dict[str, Any]) -> Any:
-        from kvrag.fusion import get_method
-
-        return get_method(kw.pop("method", self.method), **kw.pop("method_params", self.method_params))
+        return self.engine.method(kw.pop("method", self.method), **kw.pop("method_params", self.method_params))
 
     def _new_request(self, prompt: str, formatted: bool, kw: dict[str, Any]) -> dict[str, Any]:
         """Resolve everything a request needs NOW (in the caller's context), before any lazy generation."""
@@ -227,14 +225,14 @@ class KVCachedLLM(CustomLLM):
         _LAST.set(info)
 
     def _run(self, req: dict[str, Any]) -> CompletionResponse:
-        prep = self.engine.prepare(self._plan(req), req["method"])
+        prep = self.engine.prepare(self._plan(req), req["method"], reserve=req["gen"].max_new_tokens)
         text = "".join(self.engine.stream(prep, req["gen"]))
         info = self._info(req, prep, text)
         self._record(info)
         return CompletionResponse(text=text, raw=info["raw"], additional_kwargs=info["additional_kwargs"])
 
     def _run_stream(self, req: dict[str, Any]) -> CompletionResponseGen:
-        prep = self.engine.prepare(self._plan(req), req["method"])
+        prep = self.engine.prepare(self._plan(req), req["method"], reserve=req["gen"].max_new_tokens)
         text = ""
         for delta in self.engine.stream(prep, req["gen"]):
             text += delta
