@@ -280,7 +280,12 @@ def summarize_method(
         "kv_cache_bytes_mean": _mean(_values(rows, label, "kv_cache_bytes")),
         "method_stats_mean": _nested_means(rows, label, "method_stats"),
         "generated_tokens_mean": _mean(_values(rows, label, "generated_tokens")),
+        "flop_share": _mean(_values(rows, label, "flop_share")),
     }
+    # overhead: the measured TTFT ratio over the analytic FLOP share (1.0 = the method runs at full prefill's
+    # FLOP efficiency; see kvrag.bench.flops)
+    fs = m["flop_share"]
+    m["overhead"] = m["ttft_ratio"] / fs if m["ttft_ratio"] is not None and fs else None
     for ref_name, ref in (("vs_full", full), ("vs_stale", stale)):
         if ref is None:
             continue
@@ -434,13 +439,18 @@ def summary_markdown(summary: dict[str, Any]) -> str:
         kv = m.get("kv_rel_rmse", {})
         cells = [_f(kv.get(f"{t}_{r}"), 4) for t in ("k", "v") for r in KV_REGIONS]
         lines.append(f"| `{lbl}` | " + " | ".join(cells) + " |")
-    lines += ["", "## TTFT breakdown (mean ms) and memory", "",
-              "| method | fetch | misses | assemble | repair | suffix prefill | TTFT | decode | peak mem MiB |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += ["", "## TTFT breakdown (mean ms), FLOP share and overhead, memory", "",
+              "FLOP share = the method's analytic FLOPs / a full prefill's on the same request (kvrag.bench.flops: "
+              "projections, MLP, attention pairs computed, scoring pass, repairer); overhead = TTFT/full (p50 ratio) / "
+              "FLOP share.", "",
+              "| method | fetch | misses | assemble | repair | suffix prefill | TTFT | decode | FLOP share | TTFT/full "
+              "| overhead | peak mem MiB |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for lbl, m in summary.get("methods", {}).items():
         t = m.get("timings_mean_s", {})
         mem = m.get("peak_mem_bytes_mean")
         lines.append(f"| `{lbl}` | " + " | ".join(_ms(t.get(k)) for k in TIMING_KEYS[:-1])
+                     + f" | {_f(m.get('flop_share'), 3)} | {_f(m.get('ttft_ratio'), 3)} | {_f(m.get('overhead'), 2)}"
                      + f" | {_f(mem / 2**20 if mem is not None else None, 1)} |")
     hw, ver = summary.get("hardware", {}), summary.get("versions", {})
     lines += ["", "## Provenance", "",

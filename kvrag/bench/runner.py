@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -38,6 +39,7 @@ from typing import Any
 import torch
 
 from kvrag.bench import aggregate
+from kvrag.bench.flops import ModelCost
 from kvrag.bench.metrics import exact_match, extract_answer, f1_score, kl_divergence, kv_rel_rmse
 from kvrag.config import EngineConfig, GenerationConfig
 from kvrag.errors import ConfigError, ContextLengthError
@@ -441,6 +443,11 @@ class QABenchmark:
     def peer_names(self) -> list[str]:
         return [self.cfg.peer] if self.cfg.peer else []
 
+    @functools.cached_property
+    def cost(self) -> ModelCost:
+        """Analytic FLOPs of the engine's model (the FLOP-share column)."""
+        return ModelCost.from_config(self.engine.model.config)
+
     # -------------------------------------------------------------- resume bookkeeping
     def resume_key(self) -> dict[str, Any]:
         """Everything that changes a finished request's numbers (a mismatch forbids resuming)."""
@@ -529,6 +536,8 @@ class QABenchmark:
             "method_stats": stats.pop("method_stats", {}),
             "stats": stats,
         }
+        record["flop_share"] = self.cost.share(record["method_stats"], plan.context_len, len(plan.suffix.token_ids),
+                                               full=not prep.method.reads_cache)
         last = prep.last_logits.detach().float()
         del prep
         return MethodRun(record, k, v, last, tokens)

@@ -204,5 +204,6 @@ class CacheRepair(FusionMethod):
                 "repair_s": t2 - t1,
                 "fusion_s": time.perf_counter() - t0,
                 "repairer_parameters": rep.num_parameters,
+                "repairer_flops": rep.flops([sp.length for sp in read]),
             },
         )

@@ -318,6 +318,20 @@ class RepairModel(nn.Module):
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
+    def flops(self, chunk_lengths: list[int]) -> float:
+        """Analytic FLOPs of one :meth:`forward` over a document with these chunk lengths (multiply-add = 2):
+        per token the segment encoder, token projection, fusion, every block's re-injection, attention projections
+        and MLP, and the KV head; plus the block-causal attention pairs (chunk c attends to chunks 0..c)."""
+        c = self.cfg
+        S, D, d, B = c.num_segments, c.head_dim, c.d_b, c.num_blocks
+        per_token = (2 * S * D * c.d_seg + 2 * S * c.d_seg * d + 2 * c.embed_dim * d + 2 * 2 * d * d
+                     + B * (2 * d * d + 2 * 3 * d * d + 2 * d * d + 2 * 2 * c.mlp_ratio * d * d) + 2 * d * S * D)
+        ends, pairs = 0, 0
+        for n in chunk_lengths:
+            ends += n
+            pairs += n * ends
+        return float(per_token * ends + B * pairs * 4 * d)
+
     def _sig(self, name: str) -> torch.Tensor:
         return getattr(self, name).reshape(self.cfg.num_segments, self.cfg.head_dim)  # [S, D]
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import json
 import types
 from pathlib import Path
@@ -376,3 +377,22 @@ def test_init_std_controls_position_sensitivity() -> None:
 
     assert gap_kl(0.02) < 1e-4
     assert gap_kl(0.1) > 1e-2
+
+
+def test_default_dtype_follows_native_bf16_units(monkeypatch) -> None:
+    """bfloat16 only where the hardware has bf16 matrix units (AMX / AVX512-BF16) or on CUDA; detected, not
+    guessed."""
+    import torch
+
+    from kvrag import models
+
+    detect = models.cpu_native_bf16.__wrapped__  # the uncached detector
+    monkeypatch.setattr(models, "cpu_native_bf16", lambda: "amx_bf16")
+    assert models.resolve_dtype(None, torch.device("cpu")) == torch.bfloat16
+    monkeypatch.setattr(models, "cpu_native_bf16", lambda: None)
+    assert models.resolve_dtype(None, torch.device("cpu")) == torch.float32
+    assert models.resolve_dtype(None, torch.device("cuda")) == torch.bfloat16
+    assert models.resolve_dtype("float32", torch.device("cuda")) == torch.float32  # an explicit dtype wins
+    flag = detect()  # this machine
+    cpuinfo = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    assert (flag is not None) == any(f in cpuinfo.split() for f in ("amx_bf16", "avx512_bf16"))
