@@ -19,7 +19,7 @@ from kvrag.fusion.base import (
 _log = logging.getLogger(__name__)
 
 # Built-in method modules; each registers itself on import.
-_BUILTINS = ("full", "stale", "relaxkv", "cacheblend", "epic", "prophetkv", "cacherepair")
+_BUILTINS = ("full", "stale", "relaxkv", "cacheblend", "epic", "prophetkv", "cacherepair", "hybrid", "auto")
 for _mod in _BUILTINS:
     try:
         importlib.import_module(f"kvrag.fusion.{_mod}")

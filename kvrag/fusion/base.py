@@ -97,6 +97,16 @@ class FusionInput:
             return self.keys, self.values
         return self.keys.clone(), self.values.clone()
 
+    def owned(self) -> FusionInput:
+        """This input if it owns its buffer, else one over copies of the stale KV in a buffer of their own (so
+        several repair steps can each write in place, e.g. ``hybrid``)."""
+        if self.buffer is not None:
+            return self
+        from kvrag.kv import hf_cache
+
+        keys, values = self.keys.contiguous().clone(), self.values.contiguous().clone()
+        return dataclasses.replace(self, keys=keys, values=values, buffer=hf_cache.KVBuffer.wrap(keys, values))
+
     def cache_over(self, keys: torch.Tensor, values: torch.Tensor) -> Any:
         """The transformers cache holding the repaired context KV ``keys``/``values`` (from :meth:`working_kv`)
         that the suffix is prefilled against: the buffer itself (no copy) on the zero-copy path."""

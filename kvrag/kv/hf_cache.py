@@ -31,6 +31,13 @@ class KVBuffer:
         self.keys = torch.empty(shape, dtype=dtype, device=device)
         self.values = torch.empty(shape, dtype=dtype, device=device)
 
+    @classmethod
+    def wrap(cls, keys: torch.Tensor, values: torch.Tensor) -> KVBuffer:
+        """A buffer that owns the given contiguous keys/values [L, H_kv, T, D] (no copy)."""
+        buf = cls.__new__(cls)
+        buf.keys, buf.values = keys, values
+        return buf
+
     @property
     def capacity(self) -> int:
         return int(self.keys.shape[2])

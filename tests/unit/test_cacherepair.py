@@ -30,7 +30,7 @@ from kvrag.repair.data import (
 )
 from kvrag.repair.model import CONFIG_NAME, RepairConfig, RepairModel, block_causal_mask, pack_kv, unpack_kv
 from kvrag.repair.train import TrainConfig, Trainer, kv_spec_of, lr_factor
-from kvrag.testing.fusion_suite import FusionCase, FusionMethodTests, fusion_case
+from kvrag.testing.fusion_suite import FusionCase, FusionMethodTests, context_kv, fusion_case
 from kvrag.testing.tiny import FAMILIES, tiny_model
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau".split()
@@ -440,3 +440,42 @@ class TestCacheRepairSuite(FusionMethodTests):
                                            head_dim=s.head_dim, embed_dim=int(case.model.config.hidden_size))
             _randomized(cfg).save_pretrained(target, target_fingerprint=s.model_fingerprint)
         return case
+
+
+class TestHybridSuite(TestCacheRepairSuite):
+    """``hybrid`` (CacheRepair, then RelaxKV over the repaired cache) on the standard suite; at r = 1 it is full."""
+
+    method_spec = f"hybrid:r=0.3,checkpoint={_SUITE_ROOT}"
+    recompute_all_spec = f"hybrid:r=1,checkpoint={_SUITE_ROOT}"
+
+    def test_both_steps_run(self, case: FusionCase) -> None:
+        inp = case.fusion_input()
+        out = get_method(self.method_spec).fuse(inp)
+        assert out.stats["repair_repaired_tokens"] > 0 and 0 < out.stats["recomputed_fraction"] < 1
+        k, _ = context_kv(out, inp.context_len)
+        rep_k, _ = context_kv(get_method(f"cacherepair:checkpoint={_SUITE_ROOT}").fuse(case.fusion_input()),
+                              inp.context_len)
+        relax_k, _ = context_kv(get_method("relaxkv:r=0.3").fuse(case.fusion_input()), inp.context_len)
+        assert not torch.allclose(k, rep_k) and not torch.allclose(k, relax_k)
+
+
+def test_v2_checkpoint_reads_the_exact_lead(lm, tmp_path: Path) -> None:
+    """A checkpoint trained with the exact lead (conditioning.exact_lead) reads the prefix span as chunk 0 and
+    leaves it exact; an older one does not read it. Both repair the same chunk tokens."""
+    inp, p = _fusion_input(lm)
+    spec = kv_spec_of(lm.model, lm.fingerprint)
+    cfg = RepairConfig.from_preset("tiny", num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads,
+                                   head_dim=spec.head_dim, embed_dim=64)
+    m = _randomized(cfg)
+    v1 = m.save_pretrained(tmp_path / "v1", target_fingerprint=lm.fingerprint)
+    v2 = m.save_pretrained(tmp_path / "v2", target_fingerprint=lm.fingerprint,
+                           extra={"conditioning": {"exact_lead": True}})
+    stale = inp.keys.clone()
+    o1 = get_method(f"cacherepair:checkpoint={v1}").fuse(_fusion_input(lm)[0])
+    o2 = get_method(f"cacherepair:checkpoint={v2}").fuse(inp)
+    assert o1.stats["exact_lead_tokens"] == 0 and o2.stats["exact_lead_tokens"] == p
+    assert o1.stats["repaired_tokens"] == o2.stats["repaired_tokens"] == inp.context_len - p
+    k1, _ = hf_cache.cache_to_tensors(o1.cache)
+    k2, _ = hf_cache.cache_to_tensors(o2.cache)
+    assert torch.equal(k2[:, :, :p], stale[:, :, :p])  # the lead is read, never written
+    assert not torch.allclose(k1[:, :, p:], k2[:, :, p:])  # reading the lead changes the repair

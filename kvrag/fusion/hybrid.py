@@ -1,0 +1,50 @@
+"""``hybrid``: CacheRepair first, then RelaxKV's layer-wise anchors scored on the repaired cache (kvrag).
+
+CacheRepair (§4.1) moves every stale token most of the way to its joint KV at the cost of a small network; what is
+left is concentrated on few tokens that matter to the question. RelaxKV (§3.2-§3.4) finds exactly those: its
+scoring pass now runs over the *repaired* cache, so the anchors are chosen by attention over better keys, and the
+recomputed targets attend to the sparse anchor union U of a repaired context. A small anchor ratio ``r`` then
+buys most of RelaxKV's quality at a fraction of its cost. At ``r = 1`` every position is recomputed with its full
+causal context, which is ``full`` (the equivalence test), whatever the repairer did.
+
+Both steps write into the request's KV buffer in place (:meth:`FusionInput.owned` gives a buffer-less input one).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvrag.fusion.base import Bool, FusionInput, FusionMethod, FusionOutput, register
+from kvrag.fusion.cacherepair import CacheRepair
+from kvrag.fusion.relaxkv import RelaxKV
+
+
+@register
+class Hybrid(FusionMethod):
+    """CacheRepair, then RelaxKV at a small anchor ratio over the repaired cache.
+
+    Parameters:
+        r: RelaxKV's anchor ratio per layer, in (0, 1] (default 0.05).
+        checkpoint: the CacheRepair checkpoint (default: the shipped one for the model).
+        context, agg, score, exclude_first_chunk, exact_context: RelaxKV's parameters (see :class:`RelaxKV`).
+    """
+
+    name = "hybrid"
+    params = {"r": (float, 0.05), "checkpoint": (str, None), "context": (str, "anchors"), "agg": (str, "mean"),
+              "score": (str, "prob"), "exclude_first_chunk": (Bool, False), "exact_context": (str, "anchors")}
+    r: float
+    checkpoint: str | None
+
+    def validate(self) -> None:
+        relax = {k: getattr(self, k) for k in RelaxKV.params}
+        self.relax = RelaxKV(**relax)  # validates r and the RelaxKV choices
+        self.repair = CacheRepair(checkpoint=self.checkpoint)
+
+    def fuse(self, inp: FusionInput) -> FusionOutput:
+        work = inp.owned()  # both steps write in place
+        rep = self.repair.fuse(work)
+        out = self.relax.fuse(work)  # scores and recomputes over the repaired cache
+        stats: dict[str, Any] = {**{f"repair_{k}": v for k, v in rep.stats.items()
+                                    if k not in ("recomputed_fraction", "repairer_flops")}, **out.stats}
+        stats["repairer_flops"] = rep.stats.get("repairer_flops", 0.0)
+        return FusionOutput(cache=out.cache, last_logits=out.last_logits, stats=stats)
