@@ -112,7 +112,7 @@ class KVRAGEngine:
         limit = int(self.config.max_context or getattr(text_cfg, "max_position_embeddings", None) or 2048)
         self.max_context = context_limit(self.model, limit)  # capped by a sliding/chunked attention window
         self.chunk_prefix_ids: tuple[int, ...] = self._chunk_prefix()
-        self._lock = threading.RLock()
+        self._lock = hf_cache.model_lock(self.model)  # shared by every engine on this model (forwards, probe)
         self.default_method = get_method(self.config.method)
 
     @classmethod
