@@ -192,6 +192,7 @@ def test_stream_steps_may_run_in_different_threads(eng: KVRAGEngine, sequential:
 # The attention probe of relaxkv/prophetkv switches the model's (shared) config to a probe implementation while it
 # scores; every engine on that model must therefore serialize on the model's lock, not on its own.
 PROBING = ("relaxkv:r=0.3", "prophetkv:r=0.3")
+GEN_SHORT = GenerationConfig(max_new_tokens=4)
 
 
 def _rounds_in_threads(engines: list[KVRAGEngine], rounds: int = 4) -> tuple[list[str], list[tuple[int, int, list[int]]]]:
@@ -204,7 +205,7 @@ def _rounds_in_threads(engines: list[KVRAGEngine], rounds: int = 4) -> tuple[lis
         go.wait(30)
         for r in range(rounds):
             try:
-                got.append((i, r, engines[i].answer_plan(_plan(engines[i], i), PROBING[i % 2], GEN).token_ids))
+                got.append((i, r, engines[i].answer_plan(_plan(engines[i], i), PROBING[i % 2], GEN_SHORT).token_ids))
             except Exception as e:  # noqa: BLE001 - counted and shown below
                 errors.append(f"thread {i} round {r}: {e!r}"[:300])
 
@@ -221,7 +222,7 @@ def test_engines_probing_at_once_equal_running_alone(shared: bool) -> None:
     lm = tiny_model("qwen2", init_std=0.1)
     models = [lm, lm] if shared else [lm, tiny_model("llama", init_std=0.1, seed=3)]
     engines = [KVRAGEngine(m, MemoryStore(), EngineConfig()) for m in models]
-    alone = [engines[i].answer_plan(_plan(engines[i], i), PROBING[i % 2], GEN).token_ids for i in range(2)]
+    alone = [engines[i].answer_plan(_plan(engines[i], i), PROBING[i % 2], GEN_SHORT).token_ids for i in range(2)]
     errors, got = _rounds_in_threads(engines)
     assert errors == []
     assert len(got) == 8
