@@ -23,6 +23,7 @@ from kvrag.kv.chunk import ChunkKV
 from kvrag.kv.keys import ChunkKey
 from kvrag.kv.rope import Rope
 from kvrag.kv.spec import KVSpec, dtype_name
+from kvrag.kv.window import context_limit
 from kvrag.prompting import chat_preamble
 
 log = logging.getLogger(__name__)
@@ -108,9 +109,10 @@ class KVRAGEngine:
             rope_type=self._rope_type(),
             model_fingerprint=loaded.fingerprint,
         )
-        self.max_context = int(self.config.max_context or getattr(text_cfg, "max_position_embeddings", None) or 2048)
+        limit = int(self.config.max_context or getattr(text_cfg, "max_position_embeddings", None) or 2048)
+        self.max_context = context_limit(self.model, limit)  # capped by a sliding/chunked attention window
         self.chunk_prefix_ids: tuple[int, ...] = self._chunk_prefix()
-        self._lock = threading.RLock()
+        self._lock = hf_cache.model_lock(self.model)  # shared by every engine on this model (forwards, probe)
         self._methods_lock = threading.Lock()
         self.default_method = get_method(self.config.method)
         self._methods: dict[str, FusionMethod] = {repr(self.default_method): self.default_method}

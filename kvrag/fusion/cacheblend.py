@@ -71,6 +71,9 @@ class CacheBlend(FusionMethod):
         check_write: 'all' (released code: every reusable token gets fresh K/V at the check layer) or 'selected'
             (LMCache: only the selected rows are rewritten there).
 
+    Stats: ``recomputed_per_layer`` / ``recomputed_fraction`` count every (layer, token) state written, including
+    the check layer's fresh K/V of every checked token with ``check_write='all'``.
+
     Deviations from the paper, stated: the paper's gradual filtering over several layers is not in the released
     code nor here; we use our position-based causal mask, not the bottom-right-aligned kernel mask of the public
     implementations (baselines.md §0.1 pitfall); the question suffix is not part of the recompute (it is
@@ -109,13 +112,24 @@ class CacheBlend(FusionMethod):
             raise ConfigError(msg)
         cand = positions_of(~exact_mask(inp))  # reusable positions
         k = budget(self.r, int(cand.numel()))
+        write_all = self.check_write == "all"
+        checked = [0]  # tokens whose fresh K/V the check layer computed
 
         def hook(model: Any, state: LayerState) -> torch.Tensor | None:
             if state.layer != self.check_layer:
                 return None
-            return select_hkvd(model, state, k, deviation=self.deviation, write_all=self.check_write == "all")
+            checked[0] = int(state.targets.numel())
+            return select_hkvd(model, state, k, deviation=self.deviation, write_all=write_all)
 
         # CacheBlend §3: every reusable token until the check layer, then the selected ones
         res = selective_recompute(inp.model, inp.token_ids, *inp.working_kv(), [cand] * n_layers, None, hook=hook,
                                   inplace=True)
-        return fusion_output(inp, res, selected=k, candidates=int(cand.numel()))
+        out = fusion_output(inp, res, selected=k, candidates=int(cand.numel()))
+        # Count every (layer, token) state written: with check_write='all' the check layer rewrites all the tokens it
+        # checked, not only the selected ones the executor then runs (its target list shows only those).
+        per_layer = [int(t.numel()) for t in res.targets]
+        if write_all:
+            per_layer[self.check_layer] = max(per_layer[self.check_layer], checked[0])
+        out.stats["recomputed_per_layer"] = per_layer
+        out.stats["recomputed_fraction"] = sum(per_layer) / max(1, n_layers * inp.context_len)
+        return out

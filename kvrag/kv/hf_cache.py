@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -296,7 +298,25 @@ def project_kv(
 
 AttentionProbe = Callable[[Any, torch.Tensor, torch.Tensor, "torch.Tensor | None", "float | None"], None]
 _PROBE_IMPL = "kvrag_probe"
-_probe_stack: list[tuple[str | None, AttentionProbe]] = []
+# id(config) -> stack of (that config's own attention implementation, probe). Keyed per config (i.e. per model),
+# never process-global, so a probe only ever sees the attention calls of the model it was installed on.
+_probes: dict[int, list[tuple[str | None, AttentionProbe]]] = {}
+_model_locks: weakref.WeakKeyDictionary[Any, threading.RLock] = weakref.WeakKeyDictionary()
+_model_locks_guard = threading.Lock()
+
+
+def model_lock(model: Any) -> threading.RLock:
+    """The re-entrant lock of ``model`` (one per model object, shared by every engine built on it).
+
+    :func:`capture_attention` switches the attention implementation in the model's (shared) config for its
+    duration, so every forward of that model -- by any engine, any thread -- must hold this lock: a forward that runs
+    while another thread's probe is installed would go through that probe.
+    """
+    with _model_locks_guard:
+        lock = _model_locks.get(model)
+        if lock is None:
+            lock = _model_locks[model] = threading.RLock()
+        return lock
 
 
 def _default_eager(module: Any) -> Callable[..., Any]:
@@ -320,7 +340,12 @@ def _probe_attention(
     """Registered attention function: show the probe q/k, then run the model's original attention unchanged."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    orig, probe = _probe_stack[-1]
+    stack = _probes.get(id(module.config))
+    if not stack:
+        msg = (f"attention implementation {_PROBE_IMPL!r} called for {type(module).__name__} without an active "
+               "capture_attention() on its model; the probe is only valid inside that context")
+        raise RuntimeError(msg)
+    orig, probe = stack[-1]
     probe(module, query, key, attention_mask, kwargs.get("scaling"))
     default = _default_eager(module)
     fn = default if orig in (None, "eager") else ALL_ATTENTION_FUNCTIONS.get_interface(orig, default)
@@ -336,25 +361,35 @@ def capture_attention(model: Any, probe: AttentionProbe) -> Iterator[None]:
     the additive bias the layer got. ``module.layer_idx`` names the layer. The attention output itself is computed
     by the model's configured implementation, so hidden states are unchanged. Use it around :func:`run_layer`
     calls only: the model's own forward builds masks for the configured implementation name.
+
+    Holds :func:`model_lock` for its duration (the model's config is switched to the probe implementation); callers
+    that run other forwards of the same model from other threads must hold that lock too (the engine does).
+    Re-entrant: a nested capture on the same model shadows the outer probe until it exits.
     """
     from transformers import AttentionInterface, PretrainedConfig
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     if _PROBE_IMPL not in ALL_ATTENTION_FUNCTIONS:
         AttentionInterface.register(_PROBE_IMPL, _probe_attention)
-    configs: dict[int, Any] = {}
-    for mod in model.modules():
-        cfg = getattr(mod, "config", None)
-        if isinstance(cfg, PretrainedConfig):
-            configs[id(cfg)] = cfg
-    saved = {k: cfg._attn_implementation for k, cfg in configs.items()}
-    orig = getattr(model.config, "_attn_implementation", None)
-    _probe_stack.append((orig, probe))
-    try:
-        for cfg in configs.values():
-            cfg._attn_implementation = _PROBE_IMPL
-        yield
-    finally:
-        _probe_stack.pop()
-        for k, cfg in configs.items():
-            cfg._attn_implementation = saved[k]
+    with model_lock(model):
+        configs: dict[int, Any] = {}
+        for mod in model.modules():
+            cfg = getattr(mod, "config", None)
+            if isinstance(cfg, PretrainedConfig):
+                configs[id(cfg)] = cfg
+        saved = {k: cfg._attn_implementation for k, cfg in configs.items()}
+        for k in configs:
+            stack = _probes.setdefault(k, [])
+            # the implementation to run after the probe: the config's own, or the outer capture's original
+            stack.append((stack[-1][0] if stack else saved[k], probe))
+        try:
+            for cfg in configs.values():
+                cfg._attn_implementation = _PROBE_IMPL
+            yield
+        finally:
+            for k, cfg in configs.items():
+                cfg._attn_implementation = saved[k]
+                stack = _probes[k]
+                stack.pop()
+                if not stack:
+                    del _probes[k]

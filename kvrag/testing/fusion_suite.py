@@ -6,8 +6,9 @@ Subclass it in a test module and set the method under test::
         method_spec = "relaxkv:r=0.3"
         recompute_all_spec = "relaxkv:r=1.0"   # None when the method has no recompute-everything setting
 
-Every test runs on a tiny random model of each family in :data:`kvrag.testing.tiny.FAMILIES` with a context of a
-leading exact 'prefix' span, three stored chunks and one 'text' span, then a question suffix. Checked: registry
+Every test runs on a tiny random model of each family in :data:`kvrag.testing.tiny.FAMILIES` (:data:`SUITE_LAYERS`
+layers, weights of std :data:`SUITE_INIT_STD`) with a context of a leading exact 'prefix' span, three stored chunks
+and one 'text' span, then a question suffix. Checked: registry
 round trip, output shapes / dtype / device, determinism, no mutation of the input KV nor of the stored chunk
 tensors, JSON-serializable stats, and (with ``recompute_all_spec``) equality with ``full``: KV allclose and the
 same greedy tokens over a few decode steps. Requires pytest.
@@ -34,6 +35,13 @@ from kvrag.testing.tiny import FAMILIES, tiny_model
 #: lengths of the context pieces: (kind, length)
 LAYOUT: tuple[tuple[str, int], ...] = (("prefix", 6), ("chunk", 9), ("text", 4), ("chunk", 13), ("chunk", 11))
 SUFFIX_LEN = 7
+SUITE_LAYERS = 4
+"""Decoder layers of the suite's models: enough for every method's selective phase to run (CacheBlend selects at
+layer 1 and recomputes only the selected tokens at layers 2-3; RelaxKV's targets shrink layer by layer)."""
+SUITE_INIT_STD = 0.1
+"""Weight std of the suite's models: at transformers' default 0.02 attention is nearly uniform and a stale cache
+is almost exact, so a wrong repair could pass unnoticed; at 0.1 stale and full KV differ by O(1) at 4 layers, while
+a recompute-everything setting still equals ``full`` to ~3e-6 in fp32 (see kvrag.testing.tiny.INIT_STD)."""
 
 
 @dataclasses.dataclass
@@ -93,9 +101,15 @@ def context_kv(out: FusionOutput, tc: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @functools.lru_cache(maxsize=16)
-def fusion_case(family: str, num_layers: int = 2, seed: int = 0, decode_steps: int = 4) -> FusionCase:
+def fusion_case(
+    family: str,
+    num_layers: int = SUITE_LAYERS,
+    seed: int = 0,
+    decode_steps: int = 4,
+    init_std: float = SUITE_INIT_STD,
+) -> FusionCase:
     """Build (once per process) the standard case for ``family``."""
-    lm = tiny_model(family, num_layers=num_layers, seed=seed)
+    lm = tiny_model(family, num_layers=num_layers, seed=seed, init_std=init_std)
     model, spec = lm.model, lm.kv_spec()
     rope = Rope.from_model(model)
     g = torch.Generator().manual_seed(1234 + seed)
@@ -128,18 +142,19 @@ class FusionRun:
 
 class FusionMethodTests:
     """Base class of the standard fusion-method suite. Subclasses set ``method_spec`` (and usually
-    ``recompute_all_spec``); ``num_layers``, ``decode_steps`` and ``atol`` may be overridden, and ``case`` too
-    (e.g. to restrict the families)."""
+    ``recompute_all_spec``); ``num_layers``, ``init_std``, ``decode_steps`` and ``atol`` may be overridden, and
+    ``case`` too (e.g. to restrict the families)."""
 
     method_spec: ClassVar[str] = ""
     recompute_all_spec: ClassVar[str | None] = None
-    num_layers: ClassVar[int] = 2
+    num_layers: ClassVar[int] = SUITE_LAYERS
+    init_std: ClassVar[float] = SUITE_INIT_STD
     decode_steps: ClassVar[int] = 4
     atol: ClassVar[float] = 1e-4
 
     @pytest.fixture(params=FAMILIES, scope="class")
     def case(self, request: Any) -> FusionCase:
-        return fusion_case(request.param, self.num_layers, 0, self.decode_steps)
+        return fusion_case(request.param, self.num_layers, 0, self.decode_steps, self.init_std)
 
     @pytest.fixture(scope="class")
     def run(self, case: FusionCase) -> FusionRun:
@@ -216,4 +231,4 @@ class FusionMethodTests:
         assert greedy_tokens(inp, out, self.decode_steps) == case.full_tokens
 
 
-__all__ = ["LAYOUT", "FusionCase", "FusionMethodTests", "FusionRun", "context_kv", "fusion_case", "greedy_tokens"]
+__all__ = ["LAYOUT", "SUITE_INIT_STD", "SUITE_LAYERS", "FusionCase", "FusionMethodTests", "FusionRun", "context_kv", "fusion_case", "greedy_tokens"]

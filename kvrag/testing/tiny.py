@@ -167,6 +167,7 @@ def tiny_config(
     num_layers: int = 2,
     vocab_size: int = VOCAB_SIZE,
     init_std: float = INIT_STD,
+    sliding_window: int | None = None,
 ) -> PretrainedConfig:
     """The config of a tiny model of ``family`` (see module docstring for the shape).
 
@@ -177,6 +178,9 @@ def tiny_config(
         num_layers: decoder layers.
         vocab_size: vocabulary size.
         init_std: ``initializer_range`` (std of the random weights), see :data:`INIT_STD`.
+        sliding_window: a sliding attention window of this many tokens (None: full attention everywhere). Mistral
+            uses it at every layer; Qwen2/Qwen3 (``use_sliding_window``) at the upper half of the layers
+            (``max_window_layers = num_layers // 2``), as their configs lay out mixed layer types. Llama has none.
     """
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
@@ -198,14 +202,20 @@ def tiny_config(
         "bos_token_id": SPECIAL_TOKENS.index(BOS),
         "eos_token_id": SPECIAL_TOKENS.index(IM_END),
     }
+    window: dict[str, Any] = {"use_sliding_window": False}
+    if sliding_window is not None:
+        window = {"use_sliding_window": True, "sliding_window": sliding_window, "max_window_layers": num_layers // 2}
     if family == "llama":
+        if sliding_window is not None:
+            msg = f"Llama has no sliding-window attention (got sliding_window={sliding_window}); use mistral or qwen2"
+            raise ConfigError(msg)
         return LlamaConfig(**common)
     if family == "qwen2":
-        return Qwen2Config(**common, use_sliding_window=False)
+        return Qwen2Config(**common, **window)
     if family == "qwen3":  # q/k RMSNorm per head is part of the Qwen3 architecture
-        return Qwen3Config(**common, use_sliding_window=False)
+        return Qwen3Config(**common, **window)
     if family == "mistral":
-        return MistralConfig(**common, sliding_window=None)
+        return MistralConfig(**common, sliding_window=sliding_window)
     msg = f"unknown tiny model family {family!r}; expected one of {list(FAMILIES)}"
     raise ConfigError(msg)
 
@@ -219,10 +229,11 @@ def tiny_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     init_std: float = INIT_STD,
+    sliding_window: int | None = None,
 ) -> LoadedModel:
     """A random-weight model of ``family`` with the tiny tokenizer, wrapped like :func:`kvrag.models.load_model`.
 
-    Weights depend only on ``(family, rope, seed, num_layers, init_std)``; the global torch RNG state is left
+    Weights depend only on ``(family, rope, seed, num_layers, init_std)`` (not on ``sliding_window``); the global torch RNG state is left
     untouched.
 
     Args:
@@ -233,18 +244,20 @@ def tiny_model(
         dtype: compute dtype.
         device: device.
         init_std: std of the random weights, see :data:`INIT_STD`.
+        sliding_window: sliding attention window (see :func:`tiny_config`).
 
     Raises:
         UnsupportedModelError: the rope override is a variant kvrag cannot serve (e.g. 'dynamic').
     """
     from transformers import AutoModelForCausalLM
 
-    config = tiny_config(family, rope=rope, num_layers=num_layers, init_std=init_std)
+    config = tiny_config(family, rope=rope, num_layers=num_layers, init_std=init_std, sliding_window=sliding_window)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
     model = model.to(device=device, dtype=dtype).eval()
-    return wrap_model(model, tiny_tokenizer(), name=f"tiny-{family}", dtype=dtype)
+    name = f"tiny-{family}" if sliding_window is None else f"tiny-{family}-sw{sliding_window}"
+    return wrap_model(model, tiny_tokenizer(), name=name, dtype=dtype)
 
 
 __all__ = ["CHAT_TEMPLATE", "FAMILIES", "INIT_STD", "SPECIAL_TOKENS", "tiny_config", "tiny_model", "tiny_tokenizer"]

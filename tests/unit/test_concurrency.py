@@ -186,3 +186,46 @@ def test_stream_steps_may_run_in_different_threads(eng: KVRAGEngine, sequential:
         t.join(30)
     assert errors == []
     assert "".join(parts[:-1]) == eng.tokenizer.decode(sequential[4], skip_special_tokens=True)
+
+
+# ---- several engines, one model (issue 13) ------------------------------------------------------------------------
+# The attention probe of relaxkv/prophetkv switches the model's (shared) config to a probe implementation while it
+# scores; every engine on that model must therefore serialize on the model's lock, not on its own.
+PROBING = ("relaxkv:r=0.3", "prophetkv:r=0.3")
+GEN_SHORT = GenerationConfig(max_new_tokens=4)
+
+
+def _rounds_in_threads(engines: list[KVRAGEngine], rounds: int = 4) -> tuple[list[str], list[tuple[int, int, list[int]]]]:
+    """Thread i answers request i with engine i and method PROBING[i] for ``rounds`` rounds, all threads at once."""
+    errors: list[str] = []
+    got: list[tuple[int, int, list[int]]] = []
+    go = threading.Barrier(len(engines))
+
+    def work(i: int) -> None:
+        go.wait(30)
+        for r in range(rounds):
+            try:
+                got.append((i, r, engines[i].answer_plan(_plan(engines[i], i), PROBING[i % 2], GEN_SHORT).token_ids))
+            except Exception as e:  # noqa: BLE001 - counted and shown below
+                errors.append(f"thread {i} round {r}: {e!r}"[:300])
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(engines))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return errors, got
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["one-model", "two-models"])
+def test_engines_probing_at_once_equal_running_alone(shared: bool) -> None:
+    lm = tiny_model("qwen2", init_std=0.1)
+    models = [lm, lm] if shared else [lm, tiny_model("llama", init_std=0.1, seed=3)]
+    engines = [KVRAGEngine(m, MemoryStore(), EngineConfig()) for m in models]
+    alone = [engines[i].answer_plan(_plan(engines[i], i), PROBING[i % 2], GEN_SHORT).token_ids for i in range(2)]
+    errors, got = _rounds_in_threads(engines)
+    assert errors == []
+    assert len(got) == 8
+    differing = [(i, r) for i, r, toks in got if toks != alone[i]]
+    assert differing == [], f"answers differing from running alone (thread, round): {differing}"
+    assert lm.model.config._attn_implementation == "sdpa"  # the probe left the shared config as it was

@@ -135,7 +135,7 @@ def test_defaults_and_alias() -> None:
 def test_cacheblend_check_layer_beyond_the_model() -> None:
     case = fusion_case("llama")
     with pytest.raises(ConfigError, match="check_layer"):
-        get_method("cacheblend:check_layer=2").fuse(case.fusion_input())  # the tiny model has 2 layers
+        get_method("cacheblend:check_layer=4").fuse(case.fusion_input())  # the suite's models have 4 layers
 
 
 # --- method behaviour ---------------------------------------------------------------------------------------------
@@ -156,7 +156,8 @@ def test_moderate_ratio_is_not_worse_than_stale(family: str) -> None:
     more (fresher) information, so at r = 0.3 their KV must not be further from ``full`` than ``stale``; they pass
     with margin here. RelaxKV's sparse context drops every position outside U from a target's attention, which on
     these random models (attention spread over many keys, no sinks) can make a target worse than its stale state:
-    on 2-layer Llama its relative KV error is 2.15 vs stale's 2.08. It gets a 10% allowance, and that observation
+    on the former 2-layer, init-std 0.02 Llama its relative KV error was 2.15 vs stale's 2.08 (on the suite's 4-layer,
+    std 0.1 models it is 1.65 vs 2.06). It gets a 10% allowance, and that observation
     is the reason the sparse-context choice must be measured on real models.
     """
     case = fusion_case(family)
@@ -200,7 +201,9 @@ def test_cacheblend_check_write_all_refreshes_every_token_at_the_check_layer() -
     out = get_method("cacheblend:r=0.3").fuse(inp)
     k, v = context_kv(out, inp.context_len)
     torch.testing.assert_close(v[:2], case.full_values[:2], atol=1e-4, rtol=0)  # layers 0 and 1: fresh everywhere
-    assert out.stats["recomputed_per_layer"] == [37, 11]
+    changed = (v != inp.values).any(dim=(1, 3))  # [L, Tc]
+    assert changed[2:].sum(dim=1).tolist() == [11, 11]  # after the check layer: only the selected tokens
+    assert out.stats["recomputed_per_layer"] == [37, 37, 11, 11]  # the check layer's writes counted
 
 
 # --- the executor ---------------------------------------------------------------------------------------------------
@@ -210,7 +213,8 @@ def test_selective_recompute_rejects_non_nested_targets() -> None:
     case = fusion_case("llama")
     inp = case.fusion_input()
     with pytest.raises(ValueError, match="nested"):
-        selective_recompute(inp.model, inp.token_ids, inp.keys, inp.values, [torch.tensor([7]), torch.tensor([8])])
+        targets = [torch.tensor([7]), torch.tensor([8]), torch.tensor([8]), torch.tensor([8])]
+        selective_recompute(inp.model, inp.token_ids, inp.keys, inp.values, targets)
 
 
 def test_selective_recompute_block_size_does_not_change_the_result() -> None:
@@ -218,11 +222,12 @@ def test_selective_recompute_block_size_does_not_change_the_result() -> None:
     inp = case.fusion_input()
     tgt = torch.arange(6, inp.context_len)
     u = torch.tensor([0, 3, 8, 12, 20, 25, 30, 41])
-    a = selective_recompute(inp.model, inp.token_ids, inp.keys, inp.values, [tgt, tgt[::2]], u, block_size=4096)
-    b = selective_recompute(inp.model, inp.token_ids, inp.keys, inp.values, [tgt, tgt[::2]], u, block_size=5)
+    plan = [tgt, tgt[::2], tgt[::2], tgt[::4]]
+    a = selective_recompute(inp.model, inp.token_ids, inp.keys, inp.values, plan, u, block_size=4096)
+    b = selective_recompute(inp.model, inp.token_ids, inp.keys, inp.values, plan, u, block_size=5)
     torch.testing.assert_close(a.keys, b.keys, atol=1e-5, rtol=0)
     torch.testing.assert_close(a.values, b.values, atol=1e-5, rtol=0)
-    assert a.edges == b.edges and a.states == b.states == len(tgt) + len(tgt[::2])
+    assert a.edges == b.edges and a.states == b.states == sum(len(t) for t in plan)
 
 
 def test_sparse_context_reads_only_u() -> None:
@@ -237,8 +242,8 @@ def test_sparse_context_reads_only_u() -> None:
     noisy_k[:, :, outside] += 1.0
     noisy_v[:, :, outside] -= 1.0
     for ctx, same in ((u, True), (None, False)):
-        a = selective_recompute(inp.model, inp.token_ids, inp.keys, inp.values, [tgt, tgt], ctx)
-        b = selective_recompute(inp.model, inp.token_ids, noisy_k, noisy_v, [tgt, tgt], ctx)
+        a = selective_recompute(inp.model, inp.token_ids, inp.keys, inp.values, [tgt] * 4, ctx)
+        b = selective_recompute(inp.model, inp.token_ids, noisy_k, noisy_v, [tgt] * 4, ctx)
         assert torch.allclose(a.keys[:, :, tgt], b.keys[:, :, tgt], atol=1e-6) is same
         assert torch.allclose(a.values[1][:, tgt], b.values[1][:, tgt], atol=1e-6) is same
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
-import os
 import json
+import os
 import types
 from pathlib import Path
 
