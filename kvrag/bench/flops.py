@@ -11,7 +11,9 @@ serves):
 A **full prefill** of Tc context + S suffix tokens: ``L (Tc + S)`` states, ``L (Tc+S)(Tc+S+1)/2`` causal pairs,
 one head. A reusing method pays the **suffix prefill** (``L S`` states, ``L (S Tc + S(S+1)/2)`` pairs, one head)
 plus what its own stats say it computed: recomputed states (``recomputed_fraction * L Tc``) and attention pairs
-(``attention_edges_ratio`` / ``score_edges_ratio`` times the context's full causal pairs ``L Tc (Tc+1)/2``), a
+(``attention_computed_ratio`` -- pairs the kernels evaluated, masked ones included; ``attention_edges_ratio``
+when a method reports only useful pairs -- and ``score_edges_ratio``, times the context's full causal pairs
+``L Tc (Tc+1)/2``), a
 scoring pass over the suffix (``L S`` states when ``score_edges_ratio`` > 0; the last layer's MLP included, a small
 overestimate), and a learned repairer's own FLOPs (``repairer_flops``). Norms, RoPE, softmax, copies and the KV
 fetch are not counted: they are what the "overhead" factor (measured TTFT ratio / FLOP share) exposes.
@@ -63,7 +65,8 @@ class ModelCost:
         ctx_pairs = L * tc * (tc + 1) / 2
         f = self.suffix_prefill(tc, s)
         f += float(stats.get("recomputed_fraction") or 0.0) * L * tc * self.state_flops
-        f += float(stats.get("attention_edges_ratio") or 0.0) * ctx_pairs * self.pair_flops
+        computed = stats.get("attention_computed_ratio", stats.get("attention_edges_ratio")) or 0.0
+        f += float(computed) * ctx_pairs * self.pair_flops
         score = float(stats.get("score_edges_ratio") or 0.0)
         if score > 0:
             f += L * s * self.state_flops + score * ctx_pairs * self.pair_flops

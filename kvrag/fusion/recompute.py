@@ -120,8 +120,10 @@ class RecomputeResult:
         values: [L, H_kv, Tc, D] repaired values.
         targets: per layer, the [N_l] positions actually recomputed.
         states: recomputed (layer, token) K/V states, hooks' extra states included.
-        edges: attention (query, key) pairs evaluated, summed over layers.
+        edges: useful attention (query, key) pairs (the unmasked ones), summed over layers.
         seconds: wall time.
+        computed_edges: attention pairs the kernels evaluated (each block's dense [N, C + N] mask, masked pairs
+            included), summed over layers.
     """
 
     keys: torch.Tensor
@@ -130,6 +132,7 @@ class RecomputeResult:
     states: int
     edges: int
     seconds: float
+    computed_edges: int = 0
 
 
 def _is_subset(sub: torch.Tensor, sup: torch.Tensor) -> bool:
@@ -146,7 +149,7 @@ def selective_recompute(
     context: torch.Tensor | None | Sequence[torch.Tensor | None] = None,
     *,
     hook: LayerHook | None = None,
-    block_size: int = 2048,
+    block_size: int = 256,
     inplace: bool = False,
 ) -> RecomputeResult:
     """Layer-by-layer selective recomputation over a stale cache. baselines.md §0.1; RelaxKV §3.3-§3.4, §A.2.
@@ -172,7 +175,11 @@ def selective_recompute(
             per-layer list of those.
         hook: called before every layer that has targets (CacheBlend selects inside it), see :data:`LayerHook`.
         block_size: targets are processed in position-ordered blocks of this many rows; later blocks read earlier
-            blocks' fresh K/V from the working cache, so the result does not depend on it (it bounds the mask size).
+            blocks' fresh K/V from the working cache, so the result does not depend on it (up to float rounding).
+            Smaller blocks compute fewer masked pairs (a block's context stops at its last target, so the waste is
+            about half a block's span per row) at the price of more layer calls.
+        inplace: write into ``keys``/``values`` (the caller owns them, e.g. :meth:`FusionInput.working_kv`)
+            instead of copies.
 
     Returns:
         RecomputeResult.
@@ -199,7 +206,7 @@ def selective_recompute(
     t0 = time.perf_counter()
     k_out, v_out = (keys, values) if inplace else (keys.clone(), values.clone())
     done: list[torch.Tensor] = []
-    states = edges = extra = 0
+    states = edges = computed = extra = 0
     prev = plan[0]
     hidden = hf_cache.embed(model, token_ids[prev])  # [1, N_0, hidden]
     for layer in range(n_layers):
@@ -222,13 +229,14 @@ def selective_recompute(
                 if tgt.numel() == 0:
                     done.extend(torch.zeros(0, dtype=torch.long) for _ in range(n_layers - layer))
                     break
-        hidden, e = _run_targets(model, layer, hidden, tgt, ctx_list[layer], k_out, v_out, block_size)
+        hidden, e, c = _run_targets(model, layer, hidden, tgt, ctx_list[layer], k_out, v_out, block_size)
         edges += e
+        computed += c
         states += int(tgt.numel())
         done.append(tgt)
         prev = tgt
     sync(keys.device)
-    return RecomputeResult(k_out, v_out, done, states + extra, edges, time.perf_counter() - t0)
+    return RecomputeResult(k_out, v_out, done, states + extra, edges, time.perf_counter() - t0, computed)
 
 
 def _run_targets(
@@ -240,15 +248,17 @@ def _run_targets(
     k_out: torch.Tensor,
     v_out: torch.Tensor,
     block_size: int,
-) -> tuple[torch.Tensor, int]:
-    """Run one layer for the sorted targets ``tgt`` (blocks in position order); write their fresh K/V."""
+) -> tuple[torch.Tensor, int, int]:
+    """Run one layer for the sorted targets ``tgt`` (blocks in position order); write their fresh K/V.
+
+    Returns (hidden out, useful pairs, computed pairs)."""
     tc = k_out.shape[2]
     dev = k_out.device
     readable = torch.ones(tc, dtype=torch.bool) if ctx is None else torch.zeros(tc, dtype=torch.bool)
     if ctx is not None:
         readable[ctx.to("cpu", torch.long)] = True
     readable[tgt] = True  # earlier targets are always visible (fresh, written by earlier blocks)
-    outs, edges = [], 0
+    outs, edges, computed = [], 0, 0
     for b0 in range(0, int(tgt.numel()), max(1, block_size)):
         blk = tgt[b0 : b0 + block_size]  # [N] sorted
         lim = int(blk[-1])
@@ -257,6 +267,7 @@ def _run_targets(
         cpos = positions_of(avail)  # [C]
         mask = torch.cat([cpos[None, :] < blk[:, None], blk[None, :] <= blk[:, None]], dim=1)  # [N, C + N]
         edges += int(mask.sum())
+        computed += int(mask.numel())
         cdev, bdev = cpos.to(dev), blk.to(dev)
         h, fk, fv = hf_cache.run_layer(
             model,
@@ -270,7 +281,68 @@ def _run_targets(
         k_out[layer][:, bdev] = fk.to(k_out.dtype)
         v_out[layer][:, bdev] = fv.to(v_out.dtype)
         outs.append(h)
-    return torch.cat(outs, dim=1), edges
+    return torch.cat(outs, dim=1), edges, computed
+
+
+class _ScoringProbe:
+    """The scoring pass's attention: computes the suffix's attention once (eager math in the compute dtype, the
+    softmax in float32 as transformers' eager path does) and records the per-layer context scores from the same
+    logits. Only for families whose attention is plain scaled dot-product + additive mask (no logit soft-capping,
+    no sinks); others keep the model's kernel and the probe only reads q and k."""
+
+    computes_attention = True
+
+    def __init__(self, scores: torch.Tensor, tc: int, heads: str, kind: str, max_elems: int) -> None:
+        self.scores, self.tc, self.heads, self.kind, self.max_elems = scores, tc, heads, kind, max_elems
+        self.stop_at = -1  # the layer after whose scores nothing more is needed (the last one)
+
+    def __call__(self, module: Any, query: torch.Tensor, key: torch.Tensor, mask: Any, scaling: float | None,
+                 value: torch.Tensor | None = None) -> Any:
+        q = query[0]  # [H, S, D]
+        h, s, d = q.shape
+        h_kv = key.shape[1]
+        rep = h // h_kv
+        scale = scaling if scaling is not None else d**-0.5
+        plain = value is not None and not _has_special_attention(module)
+        tc = self.tc
+        ckeys = key[0] if plain else key[0, :, :tc]  # [H_kv, C, D]
+        rows = max(1, self.max_elems // max(1, h * int(ckeys.shape[1])))  # bound the [H, rows, C] block
+        per_head = torch.zeros(h, tc, dtype=torch.float32, device=q.device)
+        outs = []
+        for r0 in range(0, s, rows):
+            qb = q[:, r0 : r0 + rows]  # [H, n, D]
+            n = qb.shape[1]
+            # query head h reads KV head h // (H / H_kv), as transformers' repeat_kv lays them out
+            logit = torch.matmul(qb.reshape(h_kv, rep * n, d), ckeys.transpose(1, 2)).float() * scale  # [H_kv, rep*n, C]
+            ctx = logit[..., :tc]
+            # ProphetKV's denominator: softmax over the context keys only (the suffix keys are left out)
+            a = torch.softmax(ctx, dim=-1) if self.kind == "prob" else ctx
+            per_head += a.reshape(h, n, tc).sum(dim=1)
+            if plain:
+                assert value is not None
+                if mask is not None:
+                    logit = logit + mask[0, 0, r0 : r0 + n].float().repeat(rep, 1)  # [rep*n, C] -> heads share it
+                probs = torch.softmax(logit, dim=-1).to(value.dtype)  # eager: softmax in fp32, then the dtype
+                outs.append(torch.matmul(probs, value[0]).reshape(h, n, d))  # [H, n, D]
+        per_head /= s
+        red = per_head.mean(dim=0) if self.heads == "mean" else per_head.max(dim=0).values
+        self.scores[module.layer_idx] = red.cpu()
+        if module.layer_idx == self.stop_at:
+            raise _ScoresDone
+        if not plain:
+            return None
+        return torch.cat(outs, dim=1).transpose(0, 1).unsqueeze(0).contiguous(), None  # [1, S, H, D]
+
+
+class _ScoresDone(Exception):
+    """Leaves the last layer right after its scores: its output projection and MLP would only feed the LM head."""
+
+
+def _has_special_attention(module: Any) -> bool:
+    """Attention that is not plain softmax(q k^T * scale + mask) v: soft-capping, sinks, sliding windows."""
+    cfg = getattr(module, "config", None)
+    return bool(getattr(cfg, "attn_logit_softcapping", None) or getattr(module, "sinks", None) is not None
+                or getattr(module, "sliding_window", None))
 
 
 @torch.inference_mode()
@@ -281,7 +353,7 @@ def query_attention_scores(
 
     baselines.md §0.2, ProphetKV Stage I, RelaxKV §3.2. The suffix runs through the model's own layers at global
     positions ``Tc..Tc+S-1`` over the stale K/V (never modified); at each layer the post-RoPE (post q-norm) queries
-    are captured and compared with the stale context keys:
+    are compared with the stale context keys:
 
     * ``kind='prob'``: ``softmax over the Tc context keys of q·k / sqrt(D)`` (ProphetKV's denominator: the
       suffix keys are left out), averaged over the S suffix rows (rank-equivalent to the sum);
@@ -289,8 +361,12 @@ def query_attention_scores(
 
     then reduced over the H query heads by ``heads='mean'`` (rank-equivalent to ProphetKV's sum) or ``'max'``.
 
+    Only what ranking needs is computed: the attention logits once per layer (they give both the scores and the
+    layer's attention output, :class:`_ScoringProbe`), no logits, and the last layer stops after its attention
+    (its output projection, MLP and the final norm would only feed the LM head).
+
     Returns:
-        (scores [L, Tc] float32 on the CPU, attention edges of the pass, seconds).
+        (scores [L, Tc] float32 on the CPU, attention pairs computed by the pass, seconds).
     """
     model, tc = inp.model, inp.context_len
     n_layers = inp.keys.shape[0]
@@ -302,36 +378,21 @@ def query_attention_scores(
     dev = inp.keys.device
     sync(dev)
     t0 = time.perf_counter()
-
-    def probe(module: Any, query: torch.Tensor, key: torch.Tensor, mask: Any, scaling: float | None) -> None:
-        q = query[0].float()  # [H, S, D]
-        k = key[0, :, :tc].float()  # [H_kv, Tc, D] the stale context keys
-        h, s, d = q.shape
-        h_kv = k.shape[0]
-        scale = scaling if scaling is not None else d**-0.5
-        rows = max(1, max_elems // max(1, h * tc))  # bound the [H, rows, Tc] block
-        per_head = torch.zeros(h, tc, dtype=torch.float32, device=q.device)
-        for r0 in range(0, s, rows):
-            qb = q[:, r0 : r0 + rows]  # [H, n, D]
-            n = qb.shape[1]
-            # query head h reads KV head h // (H / H_kv), as transformers' repeat_kv lays them out
-            logit = torch.matmul(qb.reshape(h_kv, -1, d), k.transpose(1, 2)) * scale  # [H_kv, rep*n, Tc]
-            a = torch.softmax(logit, dim=-1) if kind == "prob" else logit
-            per_head += a.reshape(h, n, tc).sum(dim=1)
-        per_head /= s
-        red = per_head.mean(dim=0) if heads == "mean" else per_head.max(dim=0).values
-        scores[module.layer_idx] = red.cpu()
-
+    probe = _ScoringProbe(scores, tc, heads, kind, max_elems)
     hidden = hf_cache.embed(model, suffix)  # [1, S, hidden]
     pos = torch.arange(tc, tc + s_len, device=dev)
     mask = torch.ones(s_len, tc + s_len, dtype=torch.bool)
     mask[:, tc:] = torch.tril(torch.ones(s_len, s_len, dtype=torch.bool))
     mask = mask.to(dev)
+    probe.stop_at = n_layers - 1
     with hf_cache.capture_attention(model, probe):
         for layer in range(n_layers):
-            hidden, _, _ = hf_cache.run_layer(model, layer, hidden, pos, inp.keys[layer], inp.values[layer], mask)
+            try:
+                hidden, _, _ = hf_cache.run_layer(model, layer, hidden, pos, inp.keys[layer], inp.values[layer], mask)
+            except _ScoresDone:
+                break
     sync(dev)
-    edges = n_layers * (s_len * tc + s_len * (s_len + 1) // 2)
+    edges = n_layers * s_len * (tc + s_len)  # the dense [S, Tc + S] logits of every layer
     return scores, edges, time.perf_counter() - t0
 
 
@@ -352,9 +413,10 @@ def fusion_output(
     """Wrap a recompute result with the statistics every selective method reports (baselines.md §0.3).
 
     Stats: ``recomputed_fraction`` (recomputed (layer, token) states / (L * Tc)), ``context_fraction`` (|U| / Tc;
-    1.0 for full-causal-prefix methods), ``attention_edges_ratio`` (recompute edges / edges of a full prefill of
-    the context), ``score_edges_ratio`` (scoring pass, same denominator), ``score_s``, ``recompute_s``, plus
-    ``extra``.
+    1.0 for full-causal-prefix methods), ``attention_edges_ratio`` (useful recompute pairs / pairs of a full
+    prefill of the context), ``attention_computed_ratio`` (pairs the kernels evaluated, masked ones included,
+    same denominator), ``score_edges_ratio`` (pairs the scoring pass computed, same denominator), ``score_s``,
+    ``recompute_s``, plus ``extra``.
     """
     n_layers, _, tc, _ = inp.keys.shape
     full_edges = max(1, full_prefill_edges(n_layers, tc))
@@ -362,6 +424,7 @@ def fusion_output(
         "recomputed_fraction": res.states / max(1, n_layers * tc),
         "context_fraction": float(context_fraction),
         "attention_edges_ratio": res.edges / full_edges,
+        "attention_computed_ratio": res.computed_edges / full_edges,
         "score_edges_ratio": score_edges / full_edges,
         "score_s": float(score_s),
         "recompute_s": float(res.seconds),

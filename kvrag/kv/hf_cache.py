@@ -346,7 +346,12 @@ def _probe_attention(
                "capture_attention() on its model; the probe is only valid inside that context")
         raise RuntimeError(msg)
     orig, probe = stack[-1]
-    probe(module, query, key, attention_mask, kwargs.get("scaling"))
+    if getattr(probe, "computes_attention", False):  # the probe returns the attention output itself
+        out = probe(module, query, key, attention_mask, kwargs.get("scaling"), value)
+        if out is not None:
+            return out
+    else:
+        probe(module, query, key, attention_mask, kwargs.get("scaling"))
     default = _default_eager(module)
     fn = default if orig in (None, "eager") else ALL_ATTENTION_FUNCTIONS.get_interface(orig, default)
     return fn(module, query, key, value, attention_mask, **kwargs)
@@ -359,7 +364,10 @@ def capture_attention(model: Any, probe: AttentionProbe) -> Iterator[None]:
     ``query`` is [1, H, N, D] exactly as the attention kernel receives it (after q-norm, where the family has one,
     and RoPE at the tokens' global positions); ``key`` is [1, H_kv, C, D] (cache context ++ fresh keys); ``mask`` is
     the additive bias the layer got. ``module.layer_idx`` names the layer. The attention output itself is computed
-    by the model's configured implementation, so hidden states are unchanged. Use it around :func:`run_layer`
+    by the model's configured implementation, so hidden states are unchanged -- unless the probe has an attribute
+    ``computes_attention = True``: it is then called with ``value`` [1, H_kv, C, D] as a sixth argument and may
+    return ``(attn_output [1, N, H, D], None)`` (eager attention's layout), which the layer uses instead, so the
+    probe computes the attention once instead of beside the kernel; returning None falls back to the kernel. Use it around :func:`run_layer`
     calls only: the model's own forward builds masks for the configured implementation name.
 
     Holds :func:`model_lock` for its duration (the model's config is switched to the probe implementation); callers
