@@ -135,7 +135,32 @@ def add_bench_arguments(subparsers: Any) -> argparse.ArgumentParser:
     pl.add_argument("--metric", choices=["kl", "f1"], default="kl")
     pl.add_argument("--out", required=True, help="PNG path")
     pl.set_defaults(func=run_plot)
+
+    fa = sub.add_parser("fit-auto", help="fit the cost model of the `auto` method from a finished run's summary.json")
+    fa.add_argument("summary", help="a kvrag bench --out directory or its summary.json")
+    fa.add_argument("--out", required=True, help="cost-model JSON to write (kvrag/data/auto_cost.json ships)")
+    fa.set_defaults(func=run_fit_auto)
     return p
+
+
+def run_fit_auto(args: argparse.Namespace) -> int:
+    """``kvrag bench fit-auto``: per-method stats, overhead and KL from a run, for ``auto`` (no model loaded)."""
+    import json
+    from pathlib import Path
+
+    from kvrag.fusion.auto import fit_cost_model
+
+    p = Path(args.summary)
+    if p.is_dir():
+        p = p / "summary.json"
+    if not p.is_file():
+        raise ConfigError(f"{p} not found: pass a kvrag bench --out directory or its summary.json")
+    model = fit_cost_model(json.loads(p.read_text()), source=str(p))
+    Path(args.out).write_text(json.dumps(model, indent=2, sort_keys=True) + "\n")
+    for spec, m in sorted(model["methods"].items(), key=lambda kv: kv[1]["ttft_ratio"]):
+        print(f"{spec:24s} TTFT/full {m['ttft_ratio']:.3f}  FLOP share {m['flop_share']:.3f}  "
+              f"overhead {m['overhead']:.2f}  KL {m['kl']:.4f}")
+    return 0
 
 
 def run_plot(args: argparse.Namespace) -> int:

@@ -1,0 +1,74 @@
+"""``auto``: per-request method choice under a TTFT budget from a cost model fitted on benchmark summaries."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvrag.errors import ConfigError
+from kvrag.fusion import get_method
+from kvrag.fusion.auto import fit_cost_model
+from kvrag.testing.fusion_suite import context_kv, fusion_case
+
+
+def _summary() -> dict:
+    """A bench summary as kvrag.bench.aggregate writes it (the fields fit_cost_model reads)."""
+    def m(ratio, share, kl, **stats):
+        return {"ttft_ratio": ratio, "flop_share": share, "kl": kl, "method_stats_mean": stats}
+    return {"methods": {
+        "full": m(1.0, 1.0, 0.0, recomputed_fraction=1.0),
+        "stale": m(0.06, 0.02, 0.5, recomputed_fraction=0.0),
+        "relaxkv:r=0.15": m(0.5, 0.4, 0.12, recomputed_fraction=0.35, attention_computed_ratio=0.3,
+                            score_edges_ratio=0.03),
+        "epic:k=16": m(0.3, 0.2, 0.3, recomputed_fraction=0.1, attention_computed_ratio=0.1),
+        "no-kl": {"ttft_ratio": 0.1, "flop_share": 0.1, "kl": None},
+    }}
+
+
+def test_fit_keeps_measured_methods_and_overheads() -> None:
+    model = fit_cost_model(_summary(), source="test")
+    assert set(model["methods"]) == {"full", "stale", "relaxkv:r=0.15", "epic:k=16"}
+    assert model["methods"]["stale"]["overhead"] == pytest.approx(3.0)
+    with pytest.raises(ConfigError, match="full among"):
+        fit_cost_model({"methods": {}})
+
+
+def test_choice_is_the_best_kl_within_the_budget(tmp_path: Path) -> None:
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps(fit_cost_model(_summary())))
+    case = fusion_case("llama", 4)
+    cfg = case.model.config
+    tc, s = case.fusion_input().context_len, int(case.suffix_ids.shape[0])
+    preds = {sp: r for sp, r, _ in get_method(f"auto:costs={path}").predict(cfg, tc, s)}
+    ranked = sorted(preds.values())
+    mid = min(1.0, (ranked[1] + ranked[2]) / 2)  # a budget the two fastest candidates fit
+    pick = {b: get_method(f"auto:budget={b},costs={path}").choose(cfg, tc, s)[0] for b in (1.0, mid, 1e-4)}
+    assert pick[1.0] == "full"  # everything fits: the exact one
+    within = [sp for sp, r in preds.items() if r <= mid]
+    kl = {"full": 0.0, "stale": 0.5, "relaxkv:r=0.15": 0.12, "epic:k=16": 0.3}
+    assert len(within) == 2 and pick[mid] == min(within, key=kl.__getitem__)
+    assert pick[1e-4] == min(preds, key=preds.__getitem__)  # nothing fits: the fastest
+
+
+def test_auto_runs_the_chosen_method_and_says_so(tmp_path: Path) -> None:
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps(fit_cost_model(_summary())))
+    case = fusion_case("qwen2", 4)
+    auto = get_method(f"auto:budget=0.3,costs={path}")
+    out = auto.fuse(case.fusion_input())
+    chosen = out.stats["auto_choice"]
+    ref = get_method(chosen).fuse(case.fusion_input())
+    for a, b in zip(context_kv(out, case.fusion_input().context_len), context_kv(ref, case.fusion_input().context_len),
+                    strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    assert out.stats["auto_budget"] == 0.3 and out.stats["auto_predicted_ttft_ratio"] > 0
+
+
+def test_missing_cost_model_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="fit-auto"):
+        get_method(f"auto:costs={tmp_path / 'nope.json'}").cost_model()
+    with pytest.raises(ConfigError, match="budget"):
+        get_method("auto:budget=0")
