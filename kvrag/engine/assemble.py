@@ -58,6 +58,7 @@ def assemble(
     suffix_ids: Sequence[int] | torch.Tensor,
     *,
     reserve: int = 0,
+    chunk_prefix_ids: Sequence[int] = (),
 ) -> FusionInput:
     """Place canonical caches at consecutive global offsets into one request buffer (the "stale" KV).
 
@@ -70,6 +71,7 @@ def assemble(
         pieces: ordered (kind, chunk, key) with kind 'prefix' | 'chunk' | 'text'.
         suffix_ids: [S] ids prefilled after repair.
         reserve: extra positions to allocate for decoding (the buffer grows if more are needed).
+        chunk_prefix_ids: what the chunk caches were conditioned on (recorded on the input).
 
     Returns:
         FusionInput with keys/values [L, H_kv, Tc, D] in the model's dtype on its device, ``buffer`` set.
@@ -104,6 +106,7 @@ def assemble(
         spans=spans,
         suffix_ids=sfx,
         buffer=buf,
+        chunk_prefix_ids=tuple(chunk_prefix_ids),
     )
 
 

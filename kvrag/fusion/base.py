@@ -78,6 +78,8 @@ class FusionInput:
             (the engine's zero-copy path): methods then write their fresh K/V into ``keys``/``values`` in place
             and the suffix prefill appends into the same buffer. None (e.g. tensors a test built): methods work
             on copies and never modify the inputs. Use :meth:`working_kv` and :meth:`cache_over`.
+        chunk_prefix_ids: the ids every chunk cache was conditioned on (the engine's ``chunk_prefix_ids``), so a
+            learned repairer can check it was trained on caches computed the same way.
     """
 
     model: Any
@@ -90,6 +92,7 @@ class FusionInput:
     suffix_ids: torch.Tensor
     canonical_keys: torch.Tensor | None = None
     buffer: Any = None
+    chunk_prefix_ids: tuple[int, ...] = ()
 
     def working_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys, values [L, H_kv, Tc, D] a method may overwrite: the request's buffer in place, else copies."""

@@ -97,6 +97,7 @@ class CacheRepair(FusionMethod):
         super().__init__(**kwargs)
         self._repairers: dict[tuple[str, str, str], RepairModel] = {}
         self._paths: dict[tuple[str, str], Path] = {}
+        self._warned: set[tuple[str, tuple[int, ...]]] = set()
 
     def _resolve(self, inp: FusionInput) -> Path:
         """The checkpoint directory for ``inp``'s model (resolved once per model identity)."""
@@ -143,12 +144,30 @@ class CacheRepair(FusionMethod):
                                                   map_location=device)
                 rep.to(dtype)  # runs in the model's compute dtype (weights are stored in float32)
                 self._repairers[key] = rep
+        self._check_conditioning(path, rep, inp)
         c, s = rep.cfg, inp.spec
         if (c.num_layers, c.num_kv_heads, c.head_dim) != (s.num_layers, s.num_kv_heads, s.head_dim):
             msg = (f"the repairer in {path} expects KV [L={c.num_layers}, H_kv={c.num_kv_heads}, D={c.head_dim}], "
                    f"the model has [L={s.num_layers}, H_kv={s.num_kv_heads}, D={s.head_dim}]; {_TRAIN_HINT}")
             raise CheckpointMismatchError(msg)
         return rep
+
+    def _check_conditioning(self, path: Path, rep: RepairModel, inp: FusionInput) -> None:
+        """Warn once per checkpoint and engine conditioning when the chunk caches are conditioned differently from
+        the caches the repairer was trained on (it then repairs a stale KV it never saw)."""
+        cond = (getattr(rep, "meta", {}) or {}).get("conditioning") or {}
+        if "chunk_prefix_ids" not in cond:
+            return
+        trained = tuple(cond["chunk_prefix_ids"])
+        memo = (str(path), inp.chunk_prefix_ids)
+        if trained == inp.chunk_prefix_ids or memo in self._warned:
+            return
+        self._warned.add(memo)
+        log.warning(
+            "cacherepair: the repairer in %s was trained on chunk caches conditioned on %d prefix tokens "
+            "(chunk_prefix=%r), but this engine conditions chunks on %d tokens; repairs will be less accurate. "
+            "Use the engine's chunk_prefix=%r or retrain with `kvrag train-repairer --chunk-prefix ...`",
+            path, len(trained), cond.get("chunk_prefix"), len(inp.chunk_prefix_ids), cond.get("chunk_prefix"))
 
     @staticmethod
     def reads_exact_lead(rep: RepairModel) -> bool:

@@ -479,3 +479,23 @@ def test_v2_checkpoint_reads_the_exact_lead(lm, tmp_path: Path) -> None:
     k2, _ = hf_cache.cache_to_tensors(o2.cache)
     assert torch.equal(k2[:, :, :p], stale[:, :, :p])  # the lead is read, never written
     assert not torch.allclose(k1[:, :, p:], k2[:, :, p:])  # reading the lead changes the repair
+
+
+def test_conditioning_mismatch_warns_once(lm, tmp_path: Path, caplog) -> None:
+    import dataclasses
+    import logging
+
+    inp, _ = _fusion_input(lm)
+    spec = kv_spec_of(lm.model, lm.fingerprint)
+    cfg = RepairConfig.from_preset("tiny", num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads,
+                                   head_dim=spec.head_dim, embed_dim=64)
+    path = RepairModel(cfg).save_pretrained(tmp_path / "r", target_fingerprint=lm.fingerprint, extra={
+        "conditioning": {"chunk_prefix": "template", "chunk_prefix_ids": [1, 2, 3]}})
+    method = get_method(f"cacherepair:checkpoint={path}")
+    with caplog.at_level(logging.WARNING, logger="kvrag.fusion.cacherepair"):
+        method.fuse(dataclasses.replace(inp, chunk_prefix_ids=(1, 2, 3)))  # as trained: quiet
+        assert not caplog.records
+        for _ in range(2):
+            method.fuse(dataclasses.replace(_fusion_input(lm)[0], chunk_prefix_ids=()))
+    msgs = [r.getMessage() for r in caplog.records]
+    assert len(msgs) == 1 and "conditioned on 3 prefix tokens" in msgs[0] and "0 tokens" in msgs[0]
