@@ -93,6 +93,17 @@ def render_card(meta: dict[str, Any], *, command: str | None, bench: dict[str, A
         f"- chunk format `{json.dumps(meta.get('conditioning', {}).get('chunk_format'))}`, chunk prefix "
         f"`{meta.get('conditioning', {}).get('chunk_prefix')}`",
     ]
+    cond = meta.get("conditioning", {})
+    if cond.get("lead_kinds"):
+        lines += [
+            f"- leads: every document's joint reference puts one of {len(cond['lead_kinds'])} real-prompt leads before "
+            "chunk 1 (" + ", ".join(f"`{k}`" for k in cond["lead_kinds"]) + "); "
+            + ("the lead is exact chunk 0 of each example (read, never repaired, no loss), and the engine reads the "
+               "prompt's leading prefix the same way, so the first retrieved chunk is repaired too"
+               if cond.get("exact_lead") else "the lead is not part of the examples"),
+            f"- target compute dtype while training: `{cond.get('target_dtype', '?')}`; the repairer is tied to the "
+            "weights (dtype-independent fingerprint) and serves every compute dtype, running in the model's dtype",
+        ]
     if command:
         lines += ["", "Command:", "", "```bash", command, "```"]
     cfg = tr.get("config", {})
@@ -109,8 +120,9 @@ def render_card(meta: dict[str, Any], *, command: str | None, bench: dict[str, A
                 s, r = ev.get(f"rel_rmse.{region}.{kv}.stale"), ev.get(f"rel_rmse.{region}.{kv}.repair")
                 if s is not None:
                     lines.append(f"| {kv} {region} | {_fmt(s)} | {_fmt(r)} |")
-        lines += ["", "Regions: `first` = the first chunk (exact when stale), `boundary` = the first tokens of each "
-                  "later chunk, `interior` = the rest."]
+        lines += ["", "Regions: `first` = the first repaired chunk (stale behind a real-prompt lead; exact when the lead "
+                  "is only the conditioning prefix), `boundary` = the first tokens of each later chunk, "
+                  "`interior` = the rest."]
     if has_plot:
         lines += ["", f"![learning curve]({CURVE_PNG})"]
     if bench:
