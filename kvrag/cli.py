@@ -45,7 +45,8 @@ def _engine(model: str | None, store: str, chunk_prefix: str = "template", metho
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
-    from kvrag.models import load_model, prepare_default_model
+    from kvrag.default_model import prepare_default_model
+    from kvrag.models import load_model
 
     if args.model in (None, "default", "smollm2-135m-instruct"):
         path = prepare_default_model(progress=True)

@@ -83,7 +83,7 @@ def build_or_load(docs_dir: Path, persist: Path, rebuild: bool) -> tuple[Any, An
     from llama_index.embeddings.huggingface import HuggingFaceEmbedding
     from llama_index.postprocessor.kvrag import build_index, load_index, open_engine
 
-    from kvrag.models import default_embedder_path
+    from kvrag.default_model import default_embedder_path
 
     if rebuild and persist.exists():
         shutil.rmtree(persist)
@@ -179,7 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ImportError as e:
         raise ImportError(_INSTALL) from e
 
-    from kvrag.models import kvrag_home
+    from kvrag.paths import kvrag_home
 
     persist = args.persist or kvrag_home() / "demo" / "llamaindex"
     engine, index = build_or_load(args.docs, persist, args.rebuild)

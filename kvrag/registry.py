@@ -207,8 +207,8 @@ def shared_engine(model: str | None = None, store: Any = "memory://", **config: 
     rebuilt per request); they share one loaded model and store through this function. A ``KVStore`` instance as
     ``store`` is keyed by identity.
     """
+    from kvrag.default_model import DEFAULT_MODEL
     from kvrag.engine.engine import KVRAGEngine
-    from kvrag.models import DEFAULT_MODEL
 
     name = DEFAULT_MODEL if model is None else str(model)
     key = (name, store if isinstance(store, str) else id(store), tuple(sorted(config.items())))

@@ -177,7 +177,7 @@ def run_load(cfg: LoadConfig, *, engine: Any = None, embed_model: Any = None) ->
     if embed_model is None:
         from llama_index.embeddings.huggingface import HuggingFaceEmbedding
 
-        from kvrag.models import default_embedder_path
+        from kvrag.default_model import default_embedder_path
 
         embed_model = HuggingFaceEmbedding(model_name=str(default_embedder_path()))
     qe, llm, n_nodes = build_query_engine(engine, embed_model, cfg)

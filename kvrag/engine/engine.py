@@ -22,7 +22,7 @@ from kvrag.kv import hf_cache
 from kvrag.kv.chunk import ChunkKV
 from kvrag.kv.keys import ChunkKey
 from kvrag.kv.rope import Rope
-from kvrag.kv.spec import KVSpec, dtype_name
+from kvrag.kv.spec import KVSpec, text_config
 from kvrag.prompting import chat_preamble
 
 log = logging.getLogger(__name__)
@@ -97,17 +97,10 @@ class KVRAGEngine:
         self.counters: collections.Counter[str] = collections.Counter()
         self._counter_lock = threading.Lock()
         self.rope = Rope.from_model(self.model)
-        cfg = self.model.config
-        text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        text_cfg = text_config(self.model.config)
         mdtype = next(self.model.parameters()).dtype
-        self.spec = KVSpec(
-            num_layers=int(text_cfg.num_hidden_layers),
-            num_kv_heads=int(getattr(text_cfg, "num_key_value_heads", None) or text_cfg.num_attention_heads),
-            head_dim=int(getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // text_cfg.num_attention_heads),
-            dtype=self.config.store_dtype or dtype_name(mdtype),
-            rope_type=self._rope_type(),
-            model_fingerprint=loaded.fingerprint,
-        )
+        self.spec = KVSpec.from_model_config(self.model.config, dtype=self.config.store_dtype or mdtype,
+                                             model_fingerprint=loaded.fingerprint)
         self.max_context = int(self.config.max_context or getattr(text_cfg, "max_position_embeddings", None) or 2048)
         self.chunk_prefix_ids: tuple[int, ...] = self._chunk_prefix()
         self._lock = threading.RLock()
@@ -140,11 +133,6 @@ class KVRAGEngine:
         return eng
 
     # ----------------------------------------------------------------- identity
-    def _rope_type(self) -> str:
-        from kvrag.kv.rope import rope_type_of
-
-        return rope_type_of(self.model.config)
-
     def _chunk_prefix(self) -> tuple[int, ...]:
         if self.config.chunk_prefix == "none":
             return ()

@@ -72,7 +72,7 @@ _LOAD_LOCK = threading.Lock()
 
 
 def _weights_fp(model: Any) -> str:
-    from kvrag.models import weights_fingerprint
+    from kvrag.fingerprint import weights_fingerprint
 
     try:
         return weights_fingerprint(model)

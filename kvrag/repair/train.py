@@ -35,10 +35,10 @@ import torch
 import torch.nn.functional as F
 
 from kvrag.errors import ConfigError
+from kvrag.fingerprint import weights_fingerprint
 from kvrag.kv import hf_cache
-from kvrag.kv.rope import Rope, rope_type_of
-from kvrag.kv.spec import KVSpec, dtype_name
-from kvrag.models import weights_fingerprint
+from kvrag.kv.rope import Rope
+from kvrag.kv.spec import KVSpec
 from kvrag.repair.data import (
     DEFAULT_CHUNK_FORMAT,
     ChunkRenderer,
@@ -189,20 +189,6 @@ def lr_factor(step: int, total: int, warmup: int, min_ratio: float) -> float:
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * t))
 
 
-def kv_spec_of(model: Any, fingerprint: str) -> KVSpec:
-    """The float32 KVSpec of a transformers model (as the engine builds it)."""
-    cfg = model.config
-    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    return KVSpec(
-        num_layers=int(text.num_hidden_layers),
-        num_kv_heads=int(getattr(text, "num_key_value_heads", None) or text.num_attention_heads),
-        head_dim=int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads),
-        dtype=dtype_name(next(model.parameters()).dtype),
-        rope_type=rope_type_of(cfg),
-        model_fingerprint=fingerprint,
-    )
-
-
 @dataclasses.dataclass
 class Datasets:
     """The target's RoPE/KV layout, the conditioning prefix, the pair builder and the train / eval datasets."""
@@ -219,7 +205,8 @@ def make_datasets(cfg: TrainConfig, loaded: Any) -> Datasets:
     """Build the pair datasets of a run for a loaded target model."""
     model, tok = loaded.model, loaded.tokenizer
     rope = Rope.from_model(model)
-    spec = kv_spec_of(model, loaded.fingerprint)
+    spec = KVSpec.from_model_config(model.config, dtype=next(model.parameters()).dtype,
+                                    model_fingerprint=loaded.fingerprint)
     prefix_ids = template_prefix_ids(tok, cfg.chunk_prefix)
     builder = PairBuilder(
         model=model, rope=rope, spec=spec,
@@ -757,7 +744,6 @@ __all__ = [
     "Trainer",
     "add_arguments",
     "config_from_args",
-    "kv_spec_of",
     "lr_factor",
     "make_datasets",
     "pregenerate",

@@ -29,7 +29,7 @@ from kvrag.repair.data import (
     template_prefix_ids,
 )
 from kvrag.repair.model import CONFIG_NAME, RepairConfig, RepairModel, block_causal_mask, pack_kv, unpack_kv
-from kvrag.repair.train import TrainConfig, Trainer, kv_spec_of, lr_factor
+from kvrag.repair.train import TrainConfig, Trainer, lr_factor
 from kvrag.testing.fusion_suite import FusionCase, FusionMethodTests, fusion_case
 from kvrag.testing.tiny import FAMILIES, tiny_model
 
@@ -187,7 +187,7 @@ def test_build_document_budget() -> None:
 
 def test_make_pair_matches_engine_stale_and_joint_prefill(lm) -> None:
     model, rope = lm.model, Rope.from_model(lm.model)
-    spec = kv_spec_of(model, lm.fingerprint)
+    spec = lm.kv_spec()
     prefix = template_prefix_ids(lm.tokenizer)
     assert prefix  # the tiny tokenizer has a chat template
     chunks = [list(range(10, 17)), list(range(40, 52)), list(range(80, 85))]
@@ -221,7 +221,7 @@ def test_prefix_matches_engine(lm) -> None:
 def test_pair_cache_roundtrip_and_manifest(lm, tmp_path: Path) -> None:
     corpus = _corpus(tmp_path / "c.jsonl", 6)
     rope = Rope.from_model(lm.model)
-    spec = kv_spec_of(lm.model, lm.fingerprint)
+    spec = lm.kv_spec()
     tok = lambda s: list(lm.tokenizer(s, add_special_tokens=False)["input_ids"])  # noqa: E731
     builder = PairBuilder(lm.model, rope, spec, tok, prefix_ids=(3, 4), max_tokens=64)
     index = CorpusIndex(corpus, "all")
@@ -357,7 +357,7 @@ def test_publish_writes_card_from_the_run(lm, tmp_path: Path) -> None:
 
 def _fusion_input(lm):
     model, rope = lm.model, Rope.from_model(lm.model)
-    spec = kv_spec_of(model, lm.fingerprint)
+    spec = lm.kv_spec()
     prefix = template_prefix_ids(lm.tokenizer)
     pieces = [("prefix", compute_chunk_kv(model, rope, spec, prefix), None)]
     for i, ids in enumerate((range(10, 19), range(30, 42), range(60, 66))):
@@ -366,7 +366,7 @@ def _fusion_input(lm):
 
 
 def _checkpoint(lm, path: Path, *, zero: bool) -> Path:
-    spec = kv_spec_of(lm.model, lm.fingerprint)
+    spec = lm.kv_spec()
     cfg = RepairConfig.from_preset("tiny", num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads,
                                    head_dim=spec.head_dim, embed_dim=64)
     m = RepairModel(cfg) if zero else _randomized(cfg)

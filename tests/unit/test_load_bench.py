@@ -34,7 +34,7 @@ def test_schedule_and_percentiles() -> None:
 def test_load_tiny_model_no_errors_no_cross_talk(tmp_path: Path) -> None:
     from llama_index.embeddings.huggingface import HuggingFaceEmbedding
 
-    from kvrag.models import default_embedder_path
+    from kvrag.default_model import default_embedder_path
 
     docs = tmp_path / "docs"
     docs.mkdir()

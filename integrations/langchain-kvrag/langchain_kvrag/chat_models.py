@@ -21,7 +21,7 @@ from pydantic import ConfigDict, Field, PrivateAttr
 
 from kvrag import registry
 from kvrag.config import GenerationConfig
-from kvrag.models import DEFAULT_MODEL
+from kvrag.default_model import DEFAULT_MODEL
 
 _ROLES = {"human": "user", "ai": "assistant", "system": "system"}
 

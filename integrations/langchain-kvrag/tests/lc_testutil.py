@@ -24,7 +24,7 @@ def get_engine():
 def get_embeddings():
     from langchain_huggingface import HuggingFaceEmbeddings
 
-    from kvrag.models import default_embedder_path
+    from kvrag.default_model import default_embedder_path
 
     return HuggingFaceEmbeddings(model_name=str(default_embedder_path()))
 

@@ -24,7 +24,7 @@ def loaded(engine):
 def embed_model():
     from llama_index.embeddings.huggingface import HuggingFaceEmbedding
 
-    from kvrag.models import default_embedder_path
+    from kvrag.default_model import default_embedder_path
 
     return HuggingFaceEmbedding(model_name=str(default_embedder_path()))
 

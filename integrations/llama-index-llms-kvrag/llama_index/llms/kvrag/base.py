@@ -37,7 +37,7 @@ from llama_index.core.llms.custom import CustomLLM
 
 from kvrag import registry
 from kvrag.config import GenerationConfig
-from kvrag.models import DEFAULT_MODEL
+from kvrag.default_model import DEFAULT_MODEL
 
 log = logging.getLogger(__name__)
 
