@@ -15,7 +15,7 @@ DOC_FILES = ["02_fares.md", "03_trams.md", "04_ferries.md"]
 @functools.cache
 def get_engine():
     """One engine per process (model + memory store) for fixtures and the standard-suite properties alike."""
-    from kvrag.registry import shared_engine
+    from kvrag.adapters import shared_engine
 
     return shared_engine(None, "memory://")
 
