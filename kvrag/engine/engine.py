@@ -13,17 +13,18 @@ from typing import Any
 import torch
 
 from kvrag.config import EngineConfig, GenerationConfig
-from kvrag.engine.assemble import assemble, compute_chunk_kv, context_only_input
+from kvrag.engine.assemble import assemble, context_only_input
 from kvrag.engine.generate import decode
 from kvrag.engine.planner import Plan, PlannedSegment, TextPiece, plan_pieces, plan_prompt
 from kvrag.errors import ConfigError, ContextLengthError
 from kvrag.fusion import FusionInput, FusionMethod, FusionOutput, get_method
 from kvrag.kv import hf_cache
 from kvrag.kv.chunk import ChunkKV
+from kvrag.kv.compute import compute_chunk_kv
 from kvrag.kv.keys import ChunkKey
 from kvrag.kv.rope import Rope
 from kvrag.kv.spec import KVSpec, text_config
-from kvrag.prompting import chat_preamble
+from kvrag.prompting import chat_preamble, render_chat
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +141,7 @@ class KVRAGEngine:
         return tuple(self.tokenize(pre)) if pre else ()
 
     def template_preamble(self) -> str:
-        """The chat template's fixed text before a user message (system header); '' without a template."""
+        """The chat template's fixed text before a user message (system header), see :func:`chat_preamble`."""
         return chat_preamble(self.tokenizer)
 
     def tokenize(self, text: str) -> list[int]:
@@ -413,19 +414,4 @@ class KVRAGEngine:
     def chat_prompt(self, user: str, system: str | None = None) -> str:
         """Render one user turn with the tokenizer's chat template (plus the generation prompt)."""
         msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
-        if getattr(self.tokenizer, "chat_template", None):
-            return self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-        return (system + "\n\n" if system else "") + user
-
-    @torch.inference_mode()
-    def teacher_forced_logits(self, plan: Plan, target_ids: Sequence[int], method: str | FusionMethod | None = None) -> torch.Tensor:
-        """Next-token logits [n, V] along ``target_ids`` after repair (position i predicts target i)."""
-        prep = self.prepare(plan, method)
-        n = len(target_ids)
-        if n == 0:
-            return prep.last_logits[None]
-        with self._lock:
-            logits, _ = hf_cache.forward(self.model, torch.tensor(list(target_ids[:-1]), dtype=torch.long),
-                                         prep.cache, logits_to_keep=max(n - 1, 1)) if n > 1 else (None, None)
-        rows = [prep.last_logits[None]] + ([logits[-(n - 1):]] if n > 1 and logits is not None else [])
-        return torch.cat(rows, dim=0)
+        return render_chat(self.tokenizer, msgs)

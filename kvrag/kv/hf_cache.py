@@ -145,12 +145,6 @@ def run_layer(
     return out, cache.fresh_k[0], cache.fresh_v[0]
 
 
-def final_logits(model: Any, hidden: torch.Tensor) -> torch.Tensor:
-    """Apply the final norm and LM head to hidden states [1, N, hidden] -> [N, V] float32."""
-    base = getattr(model, "model", model)
-    return model.lm_head(base.norm(hidden))[0].float()
-
-
 # --- selective-recompute helpers (fusion methods) ------------------------------------------------------------------
 
 

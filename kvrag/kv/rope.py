@@ -76,10 +76,13 @@ def find_rotary_module(model: torch.nn.Module) -> torch.nn.Module | None:
         return None
     base = getattr(model, "model", model)
     shared = getattr(base, "rotary_emb", None)
-    first = shared if any(m is shared for _, m in found) else found[0][1]
-    ref = first.inv_freq
+    first = found[0][1]
+    for _, m in found:
+        if m is shared:
+            first = m
+    ref = _inv_freq(first)
     for n, m in found:
-        inv = m.inv_freq
+        inv = _inv_freq(m)
         if inv.shape != ref.shape or not torch.equal(inv.to(ref.device), ref):
             msg = (f"{type(model).__name__} has rotary modules with different frequencies ({n!r} differs from the "
                    "shared one); kvrag re-rotates every layer's keys with one set of frequencies and cannot serve "
@@ -147,12 +150,18 @@ def check_rope_support(config_or_model: Any, *, name: str | None = None) -> str:
                 "that module and cannot serve this model"
             )
             raise UnsupportedModelError(msg)
-        head_dim = _head_dim(config)
-        if head_dim is not None and 2 * int(rot.inv_freq.shape[-1]) != head_dim:
-            msg = (f"{label} (model_type={model_type!r}) rotates {2 * int(rot.inv_freq.shape[-1])} of {head_dim} "
-                   "head dimensions (partial rotary embeddings), which kvrag does not support")
+        head_dim, rotated = _head_dim(config), 2 * int(_inv_freq(rot).shape[-1])
+        if head_dim is not None and rotated != head_dim:
+            msg = (f"{label} (model_type={model_type!r}) rotates {rotated} of {head_dim} head dimensions (partial "
+                   "rotary embeddings), which kvrag does not support")
             raise UnsupportedModelError(msg)
     return rope_type
+
+
+def _inv_freq(module: torch.nn.Module) -> torch.Tensor:
+    inv = getattr(module, "inv_freq", None)
+    assert isinstance(inv, torch.Tensor)  # only modules found by find_rotary_module get here
+    return inv
 
 
 def _head_dim(config: Any) -> int | None:
@@ -181,8 +190,8 @@ class Rope:
         """Build from a loaded transformers model; refuses what :func:`check_rope_support` refuses."""
         check_rope_support(model)
         rot = find_rotary_module(model)
-        assert rot is not None and isinstance(rot.inv_freq, torch.Tensor)  # check_rope_support guarantees it
-        return cls(rot.inv_freq, pairing=pairing)
+        assert rot is not None  # check_rope_support guarantees it
+        return cls(_inv_freq(rot), pairing=pairing)
 
     @property
     def head_dim(self) -> int:

@@ -13,23 +13,19 @@ from typing import Any
 import pytest
 import torch
 
-from kvrag.engine.assemble import assemble, compute_chunk_kv
+from kvrag.engine.assemble import assemble
 from kvrag.errors import CheckpointMismatchError, ConfigError
 from kvrag.fusion import get_method
 from kvrag.kv import hf_cache
+from kvrag.kv.compute import compute_chunk_kv
 from kvrag.kv.rope import Rope
-from kvrag.repair.data import (
-    ChunkRenderer,
-    CorpusIndex,
-    PairBuilder,
-    PairDataset,
-    build_document,
-    make_pair,
-    region_masks,
-    template_prefix_ids,
-)
-from kvrag.repair.model import CONFIG_NAME, RepairConfig, RepairModel, block_causal_mask, pack_kv, unpack_kv
-from kvrag.repair.train import TrainConfig, Trainer, lr_factor
+from kvrag.repair.config import RepairConfig, pack_kv, unpack_kv
+from kvrag.repair.dataset import CorpusIndex, PairDataset
+from kvrag.repair.documents import ChunkRenderer, build_document, template_prefix_ids
+from kvrag.repair.model import CONFIG_NAME, RepairModel, block_causal_mask
+from kvrag.repair.pairs import PairBuilder, make_pair, region_masks
+from kvrag.repair.train import Trainer
+from kvrag.repair.train_config import TrainConfig, lr_factor
 from kvrag.testing.fusion_suite import FusionCase, FusionMethodTests, fusion_case
 from kvrag.testing.tiny import FAMILIES, tiny_model
 
