@@ -77,6 +77,19 @@ def _tensor_digest(h: Any, name: str, tensor: torch.Tensor) -> None:
     h.update(sample.view(torch.uint8).numpy().tobytes() if sample.element_size() else b"")
 
 
+def _state_digest(h: Any, model: PreTrainedModel, cast: torch.dtype | None = None) -> None:
+    """Feed every parameter and persistent buffer into ``h`` in name order (floating ones cast to ``cast``)."""
+    seen: dict[tuple[Any, ...], str] = {}
+    for name, tensor in sorted(model.state_dict().items()):
+        # Tied weights (e.g. lm_head = embed_tokens) share storage: digest once, record the alias.
+        ident = (tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()))
+        if tensor.numel() and ident in seen:
+            h.update(f"{name}|alias-of|{seen[ident]}|".encode())
+            continue
+        seen[ident] = name
+        _tensor_digest(h, name, tensor.to(cast) if cast is not None and tensor.is_floating_point() else tensor)
+
+
 @torch.no_grad()
 def model_fingerprint(model: PreTrainedModel, dtype: torch.dtype | str | None = None) -> str:
     """sha256 hex digest identifying what a model computes: architecture, compute dtype and weights.
@@ -103,15 +116,7 @@ def model_fingerprint(model: PreTrainedModel, dtype: torch.dtype | str | None = 
     h.update(b"kvrag-model-fp-v1\x00")
     h.update(json.dumps(_config_for_fingerprint(model.config), sort_keys=True, default=str).encode())
     h.update(f"\x00compute_dtype={dtype}\x00".encode())
-    seen: dict[tuple[Any, ...], str] = {}
-    for name, tensor in sorted(model.state_dict().items()):
-        # Tied weights (e.g. lm_head = embed_tokens) share storage: digest once, record the alias.
-        ident = (tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()))
-        if tensor.numel() and ident in seen:
-            h.update(f"{name}|alias-of|{seen[ident]}|".encode())
-            continue
-        seen[ident] = name
-        _tensor_digest(h, name, tensor)
+    _state_digest(h, model)
     return h.hexdigest()
 
 
@@ -132,14 +137,7 @@ def weights_fingerprint(model: PreTrainedModel) -> str:
     h = hashlib.sha256()
     h.update(b"kvrag-weights-fp-v1\x00")
     h.update(json.dumps(_config_for_fingerprint(model.config), sort_keys=True, default=str).encode())
-    seen: dict[tuple[Any, ...], str] = {}
-    for name, tensor in sorted(model.state_dict().items()):
-        ident = (tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()))
-        if tensor.numel() and ident in seen:
-            h.update(f"{name}|alias-of|{seen[ident]}|".encode())
-            continue
-        seen[ident] = name
-        _tensor_digest(h, name, tensor.to(torch.bfloat16) if tensor.is_floating_point() else tensor)
+    _state_digest(h, model, cast=torch.bfloat16)
     fp = h.hexdigest()
     _WEIGHTS_FP[model] = fp
     return fp
