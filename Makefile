@@ -1,6 +1,6 @@
 # kvrag: the README's two commands. Each sets up everything it needs on a fresh machine.
 #   make demo   virtualenv + install + default model + the LlamaIndex demo
-#   make test   virtualenv + install (dev extras) + the whole test suite
+#   make test   virtualenv + install (dev extras) + ruff + mypy + the whole test suite
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -31,9 +31,11 @@ setup-dev: $(VENV)/.dev-stamp
 
 demo: setup
 	$(VENV)/bin/kvrag pull
-	$(PY) -m kvrag.demo
+	$(PY) -m llama_index.postprocessor.kvrag.demo
 
 test: setup-dev
+	$(VENV)/bin/ruff check kvrag tests integrations
+	$(VENV)/bin/mypy kvrag
 	$(VENV)/bin/kvrag pull
 	$(PY) -m pytest -q -p no:cacheprovider tests $(foreach d,$(INTEGRATIONS),$(wildcard $(d)/tests))
 
@@ -44,7 +46,7 @@ bench: setup-dev
 	$(VENV)/bin/kvrag bench --data ../shared/data/qa_dev.jsonl --limit 100 --out runs/bench
 
 lint: setup-dev
-	$(VENV)/bin/ruff check kvrag tests
+	$(VENV)/bin/ruff check kvrag tests integrations
 	$(VENV)/bin/mypy kvrag
 
 clean:

@@ -25,7 +25,7 @@ QUESTIONS = [
 
 
 def default_persist_dir() -> Path:
-    from kvrag.models import kvrag_home
+    from kvrag.paths import kvrag_home
 
     return Path(os.environ.get("KVRAG_EXAMPLE_DIR") or kvrag_home() / "examples") / "langchain"
 
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> None:
     from langchain_text_splitters import RecursiveCharacterTextSplitter
 
     from kvrag import KVRAGEngine
-    from kvrag.models import default_embedder_path
+    from kvrag.default_model import default_embedder_path
 
     engine = KVRAGEngine.from_pretrained(None, store=f"file://{(persist / 'kvcache').absolute()}")
     embeddings = HuggingFaceEmbeddings(model_name=str(default_embedder_path()))

@@ -24,7 +24,7 @@ QUESTIONS = [
 
 
 def default_persist_dir() -> Path:
-    from kvrag.models import kvrag_home
+    from kvrag.paths import kvrag_home
 
     return Path(os.environ.get("KVRAG_EXAMPLE_DIR") or kvrag_home() / "examples") / "llamaindex"
 
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> None:
     from llama_index.llms.kvrag import KVCachedLLM
     from llama_index.postprocessor.kvrag import KVCachePostprocessor, build_index, load_index, open_engine
 
-    from kvrag.models import default_embedder_path
+    from kvrag.default_model import default_embedder_path
 
     engine = open_engine(persist)  # the default model + a file store in PERSIST/kvcache
     embed_model = HuggingFaceEmbedding(model_name=str(default_embedder_path()))

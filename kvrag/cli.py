@@ -45,7 +45,8 @@ def _engine(model: str | None, store: str, chunk_prefix: str = "template", metho
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
-    from kvrag.models import load_model, prepare_default_model
+    from kvrag.default_model import prepare_default_model
+    from kvrag.models import load_model
 
     if args.model in (None, "default", "smollm2-135m-instruct"):
         path = prepare_default_model(progress=True)
@@ -159,7 +160,8 @@ def _mb(n: int) -> str:
 
 def cmd_store(args: argparse.Namespace) -> int:
     from kvrag.store import maintenance
-    from kvrag.store.factory import redact_url, store_from_url
+    from kvrag.store.base import redact_url
+    from kvrag.store.factory import store_from_url
 
     url = _store_url(args)
     store = store_from_url(url)
@@ -265,7 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(func=cmd_store)
 
     try:
-        from kvrag.repair import train as _train
+        from kvrag.repair import train_cli as _train
 
         sp = sub.add_parser("train-repairer", help="train a CacheRepair network for a model")
         _train.add_arguments(sp)

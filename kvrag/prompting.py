@@ -12,7 +12,7 @@ passage (system header, one-shot example, instruction) is a fixed, cacheable pre
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvrag.errors import ConfigError
@@ -25,21 +25,43 @@ DEFAULT_QUESTION = "\n\nQuestion: {question}\nShort answer:"
 ANSWER_EXTRACTIONS = ("line", "raw", "short")
 """How a template's answer is read from the generated text: ``line`` = first non-empty line without an
 "Answer:"-style lead-in (:func:`kvrag.bench.metrics.extract_answer`), ``raw`` = the whole text, stripped,
-``short`` = ``line``, then a leading yes/no alone, else the first sentence (see ``kvrag.bench.runner``)."""
+``short`` = ``line``, then a leading yes/no alone, else the first sentence (see :mod:`kvrag.bench.extract`)."""
+
+
+ROLE_ALIASES = {"human": "user", "ai": "assistant", "model": "assistant", "chatbot": "assistant",
+                "developer": "system"}
+"""Framework role names mapped to the chat-template roles (system / user / assistant)."""
+
+
+def render_chat(tokenizer: Any, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True) -> str:
+    """Render chat messages to the prompt string the model sees: the one chat-template renderer of kvrag.
+
+    The engine, the framework adapters, :class:`RagTemplate` and the CacheRepair leads all render through this
+    function, so a prompt (and therefore its cached preamble) is the same string whoever builds it.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer; its ``chat_template`` is used when it has one.
+        messages: ``{"role", "content"}`` dicts; roles in :data:`ROLE_ALIASES` are mapped first.
+        add_generation_prompt: end with the assistant turn's opening.
+
+    Without a chat template (base models) the fallback is plain text: the BOS token, then one ``role: content``
+    line per message, then ``assistant: `` when ``add_generation_prompt``.
+    """
+    msgs = [{"role": ROLE_ALIASES.get(m["role"], m["role"]), "content": m["content"]} for m in messages]
+    if getattr(tokenizer, "chat_template", None):
+        return str(tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=add_generation_prompt))
+    lines = [f"{m['role']}: {m['content']}" for m in msgs] + (["assistant: "] if add_generation_prompt else [])
+    return (getattr(tokenizer, "bos_token", None) or "") + "\n".join(lines)
 
 
 def chat_preamble(tokenizer: Any) -> str:
-    """The chat template's fixed text before a user message (system header), or the BOS token without a template.
+    """The fixed text :func:`render_chat` puts before a user message's content (the chat template's system header).
 
     This is what chunk caches are conditioned on with ``chunk_prefix='template'`` (the engine and the CacheRepair
     data pipeline share it, so a repairer is trained on caches computed exactly like the engine's).
     """
-    if getattr(tokenizer, "chat_template", None):
-        marker = "\u2063KVRAG_MARK\u2063"
-        s = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False,
-                                          add_generation_prompt=False)
-        return s.split(marker, 1)[0]
-    return tokenizer.bos_token or ""
+    marker = "\u2063KVRAG_MARK\u2063"
+    return render_chat(tokenizer, [{"role": "user", "content": marker}], add_generation_prompt=False).split(marker, 1)[0]
 
 
 PASSAGE_SEPARATOR = "\n\n"
@@ -101,11 +123,7 @@ class RagTemplate:
         """(prefix, passages, suffix) such that prefix + ''.join(passages) + suffix is the full prompt string."""
         marker = "\u2063KVRAG_BODY\u2063"
         user = self.instruction + marker + self.question.format(question=question.strip())
-        msgs = self._messages(user)
-        if getattr(tokenizer, "chat_template", None):
-            full = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-        else:
-            full = "\n".join(m["content"] + "\n" for m in msgs)
+        full = render_chat(tokenizer, self._messages(user))
         prefix, suffix = full.split(marker, 1)
         return prefix, list(passages), suffix + self.answer_prefix
 

@@ -31,7 +31,6 @@ from kvrag.bench.metrics import bootstrap_ci, gap_recovery, paired_bootstrap
 
 log = logging.getLogger(__name__)
 
-QUALITY_METRICS = ("f1", "em", "kl", "first_token_agree")
 TIMING_KEYS = ("fetch_s", "compute_misses_s", "assemble_s", "repair_s", "suffix_prefill_s", "ttft_s", "decode_s", "total_s")
 KV_REGIONS = ("first", "boundary", "interior", "all")
 

@@ -195,7 +195,8 @@ def _setup(args: argparse.Namespace) -> None:
 def run_bench(args: argparse.Namespace) -> int:
     """``kvrag bench``: the QA benchmark."""
     from kvrag.bench.aggregate import summary_markdown
-    from kvrag.bench.runner import BenchConfig, QABenchmark, split_method_specs
+    from kvrag.bench.config import BenchConfig, split_method_specs
+    from kvrag.bench.runner import QABenchmark
 
     if not args.data:
         print("error: kvrag bench needs --data QA.jsonl", file=sys.stderr)
@@ -229,7 +230,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
 def run_sweep(args: argparse.Namespace) -> int:
     """``kvrag bench sweep``."""
-    from kvrag.bench.runner import split_method_specs
+    from kvrag.bench.config import split_method_specs
     from kvrag.bench.sweep import SweepConfig
     from kvrag.bench.sweep import run_sweep as _run
 
@@ -267,8 +268,14 @@ def run_store(args: argparse.Namespace) -> int:
 
 def run_load(args: argparse.Namespace) -> int:
     """``kvrag bench load``; exit status 1 when a request failed or an answer differed from single-threaded."""
-    from kvrag.bench.load import LoadConfig, load_markdown
-    from kvrag.bench.load import run_load as _run
+    try:  # the harness drives a LlamaIndex query engine, so it lives in the LlamaIndex integration package
+        from llama_index.postprocessor.kvrag.load_bench import LoadConfig, load_markdown
+        from llama_index.postprocessor.kvrag.load_bench import run_load as _run
+    except ImportError as e:
+        msg = ("`kvrag bench load` needs the LlamaIndex integrations: pip install 'kvrag[llama-index]' "
+               "-e integrations/llama-index-llms-kvrag -e integrations/llama-index-postprocessor-kvrag "
+               f"(or `make setup`); {e}")
+        raise ImportError(msg) from e
 
     _setup(args)
     cfg = LoadConfig(
@@ -284,7 +291,7 @@ def run_load(args: argparse.Namespace) -> int:
 
 def run_templates(args: argparse.Namespace) -> int:
     """``kvrag bench templates``."""
-    from kvrag.bench.runner import load_requests
+    from kvrag.bench.data import load_requests
     from kvrag.bench.templates import select_template, templates_markdown
     from kvrag.config import EngineConfig
     from kvrag.engine.engine import KVRAGEngine

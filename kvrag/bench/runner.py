@@ -14,6 +14,9 @@ each context passage one reusable chunk, in the given order):
    relative RMSE vs the full prefill by region (first chunk, the first ``boundary_tokens`` of each later chunk,
    the interior of later chunks).
 
+Its data (:mod:`kvrag.bench.data`), settings (:mod:`kvrag.bench.config`), answer extraction
+(:mod:`kvrag.bench.extract`) and memory probe (:mod:`kvrag.bench.memory`) live in their own modules.
+
 One line per finished request is appended to ``results.jsonl`` (flushed and fsynced), so a rerun with the same
 configuration skips finished requests. ``summary.json`` / ``summary.md`` and the Pareto plots are rewritten at
 the end of every run (:mod:`kvrag.bench.aggregate`, :mod:`kvrag.bench.plots`).
@@ -21,257 +24,35 @@ the end of every run (:mod:`kvrag.bench.aggregate`, :mod:`kvrag.bench.plots`).
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import dataclasses
 import functools
 import hashlib
 import json
 import logging
 import os
-import re
-import threading
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from kvrag.bench import aggregate
+from kvrag.bench.config import BenchConfig, resolve_methods
+from kvrag.bench.data import QARequest, load_requests
+from kvrag.bench.extract import EXTRACTORS
 from kvrag.bench.flops import ModelCost
-from kvrag.bench.metrics import exact_match, extract_answer, f1_score, kl_divergence, kv_rel_rmse
+from kvrag.bench.memory import PeakMemory
+from kvrag.bench.metrics import exact_match, f1_score, kl_divergence, kv_rel_rmse
 from kvrag.config import EngineConfig, GenerationConfig
 from kvrag.errors import ConfigError, ContextLengthError
-from kvrag.fusion import FusionMethod, available_methods, get_method, parse_method_spec
+from kvrag.fusion import FusionMethod, get_method
 from kvrag.kv import hf_cache
-from kvrag.prompting import RagTemplate, get_template, render_passage
+from kvrag.prompting import RagTemplate, get_template
 
 log = logging.getLogger(__name__)
 
 RESULTS = "results.jsonl"
 RUN_INFO = "run.json"
-
-_YES_NO = re.compile(r"^(yes|no)\b", re.IGNORECASE)
-# a sentence end: ., ! or ? after 3 lower-case letters/digits (so "Dr. X", "St. Cloud", "U.S. Army" do not split)
-_SENTENCE_END = re.compile(r"(?<=[a-z0-9)\"']{3}[.!?])\s+(?=[A-Z\"'(])")
-
-
-def extract_short(text: str) -> str:
-    """``extract_answer``'s first line, then: a leading "Yes"/"No" alone, else only the first sentence.
-
-    Small models answer "No, the film ... was released later." or "X is Y. It was ..."; SQuAD F1 rewards the
-    span, so keep the part that can be the answer without guessing inside a sentence.
-    """
-    line = extract_answer(text)
-    m = _YES_NO.match(line)
-    if m:
-        return m.group(1).lower()
-    first = _SENTENCE_END.split(line, maxsplit=1)[0]
-    return first.rstrip(".!? ").strip() or line
-
-
-EXTRACTORS: dict[str, Callable[[str], str]] = {
-    "line": extract_answer,
-    "raw": lambda t: t.strip(),
-    "short": extract_short,
-}
-"""Answer extraction by a template's ``answer_extraction`` mode (:data:`kvrag.prompting.ANSWER_EXTRACTIONS`)."""
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Data
-# ----------------------------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class QARequest:
-    """One benchmark request; ``contexts`` are (title, text) pairs, each a reusable chunk."""
-
-    id: str
-    question: str
-    answers: tuple[str, ...]
-    contexts: tuple[tuple[str, str], ...]
-    source: str = ""
-
-    def passages(self) -> list[str]:
-        """The rendered chunk texts, in order (exactly the strings the prompt contains)."""
-        return [render_passage(text, title) for title, text in self.contexts]
-
-
-def load_requests(path: str | os.PathLike[str], limit: int | None = None, offset: int = 0) -> list[QARequest]:
-    """Read and validate a QA JSONL file; rows ``offset .. offset+limit-1`` (file order).
-
-    Raises:
-        ConfigError: missing file, bad JSON or a row that does not follow the schema (the message names the line).
-    """
-    p = Path(path)
-    if not p.is_file():
-        msg = f"QA data file {str(p)!r} not found; expected a JSONL file with id/question/answers/contexts rows"
-        raise ConfigError(msg)
-    out: list[QARequest] = []
-    seen: set[str] = set()
-    with p.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                rid = str(row["id"])
-                q = str(row["question"])
-                answers = row["answers"]
-                ctx = row["contexts"]
-                if isinstance(answers, str) or not answers or not all(isinstance(a, str) for a in answers):
-                    raise ValueError("'answers' must be a non-empty list of strings")
-                if not isinstance(ctx, list) or not ctx:
-                    raise ValueError("'contexts' must be a non-empty list of {title, text} objects")
-                contexts = tuple((str(c.get("title") or ""), str(c["text"])) for c in ctx)
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
-                msg = (f"{p}:{lineno}: bad QA row ({e}); expected "
-                       '{"id", "question", "answers": [..], "contexts": [{"title", "text"}, ..]}')
-                raise ConfigError(msg) from e
-            if rid in seen:
-                msg = f"{p}:{lineno}: duplicate request id {rid!r}"
-                raise ConfigError(msg)
-            seen.add(rid)
-            out.append(QARequest(rid, q, tuple(answers), contexts, str(row.get("source", ""))))
-    if offset < 0 or (limit is not None and limit < 0):
-        msg = f"offset and limit must be >= 0, got offset={offset}, limit={limit}"
-        raise ConfigError(msg)
-    out = out[offset:]
-    return out[:limit] if limit is not None else out
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Configuration
-# ----------------------------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class BenchConfig:
-    """Settings of one QA benchmark run.
-
-    Attributes:
-        data: QA JSONL path.
-        out: output directory (results.jsonl, summary.json, summary.md, PNGs).
-        methods: method specs as given (e.g. ``["full", "stale", "relaxkv:r=0.15"]``); unregistered methods are
-            skipped with a warning, bad parameters of registered ones are errors.
-        limit, offset: which rows of ``data`` (file order).
-        model: HF id / path, or None for the embedded default.
-        template: prompt template name (:data:`kvrag.prompting.TEMPLATES`), None for the default.
-        max_new_tokens: greedy decode budget per answer.
-        kl_tokens: teacher-forced positions for KL (the first tokens of the full-prefill answer).
-        boundary_tokens: how many leading tokens of each later chunk count as its boundary region.
-        seed: torch seed and bootstrap seed.
-        bootstrap: bootstrap resamples for intervals (0 disables intervals).
-        peer: optional peer runner (``"llamaindex-hf"``).
-        store: KV store URL for the chunk caches.
-        cache_budget_bytes: build every request's caches up front when they fit in this many bytes, else build
-            each request's caches right before it (still untimed).
-        chunk_prefix: engine ``chunk_prefix`` mode.
-        warmup: requests run untimed first (not recorded).
-        threads: torch intra-op threads (None: torch default).
-        device, dtype: model placement (None: defaults).
-        overwrite: discard existing results in ``out`` instead of resuming.
-        plots: write the Pareto PNGs.
-        progress: show progress bars.
-    """
-
-    data: str
-    out: str
-    methods: Sequence[str] = ("full", "stale")
-    limit: int | None = None
-    offset: int = 0
-    model: str | None = None
-    template: str | None = None
-    max_new_tokens: int = 32
-    kl_tokens: int = 32
-    boundary_tokens: int = 8
-    seed: int = 0
-    bootstrap: int = 1000
-    peer: str | None = None
-    store: str = "memory://?max_bytes=4e9"
-    cache_budget_bytes: int = 4_000_000_000
-    chunk_prefix: str = "template"
-    warmup: int = 1
-    threads: int | None = None
-    device: str | None = None
-    dtype: str | None = None
-    overwrite: bool = False
-    plots: bool = True
-    progress: bool = True
-
-    def __post_init__(self) -> None:
-        if isinstance(self.methods, str):
-            self.methods = split_method_specs(self.methods)
-        self.methods = list(self.methods)
-        if not self.methods:
-            raise ConfigError("no methods given; pass e.g. --methods full,stale")
-        for name, v, lo in (("max_new_tokens", self.max_new_tokens, 1), ("kl_tokens", self.kl_tokens, 1),
-                            ("boundary_tokens", self.boundary_tokens, 1), ("bootstrap", self.bootstrap, 0),
-                            ("warmup", self.warmup, 0)):
-            if v < lo:
-                msg = f"{name} must be >= {lo}, got {v}"
-                raise ConfigError(msg)
-        if self.threads is not None and self.threads < 1:
-            raise ConfigError(f"threads must be >= 1, got {self.threads}")
-        if self.peer not in (None, "", "llamaindex-hf"):
-            msg = f"unknown peer {self.peer!r}; valid peers: llamaindex-hf"
-            raise ConfigError(msg)
-        get_template(self.template)  # validates the name
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-def split_method_specs(s: str) -> list[str]:
-    """Split ``"full,relaxkv:r=0.15,k=2,stale"`` into ``["full", "relaxkv:r=0.15,k=2", "stale"]``.
-
-    Commas separate methods and also parameters of one method; a token containing '=' continues the method
-    before it.
-    """
-    out: list[str] = []
-    for tok in (t.strip() for t in s.split(",")):
-        if not tok:
-            continue
-        if "=" in tok and ":" not in tok and out:
-            out[-1] += "," + tok
-        else:
-            out.append(tok)
-    return out
-
-
-def method_labels(specs: Sequence[str]) -> list[str]:
-    """Labels for specs as given: the spec itself, ``spec#2``, ``spec#3`` ... for repeats."""
-    seen: dict[str, int] = {}
-    out = []
-    for s in specs:
-        seen[s] = seen.get(s, 0) + 1
-        out.append(s if seen[s] == 1 else f"{s}#{seen[s]}")
-    return out
-
-
-def resolve_methods(specs: Sequence[str]) -> tuple[dict[str, FusionMethod], list[str]]:
-    """Build the registered methods; returns ({label: method}, [skipped specs]).
-
-    A spec whose method name is not registered (a method still being written) is skipped; a registered method
-    with bad parameters raises ConfigError.
-    """
-    registered = set(available_methods())
-    methods: dict[str, FusionMethod] = {}
-    skipped: list[str] = []
-    for label, spec in zip(method_labels(specs), specs, strict=True):
-        name, _ = parse_method_spec(spec)
-        if name not in registered:
-            log.warning("skipping method %r: %r is not a registered fusion method (registered: %s)",
-                        spec, name, ", ".join(sorted(registered)))
-            skipped.append(spec)
-            continue
-        methods[label] = get_method(spec)
-    if not methods:
-        msg = f"none of the methods {list(specs)} is registered; valid methods: {', '.join(sorted(registered))}"
-        raise ConfigError(msg)
-    return methods, skipped
 
 
 def ensure_cached(engine: Any, plans: Sequence[Any], progress: bool = False) -> int:
@@ -288,74 +69,6 @@ def ensure_cached(engine: Any, plans: Sequence[Any], progress: bool = False) -> 
         _, hit = engine.ensure_ids(ids, "prefix" if kind == "prefix" else "chunk")
         computed += not hit
     return computed
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Measurement helpers
-# ----------------------------------------------------------------------------------------------------------------
-
-
-def _rss_bytes() -> int:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):  # pragma: no cover - non-Linux
-        return 0
-
-
-def _trim_heap() -> None:
-    """Return freed heap pages to the OS (glibc) so an RSS increase reflects the next call's own allocations.
-
-    (No ``gc.collect()``: tensors are freed by reference counting, and a full collection costs ~0.5 s once
-    transformers is imported.)
-    """
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-
-class PeakMemory:
-    """Peak memory a block allocates beyond what was in use when it started.
-
-    On CUDA: ``torch.cuda.max_memory_allocated`` (exact). On CPU: the process RSS sampled every ``interval_s``
-    by a background thread after trimming the heap (a lower bound; sampling can miss short spikes).
-    """
-
-    def __init__(self, device: torch.device, interval_s: float = 0.005) -> None:
-        self.device = device
-        self.interval_s = interval_s
-        self.peak_bytes = 0
-        self.kind = "cuda_allocated" if device.type == "cuda" else "cpu_rss_sampled"
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._base = 0
-        self._max = 0
-
-    def _sample(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self._max = max(self._max, _rss_bytes())
-
-    def __enter__(self) -> PeakMemory:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self._base = torch.cuda.memory_allocated(self.device)
-        else:
-            _trim_heap()
-            self._base = self._max = _rss_bytes()
-            self._thread = threading.Thread(target=self._sample, daemon=True)
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            self.peak_bytes = int(torch.cuda.max_memory_allocated(self.device) - self._base)
-        else:
-            self._stop.set()
-            if self._thread is not None:
-                self._thread.join()
-            self._max = max(self._max, _rss_bytes())
-            self.peak_bytes = int(max(0, self._max - self._base))
 
 
 def region_masks(plan: Any, boundary_tokens: int) -> dict[str, torch.Tensor]:
@@ -719,11 +432,3 @@ class QABenchmark:
 
             plots.pareto_plots(summary, self.out)
         return summary
-
-
-def run_benchmark(config: BenchConfig, engine: Any = None, peer: Any = None) -> dict[str, Any]:
-    """Convenience: ``QABenchmark(config, engine, peer).run()``."""
-    t = time.perf_counter()
-    summary = QABenchmark(config, engine, peer).run()
-    log.info("benchmark finished in %.1f s", time.perf_counter() - t)
-    return summary

@@ -25,7 +25,10 @@ from typing import Any
 import torch
 
 from kvrag.bench import aggregate
-from kvrag.bench.runner import PeakMemory, ensure_cached, load_requests, resolve_methods
+from kvrag.bench.config import resolve_methods
+from kvrag.bench.data import load_requests
+from kvrag.bench.memory import PeakMemory
+from kvrag.bench.runner import ensure_cached
 from kvrag.config import EngineConfig, GenerationConfig
 from kvrag.errors import ConfigError
 from kvrag.prompting import get_template, render_passage

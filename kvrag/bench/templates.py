@@ -20,8 +20,9 @@ from typing import Any
 import torch
 
 from kvrag.bench import aggregate
+from kvrag.bench.data import QARequest
+from kvrag.bench.extract import EXTRACTORS
 from kvrag.bench.metrics import bootstrap_ci, exact_match, f1_score
-from kvrag.bench.runner import EXTRACTORS, QARequest
 from kvrag.config import GenerationConfig
 from kvrag.engine.generate import decode
 from kvrag.errors import ConfigError

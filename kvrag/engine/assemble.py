@@ -1,8 +1,7 @@
-"""Chunk cache computation and assembly of the stale context KV.
+"""Assembly of the stale context KV.
 
-``compute_chunk_kv`` prefills one chunk alone (optionally after a conditioning prefix whose KV is discarded) and
-returns it in canonical coordinates. ``assemble`` places chunk caches at their global offsets and concatenates them
-into the stale KV a fusion method repairs.
+``assemble`` places chunk caches (computed by :func:`kvrag.kv.compute.compute_chunk_kv`) at their global offsets
+and concatenates them into the stale KV a fusion method repairs.
 """
 
 from __future__ import annotations
@@ -18,35 +17,6 @@ from kvrag.kv import hf_cache
 from kvrag.kv.chunk import ChunkKV
 from kvrag.kv.rope import Rope
 from kvrag.kv.spec import KVSpec
-
-
-@torch.inference_mode()
-def compute_chunk_kv(
-    model: Any, rope: Rope, spec: KVSpec, token_ids: Sequence[int], prefix_ids: Sequence[int] = ()
-) -> ChunkKV:
-    """Prefill ``prefix_ids + token_ids`` and keep the chunk part, canonicalized.
-
-    Args:
-        token_ids: the chunk's T ids.
-        prefix_ids: P conditioning ids (e.g. the chat template's system header acting as attention sink); their
-            KV is discarded, only the chunk's T positions are returned.
-
-    Returns:
-        ChunkKV with keys/values [L, H_kv, T, D] at ``spec.dtype`` on the CPU.
-    """
-    p = len(prefix_ids)
-    ids = torch.tensor([*prefix_ids, *token_ids], dtype=torch.long)
-    k, v = hf_cache.prefill_kv(model, ids)  # [L, H_kv, P+T, D]
-    k, v = k[:, :, p:], v[:, :, p:]
-    pos = torch.arange(p, p + len(token_ids))
-    k = rope.canonicalize(k, pos)
-    dt = spec.torch_dtype
-    return ChunkKV(
-        token_ids=torch.tensor(list(token_ids), dtype=torch.long),
-        keys=k.to("cpu", dt).contiguous(),
-        values=v.to("cpu", dt).contiguous(),
-        spec=spec,
-    )
 
 
 @torch.inference_mode()

@@ -13,18 +13,19 @@ from typing import Any
 import torch
 
 from kvrag.config import EngineConfig, GenerationConfig
-from kvrag.engine.assemble import assemble, compute_chunk_kv, context_only_input
+from kvrag.engine.assemble import assemble, context_only_input
 from kvrag.engine.generate import decode
 from kvrag.engine.planner import Plan, PlannedSegment, TextPiece, plan_pieces, plan_prompt
 from kvrag.errors import ConfigError, ContextLengthError
 from kvrag.fusion import FusionInput, FusionMethod, FusionOutput, get_method
 from kvrag.kv import hf_cache
 from kvrag.kv.chunk import ChunkKV
+from kvrag.kv.compute import compute_chunk_kv
 from kvrag.kv.keys import ChunkKey
 from kvrag.kv.rope import Rope
-from kvrag.kv.spec import KVSpec, dtype_name
+from kvrag.kv.spec import KVSpec, text_config
 from kvrag.kv.window import context_limit
-from kvrag.prompting import chat_preamble
+from kvrag.prompting import chat_preamble, render_chat
 
 log = logging.getLogger(__name__)
 
@@ -98,17 +99,10 @@ class KVRAGEngine:
         self.counters: collections.Counter[str] = collections.Counter()
         self._counter_lock = threading.Lock()
         self.rope = Rope.from_model(self.model)
-        cfg = self.model.config
-        text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        text_cfg = text_config(self.model.config)
         mdtype = next(self.model.parameters()).dtype
-        self.spec = KVSpec(
-            num_layers=int(text_cfg.num_hidden_layers),
-            num_kv_heads=int(getattr(text_cfg, "num_key_value_heads", None) or text_cfg.num_attention_heads),
-            head_dim=int(getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // text_cfg.num_attention_heads),
-            dtype=self.config.store_dtype or dtype_name(mdtype),
-            rope_type=self._rope_type(),
-            model_fingerprint=loaded.fingerprint,
-        )
+        self.spec = KVSpec.from_model_config(self.model.config, dtype=self.config.store_dtype or mdtype,
+                                             model_fingerprint=loaded.fingerprint)
         limit = int(self.config.max_context or getattr(text_cfg, "max_position_embeddings", None) or 2048)
         self.max_context = context_limit(self.model, limit)  # capped by a sliding/chunked attention window
         self.chunk_prefix_ids: tuple[int, ...] = self._chunk_prefix()
@@ -144,11 +138,6 @@ class KVRAGEngine:
         return eng
 
     # ----------------------------------------------------------------- identity
-    def _rope_type(self) -> str:
-        from kvrag.kv.rope import rope_type_of
-
-        return rope_type_of(self.model.config)
-
     def _chunk_prefix(self) -> tuple[int, ...]:
         if self.config.chunk_prefix == "none":
             return ()
@@ -156,7 +145,7 @@ class KVRAGEngine:
         return tuple(self.tokenize(pre)) if pre else ()
 
     def template_preamble(self) -> str:
-        """The chat template's fixed text before a user message (system header); '' without a template."""
+        """The chat template's fixed text before a user message (system header), see :func:`chat_preamble`."""
         return chat_preamble(self.tokenizer)
 
     def tokenize(self, text: str) -> list[int]:
@@ -448,19 +437,4 @@ class KVRAGEngine:
     def chat_prompt(self, user: str, system: str | None = None) -> str:
         """Render one user turn with the tokenizer's chat template (plus the generation prompt)."""
         msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
-        if getattr(self.tokenizer, "chat_template", None):
-            return self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-        return (system + "\n\n" if system else "") + user
-
-    @torch.inference_mode()
-    def teacher_forced_logits(self, plan: Plan, target_ids: Sequence[int], method: str | FusionMethod | None = None) -> torch.Tensor:
-        """Next-token logits [n, V] along ``target_ids`` after repair (position i predicts target i)."""
-        prep = self.prepare(plan, method)
-        n = len(target_ids)
-        if n == 0:
-            return prep.last_logits[None]
-        with self._lock:
-            logits, _ = hf_cache.forward(self.model, torch.tensor(list(target_ids[:-1]), dtype=torch.long),
-                                         prep.cache, logits_to_keep=max(n - 1, 1)) if n > 1 else (None, None)
-        rows = [prep.last_logits[None]] + ([logits[-(n - 1):]] if n > 1 and logits is not None else [])
-        return torch.cat(rows, dim=0)
+        return render_chat(self.tokenizer, msgs)

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
-import logging
-
 from kvrag.fusion.base import (
     FusionInput,
     FusionMethod,
@@ -12,20 +9,12 @@ from kvrag.fusion.base import (
     Span,
     available_methods,
     get_method,
+    load_builtin_methods,
     parse_method_spec,
     register,
 )
 
-_log = logging.getLogger(__name__)
-
-# Built-in method modules; each registers itself on import.
-_BUILTINS = ("full", "stale", "relaxkv", "cacheblend", "epic", "prophetkv", "cacherepair", "hybrid", "auto")
-for _mod in _BUILTINS:
-    try:
-        importlib.import_module(f"kvrag.fusion.{_mod}")
-    except ModuleNotFoundError as _e:  # a method under construction is simply not registered
-        if _e.name != f"kvrag.fusion.{_mod}":
-            raise
+load_builtin_methods()
 
 __all__ = [
     "FusionInput",

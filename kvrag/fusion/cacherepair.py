@@ -25,12 +25,11 @@ import torch
 from kvrag.errors import CheckpointMismatchError, ConfigError
 from kvrag.fusion.base import FusionInput, FusionMethod, FusionOutput, register
 from kvrag.kv import hf_cache
-from kvrag.repair.model import CONFIG_NAME, RepairModel, pack_kv, unpack_kv
+from kvrag.repair.config import pack_kv, unpack_kv
+from kvrag.repair.model import CONFIG_NAME, RepairModel
+from kvrag.repair.shipped import SHIPPED_DIR
 
 log = logging.getLogger(__name__)
-
-SHIPPED_DIR = Path(__file__).resolve().parent.parent / "data" / "repairers"
-"""Where checkpoints shipped with kvrag live: ``kvrag/data/repairers/<model-name>/``."""
 
 _TRAIN_HINT = ("train one with `kvrag train-repairer --data CORPUS.jsonl --out DIR --preset small` (CORPUS: one "
                '{"titles": [...], "passages": [...]} object a line) and use `cacherepair:checkpoint=DIR`')
@@ -72,7 +71,7 @@ _LOAD_LOCK = threading.Lock()
 
 
 def _weights_fp(model: Any) -> str:
-    from kvrag.models import weights_fingerprint
+    from kvrag.fingerprint import weights_fingerprint
 
     try:
         return weights_fingerprint(model)

@@ -48,11 +48,3 @@ class ChunkKV:
             if tuple(t.shape) != expected:
                 msg = f"ChunkKV.{name} has shape {tuple(t.shape)}, expected [L, H_kv, T, D] = {expected}"
                 raise ConfigError(msg)
-
-    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> ChunkKV:
-        return ChunkKV(
-            token_ids=self.token_ids.to(device) if device is not None else self.token_ids,
-            keys=self.keys.to(device=device, dtype=dtype),
-            values=self.values.to(device=device, dtype=dtype),
-            spec=self.spec,
-        )

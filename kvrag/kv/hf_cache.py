@@ -242,12 +242,6 @@ def run_layer(
     return out, cache.fresh_k[0], cache.fresh_v[0]
 
 
-def final_logits(model: Any, hidden: torch.Tensor) -> torch.Tensor:
-    """Apply the final norm and LM head to hidden states [1, N, hidden] -> [N, V] float32."""
-    base = getattr(model, "model", model)
-    return model.lm_head(base.norm(hidden))[0].float()
-
-
 # --- selective-recompute helpers (fusion methods) ------------------------------------------------------------------
 
 
@@ -347,7 +341,7 @@ def _probe_attention(
         raise RuntimeError(msg)
     orig, probe = stack[-1]
     if getattr(probe, "computes_attention", False):  # the probe returns the attention output itself
-        out = probe(module, query, key, attention_mask, kwargs.get("scaling"), value)
+        out = probe(module, query, key, attention_mask, kwargs.get("scaling"), value)  # type: ignore[call-arg]
         if out is not None:
             return out
     else:

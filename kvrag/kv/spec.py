@@ -1,9 +1,8 @@
-"""KVSpec: the shape, dtype and RoPE identity of a model's KV cache."""
+"""KVSpec: the shape, dtype and RoPE identity of a model's KV cache, built from a model config in one place."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Any
 
 import torch
@@ -87,5 +86,36 @@ class KVSpec:
         fields = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in fields})
 
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), sort_keys=True)
+    @classmethod
+    def from_model_config(cls, config: Any, *, dtype: torch.dtype | str, model_fingerprint: str = "",
+                          rope_pairing: str = "half") -> KVSpec:
+        """The KVSpec of a transformers model's KV cache: the one builder the loader, engine and trainer use.
+
+        Args:
+            config: the model's config (multimodal configs: their text config is used).
+            dtype: storage dtype of K and V (a ``torch.dtype`` or its name).
+            model_fingerprint: :func:`kvrag.fingerprint.model_fingerprint` of the model.
+            rope_pairing: 'half' (rotate_half, every supported family) or 'interleaved'.
+
+        Raises:
+            UnsupportedModelError: the config's RoPE is not in the support matrix
+                (:func:`kvrag.kv.rope.check_rope_support`).
+        """
+        from kvrag.kv.rope import check_rope_support
+
+        text = text_config(config)
+        heads = int(text.num_attention_heads)
+        return cls(
+            num_layers=int(text.num_hidden_layers),
+            num_kv_heads=int(getattr(text, "num_key_value_heads", None) or heads),
+            head_dim=int(getattr(text, "head_dim", None) or text.hidden_size // heads),
+            dtype=dtype if isinstance(dtype, str) else dtype_name(dtype),
+            rope_type=check_rope_support(config),
+            rope_pairing=rope_pairing,
+            model_fingerprint=model_fingerprint,
+        )
+
+
+def text_config(config: Any) -> Any:
+    """The text (decoder) part of a transformers config; the config itself for text-only models."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from kvrag.repair.model import CONFIG_NAME
+from kvrag.repair.shipped import SHIPPED_DIR
 
 FILES = (CONFIG_NAME, "repair_model.safetensors", "stats.safetensors", "curve.jsonl")
 CARD = "MODEL_CARD.md"
@@ -154,8 +155,6 @@ def publish(run_dir: str | Path, dest: str | Path | None = None, *, command: str
         raise FileNotFoundError(msg)
     meta = json.loads(cfg_path.read_text())
     if dest is None:
-        from kvrag.fusion.cacherepair import SHIPPED_DIR
-
         name = str(meta.get("target", {}).get("model_name") or "model")
         dest = SHIPPED_DIR / name
     out = Path(dest)

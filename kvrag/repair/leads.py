@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvrag.errors import ConfigError
-from kvrag.prompting import TEMPLATES, chat_preamble
+from kvrag.prompting import TEMPLATES, render_chat
 
 _MARK = "\u2063KVRAG_LEAD\u2063"
 
@@ -115,11 +115,7 @@ def render_lead(tokenizer: Any, kind: str, question: str = "What is this about?"
     if fn is None:
         msg = f"unknown lead kind {kind!r}; valid kinds: {', '.join(LEAD_KINDS)}"
         raise ConfigError(msg)
-    msgs = fn(question)
-    if not getattr(tokenizer, "chat_template", None):
-        return chat_preamble(tokenizer) + "\n".join(m["content"] for m in msgs).split(_MARK, 1)[0]
-    full = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=False)
-    return full.split(_MARK, 1)[0]
+    return render_chat(tokenizer, fn(question), add_generation_prompt=False).split(_MARK, 1)[0]
 
 
 def pick_lead(kinds: Sequence[str], group_id: str) -> str:

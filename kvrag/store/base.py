@@ -13,6 +13,7 @@ import threading
 from collections.abc import Iterable, Iterator, Sequence
 from types import TracebackType
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 from kvrag.errors import CacheCorruptError, CacheMismatchError, ConfigError
 from kvrag.kv.chunk import ChunkKV
@@ -21,6 +22,20 @@ from kvrag.kv.spec import KVSpec
 from kvrag.store import serde
 
 logger = logging.getLogger(__name__)
+
+
+def redact_url(url: str) -> str:
+    """The URL with any password replaced by '***' (safe for logs and error messages)."""
+    try:
+        parts = urlsplit(url)
+        if parts.password is None:
+            return url
+        host = parts.hostname or ""
+        host = f"[{host}]" if ":" in host else host
+        port = f":{parts.port}" if parts.port is not None else ""
+        return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}{port}"))
+    except ValueError:
+        return "<unparseable url>"
 
 
 def check_key(key: object) -> str:

@@ -20,7 +20,7 @@ from typing import Any
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 from kvrag.errors import ConfigError
-from kvrag.store.base import KVStore
+from kvrag.store.base import KVStore, redact_url
 
 StoreFactory = Callable[[str, dict[str, Any]], KVStore]
 _REGISTRY: dict[str, StoreFactory] = {}
@@ -28,20 +28,6 @@ _INT_OPTS = ("max_bytes",)
 _FLOAT_OPTS = ("ttl_s",)
 # kvrag's own query parameters; everything else in a redis URL is passed on to redis-py.
 _KVRAG_OPTS = ("codec", "max_bytes", "ttl_s", "prefix")
-
-
-def redact_url(url: str) -> str:
-    """The URL with any password replaced by '***' (safe for logs and error messages)."""
-    try:
-        parts = urlsplit(url)
-        if parts.password is None:
-            return url
-        host = parts.hostname or ""
-        host = f"[{host}]" if ":" in host else host
-        port = f":{parts.port}" if parts.port is not None else ""
-        return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}{port}"))
-    except ValueError:
-        return "<unparseable url>"
 
 
 def register_store_scheme(scheme: str, factory: StoreFactory) -> None:

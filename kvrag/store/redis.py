@@ -16,8 +16,7 @@ from kvrag.errors import ConfigError, StoreError
 from kvrag.kv.chunk import ChunkKV
 from kvrag.kv.spec import KVSpec
 from kvrag.store import serde
-from kvrag.store.base import KVStore
-from kvrag.store.factory import redact_url
+from kvrag.store.base import KVStore, redact_url
 
 logger = logging.getLogger(__name__)
 

@@ -24,10 +24,11 @@ from typing import Any, ClassVar
 import pytest
 import torch
 
-from kvrag.engine.assemble import assemble, compute_chunk_kv
+from kvrag.engine.assemble import assemble
 from kvrag.fusion import FusionInput, FusionOutput, get_method
 from kvrag.kv import hf_cache
 from kvrag.kv.chunk import ChunkKV
+from kvrag.kv.compute import compute_chunk_kv
 from kvrag.kv.rope import Rope
 from kvrag.kv.spec import KVSpec
 from kvrag.testing.tiny import FAMILIES, tiny_model

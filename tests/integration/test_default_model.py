@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvrag import models
+from kvrag import default_model, models
+from kvrag.paths import kvrag_home
 
 pytestmark = pytest.mark.integration
 
@@ -24,36 +25,36 @@ def prepared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, f
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("KVRAG_HOME", str(home))
         t0 = time.perf_counter()
-        path = models.prepare_default_model(progress=False)
+        path = default_model.prepare_default_model(progress=False)
         yield path, time.perf_counter() - t0
 
 
 def test_conversion_writes_a_plain_checkpoint(prepared: tuple[Path, float]) -> None:
     path, seconds = prepared
     print(f"default-model conversion: {seconds:.1f} s")
-    assert path == models.kvrag_home() / "models" / models.DEFAULT_MODEL
+    assert path == kvrag_home() / "models" / default_model.DEFAULT_MODEL
     names = {p.name for p in path.iterdir()}
     assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"} <= names
-    assert not any(n.startswith(".") and n != models._MARKER for n in names)
-    assert not any(p.name.startswith(f".{models.DEFAULT_MODEL}.tmp") for p in path.parent.iterdir())
+    assert not any(n.startswith(".") and n != default_model._MARKER for n in names)
+    assert not any(p.name.startswith(f".{default_model.DEFAULT_MODEL}.tmp") for p in path.parent.iterdir())
     config = json.loads((path / "config.json").read_text())
     assert "quantization_config" not in config
-    marker = models.default_model_marker()
+    marker = default_model.default_model_marker()
     assert marker is not None
-    assert marker["gguf_sha256"] == models._sha256_file(models.default_gguf_path())
+    assert marker["gguf_sha256"] == default_model._sha256_file(default_model.default_gguf_path())
 
 
 def test_reload_gives_identical_logits(prepared: tuple[Path, float]) -> None:
     t0 = time.perf_counter()
     lm = models.load_model(device="cpu")
     print(f"warm load: {time.perf_counter() - t0:.1f} s")
-    assert lm.name == models.DEFAULT_MODEL and lm.dtype == torch.float32
+    assert lm.name == default_model.DEFAULT_MODEL and lm.dtype == torch.float32
     assert getattr(lm.model.config, "quantization_config", None) is None
     assert lm.model.config._attn_implementation == "sdpa"
     assert lm.rope_type == "default"
     # Bit-identical to the GGUF-loaded model: the conversion recorded the digest of its logits on PROBE_TEXT.
-    logits = models.probe_logits(lm.model, lm.tokenizer)
-    assert models.logits_digest(logits) == models.default_model_marker()["probe_logits_sha256"]
+    logits = default_model.probe_logits(lm.model, lm.tokenizer)
+    assert default_model.logits_digest(logits) == default_model.default_model_marker()["probe_logits_sha256"]
     text = lm.tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}], tokenize=False, add_generation_prompt=True
     )
@@ -61,14 +62,14 @@ def test_reload_gives_identical_logits(prepared: tuple[Path, float]) -> None:
     ids = lm.tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
     out = lm.model.generate(ids, max_new_tokens=8, do_sample=False)
     assert "Paris" in lm.tokenizer.decode(out[0, ids.shape[1] :])
-    again = models.load_model(models.DEFAULT_MODEL, device="cpu")
+    again = models.load_model(default_model.DEFAULT_MODEL, device="cpu")
     assert (again.fingerprint, again.tokenizer_fingerprint) == (lm.fingerprint, lm.tokenizer_fingerprint)
 
 
 def test_second_prepare_reuses_the_checkpoint(prepared: tuple[Path, float]) -> None:
     path, _ = prepared
-    marker_mtime = (path / models._MARKER).stat().st_mtime_ns
+    marker_mtime = (path / default_model._MARKER).stat().st_mtime_ns
     t0 = time.perf_counter()
-    assert models.prepare_default_model(progress=False) == path
+    assert default_model.prepare_default_model(progress=False) == path
     assert time.perf_counter() - t0 < 2.0
-    assert (path / models._MARKER).stat().st_mtime_ns == marker_mtime
+    assert (path / default_model._MARKER).stat().st_mtime_ns == marker_mtime

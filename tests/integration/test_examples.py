@@ -72,7 +72,7 @@ def test_chatbot_notebook(example_dir):
 
 
 def test_demo_main(example_dir, capsys):
-    from kvrag import demo
+    from llama_index.postprocessor.kvrag import demo
 
     methods, _notes = demo.pick_methods(None)
     assert methods[:2] == ["full", "stale"]
@@ -83,3 +83,22 @@ def test_demo_main(example_dir, capsys):
     assert "reloaded the index" in out
     for label in ("full", "stale", "HuggingFaceLLM", "TTFT e2e", "hit rate", "same answer as full", "vs full"):
         assert label in out
+
+
+def _readme_snippets() -> list[str]:
+    import re
+
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    return re.findall(r"```python\n(.*?)```", text, flags=re.DOTALL)
+
+
+@pytest.mark.parametrize("index", range(3), ids=["core", "llamaindex", "langchain"])
+def test_readme_snippet_runs_as_printed(index, tmp_path, monkeypatch, capsys):
+    """Each Python snippet of the README runs as printed from the repository root (stores redirected to tmp)."""
+    snippets = _readme_snippets()
+    assert len(snippets) == 3
+    (tmp_path / "examples").symlink_to(EXAMPLES)
+    monkeypatch.chdir(tmp_path)
+    code = snippets[index].replace("/tmp/kvstore", str(tmp_path / "kvstore"))
+    exec(compile(code, f"README.md snippet {index}", "exec"), {"__name__": "__readme__"})
+    assert capsys.readouterr().out.strip()

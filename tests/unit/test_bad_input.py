@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from kvrag import cli, registry
+from kvrag import adapters, cli
 from kvrag.config import EngineConfig, GenerationConfig
 from kvrag.engine.engine import KVRAGEngine
 from kvrag.errors import ConfigError, ContextLengthError
@@ -64,7 +64,7 @@ def test_empty_chunk_refused_by_ensure_and_skipped_by_ingest(
         keys = eng.ingest([text, PASSAGES[0], text])
     assert len(keys) == 1 and eng.store.stats()["entries"] == 1
     assert sum("whitespace-only chunk" in r.getMessage() for r in caplog.records) == 2
-    assert registry.ensure_chunks(eng, [text]) == [(None, False)]  # the framework path skips them too
+    assert adapters.ensure_chunks(eng, [text]) == [(None, False)]  # the framework path skips them too
 
 
 def test_whitespace_chunk_registered_with_a_request_is_ignored(eng: KVRAGEngine) -> None:
@@ -94,7 +94,7 @@ def test_chunk_longer_than_the_context_window(lm: Any) -> None:
     long = "The quick brown fox jumps over the lazy dog. " * 10
     n = len(eng.tokenize(long))
     for call in (lambda: eng.ingest(["short", long]), lambda: eng.ensure(long),
-                 lambda: registry.ensure_chunks(eng, [long])):
+                 lambda: adapters.ensure_chunks(eng, [long])):
         with pytest.raises(ContextLengthError) as ei:
             call()
         msg = str(ei.value)

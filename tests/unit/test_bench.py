@@ -10,15 +10,9 @@ import pytest
 import torch
 
 from kvrag.bench import aggregate, plots
-from kvrag.bench.runner import (
-    BenchConfig,
-    QABenchmark,
-    load_requests,
-    method_labels,
-    region_masks,
-    resolve_methods,
-    split_method_specs,
-)
+from kvrag.bench.config import BenchConfig, method_labels, resolve_methods, split_method_specs
+from kvrag.bench.data import load_requests
+from kvrag.bench.runner import QABenchmark, region_masks
 from kvrag.config import EngineConfig
 from kvrag.engine.engine import KVRAGEngine
 from kvrag.errors import ConfigError
@@ -108,7 +102,7 @@ def test_summarize_hand_computed() -> None:
 
 
 def test_extract_short() -> None:
-    from kvrag.bench.runner import extract_short
+    from kvrag.bench.extract import extract_short
 
     assert extract_short("No, the battle was fought in 1862.") == "no"
     assert extract_short("Answer: Spain.") == "Spain"

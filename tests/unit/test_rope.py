@@ -1,14 +1,18 @@
-"""RoPE canonicalization/placement is exact against the model's own rotary embedding."""
+"""RoPE canonicalization/placement is exact against the model's own rotary embedding; the RoPE support matrix."""
 
 from __future__ import annotations
+
+import types
 
 import pytest
 import torch
 
 from kvrag.errors import UnsupportedModelError
 from kvrag.kv import hf_cache
-from kvrag.kv.rope import Rope
-from kvrag.testing.tiny import FAMILIES, tiny_model
+from kvrag.kv.rope import Rope, check_rope_support, find_rotary_module
+from kvrag.kv.spec import KVSpec
+from kvrag.models import wrap_model
+from kvrag.testing.tiny import FAMILIES, tiny_config, tiny_model, tiny_tokenizer
 
 ROPES = {
     "default": None,
@@ -65,3 +69,178 @@ def test_unsupported_rope_types_raise(rope_type: str) -> None:
     with pytest.raises(UnsupportedModelError, match=rope_type):
         lm = tiny_model("llama", rope=params)
         Rope.from_model(lm.model)
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "linear", "factor": 2.0},
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 512,
+        },
+        {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 2048},
+    ],
+)
+def test_supported_rope_variants(rope: dict) -> None:
+    lm = tiny_model("llama", rope=rope)
+    assert lm.model.config.rope_parameters["rope_type"] == rope["rope_type"]
+    assert check_rope_support(lm.model) == rope["rope_type"]
+    default = tiny_model("llama")
+    assert not torch.equal(
+        find_rotary_module(lm.model).inv_freq, find_rotary_module(default.model).inv_freq
+    )
+
+
+
+# ------------------------------------------------------------------ the one RoPE support matrix
+
+
+@pytest.mark.parametrize(
+    ("rope", "why"),
+    [
+        ({"rope_type": "dynamic", "factor": 2.0}, "sequence length"),
+        (
+            {
+                "rope_type": "longrope",
+                "short_factor": [1.0] * 8,
+                "long_factor": [2.0] * 8,
+                "original_max_position_embeddings": 1024,
+            },
+            "sequence length",
+        ),
+    ],
+)
+def test_length_dependent_rope_raises(rope: dict, why: str) -> None:
+    with pytest.raises(UnsupportedModelError, match=rope["rope_type"]) as ei:
+        check_rope_support(tiny_config("llama", rope=rope), name="tiny-llama")
+    assert why in str(ei.value) and "tiny-llama" in str(ei.value)
+    with pytest.raises(UnsupportedModelError, match=rope["rope_type"]):
+        tiny_model("qwen2", rope=rope)
+
+
+def test_gpt2_like_model_raises() -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=256, n_positions=64, bos_token_id=0, eos_token_id=0)
+    with pytest.raises(UnsupportedModelError, match="no rotary"):
+        check_rope_support(cfg)
+    model = GPT2LMHeadModel(cfg)
+    with pytest.raises(UnsupportedModelError, match="gpt2"):
+        wrap_model(model, tiny_tokenizer(), name="tiny-gpt2")
+
+
+def test_model_without_rotary_module_raises() -> None:
+    lm = tiny_model("llama")
+    del lm.model.model.rotary_emb
+    with pytest.raises(UnsupportedModelError, match="rotary-embedding module"):
+        check_rope_support(lm.model)
+
+
+def test_rope_matrix_edge_cases() -> None:
+    old = types.SimpleNamespace(model_type="old", rope_scaling=None, rope_theta=10000.0)
+    assert check_rope_support(old) == "default"
+    old_dynamic = types.SimpleNamespace(
+        model_type="old", rope_scaling={"type": "dynamic", "factor": 2.0}, rope_theta=1e4
+    )
+    with pytest.raises(UnsupportedModelError, match="dynamic"):
+        check_rope_support(old_dynamic)
+    partial = types.SimpleNamespace(
+        model_type="phi", rope_parameters={"rope_type": "default", "partial_rotary_factor": 0.5}
+    )
+    with pytest.raises(UnsupportedModelError, match="partial"):
+        check_rope_support(partial)
+    per_layer = types.SimpleNamespace(
+        model_type="g3",
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 8.0},
+            "sliding_attention": {"rope_type": "default"},
+        },
+    )
+    with pytest.raises(UnsupportedModelError, match="per-layer"):
+        check_rope_support(per_layer)
+    same = {"rope_type": "default", "rope_theta": 1e4}
+    uniform = types.SimpleNamespace(
+        model_type="g3", rope_parameters={"full_attention": same, "sliding_attention": same}
+    )
+    assert check_rope_support(uniform) == "default"
+    with pytest.raises(UnsupportedModelError, match="support matrix"):
+        check_rope_support(types.SimpleNamespace(model_type="x", rope_parameters={"rope_type": "proportional"}))
+
+
+# ------------------------------------------------------------------ one decision for loader, Rope and KVSpec
+
+
+def test_per_layer_rope_with_same_type_but_other_theta_is_refused() -> None:
+    """Layer types are compared by their whole parameters, not by type: another theta is another frequency set."""
+    per_layer = types.SimpleNamespace(
+        model_type="g3",
+        rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        },
+    )
+    with pytest.raises(UnsupportedModelError, match="per-layer"):
+        check_rope_support(per_layer)
+
+
+@pytest.mark.parametrize("rope", [{"rope_type": "dynamic", "factor": 2.0}, {"rope_type": "proportional"}])
+def test_rope_kvspec_and_loader_refuse_alike(rope: dict) -> None:
+    """Rope.from_model and KVSpec.from_model_config refuse exactly what the loader's check refuses."""
+    lm = tiny_model("llama")
+    lm.model.config.rope_parameters = {**lm.model.config.rope_parameters, **rope}
+    for build in (lambda: check_rope_support(lm.model), lambda: Rope.from_model(lm.model),
+                  lambda: KVSpec.from_model_config(lm.model.config, dtype="float32"),
+                  lambda: wrap_model(lm.model, lm.tokenizer, name="x")):
+        with pytest.raises(UnsupportedModelError, match=rope["rope_type"]):
+            build()
+
+
+def test_rope_from_model_without_rotary_module_raises() -> None:
+    lm = tiny_model("qwen2")
+    del lm.model.model.rotary_emb
+    with pytest.raises(UnsupportedModelError, match="rotary-embedding module"):
+        Rope.from_model(lm.model)
+
+
+def test_rotary_module_found_by_inv_freq_whatever_its_name() -> None:
+    lm = tiny_model("llama")
+    rot = lm.model.model.rotary_emb
+    del lm.model.model.rotary_emb
+    lm.model.model.add_module("positions", rot)
+    assert find_rotary_module(lm.model) is rot
+    assert check_rope_support(lm.model) == "default"
+    torch.testing.assert_close(Rope.from_model(lm.model).inv_freq, rot.inv_freq.float())
+
+
+def test_rotary_modules_that_disagree_are_refused() -> None:
+    lm = tiny_model("llama")
+    other = type(lm.model.model.rotary_emb)(config=tiny_config("llama", rope={"rope_type": "linear", "factor": 2.0}))
+    lm.model.model.layers[0].add_module("rotary_emb", other)
+    with pytest.raises(UnsupportedModelError, match="different frequencies"):
+        check_rope_support(lm.model)
+
+
+def test_partial_rotary_module_is_refused() -> None:
+    lm = tiny_model("llama")
+    rot = lm.model.model.rotary_emb
+    rot.inv_freq = rot.inv_freq[: rot.inv_freq.shape[0] // 2].clone()
+    with pytest.raises(UnsupportedModelError, match="partial rotary"):
+        check_rope_support(lm.model)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_kvspec_has_one_builder(family: str) -> None:
+    """The loader's, the engine's and the trainer's KVSpec are the same object (one builder)."""
+    from kvrag.config import EngineConfig
+    from kvrag.engine.engine import KVRAGEngine
+    from kvrag.store import MemoryStore
+
+    lm = tiny_model(family)
+    built = KVSpec.from_model_config(lm.model.config, dtype=torch.float32, model_fingerprint=lm.fingerprint)
+    assert lm.kv_spec() == built == KVRAGEngine(lm, MemoryStore(), EngineConfig()).spec
+    assert (built.num_layers, built.num_kv_heads, built.head_dim, built.rope_type) == (2, 2, 16, "default")
+    assert lm.kv_spec("float16") == built.with_dtype("float16")

@@ -1,9 +1,10 @@
 """ChatKVCached: a LangChain chat model that answers with reused per-chunk KV caches (kvrag).
 
-A thin adapter: messages are rendered with the tokenizer's chat template; the chunk texts the request may reuse
-come from ``chunks=[...]`` (explicit), the current context's registration, or — because LCEL runs the steps of a
-chain in separate contexts — the recently registered chunks found verbatim in the prompt (see
-:mod:`kvrag.registry`). :class:`kvrag.engine.engine.KVRAGEngine` does the planning, splicing, repair and decoding.
+A thin adapter: it translates LangChain messages and results; :mod:`kvrag.adapters` renders the prompt
+(:func:`kvrag.adapters.render_chat`), maps the sampling fields and builds the response metadata. The chunk texts the
+request may reuse come from ``chunks=[...]`` (explicit), the current context's registration, or — because LCEL
+runs the steps of a chain in separate contexts — the recently registered chunks found verbatim in the prompt (see
+:mod:`kvrag.adapters`). :class:`kvrag.engine.engine.KVRAGEngine` does the planning, splicing, repair and decoding.
 """
 
 from __future__ import annotations
@@ -19,9 +20,8 @@ from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from pydantic import ConfigDict, Field, PrivateAttr
 
-from kvrag import registry
-from kvrag.config import GenerationConfig
-from kvrag.models import DEFAULT_MODEL
+from kvrag import adapters
+from kvrag.default_model import DEFAULT_MODEL
 
 _ROLES = {"human": "user", "ai": "assistant", "system": "system"}
 
@@ -64,7 +64,7 @@ class ChatKVCached(BaseChatModel):
 
     Args:
         engine: a :class:`kvrag.KVRAGEngine` (shares its model and store). When omitted, one is loaded lazily from
-            ``model`` and ``store`` and shared process-wide (:func:`kvrag.registry.shared_engine`).
+            ``model`` and ``store`` and shared process-wide (:func:`kvrag.adapters.shared_engine`).
         method / method_params: fusion method (``kvrag.fusion.available_methods()``) and its parameters.
         temperature: 0 (default) is greedy decoding.
         max_tokens: most generated tokens.
@@ -111,7 +111,7 @@ class ChatKVCached(BaseChatModel):
     def engine(self) -> Any:
         """The :class:`kvrag.KVRAGEngine` (loaded on first use when none was passed)."""
         if self._engine is None:
-            self._engine = registry.shared_engine(self.model_name, self.store)
+            self._engine = adapters.shared_engine(self.model_name, self.store)
         return self._engine
 
     @property
@@ -145,11 +145,7 @@ class ChatKVCached(BaseChatModel):
     # ------------------------------------------------------------------------------------------- requests
     def render(self, messages: Sequence[BaseMessage]) -> str:
         """The prompt string the model sees (chat template with the generation prompt)."""
-        tok = self.engine.tokenizer
-        dicts = messages_to_dicts(messages)
-        if getattr(tok, "chat_template", None):
-            return tok.apply_chat_template(dicts, tokenize=False, add_generation_prompt=True)
-        return "\n".join(f"{d['role']}: {d['content']}" for d in dicts) + "\nassistant: "
+        return adapters.render_chat(self.engine.tokenizer, messages_to_dicts(messages))
 
     def _request(self, messages: Sequence[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
 
@@ -157,47 +153,33 @@ class ChatKVCached(BaseChatModel):
         prompt = self.render(messages)
         use_recent = bool(kw.pop("use_recent_chunks", self.use_recent_chunks))
         # LCEL gives no request-scoped context: count only registered chunks that this prompt contains
-        chunks = registry.resolve_chunks(prompt, kw.pop("chunks", None), use_recent=use_recent, only_found=use_recent)
-        temperature = float(kw.pop("temperature", self.temperature))
-        gen = GenerationConfig(
-            max_new_tokens=int(kw.pop("max_tokens", kw.pop("max_new_tokens", self.max_tokens))),
-            do_sample=temperature > 0,
-            temperature=temperature if temperature > 0 else 1.0,
-            top_p=float(kw.pop("top_p", self.top_p)),
-            top_k=int(kw.pop("top_k", self.top_k)),
+        chunks = adapters.resolve_chunks(prompt, kw.pop("chunks", None), use_recent=use_recent, only_found=use_recent)
+        gen = adapters.generation_config(
+            max_new_tokens=kw.pop("max_tokens", kw.pop("max_new_tokens", self.max_tokens)),
+            temperature=kw.pop("temperature", self.temperature),
+            top_p=kw.pop("top_p", self.top_p),
+            top_k=kw.pop("top_k", self.top_k),
             seed=kw.pop("seed", self.seed),
-            stop=tuple(stop if stop is not None else (self.stop or ())),
+            stop=stop if stop is not None else self.stop,
         )
         method = self.engine.method(kw.pop("method", self.method), **kw.pop("method_params", self.method_params))
-        return {"prompt": prompt, "chunks": registry.chunk_texts(chunks), "gen": gen, "method": method}
+        return {"prompt": prompt, "chunks": adapters.chunk_texts(chunks), "gen": gen, "method": method}
 
     def _prepare(self, req: dict[str, Any]) -> Any:
         return self.engine.prepare(self.engine.plan(req["prompt"], req["chunks"]), req["method"],
                                    reserve=req["gen"].max_new_tokens)
 
     def _metadata(self, req: dict[str, Any], prep: Any) -> tuple[dict[str, Any], dict[str, int]]:
-        stats = {k: v for k, v in prep.stats.items() if k != "token_ids"}
-        generated = int(stats.get("generated_tokens", 0))
-        info = {
-            "method": repr(prep.method),
-            "ttft_s": prep.timings.get("ttft_s"),
-            "hit_rate": stats.get("hit_rate"),
-            "chunks_registered": stats.get("chunks_registered"),
-            "chunks_found": stats.get("chunks_found"),
-            "chunk_hits": stats.get("chunk_hits"),
-            "chunk_misses": stats.get("chunk_misses"),
-            "reused_tokens": stats.get("reused_tokens"),
-            "method_stats": stats.get("method_stats", {}),
-            "timings": dict(prep.timings),
-            "chunk_keys": list(prep.chunk_keys),
-            "token_ids": list(prep.stats.get("token_ids", [])),
-        }
+        prompt_tokens, generated_or_none = adapters.token_usage(prep)
+        generated = generated_or_none or 0
+        details = adapters.response_details(prep)
+        info = {**adapters.response_summary(prep), "timings": details["timings"], "chunk_keys": details["chunk_keys"],
+                "token_ids": details["token_ids"]}
         meta = {
             "model_name": self.model_name,
             "finish_reason": "length" if generated >= req["gen"].max_new_tokens else "stop",
             "kvrag": info,
         }
-        prompt_tokens = prep.plan.total_len
         usage = {"input_tokens": prompt_tokens, "output_tokens": generated, "total_tokens": prompt_tokens + generated}
         self._history.append({"prompt": req["prompt"], "chunks": list(req["chunks"]), "response_metadata": meta,
                               "usage_metadata": usage})
@@ -241,7 +223,7 @@ class ChatKVCached(BaseChatModel):
                        run_manager: AsyncCallbackManagerForLLMRun | None = None,
                        **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
         req = self._request(messages, stop, kwargs)
-        async for chunk in registry.aiter_in_thread(lambda: self._stream_request(req)):
+        async for chunk in adapters.aiter_in_thread(lambda: self._stream_request(req)):
             if run_manager and chunk.text:
                 await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
             yield chunk

@@ -11,7 +11,7 @@ from langchain_core.documents import Document
 from langchain_core.retrievers import BaseRetriever
 from pydantic import Field, PrivateAttr
 
-from kvrag import registry
+from kvrag import adapters
 
 
 def render_document(doc: Document) -> str:
@@ -38,7 +38,7 @@ class KVCacheRetriever(BaseRetriever):
 
     retriever: BaseRetriever
     k: int | None = Field(default=None, ge=1)
-    metadata_key: str = registry.CHUNK_KEY_METADATA
+    metadata_key: str = adapters.CHUNK_KEY_METADATA
     register_request: bool = True
 
     _engine: Any = PrivateAttr(default=None)
@@ -68,16 +68,16 @@ class KVCacheRetriever(BaseRetriever):
             kw["k"] = k
         return k, kw
 
-    def _cache(self, docs: list[Document], k: int | None) -> tuple[list[Document], list[registry.RegisteredChunk]]:
+    def _cache(self, docs: list[Document], k: int | None) -> tuple[list[Document], list[adapters.RegisteredChunk]]:
         docs = docs[:k] if k is not None else docs
         texts = [render_document(d) for d in docs]
         out, chunks = [], []
-        for d, text, (key, _cached) in zip(docs, texts, registry.ensure_chunks(self.engine, texts), strict=True):
+        for d, text, (key, _cached) in zip(docs, texts, adapters.ensure_chunks(self.engine, texts), strict=True):
             if key is None:
                 out.append(d)
                 continue
             out.append(d.model_copy(update={"metadata": {**d.metadata, self.metadata_key: key}}))
-            chunks.append(registry.RegisteredChunk(text, key))
+            chunks.append(adapters.RegisteredChunk(text, key))
         return out, chunks
 
     def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun,
@@ -86,7 +86,7 @@ class KVCacheRetriever(BaseRetriever):
         docs = self.retriever.invoke(query, config={"callbacks": run_manager.get_child()}, **kw)
         out, chunks = self._cache(docs, k)
         if self.register_request:
-            registry.register_chunks(chunks)
+            adapters.register_chunks(chunks)
         return out
 
     async def _aget_relevant_documents(self, query: str, *, run_manager: AsyncCallbackManagerForRetrieverRun,
@@ -95,5 +95,5 @@ class KVCacheRetriever(BaseRetriever):
         docs = await self.retriever.ainvoke(query, config={"callbacks": run_manager.get_child()}, **kw)
         out, chunks = await asyncio.to_thread(self._cache, docs, k)
         if self.register_request:  # in this task's context, not the worker thread's copy
-            registry.register_chunks(chunks)
+            adapters.register_chunks(chunks)
         return out

@@ -15,7 +15,7 @@ DOC_FILES = ["02_fares.md", "03_trams.md", "04_ferries.md"]
 @functools.cache
 def get_engine():
     """One engine per process (model + memory store) for fixtures and the standard-suite properties alike."""
-    from kvrag.registry import shared_engine
+    from kvrag.adapters import shared_engine
 
     return shared_engine(None, "memory://")
 
@@ -24,7 +24,7 @@ def get_engine():
 def get_embeddings():
     from langchain_huggingface import HuggingFaceEmbeddings
 
-    from kvrag.models import default_embedder_path
+    from kvrag.default_model import default_embedder_path
 
     return HuggingFaceEmbeddings(model_name=str(default_embedder_path()))
 

@@ -12,8 +12,8 @@ from langchain_core.prompts import ChatPromptTemplate
 from langchain_core.runnables import RunnablePassthrough
 from langchain_kvrag import ChatKVCached, KVCacheRetriever, format_docs
 
+from kvrag.adapters import CHUNK_KEY_METADATA, chunk_scope
 from kvrag.fusion import available_methods
-from kvrag.registry import CHUNK_KEY_METADATA, chunk_scope
 
 N = 10
 Q1 = "How much does a day pass cost?"

@@ -12,7 +12,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 @pytest.fixture(scope="session")
 def engine():
     """One engine per process (shared by every test directory of a run): default model + memory store."""
-    from kvrag.registry import shared_engine
+    from kvrag.adapters import shared_engine
 
     return shared_engine(None, "memory://")
 

@@ -10,7 +10,7 @@ from llama_index.core.base.llms.types import ChatMessage
 from llama_index.core.llms import CustomLLM
 from llama_index.llms.kvrag import KVCachedLLM
 
-from kvrag import registry
+from kvrag import adapters
 from kvrag.errors import ConfigError
 from kvrag.fusion import available_methods
 
@@ -53,7 +53,7 @@ def test_without_chunks_matches_huggingface_llm(llm, loaded):
     hf = HuggingFaceLLM(model=loaded.model, tokenizer=loaded.tokenizer, max_new_tokens=N, is_chat_model=True,
                         generate_kwargs={"do_sample": False}, tokenizer_outputs_to_remove=["token_type_ids"])
     prompt = llm.completion_to_prompt("Name three colours.")
-    with registry.chunk_scope([]):
+    with adapters.chunk_scope([]):
         ours = llm.complete(prompt, formatted=True)
     assert ours.additional_kwargs["chunks_registered"] == 0
     assert ours.text == hf.complete(prompt, formatted=True).text
@@ -72,7 +72,7 @@ def test_full_matches_engine_full(engine, passages):
 
 def test_registered_chunks_are_reused(llm, passages):
     prompt = context_prompt(llm, passages, "How much is a day pass?")
-    with registry.chunk_scope(passages):
+    with adapters.chunk_scope(passages):
         r = llm.complete(prompt, formatted=True)
     kw = r.additional_kwargs
     assert kw["chunks_registered"] == kw["chunks_found"] == kw["chunk_hits"] == 3
@@ -82,7 +82,7 @@ def test_registered_chunks_are_reused(llm, passages):
     assert len(r.raw["chunk_keys"]) == 3
     assert llm.last_info["prompt"] == prompt
     # outside the scope (and with nothing left registered in this thread) it is a plain prefill
-    registry.clear_chunks()
+    adapters.clear_chunks()
     r2 = llm.complete(prompt, formatted=True)
     assert r2.additional_kwargs["chunks_registered"] == 0
 
@@ -119,7 +119,7 @@ def test_async_forms(llm, passages):
     ref = llm.complete(prompt, formatted=True, chunks=passages).text
 
     async def run():
-        with registry.chunk_scope(passages):  # the task's context is inherited by the worker thread
+        with adapters.chunk_scope(passages):  # the task's context is inherited by the worker thread
             a = await llm.acomplete(prompt, formatted=True)
             s = [r async for r in await llm.astream_complete(prompt, formatted=True)]
         c = await llm.achat([ChatMessage(role="user", content="Say hello.")])
@@ -137,7 +137,7 @@ def test_threads_keep_their_own_chunks(llm, passages):
 
     def worker(i: int) -> None:
         mine = [passages[i]]
-        with registry.chunk_scope(mine):
+        with adapters.chunk_scope(mine):
             prompt = context_prompt(llm, passages, f"Question {i}?")
             llm.complete(prompt, formatted=True)
             results[i] = llm.last_info
@@ -165,4 +165,4 @@ def test_method_params_and_errors(engine, passages):
 def test_lazy_engine_is_shared(engine):
     """Without an engine, the LLM loads (once per process) the engine for its model_name and store."""
     lazy = KVCachedLLM(max_new_tokens=2)
-    assert lazy.engine is registry.shared_engine(None, "memory://") is engine
+    assert lazy.engine is adapters.shared_engine(None, "memory://") is engine

@@ -9,7 +9,7 @@ from pp_testutil import read_docs, splitter
 @pytest.fixture(scope="session")
 def engine():
     """One engine per process (shared by every test directory of a run): default model + memory store."""
-    from kvrag.registry import shared_engine
+    from kvrag.adapters import shared_engine
 
     return shared_engine(None, "memory://")
 
@@ -24,7 +24,7 @@ def loaded(engine):
 def embed_model():
     from llama_index.embeddings.huggingface import HuggingFaceEmbedding
 
-    from kvrag.models import default_embedder_path
+    from kvrag.default_model import default_embedder_path
 
     return HuggingFaceEmbedding(model_name=str(default_embedder_path()))
 

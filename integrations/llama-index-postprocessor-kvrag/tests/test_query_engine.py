@@ -21,8 +21,8 @@ from llama_index.postprocessor.kvrag import (
 )
 from pp_testutil import read_docs, splitter
 
-from kvrag import registry
-from kvrag.registry import CHUNK_KEY_METADATA
+from kvrag import adapters
+from kvrag.adapters import CHUNK_KEY_METADATA
 
 N = 8
 Q1 = "How much does a day pass cost?"
@@ -149,7 +149,7 @@ def test_async_query(index, engine, llm):
     qe = index.as_query_engine(llm=llm, node_postprocessors=[KVCachePostprocessor(engine=engine)], similarity_top_k=2)
 
     async def run():
-        registry.clear_chunks()
+        adapters.clear_chunks()
         return await qe.aquery(Q1)
 
     r = asyncio.run(run())
@@ -188,7 +188,7 @@ def test_ingestion_pipeline_and_persisted_index_reuse_caches(tmp_path, loaded, e
     index2 = load_index(tmp_path, embed_model=embed_model)
     reloaded = list(index2.docstore.docs.values())
     assert len(reloaded) == len(nodes)
-    assert all(cached for _key, cached in registry.ensure_chunks(eng2, [render_node(n) for n in reloaded]))
+    assert all(cached for _key, cached in adapters.ensure_chunks(eng2, [render_node(n) for n in reloaded]))
     assert eng2.store.stats()["entries"] == entries  # nothing recomputed
     llm = KVCachedLLM(engine=eng2, max_new_tokens=N)
     qe = index2.as_query_engine(llm=llm, node_postprocessors=[KVCachePostprocessor(engine=eng2)], similarity_top_k=2)

@@ -1,7 +1,8 @@
 """KVCachedLLM: a LlamaIndex ``CustomLLM`` that answers with reused per-chunk KV caches (kvrag).
 
-A thin adapter: it renders messages with the tokenizer's chat template, asks :mod:`kvrag.registry` which chunk
-texts the current request registered (the ``KVCachePostprocessor`` does that), and hands prompt + chunks to
+A thin adapter: it translates LlamaIndex messages and responses; rendering (:func:`kvrag.adapters.render_chat`),
+the request's registered chunk texts (the ``KVCachePostprocessor`` registers them), generation settings and
+response metadata come from :mod:`kvrag.adapters`. Prompt + chunks go to
 :class:`kvrag.engine.engine.KVRAGEngine`, which finds the chunks verbatim in the prompt, splices their caches,
 repairs them with the configured fusion method and prefills only the rest. Without registered chunks it is a plain
 local Hugging Face LLM (the whole prompt is prefilled).
@@ -13,14 +14,13 @@ import asyncio
 import collections
 import contextvars
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from llama_index.core.base.llms.generic_utils import (
     completion_response_to_chat_response,
     stream_completion_response_to_chat_response,
 )
-from llama_index.core.base.llms.generic_utils import messages_to_prompt as generic_messages_to_prompt
 from llama_index.core.base.llms.types import (
     ChatMessage,
     ChatResponse,
@@ -35,14 +35,12 @@ from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
 
-from kvrag import registry
-from kvrag.config import GenerationConfig
-from kvrag.models import DEFAULT_MODEL
+from kvrag import adapters
+from kvrag.default_model import DEFAULT_MODEL
 
 log = logging.getLogger(__name__)
 
 _LAST: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("kvrag_llamaindex_last", default=None)
-_ROLE_MAP = {"model": "assistant", "chatbot": "assistant", "developer": "system"}
 _GEN_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop")
 
 
@@ -51,7 +49,7 @@ class KVCachedLLM(CustomLLM):
 
     Args:
         engine: a :class:`kvrag.KVRAGEngine` to use (shares its model and store); when omitted, one is loaded
-            lazily from ``model_name`` and ``store`` (shared process-wide via :func:`kvrag.registry.shared_engine`).
+            lazily from ``model_name`` and ``store`` (shared process-wide via :func:`kvrag.adapters.shared_engine`).
         method: fusion method name (``kvrag.fusion.available_methods()``), e.g. ``"stale"``, ``"full"``.
         method_params: the method's parameters, e.g. ``{"r": 0.15}``.
 
@@ -81,7 +79,7 @@ class KVCachedLLM(CustomLLM):
     )
     use_recent_chunks: bool = Field(
         default=False,
-        description="Also reuse recently registered chunks found verbatim in the prompt (see kvrag.registry).",
+        description="Also reuse recently registered chunks found verbatim in the prompt (see kvrag.adapters).",
     )
     history_size: int = Field(default=32, ge=0, description="How many per-request records to keep in .history.")
 
@@ -113,7 +111,7 @@ class KVCachedLLM(CustomLLM):
     def engine(self) -> Any:
         """The :class:`kvrag.KVRAGEngine` (loaded on first use when none was passed)."""
         if self._engine is None:
-            self._engine = registry.shared_engine(self.model_name, self.store)
+            self._engine = adapters.shared_engine(self.model_name, self.store)
         return self._engine
 
     @property
@@ -141,14 +139,8 @@ class KVCachedLLM(CustomLLM):
 
     # ------------------------------------------------------------------------------------------- templates
     def _chat_template(self, messages: Sequence[ChatMessage]) -> str:
-        tok = self.tokenizer
-        if not getattr(tok, "chat_template", None):
-            return generic_messages_to_prompt(messages)
-        msgs = []
-        for m in messages:
-            role = getattr(m.role, "value", str(m.role))
-            msgs.append({"role": _ROLE_MAP.get(role, role), "content": m.content or ""})
-        return tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        msgs = [{"role": getattr(m.role, "value", str(m.role)), "content": m.content or ""} for m in messages]
+        return adapters.render_chat(self.tokenizer, msgs)
 
     def _completion_template(self, completion: str) -> str:
         msgs = [ChatMessage(role="user", content=completion)]
@@ -157,18 +149,8 @@ class KVCachedLLM(CustomLLM):
         return self._chat_template(msgs)
 
     # ------------------------------------------------------------------------------------------- requests
-    def _gen_config(self, kw: dict[str, Any]) -> GenerationConfig:
-        p = {k: kw.pop(k) if k in kw else getattr(self, k) for k in _GEN_KEYS}
-        temperature = float(p["temperature"])
-        return GenerationConfig(
-            max_new_tokens=int(p["max_new_tokens"]),
-            do_sample=temperature > 0,
-            temperature=temperature if temperature > 0 else 1.0,
-            top_p=float(p["top_p"]),
-            top_k=int(p["top_k"]),
-            seed=p["seed"],
-            stop=tuple(p["stop"] or ()),
-        )
+    def _gen_config(self, kw: dict[str, Any]) -> Any:
+        return adapters.generation_config(**{k: kw.pop(k) if k in kw else getattr(self, k) for k in _GEN_KEYS})
 
     def _method(self, kw: dict[str, Any]) -> Any:
         return self.engine.method(kw.pop("method", self.method), **kw.pop("method_params", self.method_params))
@@ -178,8 +160,8 @@ class KVCachedLLM(CustomLLM):
         kw = dict(kw)
         full = prompt if formatted else self.completion_to_prompt(prompt)
         explicit = kw.pop("chunks", None)
-        chunks = registry.resolve_chunks(full, explicit, use_recent=bool(kw.pop("use_recent_chunks", self.use_recent_chunks)))
-        req = {"prompt": full, "chunks": registry.chunk_texts(chunks), "method": self._method(kw), "gen": self._gen_config(kw)}
+        chunks = adapters.resolve_chunks(full, explicit, use_recent=bool(kw.pop("use_recent_chunks", self.use_recent_chunks)))
+        req = {"prompt": full, "chunks": adapters.chunk_texts(chunks), "method": self._method(kw), "gen": self._gen_config(kw)}
         kw.pop("formatted", None)
         if kw:
             log.debug("KVCachedLLM ignores unknown keyword arguments %s", sorted(kw))
@@ -192,29 +174,12 @@ class KVCachedLLM(CustomLLM):
         return self.engine.plan(req["prompt"], req["chunks"])
 
     def _info(self, req: dict[str, Any], prep: Any, text: str | None) -> dict[str, Any]:
-        stats = {k: v for k, v in prep.stats.items() if k != "token_ids"}
-        extra = {
-            "method": repr(prep.method),
-            "ttft_s": prep.timings.get("ttft_s"),
-            "hit_rate": stats.get("hit_rate"),
-            "chunks_registered": stats.get("chunks_registered"),
-            "chunks_found": stats.get("chunks_found"),
-            "chunk_hits": stats.get("chunk_hits"),
-            "chunk_misses": stats.get("chunk_misses"),
-            "prompt_tokens": prep.plan.total_len,
-            "reused_tokens": stats.get("reused_tokens"),
-            "completion_tokens": stats.get("generated_tokens"),
-            "method_stats": stats.get("method_stats", {}),
-        }
+        prompt_tokens, completion_tokens = adapters.token_usage(prep)
+        extra = {**adapters.response_summary(prep), "prompt_tokens": prompt_tokens,
+                 "completion_tokens": completion_tokens}
         return {
             "additional_kwargs": extra,
-            "raw": {
-                "timings": dict(prep.timings),
-                "stats": stats,
-                "chunk_keys": list(prep.chunk_keys),
-                "token_ids": list(prep.stats.get("token_ids", [])),
-                "method": repr(prep.method),
-            },
+            "raw": adapters.response_details(prep),
             "prompt": req["prompt"],
             "chunks": list(req["chunks"]),
             "text": text,
@@ -284,7 +249,7 @@ class KVCachedLLM(CustomLLM):
     @llm_completion_callback()
     async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
         req = self._new_request(prompt, formatted, kwargs)
-        return registry.aiter_in_thread(lambda: self._run_stream(req))
+        return adapters.aiter_in_thread(lambda: self._run_stream(req))
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
@@ -297,7 +262,7 @@ class KVCachedLLM(CustomLLM):
 
         async def gen() -> ChatResponseAsyncGen:
             text = ""
-            async for r in registry.aiter_in_thread(lambda: self._run_stream(req)):
+            async for r in adapters.aiter_in_thread(lambda: self._run_stream(req)):
                 text = r.text
                 yield ChatResponse(
                     message=ChatMessage(role="assistant", content=text),
@@ -308,9 +273,3 @@ class KVCachedLLM(CustomLLM):
 
         return gen()
 
-
-def iter_text(gen: Iterator[CompletionResponse]) -> Iterator[str]:
-    """Deltas of a streamed completion (convenience for scripts)."""
-    for r in gen:
-        if r.delta:
-            yield r.delta

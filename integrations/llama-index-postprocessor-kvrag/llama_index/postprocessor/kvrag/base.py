@@ -3,7 +3,7 @@
 The text a node contributes to a prompt is ``node.get_content(metadata_mode=MetadataMode.LLM)``: that is what the
 response synthesizers put into the context (their repacking strips outer whitespace, so :func:`render_node` does
 too). Its cache is computed for exactly that string; the chunk key is written to ``node.metadata`` under
-:data:`kvrag.registry.CHUNK_KEY_METADATA` and excluded from the LLM and embedding metadata, so tagging a node does
+:data:`kvrag.adapters.CHUNK_KEY_METADATA` and excluded from the LLM and embedding metadata, so tagging a node does
 not change the text (nor the cache key, nor the embedding).
 """
 
@@ -18,7 +18,7 @@ from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore, QueryBundle, TransformComponent
 
-from kvrag import registry
+from kvrag import adapters
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ def resolve_engine(engine: Any = None, llm: Any = None) -> Any:
     raise ValueError(msg)
 
 
-def exclude_key(node: BaseNode, key_name: str = registry.CHUNK_KEY_METADATA) -> None:
+def exclude_key(node: BaseNode, key_name: str = adapters.CHUNK_KEY_METADATA) -> None:
     """Hide the chunk-key metadata from the LLM and embedding renderings of ``node``."""
     if key_name not in node.excluded_llm_metadata_keys:
         node.excluded_llm_metadata_keys = [*node.excluded_llm_metadata_keys, key_name]
@@ -46,8 +46,8 @@ def render_node(node: BaseNode) -> str:
     return node.get_content(metadata_mode=MetadataMode.LLM).strip()
 
 
-def ensure_node_caches(engine: Any, nodes: Sequence[BaseNode], *, key_name: str = registry.CHUNK_KEY_METADATA,
-                       progress: bool = False) -> list[registry.RegisteredChunk]:
+def ensure_node_caches(engine: Any, nodes: Sequence[BaseNode], *, key_name: str = adapters.CHUNK_KEY_METADATA,
+                       progress: bool = False) -> list[adapters.RegisteredChunk]:
     """Cache every node's rendered text (computing only missing caches) and tag the node with its chunk key.
 
     Returns:
@@ -57,11 +57,11 @@ def ensure_node_caches(engine: Any, nodes: Sequence[BaseNode], *, key_name: str 
         exclude_key(n, key_name)
     texts = [render_node(n) for n in nodes]
     out = []
-    for n, text, (key, _cached) in zip(nodes, texts, registry.ensure_chunks(engine, texts, progress=progress), strict=True):
+    for n, text, (key, _cached) in zip(nodes, texts, adapters.ensure_chunks(engine, texts, progress=progress), strict=True):
         if key is None:
             continue
         n.metadata[key_name] = key
-        out.append(registry.RegisteredChunk(text, key))
+        out.append(adapters.RegisteredChunk(text, key))
     return out
 
 
@@ -73,10 +73,10 @@ class KVCachePostprocessor(BaseNodePostprocessor):
 
     Args:
         engine: the :class:`kvrag.KVRAGEngine` whose store the LLM reads (or pass ``llm=KVCachedLLM``).
-        register_request: set the request's chunks in :mod:`kvrag.registry` (turn off to only warm the store).
+        register_request: set the request's chunks in :mod:`kvrag.adapters` (turn off to only warm the store).
     """
 
-    metadata_key: str = Field(default=registry.CHUNK_KEY_METADATA)
+    metadata_key: str = Field(default=adapters.CHUNK_KEY_METADATA)
     register_request: bool = Field(default=True, description="Register the nodes as the current request's chunks.")
 
     _engine: Any = PrivateAttr(default=None)
@@ -97,13 +97,13 @@ class KVCachePostprocessor(BaseNodePostprocessor):
     def engine(self) -> Any:
         return resolve_engine(self._engine, self._llm)
 
-    def _ensure(self, nodes: list[NodeWithScore]) -> list[registry.RegisteredChunk]:
+    def _ensure(self, nodes: list[NodeWithScore]) -> list[adapters.RegisteredChunk]:
         return ensure_node_caches(self.engine, [n.node for n in nodes], key_name=self.metadata_key)
 
     def _postprocess_nodes(self, nodes: list[NodeWithScore], query_bundle: QueryBundle | None = None) -> list[NodeWithScore]:
         chunks = self._ensure(nodes)
         if self.register_request:
-            registry.register_chunks(chunks)
+            adapters.register_chunks(chunks)
         return nodes
 
     async def _apostprocess_nodes(self, nodes: list[NodeWithScore],
@@ -111,7 +111,7 @@ class KVCachePostprocessor(BaseNodePostprocessor):
         # compute in a worker thread, but register in THIS task's context (a thread's context copy is discarded)
         chunks = await asyncio.to_thread(self._ensure, nodes)
         if self.register_request:
-            registry.register_chunks(chunks)
+            adapters.register_chunks(chunks)
         return nodes
 
 
@@ -123,7 +123,7 @@ class KVCacheTransform(TransformComponent):
     cache is already stored are only tagged.
     """
 
-    metadata_key: str = Field(default=registry.CHUNK_KEY_METADATA)
+    metadata_key: str = Field(default=adapters.CHUNK_KEY_METADATA)
     show_progress: bool = Field(default=False, description="Show a progress bar.")
 
     _engine: Any = PrivateAttr(default=None)

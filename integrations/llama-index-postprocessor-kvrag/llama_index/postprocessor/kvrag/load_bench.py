@@ -1,6 +1,8 @@
 """``kvrag bench load``: N concurrent clients x M questions through a stock LlamaIndex query engine.
 
-The query engine is built the way ``kvrag.demo`` and ``examples/llamaindex_quickstart.py`` build it: a FAISS
+It lives in this integration package because it drives a LlamaIndex query engine (the kvrag core never imports
+its own adapters); the ``kvrag bench load`` command imports it from here. The query engine is built the way
+:mod:`llama_index.postprocessor.kvrag.demo` and ``examples/llamaindex_quickstart.py`` build it: a FAISS
 ``VectorStoreIndex`` over the sample documents (``examples/data``) with every chunk's KV cache computed at indexing
 time, and ``index.as_query_engine(llm=KVCachedLLM(...), node_postprocessors=[KVCachePostprocessor(...)],
 streaming=True)``. One engine, one LLM and one query engine are shared by all clients, as in a server.
@@ -96,8 +98,10 @@ class LoadConfig:
 
 
 def default_docs_dir() -> Path:
-    d = Path(__file__).resolve().parents[2] / "examples" / "data"
-    if not d.is_dir():
+    from llama_index.postprocessor.kvrag.demo import default_docs_dir as sample_docs
+
+    d = sample_docs()
+    if d is None:
         msg = "no documents: pass --docs DIR (the sample collection lives in the repository's examples/data)"
         raise ConfigError(msg)
     return d
@@ -122,15 +126,11 @@ def percentile(xs: Sequence[float], q: float) -> float | None:
 
 def build_query_engine(engine: Any, embed_model: Any, cfg: LoadConfig) -> tuple[Any, Any, int]:
     """Index the documents (caching every chunk) and return (query engine, its KVCachedLLM, number of nodes)."""
-    try:
-        from llama_index.core import SimpleDirectoryReader
-        from llama_index.core.node_parser import SentenceSplitter
-        from llama_index.llms.kvrag import KVCachedLLM
-        from llama_index.postprocessor.kvrag import KVCachePostprocessor, build_index
-    except ImportError as e:
-        msg = ("kvrag bench load needs the LlamaIndex integrations: pip install 'kvrag[llama-index]' "
-               "-e integrations/llama-index-llms-kvrag -e integrations/llama-index-postprocessor-kvrag")
-        raise ImportError(msg) from e
+    from llama_index.core import SimpleDirectoryReader
+    from llama_index.core.node_parser import SentenceSplitter
+    from llama_index.llms.kvrag import KVCachedLLM
+    from llama_index.postprocessor.kvrag import KVCachePostprocessor, build_index
+
     docs_dir = Path(cfg.docs) if cfg.docs else default_docs_dir()
     docs = SimpleDirectoryReader(str(docs_dir), file_metadata=lambda p: {"source": Path(p).name}).load_data()
     index = build_index(docs, engine=engine, embed_model=embed_model, show_progress=cfg.progress,
@@ -143,7 +143,7 @@ def build_query_engine(engine: Any, embed_model: Any, cfg: LoadConfig) -> tuple[
 
 def timed_query(qe: Any, llm: Any, question: str) -> dict[str, Any]:
     """One streaming query: answer, TTFT (call -> first non-empty token), total time, LLM-side stats."""
-    from kvrag.demo import streamed_query
+    from llama_index.postprocessor.kvrag.demo import streamed_query
 
     answer, ttft, total = streamed_query(qe, question)
     info = llm.last_info or {}  # the record made in THIS thread's context
@@ -177,7 +177,7 @@ def run_load(cfg: LoadConfig, *, engine: Any = None, embed_model: Any = None) ->
     if embed_model is None:
         from llama_index.embeddings.huggingface import HuggingFaceEmbedding
 
-        from kvrag.models import default_embedder_path
+        from kvrag.default_model import default_embedder_path
 
         embed_model = HuggingFaceEmbedding(model_name=str(default_embedder_path()))
     qe, llm, n_nodes = build_query_engine(engine, embed_model, cfg)

@@ -5,7 +5,10 @@ time and persisted beside it, then asks three questions through a stock streamin
 ``KVCachedLLM`` and ``KVCachePostprocessor`` for each method (``full``, ``stale`` and the repair methods that are
 registered), and prints the answers with the end-to-end time to first token and the cache hit rate.
 
-    python -m kvrag.demo [--methods full,stale,relaxkv] [--hf-baseline] [--docs DIR] [--persist DIR]
+    python -m llama_index.postprocessor.kvrag.demo [--methods full,stale,relaxkv] [--hf-baseline] [--docs DIR]
+
+It lives in this integration package (not in the kvrag core, which never imports its own adapters) because it
+drives a LlamaIndex query engine; ``make demo`` runs it.
 """
 
 from __future__ import annotations
@@ -24,15 +27,15 @@ QUESTIONS = (
     "When does the last boat leave Tamsin Isle?",
 )
 REPAIR_METHODS = ("relaxkv", "cacherepair")
-_INSTALL = (
-    "the demo needs the LlamaIndex integrations: pip install 'kvrag[llama-index]' "
-    "-e integrations/llama-index-llms-kvrag -e integrations/llama-index-postprocessor-kvrag (or run `make demo`)"
-)
 
 
 def default_docs_dir() -> Path | None:
-    d = Path(__file__).resolve().parents[1] / "examples" / "data"
-    return d if d.is_dir() else None
+    """The sample collection ``examples/data`` of the kvrag repository (searched above this file, then the cwd)."""
+    for base in (*Path(__file__).resolve().parents, Path.cwd()):
+        d = base / "examples" / "data"
+        if d.is_dir():
+            return d
+    return None
 
 
 def pick_methods(requested: str | None) -> tuple[list[str], list[str]]:
@@ -83,7 +86,7 @@ def build_or_load(docs_dir: Path, persist: Path, rebuild: bool) -> tuple[Any, An
     from llama_index.embeddings.huggingface import HuggingFaceEmbedding
     from llama_index.postprocessor.kvrag import build_index, load_index, open_engine
 
-    from kvrag.models import default_embedder_path
+    from kvrag.default_model import default_embedder_path
 
     if rebuild and persist.exists():
         shutil.rmtree(persist)
@@ -161,7 +164,8 @@ def print_tables(rows: Sequence[dict[str, Any]]) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    ap = argparse.ArgumentParser(prog="python -m kvrag.demo", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m llama_index.postprocessor.kvrag.demo",
+                                 description=__doc__.splitlines()[0])
     ap.add_argument("--docs", type=Path, default=default_docs_dir(), help="folder of .md/.txt documents")
     ap.add_argument("--persist", type=Path, default=None, help="index + cache folder (default: KVRAG_HOME/demo)")
     ap.add_argument("--methods", default=None, help="comma-separated methods (default: full, stale + repair methods)")
@@ -173,13 +177,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.docs is None or not args.docs.is_dir():
         ap.error("no documents: pass --docs DIR (the sample collection lives in the repository's examples/data)")
-    try:
-        from llama_index.llms.kvrag import KVCachedLLM
-        from llama_index.postprocessor.kvrag import KVCachePostprocessor
-    except ImportError as e:
-        raise ImportError(_INSTALL) from e
+    from llama_index.llms.kvrag import KVCachedLLM
+    from llama_index.postprocessor.kvrag import KVCachePostprocessor
 
-    from kvrag.models import kvrag_home
+    from kvrag.paths import kvrag_home
 
     persist = args.persist or kvrag_home() / "demo" / "llamaindex"
     engine, index = build_or_load(args.docs, persist, args.rebuild)

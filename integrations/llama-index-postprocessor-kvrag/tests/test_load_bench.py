@@ -7,8 +7,15 @@ import shutil
 from pathlib import Path
 
 import pytest
+from llama_index.postprocessor.kvrag.load_bench import (
+    QUESTIONS,
+    LoadConfig,
+    load_markdown,
+    percentile,
+    run_load,
+    schedule,
+)
 
-from kvrag.bench.load import QUESTIONS, LoadConfig, load_markdown, percentile, run_load, schedule
 from kvrag.config import EngineConfig
 from kvrag.engine.engine import KVRAGEngine
 from kvrag.errors import ConfigError
@@ -18,7 +25,7 @@ from kvrag.testing.tiny import tiny_model
 pytest.importorskip("llama_index.llms.kvrag", reason="needs the LlamaIndex integrations (make setup-dev)")
 pytest.importorskip("llama_index.embeddings.huggingface", reason="needs llama-index-embeddings-huggingface")
 
-DATA = Path(__file__).resolve().parents[2] / "examples" / "data"
+DATA = Path(__file__).resolve().parents[3] / "examples" / "data"
 
 
 def test_schedule_and_percentiles() -> None:
@@ -34,7 +41,7 @@ def test_schedule_and_percentiles() -> None:
 def test_load_tiny_model_no_errors_no_cross_talk(tmp_path: Path) -> None:
     from llama_index.embeddings.huggingface import HuggingFaceEmbedding
 
-    from kvrag.models import default_embedder_path
+    from kvrag.default_model import default_embedder_path
 
     docs = tmp_path / "docs"
     docs.mkdir()

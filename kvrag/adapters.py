@@ -1,23 +1,32 @@
-"""Which chunk texts a request may reuse, and shared engine handles for the framework adapters.
+"""The layer every framework adapter shares; the adapters themselves only translate types.
 
-Framework retrievers/postprocessors find the chunks of a request; the LLM adapter renders the final prompt. The
-two only meet through this module (see DESIGN §1: chunk identity travels explicitly):
+The LlamaIndex LLM and postprocessor (``integrations/llama-index-*-kvrag``) and the LangChain chat model and
+retriever (``integrations/langchain-kvrag``) all call this module for the behaviour they have in common:
 
-* **Request scope** (``contextvars``): :func:`register_chunks` replaces the current context's request chunks and
-  :func:`current_chunks` reads them. Each thread and each asyncio task has its own context, so concurrent requests
-  never see each other's chunks. LlamaIndex query/chat engines retrieve, postprocess and synthesize in one context,
-  so this is all they need.
-* **Recent chunks** (process-wide, bounded LRU): every registration is also remembered here.
-  :meth:`RecentChunks.found_in` returns the remembered texts that occur verbatim in a prompt. LangChain's LCEL
-  runs each step of a chain in a *copy* of the caller's context (``RunnableParallel`` even in worker threads), so
-  a retriever's context-local registration is not visible to the chat model later in the same chain; the chat
-  model adapter therefore also looks up recent chunks by content. This cannot mix up requests: a chunk is used
-  only where its exact text is in the prompt, and caches are content-addressed, so the cache is the same
-  whichever request registered it.
-* **Explicit passing**: adapters accept the chunk texts as an argument; explicit chunks win over both scopes.
+* **Request chunks** (see DESIGN §1: chunk identity travels explicitly). Framework retrievers/postprocessors find
+  the chunks of a request; the LLM adapter renders the final prompt. The two only meet here:
 
-The planner still decides everything: registered texts that are not found verbatim are simply prefilled as
-normal text and lower the reported hit rate.
+  - *request scope* (``contextvars``): :func:`register_chunks` replaces the current context's request chunks and
+    :func:`current_chunks` reads them. Each thread and each asyncio task has its own context, so concurrent
+    requests never see each other's chunks. LlamaIndex query/chat engines retrieve, postprocess and synthesize in
+    one context, so this is all they need;
+  - *recent chunks* (process-wide, bounded LRU): every registration is also remembered here.
+    :meth:`RecentChunks.found_in` returns the remembered texts that occur verbatim in a prompt. LangChain's LCEL
+    runs each step of a chain in a *copy* of the caller's context (``RunnableParallel`` even in worker threads),
+    so a retriever's context-local registration is not visible to the chat model later in the same chain; the
+    chat model adapter therefore also looks up recent chunks by content. This cannot mix up requests: a chunk is
+    used only where its exact text is in the prompt, and caches are content-addressed, so the cache is the same
+    whichever request registered it;
+  - *explicit passing*: adapters accept the chunk texts as an argument; explicit chunks win over both scopes.
+
+  The planner still decides everything: registered texts that are not found verbatim are simply prefilled as
+  normal text and lower the reported hit rate. :func:`ensure_chunks` makes sure the chunks have stored caches.
+* **Engine handles**: :func:`shared_engine`, one loaded engine per (model, store, config) per process.
+* **Prompts and generation**: :func:`render_chat` (the one chat-template renderer, :mod:`kvrag.prompting`) and
+  :func:`generation_config` (framework sampling fields -> :class:`~kvrag.config.GenerationConfig`).
+* **Response metadata**: :func:`response_summary`, :func:`response_details` and :func:`token_usage` turn an
+  engine request's timings and stats into what the adapters attach to framework responses.
+* **Async bridge**: :func:`aiter_in_thread` drives a blocking token stream from asyncio.
 """
 
 from __future__ import annotations
@@ -31,7 +40,9 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
+from kvrag.config import GenerationConfig
 from kvrag.errors import ConfigError
+from kvrag.prompting import render_chat
 
 T = TypeVar("T")
 
@@ -207,8 +218,8 @@ def shared_engine(model: str | None = None, store: Any = "memory://", **config: 
     rebuilt per request); they share one loaded model and store through this function. A ``KVStore`` instance as
     ``store`` is keyed by identity.
     """
+    from kvrag.default_model import DEFAULT_MODEL
     from kvrag.engine.engine import KVRAGEngine
-    from kvrag.models import DEFAULT_MODEL
 
     name = DEFAULT_MODEL if model is None else str(model)
     key = (name, store if isinstance(store, str) else id(store), tuple(sorted(config.items())))
@@ -290,6 +301,65 @@ def chunk_texts(chunks: Sequence[RegisteredChunk]) -> list[str]:
     return [c.text for c in chunks]
 
 
+# ------------------------------------------------------------------------------------------------- generation
+def generation_config(*, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+                      seed: int | None = None, stop: Sequence[str] | None = ()) -> GenerationConfig:
+    """Framework sampling fields -> :class:`~kvrag.config.GenerationConfig`; ``temperature`` 0 means greedy."""
+    temperature = float(temperature)
+    return GenerationConfig(
+        max_new_tokens=int(max_new_tokens),
+        do_sample=temperature > 0,
+        temperature=temperature if temperature > 0 else 1.0,
+        top_p=float(top_p),
+        top_k=int(top_k),
+        seed=seed,
+        stop=tuple(stop or ()),
+    )
+
+
+# ------------------------------------------------------------------------------------------------- metadata
+def _stats(prep: Any) -> dict[str, Any]:
+    return {k: v for k, v in prep.stats.items() if k != "token_ids"}
+
+
+def response_summary(prep: Any) -> dict[str, Any]:
+    """The per-response summary every adapter exposes (LlamaIndex ``additional_kwargs``, LangChain
+    ``response_metadata["kvrag"]``): method, TTFT, hit rate, chunk counts, reused tokens, method stats.
+
+    Args:
+        prep: the engine's :class:`~kvrag.engine.engine.Prepared` request (after or while streaming).
+    """
+    stats = _stats(prep)
+    return {
+        "method": repr(prep.method),
+        "ttft_s": prep.timings.get("ttft_s"),
+        "hit_rate": stats.get("hit_rate"),
+        "chunks_registered": stats.get("chunks_registered"),
+        "chunks_found": stats.get("chunks_found"),
+        "chunk_hits": stats.get("chunk_hits"),
+        "chunk_misses": stats.get("chunk_misses"),
+        "reused_tokens": stats.get("reused_tokens"),
+        "method_stats": stats.get("method_stats", {}),
+    }
+
+
+def response_details(prep: Any) -> dict[str, Any]:
+    """Everything else about a finished request: all timings and stats, the chunk keys and generated ids."""
+    return {
+        "timings": dict(prep.timings),
+        "stats": _stats(prep),
+        "chunk_keys": list(prep.chunk_keys),
+        "token_ids": list(prep.stats.get("token_ids", [])),
+        "method": repr(prep.method),
+    }
+
+
+def token_usage(prep: Any) -> tuple[int, int | None]:
+    """(prompt tokens, generated tokens) of a request; generated is None until its stream has ended."""
+    generated = prep.stats.get("generated_tokens")
+    return int(prep.plan.total_len), None if generated is None else int(generated)
+
+
 __all__ = [
     "CHUNK_KEY_METADATA",
     "RecentChunks",
@@ -300,9 +370,14 @@ __all__ = [
     "clear_chunks",
     "current_chunks",
     "ensure_chunks",
+    "generation_config",
     "recent",
     "register_chunks",
+    "render_chat",
     "reset_chunks",
     "resolve_chunks",
+    "response_details",
+    "response_summary",
     "shared_engine",
+    "token_usage",
 ]

@@ -1,0 +1,177 @@
+"""Model, weights and tokenizer fingerprints: what a cache key and a learned repairer are tied to.
+
+* :func:`model_fingerprint` — architecture config + compute dtype + a cheap digest of the weights (cache keys,
+  :class:`kvrag.kv.spec.KVSpec`);
+* :func:`weights_fingerprint` — architecture + weights, independent of the compute dtype (learned repairers);
+* :func:`tokenizer_fingerprint` — the tokenizer's serialized backend, special tokens and chat template.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvrag.kv.spec import dtype_from_name
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+# Config keys that do not change what the network computes (bookkeeping, output switches, token ids used only by
+# generation, runtime attention backend). Private keys (leading underscore) are dropped as well.
+_FINGERPRINT_IGNORED_CONFIG_KEYS = frozenset(
+    {
+        "transformers_version",
+        "name_or_path",
+        "dtype",
+        "torch_dtype",
+        "quantization_config",
+        "use_cache",
+        "output_attentions",
+        "output_hidden_states",
+        "return_dict",
+        "attn_implementation",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "unk_token_id",
+        "tokenizer_class",
+        "architectures",
+        "chunk_size_feed_forward",
+        "problem_type",
+        "id2label",
+        "label2id",
+    }
+)
+_SAMPLE_ELEMENTS = 4096  # strided sample of raw bytes hashed per tensor
+_SUM_CHUNK = 1 << 31  # elements per chunk of the exact integer checksum (keeps the int64 sum exact)
+
+
+def _config_for_fingerprint(config: PretrainedConfig) -> dict[str, Any]:
+    d = config.to_dict()
+    return {k: v for k, v in d.items() if not k.startswith("_") and k not in _FINGERPRINT_IGNORED_CONFIG_KEYS}
+
+
+_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _tensor_digest(h: Any, name: str, tensor: torch.Tensor) -> None:
+    """Feed one tensor's identity into ``h``: name, shape, dtype, an exact checksum and a strided byte sample."""
+    t = tensor.detach().contiguous().reshape(-1)
+    h.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}|".encode())
+    if t.numel() == 0:
+        return
+    bits = t.view(_INT_VIEW[t.element_size()]) if t.element_size() in _INT_VIEW and t.is_floating_point() else t
+    # Exact integer sum of the raw bit patterns: changes with any single element, independent of reduction order
+    # and therefore identical on CPU and GPU (a float64 sum is not, which would split caches across devices).
+    # |bits| < 2**31 per element, so an int64 accumulator cannot overflow below 2**32 elements per chunk.
+    checksum = 0
+    for chunk in bits.split(_SUM_CHUNK):
+        checksum += int(chunk.sum(dtype=torch.int64).item())
+    step = max(1, t.numel() // _SAMPLE_ELEMENTS)
+    sample = torch.cat([t[::step], t[-1:]]).cpu().contiguous()
+    h.update(str(checksum).encode())
+    h.update(sample.view(torch.uint8).numpy().tobytes() if sample.element_size() else b"")
+
+
+def _state_digest(h: Any, model: PreTrainedModel, cast: torch.dtype | None = None) -> None:
+    """Feed every parameter and persistent buffer into ``h`` in name order (floating ones cast to ``cast``)."""
+    seen: dict[tuple[Any, ...], str] = {}
+    for name, tensor in sorted(model.state_dict().items()):
+        # Tied weights (e.g. lm_head = embed_tokens) share storage: digest once, record the alias.
+        ident = (tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()))
+        if tensor.numel() and ident in seen:
+            h.update(f"{name}|alias-of|{seen[ident]}|".encode())
+            continue
+        seen[ident] = name
+        _tensor_digest(h, name, tensor.to(cast) if cast is not None and tensor.is_floating_point() else tensor)
+
+
+@torch.no_grad()
+def model_fingerprint(model: PreTrainedModel, dtype: torch.dtype | str | None = None) -> str:
+    """sha256 hex digest identifying what a model computes: architecture, compute dtype and weights.
+
+    Covers the architecture config (sorted JSON, minus bookkeeping such as ``transformers_version`` and
+    ``_name_or_path``), the compute dtype and, for every parameter and persistent buffer in name order, its shape,
+    dtype, an exact integer checksum of its raw bits and a strided sample (~4k elements) of its bytes.
+
+    Trade-off: this reads every weight once on its own device (fast; no copy of the model to the host) but is not a
+    cryptographic hash of all bytes. Any single changed element changes the checksum, and reorderings are caught
+    when they touch a sampled element; a deliberately crafted edit that keeps every tensor's bit-sum and avoids the
+    samples could collide. That is acceptable for cache identity, which guards against accidental reuse across
+    checkpoints, fine-tunes and dtypes, not against adversaries.
+
+    Args:
+        model: a transformers model.
+        dtype: the compute dtype; defaults to the dtype of the model's first floating-point parameter.
+    """
+    if dtype is None:
+        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    elif isinstance(dtype, str):
+        dtype = dtype_from_name(dtype.removeprefix("torch."))
+    h = hashlib.sha256()
+    h.update(b"kvrag-model-fp-v1\x00")
+    h.update(json.dumps(_config_for_fingerprint(model.config), sort_keys=True, default=str).encode())
+    h.update(f"\x00compute_dtype={dtype}\x00".encode())
+    _state_digest(h, model)
+    return h.hexdigest()
+
+
+_WEIGHTS_FP: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+
+
+@torch.no_grad()
+def weights_fingerprint(model: PreTrainedModel) -> str:
+    """sha256 hex digest of a model's architecture and weights, independent of the compute dtype.
+
+    Every floating-point tensor is digested after rounding to bfloat16, so the same checkpoint loaded in float32
+    or bfloat16 has one weights identity (what a learned repairer is tied to), while :func:`model_fingerprint`
+    (cache keys) still separates dtypes. Memoized per model object (weights do not change while serving).
+    """
+    got = _WEIGHTS_FP.get(model)
+    if got is not None:
+        return got
+    h = hashlib.sha256()
+    h.update(b"kvrag-weights-fp-v1\x00")
+    h.update(json.dumps(_config_for_fingerprint(model.config), sort_keys=True, default=str).encode())
+    _state_digest(h, model, cast=torch.bfloat16)
+    fp = h.hexdigest()
+    _WEIGHTS_FP[model] = fp
+    return fp
+
+
+def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
+    """sha256 hex digest of everything that decides a tokenizer's token ids and rendered prompts.
+
+    Covers the serialized backend (``backend_tokenizer.to_str()``: vocab, merges, normalizer, pre-tokenizer,
+    post-processor, added tokens — with the runtime padding/truncation settings removed) or, for slow tokenizers,
+    the sorted vocab; the special tokens; and the chat template.
+    """
+    h = hashlib.sha256()
+    h.update(b"kvrag-tokenizer-fp-v1\x00")
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and hasattr(backend, "to_str"):
+        raw = backend.to_str()  # deterministic: tokenizers serializes the vocab ordered by id
+        if getattr(backend, "padding", None) is not None or getattr(backend, "truncation", None) is not None:
+            # Runtime settings that do not change a chunk's ids: hash the state without them.
+            from tokenizers import Tokenizer
+
+            clone = Tokenizer.from_str(raw)
+            clone.no_padding()
+            clone.no_truncation()
+            raw = clone.to_str()
+        h.update(raw.encode())
+    else:
+        h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    h.update(b"\x00")
+    special = {k: str(v) for k, v in sorted(getattr(tokenizer, "special_tokens_map", {}).items())}
+    h.update(json.dumps(special, sort_keys=True).encode())
+    h.update(b"\x00")
+    h.update(json.dumps(getattr(tokenizer, "chat_template", None), sort_keys=True, default=str).encode())
+    return h.hexdigest()
+
+
+__all__ = ["model_fingerprint", "tokenizer_fingerprint", "weights_fingerprint"]
