@@ -282,7 +282,7 @@ def summarize_method(
         "flop_share": _mean(_values(rows, label, "flop_share")),
     }
     # overhead: the measured TTFT ratio over the analytic FLOP share (1.0 = the method runs at full prefill's
-    # FLOP efficiency; see kvrag.bench.flops)
+    # FLOP efficiency; see kvrag.fusion.cost)
     fs = m["flop_share"]
     m["overhead"] = m["ttft_ratio"] / fs if m["ttft_ratio"] is not None and fs else None
     for ref_name, ref in (("vs_full", full), ("vs_stale", stale)):
@@ -439,7 +439,7 @@ def summary_markdown(summary: dict[str, Any]) -> str:
         cells = [_f(kv.get(f"{t}_{r}"), 4) for t in ("k", "v") for r in KV_REGIONS]
         lines.append(f"| `{lbl}` | " + " | ".join(cells) + " |")
     lines += ["", "## TTFT breakdown (mean ms), FLOP share and overhead, memory", "",
-              "FLOP share = the method's analytic FLOPs / a full prefill's on the same request (kvrag.bench.flops: "
+              "FLOP share = the method's analytic FLOPs / a full prefill's on the same request (kvrag.fusion.cost: "
               "projections, MLP, attention pairs computed, scoring pass, repairer); overhead = TTFT/full (p50 ratio) / "
               "FLOP share.", "",
               "| method | fetch | misses | assemble | repair | suffix prefill | TTFT | decode | FLOP share | TTFT/full "

@@ -40,12 +40,12 @@ from kvrag.bench import aggregate
 from kvrag.bench.config import BenchConfig, resolve_methods
 from kvrag.bench.data import QARequest, load_requests
 from kvrag.bench.extract import EXTRACTORS
-from kvrag.bench.flops import ModelCost
 from kvrag.bench.memory import PeakMemory
 from kvrag.bench.metrics import exact_match, f1_score, kl_divergence, kv_rel_rmse
 from kvrag.config import EngineConfig, GenerationConfig
 from kvrag.errors import ConfigError, ContextLengthError
 from kvrag.fusion import FusionMethod, get_method
+from kvrag.fusion.cost import ModelCost
 from kvrag.kv import hf_cache
 from kvrag.prompting import RagTemplate, get_template
 

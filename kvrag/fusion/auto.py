@@ -3,7 +3,7 @@
 A cost model fitted from benchmark results (:func:`fit_cost_model` on a ``kvrag bench`` ``summary.json``; the
 shipped one is ``kvrag/data/auto_cost.json``) holds, per candidate method, what it computed on the benchmark's
 requests (mean ``method_stats``: recomputed states, attention pairs, scoring pass, repairer FLOPs per token), its
-measured overhead factor (TTFT ratio / analytic FLOP share, see :mod:`kvrag.bench.flops`) and its measured KL to
+measured overhead factor (TTFT ratio / analytic FLOP share, see :mod:`kvrag.fusion.cost`) and its measured KL to
 ``full``. For a request with context length Tc and suffix S, every candidate's TTFT ratio is predicted as
 ``FLOP share(stats, Tc, S) * overhead``; ``auto`` runs the lowest-KL candidate predicted within the budget (the
 fastest one when none is), logs the choice, and reports it in ``method_stats`` (``auto_choice``,
@@ -95,7 +95,7 @@ class Auto(FusionMethod):
 
     def predict(self, model_config: Any, tc: int, s: int) -> list[tuple[str, float, float]]:
         """(spec, predicted TTFT ratio, KL) of every candidate for a request shape, fastest first."""
-        from kvrag.bench.flops import ModelCost
+        from kvrag.fusion.cost import ModelCost
 
         cost = ModelCost.from_config(model_config)
         out = []

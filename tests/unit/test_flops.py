@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvrag.bench.flops import ModelCost
+from kvrag.fusion.cost import ModelCost
 from kvrag.testing.tiny import FAMILIES, tiny_model
 
 

@@ -11,8 +11,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvrag.engine.assemble import assemble, compute_chunk_kv
+from kvrag.engine.assemble import assemble
 from kvrag.fusion import get_method
+from kvrag.kv.compute import compute_chunk_kv
 from kvrag.kv.rope import Rope
 from kvrag.testing.fusion_suite import fusion_case, greedy_tokens
 from kvrag.testing.tiny import FAMILIES

@@ -11,11 +11,12 @@ import pytest
 import torch
 
 from kvrag.config import EngineConfig, GenerationConfig
-from kvrag.engine.assemble import assemble, compute_chunk_kv
+from kvrag.engine.assemble import assemble
 from kvrag.engine.engine import KVRAGEngine
 from kvrag.errors import ContextLengthError, UnsupportedModelError
 from kvrag.fusion import get_method
 from kvrag.kv import hf_cache
+from kvrag.kv.compute import compute_chunk_kv
 from kvrag.kv.rope import Rope
 from kvrag.kv.window import ContextLimit, attention_window, layer_windows
 from kvrag.prompting import render_passage
