@@ -319,7 +319,7 @@ def generation_config(*, max_new_tokens: int, temperature: float = 0.0, top_p: f
 
 # ------------------------------------------------------------------------------------------------- metadata
 def _stats(prep: Any) -> dict[str, Any]:
-    return {k: v for k, v in prep.stats.items() if k != "token_ids"}
+    return prep.stats.to_dict()
 
 
 def response_summary(prep: Any) -> dict[str, Any]:
@@ -332,7 +332,7 @@ def response_summary(prep: Any) -> dict[str, Any]:
     stats = _stats(prep)
     return {
         "method": repr(prep.method),
-        "ttft_s": prep.timings.get("ttft_s"),
+        "ttft_s": prep.timings.ttft_s,
         "hit_rate": stats.get("hit_rate"),
         "chunks_registered": stats.get("chunks_registered"),
         "chunks_found": stats.get("chunks_found"),
@@ -346,17 +346,17 @@ def response_summary(prep: Any) -> dict[str, Any]:
 def response_details(prep: Any) -> dict[str, Any]:
     """Everything else about a finished request: all timings and stats, the chunk keys and generated ids."""
     return {
-        "timings": dict(prep.timings),
+        "timings": prep.timings.to_dict(),
         "stats": _stats(prep),
         "chunk_keys": list(prep.chunk_keys),
-        "token_ids": list(prep.stats.get("token_ids", [])),
+        "token_ids": list(prep.token_ids),
         "method": repr(prep.method),
     }
 
 
 def token_usage(prep: Any) -> tuple[int, int | None]:
     """(prompt tokens, generated tokens) of a request; generated is None until its stream has ended."""
-    generated = prep.stats.get("generated_tokens")
+    generated = prep.stats.generated_tokens
     return int(prep.plan.total_len), None if generated is None else int(generated)
 
 

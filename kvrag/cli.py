@@ -114,22 +114,24 @@ def cmd_ask(args: argparse.Namespace) -> int:
     if args.json:
         resp = eng.answer(prompt, passages, args.method, gen)
     else:
-        prep = eng.prepare(eng.plan(prompt, passages), args.method)
+        prep = eng.prepare(eng.plan(prompt, passages), args.method, reserve=gen.max_new_tokens)
+        text = []
         for delta in eng.stream(prep, gen):
+            text.append(delta)
             print(delta, end="", flush=True)
         print()
-        toks = prep.stats.pop("token_ids")
         from kvrag.engine.engine import Response
 
-        resp = Response("", toks, repr(prep.method), prep.timings, prep.stats, prep.chunk_keys)
+        resp = Response("".join(text), list(prep.token_ids), repr(prep.method), prep.timings, prep.stats,
+                        prep.chunk_keys)
     out = {
         "answer": resp.text,
         "method": resp.method,
-        "ttft_s": resp.timings["ttft_s"],
-        "hit_rate": resp.stats["hit_rate"],
+        "ttft_s": resp.timings.ttft_s,
+        "hit_rate": resp.stats.hit_rate,
         "chunks": [c.id for c, _ in hits],
-        "timings": resp.timings,
-        "stats": {k: v for k, v in resp.stats.items()},
+        "timings": resp.timings.to_dict(),
+        "stats": resp.stats.to_dict(),
     }
     if args.json:
         print(json.dumps(out, default=str))

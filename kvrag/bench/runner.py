@@ -227,12 +227,12 @@ class QABenchmark:
         with PeakMemory(eng.model.device) as mem:
             prep = eng.prepare(plan, method, reserve=(gen or self.gen).max_new_tokens)
             text = "".join(eng.stream(prep, gen or self.gen))
-        tokens = list(prep.stats.pop("token_ids"))
+        tokens = list(prep.token_ids)
         k, v = hf_cache.cache_to_tensors(prep.cache)  # [L, H_kv, T, D] incl. generated tokens
         t0 = plan.total_len
         k, v = k[:, :, :t0], v[:, :, :t0]
         answer = self.extract(text)
-        stats = dict(prep.stats)
+        stats = prep.stats.to_dict()
         record = {
             "method": repr(prep.method),
             "raw": text,
@@ -241,8 +241,8 @@ class QABenchmark:
             "em": exact_match(answer, req.answers),
             "token_ids": tokens,
             "generated_tokens": len(tokens),
-            "ttft_s": prep.timings["ttft_s"],
-            "timings": dict(prep.timings),
+            "ttft_s": prep.timings.ttft_s,
+            "timings": prep.timings.to_dict(),
             "peak_mem_bytes": mem.peak_bytes,
             "peak_mem_kind": mem.kind,
             "kv_cache_bytes": int(k.numel() * k.element_size() + v.numel() * v.element_size()),

@@ -16,8 +16,9 @@ from kvrag.config import EngineConfig, GenerationConfig
 from kvrag.engine.assemble import assemble, context_only_input
 from kvrag.engine.generate import decode
 from kvrag.engine.planner import Plan, PlannedSegment, TextPiece, plan_pieces, plan_prompt
+from kvrag.engine.results import Stats, Timings
 from kvrag.errors import ConfigError, ContextLengthError
-from kvrag.fusion import FusionInput, FusionMethod, FusionOutput, get_method
+from kvrag.fusion import FusionMethod, get_method
 from kvrag.kv import hf_cache
 from kvrag.kv.chunk import ChunkKV
 from kvrag.kv.compute import compute_chunk_kv
@@ -37,13 +38,13 @@ class Response:
     text: str
     token_ids: list[int]
     method: str
-    timings: dict[str, float]
-    stats: dict[str, Any]
+    timings: Timings
+    stats: Stats
     chunk_keys: list[str]
 
     @property
     def ttft_s(self) -> float:
-        return self.timings["ttft_s"]
+        return float(self.timings.ttft_s or 0.0)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -51,18 +52,17 @@ class Response:
 
 @dataclasses.dataclass
 class Prepared:
-    """A request after repair and suffix prefill, ready to decode."""
+    """A request after repair and suffix prefill, ready to decode (``token_ids`` fills as it streams)."""
 
     plan: Plan
     method: FusionMethod
-    fusion_input: FusionInput
-    fusion_output: FusionOutput
     cache: Any
     last_logits: torch.Tensor
-    timings: dict[str, float]
-    stats: dict[str, Any]
+    timings: Timings
+    stats: Stats
     chunk_keys: list[str]
     t0: float
+    token_ids: list[int] = dataclasses.field(default_factory=list)
 
 
 class KVRAGEngine:
@@ -285,11 +285,11 @@ class KVRAGEngine:
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
-    def _fetch(self, segs: Sequence[PlannedSegment], timings: dict[str, float]) -> tuple[list, dict[str, int], list[str]]:
+    def _fetch(self, segs: Sequence[PlannedSegment], timings: Timings) -> tuple[list, dict[str, int], list[str]]:
         t = time.perf_counter()
         keys = [self.chunk_key(s.token_ids, s.kind) for s in segs]
         got = self.serving_store.get_many(keys)
-        timings["fetch_s"] = time.perf_counter() - t
+        timings.fetch_s = time.perf_counter() - t
         t = time.perf_counter()
         counts = {"chunk_hits": 0, "chunk_misses": 0, "other_hits": 0, "other_misses": 0, "reused_tokens": 0}
         pieces = []
@@ -304,7 +304,7 @@ class KVRAGEngine:
                 counts["reused_tokens"] += len(s.token_ids)
                 self._count(chunks_reused=1)
             pieces.append((s.kind, ch, k))
-        timings["compute_misses_s"] = time.perf_counter() - t
+        timings.compute_misses_s = time.perf_counter() - t
         return pieces, counts, keys
 
     def method(self, method: str | FusionMethod | None = None, **params: Any) -> FusionMethod:
@@ -334,14 +334,14 @@ class KVRAGEngine:
             raise ContextLengthError(msg)
         with self._lock:
             t0 = time.perf_counter()
-            timings: dict[str, float] = {}
+            timings = Timings()
             keys: list[str] | list[None]
             if m.reads_cache:
                 pieces, counts, keys = self._fetch(plan.context, timings)
                 t = time.perf_counter()
                 inp = assemble(self.model, self.rope, self.spec, pieces, plan.suffix.token_ids, reserve=reserve,
                                chunk_prefix_ids=self.chunk_prefix_ids)
-                timings["assemble_s"] = time.perf_counter() - t
+                timings.assemble_s = time.perf_counter() - t
             else:  # e.g. full prefill: the stale KV is never read, so it is neither fetched nor assembled
                 counts = dict.fromkeys(("chunk_hits", "chunk_misses", "other_hits", "other_misses", "reused_tokens"), 0)
                 keys = [None] * len(plan.context)
@@ -349,29 +349,32 @@ class KVRAGEngine:
                                          reserve=reserve)
             t = time.perf_counter()
             out = m.fuse(inp)
-            timings["repair_s"] = time.perf_counter() - t
+            timings.repair_s = time.perf_counter() - t
             t = time.perf_counter()
             if out.last_logits is None:
                 logits, cache = hf_cache.forward(self.model, inp.suffix_ids, out.cache, start=inp.context_len)
                 last = logits[-1]
             else:
                 cache, last = out.cache, out.last_logits
-            timings["suffix_prefill_s"] = time.perf_counter() - t
+            timings.suffix_prefill_s = time.perf_counter() - t
         found = plan.found
-        stats = {
-            "context_tokens": plan.context_len,
-            "suffix_tokens": len(plan.suffix.token_ids),
-            "chunk_tokens": plan.chunk_tokens,
-            "chunks_registered": plan.registered,
-            "chunks_found": found,
-            "inexact_chunks": plan.inexact_chunks,
-            **counts,
-            "reused_tokens": 0 if m.name == "full" else counts["reused_tokens"],
-            "hit_rate": (counts["chunk_hits"] / plan.registered) if plan.registered else 0.0,
-            "method_stats": out.stats,
-        }
+        stats = Stats(
+            context_tokens=plan.context_len,
+            suffix_tokens=len(plan.suffix.token_ids),
+            chunk_tokens=plan.chunk_tokens,
+            chunks_registered=plan.registered,
+            chunks_found=found,
+            inexact_chunks=plan.inexact_chunks,
+            chunk_hits=counts["chunk_hits"],
+            chunk_misses=counts["chunk_misses"],
+            other_hits=counts["other_hits"],
+            other_misses=counts["other_misses"],
+            reused_tokens=0 if m.name == "full" else counts["reused_tokens"],
+            hit_rate=(counts["chunk_hits"] / plan.registered) if plan.registered else 0.0,
+            method_stats=out.stats,
+        )
         chunk_keys = [k for s, k in zip(plan.context, keys, strict=True) if s.kind == "chunk" and k]
-        return Prepared(plan, m, inp, out, cache, last, timings, stats, chunk_keys, t0)
+        return Prepared(plan, m, cache, last, timings, stats, chunk_keys, t0)
 
     def stream(self, prepared: Prepared, gen: GenerationConfig | None = None) -> Iterator[str]:
         """Decode from a prepared request, yielding text deltas; fills ``prepared.timings`` as it goes.
@@ -383,10 +386,10 @@ class KVRAGEngine:
         gen = gen or GenerationConfig()
         eos = self._eos_ids()
         timings = prepared.timings
-        tokens: list[int] = []
+        tokens = prepared.token_ids
 
         def first() -> None:
-            timings["ttft_s"] = time.perf_counter() - prepared.t0
+            timings.ttft_s = time.perf_counter() - prepared.t0
 
         t = time.perf_counter()
         steps = decode(self.model, self.tokenizer, prepared.cache, prepared.last_logits, gen, eos, first)
@@ -405,11 +408,11 @@ class KVRAGEngine:
             close = getattr(steps, "close", None)  # a generator: release its frame if the consumer stopped early
             if close is not None:
                 close()
-        timings.setdefault("ttft_s", time.perf_counter() - prepared.t0)
-        timings["decode_s"] = time.perf_counter() - t
-        timings["total_s"] = time.perf_counter() - prepared.t0
-        prepared.stats["generated_tokens"] = len(tokens)
-        prepared.stats["token_ids"] = tokens
+        if timings.ttft_s is None:
+            timings.ttft_s = time.perf_counter() - prepared.t0
+        timings.decode_s = time.perf_counter() - t
+        timings.total_s = time.perf_counter() - prepared.t0
+        prepared.stats.generated_tokens = len(tokens)
 
     def _eos_ids(self) -> list[int]:
         ids: set[int] = set()
@@ -424,8 +427,7 @@ class KVRAGEngine:
     def answer_plan(self, plan: Plan, method: str | FusionMethod | None = None, gen: GenerationConfig | None = None) -> Response:
         prep = self.prepare(plan, method, reserve=(gen or GenerationConfig()).max_new_tokens)
         text = "".join(self.stream(prep, gen))
-        tokens = prep.stats.pop("token_ids")
-        return Response(text, tokens, repr(prep.method), prep.timings, prep.stats, prep.chunk_keys)
+        return Response(text, list(prep.token_ids), repr(prep.method), prep.timings, prep.stats, prep.chunk_keys)
 
     def answer(self, prompt: str, chunks: Sequence[str] = (), method: str | FusionMethod | None = None,
                gen: GenerationConfig | None = None, **gen_kwargs: Any) -> Response:

@@ -53,7 +53,7 @@ def _run(engine: KVRAGEngine, prompt: tuple[str, list[str]], method: str) -> tup
     prep = engine.prepare(engine.plan(*prompt), method)
     logits = prep.last_logits.clone()
     "".join(engine.stream(prep, GenerationConfig(max_new_tokens=N_TOKENS)))
-    return logits, prep.stats["token_ids"], prep.stats
+    return logits, list(prep.token_ids), prep.stats
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,84 @@
+"""Typed per-request results: :class:`Timings` and :class:`Stats` (``Response.timings`` / ``Response.stats``).
+
+Both are dataclasses with ``to_dict()`` for JSON; they also read like the mappings they replace
+(``stats["hit_rate"]``, ``timings.get("ttft_s")``, ``dict(timings)``), so existing callers keep working.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+
+class _Fields(Mapping[str, Any]):
+    """Read-only mapping view over a dataclass's fields (dataclass subclasses only)."""
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in self._names():
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names())
+
+    def __len__(self) -> int:
+        return len(self._names())
+
+    @classmethod
+    def _names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))  # type: ignore[arg-type]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)  # type: ignore[call-overload]
+
+
+@dataclasses.dataclass
+class Timings(_Fields):
+    """Where one request's time went (seconds). TTFT = fetch + misses + assemble + repair + suffix prefill (+ the
+    first token's sampling); ``ttft_s`` is None until the first token."""
+
+    fetch_s: float = 0.0
+    compute_misses_s: float = 0.0
+    assemble_s: float = 0.0
+    repair_s: float = 0.0
+    suffix_prefill_s: float = 0.0
+    ttft_s: float | None = None
+    decode_s: float = 0.0
+    total_s: float = 0.0
+
+
+@dataclasses.dataclass
+class Stats(_Fields):
+    """What one request reused and computed.
+
+    Attributes:
+        context_tokens / suffix_tokens / chunk_tokens: prompt token counts (context = everything before the
+            suffix; chunk = registered chunks found in it).
+        chunks_registered / chunks_found / inexact_chunks: registered chunk texts, how many occur in the prompt,
+            and how many of those were spliced with ids that differ at a boundary from the whole-prompt ids.
+        chunk_hits / chunk_misses / other_hits / other_misses: store hits and misses of chunk and of other
+            (prefix / in-between text) segments.
+        reused_tokens: tokens whose KV came from the store (0 for methods that read no cache).
+        hit_rate: chunk hits / chunks registered.
+        method_stats: the fusion method's own statistics (recomputed fractions, attention pairs, timings ...).
+        generated_tokens: tokens decoded (set when the stream ends).
+    """
+
+    context_tokens: int = 0
+    suffix_tokens: int = 0
+    chunk_tokens: int = 0
+    chunks_registered: int = 0
+    chunks_found: int = 0
+    inexact_chunks: int = 0
+    chunk_hits: int = 0
+    chunk_misses: int = 0
+    other_hits: int = 0
+    other_misses: int = 0
+    reused_tokens: int = 0
+    hit_rate: float = 0.0
+    method_stats: dict[str, Any] = dataclasses.field(default_factory=dict)
+    generated_tokens: int | None = None
+
+
+__all__ = ["Stats", "Timings"]
