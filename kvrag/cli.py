@@ -75,7 +75,15 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     from kvrag.prompting import render_passage
 
     # cache each chunk as a prompt will contain it (the blank line first: see render_passage)
-    keys = eng.ingest([render_passage(c.text) for c in chunks], progress=True)
+    texts = [render_passage(c.text) for c in chunks]
+    if args.ray is not None:  # prefill on Ray workers that write straight into the shared store
+        from kvrag import distributed
+
+        keys = distributed.ingest(texts, _store_url(args), engine=eng, workers=args.workers,
+                                  address=None if args.ray == "local" else args.ray, batch_size=args.batch_size,
+                                  progress=True).keys
+    else:
+        keys = eng.ingest(texts, progress=True, batch_size=args.batch_size)
     embedder = load_embedder()
     manifest = {
         "model": args.model or "smollm2-135m-instruct",
@@ -227,6 +235,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--store", default=None, help="store URL (default: file store in PERSIST/kv)")
     sp.add_argument("--chunk-tokens", type=int, default=256)
     sp.add_argument("--chunk-prefix", choices=["none", "template"], default="template")
+    sp.add_argument("--batch-size", type=int, default=None,
+                    help="chunks per prefill forward (default: kvrag.engine.batch.DEFAULT_BATCH_SIZE; 1: one at a time)")
+    sp.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
+                    help="prefill on Ray workers (pip install 'kvrag[ray]'); ADDRESS of a running cluster (e.g. "
+                         "ray://head:10001 or auto), or none to start a local Ray with --workers workers")
+    sp.add_argument("--workers", type=int, default=2, help="with --ray: number of workers (each loads the model once)")
     sp.set_defaults(func=cmd_ingest)
 
     sp = sub.add_parser("ask", help="retrieve and answer a question")
