@@ -173,7 +173,26 @@ def cmd_store(args: argparse.Namespace) -> int:
     store = store_from_url(url)
     progress = not args.json
     if args.action == "stats":
+        from kvrag.store.sizing import collection_size, human
+
+        index_tokens = None
+        if args.persist and (Path(args.persist) / "chunks.jsonl").exists():
+            from kvrag.index import ChunkIndex
+
+            index_tokens = [c.num_tokens for c in ChunkIndex.load(args.persist).chunks]
+        size = collection_size(store, index_tokens)
+        if args.json:
+            print(json.dumps({**store.stats(), "size": size}, default=str))
+            return 0
         print(json.dumps(store.stats(), indent=2, default=str))
+        bpt = size.get("bytes_per_token")
+        print(f"size: {size['entries']} entries, {human(size['bytes'])}"
+              + (f" ({human(size['bytes_per_entry'])} per entry)" if size["bytes_per_entry"] else "")
+              + (f"; codec {size['codec']}, {bpt:.0f} bytes per token" if bpt else ""))
+        if index_tokens:
+            print(f"index: {size['chunks']} chunks, {size['tokens']} tokens"
+                  + (f"; 100K such chunks would take {human(size['projected_100k_chunks_bytes'])} in this store"
+                     if size.get("projected_100k_chunks_bytes") else ""))
         return 0
     keep = _keep_fingerprints(args)
     if args.action == "verify":

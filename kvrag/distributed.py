@@ -249,7 +249,8 @@ class RayIngest:
         if not isinstance(bs, int) or bs < 1:
             msg = f"batch_size must be an int >= 1, got {batch_size!r}"
             raise ConfigError(msg)
-        per_task = task_chunks or bs * DEFAULT_TASK_BATCHES
+        # a few batches per task, but at least one task per worker
+        per_task = task_chunks or max(1, min(bs * DEFAULT_TASK_BATCHES, -(-len(items) // self.workers)))
         order = sorted(items, key=lambda kv: -len(kv[1]))  # similar lengths share a task (and a batch)
         tasks = [[(k, list(ids)) for k, ids in order[i : i + per_task]] for i in range(0, len(order), per_task)]
         ray = self.ray

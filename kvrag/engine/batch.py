@@ -40,12 +40,17 @@ activation memory small."""
 DEFAULT_MAX_BATCH_TOKENS = 4096
 """Upper bound on padded tokens per forward (B x longest chunk), so long chunks form smaller batches."""
 
+MAX_PAD_FRACTION = 0.2
+"""A chunk joins a batch only if it is at least ``1 - MAX_PAD_FRACTION`` as long as the batch's longest, so at most
+~20% of a batch's positions are padding (padding costs as much compute as real tokens)."""
+
 
 def plan_batches(lengths: Sequence[int], batch_size: int, max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS) -> list[list[int]]:
     """Group chunk indices into batches of similar length (pure; no tensors).
 
     Indices are sorted by length (longest first, stable) and cut into consecutive groups of at most ``batch_size``
-    chunks and at most ``max_batch_tokens`` padded tokens (a single chunk longer than that forms its own batch).
+    chunks and at most ``max_batch_tokens`` padded tokens (a single chunk longer than that forms its own batch),
+    whose lengths are within :data:`MAX_PAD_FRACTION` of the group's longest.
 
     Args:
         lengths: T of every chunk.
@@ -66,7 +71,8 @@ def plan_batches(lengths: Sequence[int], batch_size: int, max_batch_tokens: int 
     cur: list[int] = []
     for i in order:
         longest = lengths[cur[0]] if cur else lengths[i]  # sorted: the first index of a batch is its longest
-        if cur and (len(cur) >= batch_size or (len(cur) + 1) * longest > max_batch_tokens):
+        too_short = lengths[i] < (1.0 - MAX_PAD_FRACTION) * longest
+        if cur and (len(cur) >= batch_size or (len(cur) + 1) * longest > max_batch_tokens or too_short):
             batches.append(cur)
             cur = []
         cur.append(i)
