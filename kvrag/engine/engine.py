@@ -256,7 +256,8 @@ class KVRAGEngine:
         Args:
             texts: chunk texts, exactly as prompts will contain them.
             progress: show a progress bar.
-            batch_size: chunks per forward (default :data:`kvrag.engine.batch.DEFAULT_BATCH_SIZE`; 1: one at a time).
+            batch_size: chunks per forward (default :data:`kvrag.engine.batch.DEFAULT_BATCH_SIZE`; 1: one at a time,
+                exactly :meth:`compute` per chunk).
 
         Raises:
             StoreError: the store failed (disk full, Redis down) -- also with ``on_store_error="recompute"``.
@@ -325,6 +326,11 @@ class KVRAGEngine:
             return
         bar = tqdm(total=len(items), desc="caching chunks", unit="chunk", disable=not progress)
         try:
+            if bs == 1:  # one chunk per forward: exactly the single-chunk path (prefix + chunk prefilled together)
+                for k, ids in items:
+                    store.put(k, self.compute(ids))
+                    bar.update(1)
+                return
             with self._lock:
                 prefix_kv = prefill_prefix(self.model, self.chunk_prefix_ids)  # shared by every batch
             order = sorted(range(len(items)), key=lambda i: -len(items[i][1]))  # similar lengths pad little
