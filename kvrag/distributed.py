@@ -255,7 +255,7 @@ class RayIngest:
         tasks = [[(k, list(ids)) for k, ids in order[i : i + per_task]] for i in range(0, len(order), per_task)]
         ray = self.ray
         peak = [0.0] * len(self.actors)
-        stats = {"computed": 0, "tasks": len(tasks), "compute_seconds": 0.0}
+        stats: dict[str, Any] = {"computed": 0, "tasks": len(tasks), "compute_seconds": 0.0}
         t0 = time.perf_counter()
         bar = tqdm(total=len(items), desc=f"caching chunks on {self.workers} Ray workers", unit="chunk",
                    disable=not progress)
@@ -381,7 +381,8 @@ def ingest(
 
         engine = KVRAGEngine.from_pretrained(model, url, chunk_prefix=chunk_prefix, on_store_error="raise")
     keys, todo, counts = plan_items(engine, texts)
-    report = IngestReport(keys=keys, workers=workers, **counts)
+    report = IngestReport(keys=keys, workers=workers, skipped_empty=counts["skipped_empty"],
+                          duplicates=counts["duplicates"], already_stored=counts["already_stored"])
     if not todo:
         log.info("every chunk is stored already; nothing to compute")
         return report
