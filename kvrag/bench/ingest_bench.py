@@ -182,6 +182,7 @@ def run_ingest_bench(cfg: IngestBenchConfig) -> dict[str, Any]:
                 bar.update(len(sl))
             per_round.append(row)
         bar.close()
+        driver_peak = _peak_rss_mb()  # before the read-back below, which holds every chunk of a mode at once
         for m in ray_modes:
             restarts[m] = sum(max(0, len(p) - 1) for p in pools[m].pids)
         # read back: every chunk served, and stale answers over stored chunks hit every cache
@@ -207,7 +208,7 @@ def run_ingest_bench(cfg: IngestBenchConfig) -> dict[str, Any]:
             modes[m] = {
                 "chunks_per_s": n / seconds[m], "seconds": seconds[m], "vs_" + ref: seconds[ref] / seconds[m],
                 "startup_s": startup.get(m, 0.0), "restarts": restarts[m],
-                "peak_rss_mb_per_worker": worker_peak.get(m, [_peak_rss_mb()]),
+                "peak_rss_mb_per_worker": worker_peak.get(m, [driver_peak]),
                 "per_round_chunks_per_s": [row[m] for row in per_round], **checks[m],
             }
         result = {
@@ -216,7 +217,8 @@ def run_ingest_bench(cfg: IngestBenchConfig) -> dict[str, Any]:
             "batch_size": bs, "chunks": n, "tokens_mean": sum(tokens) / n, "tokens_max": max(tokens),
             "prefix_tokens": len(eng.chunk_prefix_ids), "store": "redis-cluster (3 masters, local)" if cluster else base or "file (temp dir)",
             "modes": modes,
-            "note": "driver peak RSS for serial/batched (one process, model + all chunks' tokens); per Ray worker otherwise",
+            "note": "serial/batched: peak RSS of the bench process during ingest (model, tokens, every in-process mode); "
+                    "ray:N: peak RSS of each worker",
         }
     finally:
         for p in pools.values():
