@@ -76,7 +76,15 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     from kvrag.prompting import render_passage
 
     # cache each chunk as a prompt will contain it (the blank line first: see render_passage)
-    keys = eng.ingest([render_passage(c.text) for c in chunks], progress=True)
+    texts = [render_passage(c.text) for c in chunks]
+    if args.ray is not None:  # prefill on Ray workers that write straight into the shared store
+        from kvrag import distributed
+
+        keys = distributed.ingest(texts, _store_url(args), engine=eng, workers=args.workers,
+                                  address=None if args.ray == "local" else args.ray, batch_size=args.batch_size,
+                                  progress=True).keys
+    else:
+        keys = eng.ingest(texts, progress=True, batch_size=args.batch_size)
     embedder = load_embedder()
     manifest = {
         "model": args.model or "smollm2-135m-instruct",
@@ -169,7 +177,26 @@ def cmd_store(args: argparse.Namespace) -> int:
     store = store_from_url(url)
     progress = not args.json
     if args.action == "stats":
+        from kvrag.store.sizing import collection_size, human
+
+        index_tokens = None
+        if args.persist and (Path(args.persist) / "chunks.jsonl").exists():
+            from kvrag.index import ChunkIndex
+
+            index_tokens = [c.num_tokens for c in ChunkIndex.load(args.persist).chunks]
+        size = collection_size(store, index_tokens)
+        if args.json:
+            print(json.dumps({**store.stats(), "size": size}, default=str))
+            return 0
         print(json.dumps(store.stats(), indent=2, default=str))
+        bpt = size.get("bytes_per_token")
+        print(f"size: {size['entries']} entries, {human(size['bytes'])}"
+              + (f" ({human(size['bytes_per_entry'])} per entry)" if size["bytes_per_entry"] else "")
+              + (f"; codec {size['codec']}, {bpt:.0f} bytes per token" if bpt else ""))
+        if index_tokens:
+            print(f"index: {size['chunks']} chunks, {size['tokens']} tokens"
+                  + (f"; 100K such chunks would take {human(size['projected_100k_chunks_bytes'])} in this store"
+                     if size.get("projected_100k_chunks_bytes") else ""))
         return 0
     keep = _keep_fingerprints(args)
     if args.action == "verify":
@@ -231,6 +258,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--store", default=None, help="store URL (default: file store in PERSIST/kv)")
     sp.add_argument("--chunk-tokens", type=int, default=256)
     sp.add_argument("--chunk-prefix", choices=["none", "template"], default="template")
+    sp.add_argument("--batch-size", type=int, default=None,
+                    help="chunks per prefill forward (default: kvrag.engine.batch.DEFAULT_BATCH_SIZE; 1: one at a time)")
+    sp.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
+                    help="prefill on Ray workers (pip install 'kvrag[ray]'); ADDRESS of a running cluster (e.g. "
+                         "ray://head:10001 or auto), or none to start a local Ray with --workers workers")
+    sp.add_argument("--workers", type=int, default=2, help="with --ray: number of workers (each loads the model once)")
     sp.set_defaults(func=cmd_ingest)
 
     sp = sub.add_parser("ask", help="retrieve and answer a question")

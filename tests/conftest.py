@@ -43,3 +43,17 @@ def redis_server() -> Iterator[Any]:
     srv = _new_redis_server()
     yield srv
     srv.stop()
+
+
+@pytest.fixture(scope="module")
+def redis_cluster() -> Iterator[Any]:
+    """A real 3-master Redis Cluster on loopback, running for the module (skips without redis-server/redis-cli)."""
+    pytest.importorskip("redis", reason="redis-py not installed (pip install 'kvrag[redis]')")
+    from kvrag.testing.redis_server import RedisCluster
+
+    try:
+        cluster = RedisCluster(masters=3)
+    except FileNotFoundError as e:  # no redis-server / redis-cli binary (.ci/run installs both)
+        pytest.skip(str(e))
+    with cluster:
+        yield cluster

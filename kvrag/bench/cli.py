@@ -74,7 +74,7 @@ def add_bench_arguments(subparsers: Any) -> argparse.ArgumentParser:
     )
     _add_qa_args(p)
     p.set_defaults(func=run_bench)
-    sub = p.add_subparsers(dest="bench_command", metavar="{sweep,store,load,templates,plot}")
+    sub = p.add_subparsers(dest="bench_command", metavar="{sweep,store,load,ingest,templates,plot}")
 
     s = sub.add_parser("sweep", help="TTFT and memory vs context length and vs chunk count, every method")
     s.add_argument("--data", default=None, help="QA JSONL whose passages supply the text (default: built-in text)")
@@ -129,6 +129,22 @@ def add_bench_arguments(subparsers: Any) -> argparse.ArgumentParser:
     t.add_argument("--out", default="runs/templates")
     _add_model_args(t)
     t.set_defaults(func=run_templates)
+
+    ig = sub.add_parser("ingest", help="chunks/s of one-at-a-time vs batched vs Ray-distributed ingest",
+                        description="Ingest the same corpus chunks in every mode (interleaved per slice), then check "
+                                    "every chunk is served and stale answers hit every cache.")
+    ig.add_argument("--data", required=True, help="corpus JSONL (rows with passages [+ titles], or text)")
+    ig.add_argument("--limit", type=int, default=1000, help="chunks ingested by every mode")
+    ig.add_argument("--modes", default="serial,batched", help="comma-separated: serial, batched, ray:N")
+    ig.add_argument("--batch-size", type=int, default=None, help="chunks per forward (default: kvrag's default)")
+    ig.add_argument("--rounds", type=int, default=4, help="slices; the modes alternate per slice")
+    ig.add_argument("--store", default=None,
+                    help="base store URL (each mode gets a fresh dir / key prefix); 'redis-cluster' starts a local "
+                         "3-master Redis Cluster; default: a temporary directory")
+    ig.add_argument("--answers", type=int, default=10, help="stale answers per mode for the hit-rate check")
+    ig.add_argument("--out", default="runs/ingest")
+    _add_model_args(ig)
+    ig.set_defaults(func=run_ingest)
 
     pl = sub.add_parser("plot", help="one KL (or F1) vs TTFT/TTFT_full chart over several runs' summary.json")
     pl.add_argument("runs", nargs="+", help="NAME=PATH/summary.json (or a run directory) per run")
@@ -263,6 +279,22 @@ def run_store(args: argparse.Namespace) -> int:
     result = run_store_bench(cfg)
     print(store_markdown(result))
     print(f"results in {args.out}/ (store.json, store.md)", file=sys.stderr)
+    return 0
+
+
+def run_ingest(args: argparse.Namespace) -> int:
+    """``kvrag bench ingest``."""
+    from kvrag.bench.ingest_bench import IngestBenchConfig, ingest_markdown, run_ingest_bench
+
+    _setup(args)
+    cfg = IngestBenchConfig(
+        data=args.data, limit=args.limit, modes=[m.strip() for m in args.modes.split(",") if m.strip()],
+        batch_size=args.batch_size, rounds=args.rounds, store=args.store, answers=args.answers, out=args.out,
+        model=args.model, threads=args.threads or 1, seed=args.seed, progress=not args.no_progress,
+    )
+    result = run_ingest_bench(cfg)
+    print(ingest_markdown(result))
+    print(f"results in {args.out}/ (ingest.json, ingest.md)", file=sys.stderr)
     return 0
 
 

@@ -239,31 +239,104 @@ class KVRAGEngine:
         self.serving_store.put(key, self.compute(token_ids, kind))
         return key, False
 
-    def ingest(self, texts: Sequence[str], progress: bool = False) -> list[str]:
+    def ingest(self, texts: Sequence[str], progress: bool = False, batch_size: int | None = None) -> list[str]:
         """Compute and store caches for ``texts``, skipping those already stored (so an interrupted ingest resumes).
 
-        Empty and whitespace-only texts are skipped with a warning. Returns the keys of the non-empty texts.
+        Empty and whitespace-only texts are skipped with a warning. Missing caches are prefilled ``batch_size``
+        chunks per forward (:func:`kvrag.engine.batch.compute_chunk_kvs`; the same K/V and keys as one at a time)
+        and each batch is stored as soon as it is computed. Returns the keys of the non-empty texts.
+
+        Args:
+            texts: chunk texts, exactly as prompts will contain them.
+            progress: show a progress bar.
+            batch_size: chunks per forward (default :data:`kvrag.engine.batch.DEFAULT_BATCH_SIZE`; 1: one at a time,
+                exactly :meth:`compute` per chunk).
 
         Raises:
             StoreError: the store failed (disk full, Redis down) -- also with ``on_store_error="recompute"``.
-            ContextLengthError: a chunk does not fit the context window (nothing after it is ingested).
+            ContextLengthError: a chunk does not fit the context window (checked first: nothing is ingested).
+            ConfigError: ``batch_size`` < 1.
         """
-        from tqdm.auto import tqdm
+        keys, _ = self._ensure_texts(texts, self.store, batch_size, progress, warn_empty=True)
+        return [k for k in keys if k is not None]
 
-        keys = []
-        for i, t in enumerate(tqdm(texts, desc="caching chunks", unit="chunk", disable=not progress)):
+    def ensure_many(self, texts: Sequence[str], batch_size: int | None = None,
+                    progress: bool = False) -> list[tuple[str | None, bool]]:
+        """Batched :meth:`ensure_ids` for many texts through the serving store (index builders use it).
+
+        Returns:
+            One ``(key, was_cached)`` per text; empty / whitespace-only texts give ``(None, False)`` (not cached).
+            With ``on_store_error="recompute"`` a failing store is skipped, as in :meth:`ensure_ids`.
+        """
+        keys, cached = self._ensure_texts(texts, self.serving_store, batch_size, progress, warn_empty=False)
+        return list(zip(keys, cached, strict=True))
+
+    def _ensure_texts(self, texts: Sequence[str], store: Any, batch_size: int | None, progress: bool,
+                      warn_empty: bool) -> tuple[list[str | None], list[bool]]:
+        """Tokenize and key every text, then compute the caches ``store`` lacks in batches and store them."""
+        from kvrag.engine.batch import DEFAULT_BATCH_SIZE
+
+        bs = DEFAULT_BATCH_SIZE if batch_size is None else batch_size
+        if not isinstance(bs, int) or bs < 1:
+            msg = f"batch_size must be an int >= 1, got {batch_size!r}; use 1 to prefill one chunk at a time"
+            raise ConfigError(msg)
+        keys: list[str | None] = []
+        ids_of: dict[str, list[int]] = {}
+        for i, t in enumerate(texts):
             ids = self._chunk_ids(t)
             if not ids:
-                log.warning("skipping empty or whitespace-only chunk #%d", i)
+                if warn_empty:
+                    log.warning("skipping empty or whitespace-only chunk #%d", i)
+                keys.append(None)
                 continue
             self._check_len(len(ids), f"chunk #{i}")
             key = self.chunk_key(ids)
-            if self.store.contains(key):
-                self._count(chunks_reused=1)
-            else:
-                self.store.put(key, self.compute(ids))
+            ids_of.setdefault(key, ids)
             keys.append(key)
-        return keys
+        todo = {k: ids for k, ids in ids_of.items() if not store.contains(k)}  # resume: skip stored chunks
+        seen: set[str] = set()
+        cached = []
+        for k in keys:  # a repeated text is computed once and counts as reused after its first occurrence
+            cached.append(k is not None and (k not in todo or k in seen))
+            if k is not None:
+                seen.add(k)
+        self._count(chunks_reused=sum(cached))
+        self.store_batched(list(todo.items()), store, bs, progress=progress)
+        return keys, cached
+
+    def store_batched(self, items: Sequence[tuple[str, Sequence[int]]], store: Any = None,
+                      batch_size: int | None = None, progress: bool = False) -> None:
+        """Compute the caches of ``(key, token_ids)`` items, ``batch_size`` per forward, and put each batch into
+        ``store`` (default: the engine's store) as soon as it is computed. Keys must be :meth:`chunk_key` of the ids.
+        """
+        from tqdm.auto import tqdm
+
+        from kvrag.engine.batch import DEFAULT_BATCH_SIZE, compute_chunk_kvs, prefill_prefix
+
+        store = self.store if store is None else store
+        bs = DEFAULT_BATCH_SIZE if batch_size is None else batch_size
+        if not items:
+            return
+        bar = tqdm(total=len(items), desc="caching chunks", unit="chunk", disable=not progress)
+        try:
+            if bs == 1:  # one chunk per forward: exactly the single-chunk path (prefix + chunk prefilled together)
+                for k, ids in items:
+                    store.put(k, self.compute(ids))
+                    bar.update(1)
+                return
+            with self._lock:
+                prefix_kv = prefill_prefix(self.model, self.chunk_prefix_ids)  # shared by every batch
+            order = sorted(range(len(items)), key=lambda i: -len(items[i][1]))  # similar lengths pad little
+            for start in range(0, len(order), bs):
+                part = [items[i] for i in order[start : start + bs]]
+                with self._lock:  # per batch, so answering threads interleave with a long ingest
+                    chunks = compute_chunk_kvs(self.model, self.rope, self.spec, [ids for _, ids in part],
+                                               self.chunk_prefix_ids, bs, prefix_kv=prefix_kv)
+                store.put_many([(k, ch) for (k, _), ch in zip(part, chunks, strict=True)])
+                self._count(chunks_computed=len(part))
+                bar.update(len(part))
+        finally:
+            bar.close()
 
     # ----------------------------------------------------------------- query
     def plan(self, prompt: str, chunks: Sequence[str]) -> Plan:

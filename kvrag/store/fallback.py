@@ -35,7 +35,14 @@ class FallbackStore(KVStore):
         retry_s: after a failure, seconds during which ``inner`` is skipped before it is tried again.
 
     Attributes not defined here (``root``, ``url``, ``codec`` ...) are read from ``inner``.
+
+    A store that fails only in part (one Redis Cluster master down: keys on the other masters still work)
+    alternates between failing and working; such outages are announced with a WARNING at most once per
+    :attr:`WARN_EVERY_S` seconds (the ones in between, and their recoveries, log at INFO; ``stats()["outages"]``
+    counts them all).
     """
+
+    WARN_EVERY_S = 60.0
 
     def __init__(self, inner: KVStore, *, retry_s: float = 2.0) -> None:
         super().__init__(expected_spec=None)
@@ -51,6 +58,8 @@ class FallbackStore(KVStore):
         self._outages = 0
         self._skipped = 0
         self._last_error = ""
+        self._warned_at: float | None = None
+        self._outage_warned = False
 
     # ---- state -------------------------------------------------------------------------------------------------
     @property
@@ -67,10 +76,19 @@ class FallbackStore(KVStore):
             self._retry_at = now + self.retry_s
             self._last_error = f"{op}: {error}"
             first = self._down_since is None
+            loud = False
             if first:
                 self._down_since = now
                 self._outages += 1
-        if first:
+                loud = self._warned_at is None or now - self._warned_at >= self.WARN_EVERY_S
+                self._outage_warned = loud
+                if loud:
+                    self._warned_at = now
+        if first and not loud:
+            logger.info("KV store %r failing again (%s): %s -- outage %d within %.0f s of the last warning (a partial "
+                        "outage, e.g. one Redis Cluster node down?); computing caches on demand", self.inner, op,
+                        error, self._outages, self.WARN_EVERY_S)
+        elif first:
             logger.warning(
                 "KV store %r failed (%s): %s -- continuing WITHOUT the store: caches are computed on demand "
                 "and not saved until it works again (retrying every %.3g s; set on_store_error='raise' to fail "
@@ -84,7 +102,9 @@ class FallbackStore(KVStore):
             since = self._down_since
             self._down_since = None
         if since is not None:
-            logger.warning("KV store %r works again after %.1f s; using it again", self.inner, time.monotonic() - since)
+            level = logging.WARNING if self._outage_warned else logging.INFO
+            logger.log(level, "KV store %r works again after %.1f s; using it again", self.inner,
+                       time.monotonic() - since)
 
     def _call(self, op: str, fn: Callable[[], T], default: T) -> T:
         with self._state:

@@ -8,8 +8,8 @@ import sys
 
 def test_import_kvrag_imports_no_optional_frameworks() -> None:
     code = (
-        "import sys, kvrag; kvrag.KVRAGEngine; kvrag.store_from_url; "
-        "bad = [m for m in ('redis', 'llama_index', 'langchain_core') if m in sys.modules]; "
+        "import sys, kvrag, kvrag.distributed; kvrag.KVRAGEngine; kvrag.store_from_url; "
+        "bad = [m for m in ('redis', 'llama_index', 'langchain_core', 'ray') if m in sys.modules]; "
         "print(','.join(bad))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()

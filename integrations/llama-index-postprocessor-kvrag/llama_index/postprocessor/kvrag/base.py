@@ -47,8 +47,11 @@ def render_node(node: BaseNode) -> str:
 
 
 def ensure_node_caches(engine: Any, nodes: Sequence[BaseNode], *, key_name: str = adapters.CHUNK_KEY_METADATA,
-                       progress: bool = False) -> list[adapters.RegisteredChunk]:
+                       progress: bool = False, batch_size: int | None = None) -> list[adapters.RegisteredChunk]:
     """Cache every node's rendered text (computing only missing caches) and tag the node with its chunk key.
+
+    Missing caches are prefilled ``batch_size`` chunks per forward (``KVRAGEngine.ensure_many``; None: kvrag's
+    default).
 
     Returns:
         The registered chunks (text + key) of the nodes that have text, in order.
@@ -57,7 +60,7 @@ def ensure_node_caches(engine: Any, nodes: Sequence[BaseNode], *, key_name: str 
         exclude_key(n, key_name)
     texts = [render_node(n) for n in nodes]
     out = []
-    for n, text, (key, _cached) in zip(nodes, texts, adapters.ensure_chunks(engine, texts, progress=progress), strict=True):
+    for n, text, (key, _cached) in zip(nodes, texts, engine.ensure_many(texts, batch_size, progress=progress), strict=True):
         if key is None:
             continue
         n.metadata[key_name] = key
@@ -125,6 +128,7 @@ class KVCacheTransform(TransformComponent):
 
     metadata_key: str = Field(default=adapters.CHUNK_KEY_METADATA)
     show_progress: bool = Field(default=False, description="Show a progress bar.")
+    batch_size: int | None = Field(default=None, ge=1, description="Chunks per prefill forward (None: kvrag's default).")
 
     _engine: Any = PrivateAttr(default=None)
 
@@ -142,5 +146,6 @@ class KVCacheTransform(TransformComponent):
 
     def __call__(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
         progress = bool(kwargs.get("show_progress", self.show_progress))
-        ensure_node_caches(self._engine, nodes, key_name=self.metadata_key, progress=progress)
+        ensure_node_caches(self._engine, nodes, key_name=self.metadata_key, progress=progress,
+                           batch_size=self.batch_size)
         return nodes

@@ -72,6 +72,7 @@ def build_index(
     transformations: Sequence[TransformComponent] | None = None,
     persist_dir: str | os.PathLike[str] | None = None,
     show_progress: bool = False,
+    batch_size: int | None = None,
 ) -> VectorStoreIndex:
     """Split, cache and embed documents (or ready nodes) into a FAISS-backed ``VectorStoreIndex``.
 
@@ -82,13 +83,14 @@ def build_index(
         embed_model: a LlamaIndex embedding model (e.g. ``HuggingFaceEmbedding`` on a local path).
         transformations: node parser(s); a :class:`KVCacheTransform` is appended.
         persist_dir: when set, the index is persisted there (the caches already are, through the engine's store).
+        batch_size: chunks per cache-prefill forward (None: kvrag's default; see ``KVRAGEngine.ingest``).
     """
     if (documents is None) == (nodes is None):
         msg = "build_index needs exactly one of documents=... or nodes=..."
         raise ValueError(msg)
     _check_store(engine, persist_dir)
     storage = _faiss_storage(embed_model)
-    kv = KVCacheTransform(engine, show_progress=show_progress)
+    kv = KVCacheTransform(engine, show_progress=show_progress, batch_size=batch_size)
     if documents is not None:
         from llama_index.core import Settings
 

@@ -1,0 +1,56 @@
+"""Storage size figures (kvrag.store.sizing) and ``kvrag store stats`` on a persisted index."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvrag import cli
+from kvrag.engine.engine import KVRAGEngine
+from kvrag.kv.spec import KVSpec
+from kvrag.store import DiskStore, serde
+from kvrag.store.sizing import codec_table, collection_size, entry_bytes
+from kvrag.testing.store_suite import random_chunk
+from kvrag.testing.tiny import tiny_model
+
+DEFAULT_SPEC = KVSpec(num_layers=30, num_kv_heads=3, head_dim=64, dtype="float32")  # SmolLM2-135M
+
+
+@pytest.mark.parametrize("codec", ["float32", "float16", "bfloat16", "int8"])
+def test_entry_bytes_is_what_serde_writes(codec: str) -> None:
+    spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32")
+    assert entry_bytes(spec, 13, codec) == len(serde.encode(random_chunk(spec, 13, seed=3), codec))
+
+
+def test_default_model_codec_table() -> None:
+    rows = {r["codec"]: r for r in codec_table(DEFAULT_SPEC, tokens_per_chunk=256)}
+    assert rows["float32"]["raw_bytes_per_token"] == 2 * 30 * 3 * 64 * 4 == 46080
+    assert rows["float16"]["raw_bytes_per_token"] == rows["bfloat16"]["raw_bytes_per_token"] == 23040
+    assert rows["int8"]["raw_bytes_per_token"] == 11520
+    for r in rows.values():  # stored = raw + token id + header (+ int8 scales), a little more than raw
+        assert r["raw_bytes_per_token"] < r["bytes_per_token"] < 1.1 * r["raw_bytes_per_token"]
+        assert r["file_bytes"] >= r["entry_bytes"] * 100_000 and r["redis_bytes"] > r["entry_bytes"] * 100_000
+    assert rows["float32"]["memory_bytes"] == (46080 + 8) * 256 * 100_000  # native tensors + int64 token ids
+    assert rows["int8"]["file_bytes"] < rows["float16"]["file_bytes"] < rows["float32"]["file_bytes"]
+
+
+def test_store_stats_reports_size_of_a_persisted_index(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    faiss = pytest.importorskip("faiss")
+    from kvrag.index import Chunk, ChunkIndex
+
+    eng = KVRAGEngine(tiny_model("llama"), DiskStore(tmp_path / "kv"))
+    texts = [f"Chunk {i}: the quick brown fox jumps over the lazy dog." for i in range(5)]
+    eng.ingest(texts)
+    chunks = [Chunk(id=f"d#{i}", source="d", text=t, num_tokens=len(eng.tokenize(t))) for i, t in enumerate(texts)]
+    vecs = faiss.IndexFlatIP(4)
+    vecs.add(np.eye(5, 4, dtype="float32"))
+    ChunkIndex(chunks, vecs, {"format": 1}).save(tmp_path / "idx")
+    url = f"file://{tmp_path / 'kv'}"
+    size = collection_size(DiskStore(tmp_path / "kv"), [c.num_tokens for c in chunks])
+    assert size["entries"] == 5 and size["tokens"] == sum(c.num_tokens for c in chunks) and size["codec"] == "float32"
+    assert size["projected_100k_chunks_bytes"] == int(size["bytes"] / 5 * 100_000)
+    assert cli.main(["store", "stats", "--persist", str(tmp_path / "idx"), "--store", url]) == 0
+    out = capsys.readouterr().out
+    assert "size: 5 entries" in out and "bytes per token" in out and "100K such chunks would take" in out
