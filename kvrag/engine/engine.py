@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 import threading
 import time
@@ -16,7 +15,7 @@ from kvrag.config import EngineConfig, GenerationConfig
 from kvrag.engine.assemble import assemble, context_only_input
 from kvrag.engine.generate import decode
 from kvrag.engine.planner import Plan, PlannedSegment, TextPiece, plan_pieces, plan_prompt
-from kvrag.engine.results import Stats, Timings
+from kvrag.engine.results import Prepared, Response, Stats, Timings
 from kvrag.errors import ConfigError, ContextLengthError
 from kvrag.fusion import FusionMethod, get_method
 from kvrag.kv import hf_cache
@@ -29,40 +28,6 @@ from kvrag.kv.window import context_limit
 from kvrag.prompting import chat_preamble, render_chat
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class Response:
-    """One answer with its timings (seconds) and reuse statistics."""
-
-    text: str
-    token_ids: list[int]
-    method: str
-    timings: Timings
-    stats: Stats
-    chunk_keys: list[str]
-
-    @property
-    def ttft_s(self) -> float:
-        return float(self.timings.ttft_s or 0.0)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-@dataclasses.dataclass
-class Prepared:
-    """A request after repair and suffix prefill, ready to decode (``token_ids`` fills as it streams)."""
-
-    plan: Plan
-    method: FusionMethod
-    cache: Any
-    last_logits: torch.Tensor
-    timings: Timings
-    stats: Stats
-    chunk_keys: list[str]
-    t0: float
-    token_ids: list[int] = dataclasses.field(default_factory=list)
 
 
 class KVRAGEngine:

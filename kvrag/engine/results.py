@@ -8,7 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvrag.engine.planner import Plan
+    from kvrag.fusion.base import FusionMethod
 
 
 class _Fields(Mapping[str, Any]):
@@ -81,4 +87,38 @@ class Stats(_Fields):
     generated_tokens: int | None = None
 
 
-__all__ = ["Stats", "Timings"]
+@dataclasses.dataclass
+class Response:
+    """One answer with its timings (seconds) and reuse statistics."""
+
+    text: str
+    token_ids: list[int]
+    method: str
+    timings: Timings
+    stats: Stats
+    chunk_keys: list[str]
+
+    @property
+    def ttft_s(self) -> float:
+        return float(self.timings.ttft_s or 0.0)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class Prepared:
+    """A request after repair and suffix prefill, ready to decode (``token_ids`` fills as it streams)."""
+
+    plan: Plan
+    method: FusionMethod
+    cache: Any
+    last_logits: torch.Tensor
+    timings: Timings
+    stats: Stats
+    chunk_keys: list[str]
+    t0: float
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+
+
+__all__ = ["Prepared", "Response", "Stats", "Timings"]
