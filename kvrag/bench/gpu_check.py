@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 
-METHODS_AT_ONE = ("relaxkv:r=1", "relaxkv-fullctx:r=1", "cacheblend:r=1", "prophetkv:r=1", "epic:k=100000")
 BF16_TOKENS = 4
 """bf16 greedy decodes are compared over their first 4 tokens: reordered bf16 sums flip near-ties later on."""
 
@@ -30,7 +29,7 @@ BF16_TOKENS = 4
 def equivalence(device: str, dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)) -> list[dict[str, Any]]:
     """Token equality of every recompute-everything method vs ``full`` and of ``full`` vs ``model.generate``."""
     from kvrag.fusion import get_method
-    from kvrag.testing.fusion_suite import fusion_case, greedy_tokens
+    from kvrag.testing.fusion_suite import RECOMPUTE_ALL_SPECS, fusion_case, greedy_tokens
     from kvrag.testing.tiny import FAMILIES
 
     rows = []
@@ -45,7 +44,7 @@ def equivalence(device: str, dtypes: tuple[torch.dtype, ...] = (torch.float32, t
                 ref = model.generate(ids[None], max_new_tokens=steps, do_sample=False)[0, ids.shape[0]:].tolist()
                 full = greedy_tokens(inp, get_method("full").fuse(inp), steps)
                 rows.append({"family": family, "dtype": str(dt), "check": "full == model.generate", "ok": full == ref})
-                for spec in METHODS_AT_ONE:
+                for spec in RECOMPUTE_ALL_SPECS:
                     x = case.fusion_input()
                     toks = greedy_tokens(x, get_method(spec).fuse(x), steps)
                     rows.append({"family": family, "dtype": str(dt), "check": f"{spec} == full", "ok": toks == full})

@@ -77,7 +77,9 @@ def render_card(meta: dict[str, Any], *, command: str | None, bench: dict[str, A
         "",
         "A small learned network (CacheRepair §4.1) that predicts the residual between the stale KV of independently",
         "cached chunks and the jointly prefilled KV. Used by `method=\"cacherepair\"` when the engine's model has",
-        f"fingerprint `{target.get('model_fingerprint', '?')}` (checked at load time).",
+        (f"weights fingerprint `{target['weights_fingerprint']}` (dtype-independent, checked at load time; model "
+         f"fingerprint `{target.get('model_fingerprint', '?')}` as trained)." if target.get("weights_fingerprint")
+         else f"fingerprint `{target.get('model_fingerprint', '?')}` (checked at load time)."),
         "",
         "## Architecture",
         "",

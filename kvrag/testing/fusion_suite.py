@@ -232,4 +232,9 @@ class FusionMethodTests:
         assert greedy_tokens(inp, out, self.decode_steps) == case.full_tokens
 
 
-__all__ = ["LAYOUT", "SUITE_INIT_STD", "SUITE_LAYERS", "FusionCase", "FusionMethodTests", "FusionRun", "context_kv", "fusion_case", "greedy_tokens"]
+RECOMPUTE_ALL_SPECS = ("relaxkv:r=1.0", "relaxkv-fullctx:r=1.0", "prophetkv:r=1.0", "cacheblend:r=1.0",
+                       "epic:k=100000")
+"""Every selective method at its recompute-everything setting (each must reproduce ``full``)."""
+
+__all__ = ["LAYOUT", "RECOMPUTE_ALL_SPECS", "SUITE_INIT_STD", "SUITE_LAYERS", "FusionCase", "FusionMethodTests",
+           "FusionRun", "context_kv", "fusion_case", "greedy_tokens"]

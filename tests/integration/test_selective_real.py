@@ -13,6 +13,7 @@ from kvrag.config import GenerationConfig
 from kvrag.engine.engine import KVRAGEngine
 from kvrag.prompting import RagTemplate, render_passage
 from kvrag.store.memory import MemoryStore
+from kvrag.testing.fusion_suite import RECOMPUTE_ALL_SPECS
 
 pytestmark = pytest.mark.integration
 
@@ -23,17 +24,11 @@ PASSAGES = [
     ("Lode ferry", "The last ferry across the Lode left at nine in the evening."),
 ]
 QUESTION = "Who built the Harrow Point Lighthouse, and in which year?"
-RECOMPUTE_ALL = ("relaxkv:r=1.0", "relaxkv-fullctx:r=1.0", "prophetkv:r=1.0", "cacheblend:r=1.0", "epic:k=100000")
+RECOMPUTE_ALL = RECOMPUTE_ALL_SPECS
 N_TOKENS = 8
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Any:
-    """One intra-op thread: on a busy 2-core box more threads make the per-layer executor several times slower."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -15,14 +15,7 @@ from kvrag.kv import hf_cache
 from kvrag.testing.fusion_suite import FusionCase, FusionMethodTests, context_kv, fusion_case, greedy_tokens
 from kvrag.testing.tiny import FAMILIES
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Any:
-    """Tiny models run ~3x faster on one intra-op thread (no thread sync per small kernel), more on a busy box."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # --- the standard suite -----------------------------------------------------------------------------------------

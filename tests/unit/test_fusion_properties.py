@@ -15,19 +15,14 @@ from kvrag.engine.assemble import assemble
 from kvrag.fusion import get_method
 from kvrag.kv.compute import compute_chunk_kv
 from kvrag.kv.rope import Rope
-from kvrag.testing.fusion_suite import fusion_case, greedy_tokens
+from kvrag.testing.fusion_suite import RECOMPUTE_ALL_SPECS, fusion_case, greedy_tokens
 from kvrag.testing.tiny import FAMILIES
 
-RECOMPUTE_ALL = ("relaxkv:r=1.0", "relaxkv-fullctx:r=1.0", "prophetkv:r=1.0", "cacheblend:r=1.0", "epic:k=1000")
+RECOMPUTE_ALL = RECOMPUTE_ALL_SPECS
 STEPS = 3
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Any:
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @st.composite

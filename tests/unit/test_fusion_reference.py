@@ -33,12 +33,7 @@ from kvrag.testing.tiny import FAMILIES
 ATOL = 1e-5  # fp32, 4 layers, init_std 0.1: the executor and the reference agree to ~3e-6
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Any:
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 class _SubstituteCache:

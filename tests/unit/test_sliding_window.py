@@ -28,12 +28,7 @@ WINDOW = 40
 SW_FAMILIES = ("mistral", "qwen2")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Any:
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module", params=SW_FAMILIES)
