@@ -19,3 +19,11 @@ def test_without_cuda_it_says_so_and_exits_zero(monkeypatch, capsys, tmp_path) -
 def test_equivalence_on_cuda() -> None:
     rows = gpu_check.equivalence("cuda", (torch.float32,))
     assert rows and all(r["ok"] for r in rows), [r for r in rows if not r["ok"]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_equivalence_checks_pass_on_cpu(dtype: torch.dtype) -> None:
+    """The gpu-check equivalence (full == model.generate; every recompute-everything method == full) also holds on
+    the CPU, in float32 (6 tokens) and bfloat16 (the first BF16_TOKENS tokens: the documented bf16 tolerance)."""
+    rows = gpu_check.equivalence("cpu", (dtype,))
+    assert len(rows) == 4 * 6 and all(r["ok"] for r in rows), [r for r in rows if not r["ok"]]
