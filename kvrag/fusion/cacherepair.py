@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from kvrag.errors import CheckpointMismatchError, ConfigError
+from kvrag.fingerprint import weights_fingerprint
 from kvrag.fusion.base import FusionInput, FusionMethod, FusionOutput, register
 from kvrag.kv import hf_cache
 from kvrag.repair.config import pack_kv, unpack_kv
@@ -70,15 +71,6 @@ def find_shipped_checkpoint(model: Any, fingerprint: str, root: Path = SHIPPED_D
 _LOAD_LOCK = threading.Lock()
 
 
-def _weights_fp(model: Any) -> str:
-    from kvrag.fingerprint import weights_fingerprint
-
-    try:
-        return weights_fingerprint(model)
-    except Exception:  # a model object without a state dict (never in kvrag): fall back to the model fingerprint
-        return ""
-
-
 @register
 class CacheRepair(FusionMethod):
     """Learned residual repair of the stale KV (CacheRepair, §4.1).
@@ -100,7 +92,7 @@ class CacheRepair(FusionMethod):
 
     def _resolve(self, inp: FusionInput) -> Path:
         """The checkpoint directory for ``inp``'s model (resolved once per model identity)."""
-        wfp = _weights_fp(inp.model)
+        wfp = weights_fingerprint(inp.model)
         memo = (inp.spec.model_fingerprint, wfp)
         got = self._paths.get(memo)
         if got is None:
@@ -139,7 +131,7 @@ class CacheRepair(FusionMethod):
                 fp = inp.spec.model_fingerprint or None
                 if fp is None:
                     log.warning("cacherepair: the KV spec carries no model fingerprint; checking shapes only")
-                rep = RepairModel.from_pretrained(path, fp, expected_weights_fingerprint=_weights_fp(inp.model) or None,
+                rep = RepairModel.from_pretrained(path, fp, expected_weights_fingerprint=weights_fingerprint(inp.model),
                                                   map_location=device)
                 rep.to(dtype)  # runs in the model's compute dtype (weights are stored in float32)
                 self._repairers[key] = rep
