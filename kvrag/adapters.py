@@ -34,13 +34,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
-import dataclasses
 import threading
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
 from kvrag.config import GenerationConfig
+from kvrag.engine.chunks import RegisteredChunk
 from kvrag.errors import ConfigError
 from kvrag.prompting import render_chat
 
@@ -48,14 +48,6 @@ T = TypeVar("T")
 
 CHUNK_KEY_METADATA = "kvrag_chunk_key"
 """Metadata field that carries a node's / document's chunk key (excluded from what the LLM and embedder see)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class RegisteredChunk:
-    """A chunk text as it will appear in the prompt, with its cache key when known."""
-
-    text: str
-    key: str | None = None
 
 
 ChunkLike = str | RegisteredChunk | tuple[str, str | None]
@@ -73,7 +65,7 @@ def _as_chunk(c: ChunkLike | Any) -> RegisteredChunk:
     if isinstance(c, tuple) and len(c) == 2 and isinstance(c[0], str):
         return RegisteredChunk(c[0], c[1])
     text = getattr(c, "text", None)
-    if isinstance(text, str):
+    if isinstance(text, str):  # a look-alike (e.g. a pickled older RegisteredChunk): keep what it says of itself
         return RegisteredChunk(text, getattr(c, "key", None))
     msg = f"a chunk must be a str, a (text, key) tuple or a RegisteredChunk, got {type(c).__name__}"
     raise ConfigError(msg)
@@ -105,18 +97,19 @@ class RecentChunks:
         self.max_entries = max_entries
         self.max_chars = max_chars
         self._lock = threading.Lock()
-        self._items: OrderedDict[str, str | None] = OrderedDict()
+        self._items: OrderedDict[str, RegisteredChunk] = OrderedDict()  # text -> identity (never a held cache)
         self._chars = 0
 
     def add(self, chunks: Iterable[ChunkLike]) -> None:
         with self._lock:
             for c in _normalize(chunks):
+                c = c.identity()
                 if c.text in self._items:
                     self._items.move_to_end(c.text)
                     if c.key is not None:
-                        self._items[c.text] = c.key
+                        self._items[c.text] = c
                     continue
-                self._items[c.text] = c.key
+                self._items[c.text] = c
                 self._chars += len(c.text)
             while self._items and (len(self._items) > self.max_entries or self._chars > self.max_chars):
                 old, _ = self._items.popitem(last=False)
@@ -126,7 +119,7 @@ class RecentChunks:
         """The remembered chunks whose exact text occurs in ``prompt`` (most recent first)."""
         with self._lock:
             items = list(self._items.items())
-        return tuple(RegisteredChunk(t, k) for t, k in reversed(items) if t in prompt)
+        return tuple(c for t, c in reversed(items) if t in prompt)
 
     def clear(self) -> None:
         with self._lock:
@@ -231,24 +224,18 @@ def shared_engine(model: str | None = None, store: Any = "memory://", **config: 
         return eng
 
 
-def ensure_chunks(engine: Any, texts: Sequence[str], *, progress: bool = False) -> list[tuple[str | None, bool]]:
-    """Make sure every text has a stored cache, without reading cached entries back.
+def ensure_chunks(engine: Any, texts: Sequence[str], *, fetch: bool = False, progress: bool = False,
+                  batch_size: int | None = None) -> list[tuple[RegisteredChunk | None, bool]]:
+    """Make sure every text has a stored cache (:meth:`KVRAGEngine.ensure` on the engine's serving store).
+
+    One store round trip for all texts; missing caches are prefilled in batches. With ``fetch`` the returned chunks
+    hold their caches, so that a request answered in the same scope reads nothing more from the store.
 
     Returns:
-        One ``(key, was_cached)`` per text; whitespace-only texts give ``(None, False)`` and are not cached.
+        One ``(chunk, was_cached)`` per text (``chunk`` carries text, key and token ids); whitespace-only texts give
+        ``(None, False)`` and are not cached.
     """
-    from tqdm.auto import tqdm
-
-    out: list[tuple[str | None, bool]] = []
-    for text in tqdm(texts, desc="kvrag: caching chunks", unit="chunk", disable=not progress):
-        ids = engine.tokenize(text) if text.strip() else []
-        if not ids:
-            out.append((None, False))
-            continue
-        # ensure_ids goes through the engine's serving store: a failing store degrades (on_store_error)
-        key, cached = engine.ensure_ids(ids)
-        out.append((key, cached))
-    return out
+    return engine.ensure(texts, fetch=fetch, batch_size=batch_size, progress=progress)
 
 
 # ------------------------------------------------------------------------------------------------- async helper
@@ -298,6 +285,7 @@ async def aiter_in_thread(factory: Callable[[], Iterator[T]]) -> AsyncIterator[T
 
 
 def chunk_texts(chunks: Sequence[RegisteredChunk]) -> list[str]:
+    """The texts of registered chunks (what request records show)."""
     return [c.text for c in chunks]
 
 

@@ -155,12 +155,13 @@ class IngestWorker:
         """Compute and store the caches of ``(key, token_ids)`` items the store lacks; returns a small report."""
         t0 = time.perf_counter()
         eng = self.engine
-        for key, ids in items:
-            if eng.chunk_key(ids) != key:
-                msg = "a task's key does not match its token ids under this worker's model; driver and worker differ"
-                raise ConfigError(msg)
-        todo = [(k, ids) for k, ids in items if not eng.store.contains(k)]  # a retried task skips what is stored
-        eng.store_batched(todo, batch_size=batch_size)
+        refs = [eng.chunk_ref(ids) for _, ids in items]
+        if any(r.key != key for r, (key, _) in zip(refs, items, strict=True)):
+            msg = "a task's key does not match its token ids under this worker's model; driver and worker differ"
+            raise ConfigError(msg)
+        # the engine's one ensure path on the raw store: a retried task skips what is stored (one EXISTS round trip)
+        done = eng.ensure(refs, store=eng.store, batch_size=batch_size)
+        todo = [r for r, cached in done if not cached]
         return {"pid": os.getpid(), "computed": len(todo), "skipped": len(items) - len(todo),
                 "seconds": time.perf_counter() - t0, "peak_rss_mb": _peak_rss_mb()}
 
@@ -315,20 +316,19 @@ def plan_items(engine: Any, texts: Sequence[str]) -> tuple[list[str], list[tuple
     Raises:
         ContextLengthError: a chunk does not fit the model's context window (before any work is sent).
     """
+    refs = engine.identify(texts)  # tokenized, length-checked and keyed as the engine does (no store access)
     keys: list[str] = []
     ids_of: dict[str, list[int]] = {}
     empty = 0
-    for i, t in enumerate(texts):
-        ids = engine._chunk_ids(t)
-        if not ids:
+    for i, r in enumerate(refs):
+        if r is None:
             log.warning("skipping empty or whitespace-only chunk #%d", i)
             empty += 1
             continue
-        engine._check_len(len(ids), f"chunk #{i}")
-        k = engine.chunk_key(ids)
-        ids_of.setdefault(k, ids)
-        keys.append(k)
-    todo = [(k, ids) for k, ids in ids_of.items() if not engine.store.contains(k)]
+        ids_of.setdefault(str(r.key), list(r.token_ids or ()))
+        keys.append(str(r.key))
+    stored = engine.store.contains_many(list(ids_of))  # one round trip for all
+    todo = [(k, ids) for (k, ids), ok in zip(ids_of.items(), stored, strict=True) if not ok]
     counts = {"skipped_empty": empty, "duplicates": len(keys) - len(ids_of), "already_stored": len(ids_of) - len(todo)}
     return keys, todo, counts
 

@@ -61,13 +61,12 @@ def ensure_cached(engine: Any, plans: Sequence[Any], progress: bool = False) -> 
     Returns:
         How many caches were computed (the rest were already stored).
     """
-    from tqdm.auto import tqdm
-
-    todo = dict.fromkeys((seg.kind, seg.token_ids) for plan in plans for seg in plan.context)
+    todo = dict.fromkeys((seg.kind == "prefix", seg.token_ids) for plan in plans for seg in plan.context)
     computed = 0
-    for kind, ids in tqdm(list(todo), desc="caching chunks", unit="chunk", disable=not progress, leave=False):
-        _, hit = engine.ensure_ids(ids, "prefix" if kind == "prefix" else "chunk")
-        computed += not hit
+    for is_prefix in (True, False):  # the segments' own ids (aligned to the prompt), keyed as the fetch keys them
+        kind = "prefix" if is_prefix else "chunk"
+        refs = [engine.chunk_ref(ids, kind) for p, ids in todo if p == is_prefix]
+        computed += sum(not cached for _, cached in engine.ensure(refs, kind=kind, batch_size=1, progress=progress))
     return computed
 
 

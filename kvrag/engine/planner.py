@@ -16,7 +16,8 @@ over one boundary token), or with ``strict`` prefilled as text and not counted a
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from kvrag.errors import ConfigError
 
@@ -39,6 +40,7 @@ class PlannedSegment:
     text: str
     token_ids: tuple[int, ...]
     start: int
+    key: str | None = dataclasses.field(default=None, compare=False)  # cache key when known (set by the engine)
 
     @property
     def end(self) -> int:
@@ -55,6 +57,7 @@ class Plan:
         registered: number of registered chunk texts offered; found: how many were found in the prompt.
         inexact_chunks: spliced chunks whose own tokenization differs from the prompt string's at a boundary (their
             ids are used anyway; 0 means the plan's ids equal the tokenized prompt).
+        held: caches the caller already holds, by key (used instead of a store read; filled by the engine).
     """
 
     context: tuple[PlannedSegment, ...]
@@ -62,6 +65,7 @@ class Plan:
     registered: int
     found: int
     inexact_chunks: int = 0
+    held: Mapping[str, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @property
     def context_len(self) -> int:

@@ -82,6 +82,10 @@ class KVStore(abc.ABC):
     def _contains(self, key: str) -> bool:
         """True when an entry exists (its integrity is only checked by ``get``)."""
 
+    def _contains_many(self, keys: Sequence[str]) -> list[bool]:
+        """Batched existence check; backends with a round trip per call override it (one round trip for all)."""
+        return [self._contains(k) for k in keys]
+
     @abc.abstractmethod
     def _delete(self, key: str) -> bool:
         """Remove the entry; True when one existed."""
@@ -176,6 +180,11 @@ class KVStore(abc.ABC):
     def contains(self, key: str) -> bool:
         """True when an entry is stored under ``key`` (a later ``get`` may still drop it as corrupt)."""
         return self._contains(check_key(key))
+
+    def contains_many(self, keys: Iterable[str]) -> list[bool]:
+        """Batched :meth:`contains`; results are in the order of ``keys``."""
+        ks = [check_key(k) for k in keys]
+        return self._contains_many(ks) if ks else []
 
     def __contains__(self, key: object) -> bool:
         return self.contains(key)  # type: ignore[arg-type]

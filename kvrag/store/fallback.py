@@ -143,6 +143,9 @@ class FallbackStore(KVStore):
     def _contains(self, key: str) -> bool:
         return self._call("contains", lambda: self.inner.contains(key), False)
 
+    def _contains_many(self, keys: Sequence[str]) -> list[bool]:
+        return self._call("contains", lambda: self.inner.contains_many(keys), [False] * len(keys))
+
     def _delete(self, key: str) -> bool:
         return self._call("delete", lambda: self.inner.delete(key), False)
 

@@ -180,6 +180,13 @@ class RedisStore(KVStore):
         with self._errors("EXISTS"):
             return bool(self._client.exists(self._k(key)))
 
+    def _contains_many(self, keys: Sequence[str]) -> list[bool]:
+        with self._errors("pipelined EXISTS"):
+            pipe = self._client.pipeline(transaction=False)
+            for k in keys:
+                pipe.exists(self._k(k))
+            return [bool(n) for n in pipe.execute()]
+
     def _delete(self, key: str) -> bool:
         with self._errors("DEL"):
             return bool(self._client.delete(self._k(key)))

@@ -70,6 +70,13 @@ class TieredStore(KVStore):
     def _contains(self, key: str) -> bool:
         return self.front.contains(key) or self.back.contains(key)
 
+    def _contains_many(self, keys: Sequence[str]) -> list[bool]:
+        out = self.front.contains_many(keys)
+        rest = [i for i, ok in enumerate(out) if not ok]
+        for i, ok in zip(rest, self.back.contains_many([keys[i] for i in rest]), strict=True):
+            out[i] = ok
+        return out
+
     def _delete(self, key: str) -> bool:
         in_front = self.front.delete(key)
         in_back = self.back.delete(key)

@@ -157,6 +157,8 @@ class KVStoreTests:
         assert store.delete(keys[1]) is True
         assert store.delete(keys[1]) is False
         assert not store.contains(keys[1])
+        assert store.contains_many([keys[2], keys[1], keys[0]]) == [True, False, True]  # in order, one call
+        assert store.contains_many([]) == []
         assert store.get(keys[1]) is None
         assert sorted(store.iter_keys()) == sorted([keys[0], keys[2]])
         assert store.stats()["entries"] == 2

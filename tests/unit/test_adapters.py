@@ -138,7 +138,7 @@ def test_ensure_chunks_computes_once():
     assert first[1] == (None, False)
     assert [c for _, c in (first[0], first[2])] == [False, False]
     again = adapters.ensure_chunks(eng, ["Paris is in France.", "Berlin is in Germany."])
-    assert [k for k, _ in again] == [first[0][0], first[2][0]] and all(c for _, c in again)
+    assert [r for r, _ in again] == [first[0][0], first[2][0]] and all(c for _, c in again)
     assert eng.store.stats()["entries"] == 2
 
 

@@ -55,11 +55,11 @@ def ask(eng: KVRAGEngine, passages: list[str], question: str = "Capital?") -> An
 
 # ---- empty and whitespace-only documents and chunks ----------------------------------------------------------------
 @pytest.mark.parametrize("text", ["", " ", "\n\n\t  \n"])
-def test_empty_chunk_refused_by_ensure_and_skipped_by_ingest(
+def test_empty_chunk_skipped_by_ensure_and_ingest(
     eng: KVRAGEngine, text: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with pytest.raises(ConfigError, match="empty or whitespace-only"):
-        eng.ensure(text)
+    assert eng.ensure([text]) == [(None, False)] and eng.identify([text]) == [None]  # never cached
+    assert eng.store.stats()["entries"] == 0
     with caplog.at_level(logging.WARNING, logger="kvrag.engine"):
         keys = eng.ingest([text, PASSAGES[0], text])
     assert len(keys) == 1 and eng.store.stats()["entries"] == 1
@@ -93,7 +93,7 @@ def test_chunk_longer_than_the_context_window(lm: Any) -> None:
     eng = KVRAGEngine(lm, MemoryStore(), EngineConfig(max_context=32, chunk_prefix="none"))
     long = "The quick brown fox jumps over the lazy dog. " * 10
     n = len(eng.tokenize(long))
-    for call in (lambda: eng.ingest(["short", long]), lambda: eng.ensure(long),
+    for call in (lambda: eng.ingest(["short", long]), lambda: eng.ensure([long]),
                  lambda: adapters.ensure_chunks(eng, [long])):
         with pytest.raises(ContextLengthError) as ei:
             call()

@@ -135,11 +135,12 @@ def test_ingest_bad_batch_size_and_too_long_chunk_store_nothing() -> None:
     assert list(eng.store.iter_keys()) == []  # lengths are checked before anything is computed
 
 
-def test_ensure_many_reports_cached_and_skips_empty() -> None:
+def test_ensure_reports_cached_and_skips_empty() -> None:
     eng = KVRAGEngine(tiny_model("mistral"), MemoryStore())
-    out = eng.ensure_many([TEXTS[0], "", TEXTS[1], TEXTS[0]], batch_size=2)
+    out = eng.ensure([TEXTS[0], "", TEXTS[1], TEXTS[0]], batch_size=2)
     assert [c for _, c in out] == [False, False, False, True] and out[1] == (None, False)
-    assert out[0][0] == out[3][0] == eng.chunk_key(eng.tokenize(TEXTS[0]))
-    again = eng.ensure_many([TEXTS[1], TEXTS[2]])
+    assert out[0][0].key == out[3][0].key == eng.chunk_key(eng.tokenize(TEXTS[0]))
+    again = eng.ensure([TEXTS[1], TEXTS[2]])
     assert [c for _, c in again] == [True, False]
-    assert eng.ensure_ids(eng.tokenize(TEXTS[2])) == (again[1][0], True)
+    ref = eng.chunk_ref(eng.tokenize(TEXTS[2]), text=TEXTS[2])
+    assert eng.ensure([ref]) == [(again[1][0], True)] and ref == again[1][0]

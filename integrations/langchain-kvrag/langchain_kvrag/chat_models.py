@@ -163,10 +163,10 @@ class ChatKVCached(BaseChatModel):
             stop=stop if stop is not None else self.stop,
         )
         method = self.engine.method(kw.pop("method", self.method), **kw.pop("method_params", self.method_params))
-        return {"prompt": prompt, "chunks": adapters.chunk_texts(chunks), "gen": gen, "method": method}
+        return {"prompt": prompt, "chunks": adapters.chunk_texts(chunks), "refs": chunks, "gen": gen, "method": method}
 
     def _prepare(self, req: dict[str, Any]) -> Any:
-        return self.engine.prepare(self.engine.plan(req["prompt"], req["chunks"]), req["method"],
+        return self.engine.prepare(self.engine.plan(req["prompt"], req["refs"]), req["method"],
                                    reserve=req["gen"].max_new_tokens)
 
     def _metadata(self, req: dict[str, Any], prep: Any) -> tuple[dict[str, Any], dict[str, int]]:

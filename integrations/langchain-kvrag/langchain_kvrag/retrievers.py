@@ -72,12 +72,14 @@ class KVCacheRetriever(BaseRetriever):
         docs = docs[:k] if k is not None else docs
         texts = [render_document(d) for d in docs]
         out, chunks = [], []
-        for d, text, (key, _cached) in zip(docs, texts, adapters.ensure_chunks(self.engine, texts), strict=True):
-            if key is None:
+        # contains only (no cache read): LCEL runs the chat model in another context, which finds these chunks by
+        # content in adapters.recent (identity only) and reads each cache once, by key
+        for d, (ref, _cached) in zip(docs, adapters.ensure_chunks(self.engine, texts), strict=True):
+            if ref is None:
                 out.append(d)
                 continue
-            out.append(d.model_copy(update={"metadata": {**d.metadata, self.metadata_key: key}}))
-            chunks.append(adapters.RegisteredChunk(text, key))
+            out.append(d.model_copy(update={"metadata": {**d.metadata, self.metadata_key: ref.key}}))
+            chunks.append(ref)
         return out, chunks
 
     def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun,

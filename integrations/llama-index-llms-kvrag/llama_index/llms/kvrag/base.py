@@ -161,7 +161,8 @@ class KVCachedLLM(CustomLLM):
         full = prompt if formatted else self.completion_to_prompt(prompt)
         explicit = kw.pop("chunks", None)
         chunks = adapters.resolve_chunks(full, explicit, use_recent=bool(kw.pop("use_recent_chunks", self.use_recent_chunks)))
-        req = {"prompt": full, "chunks": adapters.chunk_texts(chunks), "method": self._method(kw), "gen": self._gen_config(kw)}
+        req = {"prompt": full, "chunks": adapters.chunk_texts(chunks), "refs": chunks, "method": self._method(kw),
+               "gen": self._gen_config(kw)}
         kw.pop("formatted", None)
         if kw:
             log.debug("KVCachedLLM ignores unknown keyword arguments %s", sorted(kw))
@@ -171,7 +172,7 @@ class KVCachedLLM(CustomLLM):
         if "parts" in req:
             prefix, chunks, suffix, sep = req["parts"]
             return self.engine.plan_parts(prefix, chunks, suffix, sep)
-        return self.engine.plan(req["prompt"], req["chunks"])
+        return self.engine.plan(req["prompt"], req["refs"])  # keys, ids and held caches travel with the chunks
 
     def _info(self, req: dict[str, Any], prep: Any, text: str | None) -> dict[str, Any]:
         prompt_tokens, completion_tokens = adapters.token_usage(prep)
@@ -208,18 +209,27 @@ class KVCachedLLM(CustomLLM):
         yield CompletionResponse(text=text, delta="", raw=info["raw"], additional_kwargs=info["additional_kwargs"])
 
     # ------------------------------------------------------------------------------------------- explicit parts
-    def complete_parts(self, prefix: str, chunks: Sequence[str], suffix: str, separator: str = "", **kwargs: Any) -> CompletionResponse:
-        """Answer ``prefix + separator.join(chunks) + suffix`` with the chunks passed explicitly (no search)."""
-        req = self._new_request(prefix + separator.join(chunks) + suffix, True, {**kwargs, "chunks": list(chunks)})
-        req["parts"] = (prefix, list(chunks), suffix, separator)
-        return self._run(req)
+    def _parts_request(self, prefix: str, chunks: Sequence[str | adapters.RegisteredChunk], suffix: str,
+                       separator: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+        refs = list(chunks)
+        texts = [c.text if isinstance(c, adapters.RegisteredChunk) else c for c in refs]
+        req = self._new_request(prefix + separator.join(texts) + suffix, True, {**kwargs, "chunks": refs})
+        req["parts"] = (prefix, refs, suffix, separator)
+        return req
 
-    def stream_complete_parts(self, prefix: str, chunks: Sequence[str], suffix: str, separator: str = "",
-                              **kwargs: Any) -> CompletionResponseGen:
+    def complete_parts(self, prefix: str, chunks: Sequence[str | adapters.RegisteredChunk], suffix: str,
+                       separator: str = "", **kwargs: Any) -> CompletionResponse:
+        """Answer ``prefix + separator.join(chunks) + suffix`` with the chunks passed explicitly (no search).
+
+        ``chunks`` are texts or the :class:`~kvrag.adapters.RegisteredChunk` objects ``ensure`` returned (their
+        ids, keys and held caches are used as they are).
+        """
+        return self._run(self._parts_request(prefix, chunks, suffix, separator, kwargs))
+
+    def stream_complete_parts(self, prefix: str, chunks: Sequence[str | adapters.RegisteredChunk], suffix: str,
+                              separator: str = "", **kwargs: Any) -> CompletionResponseGen:
         """Streaming form of :meth:`complete_parts`."""
-        req = self._new_request(prefix + separator.join(chunks) + suffix, True, {**kwargs, "chunks": list(chunks)})
-        req["parts"] = (prefix, list(chunks), suffix, separator)
-        return self._run_stream(req)
+        return self._run_stream(self._parts_request(prefix, chunks, suffix, separator, kwargs))
 
     # ------------------------------------------------------------------------------------------- LlamaIndex API
     @llm_completion_callback()

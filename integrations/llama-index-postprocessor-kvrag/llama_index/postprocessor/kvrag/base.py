@@ -47,24 +47,30 @@ def render_node(node: BaseNode) -> str:
 
 
 def ensure_node_caches(engine: Any, nodes: Sequence[BaseNode], *, key_name: str = adapters.CHUNK_KEY_METADATA,
-                       progress: bool = False, batch_size: int | None = None) -> list[adapters.RegisteredChunk]:
+                       progress: bool = False, batch_size: int | None = None,
+                       fetch: bool = False) -> list[adapters.RegisteredChunk]:
     """Cache every node's rendered text (computing only missing caches) and tag the node with its chunk key.
 
-    Missing caches are prefilled ``batch_size`` chunks per forward (``KVRAGEngine.ensure_many``; None: kvrag's
-    default).
+    One store round trip for all nodes (``KVRAGEngine.ensure``); missing caches are prefilled ``batch_size``
+    chunks per forward (None: kvrag's default).
+
+    Args:
+        fetch: read the caches in that same round trip and hold them in the returned chunks, so that the LLM
+            answering this request reads nothing more from the store.
 
     Returns:
-        The registered chunks (text + key) of the nodes that have text, in order.
+        The registered chunks (text, key, token ids; with ``fetch`` their caches) of the nodes that have text.
     """
     for n in nodes:
         exclude_key(n, key_name)
     texts = [render_node(n) for n in nodes]
     out = []
-    for n, text, (key, _cached) in zip(nodes, texts, engine.ensure_many(texts, batch_size, progress=progress), strict=True):
-        if key is None:
+    ensured = engine.ensure(texts, fetch=fetch, batch_size=batch_size, progress=progress)
+    for n, (ref, _cached) in zip(nodes, ensured, strict=True):
+        if ref is None:
             continue
-        n.metadata[key_name] = key
-        out.append(adapters.RegisteredChunk(text, key))
+        n.metadata[key_name] = ref.key
+        out.append(ref)
     return out
 
 
@@ -101,7 +107,9 @@ class KVCachePostprocessor(BaseNodePostprocessor):
         return resolve_engine(self._engine, self._llm)
 
     def _ensure(self, nodes: list[NodeWithScore]) -> list[adapters.RegisteredChunk]:
-        return ensure_node_caches(self.engine, [n.node for n in nodes], key_name=self.metadata_key)
+        # a registered request reads each cache here, once; the LLM then splices the held caches in
+        return ensure_node_caches(self.engine, [n.node for n in nodes], key_name=self.metadata_key,
+                                  fetch=self.register_request)
 
     def _postprocess_nodes(self, nodes: list[NodeWithScore], query_bundle: QueryBundle | None = None) -> list[NodeWithScore]:
         chunks = self._ensure(nodes)

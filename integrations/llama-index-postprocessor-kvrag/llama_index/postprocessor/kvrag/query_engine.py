@@ -62,17 +62,16 @@ class KVQueryEngine(CustomQueryEngine):
 
     def custom_query(self, query_str: str) -> Response | StreamingResponse:
         nodes = self._nodes(query_str)
-        chunks = ensure_node_caches(self.llm.engine, [n.node for n in nodes])
+        chunks = ensure_node_caches(self.llm.engine, [n.node for n in nodes], fetch=True)  # one read per chunk
         if not chunks:
             return Response("Empty Response", source_nodes=nodes)
         prefix, suffix = self._frame(query_str)
-        texts = [c.text for c in chunks]
         meta: dict[str, Any] = {"kvrag": {}, "chunk_keys": [c.key for c in chunks]}
         if not self.streaming:
-            r = self.llm.complete_parts(prefix, texts, suffix, self.separator, **self.llm_kwargs)
+            r = self.llm.complete_parts(prefix, chunks, suffix, self.separator, **self.llm_kwargs)
             meta["kvrag"] = r.additional_kwargs
             return Response(r.text, source_nodes=nodes, metadata=meta)
-        gen = self.llm.stream_complete_parts(prefix, texts, suffix, self.separator, **self.llm_kwargs)
+        gen = self.llm.stream_complete_parts(prefix, chunks, suffix, self.separator, **self.llm_kwargs)
 
         def deltas() -> Iterator[str]:
             for r in gen:

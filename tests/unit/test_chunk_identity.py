@@ -1,0 +1,148 @@
+"""Chunk identity travels: (text, key, token ids[, cache]) from ensure into the planner and the fetch.
+
+- the planner splices a registered chunk's stored ids (the text is not tokenized again) and the fetch uses its key;
+- one store round trip per chunk: ``ensure`` asks once for all chunks; with ``fetch`` the request then reads
+  nothing more; without it the request reads each cache once;
+- a chunk derived by an engine with another key space (another model) is derived again, never trusted;
+- answers are the same whether chunks come as texts or as registered chunks.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+
+from kvrag import adapters
+from kvrag.config import GenerationConfig
+from kvrag.engine.chunks import RegisteredChunk
+from kvrag.engine.engine import KVRAGEngine
+from kvrag.kv.chunk import ChunkKV
+from kvrag.prompting import RagTemplate, render_passage
+from kvrag.store import MemoryStore
+from kvrag.testing.tiny import tiny_model
+
+PASSAGES = [
+    render_passage("Paris is the capital of France. The city has many museums.", "Paris"),
+    render_passage("Berlin is the capital of Germany. It is a large city.", "Berlin"),
+    render_passage("Madrid is the capital of Spain. It lies on a plateau.", "Madrid"),
+]
+GEN = GenerationConfig(max_new_tokens=6)
+
+
+class CountingStore(MemoryStore):
+    """A MemoryStore that counts backend calls (each call is one round trip for a networked store)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: collections.Counter[str] = collections.Counter()
+        self.read: list[str] = []  # keys read, in order
+
+    def _get(self, key: str) -> ChunkKV | None:
+        self.calls["get"] += 1
+        self.read.append(key)
+        return super()._get(key)
+
+    def _get_many(self, keys: Sequence[str]) -> list[ChunkKV | None]:
+        self.calls["get_many"] += 1
+        self.read.extend(keys)
+        return [super(CountingStore, self)._get(k) for k in keys]
+
+    def _contains(self, key: str) -> bool:
+        self.calls["contains"] += 1
+        return super()._contains(key)
+
+    def _contains_many(self, keys: Sequence[str]) -> list[bool]:
+        self.calls["contains_many"] += 1
+        return [super(CountingStore, self)._contains(k) for k in keys]
+
+
+@pytest.fixture(scope="module")
+def lm() -> Any:
+    return tiny_model("llama")
+
+
+def prompt_of(eng: KVRAGEngine, passages: Sequence[str] = PASSAGES) -> str:
+    return RagTemplate().render(eng.tokenizer, list(passages), "Capital?")
+
+
+def test_planner_uses_stored_ids_and_keys(lm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    eng = KVRAGEngine(lm, MemoryStore())
+    refs = [r for r, _ in eng.ensure(PASSAGES)]
+    assert all(r is not None and r.token_ids == tuple(eng.tokenize(r.text)) for r in refs)
+    prompt = prompt_of(eng)
+    tokenized: list[str] = []
+    real = eng.tokenize
+    monkeypatch.setattr(eng, "tokenize", lambda t: tokenized.append(t) or real(t))
+    plan = eng.plan(prompt, refs)
+    assert not set(PASSAGES) & set(tokenized)  # the chunk texts were not tokenized again
+    chunks = [s for s in plan.context if s.kind == "chunk"]
+    assert [s.key for s in chunks] == [r.key for r in refs]  # type: ignore[union-attr]
+    monkeypatch.undo()
+    assert plan.context == eng.plan(prompt, PASSAGES).context  # same layout (keys do not take part in ==)
+    assert [s.key for s in eng.plan(prompt, PASSAGES).context] == [None] * len(plan.context)
+
+
+def test_one_store_round_trip_per_chunk(lm: Any) -> None:
+    store = CountingStore()
+    eng = KVRAGEngine(lm, store)
+    eng.ingest(PASSAGES)
+    assert store.calls["contains_many"] == 1 and store.calls["contains"] == 0  # one ask for all chunks
+    prompt = prompt_of(eng)
+    keys = [str(k) for k in eng.ingest(PASSAGES)]
+
+    store.calls.clear()
+    held = [r for r, _ in eng.ensure(PASSAGES, fetch=True)]
+    assert dict(store.calls) == {"get_many": 1} and store.read == keys  # read once, in one round trip
+    assert all(r is not None and r.kv is not None for r in held)
+    r = eng.answer_plan(eng.plan(prompt, held), "stale", GEN)
+    # the request read no chunk again; one round trip for the prompt's other cached text (template, separators)
+    assert store.calls["get_many"] == 2 and store.calls["get"] == 0 and store.read[3:] and not set(store.read[3:]) & set(keys)
+    assert r.stats["chunk_hits"] == 3 and r.stats["hit_rate"] == 1.0
+
+    store.calls.clear()
+    store.read.clear()
+    ids_only = [r for r, _ in eng.ensure(PASSAGES)]
+    assert dict(store.calls) == {"contains_many": 1}
+    again = eng.answer_plan(eng.plan(prompt, ids_only), "stale", GEN)
+    assert store.calls["get_many"] == 1 and store.calls["get"] == 0  # every cache read once, one round trip
+    assert sorted(k for k in store.read if k in keys) == sorted(keys)
+    assert again.text == r.text == eng.answer(prompt, PASSAGES, "stale", GEN).text
+
+
+def test_held_cache_of_another_engine_is_not_used(lm: Any) -> None:
+    a = KVRAGEngine(lm, MemoryStore())
+    b = KVRAGEngine(tiny_model("qwen2"), MemoryStore())
+    assert a.key_space() != b.key_space()
+    held = [r for r, _ in a.ensure(PASSAGES, fetch=True)]
+    prompt = prompt_of(b)
+    plan = b.plan(prompt, held)
+    assert plan.held == {} and all(s.key is None for s in plan.context)  # derived again by b, nothing trusted
+    got = b.identify(held)
+    assert all(g is not None and g.space == b.key_space() and g.kv is None for g in got)
+    assert [g.key for g in got] != [h.key for h in held]  # type: ignore[union-attr]
+    assert b.answer_plan(plan, "stale", GEN).text == b.answer(prompt, PASSAGES, "stale", GEN).text
+
+
+def test_recent_chunks_keep_identity_not_caches(lm: Any) -> None:
+    eng = KVRAGEngine(lm, MemoryStore())
+    held = [r for r, _ in eng.ensure(PASSAGES[:1], fetch=True)]
+    table = adapters.RecentChunks()
+    table.add(held)
+    (found,) = table.found_in(prompt_of(eng, PASSAGES[:1]))
+    assert found == held[0] and found.kv is None and found.token_ids is not None
+
+
+def test_ensure_fetch_of_missing_chunks_holds_the_computed_cache(lm: Any) -> None:
+    store = CountingStore()
+    eng = KVRAGEngine(lm, store)
+    out = eng.ensure([PASSAGES[0], PASSAGES[0], "  "], fetch=True, batch_size=1)
+    (a, ca), (b, cb), (none, cn) = out
+    assert (ca, cb, none, cn) == (False, True, None, False)
+    assert a is not None and b is not None and a.kv is b.kv is not None
+    stored = eng.store.get(str(a.key))
+    assert stored is not None and all(
+        (x == y).all() for x, y in ((stored.keys, a.kv.keys), (stored.values, a.kv.values)))
+    assert isinstance(a, RegisteredChunk) and eng.counters["chunks_computed"] == 1
