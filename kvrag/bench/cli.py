@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shlex
 import sys
 from typing import Any
 
@@ -74,7 +75,7 @@ def add_bench_arguments(subparsers: Any) -> argparse.ArgumentParser:
     )
     _add_qa_args(p)
     p.set_defaults(func=run_bench)
-    sub = p.add_subparsers(dest="bench_command", metavar="{sweep,store,load,ingest,templates,plot}")
+    sub = p.add_subparsers(dest="bench_command", metavar="{sweep,store,load,llamaindex-kl,ingest,templates,plot}")
 
     s = sub.add_parser("sweep", help="TTFT and memory vs context length and vs chunk count, every method")
     s.add_argument("--data", default=None, help="QA JSONL whose passages supply the text (default: built-in text)")
@@ -118,6 +119,20 @@ def add_bench_arguments(subparsers: Any) -> argparse.ArgumentParser:
     ld.add_argument("--out", default="runs/load", help="output .json file or directory (gets load.json)")
     _add_model_args(ld)
     ld.set_defaults(func=run_load)
+
+    lk = sub.add_parser("llamaindex-kl", help="next-token KL vs full on the prompts a stock LlamaIndex query engine sends",
+                        description="Record the LLM calls of a stock LlamaIndex query engine (default prompts; "
+                                    "compact / refine / tree_summarize) over an index of dev passages, then compare "
+                                    "each method's next-token distribution with full prefill on the same prompts.")
+    lk.add_argument("--data", required=True, help="dev QA JSONL")
+    lk.add_argument("--rows", type=int, default=20, help="questions (their passages form the index)")
+    lk.add_argument("--offset", type=int, default=0)
+    lk.add_argument("--methods", default="stale,cacherepair", help="comma-separated method specs (vs full)")
+    lk.add_argument("--response-modes", default="compact,refine", help="LlamaIndex response modes")
+    lk.add_argument("--top-k", type=int, default=5)
+    lk.add_argument("--out", default="runs/llamaindex-kl")
+    _add_model_args(lk)
+    lk.set_defaults(func=run_llamaindex_kl)
 
     t = sub.add_parser("templates", help="choose the prompt template by full-prefill F1 on dev data")
     t.add_argument("--data", required=True)
@@ -319,6 +334,31 @@ def run_load(args: argparse.Namespace) -> int:
     print(load_markdown(result))
     print(f"results in {result['path']}", file=sys.stderr)
     return 0 if result["ok"] else 1
+
+
+def run_llamaindex_kl(args: argparse.Namespace) -> int:
+    """``kvrag bench llamaindex-kl``."""
+    try:  # the harness drives a LlamaIndex query engine, so it lives in the LlamaIndex integration package
+        from llama_index.postprocessor.kvrag.prompt_kl import PromptKLConfig, markdown, run_prompt_kl
+    except ImportError as e:
+        msg = ("`kvrag bench llamaindex-kl` needs the LlamaIndex integrations: pip install 'kvrag[llama-index]' "
+               "-e integrations/llama-index-llms-kvrag -e integrations/llama-index-postprocessor-kvrag "
+               f"(or `make setup`); {e}")
+        raise ImportError(msg) from e
+
+    from kvrag.bench.config import split_method_specs
+
+    _setup(args)
+    cfg = PromptKLConfig(
+        data=args.data, rows=args.rows, offset=args.offset, methods=split_method_specs(args.methods),
+        response_modes=[m.strip() for m in args.response_modes.split(",") if m.strip()], top_k=args.top_k,
+        out=args.out, model=args.model, device=args.device, dtype=args.dtype, threads=args.threads,
+        progress=not args.no_progress,
+    )
+    result = run_prompt_kl(cfg, command="kvrag " + " ".join(shlex.quote(a) for a in sys.argv[1:]))
+    print(markdown(result))
+    print(f"results in {result['path']}", file=sys.stderr)
+    return 0
 
 
 def run_templates(args: argparse.Namespace) -> int:
