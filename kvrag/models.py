@@ -21,6 +21,7 @@ import torch
 from kvrag.default_model import DEFAULT_MODEL, default_embedder_path, prepare_default_model
 from kvrag.errors import ConfigError
 from kvrag.fingerprint import model_fingerprint, tokenizer_fingerprint
+from kvrag.kv.attention import use_gqa_sdpa
 from kvrag.kv.rope import check_rope_support
 from kvrag.kv.spec import KVSpec, dtype_from_name, dtype_name
 from kvrag.paths import env_offline, hf_offline
@@ -140,6 +141,7 @@ def wrap_model(
     """Validate an already constructed model and compute its fingerprints (used by :func:`load_model` and tests)."""
     check_rope_support(model, name=name)
     model.eval()
+    use_gqa_sdpa(model)  # SDPA without repeated K/V heads for masked grouped-query calls (kvrag.kv.attention)
     param = next(model.parameters())
     dtype = dtype or param.dtype
     return LoadedModel(

@@ -169,7 +169,8 @@ class ChunkCaching:
             chunks: texts exactly as prompts will contain them, or :class:`RegisteredChunk` objects.
             kind: ``"chunk"`` (conditioned on the chunk prefix) or ``"prefix"`` (a prompt's leading text).
             fetch: also return each chunk's cache (``RegisteredChunk.kv``), read in the same round trip, so that
-                answering the request needs no further store access.
+                answering the request needs no further store access. Held caches are read-only (an in-memory
+                store hands out its own tensors, see ``KVStore.get_many(shared=True)``).
             store: where to look and put (default: the serving store, which degrades with
                 ``on_store_error="recompute"``; :meth:`ingest` passes the raw store so failures raise).
             batch_size: chunks per forward (default :data:`kvrag.engine.batch.DEFAULT_BATCH_SIZE`; 1: exactly
@@ -200,7 +201,7 @@ class ChunkCaching:
         held = {k: r.kv for k, r in first.items() if fetch and r.kv is not None}
         ask = [k for k in first if k not in held]
         if fetch:
-            got = {k: v for k, v in zip(ask, store.get_many(ask), strict=True) if v is not None}
+            got = {k: v for k, v in zip(ask, store.get_many(ask, shared=True), strict=True) if v is not None}
             have = set(got) | set(held)
         else:
             got = {}

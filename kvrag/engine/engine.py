@@ -171,7 +171,8 @@ class KVRAGEngine(ChunkCaching):
         segs = plan.context
         keys = [s.key or self.chunk_key(s.token_ids, s.kind) for s in segs]
         ask = [k for k in dict.fromkeys(keys) if k not in plan.held]
-        got: dict[str, ChunkKV | None] = dict(zip(ask, self.serving_store.get_many(ask), strict=True))
+        # shared: the chunks are only read (rotated into the request buffer), so a memory store need not copy them
+        got: dict[str, ChunkKV | None] = dict(zip(ask, self.serving_store.get_many(ask, shared=True), strict=True))
         timings.fetch_s = time.perf_counter() - t
         t = time.perf_counter()
         counts = {"chunk_hits": 0, "chunk_misses": 0, "other_hits": 0, "other_misses": 0, "reused_tokens": 0}

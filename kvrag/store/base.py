@@ -82,6 +82,10 @@ class KVStore(abc.ABC):
     def _contains(self, key: str) -> bool:
         """True when an entry exists (its integrity is only checked by ``get``)."""
 
+    def _get_many_shared(self, keys: Sequence[str]) -> list[ChunkKV | None]:
+        """Batched read for callers that never modify the result; in-memory backends skip their copy."""
+        return self._get_many(keys)
+
     def _contains_many(self, keys: Sequence[str]) -> list[bool]:
         """Batched existence check; backends with a round trip per call override it (one round trip for all)."""
         return [self._contains(k) for k in keys]
@@ -126,10 +130,17 @@ class KVStore(abc.ABC):
         self._count(hits=int(out is not None), misses=int(out is None))
         return out
 
-    def get_many(self, keys: Iterable[str]) -> list[ChunkKV | None]:
-        """Batched :meth:`get`; results are in the order of ``keys``."""
+    def get_many(self, keys: Iterable[str], *, shared: bool = False) -> list[ChunkKV | None]:
+        """Batched :meth:`get`; results are in the order of ``keys``.
+
+        Args:
+            shared: the caller only reads the returned chunks, so an in-memory backend may return its stored
+                tensors instead of copies (the engine's query path: chunks are rotated into the request's own
+                buffer, never modified). Backends that decode on every read ignore it. Never modify a chunk read
+                with ``shared=True``.
+        """
         ks = [check_key(k) for k in keys]
-        out = self._get_many(ks) if ks else []
+        out = (self._get_many_shared(ks) if shared else self._get_many(ks)) if ks else []
         found = sum(c is not None for c in out)
         self._count(hits=found, misses=len(out) - found)
         return out

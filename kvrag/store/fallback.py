@@ -128,6 +128,9 @@ class FallbackStore(KVStore):
     def _get_many(self, keys: Sequence[str]) -> list[ChunkKV | None]:
         return self._call("get", lambda: self.inner.get_many(keys), [None] * len(keys))
 
+    def _get_many_shared(self, keys: Sequence[str]) -> list[ChunkKV | None]:
+        return self._call("get", lambda: self.inner.get_many(keys, shared=True), [None] * len(keys))
+
     def _put(self, key: str, chunk: ChunkKV) -> None:
         self._call("put", lambda: self.inner.put(key, chunk), None)
 

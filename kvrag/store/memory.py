@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -67,14 +67,21 @@ class MemoryStore(KVStore):
         self._evictions = 0
 
     def _get(self, key: str) -> ChunkKV | None:
+        return self._read(key, shared=False)
+
+    def _get_many_shared(self, keys: Sequence[str]) -> list[ChunkKV | None]:
+        return [self._read(k, shared=True) for k in keys]
+
+    def _read(self, key: str, *, shared: bool) -> ChunkKV | None:
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:
                 return None
             self._entries.move_to_end(key)
             if not isinstance(entry, bytes):
-                # Copy under the lock so a concurrent put/evict cannot race the read.
-                out = _clone(entry)
+                # Copy under the lock so a concurrent put/evict cannot race the read. A shared read hands out the
+                # stored tensors themselves: entries are never modified in place (put replaces, evict drops).
+                out = entry if shared else _clone(entry)
         if isinstance(entry, bytes):
             return self._decode_or_drop(key, entry)
         return self._check_spec(key, out)

@@ -37,7 +37,13 @@ class TieredStore(KVStore):
         return chunk
 
     def _get_many(self, keys: Sequence[str]) -> list[ChunkKV | None]:
-        out = self.front.get_many(keys)
+        return self._read_many(keys, shared=False)
+
+    def _get_many_shared(self, keys: Sequence[str]) -> list[ChunkKV | None]:
+        return self._read_many(keys, shared=True)
+
+    def _read_many(self, keys: Sequence[str], *, shared: bool) -> list[ChunkKV | None]:
+        out = self.front.get_many(keys, shared=shared)
         missing = [i for i, c in enumerate(out) if c is None]
         if missing:
             found = self.back.get_many([keys[i] for i in missing])

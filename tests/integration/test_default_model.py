@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kvrag import default_model, models
+from kvrag.kv.attention import IMPL as GQA_SDPA
 from kvrag.paths import kvrag_home
 
 pytestmark = pytest.mark.integration
@@ -50,7 +51,7 @@ def test_reload_gives_identical_logits(prepared: tuple[Path, float]) -> None:
     print(f"warm load: {time.perf_counter() - t0:.1f} s")
     assert lm.name == default_model.DEFAULT_MODEL and lm.dtype == torch.float32
     assert getattr(lm.model.config, "quantization_config", None) is None
-    assert lm.model.config._attn_implementation == "sdpa"
+    assert lm.model.config._attn_implementation == GQA_SDPA
     assert lm.rope_type == "default"
     # Bit-identical to the GGUF-loaded model: the conversion recorded the digest of its logits on PROBE_TEXT.
     logits = default_model.probe_logits(lm.model, lm.tokenizer)

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
+import torch
 
 from kvrag import adapters
 from kvrag.config import GenerationConfig
@@ -49,6 +50,11 @@ class CountingStore(MemoryStore):
         self.calls["get_many"] += 1
         self.read.extend(keys)
         return [super(CountingStore, self)._get(k) for k in keys]
+
+    def _get_many_shared(self, keys: Sequence[str]) -> list[ChunkKV | None]:
+        self.calls["get_many"] += 1
+        self.read.extend(keys)
+        return super()._get_many_shared(keys)
 
     def _contains(self, key: str) -> bool:
         self.calls["contains"] += 1
@@ -146,3 +152,20 @@ def test_ensure_fetch_of_missing_chunks_holds_the_computed_cache(lm: Any) -> Non
     assert stored is not None and all(
         (x == y).all() for x, y in ((stored.keys, a.kv.keys), (stored.values, a.kv.values)))
     assert isinstance(a, RegisteredChunk) and eng.counters["chunks_computed"] == 1
+
+
+@pytest.mark.parametrize("method", ["stale", "full", "relaxkv:r=0.5", "cacheblend:r=0.5", "epic:k=4", "prophetkv:r=0.5"])
+def test_shared_reads_leave_the_stored_caches_untouched(lm: Any, method: str) -> None:
+    """The query path reads memory-store entries without copying them; no method may modify them."""
+    eng = KVRAGEngine(lm, MemoryStore())
+    keys = eng.ingest(PASSAGES)
+    before = {k: eng.store.get(k) for k in keys}  # copies
+    prompt = prompt_of(eng)
+    held = [r for r, _ in eng.ensure(PASSAGES, fetch=True)]
+    first = eng.answer_plan(eng.plan(prompt, held), method, GEN)
+    again = eng.answer(prompt, PASSAGES, method, GEN)
+    for k, ch in before.items():
+        now = eng.store.get(k)
+        assert now is not None and ch is not None
+        assert torch.equal(now.keys, ch.keys) and torch.equal(now.values, ch.values), (method, k)
+    assert first.token_ids == again.token_ids

@@ -12,6 +12,7 @@ from kvrag.errors import ConfigError
 from kvrag.fusion import get_method
 from kvrag.fusion.recompute import budget, query_attention_scores, selective_recompute
 from kvrag.kv import hf_cache
+from kvrag.kv.attention import IMPL as GQA_SDPA
 from kvrag.testing.fusion_suite import FusionCase, FusionMethodTests, context_kv, fusion_case, greedy_tokens
 from kvrag.testing.tiny import FAMILIES
 
@@ -252,7 +253,7 @@ def test_scoring_pass_matches_eager_attention(family: str) -> None:
     inp = case.fusion_input()
     model = case.model
     scores, edges, _ = query_attention_scores(inp)
-    assert model.config._attn_implementation == "sdpa"  # restored after the capture
+    assert model.config._attn_implementation == GQA_SDPA  # restored after the capture
     saved = model.config._attn_implementation
     model.config._attn_implementation = "eager"
     try:
@@ -292,7 +293,7 @@ def test_project_kv_equals_run_layer_kv_and_capture_is_transparent(family: str) 
         h2, _, _ = hf_cache.run_layer(model, 1, hidden, pos, ctx_k, ctx_v, mask)
     torch.testing.assert_close(h2, h, atol=1e-6, rtol=0)
     assert seen == [(1, (1, 4, 6, 16))]
-    assert model.config._attn_implementation == "sdpa"
+    assert model.config._attn_implementation == GQA_SDPA
 
 
 def test_bfloat16_model_keeps_dtype_and_recompute_all_is_close() -> None:

@@ -14,6 +14,7 @@ import torch
 
 from kvrag import default_model, models
 from kvrag.errors import ConfigError, UnsupportedModelError
+from kvrag.kv.attention import IMPL as GQA_SDPA
 from kvrag.models import load_model
 from kvrag.paths import kvrag_home
 from kvrag.testing.tiny import FAMILIES, SPECIAL_TOKENS, tiny_config, tiny_model, tiny_tokenizer
@@ -29,7 +30,7 @@ def test_tiny_models_load_and_produce_logits(family: str) -> None:
     lm = tiny_model(family)
     assert lm.name == f"tiny-{family}"
     assert not lm.model.training
-    assert lm.model.config._attn_implementation == "sdpa"
+    assert lm.model.config._attn_implementation == GQA_SDPA
     assert lm.device == torch.device("cpu") and lm.dtype == torch.float32
     cfg = lm.model.config
     assert (cfg.vocab_size, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (
@@ -106,7 +107,7 @@ def test_load_model_from_local_dir(tmp_path: Path) -> None:
     src.tokenizer.save_pretrained(tmp_path)
     lm = load_model(str(tmp_path), device="cpu")
     assert lm.name == str(tmp_path) and lm.dtype == torch.float32 and lm.device == torch.device("cpu")
-    assert lm.model.config._attn_implementation == "sdpa" and not lm.model.training
+    assert lm.model.config._attn_implementation == GQA_SDPA and not lm.model.training
     assert lm.fingerprint == src.fingerprint  # same weights + architecture + dtype, whatever the path
     assert lm.tokenizer_fingerprint == src.tokenizer_fingerprint
     ids = torch.tensor([src.tokenizer(TEXT)["input_ids"]])
