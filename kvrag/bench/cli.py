@@ -157,6 +157,7 @@ def add_bench_arguments(subparsers: Any) -> argparse.ArgumentParser:
                     help="base store URL (each mode gets a fresh dir / key prefix); 'redis-cluster' starts a local "
                          "3-master Redis Cluster; default: a temporary directory")
     ig.add_argument("--answers", type=int, default=10, help="stale answers per mode for the hit-rate check")
+    ig.add_argument("--codec", default="native", help="storage codec of every mode's store (native, float16, int8 ...)")
     ig.add_argument("--out", default="runs/ingest")
     _add_model_args(ig)
     ig.set_defaults(func=run_ingest)
@@ -304,7 +305,8 @@ def run_ingest(args: argparse.Namespace) -> int:
     _setup(args)
     cfg = IngestBenchConfig(
         data=args.data, limit=args.limit, modes=[m.strip() for m in args.modes.split(",") if m.strip()],
-        batch_size=args.batch_size, rounds=args.rounds, store=args.store, answers=args.answers, out=args.out,
+        batch_size=args.batch_size, rounds=args.rounds, store=args.store, answers=args.answers, codec=args.codec,
+        out=args.out,
         model=args.model, threads=args.threads or 1, seed=args.seed, progress=not args.no_progress,
     )
     result = run_ingest_bench(cfg)

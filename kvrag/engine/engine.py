@@ -20,7 +20,7 @@ from kvrag.engine.generate import decode
 from kvrag.engine.planner import Plan, TextPiece, plan_pieces, plan_prompt
 from kvrag.engine.results import Prepared, Response, Stats, Timings
 from kvrag.errors import ConfigError, ContextLengthError
-from kvrag.fusion import FusionMethod, get_method
+from kvrag.fusion import FusionMethod, shared_method
 from kvrag.kv import hf_cache
 from kvrag.kv.chunk import ChunkKV
 from kvrag.kv.rope import Rope
@@ -74,9 +74,7 @@ class KVRAGEngine(ChunkCaching):
         self.chunk_prefix_ids: tuple[int, ...] = self._chunk_prefix()
         self._spaces = {kind: self.chunk_key((), kind) for kind in ("chunk", "prefix")}
         self._lock = hf_cache.model_lock(self.model)  # shared by every engine on this model (forwards, probe)
-        self._methods_lock = threading.Lock()
-        self.default_method = get_method(self.config.method)
-        self._methods: dict[str, FusionMethod] = {repr(self.default_method): self.default_method}
+        self.default_method = shared_method(self.config.method)
 
     @classmethod
     def from_pretrained(
@@ -199,15 +197,13 @@ class KVRAGEngine(ChunkCaching):
         """The fusion method for a spec or instance (None: the configured default), one instance per canonical spec.
 
         Method instances carry state (a CacheRepair checkpoint resolved, hashed and loaded once per device), so
-        every caller -- ``answer(method="...")``, the LlamaIndex and LangChain adapters, the benchmark -- gets the
-        engine's instance for the same canonical spec (``repr``) instead of building a new one per request.
+        every caller -- ``answer(method="...")``, the LlamaIndex and LangChain adapters, the benchmark, ``hybrid``
+        and ``auto`` -- gets the process's instance for the same canonical spec (``repr``,
+        :func:`kvrag.fusion.shared_method`) instead of building a new one per request.
         """
         if method is None and not params:
             return self.default_method
-        built = method if isinstance(method, FusionMethod) and not params else get_method(
-            method if method is not None else self.config.method, **params)
-        with self._methods_lock:
-            return self._methods.setdefault(repr(built), built)
+        return shared_method(method if method is not None else self.config.method, **params)
 
     @torch.inference_mode()
     def prepare(self, plan: Plan, method: str | FusionMethod | None = None, *, reserve: int = 64) -> Prepared:

@@ -12,6 +12,7 @@ from kvrag.fusion.base import (
     load_builtin_methods,
     parse_method_spec,
     register,
+    shared_method,
 )
 
 load_builtin_methods()
@@ -25,4 +26,5 @@ __all__ = [
     "get_method",
     "parse_method_spec",
     "register",
+    "shared_method",
 ]

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kvrag.errors import ConfigError
-from kvrag.fusion.base import FusionInput, FusionMethod, FusionOutput, get_method, register
+from kvrag.fusion.base import FusionInput, FusionMethod, FusionOutput, register, shared_method
 from kvrag.fusion.recompute import check_ratio
 
 log = logging.getLogger(__name__)
@@ -86,7 +86,6 @@ class Auto(FusionMethod):
     def validate(self) -> None:
         check_ratio(self.name, "budget", self.budget)
         self._model: dict[str, Any] | None = None
-        self._methods: dict[str, FusionMethod] = {}
 
     def cost_model(self) -> dict[str, Any]:
         if self._model is None:
@@ -118,9 +117,7 @@ class Auto(FusionMethod):
     def fuse(self, inp: FusionInput) -> FusionOutput:
         s = int(inp.suffix_ids.shape[0])
         spec, ratio = self.choose(inp.model.config, inp.context_len, s)
-        method = self._methods.get(spec)
-        if method is None:
-            method = self._methods.setdefault(spec, get_method(spec))
+        method = shared_method(spec)  # the process's instance (a checkpoint the engine loaded is not loaded again)
         chunks = sum(sp.kind == "chunk" for sp in inp.spans)
         log.info("auto: %s for %d context tokens in %d chunks (predicted TTFT %.2fx full, budget %.2f)", spec,
                  inp.context_len, chunks, ratio, self.budget)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import importlib
+import threading
 from typing import Any, ClassVar
 
 import torch
@@ -232,6 +233,22 @@ def parse_method_spec(spec: str) -> tuple[str, dict[str, str]]:
             raise ConfigError(msg)
         params[k.strip()] = v.strip()
     return name, params
+
+
+_SHARED: dict[str, FusionMethod] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_method(spec: str | FusionMethod, **overrides: Any) -> FusionMethod:
+    """The process's one instance for a method's canonical spec (``repr``), built on first use.
+
+    Methods may carry loaded state (CacheRepair resolves, hashes and loads its checkpoint once per model and
+    device), so the engine, the adapters, ``hybrid`` and ``auto`` all get their instances here instead of building
+    new ones. Instances are safe to share between engines and models (per-model state is keyed by the model).
+    """
+    built = spec if isinstance(spec, FusionMethod) and not overrides else get_method(spec, **overrides)
+    with _SHARED_LOCK:
+        return _SHARED.setdefault(repr(built), built)
 
 
 def get_method(spec: str | FusionMethod, **overrides: Any) -> FusionMethod:

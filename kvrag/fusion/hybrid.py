@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvrag.fusion.base import Bool, FusionInput, FusionMethod, FusionOutput, register
+from kvrag.fusion.base import Bool, FusionInput, FusionMethod, FusionOutput, register, shared_method
 from kvrag.fusion.cacherepair import CacheRepair
 from kvrag.fusion.relaxkv import RelaxKV
 
@@ -38,7 +38,7 @@ class Hybrid(FusionMethod):
     def validate(self) -> None:
         relax = {k: getattr(self, k) for k in RelaxKV.params}
         self.relax = RelaxKV(**relax)  # validates r and the RelaxKV choices
-        self.repair = CacheRepair(checkpoint=self.checkpoint)
+        self.repair = shared_method(CacheRepair(checkpoint=self.checkpoint))  # shares the loaded checkpoint
 
     def fuse(self, inp: FusionInput) -> FusionOutput:
         work = inp.owned()  # both steps write in place

@@ -495,3 +495,22 @@ def test_conditioning_mismatch_warns_once(lm, tmp_path: Path, caplog) -> None:
             method.fuse(dataclasses.replace(_fusion_input(lm)[0], chunk_prefix_ids=()))
     msgs = [r.getMessage() for r in caplog.records]
     assert len(msgs) == 1 and "conditioned on 3 prefix tokens" in msgs[0] and "0 tokens" in msgs[0]
+
+
+def test_one_checkpoint_instance_per_process(lm, tmp_path: Path) -> None:
+    """engine.method, hybrid and auto share one CacheRepair instance per spec, so a checkpoint loads once."""
+    from kvrag.engine.engine import KVRAGEngine
+    from kvrag.fusion import shared_method
+    from kvrag.store import MemoryStore
+
+    ckpt = _checkpoint(lm, tmp_path / "shared", zero=False)
+    spec = f"cacherepair:checkpoint={ckpt}"
+    a, b = KVRAGEngine(lm, MemoryStore()), KVRAGEngine(lm, MemoryStore())
+    m = a.method(spec)
+    assert b.method(spec) is m and a.method(get_method(spec)) is m and shared_method(spec) is m
+    hybrid = a.method(f"hybrid:r=0.1,checkpoint={ckpt}")
+    assert hybrid.repair is m  # type: ignore[attr-defined]
+    inp, _ = _fusion_input(lm)
+    m.fuse(inp)
+    hybrid.fuse(_fusion_input(lm)[0])
+    assert len(m._repairers) == 1  # loaded once for both
