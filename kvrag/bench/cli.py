@@ -75,7 +75,7 @@ def add_bench_arguments(subparsers: Any) -> argparse.ArgumentParser:
     )
     _add_qa_args(p)
     p.set_defaults(func=run_bench)
-    sub = p.add_subparsers(dest="bench_command", metavar="{sweep,store,load,llamaindex-kl,ingest,templates,plot}")
+    sub = p.add_subparsers(dest="bench_command", metavar="{sweep,store,load,llamaindex-kl,dtype-kl,ingest,templates,plot}")
 
     s = sub.add_parser("sweep", help="TTFT and memory vs context length and vs chunk count, every method")
     s.add_argument("--data", default=None, help="QA JSONL whose passages supply the text (default: built-in text)")
@@ -133,6 +133,16 @@ def add_bench_arguments(subparsers: Any) -> argparse.ArgumentParser:
     lk.add_argument("--out", default="runs/llamaindex-kl")
     _add_model_args(lk)
     lk.set_defaults(func=run_llamaindex_kl)
+
+    dk = sub.add_parser("dtype-kl", help="KL(float32 full || bf16 full) of the next token on dev data",
+                        description="Load the model in float32 and in --dtype, prefill every request in full with "
+                                    "both, compare the next-token distributions (KL, top-1) and the prefill time.")
+    dk.add_argument("--data", required=True, help="dev QA JSONL")
+    dk.add_argument("--limit", type=int, default=8)
+    dk.add_argument("--offset", type=int, default=0)
+    dk.add_argument("--out", default="runs/dtype-kl")
+    _add_model_args(dk)
+    dk.set_defaults(func=run_dtype_kl, dtype="bfloat16")
 
     t = sub.add_parser("templates", help="choose the prompt template by full-prefill F1 on dev data")
     t.add_argument("--data", required=True)
@@ -360,6 +370,18 @@ def run_llamaindex_kl(args: argparse.Namespace) -> int:
     result = run_prompt_kl(cfg, command="kvrag " + " ".join(shlex.quote(a) for a in sys.argv[1:]))
     print(markdown(result))
     print(f"results in {result['path']}", file=sys.stderr)
+    return 0
+
+
+def run_dtype_kl(args: argparse.Namespace) -> int:
+    """``kvrag bench dtype-kl``."""
+    from kvrag.bench.dtype_kl import DtypeKLConfig, markdown
+    from kvrag.bench.dtype_kl import run_dtype_kl as _run
+
+    _setup(args)
+    cfg = DtypeKLConfig(data=args.data, limit=args.limit, offset=args.offset, dtype=args.dtype or "bfloat16",
+                        model=args.model, device=args.device, out=args.out, progress=not args.no_progress)
+    print(markdown(_run(cfg, command="kvrag " + " ".join(shlex.quote(a) for a in sys.argv[1:]))))
     return 0
 
 
