@@ -112,6 +112,8 @@ class ChunkCaching:
 
     def _chunk_ids(self, text: str) -> list[int]:
         """Token ids of a chunk, or [] for an empty / whitespace-only one (never cached)."""
+        if not isinstance(text, str):
+            return self.tokenize(text)  # raises the clear ConfigError
         return self.tokenize(text) if text.strip() else []
 
     def key_space(self, kind: str = "chunk") -> str:

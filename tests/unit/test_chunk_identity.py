@@ -169,3 +169,13 @@ def test_shared_reads_leave_the_stored_caches_untouched(lm: Any, method: str) ->
         assert now is not None and ch is not None
         assert torch.equal(now.keys, ch.keys) and torch.equal(now.values, ch.values), (method, k)
     assert first.token_ids == again.token_ids
+
+
+def test_non_text_chunk_is_a_clear_error(lm: Any) -> None:
+    from kvrag.errors import ConfigError
+
+    eng = KVRAGEngine(lm, MemoryStore())
+    with pytest.raises(ConfigError, match="expected text as str"):
+        eng.ensure([b"bytes"])  # type: ignore[list-item]
+    with pytest.raises(ConfigError, match="a chunk must be a str or a RegisteredChunk"):
+        eng.plan("Question? Answer:", [3])  # type: ignore[list-item]
