@@ -10,13 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from kvrag.errors import ConfigError
 
@@ -40,6 +37,7 @@ def run_dtype_kl(cfg: DtypeKLConfig, command: str = "") -> dict[str, Any]:
     """Prefill every request in float32 and in ``cfg.dtype``; writes ``dtype_kl.json`` / ``.md`` to ``cfg.out``."""
     from tqdm.auto import tqdm
 
+    from kvrag.bench import aggregate
     from kvrag.bench.data import load_requests
     from kvrag.bench.metrics import kl_divergence
     from kvrag.engine.engine import KVRAGEngine
@@ -75,7 +73,9 @@ def run_dtype_kl(cfg: DtypeKLConfig, command: str = "") -> dict[str, Any]:
                "prefill_s_float32_median": statistics.median(r["seconds_float32"] for r in rows),
                f"prefill_s_{cfg.dtype}_median": statistics.median(r[f"seconds_{cfg.dtype}"] for r in rows)}
     result = {"config": dataclasses.asdict(cfg), "summary": summary, "rows": rows, "command": command,
-              "machine": f"{platform.processor() or platform.machine()}, torch threads {torch.get_num_threads()}"}
+              **aggregate.environment_info()}
+    hw = result["hardware"]
+    result["machine"] = f"{hw['cpu']}, {hw['cores']} cores, torch threads {hw['torch_threads']}"
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "dtype_kl.json").write_text(json.dumps(result, indent=1))

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import platform
 import statistics
 import time
 from collections.abc import Sequence
@@ -153,6 +152,7 @@ def markdown(result: dict[str, Any]) -> str:
 def run_prompt_kl(cfg: PromptKLConfig, *, engine: Any = None, embed_model: Any = None,
                   command: str = "") -> dict[str, Any]:
     """Record the calls, compare the methods, write ``llamaindex_kl.json`` / ``.md`` under ``cfg.out``."""
+    from kvrag.bench import aggregate
     from kvrag.bench.data import load_requests
 
     if cfg.rows < 1:
@@ -180,11 +180,12 @@ def run_prompt_kl(cfg: PromptKLConfig, *, engine: Any = None, embed_model: Any =
         "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(cfg).items()},
         "summary": summarize(rows, list(cfg.methods)),
         "rows": rows,
-        "machine": f"{platform.processor() or platform.machine()}, {engine.spec.dtype}, torch threads "
-                   f"{__import__('torch').get_num_threads()}",
+        **aggregate.environment_info(),
         "command": command,
         "seconds": time.perf_counter() - t0,
     }
+    hw = result["hardware"]
+    result["machine"] = f"{hw['cpu']}, {hw['cores']} cores, {engine.spec.dtype}, torch threads {hw['torch_threads']}"
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "llamaindex_kl.json").write_text(json.dumps(result, indent=1))
