@@ -325,16 +325,23 @@ def run_ingest(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_load(args: argparse.Namespace) -> int:
-    """``kvrag bench load``; exit status 1 when a request failed or an answer differed from single-threaded."""
-    try:  # the harness drives a LlamaIndex query engine, so it lives in the LlamaIndex integration package
-        from llama_index.postprocessor.kvrag.load_bench import LoadConfig, load_markdown
-        from llama_index.postprocessor.kvrag.load_bench import run_load as _run
+def _llamaindex_harness(command: str, module: str) -> Any:
+    """A harness module of the LlamaIndex integration (it drives a query engine, so it lives there), or a clear error."""
+    import importlib
+
+    try:
+        return importlib.import_module(f"llama_index.postprocessor.kvrag.{module}")
     except ImportError as e:
-        msg = ("`kvrag bench load` needs the LlamaIndex integrations: pip install 'kvrag[llama-index]' "
+        msg = (f"`kvrag bench {command}` needs the LlamaIndex integrations: pip install 'kvrag[llama-index]' "
                "-e integrations/llama-index-llms-kvrag -e integrations/llama-index-postprocessor-kvrag "
                f"(or `make setup`); {e}")
         raise ImportError(msg) from e
+
+
+def run_load(args: argparse.Namespace) -> int:
+    """``kvrag bench load``; exit status 1 when a request failed or an answer differed from single-threaded."""
+    h = _llamaindex_harness("load", "load_bench")
+    LoadConfig, load_markdown, _run = h.LoadConfig, h.load_markdown, h.run_load  # noqa: N806
 
     _setup(args)
     cfg = LoadConfig(
@@ -350,13 +357,8 @@ def run_load(args: argparse.Namespace) -> int:
 
 def run_llamaindex_kl(args: argparse.Namespace) -> int:
     """``kvrag bench llamaindex-kl``."""
-    try:  # the harness drives a LlamaIndex query engine, so it lives in the LlamaIndex integration package
-        from llama_index.postprocessor.kvrag.prompt_kl import PromptKLConfig, markdown, run_prompt_kl
-    except ImportError as e:
-        msg = ("`kvrag bench llamaindex-kl` needs the LlamaIndex integrations: pip install 'kvrag[llama-index]' "
-               "-e integrations/llama-index-llms-kvrag -e integrations/llama-index-postprocessor-kvrag "
-               f"(or `make setup`); {e}")
-        raise ImportError(msg) from e
+    h = _llamaindex_harness("llamaindex-kl", "prompt_kl")
+    PromptKLConfig, markdown, run_prompt_kl = h.PromptKLConfig, h.markdown, h.run_prompt_kl  # noqa: N806
 
     from kvrag.bench.config import split_method_specs
 
