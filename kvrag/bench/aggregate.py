@@ -481,3 +481,16 @@ def write_text_atomic(path: Path, text: str) -> None:
     tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
 
+
+def write_result(out_dir: str | os.PathLike[str], stem: str, result: dict[str, Any], markdown: str) -> Path:
+    """Write a benchmark's ``<stem>.json`` (JSON types only, see :func:`jsonable`) and ``<stem>.md`` atomically.
+
+    Returns:
+        The path of the JSON file.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(out / f"{stem}.json", json.dumps(jsonable(result), indent=2) + "\n")
+    write_text_atomic(out / f"{stem}.md", markdown)
+    return out / f"{stem}.json"
+

@@ -9,10 +9,8 @@ CUDA and on CPUs with AMX / AVX512-BF16): it says what bf16 costs in fidelity, w
 from __future__ import annotations
 
 import dataclasses
-import json
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 from kvrag.errors import ConfigError
@@ -76,10 +74,7 @@ def run_dtype_kl(cfg: DtypeKLConfig, command: str = "") -> dict[str, Any]:
               **aggregate.environment_info()}
     hw = result["hardware"]
     result["machine"] = f"{hw['cpu']}, {hw['cores']} cores, torch threads {hw['torch_threads']}"
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "dtype_kl.json").write_text(json.dumps(result, indent=1))
-    (out / "dtype_kl.md").write_text(markdown(result))
+    aggregate.write_result(cfg.out, "dtype_kl", result, markdown(result))
     return result
 
 

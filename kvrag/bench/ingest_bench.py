@@ -238,8 +238,7 @@ def run_ingest_bench(cfg: IngestBenchConfig) -> dict[str, Any]:
             cluster.stop()
         tmpdir.cleanup()
     result = aggregate.jsonable(result)
-    aggregate.write_text_atomic(out / "ingest.json", json.dumps(result, indent=2) + "\n")
-    aggregate.write_text_atomic(out / "ingest.md", ingest_markdown(result))
+    aggregate.write_result(out, "ingest", result, ingest_markdown(result))
     return result
 
 

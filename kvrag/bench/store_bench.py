@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import logging
 import statistics
 import tempfile
@@ -197,8 +196,7 @@ def run_store_bench(cfg: StoreBenchConfig) -> dict[str, Any]:
         "backends": rows,
     }
     result = aggregate.jsonable(result)
-    aggregate.write_text_atomic(out / "store.json", json.dumps(result, indent=2) + "\n")
-    aggregate.write_text_atomic(out / "store.md", store_markdown(result))
+    aggregate.write_result(out, "store", result, store_markdown(result))
     return result
 
 

@@ -213,8 +213,7 @@ class Sweep:
         result = {"config": dataclasses.asdict(cfg), **aggregate.environment_info(), "skipped_methods": self.skipped,
                   "points": pts}
         result = aggregate.jsonable(result)
-        aggregate.write_text_atomic(out / "sweep.json", json.dumps(result, indent=2) + "\n")
-        aggregate.write_text_atomic(out / "sweep.md", sweep_markdown(result))
+        aggregate.write_result(out, "sweep", result, sweep_markdown(result))
         from kvrag.bench import plots
 
         plots.sweep_plots(pts, out, title=str(getattr(self.engine.loaded, "name", cfg.model or "default model")))

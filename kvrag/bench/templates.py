@@ -97,8 +97,7 @@ def select_template(
     result["config"] = {"n_requests": len(used), "max_new_tokens": max_new_tokens, "candidates": names,
                         "templates": {n: dataclasses.asdict(t) for n, t in temps.items()}}
     result.update(aggregate.environment_info())
-    aggregate.write_text_atomic(out / "templates.json", json.dumps(aggregate.jsonable(result), indent=2) + "\n")
-    aggregate.write_text_atomic(out / "templates.md", templates_markdown(result))
+    aggregate.write_result(out, "templates", result, templates_markdown(result))
     return result
 
 

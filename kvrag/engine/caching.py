@@ -112,9 +112,9 @@ class ChunkCaching:
 
     def _chunk_ids(self, text: str) -> list[int]:
         """Token ids of a chunk, or [] for an empty / whitespace-only one (never cached)."""
-        if not isinstance(text, str):
-            return self.tokenize(text)  # raises the clear ConfigError
-        return self.tokenize(text) if text.strip() else []
+        if isinstance(text, str) and not text.strip():
+            return []
+        return self.tokenize(text)  # a non-str gets its clear ConfigError there
 
     def key_space(self, kind: str = "chunk") -> str:
         """What every key of ``kind`` mixes in besides the token ids (model, tokenizer, codec, conditioning).

@@ -20,11 +20,9 @@ imports it from here.
 from __future__ import annotations
 
 import dataclasses
-import json
 import statistics
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from kvrag.errors import ConfigError
@@ -186,11 +184,7 @@ def run_prompt_kl(cfg: PromptKLConfig, *, engine: Any = None, embed_model: Any =
     }
     hw = result["hardware"]
     result["machine"] = f"{hw['cpu']}, {hw['cores']} cores, {engine.spec.dtype}, torch threads {hw['torch_threads']}"
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "llamaindex_kl.json").write_text(json.dumps(result, indent=1))
-    (out / "llamaindex_kl.md").write_text(markdown(result))
-    result["path"] = str(out / "llamaindex_kl.json")
+    result["path"] = str(aggregate.write_result(cfg.out, "llamaindex_kl", result, markdown(result)))
     return result
 
 
