@@ -18,6 +18,11 @@ from kvrag.prompting import chat_preamble
 DEFAULT_CHUNK_FORMAT = "\n\nTitle: {title}\n{passage}"
 """How the benchmark renders one retrieved passage into the prompt."""
 
+PER_LEAD = "per-lead"
+"""``chunk_format`` value: render each document the way the prompt family of its drawn lead does
+(:func:`kvrag.repair.leads.chunk_style`: the bench's "Title:" passages, LlamaIndex's ``title: ...`` nodes joined by a
+blank line, LangChain's bare ``page_content`` joined by a blank line)."""
+
 
 class ChunkRenderer:
     """Render (title, passage) to chunk text with a ``str.format`` template using ``{title}`` and ``{passage}``."""
@@ -73,37 +78,49 @@ def build_document(
     max_chunks: int = 20,
     min_chunks: int = 2,
     min_chunk_tokens: int = 8,
+    separator: str = "",
 ) -> list[list[int]] | None:
     """Token ids of the ordered chunks of one group under a budget.
 
     Chunks are taken in order while they fit in ``max_tokens``; to reach ``min_chunks`` the chunk that does not
     fit is cut to the remaining budget (the first chunk is cut so that a second one can follow).
 
+    Args:
+        separator: text between two chunks (e.g. LlamaIndex's and LangChain's blank line). It becomes a span of
+            its own between the chunks, as the engine plans text between chunks; it counts towards ``max_tokens``
+            but not towards the chunk counts.
+
     Returns:
-        ``min_chunks``..``max_chunks`` chunk id lists, or None when the group cannot make such a document.
+        ``min_chunks``..``max_chunks`` chunks (plus the separator spans between them) as id lists, or None when the
+        group cannot make such a document.
     """
     renderer = renderer or ChunkRenderer()
+    sep = list(tokenize(separator)) if separator else []
     chunks: list[list[int]] = []
-    total = 0
+    n = total = 0  # chunks taken (separators excluded), tokens taken
     for title, passage in zip(titles, passages, strict=False):
         if not passage or not passage.strip():
             continue
         ids = list(tokenize(renderer(title, passage)))
         if not ids:
             continue
-        room = max_tokens - total
-        if len(chunks) < min_chunks:
-            room -= min_chunk_tokens * (min_chunks - 1 - len(chunks))  # keep room for the required chunks
+        lead = sep if n and sep else []
+        room = max_tokens - total - len(lead)
+        if n < min_chunks:
+            room -= (min_chunk_tokens + len(sep)) * (min_chunks - 1 - n)  # keep room for the required chunks
         if len(ids) > room:
-            if len(chunks) >= min_chunks or room < min_chunk_tokens:
+            if n >= min_chunks or room < min_chunk_tokens:
                 break
             ids = ids[:room]
+        if lead:
+            chunks.append(list(lead))
         chunks.append(ids)
-        total += len(ids)
-        if len(chunks) >= max_chunks or total >= max_tokens:
+        n += 1
+        total += len(lead) + len(ids)
+        if n >= max_chunks or total >= max_tokens:
             break
-    return chunks if len(chunks) >= min_chunks else None
+    return chunks if n >= min_chunks else None
 
 
-__all__ = ["DEFAULT_CHUNK_FORMAT", "ChunkRenderer", "Renderer", "build_document", "renderer_identity",
+__all__ = ["DEFAULT_CHUNK_FORMAT", "PER_LEAD", "ChunkRenderer", "Renderer", "build_document", "renderer_identity",
            "template_prefix_ids"]

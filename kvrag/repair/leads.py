@@ -16,16 +16,23 @@ read it (as chunk 0, never repaired). This module renders those leads from the p
 
 Each lead is rendered through the tokenizer's chat template. Leads that contain a question or an earlier answer
 take them from the training group (a question about its first title), so the lead text varies like real prompts do.
+
+Each lead kind also fixes how its prompt family renders the chunks that follow (:func:`chunk_style`): the bench's
+``"\n\nTitle: ..."`` passages back to back; LlamaIndex's nodes (``node.get_content(MetadataMode.LLM)``: the
+``title: ...`` metadata line, a blank line, the text) joined by a blank line; LangChain's ``page_content`` joined by a
+blank line (``format_docs``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvrag.errors import ConfigError
 from kvrag.prompting import TEMPLATES, render_chat
+from kvrag.repair.documents import DEFAULT_CHUNK_FORMAT
 
 _MARK = "\u2063KVRAG_LEAD\u2063"
 
@@ -103,6 +110,43 @@ LEAD_KINDS: tuple[str, ...] = (*(f"bench:{n}" for n in TEMPLATES), *_CHAT_LEADS)
 DEFAULT_LEAD_KINDS: tuple[str, ...] = LEAD_KINDS
 
 
+@dataclasses.dataclass(frozen=True)
+class ChunkStyle:
+    """How one prompt family renders its retrieved chunks.
+
+    Attributes:
+        fmt: ``str.format`` template of one chunk with ``{title}`` and ``{passage}``.
+        separator: the text between two chunks (a span of its own, as the engine plans it).
+    """
+
+    fmt: str
+    separator: str = ""
+
+
+BENCH_STYLE = ChunkStyle(DEFAULT_CHUNK_FORMAT)
+LLAMAINDEX_STYLE = ChunkStyle("title: {title}\n\n{passage}", "\n\n")
+LANGCHAIN_STYLE = ChunkStyle("{passage}", "\n\n")
+
+
+def chunk_style(kind: str) -> ChunkStyle:
+    """The chunk rendering of a lead kind's prompt family ('' and 'bare': the bench's)."""
+    if kind.startswith("llamaindex-"):
+        return LLAMAINDEX_STYLE
+    if kind.startswith("langchain-"):
+        return LANGCHAIN_STYLE
+    return BENCH_STYLE
+
+
+def chunk_style_table(kinds: Sequence[str]) -> dict[str, dict[str, str]]:
+    """{lead kind: {"format": ..., "separator": ...}} (recorded in a checkpoint's conditioning)."""
+    return {k: {"format": chunk_style(k).fmt, "separator": chunk_style(k).separator} for k in kinds}
+
+
+def style_identity() -> str:
+    """Identifies the lead-kind -> chunk-style table (part of the pair-cache manifest)."""
+    return "per-lead:" + "|".join(f"{k}={chunk_style(k).fmt!r}+{chunk_style(k).separator!r}" for k in LEAD_KINDS)
+
+
 def render_lead(tokenizer: Any, kind: str, question: str = "What is this about?") -> str:
     """The exact prompt text before the first chunk for one lead kind (rendered through the chat template)."""
     if kind.startswith("bench:"):
@@ -133,4 +177,5 @@ def group_question(group: dict[str, Any]) -> str:
     return f"What is known about {str(titles[0]).strip()}?" if titles else "What do these documents say?"
 
 
-__all__ = ["DEFAULT_LEAD_KINDS", "LEAD_KINDS", "group_question", "pick_lead", "render_lead"]
+__all__ = ["BENCH_STYLE", "DEFAULT_LEAD_KINDS", "LANGCHAIN_STYLE", "LEAD_KINDS", "LLAMAINDEX_STYLE", "ChunkStyle",
+           "chunk_style", "chunk_style_table", "group_question", "pick_lead", "render_lead", "style_identity"]

@@ -138,6 +138,9 @@ class PairBuilder:
         exact_lead: keep the lead in each example as exact chunk 0 (v2; what the engine serves).
         tokenizer: renders the leads through its chat template.
         renderer: (title, passage) -> chunk text.
+        per_lead_style: render each document as its drawn lead's prompt family does
+            (:func:`kvrag.repair.leads.chunk_style`: chunk format and the separator between chunks) instead of with
+            ``renderer``.
         max_tokens: document token budget (chunk tokens, lead excluded).
         max_chunks / min_chunks: chunks per document.
     """
@@ -152,6 +155,7 @@ class PairBuilder:
     exact_lead: bool = False
     tokenizer: Any = None
     renderer: Renderer = dataclasses.field(default_factory=ChunkRenderer)
+    per_lead_style: bool = False
     max_tokens: int = 1024
     max_chunks: int = 20
     min_chunks: int = 2
@@ -177,19 +181,33 @@ class PairBuilder:
         text = render_lead(self.tokenizer, kind, group_question(group))
         return kind, tuple(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def chunks(self, group: dict[str, Any]) -> list[list[int]] | None:
+    def chunks(self, group: dict[str, Any], lead_kind: str = "") -> list[list[int]] | None:
+        """The document's spans (chunks, and separators between them in the per-lead style)."""
         passages = group.get("passages") or []
         titles = group.get("titles") or [""] * len(passages)
-        return build_document(titles, passages, self.tokenize, renderer=self.renderer, max_tokens=self.max_tokens,
-                              max_chunks=self.max_chunks, min_chunks=self.min_chunks)
+        renderer, separator = self.renderer, ""
+        if self.per_lead_style:
+            from kvrag.repair.leads import chunk_style
+
+            style = chunk_style(lead_kind)
+            renderer, separator = ChunkRenderer(style.fmt), style.separator
+        return build_document(titles, passages, self.tokenize, renderer=renderer, max_tokens=self.max_tokens,
+                              max_chunks=self.max_chunks, min_chunks=self.min_chunks, separator=separator)
 
     def build(self, group: dict[str, Any]) -> PairedExample | None:
-        chunks = self.chunks(group)
+        kind, lead_ids = self.lead(group)
+        chunks = self.chunks(group, kind)
         if chunks is None:
             return None
-        kind, lead_ids = self.lead(group)
         return make_pair(self.model, self.rope, self.spec, chunks, self.prefix_ids, lead_ids,
                          group_id=str(group.get("id", "")), exact_lead=self.exact_lead, lead_kind=kind)
+
+    def renderer_identity(self) -> str:
+        if self.per_lead_style:
+            from kvrag.repair.leads import style_identity
+
+            return style_identity()
+        return renderer_identity(self.renderer)
 
     def identity(self) -> dict[str, Any]:
         """What the examples depend on (the pair-cache manifest)."""
@@ -201,7 +219,7 @@ class PairBuilder:
             "lead_ids": None if self.lead_ids is None else list(self.lead_ids),
             "lead_kinds": list(self.lead_kinds),
             "exact_lead": self.exact_lead,
-            "renderer": renderer_identity(self.renderer),
+            "renderer": self.renderer_identity(),
             "max_tokens": self.max_tokens,
             "max_chunks": self.max_chunks,
             "min_chunks": self.min_chunks,

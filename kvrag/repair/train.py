@@ -38,8 +38,9 @@ from kvrag.kv.spec import KVSpec
 from kvrag.repair.checkpoint import CURVE_FILE, STATE_DIR, check_resume, load_state, save_state
 from kvrag.repair.config import RepairConfig
 from kvrag.repair.dataset import CorpusIndex, PairDataset
-from kvrag.repair.documents import ChunkRenderer, template_prefix_ids
+from kvrag.repair.documents import DEFAULT_CHUNK_FORMAT, PER_LEAD, ChunkRenderer, template_prefix_ids
 from kvrag.repair.evaluate import evaluate
+from kvrag.repair.leads import chunk_style_table
 from kvrag.repair.model import RepairModel
 from kvrag.repair.pairs import PairBuilder, PairedExample, compute_stats
 from kvrag.repair.train_config import TrainConfig, lr_factor
@@ -71,7 +72,8 @@ def make_datasets(cfg: TrainConfig, loaded: Any) -> Datasets:
     builder = PairBuilder(
         model=model, rope=rope, spec=spec,
         tokenize=lambda text: list(tok(text, add_special_tokens=False)["input_ids"]),
-        prefix_ids=prefix_ids, renderer=ChunkRenderer(cfg.chunk_format),
+        prefix_ids=prefix_ids, per_lead_style=cfg.chunk_format == PER_LEAD,
+        renderer=ChunkRenderer(DEFAULT_CHUNK_FORMAT if cfg.chunk_format == PER_LEAD else cfg.chunk_format),
         max_tokens=cfg.max_tokens, max_chunks=cfg.max_chunks,
         lead_kinds=tuple(cfg.lead_kinds or ()), exact_lead=cfg.exact_lead, tokenizer=tok,
     )
@@ -342,6 +344,8 @@ class Trainer:
             training=self.summary(),
             extra={"conditioning": {"chunk_prefix": self.cfg.chunk_prefix, "chunk_prefix_ids": list(self.prefix_ids),
                                     "chunk_format": self.cfg.chunk_format,
+                                    **({"chunk_styles": chunk_style_table(self.cfg.lead_kinds or ())}
+                                       if self.cfg.chunk_format == PER_LEAD else {}),
                                     "lead_kinds": list(self.cfg.lead_kinds or ()),
                                     "exact_lead": self.cfg.exact_lead,
                                     "target_dtype": str(self.spec.dtype)}},

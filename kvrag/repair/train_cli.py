@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from kvrag.errors import ConfigError
 from kvrag.repair.config import PRESETS
-from kvrag.repair.documents import DEFAULT_CHUNK_FORMAT
+from kvrag.repair.documents import DEFAULT_CHUNK_FORMAT, PER_LEAD
 from kvrag.repair.train_config import TrainConfig
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="document budget in chunk tokens")
     p.add_argument("--max-chunks", type=int, default=d.max_chunks)
     p.add_argument("--chunk-format", default=d.chunk_format,
-                   help="chunk template with {title} and {passage}; backslash escapes (\\n) are interpreted")
+                   help="chunk template with {title} and {passage} (backslash escapes such as \\n are interpreted), "
+                        "or 'per-lead' (default): each document rendered as its lead's prompt family renders chunks")
     p.add_argument("--chunk-prefix", default=d.chunk_prefix, choices=["template", "none"],
                    help="what chunk caches are conditioned on (must match the engine's chunk_prefix)")
     p.add_argument("--sources", nargs="*", default=None, help="only groups with these 'source' values")
@@ -70,7 +71,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     import codecs
 
     fmt = args.chunk_format
-    if fmt != DEFAULT_CHUNK_FORMAT and "\\" in fmt:
+    if fmt not in (DEFAULT_CHUNK_FORMAT, PER_LEAD) and "\\" in fmt:
         fmt = codecs.decode(fmt, "unicode_escape")
     return TrainConfig(
         data=args.data, out=args.out, preset=args.preset, d_b=args.d_b, num_blocks=args.num_blocks, d_seg=args.d_seg,

@@ -9,7 +9,7 @@ from typing import Any
 
 from kvrag.errors import ConfigError
 from kvrag.repair.config import PRESETS
-from kvrag.repair.documents import DEFAULT_CHUNK_FORMAT
+from kvrag.repair.documents import PER_LEAD
 
 PRESET_LR: dict[str, float] = {"tiny": 1e-3, "small": 1e-3, "base": 3e-4, "medium": 3e-4, "large": 3e-4}
 """Default peak LR per preset. The paper's 3e-4 (Appendix A) is for 100k updates; for the ~1k-update CPU runs of
@@ -31,7 +31,9 @@ class TrainConfig:
         warmup: linear warmup updates (None: 2% of ``steps``, as 2,000 of 100,000 in the paper).
         weight_decay, clip: AdamW weight decay (matrices only) and gradient-norm clipping.
         max_tokens, max_chunks: document budget (chunk tokens) and chunks per document.
-        chunk_format: ``str.format`` template of one chunk with {title} and {passage}.
+        chunk_format: ``str.format`` template of one chunk with {title} and {passage}, or ``'per-lead'`` (the
+            default): each document rendered as its drawn lead's prompt family renders chunks
+            (:func:`kvrag.repair.leads.chunk_style`).
         chunk_prefix: 'template' (chunks conditioned on the chat template's system header, as the engine does by
             default) or 'none'.
         max_train_docs: use a fixed pseudo-random subset of this many training groups (None: all).
@@ -61,7 +63,7 @@ class TrainConfig:
     clip: float = 1.0
     max_tokens: int = 1024
     max_chunks: int = 20
-    chunk_format: str = DEFAULT_CHUNK_FORMAT
+    chunk_format: str = PER_LEAD
     chunk_prefix: str = "template"
     max_train_docs: int | None = None
     eval_docs: int = 16

@@ -181,6 +181,43 @@ def test_build_document_budget() -> None:
     assert len(build_document(["t"] * 30, ["w"] * 30, tok, renderer=r, max_chunks=20)) == 20
 
 
+def test_build_document_separator_spans() -> None:
+    tok = lambda s: s.split()  # noqa: E731
+    r = ChunkRenderer("{title} {passage}")
+    chunks = build_document(["a", "b", "c"], ["x " * 4, "y " * 4, "z " * 4], tok, renderer=r, max_tokens=14,
+                            separator="SEP")
+    # chunk, separator span, chunk; the third chunk (plus its separator) does not fit
+    assert chunks == [["a", *["x"] * 4], ["SEP"], ["b", *["y"] * 4]]
+    # the separator is not a chunk: min_chunks counts passages, and room is kept for the separator
+    assert build_document(["a"], ["x"], tok, renderer=r, separator="SEP") is None
+    cut = build_document(["a", "b"], ["x " * 40, "y " * 5], tok, renderer=r, max_tokens=30, separator="S S")
+    assert [len(c) for c in cut] == [20, 2, 6] and cut[1] == ["S", "S"]
+    assert len([c for c in build_document(["t"] * 30, ["w"] * 30, tok, renderer=r, separator="S") if c != ["S"]]) == 20
+
+
+def test_per_lead_style_renders_chunks_as_the_lead_family_does(lm) -> None:
+    """With per_lead_style each document's chunks follow its lead's prompt family (LlamaIndex: title metadata line +
+    blank line + text, blank-line separator spans; bench: the "Title:" format, no separators)."""
+    from kvrag.repair.leads import LLAMAINDEX_STYLE, chunk_style, style_identity
+
+    tok = lambda s: list(lm.tokenizer(s, add_special_tokens=False)["input_ids"])  # noqa: E731
+    rope, spec = Rope.from_model(lm.model), lm.kv_spec()
+    group = {"id": "g", "titles": ["T1", "T2"], "passages": ["alpha beta gamma delta", "epsilon zeta eta theta"]}
+    kw = {"tokenizer": lm.tokenizer, "max_tokens": 256, "exact_lead": True}
+    li = PairBuilder(lm.model, rope, spec, tok, lead_kinds=("llamaindex-text-qa",), per_lead_style=True, **kw)
+    spans = li.chunks(group, "llamaindex-text-qa")
+    assert spans == [tok("title: T1\n\nalpha beta gamma delta"), tok("\n\n"), tok("title: T2\n\nepsilon zeta eta theta")]
+    ex = li.build(group)
+    assert ex.lead_kind == "llamaindex-text-qa" and ex.num_chunks == 4  # lead, chunk, separator, chunk
+    bench = PairBuilder(lm.model, rope, spec, tok, lead_kinds=("bench:basic",), per_lead_style=True, **kw)
+    fixed = PairBuilder(lm.model, rope, spec, tok, lead_kinds=("bench:basic",), **kw)
+    assert bench.chunks(group, "bench:basic") == fixed.chunks(group, "bench:basic")  # the bench family is unchanged
+    assert chunk_style("langchain-rag").separator == "\n\n" and chunk_style("bare") == chunk_style("bench:terse")
+    assert chunk_style("llamaindex-refine") == LLAMAINDEX_STYLE
+    # the pair-cache manifest tells the two apart
+    assert bench.identity()["renderer"] == style_identity() != fixed.identity()["renderer"]
+
+
 def test_make_pair_matches_engine_stale_and_joint_prefill(lm) -> None:
     model, rope = lm.model, Rope.from_model(lm.model)
     spec = lm.kv_spec()
