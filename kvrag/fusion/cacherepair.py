@@ -187,12 +187,15 @@ class CacheRepair(FusionMethod):
         chunk_index = torch.cat([torch.full((sp.length,), i, dtype=torch.long) for i, sp in enumerate(read)]).to(dev)
         sel_k = keys[:, :, lo:hi] if contiguous else keys[:, :, idx]  # [L, H_kv, N, D] (a view when contiguous)
         sel_v = values[:, :, lo:hi] if contiguous else values[:, :, idx]
-        ck = inp.canonical_keys[:, :, idx] if inp.canonical_keys is not None else inp.rope.canonicalize(sel_k, idx)
-        stale = pack_kv(ck.float(), sel_v.float())  # [N, S, D], one copy
+        if inp.canonical_keys is not None:
+            ck = inp.canonical_keys[:, :, lo:hi] if contiguous else inp.canonical_keys[:, :, idx]
+        else:
+            ck = inp.rope.canonicalize(sel_k, idx)
+        stale = pack_kv(ck, sel_v).float()  # [N, S, D], one copy (float32 already unless the cache is half)
         emb = hf_cache.embed(inp.model, inp.token_ids[idx.cpu()])[0]  # [N, E] frozen E_M(x)
         positions = idx - idx[0]  # document positions (the repairer's RoPE is relative anyway)
         t1 = time.perf_counter()
-        repaired = rep.repair(stale, emb, chunk_index, positions)[num_exact:]  # stale + sigma_delta * z, canonical
+        repaired = rep.repair(stale, emb, chunk_index, positions, inplace=True)[num_exact:]  # stale + sigma_delta z
         t2 = time.perf_counter()
         rk, rv = unpack_kv(repaired, inp.spec.num_layers, inp.spec.num_kv_heads)  # [L, H_kv, N', D] views
         out_idx = idx[num_exact:]

@@ -37,8 +37,10 @@ def pack_kv(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         msg = f"keys/values must both be [L, H_kv, N, D], got {tuple(keys.shape)} and {tuple(values.shape)}"
         raise ConfigError(msg)
     L, H, N, D = keys.shape
-    kv = torch.stack([keys, values], dim=1)  # [L, 2, H, N, D]
-    return kv.permute(3, 0, 1, 2, 4).reshape(N, L * 2 * H, D)  # [N, S, D]
+    out = torch.empty(N, L, 2, H, D, dtype=torch.promote_types(keys.dtype, values.dtype), device=keys.device)
+    out[:, :, 0].copy_(keys.permute(2, 0, 1, 3))  # one strided pass per tensor, no intermediate stack
+    out[:, :, 1].copy_(values.permute(2, 0, 1, 3))
+    return out.view(N, L * 2 * H, D)  # [N, S, D]
 
 
 def unpack_kv(feats: torch.Tensor, num_layers: int, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -64,9 +64,16 @@ class StaleEncoder(nn.Module):
         self.seg_bias = nn.Parameter(torch.zeros(num_segments, d_seg))
         self.out = nn.Linear(num_segments * d_seg, d_b)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [B, N, S, D] normalized stale KV -> s [B, N, d_b]."""
-        seg = torch.einsum("bnsd,sde->bnse", x, self.seg_weight) + self.seg_bias  # [B, N, S, d_seg]
+    def forward(self, x: torch.Tensor, inv_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [B, N, S, D] stale KV -> s [B, N, d_b].
+
+        Args:
+            inv_scale: [S, D] per-coordinate factor applied to ``x`` first (1 / sigma_stale). It is folded into the
+                [S, D, d_seg] projection instead of scaling the [N, S, D] input: the same map, one pass over the
+                stale KV fewer.
+        """
+        w = self.seg_weight if inv_scale is None else self.seg_weight * inv_scale[..., None]
+        seg = torch.einsum("bnsd,sde->bnse", x, w) + self.seg_bias  # [B, N, S, d_seg]
         seg = F.gelu(seg)  # nonlinearity between the two linear maps (the paper does not name one)
         return self.out(seg.flatten(2))  # [B, N, S * d_seg] -> [B, N, d_b]
 
@@ -231,6 +238,17 @@ class RepairModel(nn.Module):
         Returns:
             z [B, N, S, D] (or [N, S, D]) normalized residual; the repaired KV is ``stale + sigma_delta * z``.
         """
+        z = self.head(self.features(stale, tok_emb, chunk_index, positions))
+        return z.view(*z.shape[:-1], self.cfg.num_segments, self.cfg.head_dim)
+
+    def features(
+        self,
+        stale: torch.Tensor,
+        tok_emb: torch.Tensor,
+        chunk_index: torch.Tensor,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The backbone's output before the residual head: [B, N, d_b] (or [N, d_b]); arguments as :meth:`forward`."""
         squeeze = stale.dim() == 3
         if squeeze:
             stale, tok_emb, chunk_index = stale[None], tok_emb[None], chunk_index[None]
@@ -242,8 +260,8 @@ class RepairModel(nn.Module):
         if positions is None:
             positions = torch.arange(N, device=stale.device).expand(B, N)
         dt = self.head.weight.dtype  # the repairer's compute dtype
-        x = stale.to(dt) * (1.0 / self._sig("sigma_stale")).to(dt)  # CacheRepair §4.1: KV^c_stale / sigma_stale
-        s = self.encoder(x)  # [B, N, d_b]
+        # CacheRepair §4.1: the encoder reads KV^c_stale / sigma_stale (the scale is folded into its projection)
+        s = self.encoder(stale.to(dt), (1.0 / self._sig("sigma_stale")).to(dt))  # [B, N, d_b]
         e = tok_emb.float()
         e = (e * torch.rsqrt(e.pow(2).mean(-1, keepdim=True) + 1e-12)).to(dt)  # parameter-free RMS scaling of E_M(x)
         h = self.fusion(torch.cat([s, self.tok_proj(e)], dim=-1))  # h^0 = F([s; P_tok E_M(x)])
@@ -254,8 +272,8 @@ class RepairModel(nn.Module):
         cos, sin = cos.to(dt), sin.to(dt)
         for proj, block in zip(self.reinject, self.blocks, strict=True):
             h = block(h + proj(s), mask, cos, sin, spans)  # h^b = RepairBlock_b(h^{b-1} + P_b(s); A, p)
-        z = self.head(self.ln_out(h)).view(B, N, S, D)
-        return z[0] if squeeze else z
+        h = self.ln_out(h)
+        return h[0] if squeeze else h
 
     def residual(self, z: torch.Tensor) -> torch.Tensor:
         """sigma_delta * z: the predicted residual in KV units."""
@@ -268,10 +286,32 @@ class RepairModel(nn.Module):
         tok_emb: torch.Tensor,
         chunk_index: torch.Tensor,
         positions: torch.Tensor | None = None,
+        *,
+        inplace: bool = False,
     ) -> torch.Tensor:
-        """Repaired canonical KV ``stale + sigma_delta * z`` [.., N, S, D] in float32 (see :meth:`forward`)."""
-        z = self.forward(stale, tok_emb, chunk_index, positions)
-        return self.residual(z.float()).add_(stale)
+        """Repaired canonical KV ``stale + sigma_delta * z`` [.., N, S, D] in float32 (see :meth:`forward`).
+
+        ``sigma_delta`` is folded into the residual head and the stale KV is the GEMM's accumulator
+        (``addmm``), so the [N, S, D] output is written once instead of by a matmul, a scaling and an addition.
+
+        Args:
+            inplace: accumulate into ``stale`` itself (a contiguous float32 tensor the caller owns) and return it:
+                no second [N, S, D] buffer (tens of MB, whose first touch costs page faults on every request).
+        """
+        h = self.features(stale, tok_emb, chunk_index, positions).float()
+        sig = self._sig("sigma_delta").reshape(-1).float()  # [S * D]
+        w = self.head.weight.float() * sig[:, None]  # [S * D, d_b]
+        b = self.head.bias.float() * sig
+        if inplace and not (stale.dtype == torch.float32 and stale.is_contiguous()):
+            raise ValueError("repair(inplace=True) needs a contiguous float32 stale tensor")
+        flat = stale.float().reshape(*stale.shape[:-2], -1)  # [.., N, S * D]
+        if not inplace:
+            flat = flat.clone()
+        if h.dim() == 2:
+            flat.addmm_(h, w.t())
+        else:
+            flat.baddbmm_(h, w.t().expand(h.shape[0], -1, -1))
+        return flat.add_(b).view(stale.shape)
 
     # ----------------------------------------------------------------- persistence
     def save_pretrained(

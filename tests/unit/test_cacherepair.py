@@ -137,6 +137,26 @@ def test_zero_head_returns_stale_exactly() -> None:
     assert torch.equal(out, stale)
 
 
+def test_fused_repair_equals_the_forward_definition() -> None:
+    """repair() folds sigma_stale into the encoder and sigma_delta into the head (one addmm over the stale KV); it
+    is the same map as the definition stale + sigma_delta * forward(stale / sigma_stale ...), batched or not."""
+    cfg = _cfg()
+    m = _randomized(cfg, seed=3)
+    stale = torch.randn(2, 9, cfg.num_segments, 16) * 3
+    emb, ci = torch.randn(2, 9, 64), torch.tensor([[0] * 4 + [1] * 5, [0] * 6 + [1] * 3])
+    for b in (0, 1):
+        want = stale[b] + m.residual(m(stale[b], emb[b], ci[b]))
+        got = m.repair(stale[b], emb[b], ci[b])
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        assert got.shape == stale[b].shape and got.dtype == torch.float32
+    want = stale + m.residual(m(stale, emb, ci))
+    torch.testing.assert_close(m.repair(stale, emb, ci), want, atol=1e-5, rtol=1e-5)
+    # the encoder's folded scale is the definition: scaling the input or the projection is the same map
+    x = torch.randn(1, 5, cfg.num_segments, 16)
+    inv = torch.rand(cfg.num_segments, 16) + 0.5
+    torch.testing.assert_close(m.encoder(x, inv), m.encoder(x * inv), atol=1e-5, rtol=1e-5)
+
+
 def test_preset_parameter_count_matches_paper_table_12() -> None:
     # Qwen2.5-3B (36 layers, 2 KV heads, head dim 128, hidden 2048) with Table 4 "Small": 9.46M in Table 12.
     cfg = RepairConfig.from_preset("base", num_layers=36, num_kv_heads=2, head_dim=128, embed_dim=2048)
