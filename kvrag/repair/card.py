@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kvrag.errors import ConfigError
 from kvrag.repair.model import CONFIG_NAME
 from kvrag.repair.shipped import SHIPPED_DIR
 
@@ -148,8 +149,13 @@ def render_card(meta: dict[str, Any], *, command: str | None, bench: dict[str, A
 
 
 def publish(run_dir: str | Path, dest: str | Path | None = None, *, command: str | None = None,
-            bench: str | Path | None = None, bench_command: str | None = None) -> Path:
-    """Copy a trained repairer into ``dest`` with its learning curve plot and model card; returns ``dest``."""
+            bench: str | Path | None = None, bench_command: str | None = None, replace: bool = False) -> Path:
+    """Copy a trained repairer into ``dest`` with its learning curve plot and model card; returns ``dest``.
+
+    Args:
+        replace: overwrite another repairer already in ``dest`` (by default that is refused: the default ``dest``
+            is the shipped location, and writing a card for a candidate must not silently ship it).
+    """
     run = Path(run_dir)
     cfg_path = run / CONFIG_NAME
     if not cfg_path.is_file():
@@ -160,6 +166,11 @@ def publish(run_dir: str | Path, dest: str | Path | None = None, *, command: str
         name = str(meta.get("target", {}).get("model_name") or "model")
         dest = SHIPPED_DIR / name
     out = Path(dest)
+    held = out / "repair_model.safetensors"
+    if not replace and held.is_file() and held.read_bytes() != (run / "repair_model.safetensors").read_bytes():
+        msg = (f"{out} already holds another repairer; pass replace=True (--replace) to overwrite it, or --dest "
+               "another directory to publish a candidate without shipping it")
+        raise ConfigError(msg)
     out.mkdir(parents=True, exist_ok=True)
     for f in FILES:
         if (run / f).is_file():
@@ -178,8 +189,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--command", default=None, help="the training command, shown verbatim in the card")
     ap.add_argument("--bench", type=Path, default=None, help="a kvrag bench summary.json to quote")
     ap.add_argument("--bench-command", default=None)
+    ap.add_argument("--replace", action="store_true", help="overwrite another repairer already in the destination")
     args = ap.parse_args(argv)
-    out = publish(args.run_dir, args.dest, command=args.command, bench=args.bench, bench_command=args.bench_command)
+    out = publish(args.run_dir, args.dest, command=args.command, bench=args.bench, bench_command=args.bench_command,
+                  replace=args.replace)
     print(f"published {args.run_dir} -> {out}")
     return 0
 

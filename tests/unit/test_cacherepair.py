@@ -401,6 +401,16 @@ def test_publish_writes_card_from_the_run(lm, tmp_path: Path) -> None:
     RepairModel.from_pretrained(dest, lm.fingerprint)
     with pytest.raises(FileNotFoundError, match="train-repairer"):
         publish(tmp_path / "nothing-here")
+    # publishing the same run again is fine; another run over it needs replace=True (no silent re-shipping)
+    publish(tmp_path / "out", dest)
+    shipped = (dest / "repair_model.safetensors").read_bytes()
+    tr.model.head.bias.data += 1.0
+    tr.export(tmp_path / "other")
+    with pytest.raises(ConfigError, match="already holds another repairer"):
+        publish(tmp_path / "other", dest)
+    assert (dest / "repair_model.safetensors").read_bytes() == shipped  # untouched
+    publish(tmp_path / "other", dest, replace=True)
+    assert (dest / "repair_model.safetensors").read_bytes() != shipped
 
 
 # ---------------------------------------------------------------------------------------------------------------
