@@ -98,6 +98,14 @@ def render_card(meta: dict[str, Any], *, command: str | None, bench: dict[str, A
         f"`{meta.get('conditioning', {}).get('chunk_prefix')}`",
     ]
     cond = meta.get("conditioning", {})
+    styles = cond.get("chunk_styles") or {}
+    if styles:  # chunk_format 'per-lead': one rendering per prompt family
+        fams: dict[tuple[str, str], list[str]] = {}
+        for kind, st in styles.items():
+            fams.setdefault((st.get("format", ""), st.get("separator", "")), []).append(kind)
+        lines += ["- chunk styles (each document rendered as its lead's prompt family renders chunks): " + "; ".join(
+            f"{json.dumps(fmt)} joined by {json.dumps(sep)} for " + ", ".join(f"`{k}`" for k in kinds)
+            for (fmt, sep), kinds in fams.items())]
     if cond.get("lead_kinds"):
         lines += [
             f"- leads: every document's joint reference puts one of {len(cond['lead_kinds'])} real-prompt leads before "
