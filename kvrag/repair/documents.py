@@ -104,19 +104,19 @@ def build_document(
         ids = list(tokenize(renderer(title, passage)))
         if not ids:
             continue
-        lead = sep if n and sep else []
-        room = max_tokens - total - len(lead)
+        between = sep if n else []  # the separator span before every chunk but the first
+        room = max_tokens - total - len(between)
         if n < min_chunks:
             room -= (min_chunk_tokens + len(sep)) * (min_chunks - 1 - n)  # keep room for the required chunks
         if len(ids) > room:
             if n >= min_chunks or room < min_chunk_tokens:
                 break
             ids = ids[:room]
-        if lead:
-            chunks.append(list(lead))
+        if between:
+            chunks.append(list(between))
         chunks.append(ids)
         n += 1
-        total += len(lead) + len(ids)
+        total += len(between) + len(ids)
         if n >= max_chunks or total >= max_tokens:
             break
     return chunks if n >= min_chunks else None

@@ -144,7 +144,8 @@ def chunk_style_table(kinds: Sequence[str]) -> dict[str, dict[str, str]]:
 
 def style_identity() -> str:
     """Identifies the lead-kind -> chunk-style table (part of the pair-cache manifest)."""
-    return "per-lead:" + "|".join(f"{k}={chunk_style(k).fmt!r}+{chunk_style(k).separator!r}" for k in LEAD_KINDS)
+    table = chunk_style_table(LEAD_KINDS)
+    return "per-lead:" + "|".join(f"{k}={st['format']!r}+{st['separator']!r}" for k, st in table.items())
 
 
 def render_lead(tokenizer: Any, kind: str, question: str = "What is this about?") -> str:

@@ -304,9 +304,9 @@ class RepairModel(nn.Module):
         b = self.head.bias.float() * sig
         if inplace and not (stale.dtype == torch.float32 and stale.is_contiguous()):
             raise ValueError("repair(inplace=True) needs a contiguous float32 stale tensor")
-        flat = stale.float().reshape(*stale.shape[:-2], -1)  # [.., N, S * D]
-        if not inplace:
-            flat = flat.clone()
+        # [.., N, S * D]: stale itself with ``inplace``, else one float32 copy
+        flat = stale.to(torch.float32, memory_format=torch.contiguous_format, copy=not inplace).view(
+            *stale.shape[:-2], -1)
         if h.dim() == 2:
             flat.addmm_(h, w.t())
         else:
