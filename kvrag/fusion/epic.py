@@ -13,7 +13,7 @@ import torch
 
 from kvrag.errors import ConfigError
 from kvrag.fusion.base import FusionInput, FusionMethod, FusionOutput, Span, register
-from kvrag.fusion.recompute import fusion_output, selective_recompute
+from kvrag.fusion.recompute import fusion_output, recompute_input
 
 
 def epic_positions(spans: Sequence[Span], k: int) -> torch.Tensor:
@@ -54,5 +54,5 @@ class Epic(FusionMethod):
     def fuse(self, inp: FusionInput) -> FusionOutput:
         n_layers = inp.keys.shape[0]
         tgt = epic_positions(inp.spans, self.k)
-        res = selective_recompute(inp.model, inp.token_ids, *inp.working_kv(), [tgt] * n_layers, None, inplace=True)
-        return fusion_output(inp, res, selected=int(tgt.numel()))
+        res, cache, last = recompute_input(inp, [tgt] * n_layers)
+        return fusion_output(inp, res, cache=cache, last_logits=last, selected=int(tgt.numel()))

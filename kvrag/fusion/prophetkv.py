@@ -15,10 +15,10 @@ from kvrag.fusion.recompute import (
     check_ratio,
     exact_mask,
     fusion_output,
-    query_attention_scores,
-    selective_recompute,
+    recompute_input,
     top_positions,
 )
+from kvrag.fusion.scoring import query_attention_scores
 
 
 def prophet_select(scores: torch.Tensor, candidates: torch.Tensor, r: float) -> torch.Tensor:
@@ -65,7 +65,8 @@ class ProphetKV(FusionMethod):
         scores, score_edges, score_s = query_attention_scores(inp, heads="mean", kind="prob")
         cand = ~exact_mask(inp, first_chunk=self.exclude_first_chunk)
         tgt = prophet_select(scores, cand, self.r)
-        res = selective_recompute(inp.model, inp.token_ids, *inp.working_kv(), [tgt] * n_layers, None, inplace=True)
+        res, cache, last = recompute_input(inp, [tgt] * n_layers)
         return fusion_output(
-            inp, res, score_s=score_s, score_edges=score_edges, selected=int(tgt.numel()), candidates=int(cand.sum())
+            inp, res, cache=cache, last_logits=last, score_s=score_s, score_edges=score_edges,
+            selected=int(tgt.numel()), candidates=int(cand.sum())
         )

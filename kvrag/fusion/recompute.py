@@ -1,12 +1,12 @@
 """Shared machinery of the selective-recomputation fusion methods (RelaxKV, CacheBlend, EPIC, ProphetKV).
 
-Two executors and a few pure helpers:
+The executor and a few pure helpers:
 
 * :func:`selective_recompute` runs the model's own decoder layers for per-layer *target* positions over an
   explicit *context* (the full causal prefix, or a position set ``U``), writing fresh K/V over the stale cache
-  (baselines.md §0.1; RelaxKV §3.3-§3.4).
-* :func:`query_attention_scores` is the scoring pass: the question suffix attends over the stale cache and each
-  layer's attention to every context position is reduced to one score (baselines.md §0.2; RelaxKV §3.2).
+  (baselines.md §0.1; RelaxKV §3.3-§3.4); its fast 'prefix' executor lives in :mod:`kvrag.fusion.prefix_attention`.
+  :func:`recompute_input` runs it over a request's own buffer and folds the question suffix into it when it can.
+* :func:`kvrag.fusion.scoring.query_attention_scores` is the scoring pass the query-guided methods rank with.
 * :func:`budget` / :func:`top_positions` turn ratios and scores into position sets, deterministically.
 
 Shapes: L layers, H query heads, H_kv KV heads, Tc context positions, S suffix tokens, N targets, D head dim.
@@ -15,6 +15,7 @@ Position ``p`` of the context is index ``p`` of every tensor (the context starts
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -25,6 +26,8 @@ import torch
 
 from kvrag.errors import ConfigError
 from kvrag.fusion.base import FusionInput, FusionOutput
+from kvrag.fusion.prefix_attention import PrefixAttention, plain_attention, run_targets_prefix
+from kvrag.fusion.scoring import sync
 from kvrag.kv import hf_cache
 
 
@@ -78,13 +81,6 @@ def positions_of(mask: torch.Tensor) -> torch.Tensor:
     return torch.nonzero(mask.cpu(), as_tuple=False).flatten()
 
 
-def sync(device: torch.device | str) -> None:
-    """Wait for queued kernels so wall-clock timings are honest on accelerators."""
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
 @dataclasses.dataclass
 class LayerState:
     """What a per-layer hook sees right before layer ``layer`` runs (see :func:`selective_recompute`).
@@ -122,8 +118,9 @@ class RecomputeResult:
         states: recomputed (layer, token) K/V states, hooks' extra states included.
         edges: useful attention (query, key) pairs (the unmasked ones), summed over layers.
         seconds: wall time.
-        computed_edges: attention pairs the kernels evaluated (each block's dense [N, C + N] mask, masked pairs
-            included), summed over layers.
+        computed_edges: attention pairs the kernels evaluated (masked pairs in a block included), summed over
+            layers.
+        suffix_hidden: with ``suffix_ids``, the suffix's last-layer hidden states [1, S, hidden]; else None.
     """
 
     keys: torch.Tensor
@@ -133,6 +130,7 @@ class RecomputeResult:
     edges: int
     seconds: float
     computed_edges: int = 0
+    suffix_hidden: torch.Tensor | None = None
 
 
 def _is_subset(sub: torch.Tensor, sup: torch.Tensor) -> bool:
@@ -149,8 +147,10 @@ def selective_recompute(
     context: torch.Tensor | None | Sequence[torch.Tensor | None] = None,
     *,
     hook: LayerHook | None = None,
-    block_size: int = 256,
+    block_size: int | None = None,
     inplace: bool = False,
+    executor: str = "auto",
+    suffix_ids: torch.Tensor | None = None,
 ) -> RecomputeResult:
     """Layer-by-layer selective recomputation over a stale cache. baselines.md §0.1; RelaxKV §3.3-§3.4, §A.2.
 
@@ -174,17 +174,35 @@ def selective_recompute(
         context: None (full causal prefix at every layer), one [|U|] position tensor for every layer, or a
             per-layer list of those.
         hook: called before every layer that has targets (CacheBlend selects inside it), see :data:`LayerHook`.
-        block_size: targets are processed in position-ordered blocks of this many rows; later blocks read earlier
-            blocks' fresh K/V from the working cache, so the result does not depend on it (up to float rounding).
-            Smaller blocks compute fewer masked pairs (a block's context stops at its last target, so the waste is
-            about half a block's span per row) at the price of more layer calls.
+        block_size: rows per attention block (default 32 with the 'prefix' executor, 256 with 'layer'). 'prefix'
+            runs each layer ONCE for all its targets (projections and MLP as one GEMM each) and splits only the
+            attention into position-ordered row blocks, each reading the key prefix its last row can see; 'layer'
+            runs the decoder layer once per block of targets over the gathered context (later blocks read earlier
+            blocks' fresh K/V from the working cache). The result does not depend on it (up to float rounding);
+            smaller blocks compute fewer masked pairs (about half a block's span per row) at the price of more
+            kernel calls.
         inplace: write into ``keys``/``values`` (the caller owns them, e.g. :meth:`FusionInput.working_kv`)
             instead of copies.
+        executor: 'auto' ('prefix' when every layer's attention is plain softmax attention, else 'layer'),
+            'prefix' or 'layer' (the reference; any attention the family implements).
+        suffix_ids: [S] question suffix ids to prefill in the same layer calls (the "suffix fold"): they join
+            every layer's targets at positions Tc..Tc+S-1 with their full causal prefix, exactly as the suffix
+            prefill after the repair would compute them, and ``keys``/``values`` must then hold Tc + S positions
+            (their K/V land there). Needs ``context`` None and no ``hook``. The result's states, edges and
+            targets count the context only; ``suffix_hidden`` holds the suffix's last-layer states.
 
     Returns:
         RecomputeResult.
     """
     n_layers, _, tc, _ = keys.shape
+    s_len = 0 if suffix_ids is None else int(suffix_ids.shape[0])
+    if s_len:
+        if context is not None or hook is not None:
+            raise ValueError("suffix_ids needs the full causal context (context=None) and no hook")
+        tc -= s_len
+        if tc != int(token_ids.shape[0]):
+            msg = f"with suffix_ids, keys/values must hold the {int(token_ids.shape[0])} context + {s_len} suffix positions"
+            raise ValueError(msg)
     if len(targets) != n_layers:
         msg = f"targets must list one position set per layer ({n_layers}), got {len(targets)}"
         raise ValueError(msg)
@@ -202,8 +220,52 @@ def selective_recompute(
         if layer and not _is_subset(t, plan[layer - 1]):
             msg = f"targets must be nested: layer {layer} has positions not recomputed at layer {layer - 1}"
             raise ValueError(msg)
+    check_choice("selective_recompute", "executor", executor, ("auto", "prefix", "layer"))
+    if executor == "auto":
+        executor = "prefix" if plain_attention(model) else "layer"
+    elif executor == "prefix" and not plain_attention(model):
+        msg = "executor='prefix' needs plain softmax attention (no soft-capping, sinks or sliding windows); use 'layer'"
+        raise ValueError(msg)
+    rows = block_size if block_size is not None else (32 if executor == "prefix" else 256)
+    attn = PrefixAttention(rows) if executor == "prefix" else None
+    ids = token_ids
+    if s_len:
+        assert suffix_ids is not None
+        sfx = torch.arange(tc, tc + s_len)
+        plan = [torch.cat([t, sfx]) for t in plan]
+        ids = torch.cat([token_ids.to("cpu", torch.long), suffix_ids.to("cpu", torch.long)])
     sync(keys.device)
     t0 = time.perf_counter()
+    with contextlib.ExitStack() as stack:
+        if attn is not None:
+            stack.enter_context(hf_cache.capture_attention(model, attn))
+        res = _recompute_layers(model, ids, keys, values, plan, ctx_list, hook, rows, inplace, attn)
+    sync(keys.device)
+    if s_len:  # report the context's repair only: the suffix rows are the prefill every method pays
+        sfx_edges = n_layers * (s_len * tc + s_len * (s_len + 1) // 2)
+        res = dataclasses.replace(
+            res, targets=[t[t < tc] for t in res.targets], states=res.states - n_layers * s_len,
+            edges=res.edges - sfx_edges, computed_edges=res.computed_edges - sfx_edges,
+            suffix_hidden=None if res.suffix_hidden is None else res.suffix_hidden[:, -s_len:])
+    else:
+        res = dataclasses.replace(res, suffix_hidden=None)
+    return dataclasses.replace(res, seconds=time.perf_counter() - t0)
+
+
+def _recompute_layers(
+    model: Any,
+    token_ids: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    plan: list[torch.Tensor],
+    ctx_list: list[torch.Tensor | None],
+    hook: LayerHook | None,
+    rows: int,
+    inplace: bool,
+    attn: PrefixAttention | None,
+) -> RecomputeResult:
+    """The layer loop of :func:`selective_recompute` (its arguments, validated)."""
+    n_layers = keys.shape[0]
     k_out, v_out = (keys, values) if inplace else (keys.clone(), values.clone())
     done: list[torch.Tensor] = []
     states = edges = computed = extra = 0
@@ -229,14 +291,17 @@ def selective_recompute(
                 if tgt.numel() == 0:
                     done.extend(torch.zeros(0, dtype=torch.long) for _ in range(n_layers - layer))
                     break
-        hidden, e, c = _run_targets(model, layer, hidden, tgt, ctx_list[layer], k_out, v_out, block_size)
+        if attn is not None:
+            hidden, e, c = run_targets_prefix(model, layer, hidden, tgt, ctx_list[layer], k_out, v_out, attn)
+        else:
+            hidden, e, c = _run_targets(model, layer, hidden, tgt, ctx_list[layer], k_out, v_out, rows)
         edges += e
         computed += c
         states += int(tgt.numel())
         done.append(tgt)
         prev = tgt
-    sync(keys.device)
-    return RecomputeResult(k_out, v_out, done, states + extra, edges, time.perf_counter() - t0, computed)
+    # the last layer's output rows (the suffix's, when it rides along: its positions are the highest targets)
+    return RecomputeResult(k_out, v_out, done, states + extra, edges, 0.0, computed, hidden)
 
 
 def _run_targets(
@@ -250,6 +315,11 @@ def _run_targets(
     block_size: int,
 ) -> tuple[torch.Tensor, int, int]:
     """Run one layer for the sorted targets ``tgt`` (blocks in position order); write their fresh K/V.
+
+    The reference executor: one layer call per block of ``block_size`` targets, each over the gathered readable
+    context plus the block's own fresh rows (dense [N, C + N] bias). :class:`PrefixAttention` gives the same result
+    with one layer call for all targets; this path remains for attention that is not plain softmax (soft-capping,
+    sinks, sliding windows), whose kernel we must not replace.
 
     Returns (hidden out, useful pairs, computed pairs)."""
     tc = k_out.shape[2]
@@ -284,116 +354,29 @@ def _run_targets(
     return torch.cat(outs, dim=1), edges, computed
 
 
-class _ScoringProbe:
-    """The scoring pass's attention: computes the suffix's attention once (eager math in the compute dtype, the
-    softmax in float32 as transformers' eager path does) and records the per-layer context scores from the same
-    logits. Only for families whose attention is plain scaled dot-product + additive mask (no logit soft-capping,
-    no sinks); others keep the model's kernel and the probe only reads q and k."""
-
-    computes_attention = True
-
-    def __init__(self, scores: torch.Tensor, tc: int, heads: str, kind: str, max_elems: int) -> None:
-        self.scores, self.tc, self.heads, self.kind, self.max_elems = scores, tc, heads, kind, max_elems
-        self.stop_at = -1  # the layer after whose scores nothing more is needed (the last one)
-
-    def __call__(self, module: Any, query: torch.Tensor, key: torch.Tensor, mask: Any, scaling: float | None,
-                 value: torch.Tensor | None = None) -> Any:
-        q = query[0]  # [H, S, D]
-        h, s, d = q.shape
-        h_kv = key.shape[1]
-        rep = h // h_kv
-        scale = scaling if scaling is not None else d**-0.5
-        plain = value is not None and not _has_special_attention(module)
-        tc = self.tc
-        ckeys = key[0] if plain else key[0, :, :tc]  # [H_kv, C, D]
-        rows = max(1, self.max_elems // max(1, h * int(ckeys.shape[1])))  # bound the [H, rows, C] block
-        per_head = torch.zeros(h, tc, dtype=torch.float32, device=q.device)
-        outs = []
-        for r0 in range(0, s, rows):
-            qb = q[:, r0 : r0 + rows]  # [H, n, D]
-            n = qb.shape[1]
-            # query head h reads KV head h // (H / H_kv), as transformers' repeat_kv lays them out
-            logit = torch.matmul(qb.reshape(h_kv, rep * n, d), ckeys.transpose(1, 2)).float() * scale  # [H_kv, rep*n, C]
-            ctx = logit[..., :tc]
-            # ProphetKV's denominator: softmax over the context keys only (the suffix keys are left out)
-            a = torch.softmax(ctx, dim=-1) if self.kind == "prob" else ctx
-            per_head += a.reshape(h, n, tc).sum(dim=1)
-            if plain:
-                assert value is not None
-                if mask is not None:
-                    logit = logit + mask[0, 0, r0 : r0 + n].float().repeat(rep, 1)  # [rep*n, C] -> heads share it
-                probs = torch.softmax(logit, dim=-1).to(value.dtype)  # eager: softmax in fp32, then the dtype
-                outs.append(torch.matmul(probs, value[0]).reshape(h, n, d))  # [H, n, D]
-        per_head /= s
-        red = per_head.mean(dim=0) if self.heads == "mean" else per_head.max(dim=0).values
-        self.scores[module.layer_idx] = red.cpu()
-        if module.layer_idx == self.stop_at:
-            raise _ScoresDone
-        if not plain:
-            return None
-        return torch.cat(outs, dim=1).transpose(0, 1).unsqueeze(0).contiguous(), None  # [1, S, H, D]
-
-
-class _ScoresDone(Exception):
-    """Leaves the last layer right after its scores: its output projection and MLP would only feed the LM head."""
-
-
-def _has_special_attention(module: Any) -> bool:
-    """Attention that is not plain softmax(q k^T * scale + mask) v: soft-capping, sinks, sliding windows."""
-    cfg = getattr(module, "config", None)
-    return bool(getattr(cfg, "attn_logit_softcapping", None) or getattr(module, "sinks", None) is not None
-                or getattr(module, "sliding_window", None))
-
-
-@torch.inference_mode()
-def query_attention_scores(
-    inp: FusionInput, *, heads: str = "mean", kind: str = "prob", max_elems: int = 1 << 24
-) -> tuple[torch.Tensor, int, float]:
-    """Scoring pass: the suffix attends over the stale cache; one score per (layer, context position).
-
-    baselines.md §0.2, ProphetKV Stage I, RelaxKV §3.2. The suffix runs through the model's own layers at global
-    positions ``Tc..Tc+S-1`` over the stale K/V (never modified); at each layer the post-RoPE (post q-norm) queries
-    are compared with the stale context keys:
-
-    * ``kind='prob'``: ``softmax over the Tc context keys of q·k / sqrt(D)`` (ProphetKV's denominator: the
-      suffix keys are left out), averaged over the S suffix rows (rank-equivalent to the sum);
-    * ``kind='logit'``: the scaled logits themselves, averaged over the rows;
-
-    then reduced over the H query heads by ``heads='mean'`` (rank-equivalent to ProphetKV's sum) or ``'max'``.
-
-    Only what ranking needs is computed: the attention logits once per layer (they give both the scores and the
-    layer's attention output, :class:`_ScoringProbe`), no logits, and the last layer stops after its attention
-    (its output projection, MLP and the final norm would only feed the LM head).
+def recompute_input(
+    inp: FusionInput, targets: Sequence[torch.Tensor], context: torch.Tensor | None = None
+) -> tuple[RecomputeResult, Any, torch.Tensor | None]:
+    """:func:`selective_recompute` of ``targets`` over the input's working KV (in place), with the question
+    suffix folded into the same layer calls when it can be: full causal context (``context`` None), the request's
+    own buffer, and a family whose logits :func:`hf_cache.logits_head` computes. The suffix then costs a few more
+    rows in GEMMs the repair runs anyway instead of a second pass over every layer's weights.
 
     Returns:
-        (scores [L, Tc] float32 on the CPU, attention pairs computed by the pass, seconds).
+        (result, cache, last_logits): with the fold, the buffer's cache over context + suffix and the next-token
+        logits [V] (the engine then skips its suffix prefill); else the cache over the repaired context and None.
     """
-    model, tc = inp.model, inp.context_len
-    n_layers = inp.keys.shape[0]
-    suffix = inp.suffix_ids
-    s_len = int(suffix.shape[0])
-    scores = torch.zeros(n_layers, tc, dtype=torch.float32)
-    if tc == 0 or s_len == 0:
-        return scores, 0, 0.0
-    dev = inp.keys.device
-    sync(dev)
-    t0 = time.perf_counter()
-    probe = _ScoringProbe(scores, tc, heads, kind, max_elems)
-    hidden = hf_cache.embed(model, suffix)  # [1, S, hidden]
-    pos = torch.arange(tc, tc + s_len, device=dev)
-    mask = torch.ones(s_len, tc + s_len, dtype=torch.bool)
-    mask[:, tc:] = torch.tril(torch.ones(s_len, s_len, dtype=torch.bool))
-    mask = mask.to(dev)
-    probe.stop_at = n_layers - 1
-    with hf_cache.capture_attention(model, probe):
-        for layer in range(n_layers):
-            try:
-                hidden, _, _ = hf_cache.run_layer(model, layer, hidden, pos, inp.keys[layer], inp.values[layer], mask)
-            except _ScoresDone:
-                break
-    sync(dev)
-    edges = n_layers * s_len * (tc + s_len)  # the dense [S, Tc + S] logits of every layer
-    return scores, edges, time.perf_counter() - t0
+    head = hf_cache.logits_head(inp.model)
+    s_len = int(inp.suffix_ids.shape[0])
+    if context is None and inp.buffer is not None and head is not None and s_len:
+        tc = inp.context_len
+        keys, values = inp.buffer.context(tc + s_len)  # the views to use: reserve() may have moved the buffer
+        res = selective_recompute(inp.model, inp.token_ids, keys, values, targets, None, inplace=True,
+                                  suffix_ids=inp.suffix_ids)
+        assert res.suffix_hidden is not None
+        return res, inp.buffer.as_cache(tc + s_len), head(res.suffix_hidden[:, -1:])[-1]
+    res = selective_recompute(inp.model, inp.token_ids, *inp.working_kv(), targets, context, inplace=True)
+    return res, inp.cache_over(res.keys, res.values), None
 
 
 def full_prefill_edges(n_layers: int, tc: int) -> int:
@@ -408,6 +391,8 @@ def fusion_output(
     context_fraction: float = 1.0,
     score_s: float = 0.0,
     score_edges: int = 0,
+    cache: Any = None,
+    last_logits: torch.Tensor | None = None,
     **extra: Any,
 ) -> FusionOutput:
     """Wrap a recompute result with the statistics every selective method reports (baselines.md §0.3).
@@ -416,7 +401,9 @@ def fusion_output(
     1.0 for full-causal-prefix methods), ``attention_edges_ratio`` (useful recompute pairs / pairs of a full
     prefill of the context), ``attention_computed_ratio`` (pairs the kernels evaluated, masked ones included,
     same denominator), ``score_edges_ratio`` (pairs the scoring pass computed, same denominator), ``score_s``,
-    ``recompute_s``, plus ``extra``.
+    ``recompute_s`` (the suffix's rows included when folded), ``suffix_folded`` (the suffix was prefilled inside
+    the recompute, :func:`recompute_input`), plus ``extra``. ``cache`` / ``last_logits``: what
+    :func:`recompute_input` returned (default: the cache over ``res``'s context KV, no logits).
     """
     n_layers, _, tc, _ = inp.keys.shape
     full_edges = max(1, full_prefill_edges(n_layers, tc))
@@ -429,10 +416,12 @@ def fusion_output(
         "score_s": float(score_s),
         "recompute_s": float(res.seconds),
         "recomputed_per_layer": [int(t.numel()) for t in res.targets],
+        "suffix_folded": last_logits is not None,
     }
     stats.update(extra)
-    cache = inp.cache_over(res.keys, res.values)
-    return FusionOutput(cache=cache, stats=stats)
+    if cache is None:
+        cache = inp.cache_over(res.keys, res.values)
+    return FusionOutput(cache=cache, last_logits=last_logits, stats=stats)
 
 
 def exact_mask(inp: FusionInput, *, first_chunk: bool = False) -> torch.Tensor:

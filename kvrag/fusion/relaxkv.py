@@ -21,10 +21,10 @@ from kvrag.fusion.recompute import (
     exact_mask,
     fusion_output,
     positions_of,
-    query_attention_scores,
-    selective_recompute,
+    recompute_input,
     top_positions,
 )
+from kvrag.fusion.scoring import query_attention_scores
 
 
 @dataclasses.dataclass
@@ -161,12 +161,14 @@ class RelaxKV(FusionMethod):
     def fuse(self, inp: FusionInput) -> FusionOutput:
         sched, k, score_edges, score_s = self.schedule(inp)
         ctx = sched.union if self.context == "anchors" else None
-        res = selective_recompute(inp.model, inp.token_ids, *inp.working_kv(), sched.active, ctx, inplace=True)
+        res, cache, last = recompute_input(inp, sched.active, ctx)
         tc = max(1, inp.context_len)
         u_frac = sched.union.numel() / tc if self.context == "anchors" else 1.0
         return fusion_output(
             inp,
             res,
+            cache=cache,
+            last_logits=last,
             context_fraction=u_frac,
             score_s=score_s,
             score_edges=score_edges,

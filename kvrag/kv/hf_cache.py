@@ -164,6 +164,20 @@ def prefill_kv(model: Any, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch
     return cache_to_tensors(cache)
 
 
+def logits_head(model: Any) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """``head(hidden [1, N, hidden]) -> logits [N, V]`` (float32) as the model's forward computes them from its
+    last decoder layer's output (final norm, then the LM head); None for families that post-process logits
+    (soft-capping, scaling) or are laid out otherwise, whose own forward must compute them."""
+    cfg = model.config
+    if getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", None) not in (None, 1, 1.0):
+        return None
+    base = getattr(model, "model", model)
+    norm, lm_head = getattr(base, "norm", None), model.get_output_embeddings()
+    if norm is None or lm_head is None:
+        return None
+    return lambda hidden: lm_head(norm(hidden))[0].float()
+
+
 def decoder_layers(model: Any) -> list[torch.nn.Module]:
     base = getattr(model, "model", model)
     return list(base.layers)

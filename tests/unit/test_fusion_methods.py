@@ -10,7 +10,8 @@ import torch
 
 from kvrag.errors import ConfigError
 from kvrag.fusion import get_method
-from kvrag.fusion.recompute import budget, query_attention_scores, selective_recompute
+from kvrag.fusion.recompute import budget, selective_recompute
+from kvrag.fusion.scoring import query_attention_scores
 from kvrag.kv import hf_cache
 from kvrag.kv.attention import IMPL as GQA_SDPA
 from kvrag.testing.fusion_suite import FusionCase, FusionMethodTests, context_kv, fusion_case, greedy_tokens
@@ -222,6 +223,81 @@ def test_selective_recompute_block_size_does_not_change_the_result() -> None:
     torch.testing.assert_close(a.keys, b.keys, atol=1e-5, rtol=0)
     torch.testing.assert_close(a.values, b.values, atol=1e-5, rtol=0)
     assert a.edges == b.edges and a.states == b.states == sum(len(t) for t in plan)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("sparse", [False, True])
+def test_prefix_executor_equals_the_layer_reference(family: str, sparse: bool) -> None:
+    """One layer call per layer with blocked prefix attention == one layer call per target block over a gathered
+    context (dense bias): same K/V, same useful edges, fewer computed pairs."""
+    case = fusion_case(family)
+    inp = case.fusion_input()
+    tgt = torch.arange(3, inp.context_len)
+    u = torch.tensor([0, 3, 8, 12, 20, 25, 30, 41]) if sparse else None
+    plan = [tgt, tgt[::2], tgt[::2], tgt[::4]]
+    ref = selective_recompute(inp.model, inp.token_ids, inp.keys, inp.values, plan, u, executor="layer")
+    for rows in (5, 32, 4096):
+        out = selective_recompute(inp.model, inp.token_ids, inp.keys, inp.values, plan, u, executor="prefix",
+                                  block_size=rows)
+        torch.testing.assert_close(out.keys, ref.keys, atol=2e-5, rtol=0)
+        torch.testing.assert_close(out.values, ref.values, atol=2e-5, rtol=0)
+        assert out.edges == ref.edges and out.states == ref.states
+        assert out.edges <= out.computed_edges <= ref.computed_edges
+    assert out.computed_edges == ref.computed_edges or rows == 4096  # one block: the same dense rectangle
+
+
+def test_prefix_executor_refuses_special_attention() -> None:
+    case = fusion_case("llama")
+    inp = case.fusion_input()
+    attn = hf_cache.decoder_layers(inp.model)[0].self_attn
+    attn.sliding_window = 8
+    try:
+        with pytest.raises(ValueError, match="plain softmax attention"):
+            selective_recompute(inp.model, inp.token_ids, inp.keys, inp.values, [torch.tensor([9])] * 4,
+                                executor="prefix")
+        res = selective_recompute(inp.model, inp.token_ids, inp.keys, inp.values, [torch.tensor([9])] * 4)
+        assert res.states == 4  # 'auto' fell back to the layer executor
+    finally:
+        del attn.sliding_window
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("spec", ["epic:k=3", "prophetkv:r=0.3", "relaxkv-fullctx:r=0.3"])
+def test_suffix_fold_equals_the_separate_suffix_prefill(family: str, spec: str, monkeypatch: Any) -> None:
+    """Full-context methods on the engine's zero-copy input prefill the suffix inside the recompute: the next-token
+    logits and the whole cache (context + suffix) equal repairing first and prefilling the suffix afterwards
+    (``hybrid``: tests/unit/test_cacherepair.py)."""
+    case = fusion_case(family)
+    method = get_method(spec)
+    inp = case.fusion_input(zero_copy=True)
+    out = method.fuse(inp)
+    assert out.stats["suffix_folded"] and out.last_logits is not None
+    tc, s = inp.context_len, int(inp.suffix_ids.shape[0])
+    k, v = hf_cache.cache_to_tensors(out.cache)
+    assert k.shape[2] == tc + s
+    monkeypatch.setattr(hf_cache, "logits_head", lambda model: None)  # the fold off: repair, then the suffix pass
+    ref_inp = case.fusion_input(zero_copy=True)
+    ref = method.fuse(ref_inp)
+    assert not ref.stats["suffix_folded"] and ref.last_logits is None
+    logits, cache = hf_cache.forward(inp.model, ref_inp.suffix_ids, ref.cache, start=tc)
+    rk, rv = hf_cache.cache_to_tensors(cache)
+    torch.testing.assert_close(k, rk, atol=2e-5, rtol=0)
+    torch.testing.assert_close(v, rv, atol=2e-5, rtol=0)
+    torch.testing.assert_close(out.last_logits, logits[-1], atol=1e-4, rtol=0)
+    assert out.stats["recomputed_per_layer"] == ref.stats["recomputed_per_layer"]  # the suffix is not counted
+    assert out.stats["recomputed_fraction"] == ref.stats["recomputed_fraction"]
+    assert out.stats["attention_edges_ratio"] == pytest.approx(ref.stats["attention_edges_ratio"])
+
+
+def test_suffix_ids_need_full_context_and_room() -> None:
+    case = fusion_case("qwen2")
+    inp = case.fusion_input()
+    tgt = [torch.tensor([9])] * 4
+    with pytest.raises(ValueError, match="full causal context"):
+        selective_recompute(inp.model, inp.token_ids, inp.keys, inp.values, tgt, torch.tensor([0, 9]),
+                            suffix_ids=inp.suffix_ids)
+    with pytest.raises(ValueError, match="must hold"):
+        selective_recompute(inp.model, inp.token_ids, inp.keys, inp.values, tgt, suffix_ids=inp.suffix_ids)
 
 
 def test_sparse_context_reads_only_u() -> None:

@@ -24,8 +24,9 @@ from kvrag.fusion import FusionInput, get_method
 from kvrag.fusion.cacheblend import CacheBlend
 from kvrag.fusion.epic import epic_positions
 from kvrag.fusion.prophetkv import prophet_select
-from kvrag.fusion.recompute import budget, exact_mask, query_attention_scores
+from kvrag.fusion.recompute import budget, exact_mask
 from kvrag.fusion.relaxkv import RelaxKV
+from kvrag.fusion.scoring import query_attention_scores
 from kvrag.kv import hf_cache
 from kvrag.testing.fusion_suite import SUITE_LAYERS, FusionCase, context_kv, fusion_case
 from kvrag.testing.tiny import FAMILIES
