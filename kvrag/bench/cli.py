@@ -182,7 +182,23 @@ def add_bench_arguments(subparsers: Any) -> argparse.ArgumentParser:
     fa.add_argument("summary", help="a kvrag bench --out directory or its summary.json")
     fa.add_argument("--out", required=True, help="cost-model JSON to write (kvrag/data/auto_cost.json ships)")
     fa.set_defaults(func=run_fit_auto)
+
+    mg = sub.add_parser("merge", help="one summary from runs that split one request list between processes "
+                        "(e.g. one per core, side by side)")
+    mg.add_argument("runs", nargs="+", help="kvrag bench --out directories (same methods and template)")
+    mg.add_argument("--out", required=True, help="directory for the merged summary.json / summary.md / plots")
+    mg.add_argument("--bootstrap", type=int, default=1000)
+    mg.set_defaults(func=run_merge)
     return p
+
+
+def run_merge(args: argparse.Namespace) -> int:
+    """``kvrag bench merge``: concatenate disjoint runs' request rows into one summary (no model is loaded)."""
+    from kvrag.bench.merge import merge_runs
+
+    s = merge_runs(args.out, args.runs, n_boot=args.bootstrap)
+    print(f"{s['n_requests']} requests from {len(args.runs)} runs -> {args.out}/summary.md")
+    return 0
 
 
 def run_fit_auto(args: argparse.Namespace) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -270,3 +271,31 @@ def test_combined_pareto_plot(tmp_path: Path) -> None:
     assert bench_main(["bench", "plot", str(tmp_path / "a"), f"cr={tmp_path / 'b.json'}", "--out", str(out)]) == 0
     assert out.stat().st_size > 1000
     assert bench_main(["bench", "plot", f"x={tmp_path / 'missing'}", "--out", str(out)]) == 2
+
+
+def test_merge_of_split_runs_equals_the_run_over_all_rows(engine: KVRAGEngine, tmp_path: Path) -> None:
+    """Two runs over disjoint row ranges merge into the summary one run over all rows reports (quality metrics are
+    deterministic; TTFT differs run to run, so only its presence is checked); mismatched runs are refused."""
+    from kvrag.bench.cli import main as bench_main
+    from kvrag.bench.merge import merge_runs
+
+    methods = "full,stale"
+    whole = QABenchmark(_cfg(tmp_path, methods, limit=3), engine).run()
+    a = QABenchmark(dataclasses.replace(_cfg(tmp_path, methods, limit=1), out=str(tmp_path / "a")), engine).run()
+    QABenchmark(dataclasses.replace(_cfg(tmp_path, methods, limit=2, offset=1), out=str(tmp_path / "b")), engine).run()
+    assert a["n_requests"] == 1
+    assert bench_main(["bench", "merge", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "m"),
+                       "--bootstrap", "50"]) == 0
+    merged = json.loads((tmp_path / "m" / "summary.json").read_text())
+    assert merged["n_requests"] == 3 and "merged_from" in merged and (tmp_path / "m" / "summary.md").is_file()
+    for lbl in ("full", "stale"):
+        for key in ("f1", "em", "kl"):
+            assert merged["methods"][lbl][key] == pytest.approx(whole["methods"][lbl][key]), (lbl, key)
+        assert merged["methods"][lbl]["ttft_ratio"] is not None
+    with pytest.raises(ConfigError, match="more than one run"):
+        merge_runs(tmp_path / "x", [tmp_path / "a", tmp_path / "out"], make_plots=False)
+    QABenchmark(dataclasses.replace(_cfg(tmp_path, "full", limit=1, offset=2), out=str(tmp_path / "c")), engine).run()
+    with pytest.raises(ConfigError, match="ran methods"):
+        merge_runs(tmp_path / "x", [tmp_path / "a", tmp_path / "c"], make_plots=False)
+    with pytest.raises(ConfigError, match="not a kvrag bench"):
+        merge_runs(tmp_path / "x", [tmp_path / "a", tmp_path / "nope"], make_plots=False)

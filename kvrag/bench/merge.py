@@ -1,0 +1,60 @@
+"""``kvrag bench merge``: one summary from bench runs that split one request list between processes.
+
+On a machine with few cores a long run is faster as one process per core over disjoint row ranges (``--offset``
+/ ``--limit``), started side by side so every request sees the same load. TTFT ratios, KL and F1 are computed per
+request within a run, so the merged summary is the one a single run over all rows would report under that load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from kvrag.bench import aggregate, plots
+from kvrag.errors import ConfigError
+
+
+def merge_runs(out: str | os.PathLike[str], runs: Sequence[str | os.PathLike[str]], *, n_boot: int = 1000,
+               seed: int = 0, make_plots: bool = True) -> dict[str, Any]:
+    """Concatenate the request rows of ``runs`` (in order) and write ``out``/summary.{json,md} (+ Pareto plots).
+
+    Raises:
+        ConfigError: fewer than two runs, a run without run.json/results.jsonl, runs whose methods or resume key
+            (model, template, token budgets) differ, or a request that appears in two runs.
+    """
+    if len(runs) < 2:
+        raise ConfigError("kvrag bench merge needs at least two run directories")
+    paths = [Path(r) for r in runs]
+    metas = []
+    for p in paths:
+        if not (p / "run.json").is_file() or not (p / "results.jsonl").is_file():
+            raise ConfigError(f"{p} is not a kvrag bench --out directory (run.json and results.jsonl expected)")
+        metas.append(json.loads((p / "run.json").read_text()))
+    labels = metas[0]["config"]["methods"]
+    for p, m in zip(paths[1:], metas[1:], strict=True):
+        if m["config"]["methods"] != labels:
+            raise ConfigError(f"{p} ran methods {m['config']['methods']}, {paths[0]} ran {labels}; merge runs of one "
+                              "method list")
+        if m.get("resume_key") != metas[0].get("resume_key"):
+            raise ConfigError(f"{p} used another model, template or token budget than {paths[0]} (run.json "
+                              "resume_key differs); such runs cannot be merged")
+    rows = [row for p in paths for row in aggregate.read_jsonl(p / "results.jsonl")]
+    seen: set[str] = set()
+    for row in rows:
+        if row["id"] in seen:
+            raise ConfigError(f"request {row['id']!r} appears in more than one run; merge disjoint row ranges")
+        seen.add(row["id"])
+    parts = ", ".join(f"{p} (rows {m['config'].get('offset', 0)}+{len(aggregate.read_jsonl(p / 'results.jsonl'))})"
+                      for p, m in zip(paths, metas, strict=True))
+    cfg = {**metas[0]["config"], "out": str(out), "limit": len(rows),
+           "offset": min(int(m["config"].get("offset", 0)) for m in metas)}
+    summary = aggregate.summarize(rows, labels, config=cfg, n_boot=n_boot, seed=seed,
+                                  extra={"merged_from": parts})
+    Path(out).mkdir(parents=True, exist_ok=True)
+    aggregate.write_summary(out, summary)
+    if make_plots:
+        plots.pareto_plots(summary, out)
+    return summary
