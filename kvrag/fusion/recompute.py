@@ -174,7 +174,8 @@ def selective_recompute(
         context: None (full causal prefix at every layer), one [|U|] position tensor for every layer, or a
             per-layer list of those.
         hook: called before every layer that has targets (CacheBlend selects inside it), see :data:`LayerHook`.
-        block_size: rows per attention block (default 32 with the 'prefix' executor, 256 with 'layer'). 'prefix'
+        block_size: rows per attention block (default 32 with the 'prefix' executor on a CPU, 128 on an
+            accelerator; 256 with 'layer'). 'prefix'
             runs each layer ONCE for all its targets (projections and MLP as one GEMM each) and splits only the
             attention into position-ordered row blocks, each reading the key prefix its last row can see; 'layer'
             runs the decoder layer once per block of targets over the gathered context (later blocks read earlier
@@ -226,7 +227,10 @@ def selective_recompute(
     elif executor == "prefix" and not plain_attention(model):
         msg = "executor='prefix' needs plain softmax attention (no soft-capping, sinks or sliding windows); use 'layer'"
         raise ValueError(msg)
-    rows = block_size if block_size is not None else (32 if executor == "prefix" else 256)
+    # 32-row attention blocks waste few masked pairs and cost little per call on a CPU; an accelerator would
+    # rather launch fewer, larger kernels
+    small = 32 if keys.device.type == "cpu" else 128
+    rows = block_size if block_size is not None else (small if executor == "prefix" else 256)
     attn = PrefixAttention(rows) if executor == "prefix" else None
     ids = token_ids
     if s_len:
