@@ -107,8 +107,9 @@ def run_targets_prefix(
     attn: PrefixAttention,
 ) -> tuple[torch.Tensor, int, int]:
     """One layer call for all sorted targets ``tgt``: projections and MLP as one GEMM each, attention by ``attn``
-    (inside :func:`hf_cache.capture_attention`). Same semantics as :func:`kvrag.fusion.recompute.selective_recompute`'s reference executor: target ``t`` reads the
-    readable positions ``< t`` from the working cache and the targets ``<= t`` fresh.
+    (inside :func:`hf_cache.capture_attention`). Same semantics as the reference executor of
+    :func:`kvrag.fusion.recompute.selective_recompute`: target ``t`` reads the readable positions ``< t`` from the
+    working cache and the targets ``<= t`` fresh.
 
     Returns (hidden out, useful pairs, computed pairs)."""
     dev = k_out.device

@@ -202,7 +202,8 @@ def selective_recompute(
             raise ValueError("suffix_ids needs the full causal context (context=None) and no hook")
         tc -= s_len
         if tc != int(token_ids.shape[0]):
-            msg = f"with suffix_ids, keys/values must hold the {int(token_ids.shape[0])} context + {s_len} suffix positions"
+            msg = (f"with suffix_ids, keys/values must hold the {int(token_ids.shape[0])} context + {s_len} suffix "
+                   "positions")
             raise ValueError(msg)
     if len(targets) != n_layers:
         msg = f"targets must list one position set per layer ({n_layers}), got {len(targets)}"
