@@ -22,8 +22,11 @@ def merge_runs(out: str | os.PathLike[str], runs: Sequence[str | os.PathLike[str
     """Concatenate the request rows of ``runs`` (in order) and write ``out``/summary.{json,md} (+ Pareto plots).
 
     Raises:
-        ConfigError: fewer than two runs, a run without run.json/results.jsonl, runs whose methods or resume key
-            (model, template, token budgets) differ, or a request that appears in two runs.
+        ConfigError: fewer than two runs, a run without run.json/results.jsonl, runs whose methods, resume key
+            (model, template, token budgets) or commit differ, or a request that appears in two runs.
+
+    The summary's provenance (git, versions, hardware incl. torch threads) is the first run's; every run's hardware
+    line (load averages differ) is kept under ``merged_hardware``.
     """
     if len(runs) < 2:
         raise ConfigError("kvrag bench merge needs at least two run directories")
@@ -41,6 +44,15 @@ def merge_runs(out: str | os.PathLike[str], runs: Sequence[str | os.PathLike[str
         if m.get("resume_key") != metas[0].get("resume_key"):
             raise ConfigError(f"{p} used another model, template or token budget than {paths[0]} (run.json "
                               "resume_key differs); such runs cannot be merged")
+    # provenance is the runs' own (git, versions, hardware with their torch threads), never the merging process's
+    envs = []
+    for p in paths:
+        sp = p / "summary.json"
+        js = json.loads(sp.read_text()) if sp.is_file() else {}
+        envs.append({k: js.get(k) for k in ("git_sha", "versions", "hardware")})
+    shas = {e["git_sha"] for e in envs}
+    if len(shas) > 1:
+        raise ConfigError(f"the runs were made at different commits ({sorted(map(str, shas))}); merge runs of one commit")
     rows = [row for p in paths for row in aggregate.read_jsonl(p / "results.jsonl")]
     seen: set[str] = set()
     for row in rows:
@@ -51,8 +63,8 @@ def merge_runs(out: str | os.PathLike[str], runs: Sequence[str | os.PathLike[str
                       for p, m in zip(paths, metas, strict=True))
     cfg = {**metas[0]["config"], "out": str(out), "limit": len(rows),
            "offset": min(int(m["config"].get("offset", 0)) for m in metas)}
-    summary = aggregate.summarize(rows, labels, config=cfg, n_boot=n_boot, seed=seed,
-                                  extra={"merged_from": parts})
+    summary = aggregate.summarize(rows, labels, config=cfg, env=envs[0], n_boot=n_boot, seed=seed,
+                                  extra={"merged_from": parts, "merged_hardware": [e["hardware"] for e in envs]})
     Path(out).mkdir(parents=True, exist_ok=True)
     aggregate.write_summary(out, summary)
     if make_plots:

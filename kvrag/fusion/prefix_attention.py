@@ -126,15 +126,6 @@ def run_targets_prefix(
     attn.qpos, attn.kpos = tgt, kpos
     e0, c0 = attn.edges, attn.computed
     tdev = tgt.to(dev)
-    layer_mod = hf_cache.decoder_layers(model)[layer]
-    out = layer_mod(
-        hidden,
-        attention_mask=None,
-        position_ids=tdev.view(1, -1),
-        cache=InPlaceCache(k_out[layer], v_out[layer], tdev, kpos_dev, lim),
-        use_cache=True,
-        position_embeddings=hf_cache.rotary(model, hidden, tdev),
-    )
-    if isinstance(out, tuple):
-        out = out[0]
+    cache = InPlaceCache(k_out[layer], v_out[layer], tdev, kpos_dev, lim)
+    out = hf_cache.call_layer(model, layer, hidden, tdev, cache, None)
     return out, attn.edges - e0, attn.computed - c0

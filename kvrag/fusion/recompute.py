@@ -27,7 +27,6 @@ import torch
 from kvrag.errors import ConfigError
 from kvrag.fusion.base import FusionInput, FusionOutput
 from kvrag.fusion.prefix_attention import PrefixAttention, plain_attention, run_targets_prefix
-from kvrag.fusion.scoring import sync
 from kvrag.kv import hf_cache
 
 
@@ -239,13 +238,13 @@ def selective_recompute(
         sfx = torch.arange(tc, tc + s_len)
         plan = [torch.cat([t, sfx]) for t in plan]
         ids = torch.cat([token_ids.to("cpu", torch.long), suffix_ids.to("cpu", torch.long)])
-    sync(keys.device)
+    hf_cache.sync(keys.device)
     t0 = time.perf_counter()
     with contextlib.ExitStack() as stack:
         if attn is not None:
             stack.enter_context(hf_cache.capture_attention(model, attn))
         res = _recompute_layers(model, ids, keys, values, plan, ctx_list, hook, rows, inplace, attn)
-    sync(keys.device)
+    hf_cache.sync(keys.device)
     if s_len:  # report the context's repair only: the suffix rows are the prefill every method pays
         sfx_edges = n_layers * (s_len * tc + s_len * (s_len + 1) // 2)
         res = dataclasses.replace(

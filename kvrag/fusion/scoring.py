@@ -13,13 +13,6 @@ from kvrag.fusion.prefix_attention import has_special_attention
 from kvrag.kv import hf_cache
 
 
-def sync(device: torch.device | str) -> None:
-    """Wait for queued kernels so wall-clock timings are honest on accelerators."""
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
 class _ScoringProbe:
     """The scoring pass's attention: computes the suffix's attention once (eager math in the compute dtype, the
     softmax in float32 as transformers' eager path does) and records the per-layer context scores from the same
@@ -105,7 +98,7 @@ def query_attention_scores(
     if tc == 0 or s_len == 0:
         return scores, 0, 0.0
     dev = inp.keys.device
-    sync(dev)
+    hf_cache.sync(dev)
     t0 = time.perf_counter()
     probe = _ScoringProbe(scores, tc, heads, kind, max_elems)
     hidden = hf_cache.embed(model, suffix)  # [1, S, hidden]
@@ -120,6 +113,6 @@ def query_attention_scores(
                 hidden, _, _ = hf_cache.run_layer(model, layer, hidden, pos, inp.keys[layer], inp.values[layer], mask)
             except _ScoresDone:
                 break
-    sync(dev)
+    hf_cache.sync(dev)
     edges = n_layers * s_len * (tc + s_len)  # the dense [S, Tc + S] logits of every layer
     return scores, edges, time.perf_counter() - t0

@@ -236,24 +236,39 @@ def run_layer(
     Returns:
         (hidden_out [1, N, hidden], fresh_k [H_kv, N, D], fresh_v [H_kv, N, D]).
     """
-    layer = decoder_layers(model)[layer_idx]
-    cos_sin = rotary(model, hidden, positions)
     cache = _ContextCache(ctx_k.unsqueeze(0), ctx_v.unsqueeze(0))
     dtype = hidden.dtype
     bias = torch.zeros(mask.shape, dtype=dtype, device=hidden.device)
     bias.masked_fill_(~mask.to(hidden.device), torch.finfo(dtype).min)
+    out = call_layer(model, layer_idx, hidden, positions, cache, bias.view(1, 1, *mask.shape))
+    assert cache.fresh_k is not None and cache.fresh_v is not None
+    return out, cache.fresh_k[0], cache.fresh_v[0]
+
+
+def call_layer(
+    model: Any, layer_idx: int, hidden: torch.Tensor, positions: torch.Tensor, cache: Any, attention_mask: Any
+) -> torch.Tensor:
+    """Decoder layer ``layer_idx`` on hidden states [1, N, hidden] at global ``positions`` [N] with a duck-typed
+    ``cache`` (its ``update`` receives the layer's fresh K/V and returns what the attention reads) and an additive
+    ``attention_mask`` [1, 1, N, C] (None where a probe computes the attention). Returns the layer's output
+    [1, N, hidden]. The one place that knows a decoder layer's calling convention."""
+    layer = decoder_layers(model)[layer_idx]
     out = layer(
         hidden,
-        attention_mask=bias.view(1, 1, *mask.shape),
+        attention_mask=attention_mask,
         position_ids=positions.to(hidden.device).view(1, -1),
         cache=cache,
         use_cache=True,
-        position_embeddings=cos_sin,
+        position_embeddings=rotary(model, hidden, positions),
     )
-    if isinstance(out, tuple):
-        out = out[0]
-    assert cache.fresh_k is not None and cache.fresh_v is not None
-    return out, cache.fresh_k[0], cache.fresh_v[0]
+    return out[0] if isinstance(out, tuple) else out
+
+
+def sync(device: torch.device | str) -> None:
+    """Wait for queued kernels so wall-clock timings are honest on accelerators."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
 
 
 # --- selective-recompute helpers (fusion methods) ------------------------------------------------------------------
@@ -283,19 +298,10 @@ def project_kv(
     Returns:
         (keys [H_kv, N, D] RoPE applied, values [H_kv, N, D]).
     """
-    layer = decoder_layers(model)[layer_idx]
-    cos_sin = rotary(model, hidden, positions)
     empty = torch.zeros(0, device=hidden.device, dtype=hidden.dtype)
     cache = _ProjectOnlyCache(empty, empty)
     try:
-        layer(
-            hidden,
-            attention_mask=None,
-            position_ids=positions.to(hidden.device).view(1, -1),
-            cache=cache,
-            use_cache=True,
-            position_embeddings=cos_sin,
-        )
+        call_layer(model, layer_idx, hidden, positions, cache, None)
     except _StopAfterKV:
         pass
     if cache.fresh_k is None or cache.fresh_v is None:
