@@ -288,6 +288,9 @@ def test_merge_of_split_runs_equals_the_run_over_all_rows(engine: KVRAGEngine, t
                        "--bootstrap", "50"]) == 0
     merged = json.loads((tmp_path / "m" / "summary.json").read_text())
     assert merged["n_requests"] == 3 and "merged_from" in merged and (tmp_path / "m" / "summary.md").is_file()
+    run_a = json.loads((tmp_path / "a" / "summary.json").read_text())
+    assert merged["hardware"] == run_a["hardware"] and merged["git_sha"] == run_a["git_sha"]  # the runs' provenance
+    assert len(merged["merged_hardware"]) == 2
     for lbl in ("full", "stale"):
         for key in ("f1", "em", "kl"):
             assert merged["methods"][lbl][key] == pytest.approx(whole["methods"][lbl][key]), (lbl, key)
