@@ -53,14 +53,15 @@ def merge_runs(out: str | os.PathLike[str], runs: Sequence[str | os.PathLike[str
     shas = {e["git_sha"] for e in envs}
     if len(shas) > 1:
         raise ConfigError(f"the runs were made at different commits ({sorted(map(str, shas))}); merge runs of one commit")
-    rows = [row for p in paths for row in aggregate.read_jsonl(p / "results.jsonl")]
+    per_run = [aggregate.read_jsonl(p / "results.jsonl") for p in paths]
+    rows = [row for run_rows in per_run for row in run_rows]
     seen: set[str] = set()
     for row in rows:
         if row["id"] in seen:
             raise ConfigError(f"request {row['id']!r} appears in more than one run; merge disjoint row ranges")
         seen.add(row["id"])
-    parts = ", ".join(f"{p} (rows {m['config'].get('offset', 0)}+{len(aggregate.read_jsonl(p / 'results.jsonl'))})"
-                      for p, m in zip(paths, metas, strict=True))
+    parts = ", ".join(f"{p} (rows {m['config'].get('offset', 0)}+{len(r)})"
+                      for p, m, r in zip(paths, metas, per_run, strict=True))
     cfg = {**metas[0]["config"], "out": str(out), "limit": len(rows),
            "offset": min(int(m["config"].get("offset", 0)) for m in metas)}
     summary = aggregate.summarize(rows, labels, config=cfg, env=envs[0], n_boot=n_boot, seed=seed,
