@@ -243,16 +243,14 @@ def selective_recompute(
     with contextlib.ExitStack() as stack:
         if attn is not None:
             stack.enter_context(hf_cache.capture_attention(model, attn))
-        res = _recompute_layers(model, ids, keys, values, plan, ctx_list, hook, rows, inplace, attn)
+        res, last_hidden = _recompute_layers(model, ids, keys, values, plan, ctx_list, hook, rows, inplace, attn)
     hf_cache.sync(keys.device)
     if s_len:  # report the context's repair only: the suffix rows are the prefill every method pays
         sfx_edges = n_layers * (s_len * tc + s_len * (s_len + 1) // 2)
         res = dataclasses.replace(
             res, targets=[t[t < tc] for t in res.targets], states=res.states - n_layers * s_len,
             edges=res.edges - sfx_edges, computed_edges=res.computed_edges - sfx_edges,
-            suffix_hidden=None if res.suffix_hidden is None else res.suffix_hidden[:, -s_len:])
-    else:
-        res = dataclasses.replace(res, suffix_hidden=None)
+            suffix_hidden=last_hidden[:, -s_len:])  # the suffix positions are the highest targets of every layer
     return dataclasses.replace(res, seconds=time.perf_counter() - t0)
 
 
@@ -267,8 +265,9 @@ def _recompute_layers(
     rows: int,
     inplace: bool,
     attn: PrefixAttention | None,
-) -> RecomputeResult:
-    """The layer loop of :func:`selective_recompute` (its arguments, validated)."""
+) -> tuple[RecomputeResult, torch.Tensor]:
+    """The layer loop of :func:`selective_recompute` (its arguments, validated); returns the result (``seconds``
+    and ``suffix_hidden`` left to the caller) and the last layer's output hidden states [1, N_last, hidden]."""
     n_layers = keys.shape[0]
     k_out, v_out = (keys, values) if inplace else (keys.clone(), values.clone())
     done: list[torch.Tensor] = []
@@ -304,8 +303,7 @@ def _recompute_layers(
         states += int(tgt.numel())
         done.append(tgt)
         prev = tgt
-    # the last layer's output rows (the suffix's, when it rides along: its positions are the highest targets)
-    return RecomputeResult(k_out, v_out, done, states + extra, edges, 0.0, computed, hidden)
+    return RecomputeResult(k_out, v_out, done, states + extra, edges, 0.0, computed), hidden
 
 
 def _run_targets(
