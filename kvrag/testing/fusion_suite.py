@@ -101,6 +101,33 @@ def context_kv(out: FusionOutput, tc: int) -> tuple[torch.Tensor, torch.Tensor]:
     return k[:, :, :tc], v[:, :, :tc]
 
 
+def check_suffix_fold(case: FusionCase, spec: str) -> None:
+    """A full-context method on the engine's zero-copy input prefills the suffix inside its recompute
+    (``stats['suffix_folded']``, ``last_logits`` set): its cache (context + suffix) and next-token logits equal
+    repairing the same input with the fold off (no logits head) and prefilling the suffix afterwards, and its
+    stats count the context only."""
+    method = get_method(spec)
+    inp = case.fusion_input(zero_copy=True)
+    out = method.fuse(inp)
+    assert out.stats["suffix_folded"] and out.last_logits is not None, spec
+    tc, s = inp.context_len, int(inp.suffix_ids.shape[0])
+    k, v = hf_cache.cache_to_tensors(out.cache)
+    assert k.shape[2] == tc + s
+    ref_inp = case.fusion_input(zero_copy=True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(hf_cache, "logits_head", lambda model: None)  # the fold off: repair, then the suffix pass
+        ref = method.fuse(ref_inp)
+    assert not ref.stats["suffix_folded"] and ref.last_logits is None
+    logits, cache = hf_cache.forward(ref_inp.model, ref_inp.suffix_ids, ref.cache, start=tc)
+    rk, rv = hf_cache.cache_to_tensors(cache)
+    torch.testing.assert_close(k, rk, atol=2e-5, rtol=0)
+    torch.testing.assert_close(v, rv, atol=2e-5, rtol=0)
+    torch.testing.assert_close(out.last_logits, logits[-1], atol=1e-4, rtol=0)
+    assert out.stats["recomputed_per_layer"] == ref.stats["recomputed_per_layer"]  # the suffix is not counted
+    assert out.stats["recomputed_fraction"] == ref.stats["recomputed_fraction"]
+    assert out.stats["attention_edges_ratio"] == pytest.approx(ref.stats["attention_edges_ratio"])
+
+
 @functools.lru_cache(maxsize=16)
 def fusion_case(
     family: str,
@@ -237,4 +264,4 @@ RECOMPUTE_ALL_SPECS = ("relaxkv:r=1.0", "relaxkv-fullctx:r=1.0", "prophetkv:r=1.
 """Every selective method at its recompute-everything setting (each must reproduce ``full``)."""
 
 __all__ = ["LAYOUT", "RECOMPUTE_ALL_SPECS", "SUITE_INIT_STD", "SUITE_LAYERS", "FusionCase", "FusionMethodTests",
-           "FusionRun", "context_kv", "fusion_case", "greedy_tokens"]
+           "FusionRun", "check_suffix_fold", "context_kv", "fusion_case", "greedy_tokens"]

@@ -26,7 +26,7 @@ from kvrag.repair.model import CONFIG_NAME, RepairModel, block_causal_mask
 from kvrag.repair.pairs import PairBuilder, make_pair, region_masks
 from kvrag.repair.train import Trainer
 from kvrag.repair.train_config import TrainConfig, lr_factor
-from kvrag.testing.fusion_suite import FusionCase, FusionMethodTests, context_kv, fusion_case
+from kvrag.testing.fusion_suite import FusionCase, FusionMethodTests, check_suffix_fold, context_kv, fusion_case
 from kvrag.testing.tiny import FAMILIES, tiny_model
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau".split()
@@ -521,19 +521,10 @@ class TestHybridSuite(TestCacheRepairSuite):
         relax_k, _ = context_kv(get_method("relaxkv:r=0.3").fuse(case.fusion_input()), inp.context_len)
         assert not torch.allclose(k, rep_k) and not torch.allclose(k, relax_k)
 
-    def test_suffix_is_folded_into_the_recompute(self, case: FusionCase, monkeypatch: Any) -> None:
-        """On the engine's zero-copy input the suffix rides along in RelaxKV's full-context recompute: the logits
-        equal repairing first and prefilling the suffix afterwards."""
-        method = get_method(self.method_spec)
-        inp = case.fusion_input(zero_copy=True)
-        out = method.fuse(inp)
-        assert out.stats["suffix_folded"] and out.last_logits is not None
-        monkeypatch.setattr(hf_cache, "logits_head", lambda model: None)
-        ref_inp = case.fusion_input(zero_copy=True)
-        ref = method.fuse(ref_inp)
-        assert ref.last_logits is None
-        logits, _ = hf_cache.forward(ref_inp.model, ref_inp.suffix_ids, ref.cache, start=ref_inp.context_len)
-        torch.testing.assert_close(out.last_logits, logits[-1], atol=1e-4, rtol=0)
+    def test_suffix_is_folded_into_the_recompute(self, case: FusionCase) -> None:
+        """On the engine's zero-copy input the suffix rides along in RelaxKV's full-context recompute: cache and
+        logits equal repairing first and prefilling the suffix afterwards."""
+        check_suffix_fold(case, self.method_spec)
 
 
 def test_v2_checkpoint_reads_the_exact_lead(lm, tmp_path: Path) -> None:

@@ -14,7 +14,14 @@ from kvrag.fusion.recompute import budget, selective_recompute
 from kvrag.fusion.scoring import query_attention_scores
 from kvrag.kv import hf_cache
 from kvrag.kv.attention import IMPL as GQA_SDPA
-from kvrag.testing.fusion_suite import FusionCase, FusionMethodTests, context_kv, fusion_case, greedy_tokens
+from kvrag.testing.fusion_suite import (
+    FusionCase,
+    FusionMethodTests,
+    check_suffix_fold,
+    context_kv,
+    fusion_case,
+    greedy_tokens,
+)
 from kvrag.testing.tiny import FAMILIES
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -263,30 +270,10 @@ def test_prefix_executor_refuses_special_attention() -> None:
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("spec", ["epic:k=3", "prophetkv:r=0.3", "relaxkv-fullctx:r=0.3"])
-def test_suffix_fold_equals_the_separate_suffix_prefill(family: str, spec: str, monkeypatch: Any) -> None:
-    """Full-context methods on the engine's zero-copy input prefill the suffix inside the recompute: the next-token
-    logits and the whole cache (context + suffix) equal repairing first and prefilling the suffix afterwards
-    (``hybrid``: tests/unit/test_cacherepair.py)."""
-    case = fusion_case(family)
-    method = get_method(spec)
-    inp = case.fusion_input(zero_copy=True)
-    out = method.fuse(inp)
-    assert out.stats["suffix_folded"] and out.last_logits is not None
-    tc, s = inp.context_len, int(inp.suffix_ids.shape[0])
-    k, v = hf_cache.cache_to_tensors(out.cache)
-    assert k.shape[2] == tc + s
-    monkeypatch.setattr(hf_cache, "logits_head", lambda model: None)  # the fold off: repair, then the suffix pass
-    ref_inp = case.fusion_input(zero_copy=True)
-    ref = method.fuse(ref_inp)
-    assert not ref.stats["suffix_folded"] and ref.last_logits is None
-    logits, cache = hf_cache.forward(inp.model, ref_inp.suffix_ids, ref.cache, start=tc)
-    rk, rv = hf_cache.cache_to_tensors(cache)
-    torch.testing.assert_close(k, rk, atol=2e-5, rtol=0)
-    torch.testing.assert_close(v, rv, atol=2e-5, rtol=0)
-    torch.testing.assert_close(out.last_logits, logits[-1], atol=1e-4, rtol=0)
-    assert out.stats["recomputed_per_layer"] == ref.stats["recomputed_per_layer"]  # the suffix is not counted
-    assert out.stats["recomputed_fraction"] == ref.stats["recomputed_fraction"]
-    assert out.stats["attention_edges_ratio"] == pytest.approx(ref.stats["attention_edges_ratio"])
+def test_suffix_fold_equals_the_separate_suffix_prefill(family: str, spec: str) -> None:
+    """Full-context methods on the engine's zero-copy input prefill the suffix inside the recompute: cache and
+    logits equal repairing first and prefilling the suffix afterwards (``hybrid``: tests/unit/test_cacherepair.py)."""
+    check_suffix_fold(fusion_case(family), spec)
 
 
 def test_suffix_ids_need_full_context_and_room() -> None:
