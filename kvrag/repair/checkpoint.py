@@ -31,7 +31,7 @@ CURVE_FILE = "curve.jsonl"
 RESUME_PINNED = ("data", "preset", "d_b", "num_blocks", "d_seg", "steps", "batch_docs", "peak_lr", "final_lr",
                   "warmup_steps",
                   "weight_decay", "max_tokens", "max_chunks", "chunk_format", "chunk_prefix", "seed",
-                  "max_train_docs", "eval_modulus", "sources", "stats_docs", "lead_kinds", "exact_lead")
+                  "max_train_docs", "eval_modulus", "sources", "stats_docs", "lead_kinds", "exact_lead", "init_from")
 
 
 def save_state(trainer: Trainer) -> Path:

@@ -145,13 +145,16 @@ class Trainer:
             torch.manual_seed(cfg.seed)
             self.model = RepairModel(self.rcfg).to(self.device)
         self.stats_meta: dict[str, Any] = {}
+        self.init_meta: dict[str, Any] | None = None
         state_dir = self.out / STATE_DIR
         resume = resume and state_dir.is_dir()
         if resume:
             self._check_resume(state_dir)
         elif state_dir.is_dir():
             log.warning("%s exists but --resume was not given: starting a fresh run that will overwrite it", state_dir)
-        self._init_stats(reuse=resume)
+        if cfg.init_from:
+            self._init_from(Path(cfg.init_from), load_weights=not resume)
+        self._init_stats(reuse=resume or bool(cfg.init_from))
         self.optimizer = self._make_optimizer()
         total, warm, ratio = cfg.steps, cfg.warmup_steps, cfg.final_lr / cfg.peak_lr
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -167,6 +170,45 @@ class Trainer:
         no_decay = [p for p in self.model.parameters() if p.dim() < 2]
         groups = [{"params": decay, "weight_decay": self.cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
         return torch.optim.AdamW(groups, lr=self.cfg.peak_lr, betas=(0.9, 0.95), foreach=False)
+
+    def _init_from(self, directory: Path, *, load_weights: bool) -> None:
+        """Start from a trained repairer: same architecture, target and conditioning, or ConfigError.
+
+        Its statistics are the run's (the weights are only meaningful with them); a resumed run takes its weights
+        from ``train_state`` instead and only records where it started.
+        """
+        from kvrag.repair.model import RepairModel
+
+        init = RepairModel.from_pretrained(directory, self.spec.model_fingerprint,
+                                           expected_weights_fingerprint=weights_fingerprint(self.target))
+        if init.cfg != self.rcfg:
+            raise ConfigError(f"--init-from {directory}: its architecture {init.cfg.to_dict()} differs from this "
+                              f"run's {self.rcfg.to_dict()}; pass the same --preset/--d-b/--blocks/--d-seg")
+        meta = getattr(init, "meta", {})
+        have, want = meta.get("conditioning", {}), self.conditioning()
+        diff = [k for k in ("chunk_prefix", "chunk_prefix_ids", "chunk_format", "lead_kinds", "exact_lead")
+                if have.get(k) != want.get(k)]
+        if diff:
+            detail = ", ".join(f"{k}: {have.get(k)!r} -> {want.get(k)!r}" for k in diff)
+            raise ConfigError(f"--init-from {directory} was trained with other conditioning ({detail}); continue it "
+                              "with its own --chunk-prefix/--chunk-format/--leads/--no-exact-lead settings")
+        tr = meta.get("training", {})
+        self.init_meta = {"directory": str(directory), "steps": tr.get("steps"), "samples": tr.get("samples"),
+                          "tokens": tr.get("tokens"), "wall_s": tr.get("wall_s"),
+                          "weights_sha256": meta.get("weights", {}).get("sha256"),
+                          "final_eval_nmse": (tr.get("final_eval") or {}).get("nmse")}
+        path = self.out / STATS_FILE
+        if load_weights:
+            from safetensors.torch import save_file
+
+            self.model.load_state_dict(init.state_dict())
+            self.stats_meta = {**(tr.get("stats") or {}), "model_fingerprint": self.spec.model_fingerprint,
+                               "from": str(directory)}
+            tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+            save_file({"sigma_stale": init.sigma_stale.contiguous(), "sigma_delta": init.sigma_delta.contiguous()},
+                      str(tmp), metadata={"meta": json.dumps(self.stats_meta)})
+            os.replace(tmp, path)
+            log.info("continuing %s (%s steps): weights and statistics loaded", directory, tr.get("steps"))
 
     def _init_stats(self, reuse: bool) -> None:
         """sigma_stale / sigma_delta: computed once per run from the first ``stats_docs`` training documents.
@@ -330,6 +372,7 @@ class Trainer:
             "epochs": round(self.samples / len(self.train_set), 3),
             "wall_s": round(self.wall_s, 1),
             "stats": self.stats_meta,
+            **({"init_from": self.init_meta} if self.init_meta else {}),
             "final_eval": last_eval,
             "config": self.cfg.to_dict(),
         }
@@ -342,14 +385,18 @@ class Trainer:
             target_name=str(getattr(self.loaded, "name", "")),
             target_weights_fingerprint=weights_fingerprint(self.target),
             training=self.summary(),
-            extra={"conditioning": {"chunk_prefix": self.cfg.chunk_prefix, "chunk_prefix_ids": list(self.prefix_ids),
-                                    "chunk_format": self.cfg.chunk_format,
-                                    **({"chunk_styles": chunk_style_table(self.cfg.lead_kinds or ())}
-                                       if self.cfg.chunk_format == PER_LEAD else {}),
-                                    "lead_kinds": list(self.cfg.lead_kinds or ()),
-                                    "exact_lead": self.cfg.exact_lead,
-                                    "target_dtype": str(self.spec.dtype)}},
+            extra={"conditioning": self.conditioning()},
         )
+
+    def conditioning(self) -> dict[str, Any]:
+        """What the repairer is trained with, as recorded in its ``repair_config.json`` (checked at load)."""
+        return {"chunk_prefix": self.cfg.chunk_prefix, "chunk_prefix_ids": list(self.prefix_ids),
+                "chunk_format": self.cfg.chunk_format,
+                **({"chunk_styles": chunk_style_table(self.cfg.lead_kinds or ())}
+                   if self.cfg.chunk_format == PER_LEAD else {}),
+                "lead_kinds": list(self.cfg.lead_kinds or ()),
+                "exact_lead": self.cfg.exact_lead,
+                "target_dtype": str(self.spec.dtype)}
 
     # ----------------------------------------------------------------- resumable state
     def save_state(self) -> Path:

@@ -60,6 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--pairs", default=None, help="pair-cache directory (default: OUT/pairs)")
     p.add_argument("--no-pair-cache", action="store_true", help="rebuild pairs every time (no disk use)")
     p.add_argument("--cache-dtype", default=d.cache_dtype, choices=["float16", "float32"])
+    p.add_argument("--init-from", dest="init_from", default=None,
+                   help="continue training this repairer directory (its weights and statistics; fresh optimizer)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--resume", action="store_true", help="continue from OUT/train_state")
     p.add_argument("--pregenerate", action="store_true", help="only fill the pair cache, then exit")
@@ -80,7 +82,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         chunk_prefix=args.chunk_prefix, max_train_docs=args.max_train_docs, eval_docs=args.eval_docs,
         eval_every=args.eval_every, save_every=args.save_every, log_every=args.log_every, stats_docs=args.stats_docs,
         pairs=args.pairs, cache_pairs=not args.no_pair_cache, cache_dtype=args.cache_dtype, sources=args.sources,
-        lead_kinds=args.leads, exact_lead=not args.no_exact_lead,
+        lead_kinds=args.leads, exact_lead=not args.no_exact_lead, init_from=args.init_from,
         seed=args.seed, progress=not args.no_progress,
     )
 

@@ -46,6 +46,9 @@ class TrainConfig:
             (:data:`kvrag.repair.leads.LEAD_KINDS`; None: all of them; []: the conditioning prefix only, as v1).
         exact_lead: the lead is part of each example as exact chunk 0 (read, never repaired) -- what
             ``cacherepair`` serves for a checkpoint trained this way.
+        init_from: a repairer directory whose weights and normalization statistics start this run (continued
+            training with a fresh optimizer and schedule); its architecture, target model and conditioning must be
+            this run's. None: random initialization.
     """
 
     data: str
@@ -78,6 +81,7 @@ class TrainConfig:
     sources: list[str] | None = None
     lead_kinds: list[str] | None = None
     exact_lead: bool = True
+    init_from: str | None = None
     seed: int = 0
     progress: bool = True
 

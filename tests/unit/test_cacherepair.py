@@ -348,6 +348,34 @@ def test_resume_continues_the_same_schedule(lm, tmp_path: Path) -> None:
         RepairModel.from_pretrained(tmp_path / "a", "0" * 64)
 
 
+def test_init_from_continues_a_trained_repairer(lm, tmp_path: Path) -> None:
+    corpus = _corpus(tmp_path / "c.jsonl", 12)
+    tr_a = Trainer(_train_cfg(tmp_path, corpus, out=str(tmp_path / "a")), lm)
+    tr_a.train()
+    tr_a.export()
+    # B starts from A's weights and statistics, with its own optimizer and schedule
+    cfg_b = _train_cfg(tmp_path, corpus, out=str(tmp_path / "b"), init_from=str(tmp_path / "a"), steps=2, lr=1e-3)
+    tr_b = Trainer(cfg_b, lm)
+    sa, sb = tr_a.model.state_dict(), tr_b.model.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)  # weights and sigma buffers
+    assert tr_b.optimizer.state == {}
+    assert tr_b.summary()["init_from"]["steps"] == 6
+    tr_b.train()
+    assert not all(torch.equal(sa[k], tr_b.model.state_dict()[k]) for k in sa)
+    # a resumed B keeps its own weights (not A's again) and the pinned init_from
+    tr_b.save_state()
+    tr_c = Trainer(cfg_b, lm, resume=True)
+    assert all(torch.equal(tr_b.model.state_dict()[k], tr_c.model.state_dict()[k]) for k in sa)
+    with pytest.raises(ConfigError, match="cannot resume"):
+        Trainer(_train_cfg(tmp_path, corpus, out=str(tmp_path / "b"), steps=2, lr=1e-3), lm, resume=True)
+    # another architecture or other conditioning is refused, naming the difference
+    with pytest.raises(ConfigError, match="architecture"):
+        Trainer(_train_cfg(tmp_path, corpus, out=str(tmp_path / "d"), init_from=str(tmp_path / "a"), d_b=32), lm)
+    with pytest.raises(ConfigError, match="exact_lead"):
+        Trainer(_train_cfg(tmp_path, corpus, out=str(tmp_path / "e"), init_from=str(tmp_path / "a"),
+                           exact_lead=False), lm)
+
+
 def test_eval_reports_regions(lm, tmp_path: Path) -> None:
     corpus = _corpus(tmp_path / "c.jsonl", 30)
     # v1 data (lead = the conditioning prefix, dropped): the first chunk's stale KV is exact
