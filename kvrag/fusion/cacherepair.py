@@ -26,7 +26,6 @@ from kvrag.errors import CheckpointMismatchError, ConfigError
 from kvrag.fingerprint import weights_fingerprint
 from kvrag.fusion.base import FusionInput, FusionMethod, FusionOutput, register
 from kvrag.kv import hf_cache
-from kvrag.repair.config import pack_kv, unpack_kv
 from kvrag.repair.model import CONFIG_NAME, RepairModel
 from kvrag.repair.shipped import SHIPPED_DIR
 
@@ -186,23 +185,25 @@ class CacheRepair(FusionMethod):
                ).to(dev)  # [N] global positions
         chunk_index = torch.cat([torch.full((sp.length,), i, dtype=torch.long) for i, sp in enumerate(read)]).to(dev)
         sel_k = keys[:, :, lo:hi] if contiguous else keys[:, :, idx]  # [L, H_kv, N, D] (a view when contiguous)
-        sel_v = values[:, :, lo:hi] if contiguous else values[:, :, idx]
-        if inp.canonical_keys is not None:
-            ck = inp.canonical_keys[:, :, lo:hi] if contiguous else inp.canonical_keys[:, :, idx]
+        if inp.canonical_keys is not None:  # a copy: the repair accumulates into it
+            src = inp.canonical_keys[:, :, lo:hi] if contiguous else inp.canonical_keys[:, :, idx]
+            ck = src.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
         else:
-            ck = inp.rope.canonicalize(sel_k, idx)
-        stale = pack_kv(ck, sel_v).float()  # [N, S, D], one copy (float32 already unless the cache is half)
+            ck = inp.rope.canonicalize(sel_k, idx).float()  # a fresh tensor
+        # values are repaired where they lie (the request's own cache) when it is a float32 slice; else in a copy
+        in_place = contiguous and values.dtype == torch.float32
+        sel_v = values[:, :, lo:hi] if in_place else values[:, :, idx].float()
         emb = hf_cache.embed(inp.model, inp.token_ids[idx.cpu()])[0]  # [N, E] frozen E_M(x)
         positions = idx - idx[0]  # document positions (the repairer's RoPE is relative anyway)
         t1 = time.perf_counter()
-        repaired = rep.repair(stale, emb, chunk_index, positions, inplace=True)[num_exact:]  # stale + sigma_delta z
+        rk, rv = rep.repair_kv(ck, sel_v, emb, chunk_index, positions, skip=num_exact)  # stale + sigma_delta z
         t2 = time.perf_counter()
-        rk, rv = unpack_kv(repaired, inp.spec.num_layers, inp.spec.num_kv_heads)  # [L, H_kv, N', D] views
         out_idx = idx[num_exact:]
-        if contiguous:  # write straight into the (request's) cache: global RoPE after repair (§4.1)
+        if contiguous:  # global RoPE after repair (§4.1), straight into the (request's) cache
             w0 = lo + num_exact
             inp.rope.place(rk, out_idx, out=keys[:, :, w0:hi])
-            values[:, :, w0:hi].copy_(rv)
+            if not in_place:
+                values[:, :, w0:hi].copy_(rv)
         else:
             keys[:, :, out_idx] = inp.rope.place(rk, out_idx).to(keys.dtype)
             values[:, :, out_idx] = rv.to(values.dtype)

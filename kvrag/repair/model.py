@@ -30,18 +30,17 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import os
 import uuid
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvrag.errors import CacheCorruptError, CheckpointMismatchError, ConfigError
 from kvrag.repair.config import PRESETS, RepairConfig, pack_kv, unpack_kv
+from kvrag.repair.layers import RepairBlock, StaleEncoder, _chunk_spans, _rope_cos_sin, block_causal_mask
 
 log = logging.getLogger(__name__)
 
@@ -49,110 +48,6 @@ CONFIG_NAME = "repair_config.json"
 WEIGHTS_NAME = "repair_model.safetensors"
 FORMAT_NAME = "kvrag-cacherepair"
 FORMAT_VERSION = 1
-
-# ---------------------------------------------------------------------------------------------------------------
-# Modules
-# ---------------------------------------------------------------------------------------------------------------
-
-
-class StaleEncoder(nn.Module):
-    """CacheRepair §4.1: one d_h -> d_seg projection per (layer, K/V, head) segment, concatenated, mapped to d_b."""
-
-    def __init__(self, num_segments: int, head_dim: int, d_seg: int, d_b: int) -> None:
-        super().__init__()
-        self.seg_weight = nn.Parameter(torch.randn(num_segments, head_dim, d_seg) / math.sqrt(head_dim))
-        self.seg_bias = nn.Parameter(torch.zeros(num_segments, d_seg))
-        self.out = nn.Linear(num_segments * d_seg, d_b)
-
-    def forward(self, x: torch.Tensor, inv_scale: torch.Tensor | None = None) -> torch.Tensor:
-        """x: [B, N, S, D] stale KV -> s [B, N, d_b].
-
-        Args:
-            inv_scale: [S, D] per-coordinate factor applied to ``x`` first (1 / sigma_stale). It is folded into the
-                [S, D, d_seg] projection instead of scaling the [N, S, D] input: the same map, one pass over the
-                stale KV fewer.
-        """
-        w = self.seg_weight if inv_scale is None else self.seg_weight * inv_scale[..., None]
-        seg = torch.einsum("bnsd,sde->bnse", x, w) + self.seg_bias  # [B, N, S, d_seg]
-        seg = F.gelu(seg)  # nonlinearity between the two linear maps (the paper does not name one)
-        return self.out(seg.flatten(2))  # [B, N, S * d_seg] -> [B, N, d_b]
-
-
-def _rope_cos_sin(positions: torch.Tensor, dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [B, 1, N, dim] (rotate-half layout) for positions [B, N]."""
-    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) / dim))
-    freqs = positions.float()[..., None] * inv  # [B, N, dim/2]
-    emb = torch.cat((freqs, freqs), dim=-1)[:, None]
-    return emb.cos(), emb.sin()
-
-
-def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
-
-
-class RepairBlock(nn.Module):
-    """Pre-LN transformer block: block-causal attention with the repairer's own RoPE, then an MLP (ratio 3)."""
-
-    def __init__(self, cfg: RepairConfig) -> None:
-        super().__init__()
-        d = cfg.d_b
-        self.heads = cfg.attn_heads
-        self.head_dim = d // self.heads
-        self.theta = cfg.rope_theta
-        self.ln1 = nn.LayerNorm(d, eps=cfg.norm_eps)
-        self.qkv = nn.Linear(d, 3 * d, bias=False)
-        self.proj = nn.Linear(d, d, bias=False)
-        self.ln2 = nn.LayerNorm(d, eps=cfg.norm_eps)
-        self.fc1 = nn.Linear(d, cfg.mlp_ratio * d)
-        self.fc2 = nn.Linear(cfg.mlp_ratio * d, d)
-
-    def forward(self, h: torch.Tensor, mask: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                spans: list[tuple[int, int]] | None = None) -> torch.Tensor:
-        """h [B, N, d_b]; mask [B, 1, N, N] bool (True = may attend); cos/sin [B, 1, N, head_dim].
-
-        With ``spans`` (batch size 1, the chunks' [start, end) in order) the block-causal attention runs chunk by
-        chunk over its prefix, with no N x N mask: chunk c's queries attend to keys [0, end_c) (the same pairs the
-        mask allows, none of the masked ones).
-        """
-        B, N, d = h.shape
-        q, k, v = self.qkv(self.ln1(h)).view(B, N, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)  # [B, heads, N, hd]
-        if spans is None:
-            a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        else:
-            a = torch.cat([F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, :e], v[:, :, :e]) for s, e in spans],
-                          dim=2)
-        h = h + self.proj(a.transpose(1, 2).reshape(B, N, d))
-        return h + self.fc2(F.gelu(self.fc1(self.ln2(h))))
-
-
-def _chunk_spans(chunk_index: torch.Tensor) -> list[tuple[int, int]] | None:
-    """[start, end) of each chunk of a non-decreasing, unpadded [N] chunk index; None if it is not such."""
-    ci = chunk_index.detach().cpu()
-    if ci.numel() == 0 or bool((ci < 0).any()) or bool((ci[1:] < ci[:-1]).any()):
-        return None
-    _, counts = torch.unique_consecutive(ci, return_counts=True)
-    ends = torch.cumsum(counts, 0).tolist()
-    return list(zip([0, *ends[:-1]], ends, strict=True))
-
-
-def block_causal_mask(chunk_index: torch.Tensor) -> torch.Tensor:
-    """CacheRepair §4.1 mask: token i may attend to token j iff chunk(j) <= chunk(i).
-
-    Args:
-        chunk_index: [B, N] chunk ordinal of every token; negative marks padding (never attended to; a padding
-            row attends to itself only so that softmax stays finite).
-
-    Returns:
-        [B, 1, N, N] bool.
-    """
-    ci = chunk_index[:, :, None]
-    cj = chunk_index[:, None, :]
-    allowed = (cj <= ci) & (cj >= 0)
-    eye = torch.eye(chunk_index.shape[1], dtype=torch.bool, device=chunk_index.device)[None]
-    return (allowed | eye)[:, None]
-
 
 class RepairModel(nn.Module):
     """CacheRepair network.
@@ -262,18 +157,24 @@ class RepairModel(nn.Module):
         dt = self.head.weight.dtype  # the repairer's compute dtype
         # CacheRepair §4.1: the encoder reads KV^c_stale / sigma_stale (the scale is folded into its projection)
         s = self.encoder(stale.to(dt), (1.0 / self._sig("sigma_stale")).to(dt))  # [B, N, d_b]
+        h = self._backbone(s, tok_emb, chunk_index, positions)
+        return h[0] if squeeze else h
+
+    def _backbone(self, s: torch.Tensor, tok_emb: torch.Tensor, chunk_index: torch.Tensor,
+                  positions: torch.Tensor) -> torch.Tensor:
+        """Encoded stale KV s [B, N, d_b] + token embeddings -> the backbone's output [B, N, d_b]."""
+        dt, B = s.dtype, s.shape[0]
         e = tok_emb.float()
         e = (e * torch.rsqrt(e.pow(2).mean(-1, keepdim=True) + 1e-12)).to(dt)  # parameter-free RMS scaling of E_M(x)
         h = self.fusion(torch.cat([s, self.tok_proj(e)], dim=-1))  # h^0 = F([s; P_tok E_M(x)])
         spans = _chunk_spans(chunk_index[0]) if B == 1 and not self.training else None
-        mask = None if spans is not None else block_causal_mask(chunk_index.to(stale.device))
+        mask = None if spans is not None else block_causal_mask(chunk_index.to(s.device))
         head_dim = self.cfg.d_b // self.cfg.attn_heads
-        cos, sin = _rope_cos_sin(positions.to(stale.device), head_dim, self.cfg.rope_theta)
+        cos, sin = _rope_cos_sin(positions.to(s.device), head_dim, self.cfg.rope_theta)
         cos, sin = cos.to(dt), sin.to(dt)
         for proj, block in zip(self.reinject, self.blocks, strict=True):
             h = block(h + proj(s), mask, cos, sin, spans)  # h^b = RepairBlock_b(h^{b-1} + P_b(s); A, p)
-        h = self.ln_out(h)
-        return h[0] if squeeze else h
+        return self.ln_out(h)
 
     def residual(self, z: torch.Tensor) -> torch.Tensor:
         """sigma_delta * z: the predicted residual in KV units."""
@@ -312,6 +213,50 @@ class RepairModel(nn.Module):
         else:
             flat.baddbmm_(h, w.t().expand(h.shape[0], -1, -1))
         return flat.add_(b).view(stale.shape)
+
+    @torch.inference_mode()
+    def repair_kv(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        tok_emb: torch.Tensor,
+        chunk_index: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        *,
+        skip: int = 0,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`repair` of one document in the cache's own layout, in place: the serving path.
+
+        Args:
+            keys: [L, H_kv, N, D] float32 canonical keys (RoPE removed), the caller's own buffer.
+            values: [L, H_kv, N, D] float32 values, e.g. a slice of the request's cache.
+            skip: leading tokens that are read as context but not repaired (the exact lead).
+
+        Returns:
+            ``keys[:, :, skip:]``, ``values[:, :, skip:]``, now ``stale + sigma_delta * z``: the same numbers as
+            :meth:`repair` of ``pack_kv(keys, values)``, without packing the stale KV into [N, S, D] and back. The
+            head runs per (layer, K/V, head) segment straight into each [N, D] block (sigma_delta folded in).
+        """
+        L, H, N, D = keys.shape
+        if keys.dtype != torch.float32 or values.dtype != torch.float32 or values.shape != keys.shape:
+            raise ValueError("repair_kv needs float32 keys and values of one shape [L, H_kv, N, D]")
+        if (L * 2 * H, D) != (self.cfg.num_segments, self.cfg.head_dim):
+            msg = f"stale KV has {2 * L * H} segments of dim {D}; this repairer expects {self.cfg.num_segments} x {D}"
+            raise ConfigError(msg)
+        if positions is None:
+            positions = torch.arange(N, device=keys.device)
+        dt = self.head.weight.dtype
+        s = self.encoder.forward_kv(keys.to(dt), values.to(dt), (1.0 / self._sig("sigma_stale")).to(dt))
+        h = self._backbone(s[None], tok_emb[None], chunk_index[None], positions[None])[0, skip:].float()
+        sig = self._sig("sigma_delta").reshape(-1).float()
+        w = (self.head.weight.float() * sig[:, None]).view(L, 2, H, D, -1).transpose(-1, -2)  # [.., d_b, D]
+        b = (self.head.bias.float() * sig).view(L, 2, H, D)
+        out_k, out_v = keys[:, :, skip:], values[:, :, skip:]
+        for layer in range(L):
+            for head in range(H):
+                out_k[layer, head].addmm_(h, w[layer, 0, head]).add_(b[layer, 0, head])
+                out_v[layer, head].addmm_(h, w[layer, 1, head]).add_(b[layer, 1, head])
+        return out_k, out_v
 
     # ----------------------------------------------------------------- persistence
     def save_pretrained(

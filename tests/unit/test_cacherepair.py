@@ -157,6 +157,37 @@ def test_fused_repair_equals_the_forward_definition() -> None:
     torch.testing.assert_close(m.encoder(x, inv), m.encoder(x * inv), atol=1e-5, rtol=1e-5)
 
 
+def test_repair_kv_in_the_cache_layout_equals_repair_of_the_packed_kv() -> None:
+    """The serving path (encoder on the [L, H, N, D] tensors, head per segment, in place, lead skipped) computes
+    repair(pack_kv(k, v)) -- also when the values are a strided slice of a longer cache, which it writes in place
+    and only in the repaired rows."""
+    cfg = _cfg(num_layers=3, num_kv_heads=2)
+    m = _randomized(cfg, seed=5)
+    L, H, N, D, lead = 3, 2, 11, 16, 3
+    k, v = torch.randn(L, H, N, D) * 2, torch.randn(L, H, N, D)
+    emb, ci = torch.randn(N, 64), torch.tensor([0] * lead + [1] * 4 + [2] * 4)
+    pos = torch.arange(N) + 7
+    want_k, want_v = unpack_kv(m.repair(pack_kv(k, v), emb, ci, pos), L, H)
+    cache_v = torch.randn(L, H, N + 6, D)
+    cache_v[:, :, 2:2 + N] = v
+    before = cache_v.clone()
+    kk = k.clone()
+    rk, rv = m.repair_kv(kk, cache_v[:, :, 2:2 + N], emb, ci, pos, skip=lead)
+    torch.testing.assert_close(rk, want_k[:, :, lead:], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(rv, want_v[:, :, lead:], atol=1e-5, rtol=1e-5)
+    assert rv.data_ptr() == cache_v[:, :, 2 + lead].data_ptr()  # written where it lies
+    untouched = torch.ones(N + 6, dtype=torch.bool)
+    untouched[2 + lead:2 + N] = False
+    assert torch.equal(cache_v[:, :, untouched], before[:, :, untouched])
+    assert torch.equal(kk[:, :, :lead], k[:, :, :lead])  # the lead is read, never written
+    # the segment-major encoder is the packed encoder
+    inv = torch.rand(cfg.num_segments, 16) + 0.5
+    torch.testing.assert_close(m.encoder.forward_kv(k, v, inv), m.encoder(pack_kv(k, v)[None], inv)[0],
+                               atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="float32"):
+        m.repair_kv(k.half(), v.half(), emb, ci)
+
+
 def test_preset_parameter_count_matches_paper_table_12() -> None:
     # Qwen2.5-3B (36 layers, 2 KV heads, head dim 128, hidden 2048) with Table 4 "Small": 9.46M in Table 12.
     cfg = RepairConfig.from_preset("base", num_layers=36, num_kv_heads=2, head_dim=128, embed_dim=2048)
