@@ -66,6 +66,18 @@ def _fmt(x: Any, nd: int = 4) -> str:
     return f"{x:.{nd}f}" if isinstance(x, float) else str(x)
 
 
+def _init_chain(init: dict[str, Any] | None) -> list[str]:
+    """Card lines for the runs a continued training started from (newest first)."""
+    lines = []
+    while init:
+        lines.append(f"- continued from `{init.get('directory')}` (weights sha256 {str(init.get('weights_sha256'))[:12]}"
+                     f"..., {init.get('steps')} steps, {init.get('samples')} document samples, "
+                     f"{(init.get('wall_s') or 0) / 60:.1f} min, held-out NMSE {init.get('final_eval_nmse')}) with a "
+                     "fresh optimizer and schedule: the steps above come on top of those")
+        init = init.get("init_from")
+    return lines
+
+
 def render_card(meta: dict[str, Any], *, command: str | None, bench: dict[str, Any] | None,
                 bench_command: str | None, has_plot: bool) -> str:
     """The model card text."""
@@ -94,10 +106,7 @@ def render_card(meta: dict[str, Any], *, command: str | None, bench: dict[str, A
         f"{tr.get('eval_documents')} held aside for evaluation)",
         f"- {tr.get('steps')} optimizer steps, {tr.get('samples')} document samples ({tr.get('epochs')} epochs), "
         f"{tr.get('tokens')} tokens, wall time {tr.get('wall_s', 0) / 60:.1f} min",
-        *([f"- continued from `{init.get('directory')}` (weights sha256 {str(init.get('weights_sha256'))[:12]}..., "
-           f"{init.get('steps')} steps, {init.get('samples')} document samples, "
-           f"{(init.get('wall_s') or 0) / 60:.1f} min, held-out NMSE {init.get('final_eval_nmse')}) with a fresh "
-           "optimizer and schedule: the steps above come on top of those"] if (init := tr.get("init_from")) else []),
+        *_init_chain(tr.get("init_from")),
         f"- chunk format `{json.dumps(meta.get('conditioning', {}).get('chunk_format'))}`, chunk prefix "
         f"`{meta.get('conditioning', {}).get('chunk_prefix')}`",
     ]

@@ -196,16 +196,18 @@ class Trainer:
         self.init_meta = {"directory": str(directory), "steps": tr.get("steps"), "samples": tr.get("samples"),
                           "tokens": tr.get("tokens"), "wall_s": tr.get("wall_s"),
                           "weights_sha256": meta.get("weights", {}).get("sha256"),
-                          "final_eval_nmse": (tr.get("final_eval") or {}).get("nmse")}
+                          "final_eval_nmse": (tr.get("final_eval") or {}).get("nmse"),
+                          **({"init_from": tr["init_from"]} if tr.get("init_from") else {})}  # the chain
         path = self.out / STATS_FILE
         if load_weights:
             from safetensors.torch import save_file
 
-            self.model.load_state_dict(init.state_dict())
+            state = init.state_dict()
+            self.model.load_state_dict(state)
             self.stats_meta = {**(tr.get("stats") or {}), "model_fingerprint": self.spec.model_fingerprint,
                                "from": str(directory)}
             tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-            save_file({"sigma_stale": init.sigma_stale.contiguous(), "sigma_delta": init.sigma_delta.contiguous()},
+            save_file({"sigma_stale": state["sigma_stale"].contiguous(), "sigma_delta": state["sigma_delta"].contiguous()},
                       str(tmp), metadata={"meta": json.dumps(self.stats_meta)})
             os.replace(tmp, path)
             log.info("continuing %s (%s steps): weights and statistics loaded", directory, tr.get("steps"))
