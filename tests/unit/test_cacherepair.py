@@ -393,6 +393,11 @@ def test_init_from_continues_a_trained_repairer(lm, tmp_path: Path) -> None:
     assert tr_b.summary()["init_from"]["steps"] == 6
     tr_b.train()
     assert not all(torch.equal(sa[k], tr_b.model.state_dict()[k]) for k in sa)
+    from kvrag.repair.card import render_card
+    from kvrag.repair.model import read_config
+
+    card = render_card(read_config(tmp_path / "b"), command=None, bench=None, bench_command=None, has_plot=False)
+    assert f"continued from `{tmp_path / 'a'}`" in card and "6 steps" in card
     # a resumed B keeps its own weights (not A's again) and the pinned init_from
     tr_b.save_state()
     tr_c = Trainer(cfg_b, lm, resume=True)
