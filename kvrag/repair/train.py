@@ -197,6 +197,7 @@ class Trainer:
                           "tokens": tr.get("tokens"), "wall_s": tr.get("wall_s"),
                           "weights_sha256": meta.get("weights", {}).get("sha256"),
                           "final_eval_nmse": (tr.get("final_eval") or {}).get("nmse"),
+                          "final_eval_step": (tr.get("final_eval") or {}).get("step"),
                           **({"init_from": tr["init_from"]} if tr.get("init_from") else {})}  # the chain
         path = self.out / STATS_FILE
         if load_weights:
