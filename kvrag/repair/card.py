@@ -66,10 +66,6 @@ def _fmt(x: Any, nd: int = 4) -> str:
     return f"{x:.{nd}f}" if isinstance(x, float) else str(x)
 
 
-def _num(x: Any) -> str:
-    return f"{x:.4f}" if isinstance(x, float) else str(x)
-
-
 def _at(step: Any) -> str:
     return f" at step {step}" if step is not None else ""
 
@@ -80,7 +76,7 @@ def _init_chain(init: dict[str, Any] | None) -> list[str]:
     while init:
         lines.append(f"- continued from `{init.get('directory')}` (weights sha256 {str(init.get('weights_sha256'))[:12]}"
                      f"..., {init.get('steps')} steps, {init.get('samples')} document samples, "
-                     f"{(init.get('wall_s') or 0) / 60:.1f} min, last held-out NMSE {_num(init.get('final_eval_nmse'))}"
+                     f"{(init.get('wall_s') or 0) / 60:.1f} min, last held-out NMSE {_fmt(init.get('final_eval_nmse'))}"
                      f"{_at(init.get('final_eval_step'))}) with a "
                      "fresh optimizer and schedule: the steps above come on top of those")
         init = init.get("init_from")

@@ -176,6 +176,11 @@ class RepairModel(nn.Module):
             h = block(h + proj(s), mask, cos, sin, spans)  # h^b = RepairBlock_b(h^{b-1} + P_b(s); A, p)
         return self.ln_out(h)
 
+    def _folded_head(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual head with sigma_delta folded in, float32: weight [S * D, d_b], bias [S * D]."""
+        sig = self._sig("sigma_delta").reshape(-1).float()  # [S * D]
+        return self.head.weight.float() * sig[:, None], self.head.bias.float() * sig
+
     def residual(self, z: torch.Tensor) -> torch.Tensor:
         """sigma_delta * z: the predicted residual in KV units."""
         return z * self._sig("sigma_delta")
@@ -200,9 +205,7 @@ class RepairModel(nn.Module):
                 no second [N, S, D] buffer (tens of MB, whose first touch costs page faults on every request).
         """
         h = self.features(stale, tok_emb, chunk_index, positions).float()
-        sig = self._sig("sigma_delta").reshape(-1).float()  # [S * D]
-        w = self.head.weight.float() * sig[:, None]  # [S * D, d_b]
-        b = self.head.bias.float() * sig
+        w, b = self._folded_head()
         if inplace and not (stale.dtype == torch.float32 and stale.is_contiguous()):
             raise ValueError("repair(inplace=True) needs a contiguous float32 stale tensor")
         # [.., N, S * D]: stale itself with ``inplace``, else one float32 copy
@@ -248,9 +251,9 @@ class RepairModel(nn.Module):
         dt = self.head.weight.dtype
         s = self.encoder.forward_kv(keys.to(dt), values.to(dt), (1.0 / self._sig("sigma_stale")).to(dt))
         h = self._backbone(s[None], tok_emb[None], chunk_index[None], positions[None])[0, skip:].float()
-        sig = self._sig("sigma_delta").reshape(-1).float()
-        w = (self.head.weight.float() * sig[:, None]).view(L, 2, H, D, -1).transpose(-1, -2)  # [.., d_b, D]
-        b = (self.head.bias.float() * sig).view(L, 2, H, D)
+        w, b = self._folded_head()
+        w = w.view(L, 2, H, D, -1).transpose(-1, -2)  # per segment [d_b, D]
+        b = b.view(L, 2, H, D)
         out_k, out_v = keys[:, :, skip:], values[:, :, skip:]
         for layer in range(L):
             for head in range(H):

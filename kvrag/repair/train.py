@@ -199,18 +199,12 @@ class Trainer:
                           "final_eval_nmse": (tr.get("final_eval") or {}).get("nmse"),
                           "final_eval_step": (tr.get("final_eval") or {}).get("step"),
                           **({"init_from": tr["init_from"]} if tr.get("init_from") else {})}  # the chain
-        path = self.out / STATS_FILE
         if load_weights:
-            from safetensors.torch import save_file
-
             state = init.state_dict()
             self.model.load_state_dict(state)
             self.stats_meta = {**(tr.get("stats") or {}), "model_fingerprint": self.spec.model_fingerprint,
                                "from": str(directory)}
-            tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-            save_file({"sigma_stale": state["sigma_stale"].contiguous(), "sigma_delta": state["sigma_delta"].contiguous()},
-                      str(tmp), metadata={"meta": json.dumps(self.stats_meta)})
-            os.replace(tmp, path)
+            self._save_stats(state["sigma_stale"], state["sigma_delta"])
             log.info("continuing %s (%s steps): weights and statistics loaded", directory, tr.get("steps"))
 
     def _init_stats(self, reuse: bool) -> None:
@@ -219,7 +213,7 @@ class Trainer:
         A resumed run reuses the run's ``stats.safetensors``; a fresh run recomputes them (from the pair cache
         this costs seconds).
         """
-        from safetensors.torch import load_file, save_file
+        from safetensors.torch import load_file
 
         path = self.out / STATS_FILE
         if reuse and path.is_file():
@@ -238,12 +232,19 @@ class Trainer:
         st = compute_stats(examples, self.spec.num_layers, self.spec.num_kv_heads)
         self.stats_meta = {"tokens": st["tokens"], "documents": st["documents"],
                            "model_fingerprint": self.spec.model_fingerprint, "seconds": time.perf_counter() - t0}
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        save_file({"sigma_stale": st["sigma_stale"], "sigma_delta": st["sigma_delta"]}, str(tmp),
-                  metadata={"meta": json.dumps(self.stats_meta)})
-        os.replace(tmp, path)
+        self._save_stats(st["sigma_stale"], st["sigma_delta"])
         self.model.set_stats(st["sigma_stale"], st["sigma_delta"])
         log.info("normalization statistics from %d documents (%d tokens)", st["documents"], st["tokens"])
+
+    def _save_stats(self, sigma_stale: torch.Tensor, sigma_delta: torch.Tensor) -> None:
+        """Write OUT/stats.safetensors atomically, with ``stats_meta`` as its metadata."""
+        from safetensors.torch import save_file
+
+        path = self.out / STATS_FILE
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        save_file({"sigma_stale": sigma_stale.contiguous(), "sigma_delta": sigma_delta.contiguous()}, str(tmp),
+                  metadata={"meta": json.dumps(self.stats_meta)})
+        os.replace(tmp, path)
 
     def _progress(self, it: Any, desc: str, unit: str, **kw: Any) -> Any:
         from tqdm.auto import tqdm
