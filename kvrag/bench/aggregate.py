@@ -285,6 +285,11 @@ def summarize_method(
     # FLOP efficiency; see kvrag.fusion.cost)
     fs = m["flop_share"]
     m["overhead"] = m["ttft_ratio"] / fs if m["ttft_ratio"] is not None and fs else None
+    # its spread over requests: the p90 of each request's TTFT ratio over its own FLOP share (auto's margin)
+    shares = _values(rows, label, "flop_share")
+    per_req_over = ([r / sh if r is not None and sh else None for r, sh in zip(per_req_ratio, shares, strict=True)]
+                    if per_req_ratio else [])
+    m["overhead_p90"] = _pct(per_req_over, 90)
     for ref_name, ref in (("vs_full", full), ("vs_stale", stale)):
         if ref is None:
             continue

@@ -217,7 +217,7 @@ def run_fit_auto(args: argparse.Namespace) -> int:
     Path(args.out).write_text(json.dumps(model, indent=2, sort_keys=True) + "\n")
     for spec, m in sorted(model["methods"].items(), key=lambda kv: kv[1]["ttft_ratio"]):
         print(f"{spec:24s} TTFT/full {m['ttft_ratio']:.3f}  FLOP share {m['flop_share']:.3f}  "
-              f"overhead {m['overhead']:.2f}  KL {m['kl']:.4f}")
+              f"overhead {m['overhead']:.2f} (p90 {m['overhead_p90']:.2f})  KL {m['kl']:.4f}")
     return 0
 
 

@@ -53,6 +53,27 @@ def test_choice_is_the_best_kl_within_the_budget(tmp_path: Path) -> None:
     assert pick[1e-4] == min(preds, key=preds.__getitem__)  # nothing fits: the fastest
 
 
+def test_p90_margin_keeps_a_noisy_candidate_out_of_a_tight_budget(tmp_path: Path) -> None:
+    summary = _summary()
+    noisy = summary["methods"]["epic:k=16"]
+    noisy["overhead_p90"] = 2.0 * noisy["ttft_ratio"] / noisy["flop_share"]  # its slow requests take twice the median
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps(fit_cost_model(summary)))
+    case = fusion_case("llama", 4)
+    cfg = case.model.config
+    tc, s = case.fusion_input().context_len, int(case.suffix_ids.shape[0])
+    p50 = dict((sp, r) for sp, r, _ in get_method(f"auto:margin=p50,costs={path}").predict(cfg, tc, s))
+    p90 = dict((sp, r) for sp, r, _ in get_method(f"auto:costs={path}").predict(cfg, tc, s))
+    assert p90["epic:k=16"] == pytest.approx(2.0 * p50["epic:k=16"])
+    assert p90["stale"] == pytest.approx(p50["stale"])  # no p90 recorded: the median overhead
+    budget = 1.5 * p50["epic:k=16"]  # epic fits by its median, not by its p90
+    assert budget < p50["relaxkv:r=0.15"]
+    assert get_method(f"auto:budget={budget},margin=p50,costs={path}").choose(cfg, tc, s)[0] == "epic:k=16"
+    assert get_method(f"auto:budget={budget},costs={path}").choose(cfg, tc, s)[0] == "stale"
+    with pytest.raises(ConfigError, match="margin"):
+        get_method("auto:margin=p99")
+
+
 def test_auto_runs_the_chosen_method_and_says_so(tmp_path: Path) -> None:
     path = tmp_path / "costs.json"
     path.write_text(json.dumps(fit_cost_model(_summary())))
@@ -65,6 +86,7 @@ def test_auto_runs_the_chosen_method_and_says_so(tmp_path: Path) -> None:
                     strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
     assert out.stats["auto_budget"] == 0.3 and out.stats["auto_predicted_ttft_ratio"] > 0
+    assert out.stats["auto_margin"] == "p90"
 
 
 def test_missing_cost_model_is_a_clear_error(tmp_path: Path) -> None:

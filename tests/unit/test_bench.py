@@ -102,6 +102,16 @@ def test_summarize_hand_computed() -> None:
     assert "| `m` |" in aggregate.summary_markdown(s)
 
 
+def test_overhead_p90_is_over_each_requests_own_flop_share() -> None:
+    rows = [_row(r, {"full": (1.0, 0.0, 4.0), "m": (1.0, 0.1, t)}) for r, t in (("a", 1.0), ("b", 1.0), ("c", 2.0))]
+    for row, share in zip(rows, (0.25, 0.125, 0.25), strict=True):
+        row["methods"]["full"]["flop_share"], row["methods"]["m"]["flop_share"] = 1.0, share
+    m = aggregate.summarize(rows, ["full", "m"], n_boot=10, env={})["methods"]["m"]
+    # per request TTFT ratio / own share: 1.0, 2.0, 2.0 -> p90 2.0; overhead = p50 ratio 0.25 / mean share 0.208
+    assert m["overhead_p90"] == pytest.approx(2.0)
+    assert m["overhead"] == pytest.approx(0.25 / (0.625 / 3))
+
+
 def test_extract_short() -> None:
     from kvrag.bench.extract import extract_short
 
