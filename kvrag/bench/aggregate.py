@@ -109,9 +109,25 @@ def hardware() -> dict[str, Any]:
     }
 
 
+_RUN_SHA: dict[str, str] = {}
+
+
+def run_git_sha() -> str:
+    """The commit this process runs: ``git rev-parse HEAD`` at its first call (a run calls it when it starts), so a
+    commit made while a long benchmark runs is not recorded as the code that produced its numbers."""
+    if "sha" not in _RUN_SHA:
+        _RUN_SHA["sha"] = git_sha()
+    return _RUN_SHA["sha"]
+
+
 def environment_info() -> dict[str, Any]:
-    """``{"git_sha", "versions", "hardware"}`` for result files."""
-    return {"git_sha": git_sha(), "versions": versions(), "hardware": hardware()}
+    """``{"git_sha", "versions", "hardware"}`` for result files (``git_sha``: :func:`run_git_sha`; when HEAD has
+    moved since, ``git_sha_head`` names the commit checked out when the file was written)."""
+    info: dict[str, Any] = {"git_sha": run_git_sha(), "versions": versions(), "hardware": hardware()}
+    head = git_sha()
+    if head != info["git_sha"]:
+        info["git_sha_head"] = head
+    return info
 
 
 # ----------------------------------------------------------------------------------------------------------------

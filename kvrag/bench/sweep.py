@@ -101,6 +101,7 @@ class Sweep:
 
     def __init__(self, config: SweepConfig, engine: Any = None) -> None:
         self.cfg = config
+        aggregate.run_git_sha()  # pin the commit this run executes before it starts
         if config.threads:
             torch.set_num_threads(config.threads)
         torch.manual_seed(config.seed)

@@ -112,6 +112,15 @@ def test_overhead_p90_is_over_each_requests_own_flop_share() -> None:
     assert m["overhead"] == pytest.approx(0.25 / (0.625 / 3))
 
 
+def test_results_name_the_commit_the_run_started_at(monkeypatch: pytest.MonkeyPatch) -> None:
+    heads = iter(["aaa", "bbb", "bbb"])
+    monkeypatch.setattr(aggregate, "git_sha", lambda cwd=None: next(heads))
+    monkeypatch.setattr(aggregate, "_RUN_SHA", {})
+    assert aggregate.run_git_sha() == "aaa"  # pinned when the run starts
+    info = aggregate.environment_info()  # a commit landed while it ran
+    assert info["git_sha"] == "aaa" and info["git_sha_head"] == "bbb"
+
+
 def test_extract_short() -> None:
     from kvrag.bench.extract import extract_short
 
