@@ -1,4 +1,4 @@
-"""Benchmark reporting: provenance (git SHA, versions, hardware), per-method aggregates and the summary files.
+"""Benchmark reporting: per-method aggregates and the summary files (provenance: :mod:`kvrag.bench.provenance`).
 
 ``summary.json`` layout::
 
@@ -19,8 +19,6 @@ import json
 import logging
 import math
 import os
-import platform
-import subprocess
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -28,106 +26,12 @@ from typing import Any
 import numpy as np
 
 from kvrag.bench.metrics import bootstrap_ci, gap_recovery, paired_bootstrap
+from kvrag.bench.provenance import environment_info  # also re-exported: result writers outside kvrag.bench use it
 
 log = logging.getLogger(__name__)
 
 TIMING_KEYS = ("fetch_s", "compute_misses_s", "assemble_s", "repair_s", "suffix_prefill_s", "ttft_s", "decode_s", "total_s")
 KV_REGIONS = ("first", "boundary", "interior", "all")
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Provenance
-# ----------------------------------------------------------------------------------------------------------------
-
-
-def git_sha(cwd: str | os.PathLike[str] | None = None) -> str:
-    """``git rev-parse HEAD`` of the repository holding kvrag (or ``cwd``); "unknown" when not available."""
-    where = Path(cwd) if cwd is not None else Path(__file__).resolve().parent
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=where, capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    sha = out.stdout.strip()
-    return sha if out.returncode == 0 and sha else "unknown"
-
-
-def versions() -> dict[str, str]:
-    """Versions of python, torch, transformers, kvrag (and numpy)."""
-    import torch
-    import transformers
-
-    import kvrag
-
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "kvrag": kvrag.__version__,
-        "numpy": np.__version__,
-    }
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown"
-
-
-def _ram_bytes() -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def hardware() -> dict[str, Any]:
-    """CPU model, logical cores, torch threads, RAM, load average and the GPU name (if any)."""
-    import torch
-
-    gpu = None
-    if torch.cuda.is_available():
-        gpu = torch.cuda.get_device_name(0)
-    try:
-        load = [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        load = None
-    return {
-        "cpu": _cpu_model(),
-        "cores": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "ram_bytes": _ram_bytes(),
-        "gpu": gpu,
-        "platform": platform.platform(),
-        "load_avg": load,
-    }
-
-
-_RUN_SHA: dict[str, str] = {}
-
-
-def run_git_sha() -> str:
-    """The commit this process runs: ``git rev-parse HEAD`` at its first call (a run calls it when it starts), so a
-    commit made while a long benchmark runs is not recorded as the code that produced its numbers."""
-    if "sha" not in _RUN_SHA:
-        _RUN_SHA["sha"] = git_sha()
-    return _RUN_SHA["sha"]
-
-
-def environment_info() -> dict[str, Any]:
-    """``{"git_sha", "versions", "hardware"}`` for result files (``git_sha``: :func:`run_git_sha`; when HEAD has
-    moved since, ``git_sha_head`` names the commit checked out when the file was written)."""
-    info: dict[str, Any] = {"git_sha": run_git_sha(), "versions": versions(), "hardware": hardware()}
-    head = git_sha()
-    if head != info["git_sha"]:
-        info["git_sha_head"] = head
-    return info
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from kvrag.bench import aggregate
+from kvrag.bench import aggregate, provenance
 from kvrag.bench.config import BenchConfig, resolve_methods
 from kvrag.bench.data import QARequest, load_requests
 from kvrag.bench.extract import EXTRACTORS
@@ -118,7 +118,7 @@ class QABenchmark:
 
     def __init__(self, config: BenchConfig, engine: Any = None, peer: Any = None) -> None:
         self.cfg = config
-        aggregate.run_git_sha()  # pin the commit this run executes before it starts
+        provenance.run_git_sha()  # pin the commit this run executes before it starts
         if config.threads:
             torch.set_num_threads(config.threads)
         torch.manual_seed(config.seed)

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from kvrag.bench import aggregate
+from kvrag.bench import aggregate, provenance
 from kvrag.bench.config import resolve_methods
 from kvrag.bench.data import load_requests
 from kvrag.bench.memory import PeakMemory
@@ -101,7 +101,7 @@ class Sweep:
 
     def __init__(self, config: SweepConfig, engine: Any = None) -> None:
         self.cfg = config
-        aggregate.run_git_sha()  # pin the commit this run executes before it starts
+        provenance.run_git_sha()  # pin the commit this run executes before it starts
         if config.threads:
             torch.set_num_threads(config.threads)
         torch.manual_seed(config.seed)

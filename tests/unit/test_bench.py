@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvrag.bench import aggregate, plots
+from kvrag.bench import aggregate, plots, provenance
 from kvrag.bench.config import BenchConfig, method_labels, resolve_methods, split_method_specs
 from kvrag.bench.data import load_requests
 from kvrag.bench.runner import QABenchmark, region_masks
@@ -114,9 +114,9 @@ def test_overhead_p90_is_over_each_requests_own_flop_share() -> None:
 
 def test_results_name_the_commit_the_run_started_at(monkeypatch: pytest.MonkeyPatch) -> None:
     heads = iter(["aaa", "bbb", "bbb"])
-    monkeypatch.setattr(aggregate, "git_sha", lambda cwd=None: next(heads))
-    monkeypatch.setattr(aggregate, "_RUN_SHA", {})
-    assert aggregate.run_git_sha() == "aaa"  # pinned when the run starts
+    monkeypatch.setattr(provenance, "git_sha", lambda cwd=None: next(heads))
+    monkeypatch.setattr(provenance, "_RUN_SHA", {})
+    assert provenance.run_git_sha() == "aaa"  # pinned when the run starts
     info = aggregate.environment_info()  # a commit landed while it ran
     assert info["git_sha"] == "aaa" and info["git_sha_head"] == "bbb"
 
