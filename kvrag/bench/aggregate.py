@@ -164,6 +164,7 @@ def summarize_method(
     """Aggregate one method over aligned requests (every row holds every label)."""
     f1, em, kl = (_values(rows, label, k) for k in ("f1", "em", "kl"))
     ftok = _values(rows, label, "first_token_agree")
+    shares = _values(rows, label, "flop_share")
     ttft = _values(rows, label, "ttft_s")
     full, stale = refs.get("full"), refs.get("stale")
     ttft_full = _values(rows, full, "ttft_s") if full else None
@@ -199,14 +200,13 @@ def summarize_method(
         "kv_cache_bytes_mean": _mean(_values(rows, label, "kv_cache_bytes")),
         "method_stats_mean": _nested_means(rows, label, "method_stats"),
         "generated_tokens_mean": _mean(_values(rows, label, "generated_tokens")),
-        "flop_share": _mean(_values(rows, label, "flop_share")),
+        "flop_share": _mean(shares),
     }
     # overhead: the measured TTFT ratio over the analytic FLOP share (1.0 = the method runs at full prefill's
     # FLOP efficiency; see kvrag.fusion.cost)
     fs = m["flop_share"]
     m["overhead"] = m["ttft_ratio"] / fs if m["ttft_ratio"] is not None and fs else None
     # its spread over requests: the p90 of each request's TTFT ratio over its own FLOP share (auto's margin)
-    shares = _values(rows, label, "flop_share")
     per_req_over = ([r / sh if r is not None and sh else None for r, sh in zip(per_req_ratio, shares, strict=True)]
                     if per_req_ratio else [])
     m["overhead_p90"] = _pct(per_req_over, 90)

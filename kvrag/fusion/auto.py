@@ -48,10 +48,9 @@ def fit_cost_model(summary: dict[str, Any], *, source: str = "") -> dict[str, An
         rtok, rfrac = rtok or ms.get("repair_repaired_tokens"), rfrac or ms.get("repair_repaired_fraction")
         if rflops and rtok and rfrac:
             stats["repairer_flops_per_token"] = rflops / (rtok / rfrac)
-        over_p90 = m.get("overhead_p90")
-        methods[label] = {"spec": label, "kl": kl, "ttft_ratio": ratio, "flop_share": share,
-                          "overhead": ratio / share, "overhead_p90": over_p90 if over_p90 else ratio / share,
-                          "stats": stats}
+        over = ratio / share
+        methods[label] = {"spec": label, "kl": kl, "ttft_ratio": ratio, "flop_share": share, "overhead": over,
+                          "overhead_p90": m.get("overhead_p90") or over, "stats": stats}
     if not methods:
         msg = "the summary has no method with a TTFT ratio, FLOP share and KL (run kvrag bench with full among --methods)"
         raise ConfigError(msg)
