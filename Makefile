@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 INTEGRATIONS := integrations/llama-index-llms-kvrag integrations/llama-index-postprocessor-kvrag integrations/langchain-kvrag
 
-.PHONY: demo test test-unit bench setup setup-dev lint clean gpu-check
+.PHONY: demo test test-unit test-bf16 bench setup setup-dev lint clean gpu-check
 
 $(VENV)/.setup-stamp: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -41,6 +41,12 @@ test: setup-dev
 
 test-unit: setup-dev
 	$(PY) -m pytest -q tests/unit
+
+# The whole suite with the real default model in bfloat16 (slow on CPUs without native bf16). The bf16 equivalence
+# subset (tests/unit/test_bf16_equivalence.py, the *_bfloat16 integration tests) runs in `make test` on every machine.
+test-bf16: setup-dev
+	$(VENV)/bin/kvrag pull
+	KVRAG_TEST_DTYPE=bfloat16 $(PY) -m pytest -q -p no:cacheprovider tests $(foreach d,$(INTEGRATIONS),$(wildcard $(d)/tests))
 
 bench: setup-dev
 	$(VENV)/bin/kvrag bench --data ../shared/data/qa_dev.jsonl --limit 100 --out runs/bench

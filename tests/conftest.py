@@ -25,12 +25,42 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(saved)
 
 
-@pytest.fixture(scope="session")
-def default_model():
-    """The embedded default model (SmolLM2-135M-Instruct), converted once into the kvrag home cache."""
+_MODELS: dict[Any, Any] = {}
+
+
+def _default_model_in(dtype: Any) -> Any:
+    """The embedded default model (SmolLM2-135M-Instruct) in ``dtype``, loaded once per dtype per test run."""
     from kvrag.models import load_model
 
-    return load_model(None)
+    if dtype not in _MODELS:
+        _MODELS[dtype] = load_model(None, dtype=dtype)
+    return _MODELS[dtype]
+
+
+@pytest.fixture(scope="session")
+def default_model():
+    """The embedded default model in the test dtype: float32, or ``$KVRAG_TEST_DTYPE``
+    (:func:`kvrag.testing.equivalence.test_dtype`). Tests that assert float32-exact results use
+    ``default_model_fp32``; the bf16 equivalence subset uses both pinned fixtures."""
+    from kvrag.testing.equivalence import test_dtype
+
+    return _default_model_in(test_dtype())
+
+
+@pytest.fixture(scope="session")
+def default_model_fp32():
+    """The embedded default model pinned to float32 (the exact oracle)."""
+    import torch
+
+    return _default_model_in(torch.float32)
+
+
+@pytest.fixture(scope="session")
+def default_model_bf16():
+    """The embedded default model pinned to bfloat16 (slow where the CPU has no native bf16: keep prompts short)."""
+    import torch
+
+    return _default_model_in(torch.bfloat16)
 
 
 def _new_redis_server() -> Any:

@@ -1,4 +1,5 @@
-"""Batched ingest on the real default model: same keys and K/V (fp32 <= 1e-4) as one chunk at a time."""
+"""Batched ingest on the real default model: same keys and K/V as one chunk at a time (fp32: <= 1e-4; bf16: the
+documented bf16 bound of :mod:`kvrag.testing.equivalence`)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pytest
 from kvrag.engine.engine import KVRAGEngine
 from kvrag.prompting import render_passage
 from kvrag.store.memory import MemoryStore
+from kvrag.testing.equivalence import assert_close_in_dtype
 
 pytestmark = pytest.mark.integration
 
@@ -27,5 +29,5 @@ def test_batched_ingest_equals_one_at_a_time_on_the_default_model(default_model)
         ref = one.compute(one.tokenize(t))  # compute_chunk_kv: prefix + chunk in one forward
         got = many.store.get(k)
         assert got is not None and got.token_ids.tolist() == ref.token_ids.tolist()
-        assert (got.keys - ref.keys).abs().max().item() <= 1e-4
-        assert (got.values - ref.values).abs().max().item() <= 1e-4
+        assert_close_in_dtype(got.keys, ref.keys, default_model.dtype, fp32_atol=1e-4)
+        assert_close_in_dtype(got.values, ref.values, default_model.dtype, fp32_atol=1e-4)

@@ -1,6 +1,10 @@
-"""Every selective method at its recompute-everything setting reproduces ``full`` on the real default model
-(issue 13): a dev-like RAG prompt (a few passages + a question through RagTemplate), the same next-token
-distribution and the same greedy answer."""
+"""Every selective method at its recompute-everything setting reproduces ``full`` on the real default model: a
+dev-like RAG prompt (a few passages + a question through RagTemplate), in both compute dtypes kvrag may pick.
+
+float32 (the exact oracle): the same next-token logits within 2e-3 and the same greedy answer. bfloat16: the rule
+of :mod:`kvrag.testing.equivalence` -- KL(fp32 full || bf16 method) <= 2 x KL(fp32 full || bf16 full) + 1e-4 (the
+measured bf16 noise floor on this prompt) and the same greedy answer as ``full`` in bf16.
+"""
 
 from __future__ import annotations
 
@@ -13,9 +17,8 @@ from kvrag.config import GenerationConfig
 from kvrag.engine.engine import KVRAGEngine
 from kvrag.prompting import RagTemplate, render_passage
 from kvrag.store.memory import MemoryStore
+from kvrag.testing.equivalence import bf16_kl_bound, kl
 from kvrag.testing.fusion_suite import RECOMPUTE_ALL_SPECS
-
-pytestmark = pytest.mark.integration
 
 PASSAGES = [
     ("Harrow Point Lighthouse", "The Harrow Point Lighthouse was built in 1868 by the engineer Edith Crane."),
@@ -27,15 +30,25 @@ QUESTION = "Who built the Harrow Point Lighthouse, and in which year?"
 RECOMPUTE_ALL = RECOMPUTE_ALL_SPECS
 N_TOKENS = 8
 
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_torch_thread")]
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+Run = tuple[torch.Tensor, list[int], Any]
+
+
+def _engine(loaded: Any) -> KVRAGEngine:
+    eng = KVRAGEngine(loaded, MemoryStore())
+    eng.ingest([render_passage(text, title) for title, text in PASSAGES])
+    return eng
 
 
 @pytest.fixture(scope="module")
-def engine(default_model: Any) -> KVRAGEngine:
-    eng = KVRAGEngine(default_model, MemoryStore())
-    eng.ingest([render_passage(text, title) for title, text in PASSAGES])
-    return eng
+def engine(default_model_fp32: Any) -> KVRAGEngine:
+    return _engine(default_model_fp32)
+
+
+@pytest.fixture(scope="module")
+def engine_bf16(default_model_bf16: Any) -> KVRAGEngine:
+    return _engine(default_model_bf16)
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +57,7 @@ def prompt(engine: KVRAGEngine) -> tuple[str, list[str]]:
     return RagTemplate().render(engine.tokenizer, passages, QUESTION), passages
 
 
-def _run(engine: KVRAGEngine, prompt: tuple[str, list[str]], method: str) -> tuple[torch.Tensor, list[int], dict]:
+def _run(engine: KVRAGEngine, prompt: tuple[str, list[str]], method: str) -> Run:
     prep = engine.prepare(engine.plan(*prompt), method)
     logits = prep.last_logits.clone()
     "".join(engine.stream(prep, GenerationConfig(max_new_tokens=N_TOKENS)))
@@ -52,8 +65,21 @@ def _run(engine: KVRAGEngine, prompt: tuple[str, list[str]], method: str) -> tup
 
 
 @pytest.fixture(scope="module")
-def full(engine: KVRAGEngine, prompt: tuple[str, list[str]]) -> tuple[torch.Tensor, list[int], dict]:
+def full(engine: KVRAGEngine, prompt: tuple[str, list[str]]) -> Run:
     return _run(engine, prompt, "full")
+
+
+@pytest.fixture(scope="module")
+def full_bf16(engine_bf16: KVRAGEngine, prompt: tuple[str, list[str]]) -> Run:
+    return _run(engine_bf16, prompt, "full")
+
+
+def _check_recomputed_everything(engine: KVRAGEngine, prompt: tuple[str, list[str]], stats: Any) -> None:
+    assert stats["hit_rate"] == 1.0  # the chunks came from the store, stale, before the repair
+    plan = engine.plan(*prompt)
+    reusable = sum(len(s.token_ids) for s in plan.context if s.kind != "prefix")
+    # every state but those of the exact leading prefix (the template's preamble) was recomputed
+    assert stats["method_stats"]["recomputed_fraction"] == pytest.approx(reusable / plan.context_len)
 
 
 @pytest.mark.parametrize("method", RECOMPUTE_ALL)
@@ -61,13 +87,20 @@ def test_recompute_everything_reproduces_full_on_the_default_model(engine, promp
     ref_logits, ref_tokens, ref_stats = full
     assert ref_stats["chunks_found"] == len(PASSAGES) and ref_stats["context_tokens"] > 100
     logits, tokens, stats = _run(engine, prompt, method)
-    assert stats["hit_rate"] == 1.0  # the chunks came from the store, stale, before the repair
-    plan = engine.plan(*prompt)
-    reusable = sum(len(s.token_ids) for s in plan.context if s.kind != "prefix")
-    # every state but those of the exact leading prefix (the template's preamble) was recomputed
-    assert stats["method_stats"]["recomputed_fraction"] == pytest.approx(reusable / plan.context_len)
+    _check_recomputed_everything(engine, prompt, stats)
     torch.testing.assert_close(logits, ref_logits, atol=2e-3, rtol=0)
     assert tokens == ref_tokens and len(tokens) >= 1
+
+
+@pytest.mark.parametrize("method", RECOMPUTE_ALL)
+def test_recompute_everything_reproduces_full_in_bfloat16(engine_bf16, prompt, full, full_bf16, method: str) -> None:
+    ref_logits = full[0]
+    floor = kl(ref_logits, full_bf16[0])  # how far bf16 moves full's own next-token distribution
+    assert 0.0 <= floor < 0.05  # bf16 is a faithful approximation on this prompt (a sanity bound, not the test)
+    logits, tokens, stats = _run(engine_bf16, prompt, method)
+    _check_recomputed_everything(engine_bf16, prompt, stats)
+    assert kl(ref_logits, logits) <= bf16_kl_bound(floor), (kl(ref_logits, logits), floor)
+    assert tokens == full_bf16[1] and len(tokens) >= 1
 
 
 def test_stale_is_not_full_on_this_prompt(engine, prompt, full) -> None:

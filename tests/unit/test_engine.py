@@ -21,13 +21,15 @@ PASSAGES = [
 ]
 
 
-def make_engine(family: str = "llama", **cfg) -> KVRAGEngine:
-    return KVRAGEngine(tiny_model(family), MemoryStore(), EngineConfig(**cfg))
+def make_engine(family: str = "llama", dtype: torch.dtype = torch.float32, **cfg) -> KVRAGEngine:
+    return KVRAGEngine(tiny_model(family, dtype=dtype), MemoryStore(), EngineConfig(**cfg))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_full_matches_model_generate(family: str) -> None:
-    eng = make_engine(family)
+def test_full_matches_model_generate(family: str, dtype: torch.dtype) -> None:
+    """Token for token in every compute dtype kvrag may pick (the same model object, so the same kernels)."""
+    eng = make_engine(family, dtype)
     prefix, ps, suffix = RagTemplate().parts(eng.tokenizer, PASSAGES, "What is the capital of France?")
     plan = eng.plan_parts(prefix, ps, suffix)
     ids = [t for s in (*plan.context, plan.suffix) for t in s.token_ids]

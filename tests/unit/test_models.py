@@ -101,10 +101,12 @@ def test_tiny_tokenizer_chat_template() -> None:
 # ------------------------------------------------------------------ load_model / paths
 
 
-def test_load_model_from_local_dir(tmp_path: Path) -> None:
+def test_load_model_from_local_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     src = tiny_model("qwen3")
     src.model.save_pretrained(tmp_path)
     src.tokenizer.save_pretrained(tmp_path)
+    monkeypatch.delenv(models.DTYPE_ENV, raising=False)
+    monkeypatch.setattr(models, "cpu_native_bf16", lambda: None)  # the float32 default, on any machine
     lm = load_model(str(tmp_path), device="cpu")
     assert lm.name == str(tmp_path) and lm.dtype == torch.float32 and lm.device == torch.device("cpu")
     assert lm.model.config._attn_implementation == GQA_SDPA and not lm.model.training
@@ -128,8 +130,10 @@ def test_load_model_missing(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> 
         load_model("kvrag-test/definitely-not-a-model", device="cpu")
 
 
-def test_dtype_and_device_defaults() -> None:
+def test_dtype_and_device_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu = torch.device("cpu")
+    monkeypatch.delenv(models.DTYPE_ENV, raising=False)
+    monkeypatch.setattr(models, "cpu_native_bf16", lambda: None)  # an AVX2-only CPU, whatever this machine is
     assert models.resolve_dtype(None, cpu) == torch.float32
     assert models.resolve_dtype(None, torch.device("cuda")) == torch.bfloat16
     assert models.resolve_dtype("torch.float16", cpu) == torch.float16
@@ -224,12 +228,23 @@ def test_default_dtype_follows_native_bf16_units(monkeypatch) -> None:
     from kvrag import models
 
     detect = models.cpu_native_bf16.__wrapped__  # the uncached detector
-    monkeypatch.setattr(models, "cpu_native_bf16", lambda: "amx_bf16")
-    assert models.resolve_dtype(None, torch.device("cpu")) == torch.bfloat16
-    monkeypatch.setattr(models, "cpu_native_bf16", lambda: None)
-    assert models.resolve_dtype(None, torch.device("cpu")) == torch.float32
+    cpu = torch.device("cpu")
+    monkeypatch.delenv(models.DTYPE_ENV, raising=False)
+    monkeypatch.setattr(models, "cpu_native_bf16", lambda: "amx_bf16")  # AMX: bf16 is faster in both phases
+    assert models.resolve_dtype(None, cpu) == torch.bfloat16
+    monkeypatch.setattr(models, "cpu_native_bf16", lambda: "avx512_bf16")  # faster prefill, slower decode: fp32
+    assert models.resolve_dtype(None, cpu) == torch.float32
+    monkeypatch.setattr(models, "cpu_native_bf16", lambda: None)  # AVX2 only: bf16 is emulated
+    assert models.resolve_dtype(None, cpu) == torch.float32
     assert models.resolve_dtype(None, torch.device("cuda")) == torch.bfloat16
     assert models.resolve_dtype("float32", torch.device("cuda")) == torch.float32  # an explicit dtype wins
+    monkeypatch.setenv(models.DTYPE_ENV, "bfloat16")  # the environment sets the default everywhere...
+    assert models.resolve_dtype(None, cpu) == torch.bfloat16
+    assert models.resolve_dtype("float32", cpu) == torch.float32  # ...and an explicit dtype still wins
+    monkeypatch.setenv(models.DTYPE_ENV, "int4")
+    with pytest.raises(ConfigError, match="KVRAG_DTYPE='int4'.*float32, bfloat16 or float16"):
+        models.resolve_dtype(None, cpu)
+    monkeypatch.delenv(models.DTYPE_ENV)
     flag = detect()  # this machine
     cpuinfo = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
     assert (flag is not None) == any(f in cpuinfo.split() for f in ("amx_bf16", "avx512_bf16"))
