@@ -22,6 +22,7 @@ from kvrag.default_model import DEFAULT_MODEL, default_embedder_path, prepare_de
 from kvrag.errors import ConfigError
 from kvrag.fingerprint import model_fingerprint, tokenizer_fingerprint
 from kvrag.kv.attention import use_gqa_sdpa
+from kvrag.kv.linear import pack_linears
 from kvrag.kv.rope import check_rope_support
 from kvrag.kv.spec import KVSpec, dtype_from_name, dtype_name
 from kvrag.paths import env_offline, hf_offline
@@ -171,6 +172,7 @@ def wrap_model(
     check_rope_support(model, name=name)
     model.eval()
     use_gqa_sdpa(model)  # SDPA without repeated K/V heads for masked grouped-query calls (kvrag.kv.attention)
+    pack_linears(model)  # bf16 on the CPU: weights packed once for oneDNN, bit-identical outputs (kvrag.kv.linear)
     param = next(model.parameters())
     dtype = dtype or param.dtype
     return LoadedModel(
