@@ -5,8 +5,9 @@ blocked format on **every call**. For a prefill (thousands of rows) that is nois
 suffix (1-32 rows) it is most of the time: SmolLM2-135M, one thread, 2-core Xeon with AMX, a [1, 576] x [576, 1536]
 product takes 110 us through ``F.linear`` and 62 us with the weight packed once (the LM head: 3.8 ms -> 2.2 ms), and
 a whole decode step spends 68% of its time in these products. Packing the weight once (what PyTorch's own inductor
-does for frozen CPU graphs) gives **bit-identical** outputs -- the same oneDNN kernel, minus the reorder -- so
-``full`` still generates exactly what ``model.generate`` does, and the stored caches' keys do not change.
+does for frozen CPU graphs) gives **bit-identical** outputs for such inputs -- the same oneDNN kernel, minus the
+reorder; larger inputs keep ``F.linear`` (:data:`MAX_ROWS`) -- so ``full`` still generates exactly what
+``model.generate`` does, and the stored caches' keys and contents do not change.
 
 :func:`pack_linears` gives each ``nn.Linear`` of a bf16 CPU model a packed copy of its weight and routes its forward
 through ``torch.ops.mkldnn._linear_pointwise`` (the op inductor emits for the same purpose). The dense weight stays
@@ -30,6 +31,12 @@ log = logging.getLogger(__name__)
 
 ENV = "KVRAG_PACKED_LINEAR"
 """Set to 0 to keep transformers' plain ``F.linear`` (e.g. to save the packed copies' memory)."""
+MAX_ROWS = 64
+"""Inputs of at most this many rows (tokens x batch) take the packed weight; larger ones take ``F.linear``. The
+reorder is noise for a prefill's thousands of rows (1.7K rows: 2.03 ms packed vs 2.02 ms plain), and with several
+threads oneDNN partitions large products differently for a packed weight (a [300, 576] x [576, 576] product
+differed by 0.125 at 2 threads, never at 1), so prefill and ingest keep transformers' exact numerics on every
+thread count; decode steps, batched decode and question suffixes are the rows that gain."""
 
 
 def packing_available() -> bool:
@@ -56,8 +63,8 @@ class _Packed:
 
 def _packed_forward(module: torch.nn.Linear, state: _Packed, x: torch.Tensor) -> torch.Tensor:
     w = module.weight
-    usable = (x.dtype == torch.bfloat16 and x.device.type == "cpu" and state.valid_for(w)
-              and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)))
+    usable = (x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.numel() <= MAX_ROWS * x.shape[-1]
+              and state.valid_for(w) and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)))
     if not usable:
         return F.linear(x, w, module.bias)
     return torch.ops.mkldnn._linear_pointwise(x, state.packed, module.bias, "none", [], "")
@@ -90,4 +97,4 @@ def pack_linears(model: Any) -> int:
     return n
 
 
-__all__ = ["ENV", "pack_linears", "packing_available"]
+__all__ = ["ENV", "MAX_ROWS", "pack_linears", "packing_available"]

@@ -37,6 +37,25 @@ def test_packed_model_is_bit_identical_to_the_plain_one(family: str, monkeypatch
     assert plain.fingerprint == packed.fingerprint  # the dense weights are untouched
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bit_identical_on_every_thread_count(threads: int) -> None:
+    """Decode-sized inputs take the packed weight, prefill-sized ones F.linear: identical outputs either way, also
+    where oneDNN splits a product over several threads."""
+    lin = torch.nn.Linear(576, 576, bias=False).to(torch.bfloat16)
+    ref = torch.nn.Linear(576, 576, bias=False).to(torch.bfloat16)
+    ref.weight = lin.weight
+    linear.pack_linears(lin)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for rows in (1, 8, linear.MAX_ROWS, linear.MAX_ROWS + 1, 300):
+            x = torch.randn(1, rows, 576, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(rows))
+            with torch.inference_mode():
+                assert torch.equal(lin(x), ref(x)), rows
+    finally:
+        torch.set_num_threads(saved)
+
+
 def test_packing_is_only_for_bf16_on_the_cpu_and_idempotent() -> None:
     assert all(getattr(m, "_kvrag_packed", None) is None for m in _linears(tiny_model("llama").model))  # fp32
     lm = tiny_model("llama", dtype=torch.bfloat16)
