@@ -172,11 +172,11 @@ def load_calibration(kind: str | None = None) -> Calibration | None:
         return None
 
 
-def save_calibration(cal: Calibration, path: str | Path | None = None) -> Path:
+def save_calibration(cal: Calibration, path: str | Path | None = None) -> Calibration:
     """Write ``cal``, keeping the other dtypes of an existing file for the same kind, model and thread count.
 
     Returns:
-        The path written (default: :func:`calibration_path` of its kind).
+        The calibration written (merged), with ``path`` set (default: :func:`calibration_path` of its kind).
     """
     p = Path(path) if path else calibration_path(cal.machine_kind)
     old = None
@@ -192,7 +192,7 @@ def save_calibration(cal: Calibration, path: str | Path | None = None) -> Path:
     tmp = p.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(cal.to_dict(), indent=2, sort_keys=True) + "\n")
     tmp.replace(p)
-    return p
+    return dataclasses.replace(cal, path=str(p))
 
 
 __all__ = [

@@ -11,9 +11,11 @@ reports every request's measured TTFT (:meth:`kvrag.fusion.base.FusionMethod.obs
   FLOPs x the candidate's predicted ratio). Divided by ``seconds_per_flop`` it is the factor by which the candidate
   is slower (> 1) or faster than predicted, i.e. the smoothed ratio of achieved to predicted TTFT ratio.
 
-The correction of a candidate in a bucket falls back to the candidate's over all buckets, then to the mean over
-all candidates (a machine-wide shift, e.g. bf16 overhead, moves every candidate alike), then to 1. Storing implied
-speeds rather than ratios lets corrections gathered before ``full`` ever ran apply as soon as its speed is known.
+The correction of a candidate in a bucket falls back to the candidate's over all buckets, then to 1: a candidate
+not measured yet is taken at its prediction, so it is tried when it is the best choice and corrected from then on
+(a pessimistic prior, e.g. the other candidates' mean correction, would let one slow candidate keep every other
+one from being tried, and push ``auto`` to ``full``). Storing implied speeds rather than ratios lets corrections
+gathered before ``full`` ever ran apply as soon as its speed is known.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ class OnlineCosts:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.full_speed = Smoothed()
-        # (costs, spec, bucket), (costs, spec) and (costs,) -> smoothed implied seconds per FLOP
+        # (costs, spec, bucket) and (costs, spec) -> smoothed implied seconds per FLOP
         self._implied: dict[tuple[str | int, ...], Smoothed] = {}
 
     def observe_full(self, full_flops: float, seconds: float, alpha: float = DEFAULT_ALPHA) -> None:
@@ -85,7 +87,7 @@ class OnlineCosts:
         if not speed:
             return 1.0
         with self._lock:
-            for key in _keys(costs, spec, tc):  # the bucket, then the candidate, then every candidate
+            for key in _keys(costs, spec, tc):  # the bucket, then the candidate over all buckets
                 s = self._implied.get(key)
                 if s is not None and s.count:
                     return s.value / speed
@@ -93,7 +95,7 @@ class OnlineCosts:
 
 
 def _keys(costs: str, spec: str, tc: int) -> tuple[tuple[str | int, ...], ...]:
-    return (costs, spec, length_bucket(tc)), (costs, spec), (costs,)
+    return (costs, spec, length_bucket(tc)), (costs, spec)
 
 
 _STATE: weakref.WeakKeyDictionary[Any, OnlineCosts] = weakref.WeakKeyDictionary()

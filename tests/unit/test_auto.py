@@ -36,6 +36,16 @@ def test_fit_keeps_measured_methods_and_overheads() -> None:
         fit_cost_model({"methods": {}}, machine_kind="cpu-avx2", dtype="float32")
 
 
+def test_fit_records_the_machine_kind_and_dtype() -> None:
+    model = fit_cost_model(_summary(), machine_kind="cpu-amx", dtype="torch.bfloat16")
+    assert (model["machine_kind"], model["dtype"]) == ("cpu-amx", "bfloat16")
+    recorded = {**_summary(), "hardware": {"machine_kind": "cuda-nvidia-h200"}, "config": {"dtype": "bfloat16"}}
+    model = fit_cost_model(recorded)  # what the summary records
+    assert (model["machine_kind"], model["dtype"]) == ("cuda-nvidia-h200", "bfloat16")
+    with pytest.raises(ConfigError, match="machine kind and dtype"):
+        fit_cost_model(_summary())  # a summary that does not say where it was measured
+
+
 def test_choice_is_the_best_kl_within_the_budget(tmp_path: Path) -> None:
     path = tmp_path / "costs.json"
     path.write_text(json.dumps(fit_cost_model(_summary(), machine_kind="cpu-avx2", dtype="float32")))
