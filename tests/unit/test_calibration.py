@@ -110,3 +110,23 @@ def test_calibrate_writes_a_loadable_cost_model_that_auto_prefers(tmp_path: Path
     assert cm.speed_for(kind, "float32", 2, ModelCost.from_config(lm.model.config)) is None  # other threads
     picked = Auto().cost_model(kind, "float32")
     assert picked.source.startswith("kvrag calibrate") and picked.path == str(path)
+
+
+def test_cli_calibrate_arguments(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                 capsys: pytest.CaptureFixture[str]) -> None:
+    from kvrag import calibrate, cli
+
+    args = cli.build_parser().parse_args(["calibrate", "--dtypes", "float32,bfloat16"])
+    assert args.func is cli.cmd_calibrate and args.threads == 1 and args.model is None
+    seen = {}
+
+    def fake_run(model, **kw):  # type: ignore[no-untyped-def]
+        seen.update(model=model, **kw)
+        cal = Calibration("cpu-x", "m", 1, {"float32": _dc("float32", 0.3, 100.0)})
+        return cal, tmp_path / "cpu-x.json"
+
+    monkeypatch.setattr(calibrate, "run_calibration", fake_run)
+    assert cli.main(["calibrate", "--dtypes", "float32, bfloat16", "--threads", "0", "--quiet"]) == 0
+    assert seen["dtypes"] == ["float32", "bfloat16"] and seen["threads"] is None and seen["progress"] is False
+    out = capsys.readouterr().out
+    assert "preferred dtype" in out and "float32" in out and "cpu-x.json" in out
