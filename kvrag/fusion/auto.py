@@ -64,7 +64,8 @@ class Auto(FusionMethod):
 
     Parameters:
         budget: TTFT budget as a fraction of full prefill's, in (0, 1] (default 0.3).
-        costs: a cost-model JSON (default: the calibrated one for this machine kind and dtype, else the shipped
+        costs: a cost-model JSON, or a ``kvrag calibrate`` file (its cost model for the dtype auto runs in)
+            (default: the calibrated one for this machine kind and dtype, else the shipped
             ``kvrag/data/auto_cost.json``).
         margin: 'p90' (default: each candidate's p90 per-request overhead, a margin against request-to-request
             noise) or 'p50' (the overhead of the median TTFTs, no margin).
@@ -97,7 +98,7 @@ class Auto(FusionMethod):
         if cm is not None:
             return cm
         if self.costs:
-            cm = load_cost_model(self.costs)
+            cm = load_cost_model(self.costs, dtype)
         else:
             cal = load_calibration(kind) if key else None
             local = cal.cost_model(dtype) if cal is not None and dtype else None

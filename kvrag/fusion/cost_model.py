@@ -20,6 +20,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from kvrag.calibration import CALIBRATION_FORMAT
 from kvrag.errors import ConfigError
 from kvrag.fusion.cost import ModelCost
 from kvrag.fusion.stats import MethodStats
@@ -143,8 +144,9 @@ class CostModel:
                    info={k: v for k, v in d.items() if k not in known})
 
 
-def load_cost_model(path: str | Path | None = None) -> CostModel:
-    """Read a cost-model JSON (default: the shipped one)."""
+def load_cost_model(path: str | Path | None = None, dtype: str | None = None) -> CostModel:
+    """Read a cost-model JSON (default: the shipped one), or the cost model of a ``kvrag calibrate`` file for
+    ``dtype`` (needed when the file holds several dtypes)."""
     p = Path(path) if path else SHIPPED_COST_MODEL
     try:
         data = json.loads(p.read_text())
@@ -156,7 +158,20 @@ def load_cost_model(path: str | Path | None = None) -> CostModel:
     except ValueError as e:
         msg = f"{p} is not valid JSON ({e}); refit it or pass another auto:costs=FILE"
         raise ConfigError(msg) from e
+    if isinstance(data, dict) and data.get("format") == CALIBRATION_FORMAT:
+        data = _calibrated(data, dtype, p)
     return CostModel.from_dict(data, str(p))
+
+
+def _calibrated(cal: dict[str, Any], dtype: str | None, p: Path) -> dict[str, Any]:
+    """The cost model of a calibration file for ``dtype`` (or its only one)."""
+    models = {d: c.get("cost_model") for d, c in (cal.get("dtypes") or {}).items() if c.get("cost_model")}
+    if dtype in models:
+        return dict(models[dtype])
+    if dtype is None and len(models) == 1:
+        return dict(next(iter(models.values())))
+    msg = f"{p} is a kvrag calibration with cost models for {sorted(models) or 'no dtype'}, not for {dtype}"
+    raise ConfigError(msg)
 
 
 def fit_cost_model(summary: dict[str, Any], *, source: str = "", machine_kind: str | None = None,

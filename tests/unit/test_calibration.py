@@ -130,3 +130,16 @@ def test_cli_calibrate_arguments(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
     assert seen["dtypes"] == ["float32", "bfloat16"] and seen["threads"] is None and seen["progress"] is False
     out = capsys.readouterr().out
     assert "preferred dtype" in out and "float32" in out and "cpu-x.json" in out
+
+
+def test_a_calibration_file_is_a_cost_model_for_its_dtype(tmp_path: Path) -> None:
+    from kvrag.errors import ConfigError
+    from kvrag.fusion.cost_model import load_cost_model
+
+    cm = CostModel.from_dict(fit_cost_model(_summary(), source="fp32"))
+    cal = Calibration("cpu-x", "m", 1, {"float32": DtypeCalibration("float32", 1.0, 1.0, cost_model=cm.to_dict())})
+    path = save_calibration(cal, tmp_path / "cal.json").path
+    assert load_cost_model(path).source == "fp32" and load_cost_model(path, "float32").source == "fp32"
+    assert Auto(costs=str(path)).cost_model("cpu-x", "float32").source == "fp32"
+    with pytest.raises(ConfigError, match="not for bfloat16"):
+        load_cost_model(path, "bfloat16")
