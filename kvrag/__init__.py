@@ -40,6 +40,7 @@ _LAZY = {
     "TieredStore": "kvrag.store.tiered",
     "get_method": "kvrag.fusion",
     "available_methods": "kvrag.fusion",
+    "MethodStats": "kvrag.fusion.stats",
     "RagTemplate": "kvrag.prompting",
     "render_passage": "kvrag.prompting",
     "ChunkKV": "kvrag.kv.chunk",

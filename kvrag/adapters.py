@@ -317,17 +317,17 @@ def response_summary(prep: Any) -> dict[str, Any]:
     Args:
         prep: the engine's :class:`~kvrag.engine.engine.Prepared` request (after or while streaming).
     """
-    stats = _stats(prep)
+    st = prep.stats
     return {
         "method": repr(prep.method),
         "ttft_s": prep.timings.ttft_s,
-        "hit_rate": stats.get("hit_rate"),
-        "chunks_registered": stats.get("chunks_registered"),
-        "chunks_found": stats.get("chunks_found"),
-        "chunk_hits": stats.get("chunk_hits"),
-        "chunk_misses": stats.get("chunk_misses"),
-        "reused_tokens": stats.get("reused_tokens"),
-        "method_stats": stats.get("method_stats", {}),
+        "hit_rate": st.hit_rate,
+        "chunks_registered": st.chunks_registered,
+        "chunks_found": st.chunks_found,
+        "chunk_hits": st.chunk_hits,
+        "chunk_misses": st.chunk_misses,
+        "reused_tokens": st.reused_tokens,
+        "method_stats": st.method_stats.to_dict(),
     }
 
 

@@ -149,6 +149,17 @@ def cmd_ask(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from kvrag.calibrate import format_report, run_calibration
+
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()] if args.dtypes else [None]
+    cal, path = run_calibration(None if args.model in (None, "default") else args.model, dtypes=dtypes,
+                                device=args.device, threads=args.threads or None, costs=args.costs, out=args.out,
+                                progress=not args.quiet)
+    print(format_report(cal, path))
+    return 0
+
+
 def _keep_fingerprints(args: argparse.Namespace) -> list[str] | None:
     """Model fingerprints whose entries to keep: --keep-fingerprint, --model (loaded), or PERSIST's manifest."""
     fps = list(getattr(args, "keep_fingerprint", None) or [])
@@ -281,6 +292,24 @@ def build_parser() -> argparse.ArgumentParser:
                          "is the benchmark's short-answer template)")
     sp.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     sp.set_defaults(func=cmd_ask)
+
+    sp = sub.add_parser(
+        "calibrate", help="time the model on this machine for `auto`'s cost model and the dtype default",
+        description="Times full and every candidate of auto's cost model on a built-in workload (synthetic RAG "
+                    "prompts of ~1-2K tokens), plus prefill and decode speed, per dtype, and writes "
+                    "$KVRAG_HOME/calibration/<machine kind>.json. About a minute per dtype on a 2-core CPU.",
+    )
+    sp.add_argument("--model", default=None, help="model name or path (default: the embedded default)")
+    sp.add_argument("--dtypes", default=None,
+                    help="comma-separated dtypes to time, e.g. float32,bfloat16 (default: the model's default dtype)")
+    sp.add_argument("--threads", type=int, default=1,
+                    help="torch threads while timing (default 1; 0: torch's default). auto trusts the measured "
+                         "full-prefill speed only when it runs with the same number of threads")
+    sp.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    sp.add_argument("--costs", default=None, help="base cost model whose candidates and KLs are used (default: shipped)")
+    sp.add_argument("--out", default=None, help="file to write (default: $KVRAG_HOME/calibration/<kind>.json)")
+    sp.add_argument("--quiet", action="store_true", help="no progress bar")
+    sp.set_defaults(func=cmd_calibrate)
 
     sp = sub.add_parser(
         "store", help="inspect and maintain a KV store (stats, verify, gc, migrate)",

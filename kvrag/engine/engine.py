@@ -20,7 +20,7 @@ from kvrag.engine.generate import decode
 from kvrag.engine.planner import Plan, TextPiece, plan_pieces, plan_prompt
 from kvrag.engine.results import Prepared, Response, Stats, Timings
 from kvrag.errors import ConfigError, ContextLengthError
-from kvrag.fusion import FusionMethod, shared_method
+from kvrag.fusion import FusionMethod, Observation, shared_method
 from kvrag.kv import hf_cache
 from kvrag.kv.chunk import ChunkKV
 from kvrag.kv.rope import Rope
@@ -241,6 +241,9 @@ class KVRAGEngine(ChunkCaching):
             else:
                 cache, last = out.cache, out.last_logits
             timings.suffix_prefill_s = time.perf_counter() - t
+        # the method's time to first token without computing missing caches: what `auto` learns from
+        m.observe(Observation(self.model, plan.context_len, len(plan.suffix.token_ids), timings.fetch_s
+                              + timings.assemble_s + timings.repair_s + timings.suffix_prefill_s, out.stats))
         found = plan.found
         stats = Stats(
             context_tokens=plan.context_len,

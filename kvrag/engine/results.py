@@ -1,7 +1,8 @@
 """Typed per-request results: :class:`Timings` and :class:`Stats` (``Response.timings`` / ``Response.stats``).
 
 Both are dataclasses with ``to_dict()`` for JSON; they also read like the mappings they replace
-(``stats["hit_rate"]``, ``timings.get("ttft_s")``, ``dict(timings)``), so existing callers keep working.
+(``stats["hit_rate"]``, ``timings.get("ttft_s")``, ``dict(timings)``), so existing callers keep working. The fusion
+method's own statistics are a typed :class:`~kvrag.fusion.stats.MethodStats` (``stats.method_stats``).
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
+
+from kvrag.fusion.stats import MethodStats
 
 if TYPE_CHECKING:
     import torch
@@ -67,7 +70,8 @@ class Stats(_Fields):
             (prefix / in-between text) segments.
         reused_tokens: tokens whose KV came from the store (0 for methods that read no cache).
         hit_rate: chunk hits / chunks registered.
-        method_stats: the fusion method's own statistics (recomputed fractions, attention pairs, timings ...).
+        method_stats: the fusion method's own statistics (recomputed fractions, attention pairs, timings, ...;
+            ``to_dict()`` gives the JSON form under the key ``method_stats``).
         generated_tokens: tokens decoded (set when the stream ends).
     """
 
@@ -83,8 +87,20 @@ class Stats(_Fields):
     other_misses: int = 0
     reused_tokens: int = 0
     hit_rate: float = 0.0
-    method_stats: dict[str, Any] = dataclasses.field(default_factory=dict)
+    method_stats: MethodStats = dataclasses.field(default_factory=MethodStats)
     generated_tokens: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form: every field, ``method_stats`` as :meth:`MethodStats.to_dict` writes it."""
+        return {f.name: self.method_stats.to_dict() if f.name == "method_stats" else getattr(self, f.name)
+                for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Stats:
+        """Read :meth:`to_dict`'s form back (unknown keys are ignored)."""
+        names = {f.name for f in dataclasses.fields(cls)} - {"method_stats"}
+        return cls(**{k: v for k, v in data.items() if k in names},
+                   method_stats=MethodStats.from_dict(data.get("method_stats")))
 
 
 @dataclasses.dataclass
@@ -103,7 +119,8 @@ class Response:
         return float(self.timings.ttft_s or 0.0)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {"text": self.text, "token_ids": list(self.token_ids), "method": self.method,
+                "timings": self.timings.to_dict(), "stats": self.stats.to_dict(), "chunk_keys": list(self.chunk_keys)}
 
 
 @dataclasses.dataclass

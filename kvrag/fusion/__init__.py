@@ -6,6 +6,7 @@ from kvrag.fusion.base import (
     FusionInput,
     FusionMethod,
     FusionOutput,
+    Observation,
     Span,
     available_methods,
     get_method,
@@ -14,6 +15,7 @@ from kvrag.fusion.base import (
     register,
     shared_method,
 )
+from kvrag.fusion.stats import MethodStats
 
 load_builtin_methods()
 
@@ -21,6 +23,8 @@ __all__ = [
     "FusionInput",
     "FusionMethod",
     "FusionOutput",
+    "MethodStats",
+    "Observation",
     "Span",
     "available_methods",
     "get_method",

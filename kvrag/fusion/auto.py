@@ -1,137 +1,203 @@
 """``auto``: pick the fusion method per request from its shape, under a TTFT budget (kvrag).
 
-A cost model fitted from benchmark results (:func:`fit_cost_model` on a ``kvrag bench`` ``summary.json``; the
-shipped one is ``kvrag/data/auto_cost.json``) holds, per candidate method, what it computed on the benchmark's
-requests (mean ``method_stats``: recomputed states, attention pairs, scoring pass, repairer FLOPs per token), its
-measured overhead factor (TTFT ratio / analytic FLOP share, see :mod:`kvrag.fusion.cost`) and its measured KL to
+A cost model (:mod:`kvrag.fusion.cost_model`) holds, per candidate method, what it computed on its fitting requests
+(mean :class:`~kvrag.fusion.stats.MethodStats`: recomputed states, attention pairs, scoring pass, repairer FLOPs per
+token), its measured overhead factor (TTFT ratio / analytic FLOP share, see :mod:`kvrag.fusion.cost`) and its KL to
 ``full``. For a request with context length Tc and suffix S, every candidate's TTFT ratio is predicted as
-``FLOP share(stats, Tc, S) * overhead``, where ``overhead`` is by default the p90 over the fitted requests of each
-request's TTFT ratio over its own FLOP share (``margin='p90'``: the budget holds on about 9 of 10 requests like those
-it was fitted on; ``margin='p50'`` uses the ratio of median TTFTs, which put the last fit's choice at 0.27x for a
-0.30 budget with request-to-request noise of up to 25%). ``auto`` runs the lowest-KL candidate predicted within the
-budget (the fastest one when none is), logs the choice, and reports it in ``method_stats`` (``auto_choice``,
-``auto_predicted_ttft_ratio``, ``auto_budget``, ``auto_margin``, ``auto_chunks``).
+``FLOP share(stats, Tc, S) * overhead * correction``, where ``overhead`` is by default the p90 over the fitted
+requests of each request's TTFT ratio over its own FLOP share (``margin='p90'``: the budget holds on about 9 of 10
+requests like those it was fitted on; ``margin='p50'`` uses the ratio of median TTFTs, which put the last fit's
+choice at 0.27x for a 0.30 budget with request-to-request noise of up to 25%), and ``correction`` is what this
+process measured (:mod:`kvrag.fusion.online`: per candidate and context-length bucket, the smoothed ratio of
+achieved to predicted TTFT; 1 until measured). ``auto`` runs the lowest-KL candidate predicted within the budget
+(the fastest one when none is), logs the choice, and reports it in its stats (``auto_choice``,
+``auto_predicted_ttft_ratio``, ``auto_budget``, ``auto_margin``, ``auto_chunks``, ``auto_correction``).
+
+The cost model is chosen per machine kind and dtype (:func:`kvrag.calibration.machine_kind`): ``auto:costs=FILE``,
+else the one ``kvrag calibrate`` wrote for this kind and dtype, else the shipped one (fitted on a 2-core AVX2-only
+CPU in float32; ``auto`` warns once when it runs elsewhere with it).
 """
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import logging
-from pathlib import Path
+import threading
 from typing import Any
 
+import torch
+
+from kvrag.calibration import load_calibration, machine_kind
 from kvrag.errors import ConfigError
-from kvrag.fusion.base import FusionInput, FusionMethod, FusionOutput, register, shared_method
+from kvrag.fusion.base import FusionInput, FusionMethod, FusionOutput, Observation, register, shared_method
+from kvrag.fusion.cost import ModelCost
+from kvrag.fusion.cost_model import SHIPPED_COST_MODEL, CostModel, fit_cost_model, load_cost_model
+from kvrag.fusion.online import OnlineCosts, online_costs
 from kvrag.fusion.recompute import check_choice, check_ratio
 
 log = logging.getLogger(__name__)
 
-SHIPPED_COST_MODEL = Path(__file__).resolve().parent.parent / "data" / "auto_cost.json"
-_STAT_KEYS = ("recomputed_fraction", "attention_edges_ratio", "attention_computed_ratio", "score_edges_ratio")
+_WARNED: set[tuple[str, str, str]] = set()
+_WARNED_LOCK = threading.Lock()
 
 
-def fit_cost_model(summary: dict[str, Any], *, source: str = "") -> dict[str, Any]:
-    """A cost model from a ``kvrag bench`` summary: per method its mean stats, overhead and KL.
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    """One candidate's prediction for a request: ``ratio`` = base * correction (TTFT / full TTFT)."""
 
-    Methods without a measured TTFT ratio, FLOP share or KL (e.g. a run without ``full``) are left out; ``full``
-    itself is kept (KL 0, FLOP share 1) as the always-exact fallback.
-    """
-    methods: dict[str, Any] = {}
-    for label, m in (summary.get("methods") or {}).items():
-        ratio, share, kl = m.get("ttft_ratio"), m.get("flop_share"), m.get("kl")
-        if ratio is None or not share or kl is None:
-            continue
-        ms = m.get("method_stats_mean") or {}
-        stats = {k: v for k, v in ms.items() if k in _STAT_KEYS}
-        # repairer FLOPs scale with the context: store them per context token (repaired / repaired_fraction = Tc)
-        rflops, rtok, rfrac = (ms.get(k) for k in ("repairer_flops", "repaired_tokens", "repaired_fraction"))
-        rtok, rfrac = rtok or ms.get("repair_repaired_tokens"), rfrac or ms.get("repair_repaired_fraction")
-        if rflops and rtok and rfrac:
-            stats["repairer_flops_per_token"] = rflops / (rtok / rfrac)
-        over = ratio / share
-        methods[label] = {"spec": label, "kl": kl, "ttft_ratio": ratio, "flop_share": share, "overhead": over,
-                          "overhead_p90": m.get("overhead_p90") or over, "stats": stats}
-    if not methods:
-        msg = "the summary has no method with a TTFT ratio, FLOP share and KL (run kvrag bench with full among --methods)"
-        raise ConfigError(msg)
-    return {"format": "kvrag-auto-cost", "version": 1, "source": source,
-            "hardware": summary.get("hardware"), "git_sha": summary.get("git_sha"),
-            "n_requests": summary.get("n_requests"), "methods": methods}
+    spec: str
+    ratio: float
+    kl: float
+    base: float
+    correction: float = 1.0
 
 
-def load_cost_model(path: str | Path | None = None) -> dict[str, Any]:
-    p = Path(path) if path else SHIPPED_COST_MODEL
-    try:
-        model = json.loads(p.read_text())
-    except FileNotFoundError as e:
-        msg = (f"auto: no cost model at {p}; fit one from a benchmark run with "
-               "`kvrag bench fit-auto runs/bench/X/summary.json --out FILE` and pass auto:costs=FILE")
-        raise ConfigError(msg) from e
-    if model.get("format") != "kvrag-auto-cost" or not model.get("methods"):
-        msg = f"{p} is not a kvrag auto cost model (format kvrag-auto-cost with a 'methods' table)"
-        raise ConfigError(msg)
-    return model
+def dtype_label(dtype: torch.dtype) -> str:
+    """'float32' for torch.float32 (the names cost models and calibrations use)."""
+    return str(dtype).removeprefix("torch.")
 
 
 @register
 class Auto(FusionMethod):
-    """Per-request method choice under a TTFT budget (a fraction of ``full``'s TTFT), from a fitted cost model.
+    """Per-request method choice under a TTFT budget (a fraction of ``full``'s TTFT), from a fitted cost model
+    corrected by what this process measures.
 
     Parameters:
         budget: TTFT budget as a fraction of full prefill's, in (0, 1] (default 0.3).
-        costs: a cost-model JSON (default: the shipped ``kvrag/data/auto_cost.json``).
+        costs: a cost-model JSON, or a ``kvrag calibrate`` file (its cost model for the dtype auto runs in)
+            (default: the calibrated one for this machine kind and dtype, else the shipped
+            ``kvrag/data/auto_cost.json``).
         margin: 'p90' (default: each candidate's p90 per-request overhead, a margin against request-to-request
             noise) or 'p50' (the overhead of the median TTFTs, no margin).
+        adapt: weight of a new measurement in the online correction, in [0, 1] (default 0.3; 0: no correction,
+            the cost model's predictions as they are).
     """
 
     name = "auto"
-    params = {"budget": (float, 0.3), "costs": (str, None), "margin": (str, "p90")}
+    params = {"budget": (float, 0.3), "costs": (str, None), "margin": (str, "p90"), "adapt": (float, 0.3)}
     budget: float
     costs: str | None
     margin: str
+    adapt: float
 
     def validate(self) -> None:
         check_ratio(self.name, "budget", self.budget)
         check_choice(self.name, "margin", self.margin, ("p90", "p50"))
-        self._model: dict[str, Any] | None = None
+        if not 0.0 <= self.adapt <= 1.0:
+            msg = f"method {self.name!r}: adapt (weight of a new measurement) must be in [0, 1], got {self.adapt}"
+            raise ConfigError(msg)
+        self._models: dict[tuple[str, str] | None, CostModel] = {}
+        self._lock = threading.Lock()
 
-    def cost_model(self) -> dict[str, Any]:
-        if self._model is None:
-            self._model = load_cost_model(self.costs)
-        return self._model
+    def cost_model(self, kind: str | None = None, dtype: str | None = None) -> CostModel:
+        """The cost model for a machine kind and dtype: ``costs=FILE``, else the calibrated one for (kind, dtype)
+        (``kvrag calibrate``), else the shipped one. Without kind and dtype: ``costs=FILE`` or the shipped one."""
+        key = (kind, dtype) if kind and dtype and not self.costs else None
+        with self._lock:
+            cm = self._models.get(key)
+        if cm is not None:
+            return cm
+        if self.costs:
+            cm = load_cost_model(self.costs, dtype)
+        else:
+            cal = load_calibration(kind) if key else None
+            local = cal.cost_model(dtype) if cal is not None and dtype else None
+            cm = CostModel.from_dict(local, cal.path) if cal is not None and local else load_cost_model()
+        if key and not cm.fitted_for(*key):
+            self._warn_foreign(cm, *key)
+        with self._lock:
+            return self._models.setdefault(key, cm)
 
-    def predict(self, model_config: Any, tc: int, s: int) -> list[tuple[str, float, float]]:
-        """(spec, predicted TTFT ratio, KL) of every candidate for a request shape, fastest first."""
-        from kvrag.fusion.cost import ModelCost
+    @staticmethod
+    def _warn_foreign(cm: CostModel, kind: str, dtype: str) -> None:
+        where = cm.path or str(SHIPPED_COST_MODEL)
+        with _WARNED_LOCK:
+            if (where, kind, dtype) in _WARNED:
+                return
+            _WARNED.add((where, kind, dtype))
+        log.warning("auto: the cost model %s was fitted on %s in %s, but this runs on %s in %s; its TTFT "
+                    "predictions may miss the budget until corrected by measurements. Run `kvrag calibrate` to "
+                    "fit one for this machine.", where, cm.machine_kind or "an unrecorded machine",
+                    cm.dtype or "an unrecorded dtype", kind, dtype)
 
+    def predictions(self, model_config: Any, tc: int, s: int, cm: CostModel | None = None,
+                    online: OnlineCosts | None = None, speed: float | None = None) -> list[Prediction]:
+        """Every candidate's prediction for a request shape, fastest first (``online`` / ``speed``: the process's
+        measurements and full's seconds per FLOP; without them, uncorrected)."""
+        cm = cm or self.cost_model()
         cost = ModelCost.from_config(model_config)
+        costs_id = _costs_id(cm)
         out = []
-        for spec, m in self.cost_model()["methods"].items():
+        for spec, c in cm.candidates.items():
             if spec.startswith("auto"):
                 continue
-            stats = dict(m.get("stats") or {})
-            if "repairer_flops_per_token" in stats:
-                stats["repairer_flops"] = stats.pop("repairer_flops_per_token") * tc
-            share = cost.share(stats, tc, s, full=spec == "full")
-            # cost models fitted before the p90 was recorded have only the median overhead
-            over = m.get("overhead_p90", m["overhead"]) if self.margin == "p90" else m["overhead"]
-            out.append((spec, share * float(over), float(m["kl"])))
-        return sorted(out, key=lambda x: x[1])
+            share = cost.share(c.request_stats(tc), tc, s, full=spec == "full")
+            base = share * (c.overhead_p90 if self.margin == "p90" else c.overhead)
+            corr = 1.0 if online is None or spec == "full" else online.correction(costs_id, spec, tc, speed)
+            out.append(Prediction(spec, base * corr, c.kl, base, corr))
+        return sorted(out, key=lambda p: p.ratio)
+
+    def predict(self, model_config: Any, tc: int, s: int) -> list[tuple[str, float, float]]:
+        """(spec, predicted TTFT ratio, KL) of every candidate (uncorrected), fastest first."""
+        return [(p.spec, p.ratio, p.kl) for p in self.predictions(model_config, tc, s)]
+
+    def pick(self, preds: list[Prediction]) -> Prediction:
+        """The lowest-KL prediction within the budget, else the fastest."""
+        within = [p for p in preds if p.ratio <= self.budget]
+        return min(within, key=lambda p: (p.kl, p.ratio)) if within else preds[0]
 
     def choose(self, model_config: Any, tc: int, s: int) -> tuple[str, float]:
-        cands = self.predict(model_config, tc, s)
-        within = [c for c in cands if c[1] <= self.budget]
-        spec, ratio, _ = min(within, key=lambda c: (c[2], c[1])) if within else cands[0]
-        return spec, ratio
+        """(spec, predicted ratio) ``auto`` picks for a request shape, uncorrected."""
+        p = self.pick(self.predictions(model_config, tc, s))
+        return p.spec, p.ratio
+
+    def _context(self, model: Any, device: torch.device, dtype: torch.dtype) -> tuple[CostModel, OnlineCosts | None,
+                                                                                       float | None, str, str]:
+        kind, dt = machine_kind(device), dtype_label(dtype)
+        cm = self.cost_model(kind, dt)
+        if self.adapt <= 0:
+            return cm, None, None, kind, dt
+        online = online_costs(model)
+        prior = cm.speed_for(kind, dt, torch.get_num_threads(), ModelCost.from_config(model.config))
+        return cm, online, online.speed(prior), kind, dt
 
     def fuse(self, inp: FusionInput) -> FusionOutput:
         s = int(inp.suffix_ids.shape[0])
-        spec, ratio = self.choose(inp.model.config, inp.context_len, s)
-        method = shared_method(spec)  # the process's instance (a checkpoint the engine loaded is not loaded again)
+        cm, online, speed, _, _ = self._context(inp.model, inp.keys.device, inp.keys.dtype)
+        p = self.pick(self.predictions(inp.model.config, inp.context_len, s, cm, online, speed))
+        method = shared_method(p.spec)  # the process's instance (a checkpoint the engine loaded is not loaded again)
         chunks = sum(sp.kind == "chunk" for sp in inp.spans)
-        log.info("auto: %s for %d context tokens in %d chunks (predicted TTFT %.2fx full, budget %.2f)", spec,
-                 inp.context_len, chunks, ratio, self.budget)
+        log.info("auto: %s for %d context tokens in %d chunks (predicted TTFT %.2fx full, correction %.2f, "
+                 "budget %.2f)", p.spec, inp.context_len, chunks, p.ratio, p.correction, self.budget)
         out = method.fuse(inp)
-        out.stats = {**out.stats, "auto_choice": spec, "auto_predicted_ttft_ratio": ratio,
-                     "auto_budget": self.budget, "auto_margin": self.margin, "auto_chunks": chunks}
+        out.stats = dataclasses.replace(out.stats, auto_choice=p.spec, auto_predicted_ttft_ratio=p.ratio,
+                                        auto_budget=self.budget, auto_margin=self.margin, auto_chunks=chunks,
+                                        auto_correction=p.correction)
         return out
+
+    def observe(self, obs: Observation) -> None:
+        """Learn from a request ``auto`` served: full's speed when it ran ``full``, else the chosen candidate's
+        achieved / predicted TTFT (see :mod:`kvrag.fusion.online`)."""
+        spec = obs.stats.auto_choice
+        if spec is None or self.adapt <= 0:
+            return
+        param = next(obs.model.parameters())
+        cm, online, speed, _, _ = self._context(obs.model, param.device, param.dtype)
+        cand = cm.candidates.get(spec)
+        if online is None or cand is None:
+            return
+        tc, s = obs.context_tokens, obs.suffix_tokens
+        cost = ModelCost.from_config(obs.model.config)
+        full_flops = cost.full_prefill(tc, s)
+        if spec == "full":
+            online.observe_full(full_flops, obs.ttft_s, self.adapt)
+            return
+        base = cost.share(cand.request_stats(tc), tc, s) * cand.overhead  # the median prediction, no margin
+        online.observe(_costs_id(cm), spec, tc, obs.ttft_s, full_flops * base, speed, self.adapt)
+
+
+def _costs_id(cm: CostModel) -> str:
+    return cm.path or f"<cost model {id(cm)}>"
+
+
+__all__ = ["Auto", "Prediction", "fit_cost_model", "load_cost_model"]

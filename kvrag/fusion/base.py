@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 import torch
 
 from kvrag.errors import ConfigError
+from kvrag.fusion.stats import MethodStats
 from kvrag.kv.rope import Rope
 from kvrag.kv.spec import KVSpec
 
@@ -141,12 +142,31 @@ class FusionOutput:
         cache: a transformers cache covering the context (and the suffix when ``last_logits`` is set).
         last_logits: [V] next-token logits after the suffix, when the method already prefilled it (e.g. ``full``);
             None means the engine prefills the suffix against ``cache``.
-        stats: method statistics (recomputed fractions, timings in seconds, ...), JSON-serializable.
+        stats: what the method computed (:class:`~kvrag.fusion.stats.MethodStats`; ``to_dict()`` for JSON).
     """
 
     cache: Any
     last_logits: torch.Tensor | None = None
-    stats: dict[str, Any] = dataclasses.field(default_factory=dict)
+    stats: MethodStats = dataclasses.field(default_factory=MethodStats)
+
+
+@dataclasses.dataclass(frozen=True)
+class Observation:
+    """What one request cost, as the engine measured it after the suffix prefill (:meth:`FusionMethod.observe`).
+
+    Attributes:
+        model: the model the request ran on.
+        context_tokens / suffix_tokens: the request's shape (Tc, S).
+        ttft_s: fetch + assemble + repair + suffix prefill seconds: the method's time to first token without
+            computing missing chunk caches (what ``kvrag bench`` measures with a warm store).
+        stats: the method's statistics for the request.
+    """
+
+    model: Any
+    context_tokens: int
+    suffix_tokens: int
+    ttft_s: float
+    stats: MethodStats
 
 
 class FusionMethod(abc.ABC):
@@ -186,6 +206,10 @@ class FusionMethod(abc.ABC):
     def fuse(self, inp: FusionInput) -> FusionOutput:
         """Repair ``inp``'s stale KV: in place when ``inp.buffer`` is set, else on copies (see
         :meth:`FusionInput.working_kv`); stored chunk caches are never modified."""
+
+    def observe(self, obs: Observation) -> None:  # noqa: B027 (optional hook, not abstract)
+        """Called by the engine once per request this method served, after the suffix prefill; methods that
+        adapt to the machine they run on (``auto``) learn from it. Default: nothing."""
 
     def __repr__(self) -> str:
         args = ",".join(f"{k}={v}" for k, v in self.config.items())
@@ -258,7 +282,8 @@ def get_method(spec: str | FusionMethod, **overrides: Any) -> FusionMethod:
     name, params = parse_method_spec(spec)
     valid = available_methods()
     if name not in _REGISTRY:
-        msg = f"unknown fusion method {name!r}; valid methods: {', '.join(valid)}"
+        msg = (f"unknown fusion method {name!r}; valid methods: {', '.join(valid)} (ablation controls such as "
+               "relaxkv-fullctx are registered by kvrag.fusion.ablations.register_ablations())")
         raise ConfigError(msg)
     params.update(overrides)
     return _REGISTRY[name](**params)

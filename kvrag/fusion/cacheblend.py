@@ -130,6 +130,6 @@ class CacheBlend(FusionMethod):
         per_layer = [int(t.numel()) for t in res.targets]
         if write_all:
             per_layer[self.check_layer] = max(per_layer[self.check_layer], checked[0])
-        out.stats["recomputed_per_layer"] = per_layer
-        out.stats["recomputed_fraction"] = sum(per_layer) / max(1, n_layers * inp.context_len)
+        out.stats.recomputed_per_layer = per_layer
+        out.stats.recomputed_fraction = sum(per_layer) / max(1, n_layers * inp.context_len)
         return out

@@ -25,6 +25,7 @@ import torch
 from kvrag.errors import CheckpointMismatchError, ConfigError
 from kvrag.fingerprint import weights_fingerprint
 from kvrag.fusion.base import FusionInput, FusionMethod, FusionOutput, register
+from kvrag.fusion.stats import MethodStats
 from kvrag.kv import hf_cache
 from kvrag.repair.model import CONFIG_NAME, RepairModel
 from kvrag.repair.shipped import SHIPPED_DIR
@@ -172,7 +173,7 @@ class CacheRepair(FusionMethod):
         keys, values = inp.working_kv()
         if not spans:  # nothing is stale
             return FusionOutput(cache=inp.cache_over(keys, values),
-                                stats={"recomputed_fraction": 0.0, "repaired_tokens": 0})
+                                stats=MethodStats(recomputed_fraction=0.0, repaired_tokens=0))
         rep = self.repairer(inp)
         dev = keys.device
         # CacheRepair v2: the exact leading prefix is read as chunk 0 (context for the repair, never written back)
@@ -210,14 +211,14 @@ class CacheRepair(FusionMethod):
         n = int(out_idx.shape[0])
         return FusionOutput(
             cache=inp.cache_over(keys, values),
-            stats={
-                "recomputed_fraction": 0.0,
-                "repaired_tokens": n,
-                "repaired_fraction": n / max(1, inp.context_len),
-                "exact_lead_tokens": num_exact,
-                "repair_s": t2 - t1,
-                "fusion_s": time.perf_counter() - t0,
-                "repairer_parameters": rep.num_parameters,
-                "repairer_flops": rep.flops([sp.length for sp in read]),
-            },
+            stats=MethodStats(
+                recomputed_fraction=0.0,
+                repaired_tokens=n,
+                repaired_fraction=n / max(1, inp.context_len),
+                exact_lead_tokens=num_exact,
+                repair_s=t2 - t1,
+                fusion_s=time.perf_counter() - t0,
+                repairer_parameters=rep.num_parameters,
+                repairer_flops=float(rep.flops([sp.length for sp in read])),
+            ),
         )

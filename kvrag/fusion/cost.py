@@ -10,10 +10,9 @@ serves):
 
 A **full prefill** of Tc context + S suffix tokens: ``L (Tc + S)`` states, ``L (Tc+S)(Tc+S+1)/2`` causal pairs,
 one head. A reusing method pays the **suffix prefill** (``L S`` states, ``L (S Tc + S(S+1)/2)`` pairs, one head)
-plus what its own stats say it computed: recomputed states (``recomputed_fraction * L Tc``) and attention pairs
-(``attention_computed_ratio`` -- pairs the kernels evaluated, masked ones included; ``attention_edges_ratio``
-when a method reports only useful pairs -- and ``score_edges_ratio``, times the context's full causal pairs
-``L Tc (Tc+1)/2``), a
+plus what its own :class:`~kvrag.fusion.stats.MethodStats` say it computed: recomputed states
+(``recomputed_fraction * L Tc``) and attention pairs (``attention_computed_ratio`` -- pairs the kernels evaluated,
+masked ones included -- and ``score_edges_ratio``, times the context's full causal pairs ``L Tc (Tc+1)/2``), a
 scoring pass over the suffix (``L S`` states when ``score_edges_ratio`` > 0; the last layer's MLP included, a small
 overestimate), and a learned repairer's own FLOPs (``repairer_flops``). Norms, RoPE, softmax, copies and the KV
 fetch are not counted: they are what the "overhead" factor (measured TTFT ratio / FLOP share) exposes.
@@ -23,6 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Any
+
+from kvrag.fusion.stats import MethodStats
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,23 +58,22 @@ class ModelCost:
         pairs = s * tc + s * (s + 1) / 2
         return self.num_layers * (s * self.state_flops + pairs * self.pair_flops) + self.head_flops
 
-    def method(self, stats: dict[str, Any], tc: int, s: int, *, full: bool = False) -> float:
-        """FLOPs a method spent on a request, from its ``method_stats``."""
+    def method(self, stats: MethodStats, tc: int, s: int, *, full: bool = False) -> float:
+        """FLOPs a method spent on a request, from its statistics."""
         if full:
             return self.full_prefill(tc, s)
         L = self.num_layers
         ctx_pairs = L * tc * (tc + 1) / 2
         f = self.suffix_prefill(tc, s)
-        f += float(stats.get("recomputed_fraction") or 0.0) * L * tc * self.state_flops
-        computed = stats.get("attention_computed_ratio", stats.get("attention_edges_ratio")) or 0.0
-        f += float(computed) * ctx_pairs * self.pair_flops
-        score = float(stats.get("score_edges_ratio") or 0.0)
+        f += float(stats.recomputed_fraction or 0.0) * L * tc * self.state_flops
+        f += float(stats.attention_computed_ratio or 0.0) * ctx_pairs * self.pair_flops
+        score = float(stats.score_edges_ratio or 0.0)
         if score > 0:
             f += L * s * self.state_flops + score * ctx_pairs * self.pair_flops
-        f += float(stats.get("repairer_flops") or 0.0)
+        f += float(stats.repairer_flops or 0.0)
         return f
 
-    def share(self, stats: dict[str, Any], tc: int, s: int, *, full: bool = False) -> float:
+    def share(self, stats: MethodStats, tc: int, s: int, *, full: bool = False) -> float:
         """The method's FLOPs over a full prefill's on the same request."""
         return self.method(stats, tc, s, full=full) / self.full_prefill(tc, s)
 

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from kvrag.fusion.base import FusionInput, FusionMethod, FusionOutput, register
+from kvrag.fusion.base import FusionInput, FusionMethod, FusionOutput, Observation, register
+from kvrag.fusion.cost import ModelCost
+from kvrag.fusion.online import online_costs
+from kvrag.fusion.stats import MethodStats
 from kvrag.kv import hf_cache
 
 
@@ -23,4 +26,10 @@ class Full(FusionMethod):
         ids = torch.cat([inp.token_ids, inp.suffix_ids.to(inp.token_ids.device)])
         cache = inp.buffer.as_cache(0) if inp.buffer is not None else None  # the request's buffer: no concatenation
         logits, cache = hf_cache.forward(inp.model, ids, cache, start=0)
-        return FusionOutput(cache=cache, last_logits=logits[-1], stats={"recomputed_fraction": 1.0})
+        return FusionOutput(cache=cache, last_logits=logits[-1], stats=MethodStats(recomputed_fraction=1.0))
+
+    def observe(self, obs: Observation) -> None:
+        """Full's measured speed (seconds per analytic FLOP) is what ``auto``'s online correction measures every
+        candidate against (:mod:`kvrag.fusion.online`)."""
+        flops = ModelCost.from_config(obs.model.config).full_prefill(obs.context_tokens, obs.suffix_tokens)
+        online_costs(obs.model).observe_full(flops, obs.ttft_s)

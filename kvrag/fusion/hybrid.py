@@ -19,7 +19,7 @@ Both steps write into the request's KV buffer in place (:meth:`FusionInput.owned
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
 
 from kvrag.fusion.base import Bool, FusionInput, FusionMethod, FusionOutput, register, shared_method
 from kvrag.fusion.cacherepair import CacheRepair
@@ -51,7 +51,8 @@ class Hybrid(FusionMethod):
         work = inp.owned()  # both steps write in place
         rep = self.repair.fuse(work)
         out = self.relax.fuse(work)  # scores and recomputes over the repaired cache
-        stats: dict[str, Any] = {**{f"repair_{k}": v for k, v in rep.stats.items()
-                                    if k not in ("recomputed_fraction", "repairer_flops")}, **out.stats}
-        stats["repairer_flops"] = rep.stats.get("repairer_flops", 0.0)
+        # RelaxKV's stats with the repair step's as a part; the repairer's FLOPs count at the top level (what the
+        # cost model reads)
+        part = dataclasses.replace(rep.stats, repairer_flops=None)
+        stats = dataclasses.replace(out.stats, repair=part, repairer_flops=rep.stats.repairer_flops or 0.0)
         return FusionOutput(cache=out.cache, last_logits=out.last_logits, stats=stats)

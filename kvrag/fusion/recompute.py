@@ -27,6 +27,7 @@ import torch
 from kvrag.errors import ConfigError
 from kvrag.fusion.base import FusionInput, FusionOutput
 from kvrag.fusion.prefix_attention import PrefixAttention, plain_attention, run_targets_prefix
+from kvrag.fusion.stats import MethodStats
 from kvrag.kv import hf_cache
 
 
@@ -395,7 +396,7 @@ def fusion_output(
     score_edges: int = 0,
     cache: Any = None,
     last_logits: torch.Tensor | None = None,
-    **extra: Any,
+    **fields: Any,
 ) -> FusionOutput:
     """Wrap a recompute result with the statistics every selective method reports (baselines.md §0.3).
 
@@ -404,23 +405,24 @@ def fusion_output(
     prefill of the context), ``attention_computed_ratio`` (pairs the kernels evaluated, masked ones included,
     same denominator), ``score_edges_ratio`` (pairs the scoring pass computed, same denominator), ``score_s``,
     ``recompute_s`` (the suffix's rows included when folded), ``suffix_folded`` (the suffix was prefilled inside
-    the recompute, :func:`recompute_input`), plus ``extra``. ``cache`` / ``last_logits``: what
-    :func:`recompute_input` returned (default: the cache over ``res``'s context KV, no logits).
+    the recompute, :func:`recompute_input`), plus ``fields`` (other :class:`MethodStats` fields, e.g.
+    ``selected``). ``cache`` / ``last_logits``: what :func:`recompute_input` returned (default: the cache over
+    ``res``'s context KV, no logits).
     """
     n_layers, _, tc, _ = inp.keys.shape
     full_edges = max(1, full_prefill_edges(n_layers, tc))
-    stats: dict[str, Any] = {
-        "recomputed_fraction": res.states / max(1, n_layers * tc),
-        "context_fraction": float(context_fraction),
-        "attention_edges_ratio": res.edges / full_edges,
-        "attention_computed_ratio": res.computed_edges / full_edges,
-        "score_edges_ratio": score_edges / full_edges,
-        "score_s": float(score_s),
-        "recompute_s": float(res.seconds),
-        "recomputed_per_layer": [int(t.numel()) for t in res.targets],
-        "suffix_folded": last_logits is not None,
-    }
-    stats.update(extra)
+    stats = MethodStats(
+        recomputed_fraction=res.states / max(1, n_layers * tc),
+        context_fraction=float(context_fraction),
+        attention_edges_ratio=res.edges / full_edges,
+        attention_computed_ratio=res.computed_edges / full_edges,
+        score_edges_ratio=score_edges / full_edges,
+        score_s=float(score_s),
+        recompute_s=float(res.seconds),
+        recomputed_per_layer=[int(t.numel()) for t in res.targets],
+        suffix_folded=last_logits is not None,
+        **fields,
+    )
     if cache is None:
         cache = inp.cache_over(res.keys, res.values)
     return FusionOutput(cache=cache, last_logits=last_logits, stats=stats)

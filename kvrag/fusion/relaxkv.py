@@ -88,8 +88,8 @@ class RelaxKV(FusionMethod):
     2. Anchors (§3.2): per layer the top ``k = max(1, round_half_up(r * Tc))`` positions.
     3. Active targets (§3.2, §A.1): a position is recomputed at layers 0..h(t), h(t) its deepest anchor layer.
     4. Context (§3.3): ``context='anchors'``: each target attends to the causally valid part of U = ∪ anchors
-       (RelaxKV); ``context='full'``: its full causal prefix (the paper's full-prefix control, §A.4; registered
-       as ``relaxkv-fullctx``).
+       (RelaxKV); ``context='full'``: its full causal prefix (the paper's full-prefix control, §A.4; the ablation
+       ``relaxkv-fullctx``, :mod:`kvrag.fusion.ablations`).
     5. Update (§3.4): fresh K/V of active targets overwrite the cache; everything else stays stale. Targets read
        fresh K/V of positions active at the same layer and stale K/V for the rest.
 
@@ -177,10 +177,3 @@ class RelaxKV(FusionMethod):
             sink_in_context=bool(self.context == "full" or (sched.union.numel() and int(sched.union[0]) == 0)),
         )
 
-
-@register
-class RelaxKVFullContext(RelaxKV):
-    """RelaxKV's targets with the full causal prefix as context (the full-prefix control, RelaxKV §A.4)."""
-
-    name = "relaxkv-fullctx"
-    params = {**RelaxKV.params, "context": (str, "full")}

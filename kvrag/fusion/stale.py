@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from kvrag.fusion.base import FusionInput, FusionMethod, FusionOutput, register
+from kvrag.fusion.stats import MethodStats
 
 
 @register
@@ -13,4 +14,4 @@ class Stale(FusionMethod):
 
     def fuse(self, inp: FusionInput) -> FusionOutput:
         cache = inp.cache_over(inp.keys, inp.values)  # read-only: no copy
-        return FusionOutput(cache=cache, stats={"recomputed_fraction": 0.0})
+        return FusionOutput(cache=cache, stats=MethodStats(recomputed_fraction=0.0))

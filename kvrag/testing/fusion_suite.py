@@ -25,7 +25,8 @@ import pytest
 import torch
 
 from kvrag.engine.assemble import assemble
-from kvrag.fusion import FusionInput, FusionOutput, get_method
+from kvrag.fusion import FusionInput, FusionOutput, MethodStats, get_method
+from kvrag.fusion.ablations import register_ablations
 from kvrag.kv import hf_cache
 from kvrag.kv.chunk import ChunkKV
 from kvrag.kv.compute import compute_chunk_kv
@@ -103,13 +104,13 @@ def context_kv(out: FusionOutput, tc: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def check_suffix_fold(case: FusionCase, spec: str) -> None:
     """A full-context method on the engine's zero-copy input prefills the suffix inside its recompute
-    (``stats['suffix_folded']``, ``last_logits`` set): its cache (context + suffix) and next-token logits equal
+    (``stats.suffix_folded``, ``last_logits`` set): its cache (context + suffix) and next-token logits equal
     repairing the same input with the fold off (no logits head) and prefilling the suffix afterwards, and its
     stats count the context only."""
     method = get_method(spec)
     inp = case.fusion_input(zero_copy=True)
     out = method.fuse(inp)
-    assert out.stats["suffix_folded"] and out.last_logits is not None, spec
+    assert out.stats.suffix_folded and out.last_logits is not None, spec
     tc, s = inp.context_len, int(inp.suffix_ids.shape[0])
     k, v = hf_cache.cache_to_tensors(out.cache)
     assert k.shape[2] == tc + s
@@ -117,15 +118,15 @@ def check_suffix_fold(case: FusionCase, spec: str) -> None:
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(hf_cache, "logits_head", lambda model: None)  # the fold off: repair, then the suffix pass
         ref = method.fuse(ref_inp)
-    assert not ref.stats["suffix_folded"] and ref.last_logits is None
+    assert not ref.stats.suffix_folded and ref.last_logits is None
     logits, cache = hf_cache.forward(ref_inp.model, ref_inp.suffix_ids, ref.cache, start=tc)
     rk, rv = hf_cache.cache_to_tensors(cache)
     torch.testing.assert_close(k, rk, atol=2e-5, rtol=0)
     torch.testing.assert_close(v, rv, atol=2e-5, rtol=0)
     torch.testing.assert_close(out.last_logits, logits[-1], atol=1e-4, rtol=0)
-    assert out.stats["recomputed_per_layer"] == ref.stats["recomputed_per_layer"]  # the suffix is not counted
-    assert out.stats["recomputed_fraction"] == ref.stats["recomputed_fraction"]
-    assert out.stats["attention_edges_ratio"] == pytest.approx(ref.stats["attention_edges_ratio"])
+    assert out.stats.recomputed_per_layer == ref.stats.recomputed_per_layer  # the suffix is not counted
+    assert out.stats.recomputed_fraction == ref.stats.recomputed_fraction
+    assert out.stats.attention_edges_ratio == pytest.approx(ref.stats.attention_edges_ratio)
 
 
 @functools.lru_cache(maxsize=16)
@@ -220,7 +221,7 @@ class FusionMethodTests:
         again = get_method(self.method_spec).fuse(inp)
         for x, y in zip(hf_cache.cache_to_tensors(run.out.cache), hf_cache.cache_to_tensors(again.cache), strict=True):
             assert torch.equal(x, y)
-        assert set(run.out.stats) == set(again.stats)
+        assert set(run.out.stats.to_dict()) == set(again.stats.to_dict())
         assert greedy_tokens(inp, again, 2) == run.tokens
 
     def test_zero_copy_path_matches(self, case: FusionCase, run: FusionRun) -> None:
@@ -244,8 +245,10 @@ class FusionMethodTests:
             assert torch.equal(k, c.keys) and torch.equal(v, c.values) and torch.equal(ids, c.token_ids)
 
     def test_stats(self, run: FusionRun) -> None:
-        json.dumps(run.out.stats)
-        frac = run.out.stats["recomputed_fraction"]
+        as_dict = run.out.stats.to_dict()
+        json.dumps(as_dict)
+        assert MethodStats.from_dict(as_dict) == run.out.stats  # results read back as they were written
+        frac = run.out.stats.recomputed_fraction
         assert 0.0 <= frac <= 1.0
 
     def test_recompute_all_equals_full(self, case: FusionCase) -> None:
@@ -259,6 +262,7 @@ class FusionMethodTests:
         assert greedy_tokens(inp, out, self.decode_steps) == case.full_tokens
 
 
+register_ablations()  # relaxkv-fullctx below is an ablation control, not in the user registry
 RECOMPUTE_ALL_SPECS = ("relaxkv:r=1.0", "relaxkv-fullctx:r=1.0", "prophetkv:r=1.0", "cacheblend:r=1.0",
                        "epic:k=100000")
 """Every selective method at its recompute-everything setting (each must reproduce ``full``)."""

@@ -119,7 +119,7 @@ def test_shipped_cacherepair_moves_stale_kv_towards_full(engine, chunks) -> None
     kf, vf = hf_cache.cache_to_tensors(engine.prepare(plan, "full").cache)
     ks, vs = hf_cache.cache_to_tensors(engine.prepare(plan, "stale").cache)
     prep = engine.prepare(plan, "cacherepair")
-    assert prep.stats["method_stats"]["repaired_tokens"] == tc - start
+    assert prep.stats.method_stats.repaired_tokens == tc - start
     kr, vr = hf_cache.cache_to_tensors(prep.cache)
 
     def err(a: torch.Tensor, ref: torch.Tensor) -> float:

@@ -79,7 +79,7 @@ def _check_recomputed_everything(engine: KVRAGEngine, prompt: tuple[str, list[st
     plan = engine.plan(*prompt)
     reusable = sum(len(s.token_ids) for s in plan.context if s.kind != "prefix")
     # every state but those of the exact leading prefix (the template's preamble) was recomputed
-    assert stats["method_stats"]["recomputed_fraction"] == pytest.approx(reusable / plan.context_len)
+    assert stats.method_stats.recomputed_fraction == pytest.approx(reusable / plan.context_len)
 
 
 @pytest.mark.parametrize("method", RECOMPUTE_ALL)

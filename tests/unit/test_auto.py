@@ -29,16 +29,26 @@ def _summary() -> dict:
 
 
 def test_fit_keeps_measured_methods_and_overheads() -> None:
-    model = fit_cost_model(_summary(), source="test")
+    model = fit_cost_model(_summary(), source="test", machine_kind="cpu-avx2", dtype="float32")
     assert set(model["methods"]) == {"full", "stale", "relaxkv:r=0.15", "epic:k=16"}
     assert model["methods"]["stale"]["overhead"] == pytest.approx(3.0)
     with pytest.raises(ConfigError, match="full among"):
-        fit_cost_model({"methods": {}})
+        fit_cost_model({"methods": {}}, machine_kind="cpu-avx2", dtype="float32")
+
+
+def test_fit_records_the_machine_kind_and_dtype() -> None:
+    model = fit_cost_model(_summary(), machine_kind="cpu-amx", dtype="torch.bfloat16")
+    assert (model["machine_kind"], model["dtype"]) == ("cpu-amx", "bfloat16")
+    recorded = {**_summary(), "hardware": {"machine_kind": "cuda-nvidia-h200"}, "config": {"dtype": "bfloat16"}}
+    model = fit_cost_model(recorded)  # what the summary records
+    assert (model["machine_kind"], model["dtype"]) == ("cuda-nvidia-h200", "bfloat16")
+    with pytest.raises(ConfigError, match="machine kind and dtype"):
+        fit_cost_model(_summary())  # a summary that does not say where it was measured
 
 
 def test_choice_is_the_best_kl_within_the_budget(tmp_path: Path) -> None:
     path = tmp_path / "costs.json"
-    path.write_text(json.dumps(fit_cost_model(_summary())))
+    path.write_text(json.dumps(fit_cost_model(_summary(), machine_kind="cpu-avx2", dtype="float32")))
     case = fusion_case("llama", 4)
     cfg = case.model.config
     tc, s = case.fusion_input().context_len, int(case.suffix_ids.shape[0])
@@ -58,7 +68,7 @@ def test_p90_margin_keeps_a_noisy_candidate_out_of_a_tight_budget(tmp_path: Path
     noisy = summary["methods"]["epic:k=16"]
     noisy["overhead_p90"] = 2.0 * noisy["ttft_ratio"] / noisy["flop_share"]  # its slow requests take twice the median
     path = tmp_path / "costs.json"
-    path.write_text(json.dumps(fit_cost_model(summary)))
+    path.write_text(json.dumps(fit_cost_model(summary, machine_kind="cpu-avx2", dtype="float32")))
     case = fusion_case("llama", 4)
     cfg = case.model.config
     tc, s = case.fusion_input().context_len, int(case.suffix_ids.shape[0])
@@ -76,17 +86,17 @@ def test_p90_margin_keeps_a_noisy_candidate_out_of_a_tight_budget(tmp_path: Path
 
 def test_auto_runs_the_chosen_method_and_says_so(tmp_path: Path) -> None:
     path = tmp_path / "costs.json"
-    path.write_text(json.dumps(fit_cost_model(_summary())))
+    path.write_text(json.dumps(fit_cost_model(_summary(), machine_kind="cpu-avx2", dtype="float32")))
     case = fusion_case("qwen2", 4)
     auto = get_method(f"auto:budget=0.3,costs={path}")
     out = auto.fuse(case.fusion_input())
-    chosen = out.stats["auto_choice"]
+    chosen = out.stats.auto_choice
     ref = get_method(chosen).fuse(case.fusion_input())
     for a, b in zip(context_kv(out, case.fusion_input().context_len), context_kv(ref, case.fusion_input().context_len),
                     strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
-    assert out.stats["auto_budget"] == 0.3 and out.stats["auto_predicted_ttft_ratio"] > 0
-    assert out.stats["auto_margin"] == "p90"
+    assert out.stats.auto_budget == 0.3 and out.stats.auto_predicted_ttft_ratio > 0
+    assert out.stats.auto_margin == "p90"
 
 
 def test_missing_cost_model_is_a_clear_error(tmp_path: Path) -> None:

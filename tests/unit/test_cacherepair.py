@@ -521,7 +521,7 @@ def test_cacherepair_method_shapes_and_no_mutation(lm, tmp_path: Path) -> None:
     kp, vp = hf_cache.cache_to_tensors(out_plain.cache)
     torch.testing.assert_close(k, kp, rtol=0, atol=1e-5)  # same repair on both paths
     torch.testing.assert_close(v, vp, rtol=0, atol=1e-5)
-    assert out.stats["repaired_tokens"] == inp.context_len - p
+    assert out.stats.repaired_tokens == inp.context_len - p
 
 
 def test_cacherepair_untrained_equals_stale(lm, tmp_path: Path) -> None:
@@ -578,7 +578,9 @@ class TestHybridSuite(TestCacheRepairSuite):
     def test_both_steps_run(self, case: FusionCase) -> None:
         inp = case.fusion_input()
         out = get_method(self.method_spec).fuse(inp)
-        assert out.stats["repair_repaired_tokens"] > 0 and 0 < out.stats["recomputed_fraction"] < 1
+        part = out.stats.repair  # the CacheRepair step's stats, serialized as repair_* keys
+        assert part is not None and part.repaired_tokens and 0 < out.stats.recomputed_fraction < 1
+        assert out.stats.to_dict()["repair_repaired_tokens"] == part.repaired_tokens
         k, _ = context_kv(out, inp.context_len)
         rep_k, _ = context_kv(get_method(f"cacherepair:checkpoint={_SUITE_ROOT}").fuse(case.fusion_input()),
                               inp.context_len)
@@ -605,8 +607,8 @@ def test_v2_checkpoint_reads_the_exact_lead(lm, tmp_path: Path) -> None:
     stale = inp.keys.clone()
     o1 = get_method(f"cacherepair:checkpoint={v1}").fuse(_fusion_input(lm)[0])
     o2 = get_method(f"cacherepair:checkpoint={v2}").fuse(inp)
-    assert o1.stats["exact_lead_tokens"] == 0 and o2.stats["exact_lead_tokens"] == p
-    assert o1.stats["repaired_tokens"] == o2.stats["repaired_tokens"] == inp.context_len - p
+    assert o1.stats.exact_lead_tokens == 0 and o2.stats.exact_lead_tokens == p
+    assert o1.stats.repaired_tokens == o2.stats.repaired_tokens == inp.context_len - p
     k1, _ = hf_cache.cache_to_tensors(o1.cache)
     k2, _ = hf_cache.cache_to_tensors(o2.cache)
     assert torch.equal(k2[:, :, :p], stale[:, :, :p])  # the lead is read, never written

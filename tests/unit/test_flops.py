@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvrag.fusion.cost import ModelCost
+from kvrag.fusion.stats import MethodStats
 from kvrag.testing.tiny import FAMILIES, tiny_model
 
 
@@ -23,11 +24,12 @@ def test_shares() -> None:
     model = tiny_model("llama", num_layers=2).model
     cost = ModelCost.from_config(model.config)
     tc, s = 300, 20
-    assert cost.share({}, tc, s, full=True) == pytest.approx(1.0)
-    stale = cost.share({"recomputed_fraction": 0.0}, tc, s)
+    assert cost.share(MethodStats(), tc, s, full=True) == pytest.approx(1.0)
+    stale = cost.share(MethodStats(recomputed_fraction=0.0), tc, s)
     assert stale == pytest.approx(cost.suffix_prefill(tc, s) / cost.full_prefill(tc, s))
     # recomputing every context state with every causal pair, then the suffix, is a full prefill
-    everything = cost.share({"recomputed_fraction": 1.0, "attention_edges_ratio": 1.0}, tc, s)
+    everything = cost.share(MethodStats(recomputed_fraction=1.0, attention_computed_ratio=1.0), tc, s)
     assert everything == pytest.approx(1.0, rel=1e-9)
-    half = cost.share({"recomputed_fraction": 0.5, "attention_edges_ratio": 0.25, "score_edges_ratio": 0.05}, tc, s)
+    half = cost.share(MethodStats(recomputed_fraction=0.5, attention_computed_ratio=0.25, score_edges_ratio=0.05), tc,
+                      s)
     assert stale < half < everything

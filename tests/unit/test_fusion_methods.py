@@ -10,6 +10,7 @@ import torch
 
 from kvrag.errors import ConfigError
 from kvrag.fusion import get_method
+from kvrag.fusion.ablations import register_ablations
 from kvrag.fusion.recompute import budget, selective_recompute
 from kvrag.fusion.scoring import query_attention_scores
 from kvrag.kv import hf_cache
@@ -23,6 +24,8 @@ from kvrag.testing.fusion_suite import (
     greedy_tokens,
 )
 from kvrag.testing.tiny import FAMILIES
+
+register_ablations()  # relaxkv-fullctx (the full-prefix control) is tested here
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -118,6 +121,22 @@ def test_out_of_range_parameters_raise_config_error(spec: str) -> None:
         get_method(spec)
 
 
+def test_ablations_are_not_user_methods() -> None:
+    """``relaxkv-fullctx`` (an ablation control) is neither listed nor resolved until registered explicitly."""
+    import subprocess
+    import sys
+
+    code = ("import kvrag.fusion as f\n"
+            "from kvrag.errors import ConfigError\n"
+            "assert 'relaxkv-fullctx' not in f.available_methods()\n"
+            "try:\n    f.get_method('relaxkv-fullctx')\nexcept ConfigError as e:\n    print(e)\n"
+            "from kvrag.fusion.ablations import register_ablations\n"
+            "assert register_ablations() == ['relaxkv-fullctx']\n"
+            "assert 'relaxkv-fullctx' in f.available_methods() and f.get_method('relaxkv-fullctx').context == 'full'\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "unknown fusion method 'relaxkv-fullctx'" in out.stdout and "register_ablations()" in out.stdout
+
+
 def test_defaults_and_alias() -> None:
     assert get_method("relaxkv").config == {
         "r": 0.15,
@@ -176,13 +195,13 @@ def test_relaxkv_stats_and_context_restriction() -> None:
     inp = case.fusion_input()
     sparse = get_method("relaxkv:r=0.3").fuse(inp).stats
     full_ctx = get_method("relaxkv-fullctx:r=0.3").fuse(inp).stats
-    assert sparse["anchors_per_layer"] == budget(0.3, inp.context_len) == 13
-    assert sparse["recomputed_per_layer"] == full_ctx["recomputed_per_layer"]  # same targets
-    assert sparse["recomputed_per_layer"] == sorted(sparse["recomputed_per_layer"], reverse=True)
-    assert 0 < sparse["context_fraction"] < 1 and full_ctx["context_fraction"] == 1.0
-    assert sparse["attention_edges_ratio"] < full_ctx["attention_edges_ratio"] < 1.0
+    assert sparse.anchors_per_layer == budget(0.3, inp.context_len) == 13
+    assert sparse.recomputed_per_layer == full_ctx.recomputed_per_layer  # same targets
+    assert sparse.recomputed_per_layer == sorted(sparse.recomputed_per_layer, reverse=True)
+    assert 0 < sparse.context_fraction < 1 and full_ctx.context_fraction == 1.0
+    assert sparse.attention_edges_ratio < full_ctx.attention_edges_ratio < 1.0
     for key in ("recomputed_fraction", "context_fraction", "attention_edges_ratio", "score_s", "recompute_s"):
-        assert key in sparse
+        assert getattr(sparse, key) is not None and key in sparse.to_dict()
 
 
 def test_untargeted_positions_keep_their_stale_kv() -> None:
@@ -193,7 +212,7 @@ def test_untargeted_positions_keep_their_stale_kv() -> None:
         k, v = context_kv(out, inp.context_len)
         changed = (k != inp.keys).any(dim=(1, 3)) | (v != inp.values).any(dim=(1, 3))  # [L, Tc]
         assert not changed[:, :6].any(), spec  # the exact prefix is never rewritten
-        per_layer = out.stats["recomputed_per_layer"]
+        per_layer = out.stats.recomputed_per_layer
         assert all(int(changed[layer].sum()) <= per_layer[layer] for layer in range(len(per_layer))), spec
 
 
@@ -205,7 +224,7 @@ def test_cacheblend_check_write_all_refreshes_every_token_at_the_check_layer() -
     torch.testing.assert_close(v[:2], case.full_values[:2], atol=1e-4, rtol=0)  # layers 0 and 1: fresh everywhere
     changed = (v != inp.values).any(dim=(1, 3))  # [L, Tc]
     assert changed[2:].sum(dim=1).tolist() == [11, 11]  # after the check layer: only the selected tokens
-    assert out.stats["recomputed_per_layer"] == [37, 37, 11, 11]  # the check layer's writes counted
+    assert out.stats.recomputed_per_layer == [37, 37, 11, 11]  # the check layer's writes counted
 
 
 # --- the executor ---------------------------------------------------------------------------------------------------

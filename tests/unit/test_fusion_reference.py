@@ -21,6 +21,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from kvrag.fusion import FusionInput, get_method
+from kvrag.fusion.ablations import register_ablations
 from kvrag.fusion.cacheblend import CacheBlend
 from kvrag.fusion.epic import epic_positions
 from kvrag.fusion.prophetkv import prophet_select
@@ -30,6 +31,8 @@ from kvrag.fusion.scoring import query_attention_scores
 from kvrag.kv import hf_cache
 from kvrag.testing.fusion_suite import SUITE_LAYERS, FusionCase, context_kv, fusion_case
 from kvrag.testing.tiny import FAMILIES
+
+register_ablations()  # relaxkv-fullctx (the full-prefix control) is tested here
 
 ATOL = 1e-5  # fp32, 4 layers, init_std 0.1: the executor and the reference agree to ~3e-6
 
@@ -230,8 +233,8 @@ def test_cacheblend_stats_count_every_state_written(check_write: str) -> None:
     _, v = context_kv(out, inp.context_len)
     written = ((v - inp.values).abs() > 1.0).any(dim=(1, 3))  # [L, Tc]
     n_layers, tc = written.shape
-    assert out.stats["recomputed_per_layer"] == written.sum(dim=1).tolist()
-    assert out.stats["recomputed_fraction"] == pytest.approx(int(written.sum()) / (n_layers * tc))
+    assert out.stats.recomputed_per_layer == written.sum(dim=1).tolist()
+    assert out.stats.recomputed_fraction == pytest.approx(int(written.sum()) / (n_layers * tc))
     cand, k = int(reusable.sum()), budget(0.3, int(reusable.sum()))
     check = [cand, cand, k, k] if check_write == "all" else [cand, k, k, k]
     assert written.sum(dim=1).tolist() == check

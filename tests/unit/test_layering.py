@@ -126,6 +126,9 @@ def test_layers_point_down() -> None:
     assert not edges["kvrag.repair"] & {"kvrag.engine", "kvrag.fusion", "kvrag.adapters", "kvrag.bench"}
     assert not edges["kvrag.fusion"] & {"kvrag.engine", "kvrag.adapters", "kvrag.bench"}
     assert not edges["kvrag.store"] & {"kvrag.engine", "kvrag.fusion", "kvrag.repair", "kvrag.models"}
+    # the model loader reads calibrations (dtype policy): kvrag.calibration must stay below models, fusion, engine
+    assert edges["kvrag.calibration"] <= {"kvrag.paths"}
+    assert "kvrag.calibrate" not in edges["kvrag.fusion"] | edges["kvrag.engine"] | edges["kvrag.models"]
 
 
 def test_modules_are_short() -> None:

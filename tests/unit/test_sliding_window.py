@@ -15,6 +15,7 @@ from kvrag.engine.assemble import assemble
 from kvrag.engine.engine import KVRAGEngine
 from kvrag.errors import ContextLengthError, UnsupportedModelError
 from kvrag.fusion import get_method
+from kvrag.fusion.ablations import register_ablations
 from kvrag.kv import hf_cache
 from kvrag.kv.compute import compute_chunk_kv
 from kvrag.kv.rope import Rope
@@ -23,6 +24,8 @@ from kvrag.prompting import render_passage
 from kvrag.store import MemoryStore
 from kvrag.testing.fusion_suite import context_kv, greedy_tokens
 from kvrag.testing.tiny import tiny_model
+
+register_ablations()  # relaxkv-fullctx (the full-prefix control) is tested here
 
 WINDOW = 40
 SW_FAMILIES = ("mistral", "qwen2")

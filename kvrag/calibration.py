@@ -1,0 +1,208 @@
+"""What kind of machine this is, and what ``kvrag calibrate`` measured on it (``$KVRAG_HOME/calibration/``).
+
+kvrag's speed trade-offs depend on the machine kind and the compute dtype: on a CPU without native bfloat16 units
+bfloat16 is several times slower than float32; with AMX or AVX512-BF16 prefill is about twice as fast in bfloat16,
+but decode may be slower; every fusion method's overhead over its FLOPs changes with both. :func:`machine_kind`
+names the kind ('cpu-amx', 'cpu-avx512bf16', 'cpu-avx2', 'cpu', 'cuda-<device name>'); ``kvrag calibrate``
+(:mod:`kvrag.calibrate`) times the model on it and writes one :class:`Calibration` file per kind, holding per
+dtype the prefill and decode speeds, each method's TTFT and end-to-end time, and ``auto``'s cost model for that
+kind and dtype. :func:`load_calibration` reads it back (the default dtype policy and ``auto`` use it).
+
+This module is light on purpose (no model, engine or fusion imports): the model loader reads it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvrag.paths import kvrag_home
+
+log = logging.getLogger(__name__)
+
+CALIBRATION_FORMAT = "kvrag-calibration"
+CALIBRATION_VERSION = 1
+ANSWER_TOKENS = 32
+"""Tokens of the typical answer in the end-to-end time (TTFT + ANSWER_TOKENS x decode time per token)."""
+DEFAULT_METHOD = "stale"
+"""The method whose end-to-end time decides :attr:`Calibration.preferred_dtype` (the engine's default method)."""
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from the kernel (Linux ``/proc/cpuinfo``); empty where they cannot be read."""
+    try:
+        text = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.split(":", 1)[-1].split())
+    return frozenset()
+
+
+def machine_kind(device: torch.device | str | None = None) -> str:
+    """The kind of machine a model runs on, as far as kvrag's speed trade-offs go.
+
+    CPU: 'cpu-amx' (AMX bf16 tiles), 'cpu-avx512bf16' (AVX512-BF16), 'cpu-avx2' (neither: bfloat16 runs through
+    conversions), 'cpu' (flags unknown, e.g. not Linux). The bf16 flags are the ones ``kvrag.models`` reads for
+    its dtype default. CUDA: 'cuda-' + the device name, lower case, e.g. 'cuda-nvidia-h100-80gb-hbm3'.
+    Other devices: their type.
+
+    Args:
+        device: the device the model runs on (default: cuda when available, else cpu).
+    """
+    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if dev.type == "cuda":
+        name = torch.cuda.get_device_name(dev.index if dev.index is not None else torch.cuda.current_device())
+        return "cuda-" + (re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "unknown")
+    if dev.type != "cpu":
+        return dev.type
+    flags = cpu_flags()
+    if "amx_bf16" in flags:
+        return "cpu-amx"
+    if "avx512_bf16" in flags:
+        return "cpu-avx512bf16"
+    return "cpu-avx2" if "avx2" in flags else "cpu"
+
+
+def calibration_dir() -> Path:
+    """Where ``kvrag calibrate`` writes: ``$KVRAG_HOME/calibration``."""
+    return kvrag_home() / "calibration"
+
+
+def calibration_path(kind: str) -> Path:
+    """The calibration file of a machine kind."""
+    return calibration_dir() / f"{kind}.json"
+
+
+@dataclasses.dataclass
+class DtypeCalibration:
+    """What calibrate measured in one compute dtype.
+
+    Attributes:
+        dtype: 'float32' | 'bfloat16' | 'float16'.
+        prefill_tokens_per_s: a full prefill's speed at ~1.5K tokens (median over the workload's requests).
+        decode_ms_per_token: one greedy decode step at ~1.5K tokens of context.
+        ttft_s: median TTFT per method spec (warm store).
+        e2e_s: per method, TTFT + :data:`ANSWER_TOKENS` x ``decode_ms_per_token`` (decode costs the same after
+            every method: the cache has the same shape).
+        cost_model: ``auto``'s cost model for this machine kind and dtype (the JSON form of
+            :class:`kvrag.fusion.cost_model.CostModel`), or None.
+    """
+
+    dtype: str
+    prefill_tokens_per_s: float
+    decode_ms_per_token: float
+    ttft_s: dict[str, float] = dataclasses.field(default_factory=dict)
+    e2e_s: dict[str, float] = dataclasses.field(default_factory=dict)
+    cost_model: dict[str, Any] | None = None
+
+    def end_to_end(self, method: str = DEFAULT_METHOD) -> float | None:
+        """TTFT + :data:`ANSWER_TOKENS` decode steps of ``method`` (None: not measured)."""
+        return self.e2e_s.get(method)
+
+
+@dataclasses.dataclass
+class Calibration:
+    """One machine kind's calibration (one file under :func:`calibration_dir`).
+
+    Attributes:
+        machine_kind: :func:`machine_kind` of the device it was measured on.
+        model: the model it was measured with; torch_threads: the torch threads it ran with.
+        dtypes: dtype name -> :class:`DtypeCalibration`.
+        hardware: a description of the machine (CPU model, cores, ...); path: the file it was read from.
+    """
+
+    machine_kind: str
+    model: str
+    torch_threads: int
+    dtypes: dict[str, DtypeCalibration] = dataclasses.field(default_factory=dict)
+    hardware: dict[str, Any] = dataclasses.field(default_factory=dict)
+    path: str | None = None
+
+    @property
+    def preferred_dtype(self) -> str | None:
+        """The dtype with the lower end-to-end time (TTFT + 32 decode steps) of the default method ``stale``; None
+        when no dtype has it."""
+        timed = {d: c.end_to_end() for d, c in self.dtypes.items()}
+        known = {d: t for d, t in timed.items() if t is not None}
+        return min(known, key=known.__getitem__) if known else None
+
+    def cost_model(self, dtype: str) -> dict[str, Any] | None:
+        """``auto``'s cost model for ``dtype`` on this machine kind (JSON form), or None."""
+        c = self.dtypes.get(dtype)
+        return c.cost_model if c is not None else None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d.pop("path")
+        return {"format": CALIBRATION_FORMAT, "version": CALIBRATION_VERSION, **d}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], path: str | None = None) -> Calibration:
+        if d.get("format") != CALIBRATION_FORMAT:
+            msg = f"{path or 'the file'} is not a kvrag calibration (format {CALIBRATION_FORMAT})"
+            raise ValueError(msg)
+        dtypes = {k: DtypeCalibration(**v) for k, v in (d.get("dtypes") or {}).items()}
+        return cls(machine_kind=str(d["machine_kind"]), model=str(d.get("model", "")),
+                   torch_threads=int(d.get("torch_threads") or 1), dtypes=dtypes, hardware=d.get("hardware") or {},
+                   path=path)
+
+
+def load_calibration(kind: str | None = None) -> Calibration | None:
+    """The calibration ``kvrag calibrate`` wrote for a machine kind (default: this machine's), or None.
+
+    A file that cannot be read is logged and ignored (kvrag then uses its shipped defaults).
+    """
+    p = calibration_path(kind or machine_kind())
+    if not p.is_file():
+        return None
+    try:
+        return Calibration.from_dict(json.loads(p.read_text()), str(p))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        log.warning("ignoring the calibration file %s (%s); rerun `kvrag calibrate` to rewrite it", p, e)
+        return None
+
+
+def save_calibration(cal: Calibration, path: str | Path | None = None) -> Calibration:
+    """Write ``cal``, keeping the other dtypes of an existing file for the same kind, model and thread count.
+
+    Returns:
+        The calibration written (merged), with ``path`` set (default: :func:`calibration_path` of its kind).
+    """
+    p = Path(path) if path else calibration_path(cal.machine_kind)
+    old = None
+    if p.is_file():
+        try:
+            old = Calibration.from_dict(json.loads(p.read_text()), str(p))
+        except (OSError, ValueError, KeyError, TypeError):
+            old = None
+    if old is not None and (old.machine_kind, old.model, old.torch_threads) == (cal.machine_kind, cal.model,
+                                                                                cal.torch_threads):
+        cal = dataclasses.replace(cal, dtypes={**old.dtypes, **cal.dtypes})
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(cal.to_dict(), indent=2, sort_keys=True) + "\n")
+    tmp.replace(p)
+    return dataclasses.replace(cal, path=str(p))
+
+
+__all__ = [
+    "ANSWER_TOKENS",
+    "Calibration",
+    "DtypeCalibration",
+    "calibration_dir",
+    "calibration_path",
+    "cpu_flags",
+    "load_calibration",
+    "machine_kind",
+    "save_calibration",
+]
