@@ -27,6 +27,7 @@ import numpy as np
 
 from kvrag.bench.metrics import bootstrap_ci, gap_recovery, paired_bootstrap
 from kvrag.bench.provenance import environment_info  # also re-exported: result writers outside kvrag.bench use it
+from kvrag.fusion.stats import MethodStats
 
 log = logging.getLogger(__name__)
 
@@ -338,7 +339,8 @@ def summary_markdown(summary: dict[str, Any]) -> str:
     for lbl, m in summary.get("methods", {}).items():
         ci = m.get("f1_ci")
         f1 = f"{_f(m.get('f1'))}" + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "")
-        rec = m.get("method_stats_mean", {}).get("recomputed_fraction")
+        rec = MethodStats.from_dict(m.get("method_stats_mean")).recomputed_fraction if m.get("method_stats_mean") \
+            else None
         lines.append(
             f"| `{lbl}` | {m.get('n')} | {f1} | {_f(m.get('em'))} | {_pm(m.get('vs_full', {}).get('f1'))} | "
             f"{_pm(m.get('vs_stale', {}).get('f1'))} | {_f(m.get('kl'), 4)} | {_f(m.get('first_token_agreement'), 2)} | "

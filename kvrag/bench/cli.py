@@ -181,6 +181,9 @@ def add_bench_arguments(subparsers: Any) -> argparse.ArgumentParser:
     fa = sub.add_parser("fit-auto", help="fit the cost model of the `auto` method from a finished run's summary.json")
     fa.add_argument("summary", help="a kvrag bench --out directory or its summary.json")
     fa.add_argument("--out", required=True, help="cost-model JSON to write (kvrag/data/auto_cost.json ships)")
+    fa.add_argument("--machine-kind", default=None,
+                    help="machine kind the run was measured on (default: the summary's hardware.machine_kind)")
+    fa.add_argument("--dtype", default=None, help="compute dtype of the run (default: the summary's dtype)")
     fa.set_defaults(func=run_fit_auto)
 
     mg = sub.add_parser("merge", help="one summary from runs that split one request list between processes "
@@ -213,7 +216,8 @@ def run_fit_auto(args: argparse.Namespace) -> int:
         p = p / "summary.json"
     if not p.is_file():
         raise ConfigError(f"{p} not found: pass a kvrag bench --out directory or its summary.json")
-    model = fit_cost_model(json.loads(p.read_text()), source=str(p))
+    model = fit_cost_model(json.loads(p.read_text()), source=str(p), machine_kind=args.machine_kind,
+                           dtype=args.dtype)
     Path(args.out).write_text(json.dumps(model, indent=2, sort_keys=True) + "\n")
     for spec, m in sorted(model["methods"].items(), key=lambda kv: kv[1]["ttft_ratio"]):
         print(f"{spec:24s} TTFT/full {m['ttft_ratio']:.3f}  FLOP share {m['flop_share']:.3f}  "

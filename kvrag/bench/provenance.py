@@ -69,7 +69,11 @@ def hardware() -> dict[str, Any]:
         load = [round(x, 2) for x in os.getloadavg()]
     except OSError:
         load = None
+    from kvrag.calibration import cpu_flags, machine_kind
+
     return {
+        "machine_kind": machine_kind(),
+        "bf16_units": [f for f in ("amx_bf16", "avx512_bf16") if f in cpu_flags()],
         "cpu": _cpu_model(),
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),

@@ -249,7 +249,7 @@ class QABenchmark:
             "method_stats": stats.pop("method_stats", {}),
             "stats": stats,
         }
-        record["flop_share"] = self.cost.share(record["method_stats"], plan.context_len, len(plan.suffix.token_ids),
+        record["flop_share"] = self.cost.share(prep.stats.method_stats, plan.context_len, len(plan.suffix.token_ids),
                                                full=not prep.method.reads_cache)
         last = prep.last_logits.detach().float()
         del prep
@@ -423,7 +423,8 @@ class QABenchmark:
             mine, self.labels, peers=self.peer_names, config=self.cfg.to_dict(), n_boot=self.cfg.bootstrap,
             seed=self.cfg.seed,
             extra={"skipped_methods": list(self.skipped), "skip_reasons": dict(self.skip_reasons), "skipped_requests_too_long": list(too_long),
-                   "template": dataclasses.asdict(self.template), "model": self._model_info()},
+                   "template": dataclasses.asdict(self.template), "model": self._model_info(),
+                   "dtype": str(self.engine.loaded.dtype).removeprefix("torch.")},
         )
         summary["config"]["template"] = self.template.name
         aggregate.write_summary(self.out, summary)

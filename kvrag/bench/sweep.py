@@ -161,7 +161,7 @@ class Sweep:
         with PeakMemory(self.engine.model.device) as mem:
             resp = self.engine.answer_plan(plan, self.methods[label], GenerationConfig(max_new_tokens=1))
         return {"timings": resp.timings.to_dict(), "peak_mem_bytes": mem.peak_bytes, "misses": resp.stats.chunk_misses,
-                "method_stats": resp.stats.method_stats}
+                "method_stats": resp.stats.method_stats.to_dict()}
 
     def run(self) -> dict[str, Any]:
         """Run (or resume) the sweeps and write sweep.jsonl, sweep.json, sweep.md and the log-log plots."""
