@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import logging
 import os
 import time
@@ -18,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvrag.calibration import cpu_flags, load_calibration, machine_kind
 from kvrag.default_model import DEFAULT_MODEL, default_embedder_path, prepare_default_model
 from kvrag.errors import ConfigError
 from kvrag.fingerprint import model_fingerprint, tokenizer_fingerprint
@@ -37,23 +37,15 @@ logger = logging.getLogger(__name__)
 _NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 
 
-@functools.lru_cache(maxsize=1)
 def cpu_native_bf16() -> str | None:
     """The CPU feature that gives native bfloat16 matrix math ('amx_bf16' or 'avx512_bf16'), or None.
 
-    Read from the kernel's CPU flags (Linux ``/proc/cpuinfo``); elsewhere None. Without such units torch runs
-    bfloat16 matmuls through conversions, which is slower than float32 (measured on a 2-core AVX2-only AMD EPYC:
-    a 1.7K-token prefill of SmolLM2-135M takes 38 s in bfloat16 vs 6.4 s in float32, one thread).
+    Read from the kernel's CPU flags (:func:`kvrag.calibration.cpu_flags`, Linux ``/proc/cpuinfo``); elsewhere None.
+    Without such units torch runs bfloat16 matmuls through conversions, which is slower than float32 (measured on a
+    2-core AVX2-only AMD EPYC: a 1.7K-token prefill of SmolLM2-135M takes 38 s in bfloat16 vs 6.4 s in float32,
+    one thread).
     """
-    try:
-        text = Path("/proc/cpuinfo").read_text(errors="replace")
-    except OSError:
-        return None
-    flags: set[str] = set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            flags.update(line.split(":", 1)[-1].split())
-            break
+    flags = cpu_flags()
     return next((f for f in _NATIVE_BF16_FLAGS if f in flags), None)
 
 
@@ -69,11 +61,13 @@ def default_dtype(device: torch.device) -> torch.dtype:
     The rule, in order:
 
     1. ``$KVRAG_DTYPE`` when set (:data:`DTYPE_ENV`).
-    2. CUDA: bfloat16.
-    3. CPU with AMX (``amx_bf16``): bfloat16 -- faster in both phases. SmolLM2-135M, one thread, 2-core Xeon with
+    2. What ``kvrag calibrate`` measured on this machine kind, when it timed both dtypes: the one with the lower
+       time to first token + 32 decode steps of the default method (:func:`kvrag.calibration.load_calibration`).
+    3. CUDA: bfloat16.
+    4. CPU with AMX (``amx_bf16``): bfloat16 -- faster in both phases. SmolLM2-135M, one thread, 2-core Xeon with
        AMX: a 1.7K-token prefill takes 0.95 s in bf16 vs 3.84 s in fp32, a decode step at 1.7K context 63 ms vs
        73 ms.
-    4. Any other CPU: float32. Without AVX512-BF16 torch emulates bf16 matmuls (a 1.7K-token prefill takes 38 s in
+    5. Any other CPU: float32. Without AVX512-BF16 torch emulates bf16 matmuls (a 1.7K-token prefill takes 38 s in
        bf16 vs 6.4 s in fp32 on a 2-core AVX2-only EPYC). With AVX512-BF16 but no AMX, bf16 halves prefill
        (10.4 s -> 5.0 s at 1.7K tokens on a 2-core EPYC) but slows decode (110 -> 200 ms/token); kvrag's reuse
        methods make prefill a small share of a request, so fp32 answers sooner end to end (``stale``: 1.97 s vs
@@ -89,11 +83,25 @@ def default_dtype(device: torch.device) -> torch.dtype:
         except ConfigError as e:
             msg = f"{DTYPE_ENV}={env!r} is not a compute dtype; set it to float32, bfloat16 or float16, or unset it"
             raise ConfigError(msg) from e
+    calibrated = _calibrated_dtype(device)
+    if calibrated is not None:
+        return calibrated
     if device.type == "cuda":
         return torch.bfloat16
     if device.type == "cpu" and cpu_native_bf16() == "amx_bf16":
         return torch.bfloat16
     return torch.float32
+
+
+def _calibrated_dtype(device: torch.device) -> torch.dtype | None:
+    """The dtype ``kvrag calibrate`` measured as the faster one end to end on this machine kind, when it timed
+    at least two dtypes there (:attr:`kvrag.calibration.Calibration.preferred_dtype`)."""
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return None  # a device asked about, not one this process has: no calibration can be for it
+    cal = load_calibration(machine_kind(device))
+    if cal is None or len(cal.dtypes) < 2 or cal.preferred_dtype is None:
+        return None
+    return dtype_from_name(cal.preferred_dtype)
 
 
 def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:

@@ -106,6 +106,7 @@ def test_load_model_from_local_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     src.model.save_pretrained(tmp_path)
     src.tokenizer.save_pretrained(tmp_path)
     monkeypatch.delenv(models.DTYPE_ENV, raising=False)
+    monkeypatch.setattr(models, "load_calibration", lambda kind=None: None)
     monkeypatch.setattr(models, "cpu_native_bf16", lambda: None)  # the float32 default, on any machine
     lm = load_model(str(tmp_path), device="cpu")
     assert lm.name == str(tmp_path) and lm.dtype == torch.float32 and lm.device == torch.device("cpu")
@@ -133,6 +134,7 @@ def test_load_model_missing(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> 
 def test_dtype_and_device_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu = torch.device("cpu")
     monkeypatch.delenv(models.DTYPE_ENV, raising=False)
+    monkeypatch.setattr(models, "load_calibration", lambda kind=None: None)
     monkeypatch.setattr(models, "cpu_native_bf16", lambda: None)  # an AVX2-only CPU, whatever this machine is
     assert models.resolve_dtype(None, cpu) == torch.float32
     assert models.resolve_dtype(None, torch.device("cuda")) == torch.bfloat16
@@ -227,9 +229,10 @@ def test_default_dtype_follows_native_bf16_units(monkeypatch) -> None:
 
     from kvrag import models
 
-    detect = models.cpu_native_bf16.__wrapped__  # the uncached detector
+    detect = models.cpu_native_bf16
     cpu = torch.device("cpu")
     monkeypatch.delenv(models.DTYPE_ENV, raising=False)
+    monkeypatch.setattr(models, "load_calibration", lambda kind=None: None)  # no `kvrag calibrate` file
     monkeypatch.setattr(models, "cpu_native_bf16", lambda: "amx_bf16")  # AMX: bf16 is faster in both phases
     assert models.resolve_dtype(None, cpu) == torch.bfloat16
     monkeypatch.setattr(models, "cpu_native_bf16", lambda: "avx512_bf16")  # faster prefill, slower decode: fp32
@@ -248,3 +251,26 @@ def test_default_dtype_follows_native_bf16_units(monkeypatch) -> None:
     flag = detect()  # this machine
     cpuinfo = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
     assert (flag is not None) == any(f in cpuinfo.split() for f in ("amx_bf16", "avx512_bf16"))
+
+
+def test_a_calibrated_machine_defaults_to_its_faster_dtype(monkeypatch, tmp_path) -> None:
+    """`kvrag calibrate` timing both dtypes decides the default on that machine kind (over the static rule); a
+    calibration of one dtype alone decides nothing; KVRAG_DTYPE still wins."""
+    from kvrag.calibration import Calibration, DtypeCalibration, save_calibration
+
+    monkeypatch.setenv("KVRAG_HOME", str(tmp_path))
+    monkeypatch.delenv(models.DTYPE_ENV, raising=False)
+    monkeypatch.setattr(models, "cpu_native_bf16", lambda: "amx_bf16")  # the static rule says bf16
+    cpu = torch.device("cpu")
+    kind = models.machine_kind(cpu)
+
+    def cal(**e2e: float) -> Calibration:
+        return Calibration(kind, "m", 1, {d: DtypeCalibration(d, 1000.0, 50.0, e2e_s={"stale": t})
+                                          for d, t in e2e.items()})
+
+    save_calibration(cal(bfloat16=2.0))  # one dtype: no comparison
+    assert models.resolve_dtype(None, cpu) == torch.bfloat16
+    save_calibration(cal(float32=1.5))  # merged: float32 1.5 s vs bfloat16 2.0 s end to end
+    assert models.resolve_dtype(None, cpu) == torch.float32
+    monkeypatch.setenv(models.DTYPE_ENV, "bfloat16")
+    assert models.resolve_dtype(None, cpu) == torch.bfloat16
