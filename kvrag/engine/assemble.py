@@ -29,6 +29,7 @@ def assemble(
     *,
     reserve: int = 0,
     chunk_prefix_ids: Sequence[int] = (),
+    canonical: bool = False,
 ) -> FusionInput:
     """Place canonical caches at consecutive global offsets into one request buffer (the "stale" KV).
 
@@ -42,6 +43,8 @@ def assemble(
         suffix_ids: [S] ids prefilled after repair.
         reserve: extra positions to allocate for decoding (the buffer grows if more are needed).
         chunk_prefix_ids: what the chunk caches were conditioned on (recorded on the input).
+        canonical: also gather the chunks' canonical keys (RoPE removed, as stored) into ``canonical_keys``, for
+            methods that read them (``FusionMethod.reads_canonical_keys``).
 
     Returns:
         FusionInput with keys/values [L, H_kv, Tc, D] in the model's dtype on its device, ``buffer`` set.
@@ -54,6 +57,7 @@ def assemble(
     buf = hf_cache.KVBuffer(spec.num_layers, spec.num_kv_heads, spec.head_dim, tc + int(sfx.shape[0]) + reserve,
                             mdtype, device)
     keys, values = buf.context(tc)  # [L, H_kv, Tc, D] views
+    ckeys = torch.empty_like(keys) if canonical else None
     spans: list[Span] = []
     ids = []
     off = 0
@@ -62,6 +66,8 @@ def assemble(
         spans.append(Span(off, off + t, kind, key))
         pos = torch.arange(off, off + t, device=device)
         rope.place(ch.keys.to(device, non_blocking=True), pos, out=keys[:, :, off : off + t])
+        if ckeys is not None:
+            ckeys[:, :, off : off + t].copy_(ch.keys, non_blocking=True)
         values[:, :, off : off + t].copy_(ch.values, non_blocking=True)
         ids.append(ch.token_ids)
         off += t
@@ -75,6 +81,7 @@ def assemble(
         values=values,
         spans=spans,
         suffix_ids=sfx,
+        canonical_keys=ckeys,
         buffer=buf,
         chunk_prefix_ids=tuple(chunk_prefix_ids),
     )

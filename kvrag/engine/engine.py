@@ -224,7 +224,7 @@ class KVRAGEngine(ChunkCaching):
                 pieces, counts, keys = self._fetch(plan, timings)
                 t = time.perf_counter()
                 inp = assemble(self.model, self.rope, self.spec, pieces, plan.suffix.token_ids, reserve=reserve,
-                               chunk_prefix_ids=self.chunk_prefix_ids)
+                               chunk_prefix_ids=self.chunk_prefix_ids, canonical=m.reads_canonical_keys)
                 timings.assemble_s = time.perf_counter() - t
             else:  # e.g. full prefill: the stale KV is never read, so it is neither fetched nor assembled
                 counts = dict.fromkeys(("chunk_hits", "chunk_misses", "other_hits", "other_misses", "reused_tokens"), 0)

@@ -74,6 +74,7 @@ class Auto(FusionMethod):
     """
 
     name = "auto"
+    reads_canonical_keys = True  # it may choose cacherepair or hybrid
     params = {"budget": (float, 0.3), "costs": (str, None), "margin": (str, "p90"), "adapt": (float, 0.3)}
     budget: float
     costs: str | None

@@ -178,6 +178,10 @@ class FusionMethod(abc.ABC):
     #: False for methods that ignore the stale KV (``full``): the engine then skips fetching and assembling the
     #: chunk caches, and ``FusionInput.keys`` / ``values`` are empty ([L, H_kv, 0, D]).
     reads_cache: ClassVar[bool] = True
+    #: True for methods that read the stale keys without RoPE (a learned repairer): the engine then also gathers
+    #: the fetched chunks' canonical keys into ``FusionInput.canonical_keys`` (one copy, instead of the method
+    #: rotating every placed key back).
+    reads_canonical_keys: ClassVar[bool] = False
 
     def __init__(self, **kwargs: Any) -> None:
         unknown = set(kwargs) - set(self.params)

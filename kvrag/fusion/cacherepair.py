@@ -81,6 +81,7 @@ class CacheRepair(FusionMethod):
     """
 
     name = "cacherepair"
+    reads_canonical_keys = True
     params = {"checkpoint": (str, None)}
     checkpoint: str | None
 
@@ -185,29 +186,27 @@ class CacheRepair(FusionMethod):
         idx = (torch.arange(lo, hi) if contiguous else torch.cat([torch.arange(sp.start, sp.end) for sp in read])
                ).to(dev)  # [N] global positions
         chunk_index = torch.cat([torch.full((sp.length,), i, dtype=torch.long) for i, sp in enumerate(read)]).to(dev)
-        sel_k = keys[:, :, lo:hi] if contiguous else keys[:, :, idx]  # [L, H_kv, N, D] (a view when contiguous)
-        if inp.canonical_keys is not None:  # a copy: the repair accumulates into it
-            src = inp.canonical_keys[:, :, lo:hi] if contiguous else inp.canonical_keys[:, :, idx]
-            ck = src.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
-        else:
-            ck = inp.rope.canonicalize(sel_k, idx).float()  # a fresh tensor
-        # values are repaired where they lie (the request's own cache) when it is a float32 slice; else in a copy
-        in_place = contiguous and values.dtype == torch.float32
-        sel_v = values[:, :, lo:hi] if in_place else values[:, :, idx].float()
+        out_idx = idx[num_exact:]
         emb = hf_cache.embed(inp.model, inp.token_ids[idx.cpu()])[0]  # [N, E] frozen E_M(x)
         positions = idx - idx[0]  # document positions (the repairer's RoPE is relative anyway)
+        # global RoPE after repair (CacheRepair §4.1): the keys lie placed in the cache, and rotation is linear, so
+        # each layer's canonical key residual is placed at the tokens' global positions and added there
+        cos_sin = inp.rope.cos_sin(out_idx)
+
+        def place(rk: torch.Tensor) -> torch.Tensor:
+            return inp.rope.place(rk, out_idx, cos_sin=cos_sin)
+
         t1 = time.perf_counter()
-        rk, rv = rep.repair_kv(ck, sel_v, emb, chunk_index, positions, skip=num_exact)  # stale + sigma_delta z
+        # repaired where it lies when contiguous (the request's own cache, or the copies working_kv made); else
+        # gathered, repaired and scattered back
+        where: slice | torch.Tensor = slice(lo, hi) if contiguous else idx
+        sel_k, sel_v = keys[:, :, where], values[:, :, where]  # [L, H_kv, N, D]
+        ck = inp.canonical_keys[:, :, where] if inp.canonical_keys is not None else inp.rope.canonicalize(sel_k, idx)
+        rk, rv = rep.repair_kv(sel_k, sel_v, emb, chunk_index, positions, skip=num_exact, canonical_keys=ck,
+                               place=place)
+        if not contiguous:
+            keys[:, :, out_idx], values[:, :, out_idx] = rk, rv
         t2 = time.perf_counter()
-        out_idx = idx[num_exact:]
-        if contiguous:  # global RoPE after repair (§4.1), straight into the (request's) cache
-            w0 = lo + num_exact
-            inp.rope.place(rk, out_idx, out=keys[:, :, w0:hi])
-            if not in_place:
-                values[:, :, w0:hi].copy_(rv)
-        else:
-            keys[:, :, out_idx] = inp.rope.place(rk, out_idx).to(keys.dtype)
-            values[:, :, out_idx] = rv.to(values.dtype)
         n = int(out_idx.shape[0])
         return FusionOutput(
             cache=inp.cache_over(keys, values),

@@ -37,6 +37,7 @@ class Hybrid(FusionMethod):
     """
 
     name = "hybrid"
+    reads_canonical_keys = True
     params = {"r": (float, 0.05), "checkpoint": (str, None), "context": (str, "full"), "agg": (str, "mean"),
               "score": (str, "prob"), "exclude_first_chunk": (Bool, False), "exact_context": (str, "anchors")}
     r: float

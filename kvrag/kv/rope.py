@@ -208,16 +208,19 @@ class Rope:
         return emb.cos(), emb.sin()
 
     def rotate(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None,
+               cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Rotate ``x`` [..., T, D] by ``+positions`` (or ``-positions`` when inverse); fp32 math.
 
         Returns x's dtype, or writes into ``out`` (same shape, any float dtype, must not overlap ``x``) and
         returns it: a float32 ``out`` is computed in place with no temporary (the zero-copy assembly path).
+        ``cos_sin``: :meth:`cos_sin` of ``positions`` computed once by a caller that rotates many tensors at the
+        same positions (``positions`` is then not read).
         """
         if x.shape[-1] != self.head_dim:
             msg = f"head dim {x.shape[-1]} does not match the RoPE's {self.head_dim}"
             raise ValueError(msg)
-        cos, sin = self.cos_sin(positions, device=x.device)
+        cos, sin = cos_sin if cos_sin is not None else self.cos_sin(positions, device=x.device)
         if inverse:
             sin = -sin
         xf = x.float()
@@ -245,6 +248,7 @@ class Rope:
         """Remove RoPE from keys [..., T, D] cached at ``positions`` [T]."""
         return self.rotate(keys, positions, inverse=True)
 
-    def place(self, keys: torch.Tensor, positions: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def place(self, keys: torch.Tensor, positions: torch.Tensor, out: torch.Tensor | None = None,
+              cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Apply RoPE for global ``positions`` [T] to canonical keys [..., T, D] (into ``out`` when given)."""
-        return self.rotate(keys, positions, out=out)
+        return self.rotate(keys, positions, out=out, cos_sin=cos_sin)

@@ -32,6 +32,7 @@ import json
 import logging
 import os
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -181,6 +182,19 @@ class RepairModel(nn.Module):
         sig = self._sig("sigma_delta").reshape(-1).float()  # [S * D]
         return self.head.weight.float() * sig[:, None], self.head.bias.float() * sig
 
+    def _folded_head_in(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`_folded_head` in ``dtype``, computed once per dtype while the head's weights stay unchanged (the
+        serving path runs it on every request)."""
+        watched = (self.head.weight, self.head.bias, self.get_buffer("sigma_delta"))
+        version = tuple((t.data_ptr(), None if t.is_inference() else t._version)  # inference tensors: no counter
+                        for t in watched)
+        memo = self.__dict__.setdefault("_folded_memo", {})
+        got = memo.get(dtype)
+        if got is None or got[0] != version:
+            w, b = self._folded_head()
+            got = memo[dtype] = (version, w.to(dtype), b.to(dtype))
+        return got[1], got[2]
+
     def residual(self, z: torch.Tensor) -> torch.Tensor:
         """sigma_delta * z: the predicted residual in KV units."""
         return z * self._sig("sigma_delta")
@@ -227,38 +241,53 @@ class RepairModel(nn.Module):
         positions: torch.Tensor | None = None,
         *,
         skip: int = 0,
+        canonical_keys: torch.Tensor | None = None,
+        place: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`repair` of one document in the cache's own layout, in place: the serving path.
 
+        Runs natively in the repairer's dtype (the model's compute dtype when ``cacherepair`` loads it): the encoder
+        reads the caller's tensors where they lie (two batched GEMMs over the [L * H_kv, N, D] segments), the
+        residual head (``sigma_delta`` folded in) runs one layer at a time, and each layer's residual is added
+        straight into that layer's keys and values while it is small: no conversion, no packing, no
+        [N, L * 2 * H_kv * D] temporary.
+
         Args:
-            keys: [L, H_kv, N, D] float32 canonical keys (RoPE removed), the caller's own buffer.
-            values: [L, H_kv, N, D] float32 values, e.g. a slice of the request's cache.
+            keys: [L, H_kv, N, D] stale keys as the cache holds them (any strides with a unit last one).
+            values: [L, H_kv, N, D] stale values, e.g. a slice of the request's cache.
             skip: leading tokens that are read as context but not repaired (the exact lead).
+            canonical_keys: the stale keys with RoPE removed, what the encoder reads (default: ``keys``, which are
+                then canonical themselves).
+            place: maps a layer's key residual [H_kv, N - skip, D] (canonical) to what is added to ``keys`` (e.g.
+                RoPE at the tokens' global positions; rotation is linear, so a placed stale key plus the placed
+                residual is the placed repaired key). Default: added as it is.
 
         Returns:
             ``keys[:, :, skip:]``, ``values[:, :, skip:]``, now ``stale + sigma_delta * z``: the same numbers as
-            :meth:`repair` of ``pack_kv(keys, values)``, without packing the stale KV into [N, S, D] and back. The
-            head runs per (layer, K/V, head) segment straight into each [N, D] block (sigma_delta folded in).
+            :meth:`repair` of ``pack_kv(canonical keys, values)`` (keys placed by ``place``).
         """
         L, H, N, D = keys.shape
-        if keys.dtype != torch.float32 or values.dtype != torch.float32 or values.shape != keys.shape:
-            raise ValueError("repair_kv needs float32 keys and values of one shape [L, H_kv, N, D]")
+        ck = keys if canonical_keys is None else canonical_keys
+        if values.shape != keys.shape or ck.shape != keys.shape:
+            msg = (f"keys {tuple(keys.shape)}, values {tuple(values.shape)} and canonical keys {tuple(ck.shape)} "
+                   "must have one shape [L, H_kv, N, D]")
+            raise ValueError(msg)
         if (L * 2 * H, D) != (self.cfg.num_segments, self.cfg.head_dim):
             msg = f"stale KV has {2 * L * H} segments of dim {D}; this repairer expects {self.cfg.num_segments} x {D}"
             raise ConfigError(msg)
         if positions is None:
             positions = torch.arange(N, device=keys.device)
         dt = self.head.weight.dtype
-        s = self.encoder.forward_kv(keys.to(dt), values.to(dt), (1.0 / self._sig("sigma_stale")).to(dt))
-        h = self._backbone(s[None], tok_emb[None], chunk_index[None], positions[None])[0, skip:].float()
-        w, b = self._folded_head()
-        w = w.view(L, 2, H, D, -1).transpose(-1, -2)  # per segment [d_b, D]
-        b = b.view(L, 2, H, D)
+        s = self.encoder.forward_kv(ck.to(dt), values.to(dt), (1.0 / self._sig("sigma_stale")).to(dt))
+        h = self._backbone(s[None], tok_emb[None], chunk_index[None], positions[None])[0, skip:].to(dt)
+        w, b = self._folded_head_in(dt)
+        w, b = w.view(L, 2 * H * D, -1), b.view(L, 2 * H * D)  # segments ordered (layer, K/V, head)
         out_k, out_v = keys[:, :, skip:], values[:, :, skip:]
         for layer in range(L):
-            for head in range(H):
-                out_k[layer, head].addmm_(h, w[layer, 0, head]).add_(b[layer, 0, head])
-                out_v[layer, head].addmm_(h, w[layer, 1, head]).add_(b[layer, 1, head])
+            r = torch.addmm(b[layer], h, w[layer].t()).view(N - skip, 2, H, D)  # this layer's residual
+            rk, rv = r[:, 0].transpose(0, 1), r[:, 1].transpose(0, 1)  # [H_kv, N - skip, D]
+            out_v[layer].add_(rv)
+            out_k[layer].add_(place(rk) if place is not None else rk)
         return out_k, out_v
 
     # ----------------------------------------------------------------- persistence

@@ -157,10 +157,12 @@ def test_fused_repair_equals_the_forward_definition() -> None:
     torch.testing.assert_close(m.encoder(x, inv), m.encoder(x * inv), atol=1e-5, rtol=1e-5)
 
 
-def test_repair_kv_in_the_cache_layout_equals_repair_of_the_packed_kv() -> None:
-    """The serving path (encoder on the [L, H, N, D] tensors, head per segment, in place, lead skipped) computes
-    repair(pack_kv(k, v)) -- also when the values are a strided slice of a longer cache, which it writes in place
-    and only in the repaired rows."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_repair_kv_in_the_cache_layout_equals_repair_of_the_packed_kv(dtype: torch.dtype) -> None:
+    """The serving path (encoder on the [L, H, N, D] tensors, the head one layer at a time, in place, lead skipped,
+    natively in the repairer's dtype) computes repair(pack_kv(k, v)) -- also when the values are a strided slice
+    of a longer cache, which it writes in place and only in the repaired rows; keys given placed (rotated) are
+    repaired through ``place`` from their canonical form."""
     cfg = _cfg(num_layers=3, num_kv_heads=2)
     m = _randomized(cfg, seed=5)
     L, H, N, D, lead = 3, 2, 11, 16, 3
@@ -168,24 +170,34 @@ def test_repair_kv_in_the_cache_layout_equals_repair_of_the_packed_kv() -> None:
     emb, ci = torch.randn(N, 64), torch.tensor([0] * lead + [1] * 4 + [2] * 4)
     pos = torch.arange(N) + 7
     want_k, want_v = unpack_kv(m.repair(pack_kv(k, v), emb, ci, pos), L, H)
-    cache_v = torch.randn(L, H, N + 6, D)
-    cache_v[:, :, 2:2 + N] = v
+    assert (want_k[:, :, lead:] - k[:, :, lead:]).abs().max() > 1e-2  # the residual is real: the checks have teeth
+    m.to(dtype)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.1, "rtol": 0.05}
+    cache_v = torch.randn(L, H, N + 6, D, dtype=dtype)
+    cache_v[:, :, 2:2 + N] = v.to(dtype)
     before = cache_v.clone()
-    kk = k.clone()
-    rk, rv = m.repair_kv(kk, cache_v[:, :, 2:2 + N], emb, ci, pos, skip=lead)
-    torch.testing.assert_close(rk, want_k[:, :, lead:], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(rv, want_v[:, :, lead:], atol=1e-5, rtol=1e-5)
+    kk = k.clone().to(dtype)
+    rk, rv = m.repair_kv(kk, cache_v[:, :, 2:2 + N], emb.to(dtype), ci, pos, skip=lead)
+    assert rk.dtype == rv.dtype == dtype
+    torch.testing.assert_close(rk.float(), want_k[:, :, lead:], **tol)
+    torch.testing.assert_close(rv.float(), want_v[:, :, lead:], **tol)
     assert rv.data_ptr() == cache_v[:, :, 2 + lead].data_ptr()  # written where it lies
     untouched = torch.ones(N + 6, dtype=torch.bool)
     untouched[2 + lead:2 + N] = False
     assert torch.equal(cache_v[:, :, untouched], before[:, :, untouched])
-    assert torch.equal(kk[:, :, :lead], k[:, :, :lead])  # the lead is read, never written
-    # the segment-major encoder is the packed encoder
-    inv = torch.rand(cfg.num_segments, 16) + 0.5
-    torch.testing.assert_close(m.encoder.forward_kv(k, v, inv), m.encoder(pack_kv(k, v)[None], inv)[0],
-                               atol=1e-5, rtol=1e-5)
-    with pytest.raises(ValueError, match="float32"):
-        m.repair_kv(k.half(), v.half(), emb, ci)
+    assert torch.equal(kk[:, :, :lead], k[:, :, :lead].to(dtype))  # the lead is read, never written
+    # placed keys: the encoder reads the canonical ones, the residual is rotated into the placed ones
+    rot = torch.linalg.qr(torch.randn(D, D, dtype=torch.float64))[0].float()  # any linear "placement"
+    placed = (k @ rot).to(dtype)
+    rk2, _ = m.repair_kv(placed, v.clone().to(dtype), emb.to(dtype), ci, pos, skip=lead, canonical_keys=k.to(dtype),
+                         place=lambda r: (r.float() @ rot).to(dtype))
+    torch.testing.assert_close(rk2.float(), want_k[:, :, lead:] @ rot, **tol)
+    if dtype == torch.float32:  # the segment-major encoder is the packed encoder
+        inv = torch.rand(cfg.num_segments, 16) + 0.5
+        torch.testing.assert_close(m.encoder.forward_kv(k, v, inv), m.encoder(pack_kv(k, v)[None], inv)[0],
+                                   atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="one shape"):
+        m.repair_kv(k, v[:, :, :-1], emb, ci)
 
 
 def test_preset_parameter_count_matches_paper_table_12() -> None:
@@ -482,14 +494,29 @@ def test_publish_writes_card_from_the_run(lm, tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _fusion_input(lm):
+def _fusion_input(lm, canonical: bool = False):
     model, rope = lm.model, Rope.from_model(lm.model)
     spec = lm.kv_spec()
     prefix = template_prefix_ids(lm.tokenizer)
     pieces = [("prefix", compute_chunk_kv(model, rope, spec, prefix), None)]
     for i, ids in enumerate((range(10, 19), range(30, 42), range(60, 66))):
         pieces.append(("chunk", compute_chunk_kv(model, rope, spec, list(ids), prefix), f"c{i}"))
-    return assemble(model, rope, spec, pieces, [5, 6, 7]), len(prefix)
+    return assemble(model, rope, spec, pieces, [5, 6, 7], canonical=canonical), len(prefix)
+
+
+def test_the_stored_canonical_keys_serve_the_repairer_as_the_rotated_back_ones(lm, tmp_path: Path) -> None:
+    """The engine hands cacherepair the fetched chunks' canonical keys (assemble(canonical=True)) instead of letting
+    it rotate the placed keys back: the same keys to fp32 rounding, and the same repair."""
+    inp, _ = _fusion_input(lm, canonical=True)
+    plain, _ = _fusion_input(lm)
+    assert inp.canonical_keys is not None and plain.canonical_keys is None
+    pos = torch.arange(inp.context_len)
+    torch.testing.assert_close(inp.canonical_keys, inp.rope.canonicalize(inp.keys, pos), rtol=0, atol=2e-6)
+    method = get_method(f"cacherepair:checkpoint={_checkpoint(lm, tmp_path / 'r', zero=False)}")
+    k, v = hf_cache.cache_to_tensors(method.fuse(inp).cache)
+    kp, vp = hf_cache.cache_to_tensors(method.fuse(plain).cache)
+    torch.testing.assert_close(k, kp, rtol=0, atol=1e-5)
+    torch.testing.assert_close(v, vp, rtol=0, atol=1e-5)
 
 
 def _checkpoint(lm, path: Path, *, zero: bool) -> Path:
