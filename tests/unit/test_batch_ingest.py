@@ -18,7 +18,9 @@ from kvrag.store.memory import MemoryStore
 from kvrag.testing.tiny import FAMILIES, tiny_model
 
 FP32_ATOL = 1e-4  # the bound; measured ~1e-6 on these models
-BF16_REL = 2.0**-6  # bf16 bound (README): max abs diff <= 2^-6 * max|K or V|, two bf16 rounding steps (measured: one)
+# bf16 bound (docs/architecture.md#batched-ingest): max abs diff <= 2^-6 * max|K or V|, two bf16 rounding steps
+# (measured: one)
+BF16_REL = 2.0**-6
 
 
 def _random_ids(n: int, seed: int, lo: int = 1, hi: int = 40) -> list[list[int]]:
