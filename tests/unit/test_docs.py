@@ -64,10 +64,14 @@ def test_code_cites_docs_that_exist() -> None:
     assert bad == []
 
 
+# design notes and paper reconstructions that are not part of the repository (spelt in pieces so that a grep of the
+# repository for them finds no false hit here)
+OUTSIDE_FILES = re.compile("baselines" + r"\.md" + "|" + r"\b" + "DES" + "IGN" + r"\b")
+
+
 def test_no_references_to_files_outside_the_repository() -> None:
     bad = [f"{p.relative_to(ROOT)}:{i}" for p in code_files()
-           for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
-           if re.search(r"baselines\.md|\bDESIGN\b", line)]
+           for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if OUTSIDE_FILES.search(line)]
     assert bad == []
 
 
