@@ -3,8 +3,9 @@
 The LlamaIndex LLM and postprocessor (``integrations/llama-index-*-kvrag``) and the LangChain chat model and
 retriever (``integrations/langchain-kvrag``) all call this module for the behaviour they have in common:
 
-* **Request chunks** (see DESIGN §1: chunk identity travels explicitly). Framework retrievers/postprocessors find
-  the chunks of a request; the LLM adapter renders the final prompt. The two only meet here:
+* **Request chunks** (see docs/architecture.md#data-flow: chunk identity travels explicitly). Framework
+  retrievers/postprocessors find the chunks of a request; the LLM adapter renders the final prompt. The two only
+  meet here:
 
   - *request scope* (``contextvars``): :func:`register_chunks` replaces the current context's request chunks and
     :func:`current_chunks` reads them. Each thread and each asyncio task has its own context, so concurrent

@@ -33,7 +33,7 @@ from kvrag.kv.spec import KVSpec
 log = logging.getLogger(__name__)
 
 DEFAULT_BATCH_SIZE = 8
-"""Chunks per forward, chosen by measurement (README "Ingest at scale"): SmolLM2-135M fp32, one torch thread, 400
+"""Chunks per forward, chosen by measurement (docs/results.md#ingest): SmolLM2-135M fp32, one torch thread, 400
 ``corpus_train.jsonl`` passages (~72 tokens), batch sizes interleaved per 100-chunk slice on the shared 2-core AVX2
 CPU: 1 (prefix shared) -> 1.82, 4 -> 2.02, 8 -> 2.06, 16 -> 1.86 chunks/s. 8 was fastest; 16 lost (bigger activations, more
 cache misses on a loaded machine)."""
@@ -177,7 +177,8 @@ def compute_chunk_kvs(
     """Canonical caches of many chunks, ``batch_size`` chunks per forward, each conditioned on ``prefix_ids``.
 
     Equals ``[compute_chunk_kv(model, rope, spec, ids, prefix_ids) for ids in ids_list]`` up to floating-point
-    summation order (fp32: max abs diff <= 1e-4; bf16/fp16 see the README), with the prefix prefilled once.
+    summation order (fp32: max abs diff <= 1e-4; bf16/fp16: docs/architecture.md#batched-ingest), with the prefix
+    prefilled once.
 
     Args:
         ids_list: N chunks' token ids (each non-empty).

@@ -1,4 +1,4 @@
-"""``cacheblend``: recompute the high-KV-deviation tokens (CacheBlend, arXiv 2405.16444; baselines.md §2).
+"""``cacheblend``: recompute the high-KV-deviation tokens (CacheBlend, arXiv 2405.16444; docs/methods.md#cacheblend).
 
 Layer 0 (up to the check layer) recomputes every reusable token with its full causal prefix; at the check layer
 (index 1 in the released code) the fresh K/V of every token are compared with the stale ones, and only the top
@@ -37,7 +37,7 @@ def kv_deviation(fresh: torch.Tensor, stale: torch.Tensor) -> torch.Tensor:
 
 
 def select_hkvd(model: Any, state: LayerState, k: int, *, deviation: str = "v", write_all: bool = True) -> torch.Tensor:
-    """CacheBlend's check-layer selection (the released code's single check layer; baselines.md §2).
+    """CacheBlend's check-layer selection (the released code's single check layer; docs/methods.md#cacheblend).
 
     Projects fresh K/V of every current target at ``state.layer`` (no attention), ranks by deviation from the
     stale K/V and returns the top ``k`` positions. With ``write_all`` the fresh K/V of every target are written to
@@ -76,7 +76,7 @@ class CacheBlend(FusionMethod):
 
     Deviations from the paper, stated: the paper's gradual filtering over several layers is not in the released
     code nor here; we use our position-based causal mask, not the bottom-right-aligned kernel mask of the public
-    implementations (baselines.md §0.1 pitfall); the question suffix is not part of the recompute (it is
+    implementations (docs/methods.md#selective-recomputation); the question suffix is not part of the recompute (it is
     prefilled over the repaired cache afterwards, which is the same computation).
     """
 

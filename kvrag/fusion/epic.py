@@ -1,4 +1,4 @@
-"""``epic``: recompute the first k tokens of every chunk (EPIC / LegoLink, arXiv 2410.15332; baselines.md §3).
+"""``epic``: recompute the first k tokens of every chunk (EPIC / LegoLink, arXiv 2410.15332; docs/methods.md#epic).
 
 A chunk prefilled alone makes its first tokens attention sinks; after concatenation every chunk head is still a
 sink. Recomputing the first ``k`` tokens of each chunk, at every layer, with the real causal prefix turns them
@@ -20,7 +20,7 @@ def epic_positions(spans: Sequence[Span], k: int) -> torch.Tensor:
     """The first ``k`` positions of every non-prefix span that has something before it. EPIC §3 (LegoLink).
 
     The leading 'prefix' span is exact and keeps its legitimate sink; a span starting at position 0 has no
-    predecessor to link to (baselines.md §3 pitfalls), so neither is selected. With a leading prefix span this is
+    predecessor to link to (docs/methods.md#epic), so neither is selected. With a leading prefix span this is
     "every chunk except the first" in the paper's sense, where the first chunk holds the sequence start.
 
     Returns:

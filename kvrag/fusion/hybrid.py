@@ -10,8 +10,8 @@ most of it (the sparse union) costs more than it saves -- measured on dev rows 3
 tokens, the rows the ``auto`` cost model is fitted on), ``hybrid:r=0.05`` gave KL(full||m) 0.036 with the full
 context vs 0.136 with the anchor union (stale 0.555) at 0.45x vs 0.35x full's TTFT. At ``r = 1`` every position is
 recomputed with its full causal context, which is ``full`` (the equivalence test), whatever the repairer did.
-(Those timings predate the one-call-per-layer executor and the suffix fold; on the same rows with both,
-``runs/bench/fit5``: r=0.05 0.40x, r=0.03 0.32x at KL 0.044, r=0.02 0.26x at KL 0.091, stale 0.555.) With the full
+(Those timings predate the one-call-per-layer executor and the suffix fold; on the same rows with both, a later
+``kvrag bench`` run: r=0.05 0.40x, r=0.03 0.32x at KL 0.044, r=0.02 0.26x at KL 0.091, stale 0.555.) With the full
 context the question suffix is prefilled inside RelaxKV's recompute (:func:`kvrag.fusion.recompute.recompute_input`).
 
 Both steps write into the request's KV buffer in place (:meth:`FusionInput.owned` gives a buffer-less input one).

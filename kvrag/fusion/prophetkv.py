@@ -1,6 +1,6 @@
 """``prophetkv``: recompute the context tokens the question attends to most (ProphetKV, arXiv 2602.02579).
 
-The paper body was not available; this follows the reconstruction in baselines.md §1: per-layer query-to-context
+The paper body was not available; this follows the reading in docs/methods.md#prophetkv: per-layer query-to-context
 attention over the stale cache (Stage I), a uniform mean over layers (Stage II), one global top-``r`` token set
 recomputed at every layer from embeddings with its full causal prefix.
 """
@@ -40,12 +40,13 @@ def prophet_select(scores: torch.Tensor, candidates: torch.Tensor, r: float) -> 
 class ProphetKV(FusionMethod):
     """ProphetKV: query-driven global token selection, full causal prefix as context.
 
-    Stage I (baselines.md §1): the whole question suffix runs over the stale cache (the [decision] of §1: "query
-    over the pre-calculated caches"); ``alpha_l[t]`` = softmax over the Tc context keys of the post-RoPE query
-    logits, averaged over suffix rows and query heads (rank-equivalent to the paper's sum). Stage II: mean over
+    Stage I (docs/methods.md#prophetkv): the whole question suffix runs over the stale cache (kvrag's reading
+    where the available descriptions disagree: "query over the pre-calculated caches"); ``alpha_l[t]`` = softmax
+    over the Tc context keys of the post-RoPE query logits, averaged over suffix rows and query heads
+    (rank-equivalent to the paper's sum). Stage II: mean over
     all layers, top ``k`` of the reusable positions (the leading 'prefix' span is exact and not a candidate).
     Recompute: that set at every layer from embeddings, each attending to its full causal prefix; the suffix is
-    prefilled over the repaired cache afterwards (same computation as recomputing it jointly, §1).
+    prefilled over the repaired cache afterwards (same computation as recomputing it jointly).
 
     Parameters:
         r: recompute ratio of the candidates, in (0, 1] (paper default 0.20). r = 1 is ``full``.

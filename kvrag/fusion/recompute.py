@@ -4,7 +4,8 @@ The executor and a few pure helpers:
 
 * :func:`selective_recompute` runs the model's own decoder layers for per-layer *target* positions over an
   explicit *context* (the full causal prefix, or a position set ``U``), writing fresh K/V over the stale cache
-  (baselines.md §0.1; RelaxKV §3.3-§3.4); its fast 'prefix' executor lives in :mod:`kvrag.fusion.prefix_attention`.
+  (docs/methods.md#selective-recomputation; RelaxKV §3.3-§3.4); its fast 'prefix' executor lives in
+  :mod:`kvrag.fusion.prefix_attention`.
   :func:`recompute_input` runs it over a request's own buffer and folds the question suffix into it when it can.
 * :func:`kvrag.fusion.scoring.query_attention_scores` is the scoring pass the query-guided methods rank with.
 * :func:`budget` / :func:`top_positions` turn ratios and scores into position sets, deterministically.
@@ -152,7 +153,8 @@ def selective_recompute(
     executor: str = "auto",
     suffix_ids: torch.Tensor | None = None,
 ) -> RecomputeResult:
-    """Layer-by-layer selective recomputation over a stale cache. baselines.md §0.1; RelaxKV §3.3-§3.4, §A.2.
+    """Layer-by-layer selective recomputation over a stale cache. docs/methods.md#selective-recomputation;
+    RelaxKV §3.3-§3.4, §A.2.
 
     At layer ``l`` each target ``t`` in ``targets[l]`` runs the model's own decoder layer on its hidden state from
     layer ``l-1`` (embeddings at layer 0) at its original global position, attending to
@@ -398,7 +400,9 @@ def fusion_output(
     last_logits: torch.Tensor | None = None,
     **fields: Any,
 ) -> FusionOutput:
-    """Wrap a recompute result with the statistics every selective method reports (baselines.md §0.3).
+    """Wrap a recompute result with the statistics every selective method reports.
+
+    See docs/methods.md#method-statistics.
 
     Stats: ``recomputed_fraction`` (recomputed (layer, token) states / (L * Tc)), ``context_fraction`` (|U| / Tc;
     1.0 for full-causal-prefix methods), ``attention_edges_ratio`` (useful recompute pairs / pairs of a full

@@ -3,8 +3,8 @@
 Selective repair methods choose which token states to recompute but let them attend to their whole causal prefix.
 RelaxKV also chooses the context: from layer-wise query attention it derives per-layer anchors, active targets
 (recomputed from layer 0 up to their deepest anchor layer) and one shared context ``U`` (the anchor union); every
-active target attends only to the causally valid part of ``U``. See baselines.md §6 for the reading we implement;
-everything the paper summary leaves open is a parameter here (marked [decision] below).
+active target attends only to the causally valid part of ``U``. See docs/methods.md#relaxkv for the reading we
+implement; everything the paper summary leaves open is a parameter here (marked [decision] below).
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def relaxkv_schedule(
 class RelaxKV(FusionMethod):
     """RelaxKV repair: layer-wise query-attention anchors, active targets, sparse shared context.
 
-    Steps (RelaxKV §3.1-§3.4; baselines.md §6):
+    Steps (RelaxKV §3.1-§3.4; docs/methods.md#relaxkv):
 
     1. Scoring pass (§3.2): the whole question suffix attends over the stale cache; per layer the attention
        to each context position is reduced to one score (``agg``, ``score``).
@@ -103,7 +103,7 @@ class RelaxKV(FusionMethod):
             excludes the first chunk). Useful when chunks are conditioned on the leading prefix.
         exact_context: [decision] how exact positions (the leading 'prefix' span, and the first chunk with
             ``exclude_first_chunk``) enter the context: 'anchors' (they compete for anchor slots and join U when
-            picked; baselines.md §6 step 2) or 'all' (not ranked; all of them join U).
+            picked; docs/methods.md#relaxkv) or 'all' (not ranked; all of them join U).
 
     Measured choices (SmolLM2-135M-Instruct, qa_dev rows 300-306, 7 requests, ~1.6K context tokens, r = 0.15;
     ``kvrag bench --offset 300 --methods ...``; KL(full || method) along the full-prefill answer, mean; stale 0.630):

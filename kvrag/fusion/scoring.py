@@ -1,5 +1,5 @@
 """The scoring pass: the question suffix attends over the (stale or repaired) cache and each layer's attention to
-every context position is reduced to one score (baselines.md §0.2; ProphetKV Stage I; RelaxKV §3.2)."""
+every context position is reduced to one score (docs/methods.md#scoring-pass; ProphetKV Stage I; RelaxKV §3.2)."""
 
 from __future__ import annotations
 
@@ -73,9 +73,9 @@ def query_attention_scores(
 ) -> tuple[torch.Tensor, int, float]:
     """Scoring pass: the suffix attends over the stale cache; one score per (layer, context position).
 
-    baselines.md §0.2, ProphetKV Stage I, RelaxKV §3.2. The suffix runs through the model's own layers at global
-    positions ``Tc..Tc+S-1`` over the stale K/V (never modified); at each layer the post-RoPE (post q-norm) queries
-    are compared with the stale context keys:
+    docs/methods.md#scoring-pass, ProphetKV Stage I, RelaxKV §3.2. The suffix runs through the model's own layers at
+    global positions ``Tc..Tc+S-1`` over the stale K/V (never modified); at each layer the post-RoPE (post q-norm)
+    queries are compared with the stale context keys:
 
     * ``kind='prob'``: ``softmax over the Tc context keys of q·k / sqrt(D)`` (ProphetKV's denominator: the
       suffix keys are left out), averaged over the S suffix rows (rank-equivalent to the sum);

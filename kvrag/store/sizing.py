@@ -6,7 +6,8 @@ for int8, the fp32 scales), so the figures are what a store holds, not an estima
 * ``memory://`` (codec native) keeps the tensors: K + V + token ids; with another codec it keeps the entry bytes.
 * ``file://`` keeps one file per entry: entry bytes, rounded up to the filesystem block (4 KiB assumed).
 * ``redis://`` keeps one string per entry: entry bytes + the key (``kvrag:`` + 64 hex) + Redis' per-key overhead
-  and allocator rounding (:data:`REDIS_OVERHEAD`, measured on redis-server 7.0 with jemalloc; see the README).
+  and allocator rounding (:data:`REDIS_OVERHEAD`, measured on redis-server 7.0 with jemalloc;
+  see docs/architecture.md#storage-size).
   Redis Cluster spreads the same total over its masters.
 """
 

@@ -1,4 +1,4 @@
-"""``FusionMethodTests``: the standard pytest suite every fusion method passes (DESIGN.md §4).
+"""``FusionMethodTests``: the standard pytest suite every fusion method passes (docs/architecture.md#tests).
 
 Subclass it in a test module and set the method under test::
 

@@ -1,4 +1,4 @@
-"""KVStoreTests: the standard suite every KVStore backend must pass (DESIGN §4).
+"""KVStoreTests: the standard suite every KVStore backend must pass (docs/architecture.md#tests).
 
 Usage::
 

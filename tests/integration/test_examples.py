@@ -1,4 +1,5 @@
 """The examples run as written: both quickstarts, the chatbot notebook (nbclient) and ``make demo``'s entry point.
+(README.md's own code blocks are run by ``test_readme.py``.)
 
 They share one persist dir (index + chunk caches), as a user's repeated runs would: the first example builds the
 LlamaIndex index and caches, the notebook and the demo reload them.
@@ -84,22 +85,3 @@ def test_demo_main(example_dir, capsys):
     for label in ("full", "stale", "HuggingFaceLLM", "TTFT e2e", "hit rate", "same answer as full", "vs full"):
         assert label in out
 
-
-def _readme_snippets() -> list[str]:
-    import re
-
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
-    # snippets marked "not run by the README test" (they need outside services) are left out, by name
-    return re.findall(r"(?<!-->\n)```python\n(.*?)```", text, flags=re.DOTALL)
-
-
-@pytest.mark.parametrize("index", range(3), ids=["core", "llamaindex", "langchain"])
-def test_readme_snippet_runs_as_printed(index, tmp_path, monkeypatch, capsys):
-    """Each Python snippet of the README runs as printed from the repository root (stores redirected to tmp)."""
-    snippets = _readme_snippets()
-    assert len(snippets) == 3
-    (tmp_path / "examples").symlink_to(EXAMPLES)
-    monkeypatch.chdir(tmp_path)
-    code = snippets[index].replace("/tmp/kvstore", str(tmp_path / "kvstore"))
-    exec(compile(code, f"README.md snippet {index}", "exec"), {"__name__": "__readme__"})
-    assert capsys.readouterr().out.strip()

@@ -573,7 +573,7 @@ def test_cacherepair_errors(lm, tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# the standard fusion-method suite (DESIGN.md §4), with a randomized repairer per tiny family
+# the standard fusion-method suite (docs/architecture.md#tests), with a randomized repairer per tiny family
 # ---------------------------------------------------------------------------------------------------------------
 
 _SUITE_ROOT = Path(tempfile.mkdtemp(prefix="kvrag-cacherepair-suite-"))

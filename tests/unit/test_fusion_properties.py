@@ -1,6 +1,6 @@
 """Property test over random chunkings of a prompt (issue 13): however a context is split into a leading exact
 prefix, stored chunks and text spans, every method at its recompute-everything setting decodes the greedy tokens of
-``full``, and ``stale`` with the whole context as one chunk does too (DESIGN.md §4 equivalences)."""
+``full``, and ``stale`` with the whole context as one chunk does too (docs/architecture.md#tests: equivalences)."""
 
 from __future__ import annotations
 

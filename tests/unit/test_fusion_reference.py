@@ -5,11 +5,11 @@ reference written here: each decoder layer of the tiny model runs ONCE over the 
 bookkeeping -- so it checks the executor (``kvrag.fusion.recompute.selective_recompute``), not the schedules: the
 schedules are taken from the methods' own ``schedule()`` / selection.
 
-Semantics the reference encodes (baselines.md §0.1; RelaxKV §3.3-§3.4): at layer l a target t attends to the
-positions j <= t that are readable -- every position (full causal prefix) or only U ∪ targets_l (RelaxKV's sparse
-context) -- with FRESH K/V at this layer's targets and STALE K/V elsewhere; its fresh K/V replace the stale ones at
-layer l and its output is its input to layer l+1. Also here: CacheBlend's selective phase really runs at 4 layers,
-and its statistics count every state it writes.
+Semantics the reference encodes (docs/methods.md#selective-recomputation; RelaxKV §3.3-§3.4): at layer l a
+target t attends to the positions j <= t that are readable -- every position (full causal prefix) or only
+U ∪ targets_l (RelaxKV's sparse context) -- with FRESH K/V at this layer's targets and STALE K/V elsewhere; its fresh
+K/V replace the stale ones at layer l and its output is its input to layer l+1. Also here: CacheBlend's selective
+phase really runs at 4 layers, and its statistics count every state it writes.
 """
 
 from __future__ import annotations

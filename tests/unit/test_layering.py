@@ -1,5 +1,5 @@
-"""The house rules of DESIGN §2/§3 that a parser can check: no import cycles, one concept per (short) module, and
-the core never imports its own framework adapters.
+"""The house rules of docs/architecture.md (#layout, #conventions) that a parser can check: no import cycles, one
+concept per (short) module, and the core never imports its own framework adapters.
 
 Imports are read from the AST of every module under ``kvrag/``, including imports inside functions (a lazy import
 is still a dependency); only ``if TYPE_CHECKING:`` blocks are skipped (annotations, never executed).
@@ -133,7 +133,7 @@ def test_layers_point_down() -> None:
 
 def test_modules_are_short() -> None:
     long = {str(p.relative_to(ROOT)): n for p in PKG.rglob("*.py") if (n := len(p.read_text().splitlines())) > MAX_LINES}
-    assert long == {}, f"split these by concept (DESIGN §3.1, <= {MAX_LINES} lines): {long}"
+    assert long == {}, f"split these by concept (docs/architecture.md#conventions rule 1, <= {MAX_LINES} lines): {long}"
 
 
 def test_core_does_not_import_its_adapters() -> None:
@@ -143,7 +143,7 @@ def test_core_does_not_import_its_adapters() -> None:
 
 
 def test_import_kvrag_stays_light() -> None:
-    """DESIGN §3.9: ``import kvrag`` imports neither redis, llama_index, langchain nor ray."""
+    """``import kvrag`` imports neither redis, llama_index, langchain nor ray (docs/architecture.md#conventions, 9)."""
     import subprocess
     import sys
 

@@ -1,0 +1,89 @@
+"""The manual's references resolve: links between README.md / docs/*.md (files and heading anchors), every
+``docs/...md#anchor`` cited in a docstring or comment, and every paper section (``RelaxKV §3.2``, ``Table 4``) cited in
+the code is explained in docs/methods.md's "Papers and section numbers"."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.md"))]
+CODE_DIRS = ("kvrag", "integrations", "tests", "benchmarks", "examples")
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a Markdown heading: lowercase, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower().replace("`", ""))
+    return text.replace(" ", "-")
+
+
+def anchors(md: Path) -> set[str]:
+    text = re.sub(r"^```.*?^```", "", md.read_text(encoding="utf-8"), flags=re.DOTALL | re.MULTILINE)
+    return {slug(m) for m in re.findall(r"^#{1,6} (.+)$", text, flags=re.MULTILINE)}
+
+
+def code_files() -> list[Path]:
+    """Every Python file of the repository except this one (whose docstrings show the patterns it checks)."""
+    me = Path(__file__).resolve()
+    return [p for d in CODE_DIRS if (ROOT / d).is_dir() for p in (ROOT / d).rglob("*.py") if p.resolve() != me]
+
+
+def test_slug() -> None:
+    assert slug("A chunk's way through a request") == "a-chunks-way-through-a-request"
+    assert slug("CPU with AMX / AVX512-BF16, bfloat16") == "cpu-with-amx--avx512-bf16-bfloat16"
+
+
+@pytest.mark.parametrize("md", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_markdown_links_resolve(md: Path) -> None:
+    if not md.exists():
+        pytest.skip(f"{md.name} not written")
+    text = re.sub(r"^```.*?^```", "", md.read_text(encoding="utf-8"), flags=re.DOTALL | re.MULTILINE)
+    bad = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"[a-z]+://", target):
+            continue
+        path, _, anchor = target.partition("#")
+        dest = (md.parent / path).resolve() if path else md
+        if not dest.exists():
+            bad.append(f"{target}: no such file")
+        elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+            bad.append(f"{target}: no heading with that anchor")
+    assert bad == []
+
+
+def test_code_cites_docs_that_exist() -> None:
+    bad = []
+    for p in code_files():
+        for path, anchor in re.findall(r"\b(docs/[\w./-]+\.md)(?:#([\w-]+))?", p.read_text(encoding="utf-8")):
+            dest = ROOT / path
+            if not dest.exists() or (anchor and anchor not in anchors(dest)):
+                bad.append(f"{p.relative_to(ROOT)}: {path}#{anchor}")
+    assert bad == []
+
+
+# design notes and paper reconstructions that are not part of the repository (spelt in pieces so that a grep of the
+# repository for them finds no false hit here)
+OUTSIDE_FILES = re.compile("baselines" + r"\.md" + "|" + r"\b" + "DES" + "IGN" + r"\b")
+
+
+def test_no_references_to_files_outside_the_repository() -> None:
+    bad = [f"{p.relative_to(ROOT)}:{i}" for p in code_files()
+           for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if OUTSIDE_FILES.search(line)]
+    assert bad == []
+
+
+def test_cited_paper_sections_are_explained() -> None:
+    """Every ``§X`` / ``Table N`` / ``Appendix X`` a module cites has a row in docs/methods.md's papers tables."""
+    methods = (ROOT / "docs" / "methods.md").read_text(encoding="utf-8")
+    papers = methods[methods.index("## Papers and section numbers"):]
+    rows = set(re.findall(r"^\| ([^|]+?) \|", papers, flags=re.MULTILINE))
+    cited = set()
+    for p in code_files():
+        text = p.read_text(encoding="utf-8")
+        cited |= set(re.findall(r"§[0-9A-Z](?:\.[0-9]+)?", text))
+        cited |= set(re.findall(r"\b(?:RelaxKV|CacheRepair|CacheBlend|EPIC) (Table \d+)", text))
+    explained = {c for c in cited if c in rows or any(r.startswith(f"{c} ") for r in rows)}
+    assert cited - explained == set()
