@@ -5,10 +5,10 @@ time and persisted beside it, then asks three questions through a stock streamin
 ``KVCachedLLM`` and ``KVCachePostprocessor`` for each method (``full``, ``stale`` and the repair methods that are
 registered), and prints the answers with the end-to-end time to first token and the cache hit rate.
 
-    python -m llama_index.postprocessor.kvrag.demo [--methods full,stale,relaxkv] [--hf-baseline] [--docs DIR]
+    python examples/demo.py [--methods full,stale,relaxkv] [--hf-baseline] [--docs DIR]
 
-It lives in this integration package (not in the kvrag core, which never imports its own adapters) because it
-drives a LlamaIndex query engine; ``make demo`` runs it.
+``make demo`` runs it. It needs the kvrag core and the two LlamaIndex distributions
+(``llama-index-llms-kvrag``, ``llama-index-postprocessor-kvrag``) with ``llama-index-embeddings-huggingface``.
 """
 
 from __future__ import annotations
@@ -164,7 +164,7 @@ def print_tables(rows: Sequence[dict[str, Any]]) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    ap = argparse.ArgumentParser(prog="python -m llama_index.postprocessor.kvrag.demo",
+    ap = argparse.ArgumentParser(prog="python examples/demo.py",
                                  description=__doc__.splitlines()[0])
     ap.add_argument("--docs", type=Path, default=default_docs_dir(), help="folder of .md/.txt documents")
     ap.add_argument("--persist", type=Path, default=None, help="index + cache folder (default: KVRAG_HOME/demo)")

@@ -1,4 +1,4 @@
-"""Benchmark reporting: per-method aggregates and the summary files (provenance: :mod:`kvrag.bench.provenance`).
+"""Benchmark reporting: per-method aggregates and the summary files (provenance: :mod:`kvrag_bench.provenance`).
 
 ``summary.json`` layout::
 
@@ -25,8 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from kvrag.bench.metrics import bootstrap_ci, gap_recovery, paired_bootstrap
-from kvrag.bench.provenance import environment_info  # also re-exported: result writers outside kvrag.bench use it
+from kvrag_bench.metrics import bootstrap_ci, gap_recovery, paired_bootstrap
+from kvrag_bench.provenance import environment_info  # also re-exported: result writers outside kvrag_bench use it
 
 log = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
 """``kvrag bench`` command line: the QA benchmark and its ``sweep``, ``store``, ``load`` and ``templates`` subcommands.
 
-Mounted by :mod:`kvrag.cli` through :func:`add_bench_arguments`; also runnable alone as
-``python -m kvrag.bench.cli bench ...``. Options of a subcommand go after its name
-(``kvrag bench sweep --lengths 1024,2048``).
+Mounted into the ``kvrag`` console script through the ``kvrag.cli_plugins`` entry point ``bench``
+(:func:`add_bench_arguments`); also runnable alone as ``python -m kvrag_bench.cli bench ...``. Options of a
+subcommand go after its name (``kvrag bench sweep --lengths 1024,2048``).
 """
 
 from __future__ import annotations
@@ -194,7 +194,7 @@ def add_bench_arguments(subparsers: Any) -> argparse.ArgumentParser:
 
 def run_merge(args: argparse.Namespace) -> int:
     """``kvrag bench merge``: concatenate disjoint runs' request rows into one summary (no model is loaded)."""
-    from kvrag.bench.merge import merge_runs
+    from kvrag_bench.merge import merge_runs
 
     s = merge_runs(args.out, args.runs, n_boot=args.bootstrap)
     print(f"{s['n_requests']} requests from {len(args.runs)} runs -> {args.out}/summary.md")
@@ -226,7 +226,7 @@ def run_plot(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
-    from kvrag.bench.plots import combined_pareto
+    from kvrag_bench.plots import combined_pareto
 
     runs = []
     for spec in args.runs:
@@ -252,16 +252,18 @@ def _setup(args: argparse.Namespace) -> None:
 
 def run_bench(args: argparse.Namespace) -> int:
     """``kvrag bench``: the QA benchmark."""
-    from kvrag.bench.aggregate import summary_markdown
-    from kvrag.bench.config import BenchConfig, split_method_specs
-    from kvrag.bench.runner import QABenchmark
+    from kvrag_bench.aggregate import summary_markdown
+    from kvrag_bench.config import BenchConfig, split_method_specs
+    from kvrag_bench.runner import QABenchmark
 
     if not args.data:
-        print("error: kvrag bench needs --data QA.jsonl", file=sys.stderr)
+        print("error: kvrag bench needs --data QA.jsonl (one request a line: id, question, answers, "
+              "contexts[{title, text}]); a small sample is benchmarks/data/qa_tiny.jsonl of the kvrag repository",
+              file=sys.stderr)
         return 2
     _setup(args)
     if args.peer:
-        from kvrag.bench.peer import peer_available
+        from kvrag_bench.peer import peer_available
 
         if not peer_available(args.peer):
             print(f"error: peer {args.peer} needs `pip install llama-index-core llama-index-llms-huggingface`",
@@ -288,9 +290,9 @@ def run_bench(args: argparse.Namespace) -> int:
 
 def run_sweep(args: argparse.Namespace) -> int:
     """``kvrag bench sweep``."""
-    from kvrag.bench.config import split_method_specs
-    from kvrag.bench.sweep import SweepConfig
-    from kvrag.bench.sweep import run_sweep as _run
+    from kvrag_bench.config import split_method_specs
+    from kvrag_bench.sweep import SweepConfig
+    from kvrag_bench.sweep import run_sweep as _run
 
     _setup(args)
     cfg = SweepConfig(
@@ -300,7 +302,7 @@ def run_sweep(args: argparse.Namespace) -> int:
         overwrite=args.overwrite, progress=not args.no_progress,
     )
     result = _run(cfg)
-    from kvrag.bench.sweep import sweep_markdown
+    from kvrag_bench.sweep import sweep_markdown
 
     print(sweep_markdown(result))
     print(f"results in {args.out}/ (sweep.jsonl, sweep.json, sweep.md, sweep_*.png)", file=sys.stderr)
@@ -309,7 +311,7 @@ def run_sweep(args: argparse.Namespace) -> int:
 
 def run_store(args: argparse.Namespace) -> int:
     """``kvrag bench store``."""
-    from kvrag.bench.store_bench import StoreBenchConfig, run_store_bench, store_markdown
+    from kvrag_bench.store_bench import StoreBenchConfig, run_store_bench, store_markdown
 
     _setup(args)
     cfg = StoreBenchConfig(
@@ -326,7 +328,7 @@ def run_store(args: argparse.Namespace) -> int:
 
 def run_ingest(args: argparse.Namespace) -> int:
     """``kvrag bench ingest``."""
-    from kvrag.bench.ingest_bench import IngestBenchConfig, ingest_markdown, run_ingest_bench
+    from kvrag_bench.ingest_bench import IngestBenchConfig, ingest_markdown, run_ingest_bench
 
     _setup(args)
     cfg = IngestBenchConfig(
@@ -342,16 +344,19 @@ def run_ingest(args: argparse.Namespace) -> int:
 
 
 def _llamaindex_harness(command: str, module: str) -> Any:
-    """A harness module of the LlamaIndex integration (it drives a query engine, so it lives there), or a clear error."""
+    """A harness module that drives a LlamaIndex query engine, or a clear error naming what to install."""
     import importlib
 
     try:
-        return importlib.import_module(f"llama_index.postprocessor.kvrag.{module}")
+        importlib.import_module("llama_index.llms.kvrag")
+        importlib.import_module("llama_index.postprocessor.kvrag")
+        importlib.import_module("llama_index.embeddings.huggingface")
     except ImportError as e:
-        msg = (f"`kvrag bench {command}` needs the LlamaIndex integrations: pip install 'kvrag[llama-index]' "
+        msg = (f"`kvrag bench {command}` needs the LlamaIndex integrations: pip install "
                "-e integrations/llama-index-llms-kvrag -e integrations/llama-index-postprocessor-kvrag "
-               f"(or `make setup`); {e}")
+               "llama-index-embeddings-huggingface (or `make bench`); " + str(e))
         raise ImportError(msg) from e
+    return importlib.import_module(f"kvrag_bench.{module}")
 
 
 def run_load(args: argparse.Namespace) -> int:
@@ -376,7 +381,7 @@ def run_llamaindex_kl(args: argparse.Namespace) -> int:
     h = _llamaindex_harness("llamaindex-kl", "prompt_kl")
     PromptKLConfig, markdown, run_prompt_kl = h.PromptKLConfig, h.markdown, h.run_prompt_kl  # noqa: N806
 
-    from kvrag.bench.config import split_method_specs
+    from kvrag_bench.config import split_method_specs
 
     _setup(args)
     cfg = PromptKLConfig(
@@ -393,8 +398,8 @@ def run_llamaindex_kl(args: argparse.Namespace) -> int:
 
 def run_dtype_kl(args: argparse.Namespace) -> int:
     """``kvrag bench dtype-kl``."""
-    from kvrag.bench.dtype_kl import DtypeKLConfig, markdown
-    from kvrag.bench.dtype_kl import run_dtype_kl as _run
+    from kvrag_bench.dtype_kl import DtypeKLConfig, markdown
+    from kvrag_bench.dtype_kl import run_dtype_kl as _run
 
     _setup(args)
     cfg = DtypeKLConfig(data=args.data, limit=args.limit, offset=args.offset, dtype=args.dtype or "bfloat16",
@@ -405,13 +410,13 @@ def run_dtype_kl(args: argparse.Namespace) -> int:
 
 def run_templates(args: argparse.Namespace) -> int:
     """``kvrag bench templates``."""
-    from kvrag.bench.data import load_requests
-    from kvrag.bench.templates import select_template, templates_markdown
     from kvrag.config import EngineConfig
     from kvrag.engine.engine import KVRAGEngine
     from kvrag.models import load_model
     from kvrag.prompting import TEMPLATES
     from kvrag.store.memory import MemoryStore
+    from kvrag_bench.data import load_requests
+    from kvrag_bench.templates import select_template, templates_markdown
 
     _setup(args)
     names = list(TEMPLATES) if args.candidates in ("all", "") else [c.strip() for c in args.candidates.split(",")]
@@ -424,7 +429,7 @@ def run_templates(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Standalone entry point: ``python -m kvrag.bench.cli bench ...``."""
+    """Standalone entry point: ``python -m kvrag_bench.cli bench ...``."""
     parser = argparse.ArgumentParser(prog="kvrag")
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)

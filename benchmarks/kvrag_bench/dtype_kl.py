@@ -35,12 +35,12 @@ def run_dtype_kl(cfg: DtypeKLConfig, command: str = "") -> dict[str, Any]:
     """Prefill every request in float32 and in ``cfg.dtype``; writes ``dtype_kl.json`` / ``.md`` to ``cfg.out``."""
     from tqdm.auto import tqdm
 
-    from kvrag.bench import aggregate
-    from kvrag.bench.data import load_requests
-    from kvrag.bench.metrics import kl_divergence
     from kvrag.engine.engine import KVRAGEngine
     from kvrag.models import load_model
     from kvrag.prompting import get_template
+    from kvrag_bench import aggregate
+    from kvrag_bench.data import load_requests
+    from kvrag_bench.metrics import kl_divergence
 
     if cfg.dtype == "float32":
         msg = "dtype-kl compares float32 with another dtype; pass --dtype bfloat16 or float16"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
-from kvrag.bench.metrics import extract_answer
+from kvrag_bench.metrics import extract_answer
 
 _YES_NO = re.compile(r"^(yes|no)\b", re.IGNORECASE)
 # a sentence end: ., ! or ? after 3 lower-case letters/digits (so "Dr. X", "St. Cloud", "U.S. Army" do not split)

@@ -57,7 +57,7 @@ def equivalence(device: str, dtypes: tuple[torch.dtype, ...] = (torch.float32, t
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvrag.bench.gpu_check", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m kvrag_bench.gpu_check", description=__doc__.splitlines()[0])
     p.add_argument("--out", default="runs/gpu-check")
     p.add_argument("--length", type=int, default=4096, help="context tokens of the TTFT sweep")
     p.add_argument("--data", default=None, help="QA JSONL supplying the sweep's text (default: built-in text)")
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     eq = equivalence("cuda")
-    from kvrag.bench.sweep import SweepConfig, run_sweep
+    from kvrag_bench.sweep import SweepConfig, run_sweep
 
     sweep = run_sweep(SweepConfig(data=args.data, methods=["full", "stale", "relaxkv:r=0.15", "cacherepair"],
                                   lengths=[args.length], chunk_counts=[], chunks=8, repeats=2, out=str(out / "sweep"),

@@ -27,8 +27,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvrag.bench import aggregate
 from kvrag.errors import ConfigError
+from kvrag_bench import aggregate
 
 log = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
 """``kvrag bench load``: N concurrent clients x M questions through a stock LlamaIndex query engine.
 
-It lives in this integration package because it drives a LlamaIndex query engine (the kvrag core never imports
-its own adapters); the ``kvrag bench load`` command imports it from here. The query engine is built the way
-:mod:`llama_index.postprocessor.kvrag.demo` and ``examples/llamaindex_quickstart.py`` build it: a FAISS
+It needs the LlamaIndex distributions (``llama-index-llms-kvrag``, ``llama-index-postprocessor-kvrag``,
+``llama-index-embeddings-huggingface``). The query engine is built the way ``examples/demo.py`` and
+``examples/llamaindex_quickstart.py`` build it: a FAISS
 ``VectorStoreIndex`` over the sample documents (``examples/data``) with every chunk's KV cache computed at indexing
 time, and ``index.as_query_engine(llm=KVCachedLLM(...), node_postprocessors=[KVCachePostprocessor(...)],
 streaming=True)``. One engine, one LLM and one query engine are shared by all clients, as in a server.
@@ -98,13 +98,13 @@ class LoadConfig:
 
 
 def default_docs_dir() -> Path:
-    from llama_index.postprocessor.kvrag.demo import default_docs_dir as sample_docs
-
-    d = sample_docs()
-    if d is None:
-        msg = "no documents: pass --docs DIR (the sample collection lives in the repository's examples/data)"
-        raise ConfigError(msg)
-    return d
+    """The sample collection ``examples/data`` of the kvrag repository (searched above this file, then the cwd)."""
+    for base in (*Path(__file__).resolve().parents, Path.cwd()):
+        d = base / "examples" / "data"
+        if d.is_dir():
+            return d
+    msg = "no documents: pass --docs DIR (the sample collection lives in the repository's examples/data)"
+    raise ConfigError(msg)
 
 
 def schedule(cfg: LoadConfig) -> list[list[str]]:
@@ -141,10 +141,21 @@ def build_query_engine(engine: Any, embed_model: Any, cfg: LoadConfig) -> tuple[
     return qe, llm, len(index.docstore.docs)
 
 
+def streamed_query(query_engine: Any, question: str) -> tuple[str, float, float]:
+    """Run a streaming query: (answer, seconds from the call to the first non-empty token, total seconds)."""
+    t0 = time.perf_counter()
+    resp = query_engine.query(question)
+    ttft, parts = None, []
+    for delta in resp.response_gen:
+        if delta and ttft is None:
+            ttft = time.perf_counter() - t0
+        parts.append(delta)
+    total = time.perf_counter() - t0
+    return "".join(parts), ttft if ttft is not None else total, total
+
+
 def timed_query(qe: Any, llm: Any, question: str) -> dict[str, Any]:
     """One streaming query: answer, TTFT (call -> first non-empty token), total time, LLM-side stats."""
-    from llama_index.postprocessor.kvrag.demo import streamed_query
-
     answer, ttft, total = streamed_query(qe, question)
     info = llm.last_info or {}  # the record made in THIS thread's context
     kw = info.get("additional_kwargs", {})
@@ -167,7 +178,7 @@ def run_load(cfg: LoadConfig, *, engine: Any = None, embed_model: Any = None) ->
     """
     from tqdm.auto import tqdm
 
-    from kvrag.bench import aggregate
+    from kvrag_bench import aggregate
 
     t_setup = time.perf_counter()
     if engine is None:

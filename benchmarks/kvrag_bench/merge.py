@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvrag.bench import aggregate, plots
 from kvrag.errors import ConfigError
+from kvrag_bench import aggregate, plots
 
 
 def merge_runs(out: str | os.PathLike[str], runs: Sequence[str | os.PathLike[str]], *, n_boot: int = 1000,

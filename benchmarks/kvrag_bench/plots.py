@@ -15,8 +15,8 @@ log = logging.getLogger(__name__)
 def _pyplot() -> Any:
     try:
         import matplotlib
-    except ImportError as e:  # pragma: no cover - matplotlib is in the bench extra
-        msg = "plots need matplotlib; install it with `pip install 'kvrag[bench]'`"
+    except ImportError as e:  # pragma: no cover - matplotlib is a kvrag-bench dependency
+        msg = "plots need matplotlib (a dependency of kvrag-bench); install it with `pip install -e benchmarks`"
         raise ImportError(msg) from e
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt

@@ -13,8 +13,8 @@ first chunk, rather than kvrag's benchmark template.
 3. Each recorded call is prepared again with ``full`` and with every method on the same plan, and the next-token
    distributions are compared: KL(full || method) in nats and top-1 agreement with full.
 
-It lives in this integration package because it drives a LlamaIndex query engine; ``kvrag bench llamaindex-kl``
-imports it from here.
+It needs the LlamaIndex distributions (``llama-index-llms-kvrag``, ``llama-index-postprocessor-kvrag``,
+``llama-index-embeddings-huggingface``).
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def compare(engine: Any, calls: Sequence[dict[str, Any]], methods: Sequence[str]
     """KL(full || method) and top-1 agreement of the next-token distribution for every recorded call."""
     from tqdm.auto import tqdm
 
-    from kvrag.bench.metrics import kl_divergence
+    from kvrag_bench.metrics import kl_divergence
 
     rows = []
     for c in tqdm(calls, desc="compare", unit="call", disable=not progress):
@@ -150,8 +150,8 @@ def markdown(result: dict[str, Any]) -> str:
 def run_prompt_kl(cfg: PromptKLConfig, *, engine: Any = None, embed_model: Any = None,
                   command: str = "") -> dict[str, Any]:
     """Record the calls, compare the methods, write ``llamaindex_kl.json`` / ``.md`` under ``cfg.out``."""
-    from kvrag.bench import aggregate
-    from kvrag.bench.data import load_requests
+    from kvrag_bench import aggregate
+    from kvrag_bench.data import load_requests
 
     if cfg.rows < 1:
         msg = f"rows must be >= 1, got {cfg.rows}"

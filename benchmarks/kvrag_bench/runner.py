@@ -14,12 +14,12 @@ each context passage one reusable chunk, in the given order):
    relative RMSE vs the full prefill by region (first chunk, the first ``boundary_tokens`` of each later chunk,
    the interior of later chunks).
 
-Its data (:mod:`kvrag.bench.data`), settings (:mod:`kvrag.bench.config`), answer extraction
-(:mod:`kvrag.bench.extract`) and memory probe (:mod:`kvrag.bench.memory`) live in their own modules.
+Its data (:mod:`kvrag_bench.data`), settings (:mod:`kvrag_bench.config`), answer extraction
+(:mod:`kvrag_bench.extract`) and memory probe (:mod:`kvrag_bench.memory`) live in their own modules.
 
 One line per finished request is appended to ``results.jsonl`` (flushed and fsynced), so a rerun with the same
 configuration skips finished requests. ``summary.json`` / ``summary.md`` and the Pareto plots are rewritten at
-the end of every run (:mod:`kvrag.bench.aggregate`, :mod:`kvrag.bench.plots`).
+the end of every run (:mod:`kvrag_bench.aggregate`, :mod:`kvrag_bench.plots`).
 """
 
 from __future__ import annotations
@@ -36,18 +36,18 @@ from typing import Any
 
 import torch
 
-from kvrag.bench import aggregate, provenance
-from kvrag.bench.config import BenchConfig, resolve_methods
-from kvrag.bench.data import QARequest, load_requests
-from kvrag.bench.extract import EXTRACTORS
-from kvrag.bench.memory import PeakMemory
-from kvrag.bench.metrics import exact_match, f1_score, kl_divergence, kv_rel_rmse
 from kvrag.config import EngineConfig, GenerationConfig
 from kvrag.errors import ConfigError, ContextLengthError
 from kvrag.fusion import FusionMethod, get_method
 from kvrag.fusion.cost import ModelCost
 from kvrag.kv import hf_cache
 from kvrag.prompting import RagTemplate, get_template
+from kvrag_bench import aggregate, provenance
+from kvrag_bench.config import BenchConfig, resolve_methods
+from kvrag_bench.data import QARequest, load_requests
+from kvrag_bench.extract import EXTRACTORS
+from kvrag_bench.memory import PeakMemory
+from kvrag_bench.metrics import exact_match, f1_score, kl_divergence, kv_rel_rmse
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ class QABenchmark:
     @property
     def peer(self) -> Any:
         if self._peer is None and self.cfg.peer:
-            from kvrag.bench.peer import make_peer
+            from kvrag_bench.peer import make_peer
 
             self._peer = make_peer(self.cfg.peer, self.engine)
         return self._peer
@@ -428,7 +428,7 @@ class QABenchmark:
         summary["config"]["template"] = self.template.name
         aggregate.write_summary(self.out, summary)
         if self.cfg.plots and summary["methods"]:
-            from kvrag.bench import plots
+            from kvrag_bench import plots
 
             plots.pareto_plots(summary, self.out)
         return summary

@@ -22,11 +22,11 @@ from typing import Any
 
 import torch
 
-from kvrag.bench import aggregate
 from kvrag.errors import ConfigError
 from kvrag.kv.chunk import ChunkKV
 from kvrag.kv.spec import KVSpec
 from kvrag.store import serde
+from kvrag_bench import aggregate
 
 log = logging.getLogger(__name__)
 

@@ -24,14 +24,14 @@ from typing import Any
 
 import torch
 
-from kvrag.bench import aggregate, provenance
-from kvrag.bench.config import resolve_methods
-from kvrag.bench.data import load_requests
-from kvrag.bench.memory import PeakMemory
-from kvrag.bench.runner import ensure_cached
 from kvrag.config import EngineConfig, GenerationConfig
 from kvrag.errors import ConfigError
 from kvrag.prompting import get_template, render_passage
+from kvrag_bench import aggregate, provenance
+from kvrag_bench.config import resolve_methods
+from kvrag_bench.data import load_requests
+from kvrag_bench.memory import PeakMemory
+from kvrag_bench.runner import ensure_cached
 
 log = logging.getLogger(__name__)
 
@@ -215,7 +215,7 @@ class Sweep:
                   "points": pts}
         result = aggregate.jsonable(result)
         aggregate.write_result(out, "sweep", result, sweep_markdown(result))
-        from kvrag.bench import plots
+        from kvrag_bench import plots
 
         plots.sweep_plots(pts, out, title=str(getattr(self.engine.loaded, "name", cfg.model or "default model")))
         return result

@@ -19,15 +19,15 @@ from typing import Any
 
 import torch
 
-from kvrag.bench import aggregate
-from kvrag.bench.data import QARequest
-from kvrag.bench.extract import EXTRACTORS
-from kvrag.bench.metrics import bootstrap_ci, exact_match, f1_score
 from kvrag.config import GenerationConfig
 from kvrag.engine.generate import decode
 from kvrag.errors import ConfigError
 from kvrag.kv import hf_cache
 from kvrag.prompting import TEMPLATES, RagTemplate, get_template
+from kvrag_bench import aggregate
+from kvrag_bench.data import QARequest
+from kvrag_bench.extract import EXTRACTORS
+from kvrag_bench.metrics import bootstrap_ci, exact_match, f1_score
 
 log = logging.getLogger(__name__)
 

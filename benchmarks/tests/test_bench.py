@@ -10,15 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvrag.bench import aggregate, plots, provenance
-from kvrag.bench.config import BenchConfig, method_labels, resolve_methods, split_method_specs
-from kvrag.bench.data import load_requests
-from kvrag.bench.runner import QABenchmark, region_masks
 from kvrag.config import EngineConfig
 from kvrag.engine.engine import KVRAGEngine
 from kvrag.errors import ConfigError
 from kvrag.store.memory import MemoryStore
 from kvrag.testing.tiny import tiny_model
+from kvrag_bench import aggregate, plots, provenance
+from kvrag_bench.config import BenchConfig, method_labels, resolve_methods, split_method_specs
+from kvrag_bench.data import load_requests
+from kvrag_bench.runner import QABenchmark, region_masks
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "qa_tiny.jsonl"
 REQUIRED = {"n", "f1", "em", "kl", "ttft_p50_s", "ttft_p90_s", "ttft_ratio", "f1_gap_recovery", "kl_gap_recovery"}
@@ -122,7 +122,7 @@ def test_results_name_the_commit_the_run_started_at(monkeypatch: pytest.MonkeyPa
 
 
 def test_extract_short() -> None:
-    from kvrag.bench.extract import extract_short
+    from kvrag_bench.extract import extract_short
 
     assert extract_short("No, the battle was fought in 1862.") == "no"
     assert extract_short("Answer: Spain.") == "Spain"
@@ -228,7 +228,7 @@ def test_peer_llamaindex_hf(engine: KVRAGEngine, tmp_path: Path) -> None:
 
 
 def test_sweep_tiny(engine: KVRAGEngine, tmp_path: Path) -> None:
-    from kvrag.bench.sweep import SweepConfig, run_sweep
+    from kvrag_bench.sweep import SweepConfig, run_sweep
 
     cfg = SweepConfig(methods=["full", "stale"], lengths=[64, 128], chunks=2, chunk_counts=[1, 4], content_tokens=128,
                       repeats=1, out=str(tmp_path / "sweep"), progress=False)
@@ -242,7 +242,7 @@ def test_sweep_tiny(engine: KVRAGEngine, tmp_path: Path) -> None:
 
 
 def test_store_bench_tiny(engine: KVRAGEngine, tmp_path: Path) -> None:
-    from kvrag.bench.store_bench import StoreBenchConfig, run_store_bench
+    from kvrag_bench.store_bench import StoreBenchConfig, run_store_bench
 
     cfg = StoreBenchConfig(backends=["memory", "file"], codecs=["native", "float16", "int8"], chunks=3,
                            chunk_tokens=16, repeats=1, out=str(tmp_path / "store"), spec=engine.spec, progress=False)
@@ -255,8 +255,8 @@ def test_store_bench_tiny(engine: KVRAGEngine, tmp_path: Path) -> None:
 
 
 def test_template_selection_tiny(engine: KVRAGEngine, tmp_path: Path) -> None:
-    from kvrag.bench.templates import select_template
     from kvrag.prompting import TEMPLATES
+    from kvrag_bench.templates import select_template
 
     res = select_template(engine, load_requests(DATA, limit=2), tmp_path / "tpl", ["basic", "oneshot-chat"],
                           max_new_tokens=3, n_boot=20, progress=False)
@@ -265,7 +265,7 @@ def test_template_selection_tiny(engine: KVRAGEngine, tmp_path: Path) -> None:
 
 
 def test_cli_mounts_bench_commands() -> None:
-    from kvrag.bench.cli import add_bench_arguments, run_bench, run_store, run_sweep, run_templates
+    from kvrag_bench.cli import add_bench_arguments, run_bench, run_store, run_sweep, run_templates
 
     p = argparse.ArgumentParser(prog="kvrag")
     add_bench_arguments(p.add_subparsers(dest="command"))
@@ -278,7 +278,7 @@ def test_cli_mounts_bench_commands() -> None:
 
 
 def test_combined_pareto_plot(tmp_path: Path) -> None:
-    from kvrag.bench.cli import main as bench_main
+    from kvrag_bench.cli import main as bench_main
 
     def summ(methods: dict[str, tuple[float, float]]) -> dict:
         return {"methods": {k: {"ttft_ratio": r, "kl": kl, "f1": 0.5} for k, (r, kl) in methods.items()}}
@@ -295,8 +295,8 @@ def test_combined_pareto_plot(tmp_path: Path) -> None:
 def test_merge_of_split_runs_equals_the_run_over_all_rows(engine: KVRAGEngine, tmp_path: Path) -> None:
     """Two runs over disjoint row ranges merge into the summary one run over all rows reports (quality metrics are
     deterministic; TTFT differs run to run, so only its presence is checked); mismatched runs are refused."""
-    from kvrag.bench.cli import main as bench_main
-    from kvrag.bench.merge import merge_runs
+    from kvrag_bench.cli import main as bench_main
+    from kvrag_bench.merge import merge_runs
 
     methods = "full,stale"
     whole = QABenchmark(_cfg(tmp_path, methods, limit=3), engine).run()

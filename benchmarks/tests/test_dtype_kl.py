@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from kvrag.bench.dtype_kl import DtypeKLConfig, markdown, run_dtype_kl
 from kvrag.errors import ConfigError
 from kvrag.testing.tiny import tiny_model
+from kvrag_bench.dtype_kl import DtypeKLConfig, markdown, run_dtype_kl
 
 ROW = {"id": "q1", "question": "Which city is the capital of France?", "answers": ["Paris"],
        "contexts": [{"title": "Paris", "text": "Paris is the capital and largest city of France."},
@@ -33,8 +33,8 @@ def test_dtype_kl_tiny_model(tmp_path: Path) -> None:
 
 
 def test_cli_is_wired() -> None:
-    from kvrag.bench.cli import run_dtype_kl as cli_run
     from kvrag.cli import build_parser
+    from kvrag_bench.cli import run_dtype_kl as cli_run
 
     args = build_parser().parse_args(["bench", "dtype-kl", "--data", "x.jsonl", "--limit", "3", "--threads", "1"])
     assert args.func is cli_run and (args.limit, args.dtype, args.threads) == (3, "bfloat16", 1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvrag.bench import gpu_check
+from kvrag_bench import gpu_check
 
 
 def test_without_cuda_it_says_so_and_exits_zero(monkeypatch, capsys, tmp_path) -> None:

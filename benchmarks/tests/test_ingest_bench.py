@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvrag.bench.ingest_bench import IngestBenchConfig, ingest_markdown, run_ingest_bench
 from kvrag.store.factory import store_from_url
 from kvrag.testing.tiny import tiny_model
+from kvrag_bench.ingest_bench import IngestBenchConfig, ingest_markdown, run_ingest_bench
 
 GROUPS = [
     {"titles": ["Paris", "Lyon"], "passages": ["Paris is the capital of France.", "Lyon lies on the Rhone."]},

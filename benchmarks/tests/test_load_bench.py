@@ -7,7 +7,13 @@ import shutil
 from pathlib import Path
 
 import pytest
-from llama_index.postprocessor.kvrag.load_bench import (
+
+from kvrag.config import EngineConfig
+from kvrag.engine.engine import KVRAGEngine
+from kvrag.errors import ConfigError
+from kvrag.store import MemoryStore
+from kvrag.testing.tiny import tiny_model
+from kvrag_bench.load_bench import (
     QUESTIONS,
     LoadConfig,
     load_markdown,
@@ -16,16 +22,10 @@ from llama_index.postprocessor.kvrag.load_bench import (
     schedule,
 )
 
-from kvrag.config import EngineConfig
-from kvrag.engine.engine import KVRAGEngine
-from kvrag.errors import ConfigError
-from kvrag.store import MemoryStore
-from kvrag.testing.tiny import tiny_model
-
 pytest.importorskip("llama_index.llms.kvrag", reason="needs the LlamaIndex integrations (make setup-dev)")
 pytest.importorskip("llama_index.embeddings.huggingface", reason="needs llama-index-embeddings-huggingface")
 
-DATA = Path(__file__).resolve().parents[3] / "examples" / "data"
+DATA = Path(__file__).resolve().parents[2] / "examples" / "data"
 
 
 def test_schedule_and_percentiles() -> None:
@@ -65,8 +65,8 @@ def test_load_tiny_model_no_errors_no_cross_talk(tmp_path: Path) -> None:
 
 
 def test_bench_load_cli_is_wired() -> None:
-    from kvrag.bench.cli import run_load as cli_run_load
     from kvrag.cli import build_parser
+    from kvrag_bench.cli import run_load as cli_run_load
 
     args = build_parser().parse_args(["bench", "load", "--clients", "8", "--questions", "50", "--threads", "1",
                                       "--method", "stale", "--max-new-tokens", "16", "--store", "memory://"])

@@ -1,4 +1,4 @@
-"""kvrag.bench.metrics against hand-computed values."""
+"""kvrag_bench.metrics against hand-computed values."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvrag.bench.metrics import (
+from kvrag.errors import ConfigError
+from kvrag_bench.metrics import (
     bootstrap_ci,
     exact_match,
     extract_answer,
@@ -19,7 +20,6 @@ from kvrag.bench.metrics import (
     normalize_answer,
     paired_bootstrap,
 )
-from kvrag.errors import ConfigError
 
 # ------------------------------------------------------------------ SQuAD EM / F1
 

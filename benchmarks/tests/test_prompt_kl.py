@@ -6,12 +6,12 @@ import json
 from pathlib import Path
 
 import pytest
-from llama_index.postprocessor.kvrag.prompt_kl import PromptKLConfig, markdown, run_prompt_kl
 
 from kvrag.config import EngineConfig
 from kvrag.engine.engine import KVRAGEngine
 from kvrag.store import MemoryStore
 from kvrag.testing.tiny import tiny_model
+from kvrag_bench.prompt_kl import PromptKLConfig, markdown, run_prompt_kl
 
 pytest.importorskip("llama_index.llms.kvrag", reason="needs the LlamaIndex integrations (make setup-dev)")
 pytest.importorskip("llama_index.embeddings.huggingface", reason="needs llama-index-embeddings-huggingface")
@@ -54,10 +54,10 @@ def test_llamaindex_kl_tiny_model(tmp_path: Path) -> None:
 
 def test_llamaindex_prompts_are_the_defaults(tmp_path: Path) -> None:
     from llama_index.embeddings.huggingface import HuggingFaceEmbedding
-    from llama_index.postprocessor.kvrag.prompt_kl import record_calls
 
-    from kvrag.bench.data import load_requests
     from kvrag.default_model import default_embedder_path
+    from kvrag_bench.data import load_requests
+    from kvrag_bench.prompt_kl import record_calls
 
     data = tmp_path / "qa.jsonl"
     data.write_text(json.dumps(ROWS[0]) + "\n")
