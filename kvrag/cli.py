@@ -57,11 +57,21 @@ def cmd_pull(args: argparse.Namespace) -> int:
     return 0
 
 
+def _require_index_extras() -> None:
+    """kvrag's own index needs FAISS and sentence-transformers: fail before loading a model, naming the extras."""
+    from kvrag.index import import_faiss
+    from kvrag.models import import_sentence_transformers
+
+    import_faiss()
+    import_sentence_transformers()
+
+
 def cmd_ingest(args: argparse.Namespace) -> int:
     from kvrag.index import ChunkIndex, make_chunks, read_documents
     from kvrag.models import load_embedder
 
     t0 = time.perf_counter()
+    _require_index_extras()
     docs = read_documents(args.docs_dir)
     if not any(text.strip() for _, text in docs):  # before loading a model for nothing
         print(f"error: every document under {args.docs_dir} is empty or whitespace-only; nothing to ingest",
@@ -109,6 +119,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
     from kvrag.models import load_embedder
     from kvrag.prompting import RagTemplate, get_template, render_passage
 
+    _require_index_extras()
     index = ChunkIndex.load(args.persist)
     man = index.manifest
     model = args.model or (None if man.get("model") == "smollm2-135m-instruct" else man.get("model"))
@@ -382,6 +393,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except KVRAGError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except ImportError as e:  # a missing optional package: its message names the extra to install
+        log.debug("import failed", exc_info=True)
         print(f"error: {e}", file=sys.stderr)
         return 2
 
