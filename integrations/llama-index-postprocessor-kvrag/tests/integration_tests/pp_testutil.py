@@ -7,7 +7,7 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-DATA = Path(__file__).resolve().parents[3] / "examples" / "data"
+DATA = Path(__file__).resolve().parents[4] / "examples" / "data"
 DOC_FILES = ["02_fares.md", "03_trams.md", "04_ferries.md"]
 
 
