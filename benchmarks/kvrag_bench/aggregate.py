@@ -2,7 +2,8 @@
 
 ``summary.json`` layout::
 
-    {"config": {...}, "git_sha": "...", "versions": {...}, "hardware": {...},
+    {"config": {...}, "git_sha": "...", "versions": {...}, "hardware": {... "cpu_bf16": "amx_bf16" | ...},
+     "machine": {"kind": "cpu-amx-bf16" | "cpu-avx2" | "cuda-<gpu>" ..., "device", "dtype", "cpu_bf16"},
      "n_requests": N, "reference": {"full": label, "stale": label}, "quality_ceiling_f1": F1 of full,
      "context_tokens": {"mean", "p50", "min", "max"},
      "methods": {spec: {"n", "f1", "em", "kl", "ttft_p50_s", "ttft_p90_s", "ttft_ratio",
@@ -26,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from kvrag_bench.metrics import bootstrap_ci, gap_recovery, paired_bootstrap
-from kvrag_bench.provenance import environment_info  # also re-exported: result writers outside kvrag_bench use it
+from kvrag_bench.provenance import environment_info, machine_label  # environment_info: re-exported for result writers
 
 log = logging.getLogger(__name__)
 
@@ -308,10 +309,17 @@ def _pm(d: dict[str, Any] | None, nd: int = 3) -> str:
 
 def summary_markdown(summary: dict[str, Any]) -> str:
     """The ``summary.md`` text: a main table, a KV-fidelity table, a TTFT breakdown and the provenance."""
-    lines = ["# kvrag QA benchmark", ""]
+    machine = summary.get("machine") or {}
+    hw = summary.get("hardware", {})
+    lines = [f"# kvrag QA benchmark: {machine_label(summary)}", ""]
     cfg = summary.get("config", {})
     ctx = summary.get("context_tokens", {})
     lines += [
+        f"Machine `{machine.get('kind', '?')}` ({hw.get('cpu', '?')}; CPU native bf16: {hw.get('cpu_bf16') or 'none'}; "
+        f"GPU {hw.get('gpu') or 'none'}), device `{machine.get('device', '?')}`, compute dtype "
+        f"`{machine.get('dtype', '?')}`, torch threads {hw.get('torch_threads', '?')}. Compare TTFT ratios only "
+        "within one machine kind and dtype.",
+        "",
         f"{summary.get('n_requests', 0)} requests from `{cfg.get('data', '?')}`; model `{(summary.get('model') or {}).get('name') or cfg.get('model') or 'default'}`; "
         f"template `{cfg.get('template', '?')}`; context tokens mean {_f(ctx.get('mean'), 0)} "
         f"(min {_f(ctx.get('min'), 0)}, max {_f(ctx.get('max'), 0)}), {_f(summary.get('n_chunks_mean'), 1)} chunks a request. "
@@ -376,10 +384,12 @@ def summary_markdown(summary: dict[str, Any]) -> str:
         lines.append(f"| `{lbl}` | " + " | ".join(_ms(t.get(k)) for k in TIMING_KEYS[:-1])
                      + f" | {_f(m.get('flop_share'), 3)} | {_f(m.get('ttft_ratio'), 3)} | {_f(m.get('overhead'), 2)}"
                      + f" | {_f(mem / 2**20 if mem is not None else None, 1)} |")
-    hw, ver = summary.get("hardware", {}), summary.get("versions", {})
+    ver = summary.get("versions", {})
     lines += ["", "## Provenance", "",
               f"- git: `{summary.get('git_sha')}`",
               "- versions: " + ", ".join(f"{k} {v}" for k, v in ver.items()),
+              f"- machine: {machine.get('kind', '?')}, device {machine.get('device', '?')}, dtype "
+              f"{machine.get('dtype', '?')}, CPU native bf16 {hw.get('cpu_bf16') or 'none'}",
               f"- hardware: {hw.get('cpu')} ({hw.get('cores')} cores, torch threads {hw.get('torch_threads')}, "
               f"RAM {_f((hw.get('ram_bytes') or 0) / 2**30, 1)} GiB, GPU {hw.get('gpu') or 'none'}, load avg {hw.get('load_avg')})",
               ""]

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from kvrag.errors import ConfigError
-from kvrag_bench import aggregate, plots
+from kvrag_bench import aggregate, plots, provenance
 
 
 def merge_runs(out: str | os.PathLike[str], runs: Sequence[str | os.PathLike[str]], *, n_boot: int = 1000,
@@ -49,10 +49,14 @@ def merge_runs(out: str | os.PathLike[str], runs: Sequence[str | os.PathLike[str
     for p in paths:
         sp = p / "summary.json"
         js = json.loads(sp.read_text()) if sp.is_file() else {}
-        envs.append({k: js.get(k) for k in ("git_sha", "versions", "hardware")})
+        envs.append({k: js.get(k) for k in ("git_sha", "versions", "hardware", "machine")})
     shas = {e["git_sha"] for e in envs}
     if len(shas) > 1:
         raise ConfigError(f"the runs were made at different commits ({sorted(map(str, shas))}); merge runs of one commit")
+    kinds = {provenance.machine_label(e) for e in envs}
+    if len(kinds) > 1:
+        raise ConfigError(f"the runs were made on different machine kinds / dtypes ({sorted(kinds)}); their TTFT "
+                          "ratios are not comparable: merge runs of one machine kind and dtype")
     per_run = [aggregate.read_jsonl(p / "results.jsonl") for p in paths]
     rows = [row for run_rows in per_run for row in run_rows]
     seen: set[str] = set()
@@ -65,7 +69,8 @@ def merge_runs(out: str | os.PathLike[str], runs: Sequence[str | os.PathLike[str
     cfg = {**metas[0]["config"], "out": str(out), "limit": len(rows),
            "offset": min(int(m["config"].get("offset", 0)) for m in metas)}
     summary = aggregate.summarize(rows, labels, config=cfg, env=envs[0], n_boot=n_boot, seed=seed,
-                                  extra={"merged_from": parts, "merged_hardware": [e["hardware"] for e in envs]})
+                                  extra={"merged_from": parts, "merged_hardware": [e["hardware"] for e in envs],
+                                         **({"machine": envs[0]["machine"]} if envs[0].get("machine") else {})})
     Path(out).mkdir(parents=True, exist_ok=True)
     aggregate.write_summary(out, summary)
     if make_plots:

@@ -1,4 +1,5 @@
-"""Provenance of result files: the commit a run executes, library versions, the hardware it ran on."""
+"""Provenance of result files: the commit a run executes, library versions, the hardware it ran on, and the kind of
+machine and compute dtype its numbers belong to (results are comparable only within one (machine kind, dtype))."""
 
 from __future__ import annotations
 
@@ -58,9 +59,64 @@ def _ram_bytes() -> int | None:
     return None
 
 
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[-1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def cpu_kind(native_bf16: str | None, flags: set[str] | frozenset[str] = frozenset(), arch: str = "") -> str:
+    """A short label of what a CPU's matrix math runs on: ``cpu-amx-bf16``, ``cpu-avx512bf16`` (native bfloat16,
+    see :func:`kvrag.models.cpu_native_bf16`), ``cpu-avx512``, ``cpu-avx2``, else ``cpu-<architecture>``."""
+    if native_bf16 == "amx_bf16":
+        return "cpu-amx-bf16"
+    if native_bf16 == "avx512_bf16":
+        return "cpu-avx512bf16"
+    if "avx512f" in flags:
+        return "cpu-avx512"
+    if "avx2" in flags:
+        return "cpu-avx2"
+    return f"cpu-{(arch or platform.machine() or 'unknown').lower()}"
+
+
+def _slug(name: str) -> str:
+    return "-".join("".join(c if c.isalnum() else " " for c in name.lower()).split()) or "unknown"
+
+
+def machine_info(device: Any, dtype: Any, hw: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``{"kind", "device", "dtype", "cpu_bf16"}`` of a run: the machine kind label (``cuda-<gpu name>`` on a CUDA
+    device, else :func:`cpu_kind`), the device and compute dtype the model ran in, and the CPU's native-bf16 unit.
+
+    Args:
+        device: the model's device (``torch.device`` or its string).
+        dtype: the model's compute dtype (``torch.dtype`` or its name).
+        hw: :func:`hardware` (default: measured now).
+    """
+    hw = hw if hw is not None else hardware()
+    dev = str(device)
+    if dev.startswith("cuda"):
+        kind = f"cuda-{_slug(str(hw.get('gpu') or 'gpu'))}"
+    else:
+        kind = cpu_kind(hw.get("cpu_bf16"), _cpu_flags())
+    return {"kind": kind, "device": dev, "dtype": str(dtype).removeprefix("torch."), "cpu_bf16": hw.get("cpu_bf16")}
+
+
+def machine_label(summary: dict[str, Any]) -> str:
+    """``"<kind>, <dtype>"`` of a result file (``machine`` field; "unknown machine" for files written before it)."""
+    m = summary.get("machine") or {}
+    return f"{m.get('kind', 'unknown machine')}, {m.get('dtype', 'unknown dtype')}"
+
+
 def hardware() -> dict[str, Any]:
-    """CPU model, logical cores, torch threads, RAM, load average and the GPU name (if any)."""
+    """CPU model, its native-bf16 unit (``cpu_bf16``: 'amx_bf16' | 'avx512_bf16' | None), logical cores, torch
+    threads, RAM, load average and the GPU name (if any)."""
     import torch
+
+    from kvrag.models import cpu_native_bf16
 
     gpu = None
     if torch.cuda.is_available():
@@ -71,6 +127,7 @@ def hardware() -> dict[str, Any]:
         load = None
     return {
         "cpu": _cpu_model(),
+        "cpu_bf16": cpu_native_bf16(),
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "ram_bytes": _ram_bytes(),

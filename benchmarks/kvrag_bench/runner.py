@@ -423,7 +423,8 @@ class QABenchmark:
             mine, self.labels, peers=self.peer_names, config=self.cfg.to_dict(), n_boot=self.cfg.bootstrap,
             seed=self.cfg.seed,
             extra={"skipped_methods": list(self.skipped), "skip_reasons": dict(self.skip_reasons), "skipped_requests_too_long": list(too_long),
-                   "template": dataclasses.asdict(self.template), "model": self._model_info()},
+                   "template": dataclasses.asdict(self.template), "model": self._model_info(),
+                   "machine": provenance.machine_info(self.engine.loaded.device, self.engine.loaded.dtype)},
         )
         summary["config"]["template"] = self.template.name
         aggregate.write_summary(self.out, summary)

@@ -212,6 +212,7 @@ class Sweep:
         wanted = {(p[0], lbl, p[1], p[2]) for p in self.points() for lbl in labels}
         pts = [r for r in rows if (r["sweep"], r["method"], r["target_tokens"], r["n_chunks"]) in wanted]
         result = {"config": dataclasses.asdict(cfg), **aggregate.environment_info(), "skipped_methods": self.skipped,
+                  "machine": provenance.machine_info(self.engine.loaded.device, self.engine.loaded.dtype),
                   "points": pts}
         result = aggregate.jsonable(result)
         aggregate.write_result(out, "sweep", result, sweep_markdown(result))
@@ -242,7 +243,7 @@ def run_sweep(config: SweepConfig, engine: Any = None) -> dict[str, Any]:
 def sweep_markdown(result: dict[str, Any]) -> str:
     """Tables of median TTFT (ms) per point and method, and the TTFT ratio to ``full``."""
     pts = result.get("points", [])
-    lines = ["# TTFT sweep (cache-ready, median of repeats)", ""]
+    lines = [f"# TTFT sweep (cache-ready, median of repeats): {provenance.machine_label(result)}", ""]
     for sweep, title, col in (("length", "vs context length", "context tokens"), ("chunks", "vs chunk count", "chunks")):
         sp = [p for p in pts if p["sweep"] == sweep]
         if not sp:
@@ -260,7 +261,8 @@ def sweep_markdown(result: dict[str, Any]) -> str:
             lines.append(f"| {x} | " + " | ".join(cells) + f" | {mem} |")
         lines.append("")
     hw = result.get("hardware", {})
-    lines += [f"git `{result.get('git_sha')}`; {hw.get('cpu')} ({hw.get('cores')} cores, torch threads "
+    lines += [f"git `{result.get('git_sha')}`; {hw.get('cpu')} (CPU native bf16 {hw.get('cpu_bf16') or 'none'}, "
+              f"{hw.get('cores')} cores, torch threads "
               f"{hw.get('torch_threads')}, GPU {hw.get('gpu') or 'none'}, load avg {hw.get('load_avg')})", ""]
     return "\n".join(lines)
 
