@@ -16,7 +16,7 @@ LINT_DIRS := kvrag tests integrations benchmarks examples
 DATA ?=
 LIMIT ?= 100
 
-.PHONY: demo test test-unit bench setup setup-dev setup-bench lint clean gpu-check
+.PHONY: demo test test-unit bench bench-data setup setup-dev setup-bench lint clean gpu-check
 
 $(VENV)/.setup-stamp: pyproject.toml $(foreach d,$(INTEGRATIONS),$(d)/pyproject.toml)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -55,13 +55,16 @@ test: setup-dev
 test-unit: setup-dev
 	$(PY) -m pytest -q -p no:cacheprovider tests/unit benchmarks/tests $(foreach d,$(INTEGRATIONS),$(wildcard $(d)/tests/unit_tests))
 
-bench: setup-bench
+# Checked before any set-up, so a missing DATA fails at once.
+bench-data:
 	@if [ -z "$(DATA)" ]; then \
 	  echo "make bench needs DATA=path/to/qa.jsonl: the dev QA set of the published figures is not in this repository"; \
 	  echo "  (one request a line: id, question, answers, contexts[{title, text}]). A small sample ships:"; \
 	  echo "  make bench DATA=benchmarks/data/qa_tiny.jsonl"; \
 	  exit 2; fi
 	@test -f "$(DATA)" || { echo "make bench: DATA=$(DATA) is not a file (pass the QA JSONL to benchmark)"; exit 2; }
+
+bench: bench-data setup-bench
 	$(VENV)/bin/kvrag pull
 	$(VENV)/bin/kvrag bench --data "$(DATA)" --limit $(LIMIT) --out runs/bench
 
