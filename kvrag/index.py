@@ -97,6 +97,20 @@ def read_documents(docs_dir: str | os.PathLike[str]) -> list[tuple[str, str]]:
     return out
 
 
+def import_faiss() -> Any:
+    """The ``faiss`` module.
+
+    Raises:
+        ImportError: FAISS is not installed; the message names the extra (``kvrag[faiss]``).
+    """
+    try:
+        import faiss
+    except ImportError as e:
+        msg = "kvrag's chunk index (kvrag ingest / kvrag ask) needs FAISS; install it with: pip install 'kvrag[faiss]'"
+        raise ImportError(msg) from e
+    return faiss
+
+
 class ChunkIndex:
     """FAISS vectors + chunk texts, persisted in one directory."""
 
@@ -112,7 +126,7 @@ class ChunkIndex:
 
     @classmethod
     def build(cls, chunks: list[Chunk], embedder: Any, manifest: dict[str, Any], progress: bool = False) -> ChunkIndex:
-        import faiss
+        faiss = import_faiss()
 
         vecs = cls.embed(embedder, [c.text for c in chunks], progress)
         index = faiss.IndexFlatIP(vecs.shape[1])
@@ -120,7 +134,7 @@ class ChunkIndex:
         return cls(chunks, index, {**manifest, "format": INDEX_FORMAT, "dim": int(vecs.shape[1])})
 
     def save(self, persist: str | os.PathLike[str]) -> None:
-        import faiss
+        faiss = import_faiss()
 
         d = Path(persist)
         d.mkdir(parents=True, exist_ok=True)
@@ -136,7 +150,7 @@ class ChunkIndex:
 
     @classmethod
     def load(cls, persist: str | os.PathLike[str]) -> ChunkIndex:
-        import faiss
+        faiss = import_faiss()
 
         d = Path(persist)
         if not (d / "index.json").exists():

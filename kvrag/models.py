@@ -13,7 +13,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -250,6 +250,20 @@ def load_model(
     return loaded
 
 
+def import_sentence_transformers() -> Any:
+    """The ``sentence_transformers`` module.
+
+    Raises:
+        ImportError: it is not installed; the message names the extra (``kvrag[embed]``).
+    """
+    try:
+        import sentence_transformers
+    except ImportError as e:
+        msg = "the embedder needs sentence-transformers; install it with: pip install 'kvrag[embed]'"
+        raise ImportError(msg) from e
+    return sentence_transformers
+
+
 def load_embedder(name: str | os.PathLike[str] | None = None, *, device: str | None = None) -> SentenceTransformer:
     """Load a sentence-transformers embedder; None loads the embedded ``all-MiniLM-L6-v2`` offline.
 
@@ -258,13 +272,9 @@ def load_embedder(name: str | os.PathLike[str] | None = None, *, device: str | N
         device: passed to SentenceTransformer (default: its own choice).
 
     Raises:
-        ImportError: sentence-transformers or the default embedder wheel is missing.
+        ImportError: sentence-transformers (``pip install 'kvrag[embed]'``) or the default embedder wheel is missing.
     """
-    try:
-        from sentence_transformers import SentenceTransformer
-    except ImportError as e:
-        msg = "the embedder needs sentence-transformers; install it with `pip install sentence-transformers`"
-        raise ImportError(msg) from e
+    SentenceTransformer = import_sentence_transformers().SentenceTransformer  # noqa: N806
     if name is None:
         path = default_embedder_path()
         with hf_offline():

@@ -24,8 +24,8 @@ DEFAULT_QUESTION = "\n\nQuestion: {question}\nShort answer:"
 
 ANSWER_EXTRACTIONS = ("line", "raw", "short")
 """How a template's answer is read from the generated text: ``line`` = first non-empty line without an
-"Answer:"-style lead-in (:func:`kvrag.bench.metrics.extract_answer`), ``raw`` = the whole text, stripped,
-``short`` = ``line``, then a leading yes/no alone, else the first sentence (see :mod:`kvrag.bench.extract`)."""
+"Answer:"-style lead-in (:func:`kvrag_bench.metrics.extract_answer`), ``raw`` = the whole text, stripped,
+``short`` = ``line``, then a leading yes/no alone, else the first sentence (see :mod:`kvrag_bench.extract`)."""
 
 
 ROLE_ALIASES = {"human": "user", "ai": "assistant", "model": "assistant", "chatbot": "assistant",

@@ -185,12 +185,12 @@ def fit_cost_model(summary: dict[str, Any], *, source: str = "", machine_kind: s
         summary: the bench's ``summary.json``.
         source: where it came from (recorded).
         machine_kind / dtype: what the benchmark ran on (:func:`kvrag.calibration.machine_kind`, e.g.
-            'cpu-avx2', and 'float32'); default: the summary's ``hardware.machine_kind`` and ``dtype``
-            (or ``config.dtype``).
+            'cpu-avx2', and 'float32'); default: the summary's ``machine`` record (``kind``, ``dtype``; what
+            ``kvrag bench`` writes), else ``hardware.machine_kind`` and ``dtype`` (or ``config.dtype``).
     """
-    hw = summary.get("hardware") or {}
-    kind = machine_kind or hw.get("machine_kind")
-    dt = dtype or summary.get("dtype") or (summary.get("config") or {}).get("dtype")
+    hw, machine = summary.get("hardware") or {}, summary.get("machine") or {}
+    kind = machine_kind or machine.get("kind") or hw.get("machine_kind")
+    dt = dtype or machine.get("dtype") or summary.get("dtype") or (summary.get("config") or {}).get("dtype")
     if not kind or not dt:
         msg = ("the summary does not record the machine kind and dtype it was measured on; pass them "
                "(kvrag bench fit-auto --machine-kind cpu-avx2 --dtype float32; see kvrag.calibration.machine_kind)")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,6 +22,8 @@ from typing import Any
 from kvrag.errors import ConfigError
 from kvrag.repair.model import CONFIG_NAME
 from kvrag.repair.shipped import SHIPPED_DIR
+
+log = logging.getLogger(__name__)
 
 FILES = (CONFIG_NAME, "repair_model.safetensors", "stats.safetensors", "curve.jsonl")
 CARD = "MODEL_CARD.md"
@@ -41,6 +44,8 @@ def plot_curve(curve: Path, out: Path) -> Path | None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        log.warning("no learning curve in the model card: plotting needs matplotlib; install it with: "
+                    "pip install 'kvrag[train]'")
         return None
     train, evals = read_curve(curve)
     fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=120)

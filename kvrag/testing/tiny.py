@@ -8,6 +8,7 @@ deterministically in-process on a built-in corpus, with ChatML-style special tok
     lm = tiny_model("qwen3", rope={"rope_type": "linear", "factor": 2.0})
     ids = lm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
     logits = lm.model(input_ids=torch.tensor([ids])).logits      # [1, T, 256]
+    engine = tiny_engine("qwen2")                                  # a KVRAGEngine over one, memory store
 """
 
 from __future__ import annotations
@@ -260,4 +261,25 @@ def tiny_model(
     return wrap_model(model, tiny_tokenizer(), name=name, dtype=dtype)
 
 
-__all__ = ["CHAT_TEMPLATE", "FAMILIES", "INIT_STD", "SPECIAL_TOKENS", "tiny_config", "tiny_model", "tiny_tokenizer"]
+def tiny_engine(family: str = "qwen2", *, store: Any = None, init_std: float = 0.1, seed: int = 0,
+                **config: Any) -> Any:
+    """A :class:`~kvrag.engine.engine.KVRAGEngine` over :func:`tiny_model` (a memory store by default): what the
+    adapters' fast unit tests wrap, so that a framework's whole request path runs in seconds without a real model.
+
+    Args:
+        family: model family, see :data:`FAMILIES`.
+        store: a KV store (default: a fresh :class:`~kvrag.store.memory.MemoryStore`).
+        init_std: weight std; 0.1 (default here) makes chunk positions matter, so reuse methods differ from full.
+        seed: weight-initialization seed.
+        **config: :class:`~kvrag.config.EngineConfig` fields (e.g. ``method="full"``).
+    """
+    from kvrag.config import EngineConfig
+    from kvrag.engine.engine import KVRAGEngine
+    from kvrag.store.memory import MemoryStore
+
+    lm = tiny_model(family, init_std=init_std, seed=seed)
+    return KVRAGEngine(lm, store if store is not None else MemoryStore(), EngineConfig(**config))
+
+
+__all__ = ["CHAT_TEMPLATE", "FAMILIES", "INIT_STD", "SPECIAL_TOKENS", "tiny_config", "tiny_engine", "tiny_model",
+           "tiny_tokenizer"]

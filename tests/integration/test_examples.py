@@ -73,7 +73,7 @@ def test_chatbot_notebook(example_dir):
 
 
 def test_demo_main(example_dir, capsys):
-    from llama_index.postprocessor.kvrag import demo
+    demo = load_example("demo")
 
     methods, _notes = demo.pick_methods(None)
     assert methods[:2] == ["full", "stale"]

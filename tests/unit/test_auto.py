@@ -15,7 +15,7 @@ from kvrag.testing.fusion_suite import context_kv, fusion_case
 
 
 def _summary() -> dict:
-    """A bench summary as kvrag.bench.aggregate writes it (the fields fit_cost_model reads)."""
+    """A bench summary as kvrag_bench.aggregate writes it (the fields fit_cost_model reads)."""
     def m(ratio, share, kl, **stats):
         return {"ttft_ratio": ratio, "flop_share": share, "kl": kl, "method_stats_mean": stats}
     return {"methods": {

@@ -1,8 +1,9 @@
 """The house rules of docs/architecture.md (#layout, #conventions) that a parser can check: no import cycles, one
-concept per (short) module, and the core never imports its own framework adapters.
+concept per (short) module, and the core never imports its own framework adapters, the frameworks or the benchmarks.
 
-Imports are read from the AST of every module under ``kvrag/``, including imports inside functions (a lazy import
-is still a dependency); only ``if TYPE_CHECKING:`` blocks are skipped (annotations, never executed).
+Imports are read from the AST of every module under ``kvrag/`` (``kvrag/cli.py`` included), including imports
+inside functions (a lazy import is still a dependency) and ``importlib.import_module("name")`` / ``__import__``
+calls with a literal name; only ``if TYPE_CHECKING:`` blocks are skipped (annotations, never executed).
 """
 
 from __future__ import annotations
@@ -14,10 +15,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "kvrag"
 MAX_LINES = 500
-ADAPTER_PACKAGES = ("llama_index.llms.kvrag", "llama_index.postprocessor.kvrag", "langchain_kvrag")
-# `kvrag bench load` mounts the load harness of the LlamaIndex integration, imported lazily (ImportError names the
-# extra); no other core module may import an adapter distribution.
-ADAPTER_IMPORT_ALLOWED = {"kvrag/bench/cli.py"}
+# The core wheel imports no adapter (LlamaIndex / LangChain distributions, nor the frameworks themselves) and no
+# benchmark: `kvrag bench` is mounted from the kvrag-bench distribution through an entry point (kvrag.cli_plugins).
+FORBIDDEN_TOP_LEVEL = ("llama_index", "langchain", "kvrag_bench", "benchmarks")
 
 
 def _module_name(path: Path) -> str:
@@ -38,11 +38,12 @@ def _type_checking_nodes(tree: ast.AST) -> set[int]:
     return skip
 
 
-def _imports(path: Path) -> list[tuple[str, int]]:
-    """(imported module, line) for every runtime import in ``path``, relative imports resolved."""
+def _imports(path: Path, me: str | None = None) -> list[tuple[str, int]]:
+    """(imported module, line) for every runtime import in ``path`` (module ``me``, default: its name under the
+    repository root), relative imports resolved."""
     tree = ast.parse(path.read_text())
     skip = _type_checking_nodes(tree)
-    me = _module_name(path)
+    me = me or _module_name(path)
     package = me if path.name == "__init__.py" else me.rpartition(".")[0]
     out: list[tuple[str, int]] = []
     for node in ast.walk(tree):
@@ -50,6 +51,9 @@ def _imports(path: Path) -> list[tuple[str, int]]:
             continue
         if isinstance(node, ast.Import):
             out += [(a.name, node.lineno) for a in node.names]
+        elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+              and isinstance(node.args[0].value, str) and ast.unparse(node.func).endswith(("import_module", "__import__"))):
+            out.append((node.args[0].value, node.lineno))
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
@@ -123,8 +127,8 @@ def test_layers_point_down() -> None:
     """kv is the bottom layer; repair (the learned network and its data) sits below fusion, fusion below engine."""
     edges = _graph(2)
     assert edges["kvrag.kv"] <= {"kvrag.errors"}
-    assert not edges["kvrag.repair"] & {"kvrag.engine", "kvrag.fusion", "kvrag.adapters", "kvrag.bench"}
-    assert not edges["kvrag.fusion"] & {"kvrag.engine", "kvrag.adapters", "kvrag.bench"}
+    assert not edges["kvrag.repair"] & {"kvrag.engine", "kvrag.fusion", "kvrag.adapters"}
+    assert not edges["kvrag.fusion"] & {"kvrag.engine", "kvrag.adapters"}
     assert not edges["kvrag.store"] & {"kvrag.engine", "kvrag.fusion", "kvrag.repair", "kvrag.models"}
     # the model loader reads calibrations (dtype policy): kvrag.calibration must stay below models, fusion, engine
     assert edges["kvrag.calibration"] <= {"kvrag.paths"}
@@ -136,19 +140,42 @@ def test_modules_are_short() -> None:
     assert long == {}, f"split these by concept (docs/architecture.md#conventions rule 1, <= {MAX_LINES} lines): {long}"
 
 
-def test_core_does_not_import_its_adapters() -> None:
+def _forbidden(name: str) -> bool:
+    top = name.split(".")[0]
+    return top.startswith("langchain") or top in FORBIDDEN_TOP_LEVEL
+
+
+def test_core_imports_no_adapter_framework_or_benchmark() -> None:
+    modules = {str(p.relative_to(ROOT)) for p in PKG.rglob("*.py")}
+    assert "kvrag/cli.py" in modules  # the console script is held to the same rule
+    assert not (PKG / "bench").exists(), "the benchmarks live in benchmarks/kvrag_bench (distribution kvrag-bench)"
     bad = [f"{p.relative_to(ROOT)}:{line} {name}" for p in PKG.rglob("*.py") for name, line in _imports(p)
-           if name.startswith(ADAPTER_PACKAGES) and str(p.relative_to(ROOT)) not in ADAPTER_IMPORT_ALLOWED]
+           if _forbidden(name)]
     assert bad == []
 
 
+def test_the_layering_parser_sees_lazy_and_dynamic_imports(tmp_path) -> None:
+    """The rule above would pass vacuously if the parser missed these forms; it must not."""
+    probe = tmp_path / "probe.py"
+    probe.write_text("import importlib\n\n\ndef f():\n    from kvrag_bench import cli\n"
+                     "    importlib.import_module('llama_index.core')\n    __import__('langchain_core')\n"
+                     "    return cli\n")
+    names = [n for n, _ in _imports(probe, "kvrag.probe")]
+    assert [n for n in names if _forbidden(n)] == ["kvrag_bench", "llama_index.core", "langchain_core"]
+
+
 def test_import_kvrag_stays_light() -> None:
-    """``import kvrag`` imports neither redis, llama_index, langchain nor ray (docs/architecture.md#conventions, 9)."""
+    """``import kvrag`` imports no adapter, framework, benchmark or optional extra (redis, ray, faiss,
+    sentence-transformers, gguf), so it works with none of the extras installed (docs/architecture.md#conventions, 9)."""
     import subprocess
     import sys
 
-    code = ("import sys, kvrag, kvrag.adapters, kvrag.prompting; "
+    code = ("import sys, kvrag, kvrag.adapters, kvrag.prompting, kvrag.cli; kvrag.cli.build_parser; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('redis', 'llama_index', 'langchain', "
-            "'langchain_core', 'ray')))")
+            "'langchain_core', 'ray', 'faiss', 'sentence_transformers', 'gguf', 'kvrag_bench') "
+            "or m.startswith('kvrag.bench')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]"
+    issue = ("import kvrag, sys; assert not any(m.startswith(('llama_index', 'langchain', 'kvrag.bench', "
+             "'kvrag_bench')) for m in sys.modules)")
+    subprocess.run([sys.executable, "-c", issue], check=True, cwd=ROOT)

@@ -205,7 +205,9 @@ def test_default_embedder_loads_offline() -> None:
 
 def test_init_std_controls_position_sensitivity() -> None:
     """Default (0.02) weights barely react to a position gap; init_std=0.1 makes the RoPE effect measurable."""
-    from kvrag.bench.metrics import kl_divergence
+    def kl_divergence(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:  # KL(p || q) per position, float64
+        lp, lq = torch.log_softmax(p.double(), -1), torch.log_softmax(q.double(), -1)
+        return (lp.exp() * (lp - lq)).sum(-1)
 
     def gap_kl(init_std: float) -> float:
         lm = tiny_model("llama", init_std=init_std)

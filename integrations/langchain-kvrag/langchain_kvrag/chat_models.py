@@ -75,7 +75,8 @@ class ChatKVCached(BaseChatModel):
     inference neither times out nor retries).
     """
 
-    model_config = ConfigDict(populate_by_name=True, protected_namespaces=())
+    # extra="forbid": a misspelled keyword (``max_tokns=...``) is an error, not a silently ignored setting
+    model_config = ConfigDict(populate_by_name=True, protected_namespaces=(), extra="forbid")
 
     model_name: str = Field(default=DEFAULT_MODEL, alias="model")
     store: str = Field(default="memory://", description="KV store URL used when no engine is passed.")

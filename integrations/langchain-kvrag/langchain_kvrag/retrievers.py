@@ -9,7 +9,7 @@ from typing import Any
 from langchain_core.callbacks import AsyncCallbackManagerForRetrieverRun, CallbackManagerForRetrieverRun
 from langchain_core.documents import Document
 from langchain_core.retrievers import BaseRetriever
-from pydantic import Field, PrivateAttr
+from pydantic import ConfigDict, Field, PrivateAttr
 
 from kvrag import adapters
 
@@ -35,6 +35,9 @@ class KVCacheRetriever(BaseRetriever):
         engine: the :class:`kvrag.KVRAGEngine` whose store the chat model reads (or ``llm=ChatKVCached``).
         k: number of documents (passed to the wrapped retriever when it accepts ``k``, and enforced).
     """
+
+    # a misspelled keyword (``metdata_key=...``) is an error, not a silently ignored setting
+    model_config = ConfigDict(extra="forbid")
 
     retriever: BaseRetriever
     k: int | None = Field(default=None, ge=1)

@@ -1,11 +1,17 @@
-"""Fixtures: the real default model and embedder, loaded once per session (no network)."""
+"""langchain-kvrag tests: unit_tests/ (a tiny random model, seconds) and integration_tests/ (the real default model).
+
+This directory is on ``sys.path`` for both tiers (pytest's rootdir-less conftest import), so they share
+:mod:`lc_standard`.
+"""
 
 from __future__ import annotations
 
 import inspect
+import os
 
 import pytest
-from lc_testutil import get_engine, get_vectorstore
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 @pytest.hookimpl(hookwrapper=True, trylast=True)
@@ -21,13 +27,3 @@ def pytest_pycollect_makeitem(collector, name, obj):
         fn = getattr(item, "obj", None)
         if isinstance(item, pytest.Function) and inspect.iscoroutinefunction(fn):
             item.add_marker(pytest.mark.asyncio)
-
-
-@pytest.fixture(scope="session")
-def engine():
-    return get_engine()
-
-
-@pytest.fixture(scope="session")
-def vectorstore():
-    return get_vectorstore()

@@ -1,0 +1,69 @@
+"""``kvrag bench llamaindex-kl`` on a tiny model: real LlamaIndex query engines with their default prompts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvrag.config import EngineConfig
+from kvrag.engine.engine import KVRAGEngine
+from kvrag.store import MemoryStore
+from kvrag.testing.tiny import tiny_model
+from kvrag_bench.prompt_kl import PromptKLConfig, markdown, run_prompt_kl
+
+pytest.importorskip("llama_index.llms.kvrag", reason="needs the LlamaIndex integrations (make setup-dev)")
+pytest.importorskip("llama_index.embeddings.huggingface", reason="needs llama-index-embeddings-huggingface")
+
+ROWS = [
+    {"id": "q1", "question": "Which city is the capital of France?", "answers": ["Paris"],
+     "contexts": [{"title": "Paris", "text": "Paris is the capital and largest city of France."},
+                  {"title": "Lyon", "text": "Lyon is a city in France on the Rhone."},
+                  {"title": "Rhine", "text": "The Rhine flows through Germany and the Netherlands."}]},
+    {"id": "q2", "question": "Which river flows through Cologne?", "answers": ["Rhine"],
+     "contexts": [{"title": "Cologne", "text": "Cologne lies on the Rhine in western Germany."},
+                  {"title": "Berlin", "text": "Berlin is the capital of Germany."}]},
+]
+
+
+def test_llamaindex_kl_tiny_model(tmp_path: Path) -> None:
+    from llama_index.embeddings.huggingface import HuggingFaceEmbedding
+
+    from kvrag.default_model import default_embedder_path
+
+    data = tmp_path / "qa.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    engine = KVRAGEngine(tiny_model("qwen2", init_std=0.1), MemoryStore(), EngineConfig())
+    embed = HuggingFaceEmbedding(model_name=str(default_embedder_path()))
+    cfg = PromptKLConfig(data=str(data), rows=2, methods=("full", "stale"), response_modes=("compact", "refine"),
+                         top_k=2, out=str(tmp_path / "out"), progress=False)
+    result = run_prompt_kl(cfg, engine=engine, embed_model=embed, command="test")
+    rows = result["rows"]
+    assert {r["mode"] for r in rows} == {"compact", "refine"} and {r["row"] for r in rows} == {"q1", "q2"}
+    assert all(r["chunks"] >= 1 and r["stale"]["hit_rate"] > 0 for r in rows)  # chunks were found and reused
+    # the default prompts were sent: LlamaIndex's text-QA lead, not kvrag's template
+    assert all(r["full"]["kl"] == 0.0 and r["full"]["top1"] for r in rows)  # full vs full: the same prefill
+    assert all(r["stale"]["kl"] >= 0.0 for r in rows) and any(r["stale"]["kl"] > 0.0 for r in rows)
+    s = result["summary"]["all"]["methods"]
+    assert s["stale"]["kl_vs_stale"] == pytest.approx(1.0) and s["full"]["kl_mean"] == 0.0
+    saved = json.loads((tmp_path / "out" / "llamaindex_kl.json").read_text())
+    assert saved["summary"] == json.loads(json.dumps(result["summary"]))
+    assert "| compact | `stale` |" in markdown(result)
+
+
+def test_llamaindex_prompts_are_the_defaults(tmp_path: Path) -> None:
+    from llama_index.embeddings.huggingface import HuggingFaceEmbedding
+
+    from kvrag.default_model import default_embedder_path
+    from kvrag_bench.data import load_requests
+    from kvrag_bench.prompt_kl import record_calls
+
+    data = tmp_path / "qa.jsonl"
+    data.write_text(json.dumps(ROWS[0]) + "\n")
+    engine = KVRAGEngine(tiny_model("qwen2", init_std=0.1), MemoryStore(), EngineConfig())
+    embed = HuggingFaceEmbedding(model_name=str(default_embedder_path()))
+    cfg = PromptKLConfig(data=str(data), rows=1, response_modes=("compact",), top_k=2, progress=False)
+    (call,) = record_calls(engine, embed, cfg, load_requests(data))
+    assert "Context information is below." in call["prompt"]  # LlamaIndex's default text-QA prompt
+    assert len(call["chunks"]) == 2 and all(c in call["prompt"] for c in call["chunks"])

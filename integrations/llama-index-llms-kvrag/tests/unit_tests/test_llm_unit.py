@@ -1,0 +1,66 @@
+"""KVCachedLLM on a tiny random model: the LlamaIndex LLM API, chunk reuse and the engine's tokens, in seconds."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from llama_index.core.base.llms.types import ChatMessage
+from llama_index.core.llms import CustomLLM
+from llama_index.llms.kvrag import KVCachedLLM
+
+from kvrag import adapters
+from kvrag.errors import ConfigError
+
+N = 4
+
+
+def context_prompt(llm: KVCachedLLM, passages: list[str], question: str) -> str:
+    return llm.messages_to_prompt([ChatMessage(role="user", content="Context:" + "".join(passages)
+                                               + "\n\nQuestion: " + question)])
+
+
+def test_metadata_and_chat_template(engine) -> None:
+    llm = KVCachedLLM(engine=engine, max_new_tokens=N)
+    assert isinstance(llm, CustomLLM) and KVCachedLLM.class_name() == "KVCachedLLM"
+    md = llm.metadata
+    assert (md.context_window, md.num_output, md.model_name, md.is_chat_model) == (
+        engine.max_context, N, engine.loaded.name, True)
+    expected = engine.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
+                                                    add_generation_prompt=True)
+    assert llm.messages_to_prompt([ChatMessage(role="user", content="Hi")]) == expected
+
+
+def test_registered_chunks_are_reused_and_full_matches_the_engine(engine, passages) -> None:
+    llm = KVCachedLLM(engine=engine, max_new_tokens=N)
+    prompt = context_prompt(llm, passages, "How much is a day pass?")
+    with adapters.chunk_scope(passages):
+        r = llm.complete(prompt, formatted=True)
+    kw = r.additional_kwargs
+    assert kw["chunks_registered"] == kw["chunks_found"] == kw["chunk_hits"] == 3 and kw["hit_rate"] == 1.0
+    full = KVCachedLLM(engine=engine, method="full", max_new_tokens=N).complete(prompt, formatted=True,
+                                                                               chunks=passages)
+    ref = engine.answer(prompt, passages, "full", max_new_tokens=N)
+    assert full.raw["token_ids"] == ref.token_ids and full.text == ref.text
+    adapters.clear_chunks()
+    assert llm.complete(prompt, formatted=True).additional_kwargs["chunks_registered"] == 0
+
+
+def test_stream_and_async_equal_complete(engine, passages) -> None:
+    llm = KVCachedLLM(engine=engine, max_new_tokens=N)
+    prompt = context_prompt(llm, passages, "When does the ferry leave?")
+    ref = llm.complete(prompt, formatted=True, chunks=passages)
+    parts = list(llm.stream_complete(prompt, formatted=True, chunks=passages))
+    assert "".join(p.delta or "" for p in parts) == ref.text and parts[-1].raw["token_ids"] == ref.raw["token_ids"]
+
+    async def run():
+        return await llm.acomplete(prompt, formatted=True, chunks=passages)
+
+    assert asyncio.run(run()).text == ref.text
+    chat = llm.chat([ChatMessage(role="user", content="Say hello.")])
+    assert chat.message.role.value == "assistant" and "ttft_s" in chat.message.additional_kwargs
+
+
+def test_unknown_method_lists_the_valid_ones(engine) -> None:
+    with pytest.raises(ConfigError, match="valid methods"):
+        KVCachedLLM(engine=engine, method="nope")

@@ -1,1 +1,0 @@
-"""Benchmarks: answer-quality and cache-fidelity metrics, runners and plots."""
