@@ -56,8 +56,8 @@ def main():
                 logits[m, v] = p.last_logits
                 if k:
                     ms = p.stats.method_stats
-                    res[m, v].append((dt, ms.get("recompute_s", 0.0), ms.get("attention_computed_ratio", 0.0),
-                                      ms.get("score_s", 0.0), p.timings.suffix_prefill_s))
+                    res[m, v].append((dt, ms.recompute_s or 0.0, ms.attention_computed_ratio or 0.0,
+                                      ms.score_s or 0.0, p.timings.suffix_prefill_s))
     variant("prefix+fold")
     for m in methods:
         base = statistics.median(x[0] for x in res[m, "old"])
