@@ -13,10 +13,11 @@ from typing import Any
 import torch
 
 from kvrag.config import EngineConfig, GenerationConfig
+from kvrag.engine.admission import KVBudget, default_kv_bytes
 from kvrag.engine.assemble import assemble, context_only_input
+from kvrag.engine.batching import DecodeBatcher
 from kvrag.engine.caching import ChunkCaching
 from kvrag.engine.chunks import RegisteredChunk
-from kvrag.engine.generate import decode
 from kvrag.engine.planner import Plan, TextPiece, plan_pieces, plan_prompt
 from kvrag.engine.results import Prepared, Response, Stats, Timings
 from kvrag.errors import ConfigError, ContextLengthError
@@ -34,9 +35,14 @@ log = logging.getLogger(__name__)
 class KVRAGEngine(ChunkCaching):
     """Ingest chunk caches once; answer prompts by splicing them in and repairing the cross-chunk attention.
 
-    Thread safety: one engine may serve many threads and asyncio tasks at once. Model forwards are serialized by
-    an engine lock, which is held per step and never while a :meth:`stream` consumer runs between tokens, so a slow
-    or abandoned stream does not block other requests. Each request has its own KV cache (no cross-talk).
+    Thread safety and batching: one engine may serve many threads and asyncio tasks at once. Requests decode
+    together: every :meth:`stream` joins the engine's running batch (:attr:`batcher`,
+    :mod:`kvrag.engine.batching`), where one forward per step gives every decoding request its next token, and
+    :meth:`prepare` takes turns with the decode steps (at most one prepare between two steps). No lock is held
+    while a consumer handles a token, so a slow or abandoned stream does not block other requests; a stream that
+    is closed or garbage-collected leaves the batch. Each request has its own KV buffer (no cross-talk). At most
+    ``config.max_batch_size`` requests decode at once and their KV stays under ``config.kv_memory_bytes``; a
+    request that does not fit waits.
 
     Store failures: with ``config.on_store_error="recompute"`` (default) the answering path reads and writes the
     store through a :class:`~kvrag.store.fallback.FallbackStore`: if the store fails, a warning is logged once,
@@ -50,6 +56,7 @@ class KVRAGEngine(ChunkCaching):
 
     Attributes:
         counters: ``chunks_computed`` / ``chunks_reused`` since creation (every path: ingest, ensure, answers).
+        batcher: the decode scheduler (:class:`~kvrag.engine.batching.DecodeBatcher`; ``batcher.stats()``).
     """
 
     def __init__(self, loaded: Any, store: Any, config: EngineConfig | None = None) -> None:
@@ -75,6 +82,12 @@ class KVRAGEngine(ChunkCaching):
         self._spaces = {kind: self.chunk_key((), kind) for kind in ("chunk", "prefix")}
         self._lock = hf_cache.model_lock(self.model)  # shared by every engine on this model (forwards, probe)
         self.default_method = shared_method(self.config.method)
+        per_token = 2 * self.spec.num_layers * self.spec.num_kv_heads * self.spec.head_dim * mdtype.itemsize
+        kv_bytes = self.config.kv_memory_bytes or default_kv_bytes(per_token, int(self.max_context),
+                                                                   self.config.max_batch_size, self.model.device)
+        self.batcher = DecodeBatcher(self.model, self.tokenizer, KVBudget(kv_bytes, per_token),
+                                     max_batch_size=self.config.max_batch_size,
+                                     compile_decode=self.config.compile_decode)
 
     @classmethod
     def from_pretrained(
@@ -209,14 +222,15 @@ class KVRAGEngine(ChunkCaching):
     def prepare(self, plan: Plan, method: str | FusionMethod | None = None, *, reserve: int = 64) -> Prepared:
         """Fetch, assemble, repair and prefill the suffix for ``plan``; returns the state to decode from.
 
-        ``reserve``: decode positions to allocate in the request's KV buffer up front (it grows if needed).
+        ``reserve``: decode positions to allocate in the request's KV buffer up front (it grows if needed). Waits
+        while the KV bound is spent and, while requests decode, for its turn between two decode steps.
         """
         m = self.method(method)
         if plan.total_len >= self.max_context:
             msg = (f"the prompt has {plan.total_len} tokens ({plan.context_len} context + {len(plan.suffix.token_ids)} "
                    f"suffix) but the model's context window is {self.max_context}; retrieve fewer or shorter chunks")
             raise ContextLengthError(msg)
-        with self._lock:
+        with self.batcher.turn(plan.total_len + reserve) as lease:
             t0 = time.perf_counter()
             timings = Timings()
             keys: list[str] | list[None]
@@ -261,17 +275,16 @@ class KVRAGEngine(ChunkCaching):
             method_stats=out.stats,
         )
         chunk_keys = [k for s, k in zip(plan.context, keys, strict=True) if s.kind == "chunk" and k]
-        return Prepared(plan, m, cache, last, timings, stats, chunk_keys, t0)
+        return Prepared(plan, m, cache, last, timings, stats, chunk_keys, t0, kv_lease=lease)
 
     def stream(self, prepared: Prepared, gen: GenerationConfig | None = None) -> Iterator[str]:
         """Decode from a prepared request, yielding text deltas; fills ``prepared.timings`` as it goes.
 
-        The engine lock is taken for each decode step and released before a delta is yielded, so other requests
-        proceed while the consumer handles it (or never resumes the generator). Each step may run in a different
-        thread.
+        The request joins the engine's decode batch (:attr:`batcher`) when the generator starts and leaves it when
+        the answer ends or the generator is closed or garbage-collected. Tokens are computed by the batch's
+        scheduler thread, not under the consumer, so the consumer may pause, or resume in another thread.
         """
         gen = gen or GenerationConfig()
-        eos = self._eos_ids()
         timings = prepared.timings
         tokens = prepared.token_ids
 
@@ -279,22 +292,15 @@ class KVRAGEngine(ChunkCaching):
             timings.ttft_s = time.perf_counter() - prepared.t0
 
         t = time.perf_counter()
-        steps = decode(self.model, self.tokenizer, prepared.cache, prepared.last_logits, gen, eos, first)
+        req = self.batcher.submit(prepared, gen, self._eos_ids(), first)
         try:
-            while True:
-                with self._lock:  # per step, NOT across the yield below
-                    try:
-                        tok, delta = next(steps)
-                    except StopIteration:
-                        break
+            for tok, delta in req:
                 if tok >= 0:
                     tokens.append(tok)
                 if delta:
                     yield delta
         finally:
-            close = getattr(steps, "close", None)  # a generator: release its frame if the consumer stopped early
-            if close is not None:
-                close()
+            self.batcher.cancel(req)  # leave the batch if the consumer stopped early (no-op once finished)
         if timings.ttft_s is None:
             timings.ttft_s = time.perf_counter() - prepared.t0
         timings.decode_s = time.perf_counter() - t

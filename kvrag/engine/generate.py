@@ -1,4 +1,18 @@
-"""Token selection and the decode loop (greedy or sampling, stop strings, streaming)."""
+"""Token selection and per-request decoding state (greedy or sampling, EOS, stop strings, incremental text).
+
+:class:`DecodeState` is what one request needs between decode steps, whoever runs the forward: it picks the next
+token from that request's logits (its own seeded generator), ends on EOS, ``max_new_tokens`` or a stop string, and
+turns the new token into a text delta. The batched scheduler (:mod:`kvrag.engine.batching`) keeps one per request;
+:func:`decode` is the one-request loop over a transformers cache.
+
+Text is decoded incrementally, as vLLM's detokenizer does (``prefix_offset`` / ``read_offset``): each step
+decodes only the ids since the last emitted text plus the chunk before it, and emits what the new ids add, so a
+step costs the same at token 10 and token 1000 (no whole-answer decode per step). The window keeps decoders that
+strip a leading space (SentencePiece ``▁``) and byte-level merges right: both decodes start at the same id. A
+window that ends inside a multi-byte character (``\\ufffd``) emits nothing until the character completes. Stop
+strings are searched only where the new text could complete one, and a tail that could begin one is held back.
+The concatenated deltas equal ``tokenizer.decode(ids, skip_special_tokens=True)`` of the whole answer (tested).
+"""
 
 from __future__ import annotations
 
@@ -28,21 +42,119 @@ def select_token(logits: torch.Tensor, cfg: GenerationConfig, generator: torch.G
     return int(torch.multinomial(probs.cpu(), 1, generator=generator))
 
 
-def _stop_hit(text: str, stops: Sequence[str]) -> int | None:
-    idx = [text.find(s) for s in stops]
-    found = [i for i in idx if i >= 0]
-    return min(found) if found else None
+class IncrementalDetokenizer:
+    """Generated ids -> text, decoding only a short window of recent ids per token (vLLM's offsets scheme).
+
+    ``prefix`` .. ``read`` are the ids of the last emitted piece (context for the decoder), ``read`` .. end the ids
+    not emitted yet.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix = 0
+        self.read = 0
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
+
+    def push(self, token: int) -> str:
+        """Add one id; return the text it completes ("" while a multi-byte character is incomplete)."""
+        self.ids.append(int(token))
+        before = self._decode(self.ids[self.prefix : self.read])
+        now = self._decode(self.ids[self.prefix :])
+        if len(now) > len(before) and not now.endswith("\ufffd"):
+            self.prefix, self.read = self.read, len(self.ids)
+            return now[len(before) :]
+        return ""
+
+    def flush(self) -> str:
+        """Whatever the ids not emitted yet decode to (an incomplete character included), at the end."""
+        if self.read >= len(self.ids):
+            return ""
+        before = self._decode(self.ids[self.prefix : self.read])
+        now = self._decode(self.ids[self.prefix :])
+        self.prefix = self.read = len(self.ids)
+        return now[len(before) :]
 
 
-def _holdback(text: str, stops: Sequence[str]) -> int:
-    """How many trailing chars could begin a stop string (kept back while streaming)."""
-    best = 0
-    for s in stops:
-        for n in range(min(len(s) - 1, len(text)), 0, -1):
-            if text.endswith(s[:n]):
-                best = max(best, n)
-                break
-    return best
+class StopText:
+    """The emitted text of one answer with its stop strings: cuts at the first stop, holds back a possible start."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = tuple(s for s in stops if s)
+        self.longest = max((len(s) for s in self.stops), default=0)
+        self.text = ""
+        self.sent = 0
+
+    def _hit(self, start: int) -> int | None:
+        found = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
+        return min(found) if found else None
+
+    def _holdback(self) -> int:
+        best = 0
+        for s in self.stops:
+            for n in range(min(len(s) - 1, len(self.text)), 0, -1):
+                if self.text.endswith(s[:n]):
+                    best = max(best, n)
+                    break
+        return best
+
+    def add(self, piece: str, final: bool = False) -> tuple[str, bool]:
+        """Append decoded text; returns (what may be shown now, whether a stop string ended the answer)."""
+        start = max(0, len(self.text) - self.longest + 1)
+        self.text += piece
+        cut = self._hit(start) if self.stops else None
+        if cut is not None:
+            out = self.text[self.sent : cut] if cut > self.sent else ""
+            self.sent = max(self.sent, cut)
+            return out, True
+        safe = len(self.text) if final or not self.stops else len(self.text) - self._holdback()
+        out = self.text[self.sent : safe] if safe > self.sent else ""
+        self.sent = max(self.sent, safe)
+        return out, False
+
+
+class DecodeState:
+    """One request's decoding between steps: token choice, end conditions and text deltas.
+
+    Call :meth:`advance` with the logits [V] of the request's next token; it returns the ``(token, delta)`` items
+    to hand to the consumer (``token`` -1 for a final flush of withheld text) and sets :attr:`finished`. EOS ends
+    the answer and is not returned; a stop string ends it before the stop. :attr:`needs_forward` says whether the
+    chosen token must be fed back (the last allowed token is not).
+    """
+
+    def __init__(self, tokenizer: Any, cfg: GenerationConfig, eos_ids: Sequence[int]) -> None:
+        self.cfg = cfg
+        self.eos = {int(e) for e in eos_ids}
+        self.generator = torch.Generator().manual_seed(cfg.seed) if cfg.do_sample and cfg.seed is not None else None
+        self.detok = IncrementalDetokenizer(tokenizer)
+        self.stop = StopText(cfg.stop)
+        self.steps = 0
+        self.last: int | None = None
+        self.finished = False
+
+    def advance(self, logits: torch.Tensor) -> list[tuple[int, str]]:
+        """Choose the next token from ``logits`` [V]; the items to emit for it."""
+        tok = select_token(logits, self.cfg, self.generator)
+        self.steps += 1
+        if tok in self.eos:
+            self.finished = True
+            return self._flush()
+        self.last = tok
+        delta, stopped = self.stop.add(self.detok.push(tok))
+        if stopped:
+            self.finished = True
+            return [(tok, delta)]
+        items = [(tok, delta)]
+        if self.steps >= self.cfg.max_new_tokens:
+            self.finished = True
+            items += self._flush()
+        return items
+
+    def _flush(self) -> list[tuple[int, str]]:
+        rest, _ = self.stop.add(self.detok.flush(), final=True)
+        return [(-1, rest)] if rest else []
 
 
 @torch.inference_mode()
@@ -55,43 +167,24 @@ def decode(
     eos_ids: Sequence[int],
     on_first_token: Callable[[], None] | None = None,
 ) -> Iterator[tuple[int, str]]:
-    """Generate tokens after a prefilled ``cache`` whose next-token logits are ``first_logits`` [V].
+    """Generate tokens for one request after a prefilled ``cache`` whose next-token logits are ``first_logits`` [V].
 
-    Yields (token_id, text_delta) per generated token; the delta is the newly decodable text (stop strings are
-    withheld and cut). EOS ends generation and is not yielded. ``on_first_token`` is called once the first token is
-    chosen (TTFT).
+    Yields (token_id, text_delta) per generated token (and (-1, rest) for text withheld until the end); stop
+    strings are withheld and cut. EOS ends generation and is not yielded. ``on_first_token`` is called once the
+    first token is chosen (TTFT). The engine decodes through its batched scheduler instead; this loop serves
+    callers with a plain transformers cache.
     """
-    gen = None
-    if cfg.do_sample and cfg.seed is not None:
-        gen = torch.Generator().manual_seed(cfg.seed)
-    eos = set(int(e) for e in eos_ids)
-    tokens: list[int] = []
-    emitted = ""
+    state = DecodeState(tokenizer, cfg, eos_ids)
     logits = first_logits
-    for step in range(cfg.max_new_tokens):
-        tok = select_token(logits, cfg, gen)
-        if step == 0 and on_first_token is not None:
+    while True:
+        items = state.advance(logits)
+        if state.steps == 1 and on_first_token is not None:
             on_first_token()
-        if tok in eos:
-            break
-        tokens.append(tok)
-        text = tokenizer.decode(tokens, skip_special_tokens=True)
-        cut = _stop_hit(text, cfg.stop) if cfg.stop else None
-        if cut is not None:
-            if cut > len(emitted):
-                yield tok, text[len(emitted) : cut]
+        yield from items
+        if state.finished:
             return
-        safe = len(text) - (_holdback(text, cfg.stop) if cfg.stop else 0)
-        if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the next token
-            safe = min(safe, len(text) - 1)
-        delta = text[len(emitted) : safe] if safe > len(emitted) else ""
-        emitted += delta
-        yield tok, delta
-        if step + 1 < cfg.max_new_tokens:
-            out, cache = hf_cache.forward(model, torch.tensor([tok]), cache)
-            logits = out[-1]
-    # flush anything withheld for a stop-string prefix that never completed
-    if tokens:
-        text = tokenizer.decode(tokens, skip_special_tokens=True)
-        if len(text) > len(emitted) and (_stop_hit(text, cfg.stop) is None):
-            yield -1, text[len(emitted) :]
+        out, cache = hf_cache.forward(model, torch.tensor([state.last]), cache)
+        logits = out[-1]
+
+
+__all__ = ["DecodeState", "IncrementalDetokenizer", "StopText", "decode", "select_token"]

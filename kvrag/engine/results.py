@@ -8,6 +8,7 @@ method's own statistics are a typed :class:`~kvrag.fusion.stats.MethodStats` (``
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -136,6 +137,13 @@ class Prepared:
     chunk_keys: list[str]
     t0: float
     token_ids: list[int] = dataclasses.field(default_factory=list)
+    kv_lease: Any = dataclasses.field(default=None, repr=False, compare=False)
+    """The request's share of the engine's KV memory bound (:mod:`kvrag.engine.admission`), given back when its
+    stream ends or this object is garbage-collected."""
+
+    def __post_init__(self) -> None:
+        if self.kv_lease is not None:
+            weakref.finalize(self, self.kv_lease.release)
 
 
 __all__ = ["Prepared", "Response", "Stats", "Timings"]

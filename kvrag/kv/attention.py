@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from kvrag.kv import batched
+
 IMPL = "kvrag_sdpa"
 """The registered implementation name (``model.config._attn_implementation`` after :func:`use_gqa_sdpa`)."""
 
@@ -37,6 +39,8 @@ def gqa_sdpa_attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers' ``sdpa`` attention, with masked grouped-query calls on the CPU broadcasting K/V heads."""
+    if batched.active():  # a batched decode step: each row attends to its own request buffer (kvrag.kv.batched)
+        return batched.attention(module, query, key, value, scaling)
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     groups = int(getattr(module, "num_key_value_groups", 1) or 1)

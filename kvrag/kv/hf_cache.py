@@ -130,6 +130,19 @@ def cache_to_tensors(cache: Cache) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.stack(ks), torch.stack(vs)
 
 
+def buffer_of(cache: Cache) -> tuple[KVBuffer, int]:
+    """The request buffer behind a batch-1 cache and the positions it holds: the buffer itself for a
+    :meth:`KVBuffer.as_cache` cache (no copy), else a new buffer holding a copy of the cache's keys/values."""
+    layers = list(cache.layers)
+    if layers and all(isinstance(layer, _BufferLayer) for layer in layers):
+        first = layers[0]
+        assert isinstance(first, _BufferLayer)
+        if all(layer.buf is first.buf and layer.length == first.length for layer in layers):  # type: ignore[union-attr]
+            return first.buf, first.length
+    keys, values = cache_to_tensors(cache)
+    return KVBuffer.wrap(keys.contiguous(), values.contiguous()), int(keys.shape[2])
+
+
 def cache_length(cache: Cache | None) -> int:
     return 0 if cache is None else int(cache.get_seq_length())
 
