@@ -27,14 +27,19 @@ retriever (``integrations/langchain-kvrag``) all call this module for the behavi
   :func:`generation_config` (framework sampling fields -> :class:`~kvrag.config.GenerationConfig`).
 * **Response metadata**: :func:`response_summary`, :func:`response_details` and :func:`token_usage` turn an
   engine request's timings and stats into what the adapters attach to framework responses.
-* **Async bridge**: :func:`aiter_in_thread` drives a blocking token stream from asyncio.
+* **Async bridge**: :func:`to_thread` runs a blocking request from asyncio and :func:`aiter_in_thread` drives a
+  blocking token stream, each in a worker thread of its own, so that concurrent async callers (``aquery``,
+  ``achat``, ``abatch``, ``astream``, ``asyncio.gather``) are all in flight at once and decode in the engine's
+  shared batch (:mod:`kvrag.engine.batching`) instead of queueing for the default executor's few workers.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import contextvars
+import functools
 import threading
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
@@ -241,6 +246,31 @@ def ensure_chunks(engine: Any, texts: Sequence[str], *, fetch: bool = False, pro
 
 # ------------------------------------------------------------------------------------------------- async helper
 _DONE = object()
+MAX_WORKER_THREADS = 256
+"""Most worker threads of :func:`to_thread` (each waits on one request; the engine bounds the work itself)."""
+_POOL: concurrent.futures.ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _pool() -> concurrent.futures.ThreadPoolExecutor:
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = concurrent.futures.ThreadPoolExecutor(MAX_WORKER_THREADS, thread_name_prefix="kvrag-request")
+        return _POOL
+
+
+async def to_thread(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+    """``asyncio.to_thread`` on kvrag's own thread pool (in a copy of the caller's context, request chunks
+    included).
+
+    asyncio's default executor has ``min(32, cpu_count + 4)`` workers (6 on a 2-core machine), so an 8-way
+    ``asyncio.gather`` of blocking requests would run at most 6 at once; the engine batches whatever is in flight,
+    and the requests wait in the engine's scheduler (batch size and KV memory bounds), not in a thread pool.
+    """
+    loop = asyncio.get_running_loop()
+    ctx = contextvars.copy_context()
+    return await loop.run_in_executor(_pool(), functools.partial(ctx.run, fn, *args, **kwargs))
 
 
 async def aiter_in_thread(factory: Callable[[], Iterator[T]]) -> AsyncIterator[T]:
@@ -365,6 +395,7 @@ __all__ = [
     "render_chat",
     "reset_chunks",
     "resolve_chunks",
+    "to_thread",
     "response_details",
     "response_summary",
     "shared_engine",

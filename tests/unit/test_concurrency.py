@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing
 import threading
 import uuid
@@ -186,6 +187,65 @@ def test_stream_steps_may_run_in_different_threads(eng: KVRAGEngine, sequential:
         t.join(30)
     assert errors == []
     assert "".join(parts[:-1]) == eng.tokenizer.decode(sequential[4], skip_special_tokens=True)
+
+
+# ---- batched steps: one forward serves many requests, each keeps its own KV, timings and stats ------------------------
+MIXED = ("stale", "full", "relaxkv:r=0.3", "cacheblend:r=0.3")
+
+
+def test_batched_steps_have_no_cross_talk() -> None:
+    """Many callers decode in shared batched steps (the steps' batch size is observed > 1) with different chunk sets,
+    questions and methods; each answer, its stats and its token counts equal the request's when answered alone."""
+    eng = KVRAGEngine(tiny_model("qwen2", init_std=0.1), MemoryStore(), EngineConfig(max_batch_size=6))
+    eng.ingest(DOCS)
+    jobs = [(i % len(REQUESTS), MIXED[i % len(MIXED)]) for i in range(3 * len(REQUESTS))]
+    for j in set(jobs):  # warm: every segment's cache stored, so hits and reused tokens are the same below
+        eng.answer_plan(_plan(eng, j[0]), j[1], GEN)
+    alone = {j: eng.answer_plan(_plan(eng, j[0]), j[1], GEN) for j in set(jobs)}
+    before = eng.batcher.stats()
+    with ThreadPoolExecutor(max_workers=len(jobs)) as ex:
+        got = list(ex.map(lambda j: eng.answer_plan(_plan(eng, j[0]), j[1], GEN), jobs))
+    after = eng.batcher.stats()
+    assert after["max_rows"] > 1
+    assert after["rows_stepped"] - before["rows_stepped"] > after["steps"] - before["steps"]  # steps were shared
+    for j, r in zip(jobs, got, strict=True):
+        ref = alone[j]
+        assert (r.token_ids, r.text) == (ref.token_ids, ref.text)
+        assert r.stats.generated_tokens == len(r.token_ids)
+        assert (r.stats.context_tokens, r.stats.suffix_tokens, r.stats.chunks_found, r.stats.reused_tokens) == (
+            ref.stats.context_tokens, ref.stats.suffix_tokens, ref.stats.chunks_found, ref.stats.reused_tokens)
+        assert r.stats.method_stats.keys() == ref.stats.method_stats.keys()
+        assert r.timings.ttft_s is not None and 0 < r.timings.ttft_s <= r.timings.total_s
+
+
+def test_a_prepare_never_waits_more_than_one_step_and_never_two_prepares_between_steps() -> None:
+    """The interleaving policy: while requests decode, prepares and decode steps alternate (at most one prepare
+    between two steps), so neither a new request nor a decoding one starves."""
+    eng = KVRAGEngine(tiny_model("qwen2", init_std=0.1), MemoryStore(), EngineConfig())
+    eng.ingest(DOCS)
+    events: list[str] = []
+    step, turn = eng.batcher._step, eng.batcher.turn
+
+    def logged_step(rows: Any) -> None:
+        events.append(f"step{len(rows)}")
+        step(rows)
+
+    @contextlib.contextmanager
+    def logged_turn(kv_tokens: int) -> Any:
+        with turn(kv_tokens) as lease:
+            events.append("prepare")
+            yield lease
+
+    eng.batcher._step = logged_step  # type: ignore[method-assign]
+    eng.batcher.turn = logged_turn  # type: ignore[method-assign]
+    gen = GenerationConfig(max_new_tokens=24)
+    with ThreadPoolExecutor(max_workers=8) as ex:
+        list(ex.map(lambda i: eng.answer_plan(_plan(eng, i), "stale", gen), range(8)))
+    first_step = events.index(next(e for e in events if e.startswith("step")))
+    decoding_part = events[first_step:]
+    assert "prepare" in decoding_part  # requests arrived while others decoded
+    pairs = zip(decoding_part, decoding_part[1:], strict=False)
+    assert not any(a == b == "prepare" for a, b in pairs), events
 
 
 # ---- several engines, one model (issue 13) ------------------------------------------------------------------------

@@ -9,7 +9,6 @@ runs the steps of a chain in separate contexts — the recently registered chunk
 
 from __future__ import annotations
 
-import asyncio
 import collections
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
@@ -218,7 +217,7 @@ class ChatKVCached(BaseChatModel):
     async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                          run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
         req = self._request(messages, stop, kwargs)  # resolve chunks in this task's context
-        return await asyncio.to_thread(self._run, req)
+        return await adapters.to_thread(self._run, req)
 
     async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                        run_manager: AsyncCallbackManagerForLLMRun | None = None,

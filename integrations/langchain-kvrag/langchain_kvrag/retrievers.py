@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 from typing import Any
 
@@ -98,7 +97,7 @@ class KVCacheRetriever(BaseRetriever):
                                        **kwargs: Any) -> list[Document]:
         k, kw = self._inner_kwargs(kwargs)
         docs = await self.retriever.ainvoke(query, config={"callbacks": run_manager.get_child()}, **kw)
-        out, chunks = await asyncio.to_thread(self._cache, docs, k)
+        out, chunks = await adapters.to_thread(self._cache, docs, k)
         if self.register_request:  # in this task's context, not the worker thread's copy
             adapters.register_chunks(chunks)
         return out

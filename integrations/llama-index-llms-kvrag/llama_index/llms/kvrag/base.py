@@ -10,7 +10,6 @@ local Hugging Face LLM (the whole prompt is prefilled).
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import contextvars
 import logging
@@ -254,7 +253,7 @@ class KVCachedLLM(CustomLLM):
     @llm_completion_callback()
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
         req = self._new_request(prompt, formatted, kwargs)
-        return await asyncio.to_thread(self._run, req)
+        return await adapters.to_thread(self._run, req)
 
     @llm_completion_callback()
     async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
@@ -264,7 +263,7 @@ class KVCachedLLM(CustomLLM):
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         req = self._new_request(self.messages_to_prompt(messages), True, kwargs)
-        return completion_response_to_chat_response(await asyncio.to_thread(self._run, req))
+        return completion_response_to_chat_response(await adapters.to_thread(self._run, req))
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:

@@ -9,7 +9,6 @@ not change the text (nor the cache key, nor the embedding).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -120,7 +119,7 @@ class KVCachePostprocessor(BaseNodePostprocessor):
     async def _apostprocess_nodes(self, nodes: list[NodeWithScore],
                                   query_bundle: QueryBundle | None = None) -> list[NodeWithScore]:
         # compute in a worker thread, but register in THIS task's context (a thread's context copy is discarded)
-        chunks = await asyncio.to_thread(self._ensure, nodes)
+        chunks = await adapters.to_thread(self._ensure, nodes)
         if self.register_request:
             adapters.register_chunks(chunks)
         return nodes
