@@ -111,6 +111,24 @@ def test_batched_step_logits_equal_batch1_fp32(family: str, window: int | None) 
     assert len({tuple(s) for s in seen}) > 1
 
 
+@pytest.mark.parametrize(("family", "dtype"), [("llama", torch.bfloat16), ("qwen3", torch.float32),
+                                               ("mistral", torch.bfloat16)])
+def test_batch_of_one_is_bit_identical_to_the_models_own_step(family: str, dtype: torch.dtype) -> None:
+    """One row: the same attention call and the same GEMM shapes as the model's forward over the request's cache."""
+    eng = _engine(family, dtype=dtype)
+    prep = eng.prepare(_plan(eng, 0), "stale")
+    buf, n = hf_cache.buffer_of(prep.cache)
+    buf.reserve(n + 8)
+    copy = hf_cache.KVBuffer.wrap(buf.keys.clone(), buf.values.clone()).as_cache(n)
+    row, tok = batched.Row(buf, n), int(prep.last_logits.argmax())
+    for _ in range(8):
+        got = batched.decode_step(eng.model, [row], [tok], batched.windows(eng.model))[0]
+        ref, _ = hf_cache.forward(eng.model, torch.tensor([tok]), copy)
+        assert torch.equal(got, ref[-1])
+        row.length += 1
+        tok = int(got.argmax())
+
+
 def test_batched_step_bf16_within_the_bf16_noise_floor() -> None:
     """bf16: a batched step moves the logits no more than bf16 itself does (the noise floor: batch-1 bf16 vs
     batch-1 fp32 logits of the same prompts), and greedy answers batched equal those decoded alone."""
