@@ -69,9 +69,10 @@ class EngineConfig:
             None (default): ``max_batch_size`` requests of the full context window, capped at half the memory
             available on the model's device when the engine starts.
         compile_decode: capture the batched decode step with ``torch.compile`` (dynamic batch size; see
-            :mod:`kvrag.kv.batched`). Off by default, by measurement (SmolLM2-135M, CPU, one thread, 1.5K-token
-            contexts): 50-130 s of compilation at the first step, then batch 1 ~10% faster (bf16 66 -> 60 ms/step,
-            fp32 138 -> 123) but batch 8 about 2x slower (bf16 132 -> 277 ms, fp32 446 -> 849).
+            :mod:`kvrag.kv.batched`). Off by default, by measurement (SmolLM2-135M, CPU with AMX, one thread,
+            1.5K-token contexts): ~45 s of compilation at the first step, then fp32 ~5% faster (batch 1: 70 -> 67
+            ms/step, batch 8: 233 -> 220 ms) and bf16 no faster (58 -> 59 ms, 105 -> 111 ms; kvrag's packed bf16
+            linears already do what inductor would).
         strict_tokenization: a registered chunk whose own token ids do not occur in the tokenized prompt (its
             boundary token merges with the text around it, e.g. after indentation) is prefilled as text (True), or
             spliced anyway and counted as ``inexact_chunks`` in the response stats (False, default). Either way

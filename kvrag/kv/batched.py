@@ -32,8 +32,9 @@ serves every step (static shapes, a preallocated cache indexed by position). kvr
 its own length), so the attention stays an opaque custom op (``kvrag::row_attention``, reading the same
 thread-local rows) and ``torch.compile`` captures everything around it (embeddings, norms, projections, RoPE, MLP,
 LM head) with a dynamic batch dimension; :func:`compiled_forward` builds that once per model. Measured on the CPU
-(SmolLM2-135M, one thread, 1.5K-token contexts): 50-130 s to compile, then batch 1 ~10% faster and batch 8 about
-2x slower than eager (the dynamic-shape GEMMs inductor generates lose to oneDNN's), so it stays off by default.
+(SmolLM2-135M, AMX, one thread, 1.5K-token contexts): ~45 s to compile, then fp32 ~5% faster at batch 1 and 8 and
+bf16 no faster than eager (kvrag's packed bf16 linears, :mod:`kvrag.kv.linear`, already skip the weight reorders
+inductor would save), so it stays off by default.
 
 Where a step's time goes (same setting, bf16, eager): at batch 1 the GEMMs dominate (weight reads); at batch 8 the
 per-row attention is about half of the step (8 rows x 30 layers of one-token SDPA over 1.5K keys), so a faster
@@ -202,7 +203,13 @@ def compiled_forward(model: Any) -> Callable[..., torch.Tensor]:
     fn = _compiled.get(model)
     if fn is None:
         _register_op()
-        fn = torch.compile(_forward, dynamic=True)
+        compiled = torch.compile(_forward, dynamic=True)
+
+        def fn(*args: Any) -> torch.Tensor:
+            # the layer index is an int attribute of each attention module: unspecialized, one graph serves all layers
+            with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True):
+                return compiled(*args)
+
         _compiled[model] = fn
     return fn
 
