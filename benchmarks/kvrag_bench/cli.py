@@ -104,20 +104,15 @@ def add_bench_arguments(subparsers: Any) -> argparse.ArgumentParser:
     _add_model_args(st)
     st.set_defaults(func=run_store)
 
-    ld = sub.add_parser("load", help="N concurrent clients x M questions through a LlamaIndex query engine",
-                        description="Concurrent clients through a stock LlamaIndex streaming query engine "
-                                    "(KVCachedLLM + KVCachePostprocessor over the sample documents): checks no "
-                                    "errors and no cross-talk, reports questions/s and TTFT percentiles.")
-    ld.add_argument("--clients", type=int, default=4, help="concurrent clients (N)")
-    ld.add_argument("--questions", type=int, default=10, help="questions per client (M)")
-    ld.add_argument("--method", default="stale", help="fusion method spec")
-    ld.add_argument("--max-new-tokens", type=int, default=16)
-    ld.add_argument("--top-k", type=int, default=2)
-    ld.add_argument("--chunk-size", type=int, default=256, help="SentenceSplitter chunk size")
-    ld.add_argument("--docs", default=None, help="document folder (default: examples/data)")
-    ld.add_argument("--store", default="memory://", help="KV store URL for the chunk caches")
-    ld.add_argument("--out", default="runs/load", help="output .json file or directory (gets load.json)")
-    _add_model_args(ld)
+    ld = sub.add_parser("load", help="1, 2, 4, 8 concurrent clients through a LlamaIndex query engine and an LCEL chain",
+                        description="Concurrent clients through a stock LlamaIndex streaming query engine and a stock "
+                                    "LangChain LCEL chain over the sample documents, one engine batching them: "
+                                    "questions/s, tokens/s, TTFT p50/p90, decode ms/token, same-answer rate vs "
+                                    "sequential, and the batched decode step at batch 1 and 8 vs the weight-read "
+                                    "bound; JSON, markdown and a plot.")
+    from kvrag_bench import load_sweep
+
+    load_sweep.add_arguments(ld)
     ld.set_defaults(func=run_load)
 
     lk = sub.add_parser("llamaindex-kl", help="next-token KL vs full on the prompts a stock LlamaIndex query engine sends",
@@ -364,20 +359,13 @@ def _llamaindex_harness(command: str, module: str) -> Any:
 
 
 def run_load(args: argparse.Namespace) -> int:
-    """``kvrag bench load``; exit status 1 when a request failed or an answer differed from single-threaded."""
-    h = _llamaindex_harness("load", "load_bench")
-    LoadConfig, load_markdown, _run = h.LoadConfig, h.load_markdown, h.run_load  # noqa: N806
-
-    _setup(args)
-    cfg = LoadConfig(
-        clients=args.clients, questions=args.questions, method=args.method, max_new_tokens=args.max_new_tokens,
-        top_k=args.top_k, chunk_size=args.chunk_size, docs=args.docs, store=args.store, out=args.out,
-        model=args.model, device=args.device, dtype=args.dtype, threads=args.threads, progress=not args.no_progress,
-    )
-    result = _run(cfg)
-    print(load_markdown(result))
+    """``kvrag bench load``; exit status 1 when a request failed or an answer differed from the sequential one."""
+    h = _llamaindex_harness("load", "load_sweep")
+    result = h.run_sweep(h.config_from_args(args))
+    print(h.markdown(result))
     print(f"results in {result['path']}", file=sys.stderr)
-    return 0 if result["ok"] else 1
+    levels = [lv for fw in result["frameworks"].values() for lv in fw["levels"]]
+    return 0 if all(lv["errors"] == 0 and lv["same_answer_rate"] == 1.0 for lv in levels) else 1
 
 
 def run_llamaindex_kl(args: argparse.Namespace) -> int:

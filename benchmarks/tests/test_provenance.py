@@ -39,12 +39,11 @@ def test_hardware_reports_the_cpu_bf16_unit_kvrag_detects() -> None:
 def test_summary_and_its_headline_name_machine_kind_and_dtype(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                               dtype: torch.dtype) -> None:
     """A real (tiny-model) run in each dtype: summary.json's ``machine`` and the first line of summary.md."""
+    from kvrag import calibration
     from kvrag.config import EngineConfig
     from kvrag.engine.engine import KVRAGEngine
     from kvrag.store import MemoryStore
     from kvrag.testing.tiny import tiny_model
-
-    from kvrag import calibration
 
     flags = frozenset({"avx2", "avx512f", "avx512_bf16"})  # as on an AVX512-BF16 machine (no AMX)
     monkeypatch.setattr(calibration, "cpu_flags", lambda: flags)
