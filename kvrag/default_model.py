@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvrag.extras import require
 from kvrag.paths import hf_offline, kvrag_home
 
 if TYPE_CHECKING:
@@ -162,7 +163,6 @@ def _quiet_gguf_bar() -> Iterator[None]:
         gguf_utils.tqdm = original
 
 
-GGUF_EXTRA_INSTALL = "pip install 'kvrag[gguf]'"
 
 
 def require_gguf() -> None:
@@ -171,13 +171,8 @@ def require_gguf() -> None:
     Raises:
         ImportError: it is not; the message names the extra (``kvrag[gguf]``).
     """
-    try:
-        import gguf  # noqa: F401
-    except ImportError as e:
-        msg = (f"preparing the embedded default model ({DEFAULT_MODEL}) converts its GGUF file once and needs the "
-               f"gguf package; install it with: {GGUF_EXTRA_INSTALL} (or pass a Hugging Face model id / local "
-               "checkpoint directory instead of the default model)")
-        raise ImportError(msg) from e
+    require("gguf", "gguf", f"preparing the embedded default model ({DEFAULT_MODEL}) converts its GGUF file once and",
+            " (or pass a Hugging Face model id / local checkpoint directory instead of the default model)")
 
 
 def _convert_default_model(gguf: Path, target: Path, *, progress: bool) -> None:

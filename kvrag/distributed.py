@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from kvrag.errors import ConfigError, KVRAGError
+from kvrag.extras import require
 
 log = logging.getLogger(__name__)
 
@@ -44,12 +45,7 @@ little work and the last tasks balance across workers."""
 
 
 def _import_ray() -> Any:
-    try:
-        import ray
-    except ImportError as e:
-        msg = "distributed ingest needs Ray; install it with: pip install 'kvrag[ray]'"
-        raise ImportError(msg) from e
-    return ray
+    return require("ray", "ray", "distributed ingest")
 
 
 @dataclasses.dataclass

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from kvrag.errors import ConfigError
+from kvrag.extras import require
 
 log = logging.getLogger(__name__)
 INDEX_FORMAT = 1
@@ -103,12 +104,7 @@ def import_faiss() -> Any:
     Raises:
         ImportError: FAISS is not installed; the message names the extra (``kvrag[faiss]``).
     """
-    try:
-        import faiss
-    except ImportError as e:
-        msg = "kvrag's chunk index (kvrag ingest / kvrag ask) needs FAISS; install it with: pip install 'kvrag[faiss]'"
-        raise ImportError(msg) from e
-    return faiss
+    return require("faiss", "faiss", "kvrag's chunk index (kvrag ingest / kvrag ask)")
 
 
 class ChunkIndex:

@@ -20,6 +20,7 @@ import torch
 from kvrag.calibration import cpu_flags, load_calibration, machine_kind
 from kvrag.default_model import DEFAULT_MODEL, default_embedder_path, prepare_default_model
 from kvrag.errors import ConfigError
+from kvrag.extras import require
 from kvrag.fingerprint import model_fingerprint, tokenizer_fingerprint
 from kvrag.kv.attention import use_gqa_sdpa
 from kvrag.kv.linear import pack_linears
@@ -256,12 +257,7 @@ def import_sentence_transformers() -> Any:
     Raises:
         ImportError: it is not installed; the message names the extra (``kvrag[embed]``).
     """
-    try:
-        import sentence_transformers
-    except ImportError as e:
-        msg = "the embedder needs sentence-transformers; install it with: pip install 'kvrag[embed]'"
-        raise ImportError(msg) from e
-    return sentence_transformers
+    return require("sentence_transformers", "embed", "the embedder")
 
 
 def load_embedder(name: str | os.PathLike[str] | None = None, *, device: str | None = None) -> SentenceTransformer:

@@ -13,6 +13,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from kvrag.errors import ConfigError, StoreError
+from kvrag.extras import require
 from kvrag.kv.chunk import ChunkKV
 from kvrag.kv.spec import KVSpec
 from kvrag.store import serde
@@ -25,12 +26,9 @@ _PLAIN_SCHEMES = ("redis", "rediss", "unix")
 
 
 def _import_redis() -> Any:
-    try:
-        import redis
-        import redis.cluster
-    except ImportError as e:
-        msg = "RedisStore needs redis-py; install it with: pip install 'kvrag[redis]'"
-        raise ImportError(msg) from e
+    require("redis.cluster", "redis", "RedisStore")
+    import redis
+
     return redis
 
 
