@@ -26,9 +26,8 @@ _PLAIN_SCHEMES = ("redis", "rediss", "unix")
 
 
 def _import_redis() -> Any:
-    require("redis.cluster", "redis", "RedisStore")
-    import redis
-
+    redis = require("redis", "redis", "RedisStore")
+    require("redis.cluster", "redis", "RedisStore")  # Redis Cluster support (redis-py >= 4.1)
     return redis
 
 
