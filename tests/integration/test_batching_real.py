@@ -18,6 +18,7 @@ from kvrag.kv import batched, hf_cache
 from kvrag.models import cpu_native_bf16, load_model
 from kvrag.prompting import RagTemplate, render_passage
 from kvrag.store.memory import MemoryStore
+from kvrag.testing.batching import compare_batched_to_alone
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_torch_thread")]
 DOCS = Path(__file__).parent.parent / "data" / "docs"
@@ -58,33 +59,12 @@ def _step_diffs(engine: KVRAGEngine, plans: list, steps: int,
                 reference: KVRAGEngine | None = None) -> tuple[float, float]:
     """Largest |batched - alone| logit over ``steps`` batched steps of all plans (methods mixed), and with a
     ``reference`` engine (another dtype) the largest |alone - alone on the reference| for the same tokens."""
-    model = engine.model
     methods = ["stale", "full", "stale", "full"]
     preps = [engine.prepare(p, m) for p, m in zip(plans, methods, strict=True)]
     refs = [reference.prepare(p, m) for p, m in zip(plans, methods, strict=True)] if reference else []
-    rows, alone, other, toks = [], [], [], []
-    for p in preps:
-        buf, n = hf_cache.buffer_of(p.cache)
-        buf.reserve(n + steps)
-        alone.append(hf_cache.make_cache(buf.keys[:, :, :n].clone(), buf.values[:, :, :n].clone(), model.config))
-        rows.append(batched.Row(buf, n))
-        toks.append(int(p.last_logits.argmax()))
-    for p in refs:
-        k, v = hf_cache.cache_to_tensors(p.cache)
-        other.append(hf_cache.make_cache(k.clone(), v.clone(), model.config))
-    worst = floor = 0.0
-    for _ in range(steps):
-        with hf_cache.model_lock(model):
-            logits = batched.decode_step(model, rows, toks, batched.windows(model))
-        for i, row in enumerate(rows):
-            ref, _ = hf_cache.forward(model, torch.tensor([toks[i]]), alone[i])
-            worst = max(worst, float((ref[-1] - logits[i]).abs().max()))
-            if reference is not None:
-                ref2, _ = hf_cache.forward(reference.model, torch.tensor([toks[i]]), other[i])
-                floor = max(floor, float((ref2[-1] - ref[-1]).abs().max()))
-            row.length += 1
-        toks = [int(t) for t in logits.argmax(-1)]
-    return worst, floor
+    got = compare_batched_to_alone(engine.model, preps, steps, reference_model=reference and reference.model,
+                                   reference_preps=refs)
+    return got.worst, got.floor
 
 
 def _concurrent_answers(engine: KVRAGEngine, plans: list) -> list[list[int]]:

@@ -21,6 +21,7 @@ from kvrag.prompting import RagTemplate, render_passage
 from kvrag.repair.config import RepairConfig
 from kvrag.repair.model import RepairModel
 from kvrag.store import MemoryStore
+from kvrag.testing.batching import compare_batched_to_alone
 from kvrag.testing.tiny import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -75,29 +76,11 @@ def repairer(tmp_path_factory: pytest.TempPathFactory) -> Callable[[KVRAGEngine]
 
 # ---- the step: batched logits == batch-1 logits --------------------------------------------------------------------
 def _step_diffs(eng: KVRAGEngine, steps: int) -> tuple[float, list[list[int]]]:
-    """Decode every request together for ``steps`` batched steps and each alone through the model's own forward
-    (a DynamicCache copy of its KV, as ``model.generate`` keeps it), feeding both the batched greedy tokens; the
-    largest logit difference and the tokens."""
-    model = eng.model
+    """Requests of different lengths and methods decoded together vs each alone
+    (:func:`kvrag.testing.batching.compare_batched_to_alone`): the largest logit difference and the tokens."""
     preps = [eng.prepare(_plan(eng, i), m) for i, m in enumerate(["stale", "full", "relaxkv:r=0.3", "stale", "full"])]
-    rows, alone, toks = [], [], []
-    for p in preps:
-        buf, n = hf_cache.buffer_of(p.cache)
-        buf.reserve(n + steps)
-        alone.append(hf_cache.make_cache(buf.keys[:, :, :n].clone(), buf.values[:, :, :n].clone(), model.config))
-        rows.append(batched.Row(buf, n))
-        toks.append(int(p.last_logits.argmax()))
-    worst, seen = 0.0, [[t] for t in toks]
-    for _ in range(steps):
-        logits = batched.decode_step(model, rows, toks, batched.windows(model))
-        for i, row in enumerate(rows):
-            ref, _ = hf_cache.forward(model, torch.tensor([toks[i]]), alone[i])
-            worst = max(worst, float((ref[-1] - logits[i]).abs().max()))
-            row.length += 1
-        toks = [int(t) for t in logits.argmax(-1)]
-        for s, t in zip(seen, toks, strict=True):
-            s.append(t)
-    return worst, seen
+    got = compare_batched_to_alone(eng.model, preps, steps)
+    return got.worst, got.tokens
 
 
 @pytest.mark.parametrize(("family", "window"), [("llama", None), ("qwen2", None), ("qwen3", None), ("mistral", None),
