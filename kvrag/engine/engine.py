@@ -25,7 +25,7 @@ from kvrag.fusion import FusionMethod, Observation, shared_method
 from kvrag.kv import hf_cache
 from kvrag.kv.chunk import ChunkKV
 from kvrag.kv.rope import Rope
-from kvrag.kv.spec import KVSpec, text_config
+from kvrag.kv.spec import KVSpec, dtype_name, text_config
 from kvrag.kv.window import context_limit
 from kvrag.prompting import render_chat
 
@@ -82,7 +82,7 @@ class KVRAGEngine(ChunkCaching):
         self._spaces = {kind: self.chunk_key((), kind) for kind in ("chunk", "prefix")}
         self._lock = hf_cache.model_lock(self.model)  # shared by every engine on this model (forwards, probe)
         self.default_method = shared_method(self.config.method)
-        per_token = 2 * self.spec.num_layers * self.spec.num_kv_heads * self.spec.head_dim * mdtype.itemsize
+        per_token = self.spec.with_dtype(dtype_name(mdtype)).bytes_per_token  # request buffers hold the model dtype
         kv_bytes = self.config.kv_memory_bytes or default_kv_bytes(per_token, int(self.max_context),
                                                                    self.config.max_batch_size, self.model.device)
         self.batcher = DecodeBatcher(self.model, self.tokenizer, KVBudget(kv_bytes, per_token),
