@@ -22,6 +22,7 @@ About a minute on a 2-core CPU for one dtype with the default model.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import logging
 import os
@@ -41,6 +42,7 @@ from kvrag.calibration import (
     cpu_flags,
     machine_kind,
     save_calibration,
+    variant_key,
 )
 from kvrag.errors import ConfigError
 from kvrag.fusion import MethodStats, shared_method
@@ -238,6 +240,7 @@ def run_calibration(
     model: Any = None,
     *,
     dtypes: Sequence[str | None] = (None,),
+    quantizes: Sequence[str | None] = ("default",),
     device: str | None = None,
     threads: int | None = 1,
     costs: str | None = None,
@@ -252,6 +255,8 @@ def run_calibration(
         model: a model name or path (None: the embedded default), or an already loaded
             :class:`kvrag.models.LoadedModel` (then ``dtypes`` must be its dtype only).
         dtypes: dtype names to time (None: the model's default dtype on this device).
+        quantizes: weight quantizations to time in each dtype ("none", "int4", "int8"; "default": the model's
+            default on this machine); with two or more, the faster one becomes the default (``preferred_quantize``).
         device: the device (default: cuda when available, else cpu).
         threads: torch threads while timing (None: leave as set).
         costs: the base cost model (default: the shipped one).
@@ -270,16 +275,16 @@ def run_calibration(
     try:
         results: dict[str, DtypeCalibration] = {}
         loaded = model
-        for dt in dtypes:
+        for dt, quant in itertools.product(dtypes, quantizes):
             if isinstance(model, LoadedModel):
                 if dt is not None and dtype_label(model.dtype) != str(dt).removeprefix("torch."):
                     msg = (f"calibrate: the model is loaded in {dtype_label(model.dtype)}; pass a model name to "
                            f"calibrate {dt}")
                     raise ConfigError(msg)
             else:
-                loaded = load_model(model, device=device, dtype=dt)
+                loaded = load_model(model, device=device, dtype=dt, quantize=quant)
             res = measure_dtype(loaded, base, workload=workload, methods=methods, progress=progress)
-            results[res.dtype] = res
+            results[variant_key(res.dtype, loaded.quantize)] = res
         cal = Calibration(machine_kind=machine_kind(loaded.device), model=loaded.name,
                           torch_threads=torch.get_num_threads(), dtypes=results,
                           hardware=describe_machine(loaded.device))
@@ -292,8 +297,8 @@ def run_calibration(
 def format_report(cal: Calibration, path: Path) -> str:
     """A short text report of a calibration (what ``kvrag calibrate`` prints)."""
     lines = [f"{cal.machine_kind}: {cal.model}, {cal.torch_threads} torch thread(s)"]
-    for d in cal.dtypes.values():
-        lines.append(f"  {d.dtype}: prefill {d.prefill_tokens_per_s:.0f} tokens/s, decode {d.decode_ms_per_token:.1f} "
+    for key, d in cal.dtypes.items():
+        lines.append(f"  {key}: prefill {d.prefill_tokens_per_s:.0f} tokens/s, decode {d.decode_ms_per_token:.1f} "
                      f"ms/token (at ~{TARGET_TOKENS} tokens)")
         cm = CostModel.from_dict(d.cost_model) if d.cost_model else None
         for spec, t in sorted(d.ttft_s.items(), key=lambda kv: kv[1]):
@@ -302,6 +307,9 @@ def format_report(cal: Calibration, path: Path) -> str:
                          f"{d.e2e_s[spec]:.2f} s")
     if cal.preferred_dtype:
         lines.append(f"preferred dtype (stale, TTFT + {ANSWER_TOKENS} tokens): {cal.preferred_dtype}")
+        quant = cal.preferred_quantize(cal.preferred_dtype)
+        if quant is not None:
+            lines.append(f"preferred weights in {cal.preferred_dtype}: {quant}")
     lines.append(f"written to {path}")
     return "\n".join(lines)
 

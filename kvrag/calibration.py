@@ -117,7 +117,7 @@ class Calibration:
     Attributes:
         machine_kind: :func:`machine_kind` of the device it was measured on.
         model: the model it was measured with; torch_threads: the torch threads it ran with.
-        dtypes: dtype name -> :class:`DtypeCalibration`.
+        dtypes: variant (:func:`variant_key`: dtype, and the weight quantization if any) -> :class:`DtypeCalibration`.
         hardware: a description of the machine (CPU model, cores, ...); path: the file it was read from.
     """
 
@@ -128,17 +128,36 @@ class Calibration:
     hardware: dict[str, Any] = dataclasses.field(default_factory=dict)
     path: str | None = None
 
-    @property
-    def preferred_dtype(self) -> str | None:
-        """The dtype with the lower end-to-end time (TTFT + 32 decode steps) of the default method ``stale``; None
-        when no dtype has it."""
-        timed = {d: c.end_to_end() for d, c in self.dtypes.items()}
-        known = {d: t for d, t in timed.items() if t is not None}
+    def _fastest(self, keys: list[str]) -> str | None:
+        timed = {k: self.dtypes[k].end_to_end() for k in keys}
+        known = {k: t for k, t in timed.items() if t is not None}
         return min(known, key=known.__getitem__) if known else None
 
+    @property
+    def preferred_dtype(self) -> str | None:
+        """The dtype with the lower end-to-end time (TTFT + 32 decode steps) of the default method ``stale``, in
+        whichever weight quantization it was fastest; None when no variant has it."""
+        best = self._fastest(list(self.dtypes))
+        return None if best is None else split_variant(best)[0]
+
+    @property
+    def timed_dtypes(self) -> set[str]:
+        """The dtypes calibrate timed (in any weight quantization)."""
+        return {split_variant(k)[0] for k in self.dtypes}
+
+    def preferred_quantize(self, dtype: str) -> str | None:
+        """For ``dtype``, the weight quantization ('none', 'int4', 'int8') with the lower end-to-end time, when
+        calibrate timed at least two of them in that dtype; else None (no measurement decides)."""
+        keys = [k for k in self.dtypes if split_variant(k)[0] == dtype]
+        best = self._fastest(keys) if len(keys) >= 2 else None
+        return None if best is None else split_variant(best)[1]
+
     def cost_model(self, dtype: str) -> dict[str, Any] | None:
-        """``auto``'s cost model for ``dtype`` on this machine kind (JSON form), or None."""
-        c = self.dtypes.get(dtype)
+        """``auto``'s cost model for ``dtype`` on this machine kind (JSON form), or None: the one timed with the
+        weight quantization preferred in that dtype, else with dense weights, else with any."""
+        order = [variant_key(dtype, self.preferred_quantize(dtype)), dtype]
+        order += sorted(k for k in self.dtypes if split_variant(k)[0] == dtype)
+        c = next((self.dtypes[k] for k in order if k in self.dtypes and self.dtypes[k].cost_model), None)
         return c.cost_model if c is not None else None
 
     def to_dict(self) -> dict[str, Any]:
@@ -155,6 +174,18 @@ class Calibration:
         return cls(machine_kind=str(d["machine_kind"]), model=str(d.get("model", "")),
                    torch_threads=int(d.get("torch_threads") or 1), dtypes=dtypes, hardware=d.get("hardware") or {},
                    path=path)
+
+
+def variant_key(dtype: str, quantize: str | None) -> str:
+    """The key of one timed variant in :attr:`Calibration.dtypes`: the dtype, plus ``+int4`` / ``+int8`` when the
+    weights were quantized."""
+    return dtype if quantize in (None, "none") else f"{dtype}+{quantize}"
+
+
+def split_variant(key: str) -> tuple[str, str]:
+    """(dtype, quantization or 'none') of a :func:`variant_key`."""
+    dtype, _, quant = key.partition("+")
+    return dtype, quant or "none"
 
 
 def load_calibration(kind: str | None = None) -> Calibration | None:
@@ -205,4 +236,6 @@ __all__ = [
     "load_calibration",
     "machine_kind",
     "save_calibration",
+    "split_variant",
+    "variant_key",
 ]

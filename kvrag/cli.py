@@ -37,11 +37,17 @@ def _store_url(args: argparse.Namespace) -> str:
 
 
 def _engine(model: str | None, store: str, chunk_prefix: str = "template", method: str = "stale",
-            on_store_error: str = "recompute") -> Any:
+            on_store_error: str = "recompute", quantize: str | None = "default") -> Any:
     from kvrag.engine.engine import KVRAGEngine
 
     return KVRAGEngine.from_pretrained(model, store, chunk_prefix=chunk_prefix, method=method,
-                                       on_store_error=on_store_error)
+                                       on_store_error=on_store_error, quantize=quantize)
+
+
+def _add_quantize(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--quantize", default="default", choices=["default", "none", "int8", "int4"],
+                    help="weights of the decode-sized products (default: kvrag's choice for the model on this "
+                         "machine, see docs/quantization.md)")
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
@@ -78,7 +84,7 @@ def cmd_ingest(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     # ingest always fails on store errors (its job is to fill the store), whatever on_store_error says
-    eng = _engine(args.model, _store_url(args), args.chunk_prefix, on_store_error="raise")
+    eng = _engine(args.model, _store_url(args), args.chunk_prefix, on_store_error="raise", quantize=args.quantize)
     chunks = make_chunks(docs, lambda t: len(eng.tokenize(t)), args.chunk_tokens)
     if not chunks:
         print("no non-empty chunks found", file=sys.stderr)
@@ -124,7 +130,8 @@ def cmd_ask(args: argparse.Namespace) -> int:
     man = index.manifest
     model = args.model or (None if man.get("model") == "smollm2-135m-instruct" else man.get("model"))
     store = args.store or man.get("store") or _store_url(args)
-    eng = _engine(model, store, man.get("chunk_prefix", "template"), on_store_error=args.on_store_error)
+    eng = _engine(model, store, man.get("chunk_prefix", "template"), on_store_error=args.on_store_error,
+                  quantize=args.quantize)
     hits = index.search(load_embedder(), args.question, args.top_k)
     passages = [render_passage(c.text) for c, _ in hits]
     template = RagTemplate() if args.template is None else get_template(args.template)
@@ -164,8 +171,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from kvrag.calibrate import format_report, run_calibration
 
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()] if args.dtypes else [None]
+    quantizes = [q.strip() for q in args.quantize.split(",") if q.strip()] if args.quantize else ["default"]
     cal, path = run_calibration(None if args.model in (None, "default") else args.model, dtypes=dtypes,
-                                device=args.device, threads=args.threads or None, costs=args.costs, out=args.out,
+                                quantizes=quantizes, device=args.device, threads=args.threads or None, costs=args.costs, out=args.out,
                                 progress=not args.quiet)
     print(format_report(cal, path))
     return 0
@@ -286,6 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="prefill on Ray workers (pip install 'kvrag[ray]'); ADDRESS of a running cluster (e.g. "
                          "ray://head:10001 or auto), or none to start a local Ray with --workers workers")
     sp.add_argument("--workers", type=int, default=2, help="with --ray: number of workers (each loads the model once)")
+    _add_quantize(sp)
     sp.set_defaults(func=cmd_ingest)
 
     sp = sub.add_parser("ask", help="retrieve and answer a question")
@@ -294,6 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--model", default=None)
     sp.add_argument("--store", default=None)
     sp.add_argument("--method", default="stale")
+    _add_quantize(sp)
     sp.add_argument("--on-store-error", choices=["recompute", "raise"], default="recompute",
                     help="when the KV store fails: warn and compute caches on demand (default), or fail")
     sp.add_argument("--top-k", type=int, default=4)
@@ -313,6 +323,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--model", default=None, help="model name or path (default: the embedded default)")
     sp.add_argument("--dtypes", default=None,
                     help="comma-separated dtypes to time, e.g. float32,bfloat16 (default: the model's default dtype)")
+    sp.add_argument("--quantize", default=None,
+                    help="comma-separated weight quantizations to time in each dtype, e.g. none,int4 (default: the "
+                         "model's default); with two or more, the faster becomes this machine's default")
     sp.add_argument("--threads", type=int, default=1,
                     help="torch threads while timing (default 1; 0: torch's default). auto trusts the measured "
                          "full-prefill speed only when it runs with the same number of threads")

@@ -91,8 +91,10 @@ def _state_digest(h: Any, model: PreTrainedModel, cast: torch.dtype | None = Non
 
 
 @torch.no_grad()
-def model_fingerprint(model: PreTrainedModel, dtype: torch.dtype | str | None = None) -> str:
-    """sha256 hex digest identifying what a model computes: architecture, compute dtype and weights.
+def model_fingerprint(model: PreTrainedModel, dtype: torch.dtype | str | None = None,
+                      quantize: str | None = None) -> str:
+    """sha256 hex digest identifying what a model computes: architecture, compute dtype, weights and the weight
+    quantization of its short products (:mod:`kvrag.kv.quant`; dense models hash as they always did).
 
     Covers the architecture config (sorted JSON, minus bookkeeping such as ``transformers_version`` and
     ``_name_or_path``), the compute dtype and, for every parameter and persistent buffer in name order, its shape,
@@ -107,6 +109,7 @@ def model_fingerprint(model: PreTrainedModel, dtype: torch.dtype | str | None = 
     Args:
         model: a transformers model.
         dtype: the compute dtype; defaults to the dtype of the model's first floating-point parameter.
+        quantize: the quantization mode of its linear layers ("int4" / "int8"), None when dense.
     """
     if dtype is None:
         dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
@@ -116,6 +119,8 @@ def model_fingerprint(model: PreTrainedModel, dtype: torch.dtype | str | None = 
     h.update(b"kvrag-model-fp-v1\x00")
     h.update(json.dumps(_config_for_fingerprint(model.config), sort_keys=True, default=str).encode())
     h.update(f"\x00compute_dtype={dtype}\x00".encode())
+    if quantize is not None:
+        h.update(f"quantize={quantize}\x00".encode())
     _state_digest(h, model)
     return h.hexdigest()
 

@@ -24,6 +24,7 @@ from kvrag.extras import require
 from kvrag.fingerprint import model_fingerprint, tokenizer_fingerprint
 from kvrag.kv.attention import use_gqa_sdpa
 from kvrag.kv.linear import pack_linears
+from kvrag.kv.quant import parse_mode, quantize_linears
 from kvrag.kv.rope import check_rope_support
 from kvrag.kv.spec import KVSpec, dtype_from_name, dtype_name
 from kvrag.paths import env_offline, hf_offline
@@ -94,13 +95,51 @@ def default_dtype(device: torch.device) -> torch.dtype:
     return torch.float32
 
 
+QUANTIZE_ENV = "KVRAG_QUANTIZE"
+"""Environment variable that sets the default weight quantization of every model kvrag loads ('int4' | 'int8' |
+'none'); an explicit ``quantize=`` argument still wins."""
+DEFAULT_QUANTIZE = "default"
+"""``quantize=`` value meaning "kvrag's choice for this model on this machine" (:func:`default_quantize`)."""
+
+
+def default_quantize(device: torch.device, dtype: torch.dtype, *, default_model: bool) -> str | None:
+    """The weight quantization that answers sooner, when nothing is asked for explicitly.
+
+    The rule, in order:
+
+    1. ``$KVRAG_QUANTIZE`` when set (:data:`QUANTIZE_ENV`; 'none' for dense).
+    2. What ``kvrag calibrate --quantize none,int4`` measured faster end to end for this machine kind and dtype.
+    3. The embedded default model on a CPU with native bfloat16 (AVX512-BF16 or AMX): ``int4`` -- its GGUF's own
+       4-bit blocks (:mod:`kvrag.kv.quant`), whose kernel reads 1/7 of float32's bytes per decode step.
+    4. Otherwise dense weights (None): a model loaded from a float checkpoint stays as its authors published it
+       unless asked, and without native bfloat16 the kernels' bfloat16 activations are emulated.
+    """
+    env = os.environ.get(QUANTIZE_ENV, "").strip()
+    if env:
+        try:
+            return parse_mode(env)
+        except ConfigError as e:
+            msg = f"{QUANTIZE_ENV}={env!r} is not a weight quantization; set it to int4, int8 or none, or unset it"
+            raise ConfigError(msg) from e
+    if device.type != "cpu":
+        return None
+    cal = load_calibration(machine_kind(device))
+    if cal is not None:
+        chosen = cal.preferred_quantize(dtype_name(dtype))
+        if chosen is not None:
+            return parse_mode(chosen)
+    if default_model and cpu_native_bf16() is not None:
+        return "int4"
+    return None
+
+
 def _calibrated_dtype(device: torch.device) -> torch.dtype | None:
     """The dtype ``kvrag calibrate`` measured as the faster one end to end on this machine kind, when it timed
     at least two dtypes there (:attr:`kvrag.calibration.Calibration.preferred_dtype`)."""
     if device.type == "cuda" and not torch.cuda.is_available():
         return None  # a device asked about, not one this process has: no calibration can be for it
     cal = load_calibration(machine_kind(device))
-    if cal is None or len(cal.dtypes) < 2 or cal.preferred_dtype is None:
+    if cal is None or len(cal.timed_dtypes) < 2 or cal.preferred_dtype is None:
         return None
     return dtype_from_name(cal.preferred_dtype)
 
@@ -146,6 +185,7 @@ class LoadedModel:
         tokenizer_fingerprint: :func:`tokenizer_fingerprint`.
         device: where the model runs.
         dtype: compute dtype.
+        quantize: the weight quantization of its short products ("int4" / "int8", :mod:`kvrag.kv.quant`), or None.
     """
 
     model: PreTrainedModel
@@ -155,6 +195,7 @@ class LoadedModel:
     tokenizer_fingerprint: str
     device: torch.device
     dtype: torch.dtype
+    quantize: str | None = None
 
     @property
     def config(self) -> PretrainedConfig:
@@ -176,22 +217,30 @@ def wrap_model(
     *,
     name: str,
     dtype: torch.dtype | None = None,
+    quantize: str | None = None,
 ) -> LoadedModel:
-    """Validate an already constructed model and compute its fingerprints (used by :func:`load_model` and tests)."""
+    """Validate an already constructed model and compute its fingerprints (used by :func:`load_model` and tests).
+
+    ``quantize`` ("int4" / "int8") gives its linear layers quantized weights for short products
+    (:func:`kvrag.kv.quant.quantize_linears`); the fingerprint records it, so caches never cross quantizations.
+    """
+    mode = parse_mode(quantize)
     check_rope_support(model, name=name)
     model.eval()
     use_gqa_sdpa(model)  # SDPA without repeated K/V heads for masked grouped-query calls (kvrag.kv.attention)
     pack_linears(model)  # bf16 on the CPU: weights packed once for oneDNN, bit-identical outputs (kvrag.kv.linear)
+    quantize_linears(model, mode)  # after packing: longer inputs fall back to the packed / dense forward
     param = next(model.parameters())
     dtype = dtype or param.dtype
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
         name=name,
-        fingerprint=model_fingerprint(model, dtype),
+        fingerprint=model_fingerprint(model, dtype, mode),
         tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
         device=param.device,
         dtype=dtype,
+        quantize=mode,
     )
 
 
@@ -200,6 +249,7 @@ def load_model(
     *,
     dtype: torch.dtype | str | None = None,
     device: torch.device | str | None = None,
+    quantize: str | None = DEFAULT_QUANTIZE,
 ) -> LoadedModel:
     """Load a causal LM for kvrag.
 
@@ -210,6 +260,8 @@ def load_model(
         dtype: compute dtype; default :func:`default_dtype` (``$KVRAG_DTYPE``, else bfloat16 on CUDA and on CPUs
             with AMX, else float32).
         device: default ``cuda`` when available, else ``cpu``.
+        quantize: "int4" / "int8" quantized weights for decode-sized products (:mod:`kvrag.kv.quant`), None for
+            dense weights; by default :func:`default_quantize` (what answers sooner for this model on this machine).
 
     Returns:
         The model (eval mode, SDPA attention), tokenizer and fingerprints.
@@ -223,7 +275,9 @@ def load_model(
 
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
-    if model is None or str(model) == DEFAULT_MODEL:
+    is_default = model is None or str(model) == DEFAULT_MODEL
+    mode = default_quantize(dev, dt, default_model=is_default) if quantize == DEFAULT_QUANTIZE else parse_mode(quantize)
+    if is_default:
         name, source, local = DEFAULT_MODEL, str(prepare_default_model()), True
     else:
         name, source = str(model), str(model)
@@ -246,8 +300,9 @@ def load_model(
             source, config=config, dtype=dt, attn_implementation="sdpa", local_files_only=offline
         )
     lm.to(dev)  # type: ignore[arg-type]  # transformers wraps nn.Module.to; mypy misreads the wrapper
-    loaded = wrap_model(lm, tokenizer, name=name, dtype=dt)
-    logger.info("loaded %s on %s (%s) in %.1f s", name, dev, dtype_name(dt), time.perf_counter() - t0)
+    loaded = wrap_model(lm, tokenizer, name=name, dtype=dt, quantize=mode)
+    logger.info("loaded %s on %s (%s%s) in %.1f s", name, dev, dtype_name(dt), f", {mode} weights" if mode else "",
+                time.perf_counter() - t0)
     return loaded
 
 
@@ -283,7 +338,10 @@ def load_embedder(name: str | os.PathLike[str] | None = None, *, device: str | N
 
 
 __all__ = [
+    "DEFAULT_QUANTIZE",
     "DTYPE_ENV",
+    "QUANTIZE_ENV",
+    "default_quantize",
     "LoadedModel",
     "cpu_native_bf16",
     "default_dtype",

@@ -115,6 +115,17 @@ def add_bench_arguments(subparsers: Any) -> argparse.ArgumentParser:
     load_sweep.add_arguments(ld)
     ld.set_defaults(func=run_load)
 
+    dc = sub.add_parser("decode", help="ms per generated token vs context and batch: dense, int8, int4, llama.cpp",
+                        description="The engine's batched decode step at each context length and batch in each weight "
+                                    "format (interleaved), beside the bytes-read bound (bytes one step reads / copy "
+                                    "bandwidth, measured in the same run) and llama.cpp on the same GGUF file and "
+                                    "token ids when llama-cpp-python is installed (the `peers` extra).")
+    from kvrag_bench import decode_bench
+
+    decode_bench.add_arguments(dc)
+    _add_model_args(dc)
+    dc.set_defaults(func=decode_bench.main)
+
     lk = sub.add_parser("llamaindex-kl", help="next-token KL vs full on the prompts a stock LlamaIndex query engine sends",
                         description="Record the LLM calls of a stock LlamaIndex query engine (default prompts; "
                                     "compact / refine / tree_summarize) over an index of dev passages, then compare "

@@ -92,10 +92,13 @@ class KVRAGEngine(ChunkCaching):
     @classmethod
     def from_pretrained(
         cls, model: Any = None, store: Any = "memory://", *, device: str | None = None, dtype: Any = None,
-        **config: Any,
+        quantize: str | None = "default", **config: Any,
     ) -> KVRAGEngine:
         """Load a model (HF id or path; None: the embedded default; or an already loaded ``LoadedModel``) and open
         a store (URL or KVStore).
+
+        ``quantize``: "int4" / "int8" weights for decode-sized products, None for dense weights, "default" for
+        kvrag's choice for this model on this machine (:func:`kvrag.models.default_quantize`).
 
         With ``on_store_error="recompute"`` (default) a Redis URL whose server is down at start is accepted: a
         warning is logged and the store is used once the server is up.
@@ -109,7 +112,8 @@ class KVRAGEngine(ChunkCaching):
             st, start_error = open_store(store, cfg.on_store_error)
         else:
             st = store
-        loaded = model if isinstance(model, LoadedModel) else load_model(model, device=device, dtype=dtype)
+        loaded = (model if isinstance(model, LoadedModel)
+                  else load_model(model, device=device, dtype=dtype, quantize=quantize))
         eng = cls(loaded, st, cfg)
         if start_error is not None and isinstance(eng.serving_store, FallbackStore):
             eng.serving_store.mark_down("connect", start_error)

@@ -231,6 +231,7 @@ def tiny_model(
     device: torch.device | str = "cpu",
     init_std: float = INIT_STD,
     sliding_window: int | None = None,
+    quantize: str | None = None,
 ) -> LoadedModel:
     """A random-weight model of ``family`` with the tiny tokenizer, wrapped like :func:`kvrag.models.load_model`.
 
@@ -246,6 +247,7 @@ def tiny_model(
         device: device.
         init_std: std of the random weights, see :data:`INIT_STD`.
         sliding_window: sliding attention window (see :func:`tiny_config`).
+        quantize: weight quantization of the short products ("int4" / "int8", :mod:`kvrag.kv.quant`).
 
     Raises:
         UnsupportedModelError: the rope override is a variant kvrag cannot serve (e.g. 'dynamic').
@@ -258,7 +260,7 @@ def tiny_model(
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
     model = model.to(device=device, dtype=dtype).eval()
     name = f"tiny-{family}" if sliding_window is None else f"tiny-{family}-sw{sliding_window}"
-    return wrap_model(model, tiny_tokenizer(), name=name, dtype=dtype)
+    return wrap_model(model, tiny_tokenizer(), name=name, dtype=dtype, quantize=quantize)
 
 
 def tiny_engine(family: str = "qwen2", *, store: Any = None, init_std: float = 0.1, seed: int = 0,

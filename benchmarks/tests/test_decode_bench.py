@@ -1,0 +1,32 @@
+"""``kvrag bench decode`` on a tiny random model saved to a folder: every (context, batch, format) cell is timed,
+the bytes-read bound follows each format's bytes, and the JSON / markdown / plot are written."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from kvrag.testing.tiny import tiny_model
+from kvrag_bench.cli import main
+
+
+def test_decode_bench_on_a_tiny_model(tmp_path: Path) -> None:
+    lm = tiny_model("llama", num_layers=2)
+    lm.model.save_pretrained(tmp_path / "m")
+    lm.tokenizer.save_pretrained(tmp_path / "m")
+    out = tmp_path / "out"
+    rc = main(["bench", "decode", "--model", str(tmp_path / "m"), "--dtype", "float32", "--threads", "1",
+               "--contexts", "48,96", "--batches", "1,2", "--quantize", "none,int4", "--steps", "2", "--rounds", "1",
+               "--peer", "none", "--out", str(out), "--no-progress"])
+    assert rc == 0
+    res = json.loads((out / "decode.json").read_text())
+    cells = {(c["context"], c["batch"], c["format"]): c for c in res["cells"]}
+    assert set(cells) == {(c, b, f) for c in (48, 96) for b in (1, 2) for f in ("none", "int4")}
+    for c in cells.values():
+        assert c["step_ms"] > 0 and c["bound_ms_per_step"] > 0 and c["ms_per_token"] == c["step_ms"] / c["batch"]
+    # int4 reads fewer weight bytes than dense; more context or rows read more KV
+    assert cells[(48, 1, "int4")]["bytes_per_step"] < cells[(48, 1, "none")]["bytes_per_step"]
+    assert cells[(96, 1, "none")]["bytes_per_step"] > cells[(48, 1, "none")]["bytes_per_step"]
+    assert cells[(48, 2, "none")]["bytes_per_step"] > cells[(48, 1, "none")]["bytes_per_step"]
+    assert (out / "decode.png").stat().st_size > 0 and "| 96 | 2 | int4 |" in (out / "decode.md").read_text()
+    assert res["peer"] is None and res["formats"] == ["none", "int4"]
