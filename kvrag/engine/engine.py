@@ -94,8 +94,9 @@ class KVRAGEngine(ChunkCaching):
         cls, model: Any = None, store: Any = "memory://", *, device: str | None = None, dtype: Any = None,
         **config: Any,
     ) -> KVRAGEngine:
-        """Load a model (HF id or path; None: the embedded default; or an already loaded ``LoadedModel``) and open
-        a store (URL or KVStore).
+        """Load a model (HF id, local checkpoint folder, path of a ``.gguf`` file (converted once, see
+        :func:`kvrag.default_model.prepare_gguf`); None: the embedded default; or an already loaded ``LoadedModel``)
+        and open a store (URL or KVStore).
 
         With ``on_store_error="recompute"`` (default) a Redis URL whose server is down at start is accepted: a
         warning is logged and the store is used once the server is up.
