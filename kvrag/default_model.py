@@ -261,8 +261,8 @@ def inspect_gguf(path: str | os.PathLike[str]) -> GGUFInfo:
     if arch not in supported:
         msg = (f"GGUF file {path.name}: architecture {arch!r} is not supported: transformers, which kvrag reads GGUF "
                f"files with, builds no model of it (it reads {', '.join(sorted(supported))}), and kvrag serves the "
-               "RoPE decoder families listed in docs/models.md. Use a GGUF of a supported family, or the model's "
-               "Hugging Face checkpoint folder")
+               "RoPE decoder families the README lists under 'Supported models'. Use a GGUF of a supported family, "
+               "or the model's Hugging Face checkpoint folder")
         raise UnsupportedModelError(msg)
     types: dict[str, list[str]] = {}
     bad: dict[str, str] = {}
