@@ -11,8 +11,9 @@ runs the same demo on your own model (a ``.gguf`` file or a Hugging Face checkpo
 
     python examples/demo.py [--model path/to/model.gguf] [--methods full,stale,relaxkv] [--hf-baseline] [--docs DIR]
 
-``make demo`` runs it (``make demo MODEL=path/to/model.gguf`` passes ``--model``). It needs the kvrag core and the two LlamaIndex distributions
-(``llama-index-llms-kvrag``, ``llama-index-postprocessor-kvrag``) with ``llama-index-embeddings-huggingface``.
+``make demo`` runs it (``make demo MODEL=path/to/model.gguf`` passes ``--model``). It needs the kvrag core and the
+two LlamaIndex distributions (``llama-index-llms-kvrag``, ``llama-index-postprocessor-kvrag``) with
+``llama-index-embeddings-huggingface``.
 """
 
 from __future__ import annotations

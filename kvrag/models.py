@@ -250,7 +250,8 @@ def load_model(
             hint = " (HF_HUB_OFFLINE=1: only models already in the local HF cache can be used)" if offline else ""
             ggufs = sorted(p.name for p in Path(source).glob("*.gguf")) if local else []
             if ggufs:
-                hint = f" (the folder holds GGUF files but no config.json: pass a file's path, e.g. {Path(source) / ggufs[0]})"
+                example = Path(source) / ggufs[0]
+                hint = f" (the folder holds GGUF files but no config.json: pass a file's path, e.g. {example})"
             msg = f"cannot load model {name!r}: expected a Hugging Face model id or a checkpoint directory{hint}: {e}"
             raise ConfigError(msg) from e
         check_rope_support(config, name=name)  # fail before reading any weights
