@@ -1,6 +1,8 @@
 # kvrag: the README's two commands. Each sets up everything it needs on a fresh machine.
 #   make demo        virtualenv + install + default model + the LlamaIndex demo (examples/demo.py)
-#   make test        virtualenv + install (dev extras, integrations, benchmarks) + ruff + mypy + the whole test suite
+#   make demo MODEL=path/to/model.gguf   the same demo on your own model (a .gguf file or a Hugging Face checkpoint folder)
+#   make test        virtualenv + install (dev extras, integrations, benchmarks) + redis-server where it can
+#                    (.ci/install-redis: root + apt) + ruff + mypy + the whole test suite
 #   make bench DATA=path/to/qa.jsonl   the QA benchmark (kvrag-bench, installed from benchmarks/)
 #   make gpu-check   the CUDA checks (kvrag_bench.gpu_check)
 PYTHON ?= python3
@@ -12,6 +14,8 @@ export TOKENIZERS_PARALLELISM := false
 INTEGRATIONS := integrations/llama-index-llms-kvrag integrations/llama-index-postprocessor-kvrag integrations/langchain-kvrag
 TEST_DIRS := tests benchmarks/tests $(foreach d,$(INTEGRATIONS),$(wildcard $(d)/tests))
 LINT_DIRS := kvrag tests integrations benchmarks examples
+# make demo MODEL=...: a .gguf file or a Hugging Face checkpoint folder (default: the embedded SmolLM2-135M-Instruct)
+MODEL ?=
 # The dev QA set the published figures come from is not part of the repository: pass it as DATA=...
 DATA ?=
 LIMIT ?= 100
@@ -43,21 +47,24 @@ setup-bench: $(VENV)/.bench-stamp
 setup-dev: $(VENV)/.dev-stamp
 
 demo: setup
-	$(VENV)/bin/kvrag pull
-	$(PY) examples/demo.py
+	$(VENV)/bin/kvrag pull $(if $(MODEL),"$(MODEL)")
+	$(PY) examples/demo.py $(if $(MODEL),--model "$(MODEL)")
 
 test: setup-dev
+	bash .ci/install-redis
 	$(VENV)/bin/ruff check $(LINT_DIRS)
 	$(VENV)/bin/mypy kvrag benchmarks/kvrag_bench
 	$(VENV)/bin/kvrag pull
 	$(PY) -m pytest -q -p no:cacheprovider $(TEST_DIRS)
 
 test-unit: setup-dev
+	bash .ci/install-redis
 	$(PY) -m pytest -q -p no:cacheprovider tests/unit benchmarks/tests $(foreach d,$(INTEGRATIONS),$(wildcard $(d)/tests/unit_tests))
 
 # The whole suite with the real default model in bfloat16 (slow on CPUs without native bf16). The bf16 equivalence
 # subset (tests/unit/test_bf16_equivalence.py, the *_bfloat16 integration tests) runs in `make test` on every machine.
 test-bf16: setup-dev
+	bash .ci/install-redis
 	$(VENV)/bin/kvrag pull
 	KVRAG_TEST_DTYPE=bfloat16 $(PY) -m pytest -q -p no:cacheprovider $(TEST_DIRS)
 

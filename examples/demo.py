@@ -5,16 +5,22 @@ time and persisted beside it, then asks three questions through a stock streamin
 ``KVCachedLLM`` and ``KVCachePostprocessor`` for each method (``full``, ``stale`` and the repair methods that are
 registered), and prints the answers with the end-to-end time to first token and the cache hit rate.
 
-    python examples/demo.py [--methods full,stale,relaxkv] [--hf-baseline] [--docs DIR]
+The model is the embedded default, SmolLM2-135M-Instruct (135M parameters, from a 4-bit Q4_1 GGUF): small enough
+to run anywhere in seconds, so its answers show speed and agreement with ``full``, not answer quality. ``--model``
+runs the same demo on your own model (a ``.gguf`` file or a Hugging Face checkpoint folder)::
 
-``make demo`` runs it. It needs the kvrag core and the two LlamaIndex distributions
-(``llama-index-llms-kvrag``, ``llama-index-postprocessor-kvrag``) with ``llama-index-embeddings-huggingface``.
+    python examples/demo.py [--model path/to/model.gguf] [--methods full,stale,relaxkv] [--hf-baseline] [--docs DIR]
+
+``make demo`` runs it (``make demo MODEL=path/to/model.gguf`` passes ``--model``). It needs the kvrag core and the
+two LlamaIndex distributions (``llama-index-llms-kvrag``, ``llama-index-postprocessor-kvrag``) with
+``llama-index-embeddings-huggingface``.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 from collections.abc import Sequence
@@ -27,6 +33,10 @@ QUESTIONS = (
     "When does the last boat leave Tamsin Isle?",
 )
 REPAIR_METHODS = ("relaxkv", "cacherepair")
+RERUN_WITH_YOUR_MODEL = "make demo MODEL=path/to/model.gguf"
+"""The one command that reruns the demo on another model (a .gguf file or a Hugging Face checkpoint folder)."""
+SAME_AS_FULL_NOTE = ("same answer as full: answers word for word equal to full's (exact prefill); it measures "
+                     "agreement with full, not whether an answer is right")
 
 
 def default_docs_dir() -> Path | None:
@@ -78,7 +88,28 @@ def first_token_query(query_engine: Any, question: str) -> tuple[str, float]:
     return answer.strip(), ttft
 
 
-def build_or_load(docs_dir: Path, persist: Path, rebuild: bool) -> tuple[Any, Any]:
+def model_line(model: str | None) -> str:
+    """What the demo runs on, in one line: the default model says that its answers are a small model's."""
+    if model is None:
+        from kvrag.default_model import DEFAULT_MODEL_DESCRIPTION
+
+        return (f"model: {DEFAULT_MODEL_DESCRIPTION}, the embedded default; its answers show speed and agreement "
+                "with full, not answer quality")
+    return f"model: {model}"
+
+
+def persist_dir_for(model: str | None) -> Path:
+    """KVRAG_HOME/demo/llamaindex for the default model, a sibling per other model (its own caches)."""
+    from kvrag.paths import kvrag_home
+
+    base = kvrag_home() / "demo"
+    if model is None:
+        return base / "llamaindex"
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(model).name or model).strip("._") or "model"
+    return base / f"llamaindex-{slug}"
+
+
+def build_or_load(docs_dir: Path, persist: Path, rebuild: bool, model: str | None = None) -> tuple[Any, Any]:
     import shutil
 
     from llama_index.core import SimpleDirectoryReader
@@ -90,7 +121,7 @@ def build_or_load(docs_dir: Path, persist: Path, rebuild: bool) -> tuple[Any, An
 
     if rebuild and persist.exists():
         shutil.rmtree(persist)
-    engine = open_engine(persist)
+    engine = open_engine(persist, model=model)
     embed_model = HuggingFaceEmbedding(model_name=str(default_embedder_path()))
     if (persist / "docstore.json").exists():
         index = load_index(persist, embed_model=embed_model)
@@ -145,6 +176,7 @@ def print_tables(rows: Sequence[dict[str, Any]]) -> None:
         for m in summary:
             print(f"{m['method']:<18} TTFT e2e {m['ttft']:>9} ({m['ttft_vs_full']} x full)  TTFT LLM "
                   f"{m['engine_ttft']:>9}  hit rate {m['hit_rate']}  same answer as full {m['same_as_full']}")
+        print(SAME_AS_FULL_NOTE)
         return
     console = Console(width=None if sys.stdout.isatty() else 150)
     answers = Table(title="Answers (stock LlamaIndex streaming query engine, top-k chunks from the KV store)")
@@ -159,6 +191,7 @@ def print_tables(rows: Sequence[dict[str, Any]]) -> None:
     for m in summary:
         table.add_row(m["method"], m["ttft"], m["ttft_vs_full"], m["engine_ttft"], m["hit_rate"], m["same_as_full"])
     console.print(table)
+    print(SAME_AS_FULL_NOTE)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -166,8 +199,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     ap = argparse.ArgumentParser(prog="python examples/demo.py",
                                  description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None,
+                    help="a .gguf file, a Hugging Face checkpoint folder or a cached Hub id (default: the embedded "
+                         "SmolLM2-135M-Instruct)")
     ap.add_argument("--docs", type=Path, default=default_docs_dir(), help="folder of .md/.txt documents")
-    ap.add_argument("--persist", type=Path, default=None, help="index + cache folder (default: KVRAG_HOME/demo)")
+    ap.add_argument("--persist", type=Path, default=None,
+                    help="index + cache folder (default: KVRAG_HOME/demo/llamaindex, one per --model)")
     ap.add_argument("--methods", default=None, help="comma-separated methods (default: full, stale + repair methods)")
     ap.add_argument("--question", action="append", help="question(s) (default: three about the sample documents)")
     ap.add_argument("--top-k", type=int, default=2)
@@ -180,10 +217,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from llama_index.llms.kvrag import KVCachedLLM
     from llama_index.postprocessor.kvrag import KVCachePostprocessor
 
-    from kvrag.paths import kvrag_home
-
-    persist = args.persist or kvrag_home() / "demo" / "llamaindex"
-    engine, index = build_or_load(args.docs, persist, args.rebuild)
+    print(model_line(args.model))
+    persist = args.persist or persist_dir_for(args.model)
+    engine, index = build_or_load(args.docs, persist, args.rebuild, args.model)
     methods, notes = pick_methods(args.methods)
     questions = args.question or list(QUESTIONS)
 
@@ -230,6 +266,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for n in notes:
         print("note:", n)
     print("TTFT e2e: from query() to the first streamed token (retrieval included); TTFT LLM: inside KVCachedLLM.")
+    print(model_line(args.model))
+    print(f"Rerun with your own model (a .gguf file or a Hugging Face checkpoint folder): {RERUN_WITH_YOUR_MODEL}")
     return 0
 
 

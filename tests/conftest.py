@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -100,3 +101,31 @@ def redis_cluster() -> Iterator[Any]:
         pytest.skip(str(e))
     with cluster:
         yield cluster
+
+
+#: Skip reasons that mean a real component the suite starts itself is missing on this machine (not an optional
+#: Python package: `make test` installs those) -> the component and the command that makes those tests run. As root
+#: with apt, `make test` installs redis-server itself (.ci/install-redis).
+REAL_COMPONENT_SKIPS = {
+    "redis-server binary not found": ("redis-server", "sudo apt-get install redis-server && make test"),
+    "redis-cli binary not found": ("redis-server", "sudo apt-get install redis-server && make test"),
+}
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: Any) -> None:
+    """One line naming the real-component tests that were skipped (e.g. Redis without ``redis-server``) and the
+    command that enables them: under ``-q`` a skip is otherwise only a number in the final count."""
+    by_file: collections.Counter[str] = collections.Counter()
+    missing: dict[tuple[str, str], None] = {}
+    for report in terminalreporter.stats.get("skipped", []):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        found = next((v for needle, v in REAL_COMPONENT_SKIPS.items() if needle in reason), None)
+        if found is not None:
+            by_file[report.nodeid.split("::")[0]] += 1
+            missing[found] = None
+    if by_file:
+        files = ", ".join(f"{f} ({n})" for f, n in sorted(by_file.items()))
+        what = ", ".join(dict.fromkeys(c for c, _ in missing))
+        how = " ; ".join(dict.fromkeys(cmd for _, cmd in missing))
+        terminalreporter.write_line(f"skipped {sum(by_file.values())} real-component tests (no {what} on this "
+                                    f"machine): {files}; to run them: {how}", yellow=True)

@@ -94,8 +94,9 @@ class KVRAGEngine(ChunkCaching):
         cls, model: Any = None, store: Any = "memory://", *, device: str | None = None, dtype: Any = None,
         quantize: str | None = "default", **config: Any,
     ) -> KVRAGEngine:
-        """Load a model (HF id or path; None: the embedded default; or an already loaded ``LoadedModel``) and open
-        a store (URL or KVStore).
+        """Load a model (HF id, local checkpoint folder, path of a ``.gguf`` file (converted once, see
+        :func:`kvrag.default_model.prepare_gguf`); None: the embedded default; or an already loaded ``LoadedModel``)
+        and open a store (URL or KVStore).
 
         ``quantize``: "int4" / "int8" weights for decode-sized products, None for dense weights, "default" for
         kvrag's choice for this model on this machine (:func:`kvrag.models.default_quantize`).

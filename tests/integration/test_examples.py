@@ -84,4 +84,25 @@ def test_demo_main(example_dir, capsys):
     assert "reloaded the index" in out
     for label in ("full", "stale", "HuggingFaceLLM", "TTFT e2e", "hit rate", "same answer as full", "vs full"):
         assert label in out
+    # says what the default model is, what its answers show, and how to rerun with another model (last line)
+    assert "SmolLM2-135M-Instruct (135M parameters, from a 4-bit Q4_1 GGUF)" in out
+    assert "not answer quality" in out and demo.SAME_AS_FULL_NOTE in out
+    assert out.strip().splitlines()[-1].endswith(demo.RERUN_WITH_YOUR_MODEL)
+
+
+def test_demo_runs_on_a_gguf_file(tmp_path, capsys, monkeypatch):
+    """`make demo MODEL=path/to/model.gguf`: the same demo on a GGUF the user brings (here a tiny random Llama)."""
+    pytest.importorskip("gguf", reason="gguf not installed (pip install 'kvrag[gguf]')")
+    from kvrag.testing.tiny import tiny_model
+    from kvrag.testing.tiny_gguf import write_tiny_gguf
+
+    gguf = write_tiny_gguf(tmp_path / "my-model.gguf", tiny_model("llama"))
+    demo = load_example("demo")
+    assert demo.persist_dir_for(str(gguf)).name == "llamaindex-my-model.gguf"
+    monkeypatch.setenv("KVRAG_HOME", str(tmp_path / "home"))
+    rc = demo.main(["--model", str(gguf), "--methods", "full,stale", "--question", Q, "--max-new-tokens", "4"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert f"model: {gguf}" in out and "SmolLM2" not in out
+    assert "indexed" in out and "same answer as full" in out
 

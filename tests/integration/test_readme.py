@@ -1,10 +1,13 @@
 """README.md runs as printed: every fenced ``python`` block, and the cheap ``kvrag`` lines of its ``bash`` blocks.
 
-Each Python block runs in its own interpreter (``HF_HUB_OFFLINE=1``) in a scratch directory that holds an
-``examples`` link to the repository's examples, i.e. as a user would run it from the repository root, and must exit 0
-and print something. The ``bash`` blocks' command lines run in README order in another scratch directory; lines that
-are too long or need outside services are listed in :data:`SKIPPED` with the reason, and a line that is neither run
-nor listed fails the test, so a new README command cannot go unchecked.
+Each Python block runs in its own interpreter (``HF_HUB_OFFLINE=1``, ``-W error``: any Python warning, e.g. a
+library's DeprecationWarning, is an error) in a scratch directory that holds an ``examples`` link to the
+repository's examples, i.e. as a user would run it from the repository root, and must exit 0, print something, and
+print no warning to stderr (a library's logged warning would reach the user just the same). The ``bash`` blocks'
+command lines run in README order in another scratch directory; lines that are too long or need outside services
+are listed in :data:`SKIPPED` with the reason, and a line that is neither run nor listed fails the test, so a new
+README command cannot go unchecked. ``path/to/model.gguf``, the README's placeholder for the reader's own model, is
+replaced in both kinds of block by a tiny random Llama the test writes as a GGUF file (kvrag.testing.tiny_gguf).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ CLI_TIMEOUT_S = 180
 
 #: README command lines not run here, matched by regular expression against the line (comments stripped), with why.
 SKIPPED: list[tuple[str, str]] = [
+    (r"^make demo MODEL=", "make demo on the reader's model; test_examples.py runs the demo on a GGUF file"),
     (r"^make demo$", "sets up .venv and installs every package from PyPI (minutes); the test runs inside that setup"),
     (r"^make test$", "runs the whole suite, this test included"),
     (r"^pip install ", "installs packages from PyPI; the test runs in the environment those commands built"),
@@ -35,6 +39,12 @@ SKIPPED: list[tuple[str, str]] = [
     (r"^kvrag calibrate( |$)", "runs benchmark requests for minutes to fit this machine's cost model"),
     (r"^kvrag ingest .* --ray( |$)", "needs Ray workers and a shared store (a Redis Cluster)"),
 ]
+
+#: The README's placeholder for the reader's own model (a GGUF file); the test writes a tiny one in its place.
+OWN_MODEL = "path/to/model.gguf"
+
+#: A warning line on stderr: Python's ``warnings`` format (``...: DeprecationWarning: ...``) or a logged warning.
+WARNING = re.compile(r"\b\w*Warning\b|^WARNING\b|\bwarn(ing)?:", re.IGNORECASE | re.MULTILINE)
 
 #: ``kvrag`` subcommands cheap enough to run (seconds on the default model and the sample collection).
 RUN_SUBCOMMANDS = ("pull", "ingest", "ask", "store")
@@ -80,6 +90,16 @@ def _scratch(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
 
 
 @pytest.fixture(scope="module")
+def own_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny random Llama written as a GGUF file: what the README's ``path/to/model.gguf`` stands for."""
+    pytest.importorskip("gguf", reason="gguf not installed (pip install 'kvrag[gguf]')")
+    from kvrag.testing.tiny import tiny_model
+    from kvrag.testing.tiny_gguf import write_tiny_gguf
+
+    return str(write_tiny_gguf(tmp_path_factory.mktemp("own-model") / "model.gguf", tiny_model("llama")))
+
+
+@pytest.fixture(scope="module")
 def python_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One scratch 'repository root' for all Python blocks (they may share a store, as a user's runs would)."""
     return _scratch(tmp_path_factory, "readme-python")
@@ -102,21 +122,27 @@ def test_every_command_line_is_run_or_skipped_with_a_reason() -> None:
 
 
 @pytest.mark.parametrize("index", range(len(PY_BLOCKS)), ids=[f"python-{i}" for i in range(len(PY_BLOCKS))])
-def test_python_block_runs(index: int, python_dir: Path) -> None:
-    proc = subprocess.run([sys.executable, "-c", PY_BLOCKS[index]], cwd=python_dir, env=_env(), capture_output=True,
-                          text=True, timeout=PY_TIMEOUT_S)
+def test_python_block_runs(index: int, python_dir: Path, request: pytest.FixtureRequest) -> None:
+    code = PY_BLOCKS[index]
+    if OWN_MODEL in code:
+        code = code.replace(OWN_MODEL, request.getfixturevalue("own_model"))
+    proc = subprocess.run([sys.executable, "-W", "error", "-c", code], cwd=python_dir, env=_env(),
+                          capture_output=True, text=True, timeout=PY_TIMEOUT_S)
     assert proc.returncode == 0, f"README python block {index} failed:\n{PY_BLOCKS[index]}\n--- stderr ---\n{proc.stderr[-4000:]}"
     assert proc.stdout.strip(), f"README python block {index} printed nothing"
+    warned = [line for line in proc.stderr.splitlines() if WARNING.search(line)]
+    assert warned == [], f"README python block {index} printed warnings:\n" + "\n".join(warned)
 
 
-def test_cli_lines_run(tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_cli_lines_run(tmp_path_factory: pytest.TempPathFactory, own_model: str) -> None:
     """The runnable lines in README order (ingest before ask), each exiting 0 with output."""
     work = _scratch(tmp_path_factory, "readme-cli")
     ran = []
     for line in filter(runnable, command_lines()):
-        argv = [sys.executable, "-m", "kvrag.cli", *shlex.split(line)[1:]]
+        argv = [sys.executable, "-m", "kvrag.cli", *shlex.split(line.replace(OWN_MODEL, own_model))[1:]]
         proc = subprocess.run(argv, cwd=work, env=_env(), capture_output=True, text=True, timeout=CLI_TIMEOUT_S)
         assert proc.returncode == 0, f"`{line}` exited {proc.returncode}:\n{proc.stderr[-4000:]}"
         assert (proc.stdout + proc.stderr).strip(), f"`{line}` printed nothing"
         ran.append(line)
     assert any(" ask " in f" {line} " for line in ran), "no `kvrag ask` line ran"
+    assert any(OWN_MODEL in line for line in ran), "no README line ran on the reader's own model (a GGUF file)"

@@ -170,7 +170,8 @@ def test_prepare_default_model_uses_marker(monkeypatch: pytest.MonkeyPatch, tmp_
     monkeypatch.setattr(default_model, "default_gguf_path", lambda: gguf)
     calls: list[Path] = []
 
-    def fake_convert(src: Path, target: Path, *, progress: bool) -> None:
+    def fake_convert(src: Path, target: Path, *, name: str, progress: bool, sha256: str | None = None) -> None:
+        assert name == default_model.DEFAULT_MODEL
         calls.append(target)
         target.mkdir(parents=True, exist_ok=True)
         st = src.stat()
@@ -182,7 +183,7 @@ def test_prepare_default_model_uses_marker(monkeypatch: pytest.MonkeyPatch, tmp_
         }
         (target / default_model._MARKER).write_text(json.dumps(marker))
 
-    monkeypatch.setattr(default_model, "_convert_default_model", fake_convert)
+    monkeypatch.setattr(default_model, "_convert_gguf", fake_convert)
     target = tmp_path / "home" / "models" / default_model.DEFAULT_MODEL
     target.mkdir(parents=True)
     (target / "config.json").write_text("{}")  # half-written: no marker
