@@ -264,6 +264,37 @@ def cmd_store(args: argparse.Namespace) -> int:
     return 0 if m.ok else 1
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from kvrag.extras import require
+
+    require("fastapi", "serve", "kvrag serve")  # before loading a model for nothing
+    require("uvicorn", "serve", "kvrag serve")
+    from kvrag.serve import ServeConfig, create_app, serve
+
+    man = _manifest(args.persist)
+    model = args.model or (None if man.get("model") in (None, "smollm2-135m-instruct") else man.get("model"))
+    if args.store:
+        store = args.store
+    elif args.persist:
+        store = _store_url(args)
+    else:
+        store = "memory://"
+        print("note: no --persist or --store: chunk caches live in memory and are lost when the server stops",
+              file=sys.stderr)
+    from kvrag.engine.engine import KVRAGEngine
+
+    eng = KVRAGEngine.from_pretrained(model, store, chunk_prefix=man.get("chunk_prefix", "template"),
+                                      method=args.method, on_store_error=args.on_store_error,
+                                      max_batch_size=args.max_batch_size)
+    cfg = ServeConfig(model_id=args.model_id, max_queue=args.max_queue, default_max_tokens=args.default_max_tokens,
+                      drain_timeout_s=args.drain_timeout)
+    app = create_app(eng, cfg, persist=args.persist)
+    print(f"kvrag serve: {app.state.kvrag.model_id} ({args.method}) on http://{args.host}:{args.port}/v1, "
+          f"{len(app.state.kvrag.chunks)} chunks registered", file=sys.stderr)
+    serve(app, args.host, args.port, drain_timeout_s=args.drain_timeout, log_level="debug" if args.verbose else "info")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvrag", description="Fast RAG with reusable, repaired KV caches.")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -340,6 +371,32 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--overwrite", action="store_true", help="migrate: replace entries the destination has")
     sp.add_argument("--json", action="store_true", help="print the report as one JSON object")
     sp.set_defaults(func=cmd_store)
+
+    sp = sub.add_parser(
+        "serve", help="OpenAI-compatible HTTP server that reuses registered chunks' caches (pip install 'kvrag[serve]')",
+        description="Serves /v1/chat/completions, /v1/completions (SSE streaming or not), /v1/models, "
+                    "/v1/kvrag/chunks (register and cache passages), /health and /metrics. Every registered chunk "
+                    "(the --persist index's and those POSTed to /v1/kvrag/chunks) that occurs verbatim in a prompt "
+                    "is reused. See docs/serve.md.",
+    )
+    sp.add_argument("--persist", default=None, help="index directory of `kvrag ingest`: its chunks are registered "
+                                                    "and its manifest names the store and model")
+    sp.add_argument("--store", default=None, help="store URL (default: the index's store, else memory://)")
+    sp.add_argument("--model", default=None, help="model name or path (default: the index's, else the embedded one)")
+    sp.add_argument("--model-id", default=None, help="the model name clients send (default: the model's name)")
+    sp.add_argument("--method", default="stale", help="default fusion method spec, e.g. auto:budget=0.3")
+    sp.add_argument("--host", default="127.0.0.1")
+    sp.add_argument("--port", type=int, default=8000)
+    sp.add_argument("--max-queue", type=int, default=64,
+                    help="most requests held at once (decoding or waiting); more get 429 with Retry-After")
+    sp.add_argument("--max-batch-size", type=int, default=8, help="most requests decoded together")
+    sp.add_argument("--default-max-tokens", type=int, default=256,
+                    help="chat completions without max_tokens generate at most this many tokens")
+    sp.add_argument("--drain-timeout", type=float, default=30.0,
+                    help="on shutdown, seconds to let requests in flight finish")
+    sp.add_argument("--on-store-error", choices=["recompute", "raise"], default="recompute",
+                    help="when the KV store fails: recompute caches (responses carry a Warning header), or fail")
+    sp.set_defaults(func=cmd_serve)
 
     try:
         from kvrag.repair import train_cli as _train
