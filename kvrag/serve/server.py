@@ -9,6 +9,7 @@ engine has one).
 
 from __future__ import annotations
 
+import signal
 import socket
 import threading
 import time
@@ -25,11 +26,18 @@ def _config(app: Any, drain_timeout_s: float, log_level: str = "warning") -> Any
 
 def serve(app: Any, host: str = "127.0.0.1", port: int = 8000, *, drain_timeout_s: float = 30.0,
           log_level: str = "info") -> None:
-    """Serve ``app`` until SIGINT/SIGTERM (blocking)."""
+    """Serve ``app`` until SIGINT/SIGTERM (blocking); returns normally once the requests in flight are drained."""
     uvicorn = require("uvicorn", "serve", "kvrag serve")
     cfg = _config(app, drain_timeout_s, log_level)
     cfg.host, cfg.port = host, int(port)
-    uvicorn.Server(cfg).run()
+    # uvicorn handles the signal itself, drains, then raises it again for the handler it found: with the default
+    # ones the process would die of it (SIGTERM) or print a KeyboardInterrupt (SIGINT) after a clean shutdown
+    saved = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        uvicorn.Server(cfg).run()
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
 
 
 class LiveServer:
