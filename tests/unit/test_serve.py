@@ -218,27 +218,28 @@ def server_held(client: Any) -> int:
 
 
 def test_full_queue_answers_429_at_once(engine: KVRAGEngine, lm: Any) -> None:
-    app = create_app(engine, ServeConfig(model_id=MODEL, max_queue=2))
+    """64 requests at a queue of 16: 48 get 429 at once (the model busy meanwhile), the 16 held ones answer."""
+    app = create_app(engine, ServeConfig(model_id=MODEL, max_queue=16))
     ref = local(engine).text
     lock = engine.batcher.lock
     with LiveServer(app, drain_timeout_s=5) as srv, httpx.Client(base_url=srv.url, timeout=60) as c:
         c.post("/v1/kvrag/chunks", json={"texts": PASSAGES})
-        pool = concurrent.futures.ThreadPoolExecutor(2)
+        pool = concurrent.futures.ThreadPoolExecutor(64)
         lock.acquire()  # the model is busy: admitted requests wait for their prepare
         try:
-            held = [pool.submit(lambda: httpx.post(srv.url + "/v1/chat/completions", json=chat_body(), timeout=60))
-                    for _ in range(2)]
-            wait_until(lambda: server_held(c) == 2)
-            t = time.perf_counter()
-            r = c.post("/v1/chat/completions", json=chat_body())
-            assert time.perf_counter() - t < 2.0
-            assert r.status_code == 429 and int(r.headers["Retry-After"]) >= 1
-            assert r.json()["error"]["type"] == "rate_limit_error"
+            futs = [pool.submit(lambda: httpx.post(srv.url + "/v1/chat/completions", json=chat_body(), timeout=60))
+                    for _ in range(64)]
+            wait_until(lambda: sum(f.done() for f in futs) == 48)  # answered while nothing could be computed
+            rejected = [f.result() for f in futs if f.done()]
+            assert server_held(c) == 16
         finally:
             lock.release()
-        assert [f.result(timeout=60).json()["choices"][0]["message"]["content"] for f in held] == [ref, ref]
+        assert all(r.status_code == 429 and int(r.headers["Retry-After"]) >= 1 for r in rejected)
+        assert rejected[0].json()["error"]["type"] == "rate_limit_error"
+        answered = [f.result(timeout=60) for f in futs if f.result(timeout=60).status_code == 200]
+        assert [r.json()["choices"][0]["message"]["content"] for r in answered] == [ref] * 16
         assert c.post("/v1/chat/completions", json=chat_body()).status_code == 200
-        assert 'kvrag_requests_total{endpoint="chat",status="429"} 1.0' in c.get("/metrics").text
+        assert 'kvrag_requests_total{endpoint="chat",status="429"} 48.0' in c.get("/metrics").text
         pool.shutdown()
 
 
