@@ -29,6 +29,8 @@ import dataclasses
 import json
 import logging
 import math
+import os
+import socket
 import statistics
 import time
 import uuid
@@ -125,6 +127,9 @@ class KVRAGService:
         self.chunks = adapters.RecentChunks(self.config.max_registered_chunks, self.config.max_registered_chars)
         self.metrics = Metrics(engine)
         self.held = 0
+        self.sync: Any = None
+        """Optional table shared with other replicas (:class:`kvrag.serve.ray_serve.RayChunkSync`): ``async push(texts)``
+        after a registration, ``async pull() -> list[str]`` (texts registered elsewhere since the last pull)."""
         self._durations: collections.deque[float] = collections.deque(maxlen=64)
         self.default_method = engine.method(self.config.method) if self.config.method else None
 
@@ -186,6 +191,8 @@ class KVRAGService:
         except (ConfigError, TypeError, ValueError) as e:
             raise HTTPProblem(400, f"kvrag.method: {e}", param="kvrag.method") from e
         explicit = opts.chunks if opts is not None else None
+        if self.sync is not None:
+            self.chunks.add(await self.sync.pull())
         refs = adapters.resolve_chunks(prompt, explicit, use_context=False) if explicit is not None \
             else self.chunks.found_in(prompt)
         plan = await adapters.to_thread(eng.plan, prompt, refs)
@@ -289,6 +296,27 @@ class KVRAGService:
         yield b"data: [DONE]\n\n"
 
 
+class _ServerHeader:
+    """ASGI middleware: ``X-Kvrag-Server: host:pid`` on every response (which replica answered, behind a balancer).
+    Plain ASGI, so streamed responses and disconnects pass through untouched."""
+
+    def __init__(self, app: Any, value: str) -> None:
+        self.app = app
+        self.header = (b"x-kvrag-server", value.encode())
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_header(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), self.header]
+            await send(message)
+
+        await self.app(scope, receive, send_with_header)
+
+
 def _sse(obj: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
@@ -323,6 +351,7 @@ def create_app(engine: Any, config: ServeConfig | None = None, *, persist: str |
     app = fastapi.FastAPI(title="kvrag serve", version="1", lifespan=lifespan,
                           description="OpenAI-compatible completions with reused, repaired chunk KV caches.")
     app.state.kvrag = svc
+    app.add_middleware(_ServerHeader, value=f"{socket.gethostname()}:{os.getpid()}")
 
     class KVStreamingResponse(StreamingResponse):
         """Releases the request's place when the response ends, however it ends (client gone included)."""
@@ -424,6 +453,8 @@ def create_app(engine: Any, config: ServeConfig | None = None, *, persist: str |
         except KVRAGError as e:
             raise HTTPProblem(400 if isinstance(e, ConfigError | ContextLengthError) else 500, str(e),
                               param="texts") from e
+        if svc.sync is not None:
+            await svc.sync.push([t for t, d in zip(body.texts, data, strict=True) if d["key"] is not None])
         return {"object": "list", "data": data, "registered": len(svc.chunks)}
 
     @app.get("/health")
