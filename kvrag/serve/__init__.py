@@ -9,12 +9,30 @@ index) are found verbatim in each rendered prompt and their caches reused. Endpo
 * :mod:`kvrag.serve.metrics`: the Prometheus metrics of ``/metrics``.
 * :mod:`kvrag.serve.server`: running it with uvicorn (:func:`serve`, :class:`LiveServer`).
 
-Importing this package needs FastAPI only when :func:`create_app` runs.
+* :mod:`kvrag.serve.ray_serve`: the same app in replicas on Ray Serve.
+* :mod:`kvrag.serve.cli`: the ``kvrag serve`` options.
+
+The names below are imported on first use, so that ``kvrag --help`` (which mounts :mod:`kvrag.serve.cli`) works
+without the ``serve`` extra; :func:`create_app` and :func:`serve` raise an ``ImportError`` naming it.
 """
 
 from __future__ import annotations
 
-from kvrag.serve.app import STORE_WARNING, KVRAGService, ServeConfig, create_app
-from kvrag.serve.server import LiveServer, serve
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvrag.serve.app import STORE_WARNING, KVRAGService, ServeConfig, create_app
+    from kvrag.serve.server import LiveServer, serve
+
+_WHERE = {"STORE_WARNING": "app", "KVRAGService": "app", "ServeConfig": "app", "create_app": "app",
+          "LiveServer": "server", "serve": "server"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        return getattr(importlib.import_module(f"kvrag.serve.{_WHERE[name]}"), name)
+    raise AttributeError(f"module 'kvrag.serve' has no attribute {name!r}")
+
 
 __all__ = ["STORE_WARNING", "KVRAGService", "LiveServer", "ServeConfig", "create_app", "serve"]
