@@ -135,6 +135,18 @@ def test_completions_use_the_prompt_as_given(engine: KVRAGEngine, client: Any) -
     assert "".join(texts) == ref.text
 
 
+def test_sampling_seed_and_stop(client: Any) -> None:
+    sampled = [client.post("/v1/chat/completions", json=chat_body(temperature=1.5, top_p=0.9, seed=seed)).json()
+               for seed in (1, 1, 2)]
+    texts = [r["choices"][0]["message"]["content"] for r in sampled]
+    assert texts[0] == texts[1]  # the same seed samples the same answer
+    greedy = client.post("/v1/chat/completions", json=chat_body(max_tokens=12)).json()["choices"][0]
+    cut = greedy["message"]["content"][3:6]
+    stopped = client.post("/v1/chat/completions", json=chat_body(max_tokens=12, stop=[cut])).json()["choices"][0]
+    assert stopped["message"]["content"] == greedy["message"]["content"].split(cut)[0]
+    assert stopped["finish_reason"] == "stop"
+
+
 def test_openai_sdk_sync_async_stream(engine: KVRAGEngine, server: LiveServer) -> None:
     openai = pytest.importorskip("openai")
     import asyncio
