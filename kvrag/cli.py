@@ -272,6 +272,22 @@ def cmd_store(args: argparse.Namespace) -> int:
     return 0 if m.ok else 1
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from kvrag.serve import cli as serve_cli
+
+    man = _manifest(args.persist)
+    model = args.model or (None if man.get("model") in (None, "smollm2-135m-instruct") else man.get("model"))
+    if args.store:
+        store = args.store
+    elif args.persist:
+        store = _store_url(args)
+    else:
+        store = "memory://"
+        print("note: no --persist or --store: chunk caches live in memory and are lost when the server stops",
+              file=sys.stderr)
+    return serve_cli.run(args, model, store, man.get("chunk_prefix", "template"))
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvrag", description="Fast RAG with reusable, repaired KV caches.")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -353,6 +369,18 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--overwrite", action="store_true", help="migrate: replace entries the destination has")
     sp.add_argument("--json", action="store_true", help="print the report as one JSON object")
     sp.set_defaults(func=cmd_store)
+
+    sp = sub.add_parser(
+        "serve", help="OpenAI-compatible HTTP server that reuses registered chunks' caches (pip install 'kvrag[serve]')",
+        description="Serves /v1/chat/completions, /v1/completions (SSE streaming or not), /v1/models, "
+                    "/v1/kvrag/chunks (register and cache passages), /health and /metrics. Every registered chunk "
+                    "(the --persist index's and those POSTed to /v1/kvrag/chunks) that occurs verbatim in a prompt "
+                    "is reused. See docs/serve.md.",
+    )
+    from kvrag.serve.cli import add_arguments as _serve_arguments
+
+    _serve_arguments(sp)
+    sp.set_defaults(func=cmd_serve)
 
     try:
         from kvrag.repair import train_cli as _train

@@ -113,6 +113,9 @@ def add_bench_arguments(subparsers: Any) -> argparse.ArgumentParser:
     from kvrag_bench import load_sweep
 
     load_sweep.add_arguments(ld)
+    from kvrag_bench import http_load
+
+    http_load.add_arguments(ld)
     ld.set_defaults(func=run_load)
 
     dc = sub.add_parser("decode", help="ms per generated token vs context and batch: dense, int8, int4, llama.cpp",
@@ -371,6 +374,13 @@ def _llamaindex_harness(command: str, module: str) -> Any:
 
 def run_load(args: argparse.Namespace) -> int:
     """``kvrag bench load``; exit status 1 when a request failed or an answer differed from the sequential one."""
+    if getattr(args, "http", None):  # against kvrag serve (kvrag_bench.http_load)
+        from kvrag_bench import http_load
+
+        res = http_load.run(args)
+        print(http_load.markdown(res))
+        print(f"results in {res['path']}", file=sys.stderr)
+        return 0 if all(lv["errors"] == 0 and lv["same_answer_rate"] == 1.0 for lv in res["levels"]) else 1
     h = _llamaindex_harness("load", "load_sweep")
     result = h.run_sweep(h.config_from_args(args))
     print(h.markdown(result))

@@ -270,7 +270,7 @@ def tiny_engine(family: str = "qwen2", *, store: Any = None, init_std: float = 0
 
     Args:
         family: model family, see :data:`FAMILIES`.
-        store: a KV store (default: a fresh :class:`~kvrag.store.memory.MemoryStore`).
+        store: a KV store or store URL (default: a fresh :class:`~kvrag.store.memory.MemoryStore`).
         init_std: weight std; 0.1 (default here) makes chunk positions matter, so reuse methods differ from full.
         seed: weight-initialization seed.
         **config: :class:`~kvrag.config.EngineConfig` fields (e.g. ``method="full"``).
@@ -280,6 +280,10 @@ def tiny_engine(family: str = "qwen2", *, store: Any = None, init_std: float = 0
     from kvrag.store.memory import MemoryStore
 
     lm = tiny_model(family, init_std=init_std, seed=seed)
+    if isinstance(store, str):
+        from kvrag.store.factory import store_from_url
+
+        store = store_from_url(store)
     return KVRAGEngine(lm, store if store is not None else MemoryStore(), EngineConfig(**config))
 
 

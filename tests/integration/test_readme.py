@@ -38,6 +38,8 @@ SKIPPED: list[tuple[str, str]] = [
     (r"^kvrag train-repairer ", "trains a CacheRepair network (CPU-hours) on a passage corpus"),
     (r"^kvrag calibrate( |$)", "runs benchmark requests for minutes to fit this machine's cost model"),
     (r"^kvrag ingest .* --ray( |$)", "needs Ray workers and a shared store (a Redis Cluster)"),
+    (r"^kvrag serve( |$)", "a server that runs until stopped; tests/integration/test_serve_clients.py starts and stops it"),
+    (r"^curl ", "queries a running kvrag serve (the Python block after it does the same against a server it starts)"),
 ]
 
 #: The README's placeholder for the reader's own model (a GGUF file); the test writes a tiny one in its place.

@@ -1,0 +1,239 @@
+"""The OpenAI request bodies ``kvrag serve`` accepts, validated with pydantic, and its error responses.
+
+Every field OpenAI defines for ``/v1/chat/completions`` and ``/v1/completions`` is either honoured, accepted at its
+neutral value only (``n`` = 1, penalties 0, no logprobs, ...), or refused: an unknown or unsupported field (``tools``,
+``response_format``, ``logit_bias`` ...) is a 400 whose ``error.param`` names it. kvrag's own options travel in the
+extra body field ``kvrag`` (:class:`KvragOptions`; ``extra_body={"kvrag": {...}}`` with the ``openai`` SDK).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+"""Roles a chat message may have (``developer`` is rendered as ``system``); tool and function messages are refused."""
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+"""``/v1/completions`` without ``max_tokens``: OpenAI's documented default."""
+
+
+def openai_error(message: str, *, param: str | None = None, type_: str = "invalid_request_error",
+                 code: str | None = None) -> dict[str, Any]:
+    """The body of an OpenAI-style error response (what the ``openai`` SDK raises from)."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def _only(value: Any, allowed: tuple[Any, ...], field: str) -> Any:
+    if value is not None and value not in allowed:
+        msg = (f"{field}={value!r} is not supported by kvrag serve (accepted: "
+               f"{', '.join(repr(a) for a in allowed)} or omitted)")
+        raise ValueError(msg)
+    return value
+
+
+class KvragOptions(BaseModel):
+    """kvrag's own per-request options (the ``kvrag`` body field).
+
+    Attributes:
+        method: fusion method spec (``"relaxkv:r=0.15"``, ``"auto:budget=0.3"``; default: the server's ``--method``).
+        params: the method's parameters as an object (merged with those in the spec).
+        chunks: chunk texts to reuse for this request, exactly as the prompt contains them (default: every chunk
+            registered with the server -- ``POST /v1/kvrag/chunks`` or the ``--persist`` index -- that occurs
+            verbatim in the prompt).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    method: str | None = None
+    params: dict[str, Any] = Field(default_factory=dict)
+    chunks: list[str] | None = None
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    """Fields the two completion endpoints share."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    seed: int | None = None
+    user: str | None = None
+    n: int | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    kvrag: KvragOptions | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _n(cls, v: Any) -> Any:
+        return _only(v, (1,), "n")
+
+    @field_validator("frequency_penalty", "presence_penalty")
+    @classmethod
+    def _penalty(cls, v: Any, info: Any) -> Any:
+        return _only(v, (0, 0.0), info.field_name)
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: Any) -> Any:
+        stops = [v] if isinstance(v, str) else list(v or [])
+        if len(stops) > 4:
+            raise ValueError(f"stop takes at most 4 sequences, got {len(stops)}")
+        return v
+
+    def stops(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """One chat message: text content only (a string or ``{"type": "text"}`` parts). ``name`` is accepted and not
+    rendered (chat templates have no place for it)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    @field_validator("role")
+    @classmethod
+    def _role(cls, v: str) -> str:
+        if v not in CHAT_ROLES:
+            msg = (f"role {v!r} is not supported by kvrag serve (tool calling is not supported); "
+                   f"use one of {', '.join(CHAT_ROLES)}")
+            raise ValueError(msg)
+        return v
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_Sampling):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, v: Any) -> Any:
+        return _only(v, (False,), "logprobs")
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs(cls, v: Any) -> Any:
+        return _only(v, (0,), "top_logprobs")
+
+    def requested_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class CompletionRequest(_Sampling):
+    """``POST /v1/completions``: one prompt string (a list of one string is accepted)."""
+
+    prompt: str | list[str]
+    echo: bool | None = None
+    suffix: str | None = None
+    logprobs: int | None = None
+    best_of: int | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, v: Any) -> Any:
+        if isinstance(v, list) and len(v) != 1:
+            raise ValueError(f"prompt must be one string (batches of prompts are not supported), got a list of {len(v)}")
+        return v
+
+    @field_validator("echo")
+    @classmethod
+    def _echo(cls, v: Any) -> Any:
+        return _only(v, (False,), "echo")
+
+    @field_validator("suffix")
+    @classmethod
+    def _suffix(cls, v: Any) -> Any:
+        return _only(v, ("",), "suffix")
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, v: Any) -> Any:
+        return _only(v, (0,), "logprobs")
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, v: Any) -> Any:
+        return _only(v, (1,), "best_of")
+
+    def text(self) -> str:
+        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+
+    def requested_tokens(self) -> int:
+        return self.max_tokens if self.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
+
+
+class ChunksRequest(BaseModel):
+    """``POST /v1/kvrag/chunks``: passages to register and cache, exactly as prompts will contain them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    texts: list[str] = Field(min_length=1)
+
+
+def validation_error_body(errors: list[dict[str, Any]]) -> dict[str, Any]:
+    """A pydantic/FastAPI validation error list -> one OpenAI error naming the first offending field."""
+    first = errors[0] if errors else {}
+    loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
+    param = ".".join(loc) or None
+    kind = first.get("type", "")
+    if kind == "extra_forbidden":
+        message = (f"unsupported field {param!r}: kvrag serve does not implement it (tools, function calling, "
+                   "response formats, logit bias and audio are not supported); remove it")
+    elif kind == "missing":
+        message = f"missing required field {param!r}"
+    else:
+        text = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+        message = f"invalid {param!r}: {text}" if param else text
+    return openai_error(message, param=param)
+
+
+__all__ = [
+    "CHAT_ROLES",
+    "DEFAULT_COMPLETION_MAX_TOKENS",
+    "ChatCompletionRequest",
+    "ChatMessage",
+    "ChunksRequest",
+    "CompletionRequest",
+    "KvragOptions",
+    "StreamOptions",
+    "openai_error",
+    "validation_error_body",
+]

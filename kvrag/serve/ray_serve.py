@@ -1,0 +1,125 @@
+"""``kvrag serve --ray --replicas N``: the same app in N Ray Serve replicas sharing one store and one chunk table.
+
+Each replica builds its own engine (``engine_factory``, called in the replica) and the app of
+:func:`kvrag.serve.create_app`; Ray Serve's proxy spreads requests over them. What the replicas share:
+
+* **the KV store**: pass a Redis or Redis Cluster URL, so a cache computed by one replica is read by every other
+  (a ``memory://`` or file store per replica would recompute per replica);
+* **the registered chunks**: a ``POST /v1/kvrag/chunks`` reaches one replica, so registrations go to one named Ray
+  actor (:class:`ChunkTable`); every replica pulls what was registered elsewhere before it plans a request (one
+  actor call; only the new texts travel).
+
+Serve's own settings pass through: ``max_ongoing_requests`` (per replica) and ``autoscaling_config`` (instead of a
+fixed ``num_replicas``). ``/metrics`` and ``/health`` describe the replica that answered (``X-Kvrag-Server``).
+Needs ``pip install 'kvrag[ray-serve]'``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from kvrag.extras import require
+
+TABLE_NAME = "kvrag-serve-chunks"
+
+
+class ChunkTable:
+    """The registered chunk texts of one deployment, in registration order (a Ray actor)."""
+
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+        self.seen: set[str] = set()
+
+    def add(self, texts: list[str]) -> int:
+        for t in texts:
+            if t not in self.seen:
+                self.seen.add(t)
+                self.texts.append(t)
+        return len(self.texts)
+
+    def since(self, n: int) -> list[str]:
+        """Texts registered after the first ``n``."""
+        return self.texts[n:]
+
+
+class RayChunkSync:
+    """A replica's view of the shared :class:`ChunkTable` (the app's ``KVRAGService.sync``)."""
+
+    def __init__(self, table: Any) -> None:
+        self.table = table
+        self.pulled = 0
+
+    async def push(self, texts: list[str]) -> None:
+        if texts:
+            await self.table.add.remote(texts)
+
+    async def pull(self) -> list[str]:
+        new: list[str] = await self.table.since.remote(self.pulled)
+        self.pulled += len(new)
+        return new
+
+
+def application(engine_factory: Callable[[], Any], config: Any = None, *, persist: str | None = None,
+                replicas: int = 2, max_ongoing_requests: int | None = None,
+                autoscaling_config: dict[str, Any] | None = None, ray_actor_options: dict[str, Any] | None = None,
+                name: str = "kvrag") -> Any:
+    """The Ray Serve application (``serve.run`` it). Call with Ray initialized (the chunk table is created then).
+
+    Args:
+        engine_factory: builds a :class:`~kvrag.engine.engine.KVRAGEngine` in a replica (picklable, e.g.
+            ``functools.partial(KVRAGEngine.from_pretrained, None, "redis://host:6379/0")``).
+        config: :class:`~kvrag.serve.ServeConfig` of each replica.
+        persist: a ``kvrag ingest`` index every replica registers at start (a path each replica can read).
+        replicas: fixed number of replicas (ignored with ``autoscaling_config``).
+        max_ongoing_requests / autoscaling_config / ray_actor_options: Ray Serve's deployment settings.
+    """
+    ray = require("ray", "ray-serve", "kvrag serve --ray")
+    serve = require("ray.serve", "ray-serve", "kvrag serve --ray")
+    table = ray.remote(num_cpus=0)(ChunkTable).options(name=f"{TABLE_NAME}-{name}", get_if_exists=True,
+                                                       lifetime="detached").remote()
+
+    def build() -> Any:
+        from kvrag.serve.app import create_app
+
+        app = create_app(engine_factory(), config, persist=persist)
+        app.state.kvrag.sync = RayChunkSync(table)
+        return app
+
+    opts: dict[str, Any] = {"name": name}
+    if autoscaling_config:
+        opts["autoscaling_config"] = autoscaling_config
+    else:
+        opts["num_replicas"] = int(replicas)
+    if max_ongoing_requests:
+        opts["max_ongoing_requests"] = int(max_ongoing_requests)
+    if ray_actor_options is not None:
+        opts["ray_actor_options"] = ray_actor_options
+    return serve.deployment(serve.ingress(build)(), **opts).bind()
+
+
+def run(engine_factory: Callable[[], Any], config: Any = None, *, host: str = "127.0.0.1", port: int = 8000,
+        address: str | None = None, name: str = "kvrag", **kw: Any) -> str:
+    """Start (or join, ``address``) Ray, start Serve's HTTP proxy on ``host:port`` and deploy; returns the base URL.
+    Keyword arguments are :func:`application`'s."""
+    ray = require("ray", "ray-serve", "kvrag serve --ray")
+    serve = require("ray.serve", "ray-serve", "kvrag serve --ray")
+    if not ray.is_initialized():
+        ray.init(address=address, namespace="kvrag", log_to_driver=False)
+    serve.start(http_options={"host": host, "port": int(port)})
+    serve.run(application(engine_factory, config, name=name, **kw), name=name, route_prefix="/")
+    return f"http://{host}:{port}"
+
+
+def shutdown(name: str = "kvrag") -> None:
+    """Remove the deployment and its chunk table (Ray itself keeps running)."""
+    ray = require("ray", "ray-serve", "kvrag serve --ray")
+    serve = require("ray.serve", "ray-serve", "kvrag serve --ray")
+    serve.delete(name)
+    try:
+        ray.kill(ray.get_actor(f"{TABLE_NAME}-{name}"))
+    except ValueError:
+        pass
+
+
+__all__ = ["TABLE_NAME", "ChunkTable", "RayChunkSync", "application", "run", "shutdown"]
