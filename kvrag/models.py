@@ -108,15 +108,16 @@ DEFAULT_QUANTIZE = "default"
 """``quantize=`` value meaning "kvrag's choice for this model on this machine" (:func:`default_quantize`)."""
 
 
-def default_quantize(device: torch.device, dtype: torch.dtype, *, default_model: bool) -> str | None:
+def default_quantize(device: torch.device, dtype: torch.dtype, *, gguf: bool) -> str | None:
     """The weight quantization that answers sooner, when nothing is asked for explicitly.
 
     The rule, in order:
 
     1. ``$KVRAG_QUANTIZE`` when set (:data:`QUANTIZE_ENV`; 'none' for dense).
     2. What ``kvrag calibrate --quantize none,int4`` measured faster end to end for this machine kind and dtype.
-    3. The embedded default model on a CPU with native bfloat16 (AVX512-BF16 or AMX): ``int4`` -- its GGUF's own
-       4-bit blocks (:mod:`kvrag.kv.quant`), whose kernel reads 1/7 of float32's bytes per decode step.
+    3. A model loaded from a GGUF file (the embedded default is one: Q4_1) on a CPU with native bfloat16
+       (AVX512-BF16 or AMX): ``int4`` -- the file's own 4-bit blocks (:mod:`kvrag.kv.quant`), whose kernel reads
+       about 1/7 of float32's bytes per decode step.
     4. Otherwise dense weights (None): a model loaded from a float checkpoint stays as its authors published it
        unless asked, and without native bfloat16 the kernels' bfloat16 activations are emulated.
     """
@@ -134,7 +135,7 @@ def default_quantize(device: torch.device, dtype: torch.dtype, *, default_model:
         chosen = cal.preferred_quantize(dtype_name(dtype))
         if chosen is not None:
             return parse_mode(chosen)
-    if default_model and cpu_native_bf16() is not None:
+    if gguf and cpu_native_bf16() is not None:
         return "int4"
     return None
 
@@ -284,7 +285,8 @@ def load_model(
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     is_default = model is None or str(model) == DEFAULT_MODEL
-    mode = default_quantize(dev, dt, default_model=is_default) if quantize == DEFAULT_QUANTIZE else parse_mode(quantize)
+    from_gguf = is_default or is_gguf_path(model)
+    mode = default_quantize(dev, dt, gguf=from_gguf) if quantize == DEFAULT_QUANTIZE else parse_mode(quantize)
     if is_default:
         name, source, local = DEFAULT_MODEL, str(prepare_default_model()), True
     elif is_gguf_path(model):

@@ -29,20 +29,22 @@ def one_torch_thread() -> Iterator[None]:
 _MODELS: dict[Any, Any] = {}
 
 
-def _default_model_in(dtype: Any) -> Any:
-    """The embedded default model (SmolLM2-135M-Instruct) in ``dtype``, loaded once per dtype per test run."""
+def _default_model_in(dtype: Any, quantize: str | None = "default") -> Any:
+    """The embedded default model (SmolLM2-135M-Instruct) in ``dtype`` with ``quantize`` weights ("default": what
+    kvrag picks on this machine), loaded once per (dtype, quantize) per test run."""
     from kvrag.models import load_model
 
-    if dtype not in _MODELS:
-        _MODELS[dtype] = load_model(None, dtype=dtype)
-    return _MODELS[dtype]
+    if (dtype, quantize) not in _MODELS:
+        _MODELS[dtype, quantize] = load_model(None, dtype=dtype, quantize=quantize)
+    return _MODELS[dtype, quantize]
 
 
 @pytest.fixture(scope="session")
 def default_model():
-    """The embedded default model in the test dtype: float32, or ``$KVRAG_TEST_DTYPE``
-    (:func:`kvrag.testing.equivalence.test_dtype`). Tests that assert float32-exact results use
-    ``default_model_fp32``; the bf16 equivalence subset uses both pinned fixtures."""
+    """The embedded default model as a user gets it here: the test dtype (float32, or ``$KVRAG_TEST_DTYPE``,
+    :func:`kvrag.testing.equivalence.test_dtype`) with this machine's default weights (int4 on CPUs with native
+    bf16, dense elsewhere). Tests that assert float32-exact results use ``default_model_fp32``; the bf16 and int4
+    equivalence subsets use the pinned fixtures."""
     from kvrag.testing.equivalence import test_dtype
 
     return _default_model_in(test_dtype())
@@ -50,18 +52,27 @@ def default_model():
 
 @pytest.fixture(scope="session")
 def default_model_fp32():
-    """The embedded default model pinned to float32 (the exact oracle)."""
+    """The embedded default model pinned to float32 with dense weights (the exact oracle)."""
     import torch
 
-    return _default_model_in(torch.float32)
+    return _default_model_in(torch.float32, None)
 
 
 @pytest.fixture(scope="session")
 def default_model_bf16():
-    """The embedded default model pinned to bfloat16 (slow where the CPU has no native bf16: keep prompts short)."""
+    """The embedded default model pinned to bfloat16, dense weights (slow where the CPU has no native bf16: keep
+    prompts short)."""
     import torch
 
-    return _default_model_in(torch.bfloat16)
+    return _default_model_in(torch.bfloat16, None)
+
+
+@pytest.fixture(scope="session")
+def default_model_int4():
+    """The embedded default model with int4 weights (kvrag.kv.quant) in the test dtype, on every machine."""
+    from kvrag.testing.equivalence import test_dtype
+
+    return _default_model_in(test_dtype(), "int4")
 
 
 def _new_redis_server() -> Any:

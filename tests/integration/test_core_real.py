@@ -32,9 +32,10 @@ def chunks(engine) -> list[str]:
     return [render_passage(c.text) for c in make_chunks(read_documents(DOCS), lambda t: len(engine.tokenize(t)), 128)]
 
 
-@pytest.mark.parametrize("model_fixture", ["default_model_fp32", "default_model_bf16"])
+@pytest.mark.parametrize("model_fixture", ["default_model_fp32", "default_model_bf16", "default_model_int4"])
 def test_full_equals_model_generate_on_default_model(request, chunks, model_fixture: str) -> None:
-    """Token for token, in both compute dtypes kvrag may pick (same ids, same model object, same kernels)."""
+    """Token for token, in both compute dtypes kvrag may pick and with int4 weights (same ids, same model object,
+    same kernels)."""
     engine = KVRAGEngine(request.getfixturevalue(model_fixture), MemoryStore())
     prefix, ps, suffix = RagTemplate().parts(engine.tokenizer, chunks, "How tall is the Harrow Point Lighthouse?")
     plan = engine.plan_parts(prefix, ps, suffix)

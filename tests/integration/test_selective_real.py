@@ -52,6 +52,11 @@ def engine_bf16(default_model_bf16: Any) -> KVRAGEngine:
 
 
 @pytest.fixture(scope="module")
+def engine_int4(default_model_int4: Any) -> KVRAGEngine:
+    return _engine(default_model_int4)
+
+
+@pytest.fixture(scope="module")
 def prompt(engine: KVRAGEngine) -> tuple[str, list[str]]:
     passages = [render_passage(text, title) for title, text in PASSAGES]
     return RagTemplate().render(engine.tokenizer, passages, QUESTION), passages
@@ -101,6 +106,16 @@ def test_recompute_everything_reproduces_full_in_bfloat16(engine_bf16, prompt, f
     _check_recomputed_everything(engine_bf16, prompt, stats)
     assert kl(ref_logits, logits) <= bf16_kl_bound(floor), (kl(ref_logits, logits), floor)
     assert tokens == full_bf16[1] and len(tokens) >= 1
+
+
+@pytest.mark.parametrize("method", RECOMPUTE_ALL)
+def test_recompute_everything_reproduces_full_with_int4_weights(engine_int4, prompt, method: str) -> None:
+    """The contract on the quantized default: the same model object's ``full`` is the reference."""
+    ref_logits, ref_tokens, _ = _run(engine_int4, prompt, "full")
+    logits, tokens, stats = _run(engine_int4, prompt, method)
+    _check_recomputed_everything(engine_int4, prompt, stats)
+    torch.testing.assert_close(logits, ref_logits, atol=2e-3, rtol=0)
+    assert tokens == ref_tokens and len(tokens) >= 1
 
 
 def test_stale_is_not_full_on_this_prompt(engine, prompt, full) -> None:

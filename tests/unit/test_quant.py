@@ -174,9 +174,9 @@ def test_the_default_quantization_rule(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(models, "load_calibration", lambda kind=None: None)
     for flag, want in (("amx_bf16", "int4"), ("avx512_bf16", "int4"), (None, None)):
         monkeypatch.setattr(models, "cpu_native_bf16", lambda flag=flag: flag)
-        assert models.default_quantize(cpu, torch.float32, default_model=True) == want
-        assert models.default_quantize(cpu, torch.float32, default_model=False) is None  # a checkpoint stays dense
-    assert models.default_quantize(torch.device("cuda"), torch.bfloat16, default_model=True) is None
+        assert models.default_quantize(cpu, torch.float32, gguf=True) == want
+        assert models.default_quantize(cpu, torch.float32, gguf=False) is None  # a checkpoint stays dense
+    assert models.default_quantize(torch.device("cuda"), torch.bfloat16, gguf=True) is None
 
     def dc(e2e: float) -> DtypeCalibration:
         return DtypeCalibration("float32", 1000.0, 50.0, {"stale": 0.1}, {"stale": e2e})
@@ -186,9 +186,9 @@ def test_the_default_quantization_rule(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cal.preferred_quantize("bfloat16") is None
     monkeypatch.setattr(models, "load_calibration", lambda kind=None: cal)
     monkeypatch.setattr(models, "cpu_native_bf16", lambda: "avx512_bf16")
-    assert models.default_quantize(cpu, torch.float32, default_model=True) is None
+    assert models.default_quantize(cpu, torch.float32, gguf=True) is None
     monkeypatch.setenv(models.QUANTIZE_ENV, "int8")
-    assert models.default_quantize(cpu, torch.float32, default_model=True) == "int8"
+    assert models.default_quantize(cpu, torch.float32, gguf=True) == "int8"
     monkeypatch.setenv(models.QUANTIZE_ENV, "int5")
     with pytest.raises(ConfigError, match="KVRAG_QUANTIZE"):
-        models.default_quantize(cpu, torch.float32, default_model=True)
+        models.default_quantize(cpu, torch.float32, gguf=True)
