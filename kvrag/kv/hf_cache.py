@@ -182,7 +182,8 @@ def logits_head(model: Any) -> Callable[[torch.Tensor], torch.Tensor] | None:
     last decoder layer's output (final norm, then the LM head); None for families that post-process logits
     (soft-capping, scaling) or are laid out otherwise, whose own forward must compute them."""
     cfg = model.config
-    if getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", None) not in (None, 1, 1.0):
+    if (getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", None) not in (None, 1, 1.0)
+            or getattr(cfg, "logits_scaling", None) not in (None, 1, 1.0)):
         return None
     base = getattr(model, "model", model)
     norm, lm_head = getattr(base, "norm", None), model.get_output_embeddings()
@@ -197,14 +198,24 @@ def decoder_layers(model: Any) -> list[torch.nn.Module]:
 
 
 def embed(model: Any, input_ids: torch.Tensor) -> torch.Tensor:
-    """Token embeddings [1, T, hidden] as the model's forward computes them."""
+    """Token embeddings [1, T, hidden] as the model's forward computes them (with Granite's embedding multiplier;
+    Gemma's scaled embedding module scales itself)."""
     base = getattr(model, "model", model)
-    return base.embed_tokens(input_ids.to(model.device).view(1, -1))
+    hidden = base.embed_tokens(input_ids.to(model.device).view(1, -1))
+    mult = getattr(base, "embedding_multiplier", None)
+    return hidden if mult is None else hidden * mult
 
 
-def rotary(model: Any, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary(model: Any, hidden: torch.Tensor, positions: torch.Tensor,
+           layer_idx: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (cos, sin) the model's forward hands decoder layer ``layer_idx``: those of the layer's type where the
+    rotary module has one set per layer type (Gemma 3)."""
     base = getattr(model, "model", model)
-    return base.rotary_emb(hidden, positions.to(hidden.device).view(1, -1))
+    rot = base.rotary_emb
+    pos = positions.to(hidden.device).view(1, -1)
+    if getattr(rot, "layer_types", None) and layer_idx is not None:
+        return rot(hidden, pos, base.config.layer_types[layer_idx])  # type: ignore[no-any-return]
+    return rot(hidden, pos)  # type: ignore[no-any-return]
 
 
 class _ContextCache:
@@ -272,7 +283,7 @@ def call_layer(
         position_ids=positions.to(hidden.device).view(1, -1),
         cache=cache,
         use_cache=True,
-        position_embeddings=rotary(model, hidden, positions),
+        position_embeddings=rotary(model, hidden, positions, layer_idx),
     )
     return out[0] if isinstance(out, tuple) else out
 

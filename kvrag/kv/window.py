@@ -162,16 +162,22 @@ def attention_window(config: Any, model_name: str | None = None) -> AttentionWin
 
 
 def context_limit(model: Any, limit: int) -> int:
-    """The engine's context limit: ``limit`` (the configured / position-embedding limit), capped by the model's
-    attention window (:attr:`AttentionWindow.max_tokens`). A cap comes back as a :class:`ContextLimit` whose text
+    """The engine's context limit: ``limit`` (the configured / position-embedding limit), capped by the short regime
+    of a length-dependent RoPE (:func:`kvrag.kv.rope.length_regime_limit`) and by the model's attention window (:attr:`AttentionWindow.max_tokens`). A cap comes back as a :class:`ContextLimit` whose text
     explains it, so the engine's ``ContextLengthError`` messages name the window and what would fit.
 
     Raises:
         UnsupportedModelError: see :func:`layer_windows`.
     """
+    from kvrag.kv.rope import length_regime_limit
+
+    regime = length_regime_limit(model.config)
+    if regime is not None and regime[0] < limit:  # LongRoPE / dynamic NTK: only the short regime is served
+        log.info("%s; context limit %d instead of %d", regime[1], regime[0], limit)
+        limit = ContextLimit(regime[0], regime[1])
     window = attention_window(model.config, type(model).__name__)
     if window is None or limit <= window.max_tokens:
-        return int(limit)
+        return limit if isinstance(limit, ContextLimit) else int(limit)
     log.info("%s; context limit %d instead of %d", window.describe(), window.max_tokens, limit)
     return ContextLimit(window.max_tokens, window.describe())
 
