@@ -189,7 +189,11 @@ def logits_head(model: Any) -> Callable[[torch.Tensor], torch.Tensor] | None:
     norm, lm_head = getattr(base, "norm", None), model.get_output_embeddings()
     if norm is None or lm_head is None:
         return None
-    return lambda hidden: lm_head(norm(hidden))[0].float()
+    @torch.inference_mode()
+    def head(hidden: torch.Tensor) -> torch.Tensor:
+        return lm_head(norm(hidden))[0].float()  # type: ignore[no-any-return]
+
+    return head
 
 
 def decoder_layers(model: Any) -> list[torch.nn.Module]:

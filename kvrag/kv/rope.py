@@ -250,6 +250,12 @@ def check_rope_support(config_or_model: Any, *, name: str | None = None) -> str:
             msg = (f"{label} (model_type={model_type!r}) rotates {sorted(dims)} of its {head_dim} head dimensions "
                    "in different layers; kvrag needs one rotary dimension (at most the head dimension)")
             raise UnsupportedModelError(msg)
+        factor = float(params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) or 1.0)
+        if head_dim is not None and dims != {int(head_dim * factor)}:
+            msg = (f"{label} (model_type={model_type!r}) has a rotary module that rotates {dims.pop()} of its "
+                   f"{head_dim} head dimensions but its config says {int(head_dim * factor)} (partial rotary "
+                   f"factor {factor}); kvrag cannot tell which its attention applies")
+            raise UnsupportedModelError(msg)
     return rope_type
 
 

@@ -271,9 +271,9 @@ def _more_config(family: str, *, rope: dict[str, Any] | None, num_layers: int, v
     if family == "olmo2":
         return transformers.Olmo2Config(**common, rope_parameters=params)
     if family == "granite":
-        return transformers.GraniteConfig(**common, rope_parameters=params, embedding_multiplier=12.0,
-                                          residual_multiplier=0.22, attention_multiplier=1 / HEAD_DIM,
-                                          logits_scaling=8.0)
+        return transformers.GraniteConfig(**common, rope_parameters=params, embedding_multiplier=2.0,
+                                          residual_multiplier=0.5, attention_multiplier=0.5,
+                                          logits_scaling=0.5)
     if family == "cohere":
         return transformers.CohereConfig(**common, rope_parameters=params, logit_scale=0.0625)
     if family == "smollm3":  # every 4th layer without RoPE
@@ -282,8 +282,10 @@ def _more_config(family: str, *, rope: dict[str, Any] | None, num_layers: int, v
         return transformers.PhiConfig(**common, rope_parameters={"partial_rotary_factor": 0.5, **params})
     if family == "stablelm":
         return transformers.StableLmConfig(**common, rope_parameters={"partial_rotary_factor": 0.25, **params})
-    assert family == "phi3"
-    return transformers.Phi3Config(**common, rope_parameters=params)
+    assert family == "phi3"  # LongRoPE reads original_max_position_embeddings from the config itself
+    orig = params.get("original_max_position_embeddings")
+    return transformers.Phi3Config(**common, rope_parameters=params,
+                                   **({"original_max_position_embeddings": orig} if orig else {}))
 
 
 def attn_implementation(family: str) -> str:
