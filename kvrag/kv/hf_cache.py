@@ -106,9 +106,25 @@ class _BufferLayer(DynamicLayer):
         self._views()
 
 
+def new_cache(model: Any) -> DynamicCache:
+    """An empty cache for ``model`` that keeps every token: transformers' sliding-window cache layers keep only the
+    last ``W - 1`` tokens, so a model with windowed layers gets full layers (its masks still apply each layer's
+    window), which lets a chunk longer than a window keep its whole cache."""
+    return _full_cache(model.config)
+
+
+def _full_cache(config: Any) -> DynamicCache:
+    from kvrag.kv.window import layer_windows
+
+    if any(w is not None for _, w in layer_windows(config)):
+        return DynamicCache()
+    return DynamicCache(config=config)
+
+
 def make_cache(keys: torch.Tensor | None, values: torch.Tensor | None, config: Any) -> DynamicCache:
-    """A DynamicCache holding keys/values [L, H_kv, T, D] (placed, i.e. RoPE applied) for batch size 1."""
-    cache = DynamicCache(config=config)
+    """A DynamicCache holding keys/values [L, H_kv, T, D] (placed, i.e. RoPE applied) for batch size 1 (every token
+    kept, also in sliding-window layers)."""
+    cache = _full_cache(config)
     if keys is None or values is None or keys.shape[2] == 0:
         return cache
     for layer in range(keys.shape[0]):
@@ -162,7 +178,7 @@ def forward(
     extended cache. Computing logits for the last position only keeps full prefill as fast as it can be.
     """
     if cache is None:
-        cache = DynamicCache(config=model.config)
+        cache = new_cache(model)
     past = cache_length(cache)
     start = past if start is None else start
     ids = input_ids.to(model.device).view(1, -1)
