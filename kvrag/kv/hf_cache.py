@@ -8,6 +8,8 @@ over an explicit key/value context for selective recomputation.
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import sys
 import threading
 import weakref
@@ -212,16 +214,21 @@ def logits_head(model: Any) -> Callable[[torch.Tensor], torch.Tensor] | None:
     return head
 
 
+def _base(model: Any) -> Any:
+    """The decoder stack under the LM head (``model.model``, or e.g. GPT-NeoX's ``model.gpt_neox``)."""
+    base = getattr(model, "model", None)
+    return base if base is not None else getattr(model, "base_model", model)
+
+
 def decoder_layers(model: Any) -> list[torch.nn.Module]:
-    base = getattr(model, "model", model)
-    return list(base.layers)
+    return list(_base(model).layers)
 
 
 def embed(model: Any, input_ids: torch.Tensor) -> torch.Tensor:
     """Token embeddings [1, T, hidden] as the model's forward computes them (with Granite's embedding multiplier;
     Gemma's scaled embedding module scales itself)."""
-    base = getattr(model, "model", model)
-    hidden = base.embed_tokens(input_ids.to(model.device).view(1, -1))
+    base = _base(model)
+    hidden = model.get_input_embeddings()(input_ids.to(model.device).view(1, -1))
     mult = getattr(base, "embedding_multiplier", None)
     return hidden if mult is None else hidden * mult
 
@@ -230,7 +237,7 @@ def rotary(model: Any, hidden: torch.Tensor, positions: torch.Tensor,
            layer_idx: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The (cos, sin) the model's forward hands decoder layer ``layer_idx``: those of the layer's type where the
     rotary module has one set per layer type (Gemma 3)."""
-    base = getattr(model, "model", model)
+    base = _base(model)
     rot = base.rotary_emb
     pos = positions.to(hidden.device).view(1, -1)
     if getattr(rot, "layer_types", None) and layer_idx is not None:
@@ -297,15 +304,22 @@ def call_layer(
     ``attention_mask`` [1, 1, N, C] (None where a probe computes the attention). Returns the layer's output
     [1, N, hidden]. The one place that knows a decoder layer's calling convention."""
     layer = decoder_layers(model)[layer_idx]
+    cache_kw = "layer_past" if _takes_layer_past(type(layer)) else "cache"  # GPT-NeoX names it layer_past
     out = layer(
         hidden,
         attention_mask=attention_mask,
         position_ids=positions.to(hidden.device).view(1, -1),
-        cache=cache,
         use_cache=True,
         position_embeddings=rotary(model, hidden, positions, layer_idx),
+        **{cache_kw: cache},
     )
     return out[0] if isinstance(out, tuple) else out
+
+
+@functools.lru_cache(maxsize=64)
+def _takes_layer_past(layer_type: type) -> bool:
+    params = inspect.signature(layer_type.forward).parameters
+    return "layer_past" in params and "cache" not in params
 
 
 def sync(device: torch.device | str) -> None:

@@ -65,10 +65,11 @@ SERVED: tuple[FamilySupport, ...] = (
     FamilySupport("smollm3", "SmolLM3", "RoPE, every 4th layer none (keys used as they are)", "-"),
     FamilySupport("phi", "Phi-1.5, Phi-2", "partial rotary (half of each head)",
                   "parallel attention + MLP, LayerNorm with bias, dense biases"),
-    FamilySupport("stablelm", "StableLM 2, StableLM-3B", "partial rotary (a quarter of each head)",
-                  "LayerNorm, q/k/v bias"),
-    FamilySupport("phi3", "Phi-3, Phi-3.5, Phi-4-mini", "one RoPE; LongRoPE in its short regime",
-                  "fused qkv and gate/up projections"),
+    FamilySupport("gpt_neox", "GPT-NeoX, Pythia", "partial rotary (a quarter of each head)",
+                  "parallel residual, LayerNorm, no GQA"),
+    FamilySupport("stablelm", "StableLM 2, StableLM-3B", "partial rotary (a quarter of each head)", "LayerNorm"),
+    FamilySupport("phi3", "Phi-3, Phi-3.5, Phi-4-mini", "one RoPE (Phi-4-mini: partial, 0.75); LongRoPE in its "
+                  "short regime", "fused qkv and gate/up projections"),
 )
 """Families served exactly in both dtypes (each proven by ``tests/unit/test_families.py``)."""
 

@@ -128,6 +128,27 @@ def test_partial_rotary_turns_only_the_rotary_part() -> None:
     assert torch.equal(y[..., 8:], x[..., 8:]) and not torch.allclose(y[..., :8], x[..., :8])
 
 
+@pytest.mark.parametrize(("family", "rope"), [
+    ("phi3", {"partial_rotary_factor": 0.75, "rope_type": "longrope", "short_factor": [1.0] * 6,
+              "long_factor": [3.0] * 6, "original_max_position_embeddings": 1024}),  # Phi-4-mini's layout
+    ("gemma3", {"rope_type": "linear", "factor": 8.0}),  # Gemma 3's global layers: linear scaling, local: none
+])
+def test_released_rope_layouts_rerotate_exactly(family: str, rope: dict) -> None:
+    """Partial rotary under LongRoPE (Phi-4-mini) and per-layer-type scaling (Gemma 3): re-rotation exact, ``full``
+    == ``model.generate``."""
+    lm = tiny_model(family, num_layers=LAYERS, init_std=INIT_STD, rope=rope)
+    r = Rope.from_model(lm.model)
+    ids = torch.randint(5, 256, (20,), generator=torch.Generator().manual_seed(5))
+    k0, _ = hf_cache.prefill_kv(lm.model, ids)
+    _, cache = hf_cache.forward(lm.model, ids, None, start=300)
+    k1, _ = hf_cache.cache_to_tensors(cache)
+    torch.testing.assert_close(r.place(r.canonicalize(k0, torch.arange(20)), torch.arange(300, 320)), k1,
+                               atol=5e-5, rtol=0)
+    eng = KVRAGEngine(lm, MemoryStore(), EngineConfig())
+    prompt = "Context: " + " ".join(CHUNKS) + " " + QUESTION
+    assert eng.answer(prompt, CHUNKS, "full", max_new_tokens=6).token_ids == _generate(eng, eng.tokenize(prompt), 6)
+
+
 # --- the fusion oracle ------------------------------------------------------------------------------------------------
 
 
