@@ -331,7 +331,6 @@ def _run_targets(
     tc = k_out.shape[2]
     dev = k_out.device
     kind, size = layer_windows(model.config)[layer]
-    window = (kind, size) if size is not None else None
     readable = torch.ones(tc, dtype=torch.bool) if ctx is None else torch.zeros(tc, dtype=torch.bool)
     if ctx is not None:
         readable[ctx.to("cpu", torch.long)] = True
@@ -344,8 +343,8 @@ def _run_targets(
         avail[blk[blk < lim]] = False  # this block's own rows come as fresh targets, not from the cache
         cpos = positions_of(avail)  # [C]
         mask = torch.cat([cpos[None, :] < blk[:, None], blk[None, :] <= blk[:, None]], dim=1)  # [N, C + N]
-        if window is not None:  # a sliding / chunked layer sees only its window (kvrag.kv.window)
-            mask &= window_mask(window[0], window[1], blk, torch.cat([cpos, blk]))
+        if size is not None:  # a sliding / chunked layer sees only its window (kvrag.kv.window)
+            mask &= window_mask(kind, size, blk, torch.cat([cpos, blk]))
         edges += int(mask.sum())
         computed += int(mask.numel())
         cdev, bdev = cpos.to(dev), blk.to(dev)

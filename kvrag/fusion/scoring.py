@@ -108,8 +108,8 @@ def query_attention_scores(
     mask[:, tc:] = torch.tril(torch.ones(s_len, s_len, dtype=torch.bool))
     windows = layer_windows(model.config)
     q_pos, k_pos = torch.arange(tc, tc + s_len), torch.arange(tc + s_len)
-    masks = {w: (mask if w[1] is None else mask & window_mask(w[0], w[1], q_pos, k_pos)).to(dev)
-             for w in set(windows)}  # a sliding / chunked layer sees only its window (kvrag.kv.window)
+    masks = {(kind, size): (mask if size is None else mask & window_mask(kind, size, q_pos, k_pos)).to(dev)
+             for kind, size in set(windows)}  # a sliding / chunked layer sees only its window (kvrag.kv.window)
     probe.stop_at = n_layers - 1
     with hf_cache.capture_attention(model, probe):
         for layer in range(n_layers):

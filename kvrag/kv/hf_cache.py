@@ -14,7 +14,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
@@ -304,7 +304,7 @@ def call_layer(
     ``attention_mask`` [1, 1, N, C] (None where a probe computes the attention). Returns the layer's output
     [1, N, hidden]. The one place that knows a decoder layer's calling convention."""
     layer = decoder_layers(model)[layer_idx]
-    cache_kw = "layer_past" if _takes_layer_past(type(layer)) else "cache"  # GPT-NeoX names it layer_past
+    cache_kw = "layer_past" if _takes_layer_past(cast(Any, type(layer))) else "cache"  # GPT-NeoX names it layer_past
     out = layer(
         hidden,
         attention_mask=attention_mask,
@@ -317,7 +317,7 @@ def call_layer(
 
 
 @functools.lru_cache(maxsize=64)
-def _takes_layer_past(layer_type: type) -> bool:
+def _takes_layer_past(layer_type: Any) -> bool:
     params = inspect.signature(layer_type.forward).parameters
     return "layer_past" in params and "cache" not in params
 

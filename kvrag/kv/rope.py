@@ -134,13 +134,14 @@ def layer_frequencies(model: torch.nn.Module, rot: torch.nn.Module | None = None
     the frequencies of the short regime (``original_inv_freq``, which a long forward does not overwrite). Layers
     that SmolLM3-style ``no_rope_layers`` mark 0 apply no RoPE.
     """
-    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config: Any = model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
     rot = rot if rot is not None else find_rotary_module(model)
     if rot is None:
         return []
     n = int(getattr(text, "num_hidden_layers", 0) or 0)
     names = _freq_names(rot)
-    params = rope_parameters(model.config) or {}
+    params = rope_parameters(config) or {}
     per_type = params.get("_per_layer", {})
     types = list(getattr(text, "layer_types", None) or [])
     out: list[torch.Tensor | None] = []
@@ -177,7 +178,7 @@ def length_regime_limit(config: Any) -> tuple[int, str] | None:
         if kind in LENGTH_DEPENDENT:
             text = config.get_text_config() if hasattr(config, "get_text_config") else config
             orig = v.get("original_max_position_embeddings") or getattr(text, "original_max_position_embeddings",
-                                                                       None) or getattr(text, "max_position_embeddings")
+                                                                       None) or text.max_position_embeddings
             limits.append((int(orig), kind))
     if not limits:
         return None

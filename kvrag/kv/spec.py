@@ -103,7 +103,8 @@ class KVSpec:
             UnsupportedModelError: the config's RoPE is not in the support matrix
                 (:func:`kvrag.kv.rope.check_rope_support`).
         """
-        from kvrag.kv.rope import check_rope_support, rope_pairing as family_pairing
+        from kvrag.kv.rope import check_rope_support
+        from kvrag.kv.rope import rope_pairing as family_pairing
 
         text = text_config(config)
         heads = int(text.num_attention_heads)

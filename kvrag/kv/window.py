@@ -176,12 +176,10 @@ def context_limit(model: Any, limit: int) -> int:
     return int(limit)
 
 
-def window_mask(kind: str, size: int | None, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor | None:
-    """[N, C] bool, True where a query at ``q_pos`` [N] may see a key at ``k_pos`` [C] under a layer's window (the
-    causal part is the caller's); None for a full-attention layer. Sliding: ``k > q - W`` (transformers'
+def window_mask(kind: str, size: int, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+    """[N, C] bool, True where a query at ``q_pos`` [N] may see a key at ``k_pos`` [C] under a layer's window of
+    ``size`` tokens (the causal part is the caller's). Sliding: ``k > q - W`` (transformers'
     ``sliding_window_overlay``); chunked: the same aligned chunk of ``W`` positions."""
-    if size is None:
-        return None
     q, k = q_pos[:, None], k_pos[None, :]
     if kind == "chunked_attention":
         return torch.div(q, size, rounding_mode="floor") == torch.div(k, size, rounding_mode="floor")
