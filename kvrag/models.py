@@ -212,7 +212,8 @@ def load_model(
         device: default ``cuda`` when available, else ``cpu``.
 
     Returns:
-        The model (eval mode, SDPA attention), tokenizer and fingerprints.
+        The model (eval mode, SDPA attention where transformers allows it, else eager:
+        :func:`attention_implementation`), tokenizer and fingerprints.
 
     Raises:
         UnsupportedModelError: the model has no RoPE or uses a sequence-length-dependent variant.
@@ -243,12 +244,23 @@ def load_model(
         check_rope_support(config, name=name)  # fail before reading any weights
         tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=offline)
         lm = AutoModelForCausalLM.from_pretrained(
-            source, config=config, dtype=dt, attn_implementation="sdpa", local_files_only=offline
+            source, config=config, dtype=dt, attn_implementation=attention_implementation(config),
+            local_files_only=offline,
         )
     lm.to(dev)  # type: ignore[arg-type]  # transformers wraps nn.Module.to; mypy misreads the wrapper
     loaded = wrap_model(lm, tokenizer, name=name, dtype=dt)
     logger.info("loaded %s on %s (%s) in %.1f s", name, dev, dtype_name(dt), time.perf_counter() - t0)
     return loaded
+
+
+def attention_implementation(config: Any) -> str:
+    """The attention implementation kvrag loads a model with: 'sdpa' (switched to ``kvrag_sdpa`` by
+    :func:`wrap_model`), or 'eager' for the families transformers refuses SDPA for (attention logit soft-capping
+    in Gemma 2, attention sinks in GPT-OSS); those decode one request per step (:func:`kvrag.kv.batched.batchable`)."""
+    from transformers import AutoModelForCausalLM
+
+    cls = AutoModelForCausalLM._model_mapping.get(type(config), None)  # type: ignore[attr-defined]
+    return "sdpa" if cls is None or getattr(cls, "_supports_sdpa", True) else "eager"
 
 
 def import_sentence_transformers() -> Any:

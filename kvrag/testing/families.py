@@ -68,6 +68,9 @@ SERVED: tuple[FamilySupport, ...] = (
     FamilySupport("gpt_neox", "GPT-NeoX, Pythia", "partial rotary (a quarter of each head)",
                   "parallel residual, LayerNorm, no GQA"),
     FamilySupport("stablelm", "StableLM 2, StableLM-3B", "partial rotary (a quarter of each head)", "LayerNorm"),
+    FamilySupport("gpt_oss", "GPT-OSS", "one RoPE (yarn in the released models)",
+                  "mixture of experts, attention sinks, alternating sliding / global layers; eager attention",
+                  decode="one request per step (eager attention: transformers refuses SDPA with attention sinks)"),
     FamilySupport("phi3", "Phi-3, Phi-3.5, Phi-4-mini", "one RoPE (Phi-4-mini: partial, 0.75); LongRoPE in its "
                   "short regime", "fused qkv and gate/up projections"),
 )

@@ -29,14 +29,15 @@ FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 """The core families every standard suite runs on."""
 
 MORE_FAMILIES = ("gemma", "gemma2", "gemma3", "olmo2", "granite", "cohere", "smollm3", "phi", "gpt_neox", "stablelm",
-                 "phi3")
+                 "phi3", "gpt_oss")
 """Further families, each with what sets it apart from Llama: Gemma (scaled embeddings, (1 + w) RMSNorm), Gemma 2
 (alternating sliding / global layers, attention and final logit soft-capping, query pre-attention scale, extra
 norms; eager attention, which transformers requires for it), Gemma 3 (5 local : 1 global layers with different RoPE
 bases, q/k norms), OLMo 2 (norms after attention and MLP, q/k norm), Granite (embedding, residual, attention and
 logit multipliers), Cohere (LayerNorm, parallel attention + MLP, interleaved RoPE, logit scale), SmolLM3 (every
 4th layer without RoPE), Phi (partial rotary 0.5, parallel block, LayerNorm with bias), GPT-NeoX (partial rotary
-0.25, parallel residual, no GQA), StableLM (partial rotary 0.25), Phi-3 (fused projections; LongRoPE through ``rope=``). :mod:`tests.unit.test_families` runs them through
+0.25, parallel residual, no GQA), StableLM (partial rotary 0.25), Phi-3 (fused projections; LongRoPE through ``rope=``), GPT-OSS (mixture of experts, attention sinks, alternating
+sliding / global layers; eager attention). :mod:`tests.unit.test_families` runs them through
 the equivalence oracle; ``docs/models.md`` is generated from it."""
 
 ALL_FAMILIES = FAMILIES + MORE_FAMILIES
@@ -285,6 +286,9 @@ def _more_config(family: str, *, rope: dict[str, Any] | None, num_layers: int, v
         neox = {k: v for k, v in common.items() if k not in ("num_key_value_heads", "head_dim")}
         return transformers.GPTNeoXConfig(**neox, rope_parameters={"partial_rotary_factor": 0.25, **params},
                                           use_parallel_residual=True)
+    if family == "gpt_oss":  # mixture of experts, attention sinks, alternating sliding / global layers
+        return transformers.GptOssConfig(**common, rope_parameters=params, sliding_window=window,
+                                         num_local_experts=4, num_experts_per_tok=2)
     if family == "stablelm":
         return transformers.StableLmConfig(**common, rope_parameters={"partial_rotary_factor": 0.25, **params})
     assert family == "phi3"  # LongRoPE reads original_max_position_embeddings from the config itself
@@ -295,8 +299,8 @@ def _more_config(family: str, *, rope: dict[str, Any] | None, num_layers: int, v
 
 def attn_implementation(family: str) -> str:
     """The attention implementation a tiny model of ``family`` loads with: 'eager' where transformers refuses SDPA
-    (Gemma 2: logit soft-capping), else 'sdpa' (which kvrag switches to its ``kvrag_sdpa``)."""
-    return "eager" if family == "gemma2" else "sdpa"
+    (Gemma 2: logit soft-capping; GPT-OSS: attention sinks), else 'sdpa' (which kvrag switches to its ``kvrag_sdpa``)."""
+    return "eager" if family in ("gemma2", "gpt_oss") else "sdpa"
 
 
 def tiny_model(

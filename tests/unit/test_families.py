@@ -248,6 +248,60 @@ def test_batched_decode_equals_batch_one(family: str) -> None:
     assert got.worst < 1e-4
 
 
+@pytest.mark.parametrize(("family", "impl"), [("gemma2", "eager"), ("gpt_oss", "eager"), ("gemma3", IMPL)])
+def test_load_model_picks_the_attention_transformers_accepts(family: str, impl: str, tmp_path: Path) -> None:
+    """transformers refuses SDPA for Gemma 2 (soft-capping) and GPT-OSS (sinks): a checkpoint of either loads with
+    eager attention, the others with kvrag's SDPA."""
+    from kvrag.models import load_model
+
+    lm = tiny_model(family, num_layers=2)
+    lm.model.save_pretrained(tmp_path)
+    lm.tokenizer.save_pretrained(tmp_path)
+    loaded = load_model(str(tmp_path), device="cpu", dtype="float32")
+    assert loaded.model.config._attn_implementation == impl
+    assert loaded.fingerprint == lm.fingerprint
+
+
+# --- chat templates of the families -----------------------------------------------------------------------------------
+
+CHAT_TEMPLATES = {
+    "gemma": "{{ bos_token }}{% for message in messages %}{{ '<start_of_turn>' + ('model' if message['role'] == "
+             "'assistant' else message['role']) + '\n' + message['content'] | trim + '<end_of_turn>\n' }}{% endfor %}"
+             "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}",
+    "phi3": "{% for message in messages %}{{ '<|' + message['role'] + '|>\n' + message['content'] + '<|end|>\n' }}"
+            "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}",
+    "smollm3": "{{ '<|im_start|>system\n## Metadata\n\nReasoning Mode: /no_think\n\n<|im_end|>\n' }}"
+               "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+               "'<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}",
+}
+"""The turn markers of Gemma (``<start_of_turn>``, contents trimmed), Phi-3 (``<|user|>`` ... ``<|end|>``) and
+SmolLM3 (ChatML after a metadata system turn)."""
+
+
+@pytest.mark.parametrize("family", sorted(CHAT_TEMPLATES))
+def test_family_chat_templates_splice_exactly(family: str) -> None:
+    """A RAG prompt rendered with the family's chat template (what the LlamaIndex and LangChain adapters render
+    through :func:`kvrag.prompting.render_chat`): every passage is found and spliced exactly (no inexact chunk),
+    ``full`` == ``model.generate`` and the reuse methods hit every chunk."""
+    from kvrag.models import wrap_model
+    from kvrag.prompting import RagTemplate, render_passage
+    from kvrag.testing.tiny import tiny_tokenizer
+
+    lm = _lm(family, torch.float32)
+    lm = wrap_model(lm.model, tiny_tokenizer(chat_template=CHAT_TEMPLATES[family]), name=f"tiny-{family}-chat")
+    eng = KVRAGEngine(lm, MemoryStore(), EngineConfig())
+    passages = [render_passage(c, f"Doc {i}") for i, c in enumerate(CHUNKS)]
+    eng.ingest(passages)
+    prompt = RagTemplate().render(eng.tokenizer, passages, "What is the capital of France?")
+    plan = eng.plan(prompt, passages)
+    assert (plan.found, plan.inexact_chunks) == (3, 0)
+    assert list(plan.token_ids) == eng.tokenize(prompt)
+    got = eng.answer_plan(plan, "full", GenerationConfig(max_new_tokens=6))
+    assert got.token_ids == _generate(eng, eng.tokenize(prompt), 6)
+    stale = eng.answer_plan(plan, "stale", GenerationConfig(max_new_tokens=1))
+    assert stale.stats.chunk_hits == 3
+
+
 # --- refusals and limits ---------------------------------------------------------------------------------------------
 
 
