@@ -9,7 +9,7 @@ not apply it again, which a pure rotation guarantees.
 Position handling beyond one RoPE (each layer's keys are re-rotated exactly as that layer's attention rotated
 them): per-layer frequencies (Gemma 3's local and global layers: each layer with its own ``inv_freq``), layers
 without RoPE (SmolLM3's ``no_rope_layers``: their keys are position-free and used as they are, a rotation by
-zero), partial rotary dimensions (Phi-2, GPT-NeoX, StableLM, Phi-4-mini: only the first ``rotary_dim`` dimensions
+zero; EXAONE 4's global layers), partial rotary dimensions (Phi-2, GPT-NeoX, StableLM, Phi-4-mini: only the first ``rotary_dim`` dimensions
 of each head are rotated, the rest pass through), interleaved pairs (Cohere).
 
 Support matrix (exact): default, linear, llama3, yarn, per layer or for all layers. Frequencies that depend on the
@@ -40,6 +40,10 @@ LENGTH_DEPENDENT = {
 }
 """RoPE variants whose frequencies are fixed only below a sequence length: served there (the short regime),
 refused beyond it (:func:`length_regime_limit`)."""
+
+GLOBAL_NOPE_MODEL_TYPES = frozenset({"exaone4"})
+"""model_types whose global (full-attention) layers apply no RoPE when the model has sliding layers (EXAONE 4's
+"global NoPE for hybrid attention"): their keys are position-free, like ``no_rope_layers``."""
 
 INTERLEAVED_MODEL_TYPES = frozenset({"cohere", "cohere2", "gptj", "chameleon"})
 """model_types whose RoPE rotates interleaved pairs (2i, 2i+1) instead of transformers' rotate_half."""
@@ -132,7 +136,8 @@ def layer_frequencies(model: torch.nn.Module, rot: torch.nn.Module | None = None
     Read from the model's rotary module: its ``<layer type>_inv_freq`` for the layer's type where it has one per
     layer type (Gemma 3), else its one ``inv_freq``; for the length-dependent variants (:data:`LENGTH_DEPENDENT`)
     the frequencies of the short regime (``original_inv_freq``, which a long forward does not overwrite). Layers
-    that SmolLM3-style ``no_rope_layers`` mark 0 apply no RoPE.
+    that SmolLM3-style ``no_rope_layers`` mark 0, and the global layers of :data:`GLOBAL_NOPE_MODEL_TYPES`, apply
+    no RoPE.
     """
     config: Any = model.config
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -161,6 +166,8 @@ def layer_frequencies(model: torch.nn.Module, rot: torch.nn.Module | None = None
     nope = getattr(text, "no_rope_layers", None)
     if nope is not None:
         out = [f if i >= len(nope) or nope[i] else None for i, f in enumerate(out)]
+    if getattr(text, "model_type", None) in GLOBAL_NOPE_MODEL_TYPES and getattr(text, "sliding_window", None):
+        out = [None if i < len(types) and types[i] == "full_attention" else f for i, f in enumerate(out)]
     return out
 
 

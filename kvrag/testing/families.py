@@ -71,6 +71,8 @@ SERVED: tuple[FamilySupport, ...] = (
     FamilySupport("gpt_oss", "GPT-OSS", "one RoPE (yarn in the released models)",
                   "mixture of experts, attention sinks, alternating sliding / global layers; eager attention",
                   decode="one request per step (eager attention: transformers refuses SDPA with attention sinks)"),
+    FamilySupport("exaone4", "EXAONE 4.0", "RoPE in the local layers, none in the global ones (keys used as they are)",
+                  "3 local : 1 global layers, q/k RMSNorm, post norms"),
     FamilySupport("phi3", "Phi-3, Phi-3.5, Phi-4-mini", "one RoPE (Phi-4-mini: partial, 0.75); LongRoPE in its "
                   "short regime", "fused qkv and gate/up projections"),
 )

@@ -29,7 +29,7 @@ FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 """The core families every standard suite runs on."""
 
 MORE_FAMILIES = ("gemma", "gemma2", "gemma3", "olmo2", "granite", "cohere", "smollm3", "phi", "gpt_neox", "stablelm",
-                 "phi3", "gpt_oss")
+                 "phi3", "gpt_oss", "exaone4")
 """Further families, each with what sets it apart from Llama: Gemma (scaled embeddings, (1 + w) RMSNorm), Gemma 2
 (alternating sliding / global layers, attention and final logit soft-capping, query pre-attention scale, extra
 norms; eager attention, which transformers requires for it), Gemma 3 (5 local : 1 global layers with different RoPE
@@ -37,7 +37,7 @@ bases, q/k norms), OLMo 2 (norms after attention and MLP, q/k norm), Granite (em
 logit multipliers), Cohere (LayerNorm, parallel attention + MLP, interleaved RoPE, logit scale), SmolLM3 (every
 4th layer without RoPE), Phi (partial rotary 0.5, parallel block, LayerNorm with bias), GPT-NeoX (partial rotary
 0.25, parallel residual, no GQA), StableLM (partial rotary 0.25), Phi-3 (fused projections; LongRoPE through ``rope=``), GPT-OSS (mixture of experts, attention sinks, alternating
-sliding / global layers; eager attention). :mod:`tests.unit.test_families` runs them through
+sliding / global layers; eager attention), EXAONE 4 (3 local layers with RoPE : 1 global layer without). :mod:`tests.unit.test_families` runs them through
 the equivalence oracle; ``docs/models.md`` is generated from it."""
 
 ALL_FAMILIES = FAMILIES + MORE_FAMILIES
@@ -289,6 +289,9 @@ def _more_config(family: str, *, rope: dict[str, Any] | None, num_layers: int, v
     if family == "gpt_oss":  # mixture of experts, attention sinks, alternating sliding / global layers
         return transformers.GptOssConfig(**common, rope_parameters=params, sliding_window=window,
                                          num_local_experts=4, num_experts_per_tok=2)
+    if family == "exaone4":  # 3 local layers with RoPE : 1 global layer without RoPE, q/k norms
+        return transformers.Exaone4Config(**common, rope_parameters=params, sliding_window=window,
+                                          sliding_window_pattern=4)
     if family == "stablelm":
         return transformers.StableLmConfig(**common, rope_parameters={"partial_rotary_factor": 0.25, **params})
     assert family == "phi3"  # LongRoPE reads original_max_position_embeddings from the config itself
