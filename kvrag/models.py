@@ -23,8 +23,9 @@ from kvrag.errors import ConfigError
 from kvrag.extras import require
 from kvrag.fingerprint import model_fingerprint, tokenizer_fingerprint
 from kvrag.kv.attention import use_gqa_sdpa
+from kvrag.kv.compute import check_rerotation
 from kvrag.kv.linear import pack_linears
-from kvrag.kv.rope import check_rope_support
+from kvrag.kv.rope import Rope, check_rope_support
 from kvrag.kv.spec import KVSpec, dtype_from_name, dtype_name
 from kvrag.paths import env_offline, hf_offline
 
@@ -180,6 +181,7 @@ def wrap_model(
     """Validate an already constructed model and compute its fingerprints (used by :func:`load_model` and tests)."""
     check_rope_support(model, name=name)
     model.eval()
+    check_rerotation(model, Rope.from_model(model), name=name)  # each layer re-positioned exactly, measured
     use_gqa_sdpa(model)  # SDPA without repeated K/V heads for masked grouped-query calls (kvrag.kv.attention)
     pack_linears(model)  # bf16 on the CPU: weights packed once for oneDNN, bit-identical outputs (kvrag.kv.linear)
     param = next(model.parameters())

@@ -317,6 +317,16 @@ def test_longrope_long_regime_is_refused_with_the_reason() -> None:
     assert got.token_ids == _generate(eng, ids, 4)
 
 
+def test_a_layer_that_positions_keys_otherwise_is_refused_at_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The load-time measurement (:func:`kvrag.kv.compute.check_rerotation`) catches what configs do not show:
+    without the rule that EXAONE 4's global layers skip RoPE, re-rotation would be wrong in layer 3 -- refused."""
+    from kvrag.kv import rope as rope_module
+
+    monkeypatch.setattr(rope_module, "GLOBAL_NOPE_MODEL_TYPES", frozenset())
+    with pytest.raises(UnsupportedModelError, match="layer 3 .*relative error"):
+        tiny_model("exaone4", num_layers=4, init_std=INIT_STD)
+
+
 def test_multimodal_rope_is_refused_by_name() -> None:
     lm = tiny_model("llama", num_layers=1)
     lm.model.config.rope_parameters = {**lm.model.config.rope_parameters, "mrope_section": [2, 3, 3]}
