@@ -316,6 +316,13 @@ class Rope:
                                             for f in freqs])
         return cls(inv, pairing=pairing or rope_pairing(model.config), head_dim=_head_dim(model.config))
 
+    def layer(self, index: int) -> Rope:
+        """The rotation of decoder layer ``index`` alone (for tensors of one layer, [..., T, D]); ``self`` when every
+        layer shares the frequencies."""
+        if not self.per_layer:
+            return self
+        return Rope(self.inv_freq[index], pairing=self.pairing, head_dim=self.head_dim)
+
     @property
     def per_layer(self) -> bool:
         """True when layers rotate with different frequencies (``inv_freq`` is [L, R/2])."""

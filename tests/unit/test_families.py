@@ -149,6 +149,40 @@ def test_released_rope_layouts_rerotate_exactly(family: str, rope: dict) -> None
     assert eng.answer(prompt, CHUNKS, "full", max_new_tokens=6).token_ids == _generate(eng, eng.tokenize(prompt), 6)
 
 
+def test_one_layers_rotation_is_that_layers_slice_of_the_whole() -> None:
+    """``Rope.layer(i)`` (what CacheRepair places each layer's residual with) rotates like row ``i`` of the
+    per-layer rotation: Gemma 3's global layer with its own base, SmolLM3's NoPE layer not at all."""
+    for family in ("gemma3", "smollm3"):
+        rope = Rope.from_model(_lm(family, torch.float32).model)
+        assert rope.per_layer
+        x, pos = torch.randn(LAYERS, 2, 6, 16), torch.arange(50, 56)
+        whole = rope.place(x, pos)
+        for i in range(LAYERS):
+            torch.testing.assert_close(rope.layer(i).place(x[i], pos), whole[i], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "smollm3", "phi"])
+def test_cacherepair_runs_with_per_layer_and_partial_rope(family: str, tmp_path: Path) -> None:
+    """``cacherepair`` (a random tiny repairer for the model) places each layer's key residual with that layer's
+    rotation: it runs through the engine and gives finite logits."""
+    from kvrag.repair.config import RepairConfig
+    from kvrag.repair.model import RepairModel
+
+    eng = _engine(family, torch.float32)
+    s = eng.loaded.kv_spec()
+    cfg = RepairConfig.from_preset("tiny", num_layers=s.num_layers, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
+                                   embed_dim=64)
+    torch.manual_seed(0)
+    m = RepairModel(cfg)
+    torch.nn.init.normal_(m.head.weight, std=0.05)
+    path = m.eval().save_pretrained(tmp_path / "rep", target_fingerprint=eng.loaded.fingerprint)
+    prompt = "Context: " + " ".join(CHUNKS) + " " + QUESTION
+    for method in (f"cacherepair:checkpoint={path}", f"hybrid:checkpoint={path},r=0.1"):
+        prep = eng.prepare(eng.plan(prompt, CHUNKS), method)
+        assert torch.isfinite(prep.last_logits).all(), method
+        assert prep.stats.chunk_hits + prep.stats.chunk_misses == 3
+
+
 # --- the fusion oracle ------------------------------------------------------------------------------------------------
 
 
