@@ -29,9 +29,10 @@ from kvrag.errors import ConfigError
 from kvrag.extras import require
 from kvrag.fingerprint import model_fingerprint, tokenizer_fingerprint
 from kvrag.kv.attention import use_gqa_sdpa
+from kvrag.kv.compute import check_rerotation
 from kvrag.kv.linear import pack_linears
 from kvrag.kv.quant import parse_mode, quantize_linears
-from kvrag.kv.rope import check_rope_support
+from kvrag.kv.rope import Rope, check_rope_support
 from kvrag.kv.spec import KVSpec, dtype_from_name, dtype_name
 from kvrag.paths import env_offline, hf_offline
 
@@ -234,6 +235,7 @@ def wrap_model(
     mode = parse_mode(quantize)
     check_rope_support(model, name=name)
     model.eval()
+    check_rerotation(model, Rope.from_model(model), name=name)  # each layer re-positioned exactly, measured
     use_gqa_sdpa(model)  # SDPA without repeated K/V heads for masked grouped-query calls (kvrag.kv.attention)
     pack_linears(model)  # bf16 on the CPU: weights packed once for oneDNN, bit-identical outputs (kvrag.kv.linear)
     quantize_linears(model, mode)  # after packing: longer inputs fall back to the packed / dense forward
@@ -272,7 +274,8 @@ def load_model(
             dense weights; by default :func:`default_quantize` (what answers sooner for this model on this machine).
 
     Returns:
-        The model (eval mode, SDPA attention), tokenizer and fingerprints.
+        The model (eval mode, SDPA attention where transformers allows it, else eager:
+        :func:`attention_implementation`), tokenizer and fingerprints.
 
     Raises:
         UnsupportedModelError: the model has no RoPE or uses a sequence-length-dependent variant, or a GGUF file's
@@ -313,13 +316,24 @@ def load_model(
         check_rope_support(config, name=name)  # fail before reading any weights
         tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=offline)
         lm = AutoModelForCausalLM.from_pretrained(
-            source, config=config, dtype=dt, attn_implementation="sdpa", local_files_only=offline
+            source, config=config, dtype=dt, attn_implementation=attention_implementation(config),
+            local_files_only=offline,
         )
     lm.to(dev)  # type: ignore[arg-type]  # transformers wraps nn.Module.to; mypy misreads the wrapper
     loaded = wrap_model(lm, tokenizer, name=name, dtype=dt, quantize=mode)
     logger.info("loaded %s on %s (%s%s) in %.1f s", name, dev, dtype_name(dt), f", {mode} weights" if mode else "",
                 time.perf_counter() - t0)
     return loaded
+
+
+def attention_implementation(config: Any) -> str:
+    """The attention implementation kvrag loads a model with: 'sdpa' (switched to ``kvrag_sdpa`` by
+    :func:`wrap_model`), or 'eager' for the families transformers refuses SDPA for (attention logit soft-capping
+    in Gemma 2, attention sinks in GPT-OSS); those decode one request per step (:func:`kvrag.kv.batched.batchable`)."""
+    from transformers import AutoModelForCausalLM
+
+    cls = AutoModelForCausalLM._model_mapping.get(type(config), None)  # type: ignore[attr-defined]
+    return "sdpa" if cls is None or getattr(cls, "_supports_sdpa", True) else "eager"
 
 
 def import_sentence_transformers() -> Any:

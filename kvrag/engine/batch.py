@@ -84,9 +84,7 @@ def plan_batches(lengths: Sequence[int], batch_size: int, max_batch_tokens: int 
 
 def _prefix_cache(model: Any, keys: torch.Tensor, values: torch.Tensor, batch: int) -> Any:
     """A DynamicCache holding the shared prefix K/V [L, H_kv, P, D] repeated for ``batch`` rows."""
-    from transformers.cache_utils import DynamicCache
-
-    cache = DynamicCache(config=model.config)
+    cache = hf_cache.new_cache(model)  # every token kept, also in sliding-window layers
     for layer in range(keys.shape[0]):
         k = keys[layer].unsqueeze(0).expand(batch, -1, -1, -1).contiguous()  # [B, H_kv, P, D]
         v = values[layer].unsqueeze(0).expand(batch, -1, -1, -1).contiguous()
@@ -124,9 +122,7 @@ def _prefill_batch(
     if prefix_kv is not None:
         cache = _prefix_cache(model, prefix_kv[0], prefix_kv[1], b)
     else:
-        from transformers.cache_utils import DynamicCache
-
-        cache = DynamicCache(config=model.config)
+        cache = hf_cache.new_cache(model)
     model(
         input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=pos.to(device), cache=cache,
         use_cache=True, logits_to_keep=1,

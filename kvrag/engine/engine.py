@@ -231,6 +231,8 @@ class KVRAGEngine(ChunkCaching):
         while the KV bound is spent and, while requests decode, for its turn between two decode steps.
         """
         m = self.method(method)
+        if not m.reads_cache:  # e.g. full: the prompt's own tokenization, never a chunk's spliced ids
+            plan = plan.as_prompt_tokenized()
         if plan.total_len >= self.max_context:
             msg = (f"the prompt has {plan.total_len} tokens ({plan.context_len} context + {len(plan.suffix.token_ids)} "
                    f"suffix) but the model's context window is {self.max_context}; retrieve fewer or shorter chunks")

@@ -58,6 +58,8 @@ class Plan:
         inexact_chunks: spliced chunks whose own tokenization differs from the prompt string's at a boundary (their
             ids are used anyway; 0 means the plan's ids equal the tokenized prompt).
         held: caches the caller already holds, by key (used instead of a store read; filled by the engine).
+        prompt_ids: the prompt string's own tokenization when the plan was made from one (what ``full`` prefills:
+            :meth:`as_prompt_tokenized`); None for plans built from pieces alone.
     """
 
     context: tuple[PlannedSegment, ...]
@@ -66,6 +68,27 @@ class Plan:
     found: int
     inexact_chunks: int = 0
     held: Mapping[str, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    prompt_ids: tuple[int, ...] | None = dataclasses.field(default=None, compare=False, repr=False)
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        """Every id of the plan in order (context, then suffix): what a reuse method's KV stands for."""
+        return tuple(t for s in (*self.context, self.suffix) for t in s.token_ids)
+
+    def as_prompt_tokenized(self) -> Plan:
+        """This plan over the prompt's own tokenization, with nothing spliced: what ``full`` prefills, so that it
+        generates exactly what ``model.generate`` does on the prompt string even where a chunk's boundary falls
+        inside a token (``inexact_chunks > 0``). The plan itself when its ids already are the prompt's (or it has
+        no prompt ids). The suffix keeps its length (at most all ids but one); ``found`` and ``registered`` are
+        kept, ``inexact_chunks`` is 0 (nothing is spliced)."""
+        whole = self.prompt_ids
+        if whole is None or not whole or self.token_ids == whole:
+            return self
+        n = max(1, min(len(self.suffix.token_ids), len(whole) - 1))
+        cut = len(whole) - n
+        context = (PlannedSegment("prefix", "", whole[:cut], 0),) if cut else ()
+        return dataclasses.replace(self, context=context, suffix=PlannedSegment("suffix", "", whole[cut:], cut),
+                                   inexact_chunks=0, held={})
 
     @property
     def context_len(self) -> int:
@@ -241,7 +264,7 @@ def plan_pieces(pieces: Sequence[TextPiece], tokenize: Tokenize, token_ids_of: C
         suffix = segs[-1]
     context = tuple(s for s in segs[:-1])
     return Plan(context=context, suffix=suffix, registered=registered if registered is not None else found, found=found,
-                inexact_chunks=inexact)
+                inexact_chunks=inexact, prompt_ids=tuple(whole) if whole is not None else None)
 
 
 def plan_prompt(prompt: str, chunk_texts: Sequence[str], tokenize: Tokenize,

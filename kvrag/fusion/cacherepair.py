@@ -191,10 +191,11 @@ class CacheRepair(FusionMethod):
         positions = idx - idx[0]  # document positions (the repairer's RoPE is relative anyway)
         # global RoPE after repair (CacheRepair §4.1): the keys lie placed in the cache, and rotation is linear, so
         # each layer's canonical key residual is placed at the tokens' global positions and added there
-        cos_sin = inp.rope.cos_sin(out_idx)
+        cos, sin = inp.rope.cos_sin(out_idx)  # [N, R], or [L, N, R] with per-layer frequencies
 
-        def place(rk: torch.Tensor) -> torch.Tensor:
-            return inp.rope.place(rk, out_idx, cos_sin=cos_sin)
+        def place(rk: torch.Tensor, layer: int) -> torch.Tensor:
+            cs = (cos[layer], sin[layer]) if inp.rope.per_layer else (cos, sin)
+            return inp.rope.layer(layer).place(rk, out_idx, cos_sin=cs)
 
         t1 = time.perf_counter()
         # repaired where it lies when contiguous (the request's own cache, or the copies working_kv made); else

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from kvrag.kv import hf_cache
+from kvrag.kv.window import layer_windows
 
 
 def has_special_attention(module: Any) -> bool:
@@ -88,7 +89,10 @@ class PrefixAttention:
 
 def plain_attention(model: Any) -> bool:
     """True when every decoder layer's attention is plain softmax(q k^T * scale + mask) v (see
-    :func:`has_special_attention`), so :class:`PrefixAttention` may compute it."""
+    :func:`has_special_attention`) over every key of its causal prefix (no layer has an attention window), so
+    :class:`PrefixAttention` may compute it."""
+    if any(w is not None for _, w in layer_windows(model.config)):
+        return False
     for layer in hf_cache.decoder_layers(model):
         attn = getattr(layer, "self_attn", None)
         if attn is None or has_special_attention(attn):

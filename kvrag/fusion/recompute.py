@@ -30,6 +30,7 @@ from kvrag.fusion.base import FusionInput, FusionOutput
 from kvrag.fusion.prefix_attention import PrefixAttention, plain_attention, run_targets_prefix
 from kvrag.fusion.stats import MethodStats
 from kvrag.kv import hf_cache
+from kvrag.kv.window import layer_windows, window_mask
 
 
 def check_ratio(method: str, name: str, value: float) -> None:
@@ -329,6 +330,7 @@ def _run_targets(
     Returns (hidden out, useful pairs, computed pairs)."""
     tc = k_out.shape[2]
     dev = k_out.device
+    kind, size = layer_windows(model.config)[layer]
     readable = torch.ones(tc, dtype=torch.bool) if ctx is None else torch.zeros(tc, dtype=torch.bool)
     if ctx is not None:
         readable[ctx.to("cpu", torch.long)] = True
@@ -341,6 +343,8 @@ def _run_targets(
         avail[blk[blk < lim]] = False  # this block's own rows come as fresh targets, not from the cache
         cpos = positions_of(avail)  # [C]
         mask = torch.cat([cpos[None, :] < blk[:, None], blk[None, :] <= blk[:, None]], dim=1)  # [N, C + N]
+        if size is not None:  # a sliding / chunked layer sees only its window (kvrag.kv.window)
+            mask &= window_mask(kind, size, blk, torch.cat([cpos, blk]))
         edges += int(mask.sum())
         computed += int(mask.numel())
         cdev, bdev = cpos.to(dev), blk.to(dev)

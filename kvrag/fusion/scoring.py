@@ -11,6 +11,7 @@ import torch
 from kvrag.fusion.base import FusionInput
 from kvrag.fusion.prefix_attention import has_special_attention
 from kvrag.kv import hf_cache
+from kvrag.kv.window import layer_windows, window_mask
 
 
 class _ScoringProbe:
@@ -105,12 +106,16 @@ def query_attention_scores(
     pos = torch.arange(tc, tc + s_len, device=dev)
     mask = torch.ones(s_len, tc + s_len, dtype=torch.bool)
     mask[:, tc:] = torch.tril(torch.ones(s_len, s_len, dtype=torch.bool))
-    mask = mask.to(dev)
+    windows = layer_windows(model.config)
+    q_pos, k_pos = torch.arange(tc, tc + s_len), torch.arange(tc + s_len)
+    masks = {(kind, size): (mask if size is None else mask & window_mask(kind, size, q_pos, k_pos)).to(dev)
+             for kind, size in set(windows)}  # a sliding / chunked layer sees only its window (kvrag.kv.window)
     probe.stop_at = n_layers - 1
     with hf_cache.capture_attention(model, probe):
         for layer in range(n_layers):
             try:
-                hidden, _, _ = hf_cache.run_layer(model, layer, hidden, pos, inp.keys[layer], inp.values[layer], mask)
+                hidden, _, _ = hf_cache.run_layer(model, layer, hidden, pos, inp.keys[layer], inp.values[layer],
+                                                  masks[windows[layer]])
             except _ScoresDone:
                 break
     hf_cache.sync(dev)

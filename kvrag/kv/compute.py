@@ -47,4 +47,41 @@ def compute_chunk_kv(
     )
 
 
-__all__ = ["compute_chunk_kv"]
+REROTATION_TOL = 0.1
+"""Largest per-layer ``max|placed - direct| / max|direct|`` :func:`check_rerotation` accepts. Measured on
+SmolLM2-135M: 0.0000 in float32, 0.016 in bfloat16; keys left unrotated differ by >= 0.31, so a layer that rotates
+otherwise than kvrag does stands far above it."""
+
+
+@torch.inference_mode()
+def check_rerotation(model: Any, rope: Rope, *, name: str, offset: int = 37, tokens: int = 8) -> None:
+    """Refuse a model whose keys kvrag's rotations do not re-position exactly: a few ids prefilled at 0.. and
+    re-rotated to ``offset``.. must give, in every layer, the keys the model computes at ``offset``.. directly.
+
+    The support matrix (:func:`kvrag.kv.rope.check_rope_support`) reads RoPE from configs and rotary modules; this
+    catches what they cannot show, e.g. an attention that skips RoPE in some layers in code.
+
+    Raises:
+        UnsupportedModelError: naming the first layer that differs and by how much.
+    """
+    from kvrag.errors import UnsupportedModelError
+
+    vocab = int(getattr(model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config,
+                        "vocab_size", 0) or 0)
+    ids = torch.arange(tokens) % max(1, vocab - 8) + 5
+    k0, _ = hf_cache.prefill_kv(model, ids)
+    _, cache = hf_cache.forward(model, ids, None, start=offset)
+    k1, _ = hf_cache.cache_to_tensors(cache)
+    placed = rope.place(rope.canonicalize(k0, torch.arange(tokens)), torch.arange(offset, offset + tokens))
+    scale = k1.float().abs().amax(dim=(1, 2, 3)).clamp_min(1e-12)
+    err = (placed.float() - k1.float()).abs().amax(dim=(1, 2, 3)) / scale  # [L]
+    bad = [i for i, e in enumerate(err.tolist()) if e > REROTATION_TOL]
+    if bad:
+        msg = (f"{name} ({type(model).__name__}): re-rotating cached keys does not reproduce the keys the model "
+               f"computes at other positions in layer {bad[0]} (relative error {float(err[bad[0]]):.2f} > "
+               f"{REROTATION_TOL}); its attention positions keys in a way kvrag does not model (e.g. RoPE skipped "
+               "or applied otherwise in some layers), so its caches cannot be reused exactly")
+        raise UnsupportedModelError(msg)
+
+
+__all__ = ["REROTATION_TOL", "check_rerotation", "compute_chunk_kv"]

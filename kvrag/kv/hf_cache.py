@@ -8,11 +8,13 @@ over an explicit key/value context for selective recomputation.
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
@@ -106,9 +108,25 @@ class _BufferLayer(DynamicLayer):
         self._views()
 
 
+def new_cache(model: Any) -> DynamicCache:
+    """An empty cache for ``model`` that keeps every token: transformers' sliding-window cache layers keep only the
+    last ``W - 1`` tokens, so a model with windowed layers gets full layers (its masks still apply each layer's
+    window), which lets a chunk longer than a window keep its whole cache."""
+    return _full_cache(model.config)
+
+
+def _full_cache(config: Any) -> DynamicCache:
+    from kvrag.kv.window import layer_windows
+
+    if any(w is not None for _, w in layer_windows(config)):
+        return DynamicCache()
+    return DynamicCache(config=config)
+
+
 def make_cache(keys: torch.Tensor | None, values: torch.Tensor | None, config: Any) -> DynamicCache:
-    """A DynamicCache holding keys/values [L, H_kv, T, D] (placed, i.e. RoPE applied) for batch size 1."""
-    cache = DynamicCache(config=config)
+    """A DynamicCache holding keys/values [L, H_kv, T, D] (placed, i.e. RoPE applied) for batch size 1 (every token
+    kept, also in sliding-window layers)."""
+    cache = _full_cache(config)
     if keys is None or values is None or keys.shape[2] == 0:
         return cache
     for layer in range(keys.shape[0]):
@@ -162,7 +180,7 @@ def forward(
     extended cache. Computing logits for the last position only keeps full prefill as fast as it can be.
     """
     if cache is None:
-        cache = DynamicCache(config=model.config)
+        cache = new_cache(model)
     past = cache_length(cache)
     start = past if start is None else start
     ids = input_ids.to(model.device).view(1, -1)
@@ -182,29 +200,49 @@ def logits_head(model: Any) -> Callable[[torch.Tensor], torch.Tensor] | None:
     last decoder layer's output (final norm, then the LM head); None for families that post-process logits
     (soft-capping, scaling) or are laid out otherwise, whose own forward must compute them."""
     cfg = model.config
-    if getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", None) not in (None, 1, 1.0):
+    if (getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", None) not in (None, 1, 1.0)
+            or getattr(cfg, "logits_scaling", None) not in (None, 1, 1.0)):
         return None
     base = getattr(model, "model", model)
     norm, lm_head = getattr(base, "norm", None), model.get_output_embeddings()
     if norm is None or lm_head is None:
         return None
-    return lambda hidden: lm_head(norm(hidden))[0].float()
+    @torch.inference_mode()
+    def head(hidden: torch.Tensor) -> torch.Tensor:
+        return lm_head(norm(hidden))[0].float()  # type: ignore[no-any-return]
+
+    return head
+
+
+def _base(model: Any) -> Any:
+    """The decoder stack under the LM head (``model.model``, or e.g. GPT-NeoX's ``model.gpt_neox``)."""
+    base = getattr(model, "model", None)
+    return base if base is not None else getattr(model, "base_model", model)
 
 
 def decoder_layers(model: Any) -> list[torch.nn.Module]:
-    base = getattr(model, "model", model)
-    return list(base.layers)
+    return list(_base(model).layers)
 
 
 def embed(model: Any, input_ids: torch.Tensor) -> torch.Tensor:
-    """Token embeddings [1, T, hidden] as the model's forward computes them."""
-    base = getattr(model, "model", model)
-    return base.embed_tokens(input_ids.to(model.device).view(1, -1))
+    """Token embeddings [1, T, hidden] as the model's forward computes them (with Granite's embedding multiplier;
+    Gemma's scaled embedding module scales itself)."""
+    base = _base(model)
+    hidden = model.get_input_embeddings()(input_ids.to(model.device).view(1, -1))
+    mult = getattr(base, "embedding_multiplier", None)
+    return hidden if mult is None else hidden * mult
 
 
-def rotary(model: Any, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    base = getattr(model, "model", model)
-    return base.rotary_emb(hidden, positions.to(hidden.device).view(1, -1))
+def rotary(model: Any, hidden: torch.Tensor, positions: torch.Tensor,
+           layer_idx: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (cos, sin) the model's forward hands decoder layer ``layer_idx``: those of the layer's type where the
+    rotary module has one set per layer type (Gemma 3)."""
+    base = _base(model)
+    rot = base.rotary_emb
+    pos = positions.to(hidden.device).view(1, -1)
+    if getattr(rot, "layer_types", None) and layer_idx is not None:
+        return rot(hidden, pos, base.config.layer_types[layer_idx])  # type: ignore[no-any-return]
+    return rot(hidden, pos)  # type: ignore[no-any-return]
 
 
 class _ContextCache:
@@ -266,15 +304,22 @@ def call_layer(
     ``attention_mask`` [1, 1, N, C] (None where a probe computes the attention). Returns the layer's output
     [1, N, hidden]. The one place that knows a decoder layer's calling convention."""
     layer = decoder_layers(model)[layer_idx]
+    cache_kw = "layer_past" if _takes_layer_past(cast(Any, type(layer))) else "cache"  # GPT-NeoX names it layer_past
     out = layer(
         hidden,
         attention_mask=attention_mask,
         position_ids=positions.to(hidden.device).view(1, -1),
-        cache=cache,
         use_cache=True,
-        position_embeddings=rotary(model, hidden, positions),
+        position_embeddings=rotary(model, hidden, positions, layer_idx),
+        **{cache_kw: cache},
     )
     return out[0] if isinstance(out, tuple) else out
+
+
+@functools.lru_cache(maxsize=64)
+def _takes_layer_past(layer_type: Any) -> bool:
+    params = inspect.signature(layer_type.forward).parameters
+    return "layer_past" in params and "cache" not in params
 
 
 def sync(device: torch.device | str) -> None:

@@ -2,15 +2,22 @@
 
 Keys are stored *canonical*: ``c = R(-p) k_rot`` where ``k_rot`` is the key the model cached at position ``p``.
 Placing a chunk at global position ``p'`` applies ``R(p')``. Both are pure rotations computed in fp32 from the
-model's own ``inv_freq`` (never recomputed from ``rope_theta``). transformers folds YaRN/LongRoPE attention
+model's own frequencies (never recomputed from ``rope_theta``). transformers folds YaRN/LongRoPE attention
 scaling into cos/sin, so ``k_rot = s * R(p) k``; the canonical key then carries ``s`` and the placement must
 not apply it again, which a pure rotation guarantees.
 
-Support matrix (exact): default, linear, llama3, yarn, over the full head dimension, one set of frequencies for
-every layer. Refused with UnsupportedModelError: dynamic NTK and LongRoPE (frequencies depend on the sequence
-length), per-layer RoPE whose parameters differ, multimodal RoPE, partial rotary dimensions, unknown types, and
-models without RoPE. :func:`check_rope_support` is the only place that decides; the loader calls it on the
-config before reading weights and on the model after, and :meth:`Rope.from_model` calls it too.
+Position handling beyond one RoPE (each layer's keys are re-rotated exactly as that layer's attention rotated
+them): per-layer frequencies (Gemma 3's local and global layers: each layer with its own ``inv_freq``), layers
+without RoPE (SmolLM3's ``no_rope_layers``: their keys are position-free and used as they are, a rotation by
+zero; EXAONE 4's global layers), partial rotary dimensions (Phi-2, GPT-NeoX, StableLM, Phi-4-mini: only the first ``rotary_dim`` dimensions
+of each head are rotated, the rest pass through), interleaved pairs (Cohere).
+
+Support matrix (exact): default, linear, llama3, yarn, per layer or for all layers. Frequencies that depend on the
+sequence length (dynamic NTK, LongRoPE) are fixed below the length where they switch, so they are served there
+(:func:`length_regime_limit` caps the context) and a longer context is refused. Refused with
+UnsupportedModelError: multimodal RoPE, unknown types, and models without RoPE. :func:`check_rope_support` is the
+only place that decides; the loader calls it on the config before reading weights and on the model after, and
+:meth:`Rope.from_model` calls it too.
 """
 
 from __future__ import annotations
@@ -22,23 +29,33 @@ import torch
 
 from kvrag.errors import UnsupportedModelError
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-"""RoPE variants whose frequencies do not depend on the sequence length, so a key can be re-rotated exactly."""
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
+"""RoPE variants kvrag re-rotates exactly (the last two below :data:`LENGTH_DEPENDENT` switch lengths)."""
 
-REFUSED_ROPE_TYPES = {
-    "dynamic": "dynamic NTK scaling recomputes the frequencies from the current sequence length",
-    "longrope": "LongRoPE switches between short and long frequency factors depending on the sequence length",
+LENGTH_DEPENDENT = {
+    "dynamic": "dynamic NTK scaling recomputes the frequencies once a sequence is longer than "
+               "original_max_position_embeddings",
+    "longrope": "LongRoPE switches from its short to its long frequency factors once a sequence is longer than "
+                "original_max_position_embeddings",
 }
+"""RoPE variants whose frequencies are fixed only below a sequence length: served there (the short regime),
+refused beyond it (:func:`length_regime_limit`)."""
+
+GLOBAL_NOPE_MODEL_TYPES = frozenset({"exaone4"})
+"""model_types whose global (full-attention) layers apply no RoPE when the model has sliding layers (EXAONE 4's
+"global NoPE for hybrid attention"): their keys are position-free, like ``no_rope_layers``."""
+
+INTERLEAVED_MODEL_TYPES = frozenset({"cohere", "cohere2", "gptj", "chameleon"})
+"""model_types whose RoPE rotates interleaved pairs (2i, 2i+1) instead of transformers' rotate_half."""
 
 
 def rope_parameters(config: Any) -> dict[str, Any] | None:
     """The config's RoPE parameters as one flat dict, or None when the config declares no RoPE at all.
 
     Handles transformers-5 ``rope_parameters`` (flat or nested per layer type) and older ``rope_scaling`` +
-    ``rope_theta`` configs. Per-layer parameters are accepted only when every layer type has the *same*
-    parameters (compared as whole dicts, not only by type: two layer types with the same type but another
-    ``rope_theta`` rotate by different frequencies, which one :class:`Rope` cannot do); otherwise the result is
-    ``{"rope_type": "per-layer", "_variants": [...]}``.
+    ``rope_theta`` configs. Per-layer parameters that differ (e.g. Gemma 3's local and global bases) come back as
+    ``{"rope_type": <their common type, else "per-layer">, "_per_layer": {layer type: parameters}}``; :class:`Rope`
+    then rotates each layer with its own frequencies.
     """
     params = getattr(config, "rope_parameters", None)
     if not params:
@@ -54,7 +71,11 @@ def rope_parameters(config: Any) -> dict[str, Any] | None:
     if nested:  # per-layer-type RoPE (e.g. sliding vs full attention): supported only when all layers agree
         variants = {json.dumps(v, sort_keys=True, default=str) for v in nested.values()}
         if len(variants) > 1:
-            return {"rope_type": "per-layer", "_variants": sorted(nested)}
+            per = {k: dict(v) for k, v in nested.items()}
+            for v in per.values():
+                v.setdefault("rope_type", v.get("type", "default"))
+            kinds = {str(v["rope_type"]) for v in per.values()}
+            return {"rope_type": kinds.pop() if len(kinds) == 1 else "per-layer", "_per_layer": per}
         params = dict(next(iter(nested.values())))
     params.setdefault("rope_type", params.get("type", "default"))
     return params
@@ -64,14 +85,31 @@ def _model_label(config: Any, name: str | None) -> str:
     return name or getattr(config, "name_or_path", "") or getattr(config, "model_type", "") or "model"
 
 
-def find_rotary_module(model: torch.nn.Module) -> torch.nn.Module | None:
-    """The model's rotary-embedding module (the one owning an ``inv_freq`` tensor), or None if it has none.
+def rope_pairing(config: Any) -> str:
+    """'interleaved' for the families whose RoPE pairs dimensions (2i, 2i+1) (:data:`INTERLEAVED_MODEL_TYPES`),
+    else 'half' (transformers' rotate_half, every other family)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return "interleaved" if getattr(text, "model_type", None) in INTERLEAVED_MODEL_TYPES else "half"
 
-    Any module with an ``inv_freq`` tensor counts (whatever its name); the shared ``model.rotary_emb`` is
-    preferred. When several modules hold frequencies that differ (per-layer rotary embeddings), there is no one
-    set of frequencies to re-rotate with and :class:`~kvrag.errors.UnsupportedModelError` is raised.
+
+def _freq_names(module: torch.nn.Module) -> list[str]:
+    """Names of the inverse-frequency tensors a rotary module owns: ``inv_freq``, or one ``<layer type>_inv_freq``
+    per layer type (Gemma 3's per-layer-type rotary embedding)."""
+    if isinstance(getattr(module, "inv_freq", None), torch.Tensor):
+        return ["inv_freq"]
+    types = getattr(module, "layer_types", None) or ()
+    return [f"{t}_inv_freq" for t in types if isinstance(getattr(module, f"{t}_inv_freq", None), torch.Tensor)]
+
+
+def find_rotary_module(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The model's rotary-embedding module (the one owning ``inv_freq``, or ``<layer type>_inv_freq`` per layer
+    type), or None if it has none.
+
+    Any module with such tensors counts (whatever its name); the shared ``model.rotary_emb`` is preferred. When
+    several modules hold frequencies that differ (rotary embeddings owned by each attention layer), there is no one
+    module to read them from and :class:`~kvrag.errors.UnsupportedModelError` is raised.
     """
-    found = [(n, m) for n, m in model.named_modules() if isinstance(getattr(m, "inv_freq", None), torch.Tensor)]
+    found = [(n, m) for n, m in model.named_modules() if _freq_names(m)]
     if not found:
         return None
     base = getattr(model, "model", model)
@@ -80,35 +118,100 @@ def find_rotary_module(model: torch.nn.Module) -> torch.nn.Module | None:
     for _, m in found:
         if m is shared:
             first = m
-    ref = _inv_freq(first)
+    ref = [_buffer(first, k) for k in _freq_names(first)]
     for n, m in found:
-        inv = _inv_freq(m)
-        if inv.shape != ref.shape or not torch.equal(inv.to(ref.device), ref):
+        inv = [_buffer(m, k) for k in _freq_names(m)]
+        if len(inv) != len(ref) or any(a.shape != b.shape or not torch.equal(a.to(b.device), b)
+                                       for a, b in zip(inv, ref, strict=True)):
             msg = (f"{type(model).__name__} has rotary modules with different frequencies ({n!r} differs from the "
-                   "shared one); kvrag re-rotates every layer's keys with one set of frequencies and cannot serve "
-                   "per-layer rotary embeddings")
+                   "shared one); kvrag reads each layer's frequencies from one rotary module and cannot serve "
+                   "rotary embeddings owned by each attention layer")
             raise UnsupportedModelError(msg)
     return first
+
+
+def layer_frequencies(model: torch.nn.Module, rot: torch.nn.Module | None = None) -> list[torch.Tensor | None]:
+    """Per decoder layer, the inverse frequencies [R/2] its attention rotates keys with (None: a layer without RoPE).
+
+    Read from the model's rotary module: its ``<layer type>_inv_freq`` for the layer's type where it has one per
+    layer type (Gemma 3), else its one ``inv_freq``; for the length-dependent variants (:data:`LENGTH_DEPENDENT`)
+    the frequencies of the short regime (``original_inv_freq``, which a long forward does not overwrite). Layers
+    that SmolLM3-style ``no_rope_layers`` mark 0, and the global layers of :data:`GLOBAL_NOPE_MODEL_TYPES`, apply
+    no RoPE.
+    """
+    config: Any = model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    rot = rot if rot is not None else find_rotary_module(model)
+    if rot is None:
+        return []
+    n = int(getattr(text, "num_hidden_layers", 0) or 0)
+    names = _freq_names(rot)
+    params = rope_parameters(config) or {}
+    per_type = params.get("_per_layer", {})
+    types = list(getattr(text, "layer_types", None) or [])
+    out: list[torch.Tensor | None] = []
+    for i in range(n):
+        name = "inv_freq"
+        if names != ["inv_freq"]:
+            if i >= len(types) or f"{types[i]}_inv_freq" not in names:
+                msg = (f"{type(model).__name__}: layer {i} has no rotary frequencies of its own layer type "
+                       f"({types[i] if i < len(types) else '?'!r}); kvrag cannot tell how it rotates its keys")
+                raise UnsupportedModelError(msg)
+            name = f"{types[i]}_inv_freq"
+        kind = per_type.get(types[i], params).get("rope_type") if name != "inv_freq" else params.get("rope_type")
+        orig = name.replace("inv_freq", "original_inv_freq")
+        if kind in LENGTH_DEPENDENT and isinstance(getattr(rot, orig, None), torch.Tensor):
+            name = orig
+        out.append(_buffer(rot, name))
+    nope = getattr(text, "no_rope_layers", None)
+    if nope is not None:
+        out = [f if i >= len(nope) or nope[i] else None for i, f in enumerate(out)]
+    if getattr(text, "model_type", None) in GLOBAL_NOPE_MODEL_TYPES and getattr(text, "sliding_window", None):
+        out = [None if i < len(types) and types[i] == "full_attention" else f for i, f in enumerate(out)]
+    return out
+
+
+def length_regime_limit(config: Any) -> tuple[int, str] | None:
+    """For RoPE whose frequencies change with the sequence length (:data:`LENGTH_DEPENDENT`): the longest sequence
+    whose frequencies are the fixed short-regime ones kvrag re-rotates with (``original_max_position_embeddings``),
+    and why; None for every other RoPE."""
+    params = rope_parameters(config)
+    if params is None:
+        return None
+    variants = list(params["_per_layer"].values()) if "_per_layer" in params else [params]
+    limits = []
+    for v in variants:
+        kind = str(v.get("rope_type", "default"))
+        if kind in LENGTH_DEPENDENT:
+            text = config.get_text_config() if hasattr(config, "get_text_config") else config
+            orig = v.get("original_max_position_embeddings") or getattr(text, "original_max_position_embeddings",
+                                                                       None) or text.max_position_embeddings
+            limits.append((int(orig), kind))
+    if not limits:
+        return None
+    n, kind = min(limits)
+    return n, (f"RoPE type {kind!r}: {LENGTH_DEPENDENT[kind]} ({n}); kvrag re-rotates cached keys with the fixed "
+               f"frequencies below that length and refuses longer prompts (the long regime)")
 
 
 def check_rope_support(config_or_model: Any, *, name: str | None = None) -> str:
     """Check that a model can serve position-independent KV caches and return its RoPE type.
 
-    Supported: rotary position embeddings whose frequencies depend only on the config
-    (:data:`SUPPORTED_ROPE_TYPES`), applied to the full head dimension, the same for every layer.
+    Supported: rotary position embeddings of the types in :data:`SUPPORTED_ROPE_TYPES`, one set of frequencies or
+    one per layer type, over the whole head or its first ``rotary_dim`` dimensions, with layers without RoPE among
+    them (the length-dependent types within their short regime, :func:`length_regime_limit`).
 
     Args:
-        config_or_model: a transformers config, or a model (then its rotary module is checked too: it must exist,
-            agree across layers and cover the full head dimension).
+        config_or_model: a transformers config, or a model (then its rotary module is checked too: it must exist
+            and give every layer frequencies that fit its head dimension).
         name: the model's name for error messages (defaults to the config's ``name_or_path`` / ``model_type``).
 
     Returns:
-        The RoPE type, one of :data:`SUPPORTED_ROPE_TYPES`.
+        The RoPE type: one of :data:`SUPPORTED_ROPE_TYPES`, or 'per-layer' when layer types use different ones.
 
     Raises:
-        UnsupportedModelError: no rotary embeddings (e.g. GPT-2's learned absolute positions), a
-            sequence-length-dependent variant ('dynamic', 'longrope'), per-layer or multimodal RoPE, partial
-            rotary dimensions, or an unknown rope type.
+        UnsupportedModelError: no rotary embeddings (e.g. GPT-2's learned absolute positions), multimodal RoPE, an
+            unknown rope type, or rotary dimensions that do not fit the head.
     """
     model: torch.nn.Module | None = None
     if isinstance(config_or_model, torch.nn.Module):
@@ -127,40 +230,46 @@ def check_rope_support(config_or_model: Any, *, name: str | None = None) -> str:
         )
         raise UnsupportedModelError(msg)
     rope_type = str(params["rope_type"])
-    why: str | None = None
-    if rope_type in REFUSED_ROPE_TYPES:
-        why = f"{REFUSED_ROPE_TYPES[rope_type]}, so a cached key cannot be re-rotated exactly"
-    elif rope_type == "per-layer":
-        why = f"layer types {params['_variants']} use different RoPE parameters, which kvrag does not support yet"
-    elif rope_type not in SUPPORTED_ROPE_TYPES:
-        why = f"this variant is not in kvrag's support matrix {list(SUPPORTED_ROPE_TYPES)}"
-    elif params.get("mrope_section"):
-        why = "multimodal RoPE (mrope_section) rotates by several position axes"
-    elif float(params.get("partial_rotary_factor", 1.0) or 1.0) != 1.0:
-        why = f"partial rotary embeddings (partial_rotary_factor={params['partial_rotary_factor']}) are not supported"
-    if why is not None:
-        msg = f"{label} (model_type={model_type!r}) uses RoPE type {rope_type!r}: {why}"
-        raise UnsupportedModelError(msg)
+    variants = list(params["_per_layer"].items()) if "_per_layer" in params else [("", params)]
+    for layer_type, v in variants:
+        kind = str(v.get("rope_type", "default"))
+        where = f" (layer type {layer_type!r})" if layer_type else ""
+        why: str | None = None
+        if kind not in SUPPORTED_ROPE_TYPES:
+            why = f"this variant is not in kvrag's support matrix {list(SUPPORTED_ROPE_TYPES)}"
+        elif v.get("mrope_section"):
+            why = "multimodal RoPE (mrope_section) rotates by several position axes"
+        if why is not None:
+            msg = f"{label} (model_type={model_type!r}) uses RoPE type {kind!r}{where}: {why}"
+            raise UnsupportedModelError(msg)
     if model is not None:
         rot = find_rotary_module(model)
-        if rot is None:
+        freqs = layer_frequencies(model, rot) if rot is not None else []
+        if rot is None or not any(f is not None for f in freqs):
             msg = (
                 f"{label} (model_type={model_type!r}) declares RoPE type {rope_type!r} but has no rotary-embedding "
                 "module (a module with an `inv_freq` tensor, e.g. `rotary_emb`); kvrag takes the frequencies from "
                 "that module and cannot serve this model"
             )
             raise UnsupportedModelError(msg)
-        head_dim, rotated = _head_dim(config), 2 * int(_inv_freq(rot).shape[-1])
-        if head_dim is not None and rotated != head_dim:
-            msg = (f"{label} (model_type={model_type!r}) rotates {rotated} of {head_dim} head dimensions (partial "
-                   "rotary embeddings), which kvrag does not support")
+        head_dim = _head_dim(config)
+        dims = {2 * int(f.shape[-1]) for f in freqs if f is not None}
+        if len(dims) > 1 or (head_dim is not None and max(dims) > head_dim):
+            msg = (f"{label} (model_type={model_type!r}) rotates {sorted(dims)} of its {head_dim} head dimensions "
+                   "in different layers; kvrag needs one rotary dimension (at most the head dimension)")
+            raise UnsupportedModelError(msg)
+        factor = float(params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) or 1.0)
+        if head_dim is not None and dims != {int(head_dim * factor)}:
+            msg = (f"{label} (model_type={model_type!r}) has a rotary module that rotates {dims.pop()} of its "
+                   f"{head_dim} head dimensions but its config says {int(head_dim * factor)} (partial rotary "
+                   f"factor {factor}); kvrag cannot tell which its attention applies")
             raise UnsupportedModelError(msg)
     return rope_type
 
 
-def _inv_freq(module: torch.nn.Module) -> torch.Tensor:
-    inv = getattr(module, "inv_freq", None)
-    assert isinstance(inv, torch.Tensor)  # only modules found by find_rotary_module get here
+def _buffer(module: torch.nn.Module, name: str) -> torch.Tensor:
+    inv = getattr(module, name, None)
+    assert isinstance(inv, torch.Tensor)  # only names _freq_names found get here
     return inv
 
 
@@ -174,33 +283,55 @@ def _head_dim(config: Any) -> int | None:
 
 
 class Rope:
-    """Pure RoPE rotations with a model's frequencies.
+    """Pure RoPE rotations with a model's frequencies, one set for every layer or one per layer.
+
+    Tensors rotated with per-layer frequencies have the layers first ([L, ..., T, D], as kvrag lays out KV).
 
     Args:
-        inv_freq: [D/2] inverse frequencies (cast to fp32).
-        pairing: 'half' (rotate_half: pairs (i, i + D/2)) or 'interleaved' (pairs (2i, 2i+1)).
+        inv_freq: [R/2] inverse frequencies for every layer, or [L, R/2] one row per layer (a row of zeros: a layer
+            without RoPE, whose keys a zero rotation leaves exactly as they are). Cast to fp32.
+        pairing: 'half' (rotate_half: pairs (i, i + R/2)) or 'interleaved' (pairs (2i, 2i+1)).
+        head_dim: D, when only the first R = 2 * inv_freq.shape[-1] dimensions of a head are rotated (partial
+            rotary embeddings; the other D - R pass through); default R.
     """
 
-    def __init__(self, inv_freq: torch.Tensor, pairing: str = "half") -> None:
+    def __init__(self, inv_freq: torch.Tensor, pairing: str = "half", head_dim: int | None = None) -> None:
         self.inv_freq = inv_freq.detach().float()
         self.pairing = pairing
+        self.rotary_dim = int(self.inv_freq.shape[-1] * 2)
+        self.head_dim = int(head_dim or self.rotary_dim)
+        if self.rotary_dim > self.head_dim or self.inv_freq.dim() not in (1, 2):
+            msg = f"inv_freq of shape {tuple(self.inv_freq.shape)} does not fit head dim {self.head_dim}"
+            raise ValueError(msg)
 
     @classmethod
-    def from_model(cls, model: torch.nn.Module, pairing: str = "half") -> Rope:
-        """Build from a loaded transformers model; refuses what :func:`check_rope_support` refuses."""
+    def from_model(cls, model: torch.nn.Module, pairing: str | None = None) -> Rope:
+        """Build from a loaded transformers model (each layer's frequencies, :func:`layer_frequencies`); refuses
+        what :func:`check_rope_support` refuses. ``pairing`` defaults to the family's (:func:`rope_pairing`)."""
         check_rope_support(model)
-        rot = find_rotary_module(model)
-        assert rot is not None  # check_rope_support guarantees it
-        return cls(_inv_freq(rot), pairing=pairing)
+        freqs = layer_frequencies(model)
+        ref = next(f for f in freqs if f is not None).detach().float().cpu()
+        same = all(f is not None and torch.equal(f.detach().float().cpu(), ref) for f in freqs)
+        inv = ref if same else torch.stack([torch.zeros_like(ref) if f is None else f.detach().float().cpu()
+                                            for f in freqs])
+        return cls(inv, pairing=pairing or rope_pairing(model.config), head_dim=_head_dim(model.config))
+
+    def layer(self, index: int) -> Rope:
+        """The rotation of decoder layer ``index`` alone (for tensors of one layer, [..., T, D]); ``self`` when every
+        layer shares the frequencies."""
+        if not self.per_layer:
+            return self
+        return Rope(self.inv_freq[index], pairing=self.pairing, head_dim=self.head_dim)
 
     @property
-    def head_dim(self) -> int:
-        return int(self.inv_freq.shape[0] * 2)
+    def per_layer(self) -> bool:
+        """True when layers rotate with different frequencies (``inv_freq`` is [L, R/2])."""
+        return self.inv_freq.dim() == 2
 
     def cos_sin(self, positions: torch.Tensor, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of shape [T, D] in fp32 (no attention scaling), laid out for ``self.pairing``."""
+        """cos, sin in fp32 (no attention scaling), laid out for ``self.pairing``: [T, R], or [L, T, R] per layer."""
         inv = self.inv_freq.to(device or positions.device)
-        freqs = positions.to(inv.device)[..., None].float() * inv  # [T, D/2], same op order as transformers
+        freqs = positions.to(inv.device)[..., None].float() * inv[..., None, :]  # [(L,) T, R/2], transformers' op order
         if self.pairing == "half":
             emb = torch.cat((freqs, freqs), dim=-1)
         else:
@@ -210,7 +341,8 @@ class Rope:
     def rotate(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False,
                out: torch.Tensor | None = None,
                cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """Rotate ``x`` [..., T, D] by ``+positions`` (or ``-positions`` when inverse); fp32 math.
+        """Rotate ``x`` [..., T, D] (per-layer frequencies: [L, ..., T, D]) by ``+positions`` (or ``-positions``
+        when inverse); fp32 math. Only the first ``rotary_dim`` dimensions of each head turn.
 
         Returns x's dtype, or writes into ``out`` (same shape, any float dtype, must not overlap ``x``) and
         returns it: a float32 ``out`` is computed in place with no temporary (the zero-copy assembly path).
@@ -221,8 +353,23 @@ class Rope:
             msg = f"head dim {x.shape[-1]} does not match the RoPE's {self.head_dim}"
             raise ValueError(msg)
         cos, sin = cos_sin if cos_sin is not None else self.cos_sin(positions, device=x.device)
+        if self.per_layer:
+            n = int(self.inv_freq.shape[0])
+            if x.dim() < 3 or x.shape[0] != n:
+                msg = f"per-layer RoPE rotates tensors [L={n}, ..., T, D], got shape {tuple(x.shape)}"
+                raise ValueError(msg)
+            view = (n, *([1] * (x.dim() - 3)), *cos.shape[-2:])
+            cos, sin = cos.reshape(view), sin.reshape(view)
         if inverse:
             sin = -sin
+        r = self.rotary_dim
+        if r < self.head_dim:  # partial rotary: rotate the first r dimensions, pass the rest through
+            rot = self.rotate_part(x[..., :r].float(), cos, sin)
+            if out is None:
+                return torch.cat([rot, x[..., r:].float()], dim=-1).to(x.dtype)
+            out[..., :r].copy_(rot)
+            out[..., r:].copy_(x[..., r:])
+            return out
         xf = x.float()
         # res = xf * cos + rotate_pairs(xf) * sin, written in place: at most one [..., T, D] temporary
         # (assembling a long context moves tens of MB through here).
@@ -235,9 +382,15 @@ class Rope:
             out.copy_(res)
         return out
 
+    def rotate_part(self, xf: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``xf * cos + rotate_pairs(xf) * sin`` for the rotary part ``xf`` [..., R] (fp32)."""
+        res = xf * cos
+        self._add_rotated(res, xf, sin)
+        return res
+
     def _add_rotated(self, out: torch.Tensor, xf: torch.Tensor, sin: torch.Tensor) -> None:
         if self.pairing == "half":
-            h = self.head_dim // 2
+            h = self.rotary_dim // 2
             out[..., :h].addcmul_(xf[..., h:], sin[..., :h], value=-1.0)
             out[..., h:].addcmul_(xf[..., :h], sin[..., h:])
         else:

@@ -43,8 +43,9 @@ class KVSpec:
         num_kv_heads: H_kv, key/value heads (GQA).
         head_dim: D.
         dtype: storage dtype name of K and V ('float32' | 'float16' | 'bfloat16').
-        rope_type: transformers rope type ('default', 'linear', 'llama3', 'yarn').
-        rope_pairing: 'half' (rotate_half, Llama/Qwen/Mistral) or 'interleaved' (GPT-J style).
+        rope_type: transformers rope type ('default', 'linear', 'llama3', 'yarn', 'dynamic', 'longrope'; 'per-layer'
+            when layer types use different ones).
+        rope_pairing: 'half' (rotate_half, Llama/Qwen/Mistral/...) or 'interleaved' (Cohere, GPT-J style).
         model_fingerprint: hex digest identifying weights + architecture + compute dtype.
     """
 
@@ -88,20 +89,22 @@ class KVSpec:
 
     @classmethod
     def from_model_config(cls, config: Any, *, dtype: torch.dtype | str, model_fingerprint: str = "",
-                          rope_pairing: str = "half") -> KVSpec:
+                          rope_pairing: str | None = None) -> KVSpec:
         """The KVSpec of a transformers model's KV cache: the one builder the loader, engine and trainer use.
 
         Args:
             config: the model's config (multimodal configs: their text config is used).
             dtype: storage dtype of K and V (a ``torch.dtype`` or its name).
             model_fingerprint: :func:`kvrag.fingerprint.model_fingerprint` of the model.
-            rope_pairing: 'half' (rotate_half, every supported family) or 'interleaved'.
+            rope_pairing: 'half' (rotate_half) or 'interleaved'; default: the family's
+                (:func:`kvrag.kv.rope.rope_pairing`).
 
         Raises:
             UnsupportedModelError: the config's RoPE is not in the support matrix
                 (:func:`kvrag.kv.rope.check_rope_support`).
         """
         from kvrag.kv.rope import check_rope_support
+        from kvrag.kv.rope import rope_pairing as family_pairing
 
         text = text_config(config)
         heads = int(text.num_attention_heads)
@@ -111,7 +114,7 @@ class KVSpec:
             head_dim=int(getattr(text, "head_dim", None) or text.hidden_size // heads),
             dtype=dtype if isinstance(dtype, str) else dtype_name(dtype),
             rope_type=check_rope_support(config),
-            rope_pairing=rope_pairing,
+            rope_pairing=rope_pairing or family_pairing(config),
             model_fingerprint=model_fingerprint,
         )
 

@@ -1,20 +1,22 @@
-"""Attention windows: the smallest span of keys any layer of a model attends to, and the context limit it sets.
+"""Attention windows: each layer's span of keys, the masks kvrag's own attention passes build from it, and the
+engine's context limit.
 
-Sliding-window attention (Mistral-7B-v0.1, Qwen2/Qwen3 with ``use_sliding_window``, Gemma-2/3's alternating
-layers) and chunked attention (Llama-4) let a query at position ``q`` see only the keys ``k > q - W``
-(transformers' ``sliding_window_overlay``) or only its own aligned chunk of ``W`` tokens. Within one window, i.e.
-for sequences of at most ``W`` tokens, both are exactly full causal attention, so every kvrag path (chunk prefill,
-re-rotation, the explicit masks of selective recompute, the scoring pass) is exact there. Beyond it they are not:
-the recompute masks and the scoring pass are causal, and transformers' sliding-window cache layer
-(``DynamicSlidingWindowLayer``) keeps only the last ``W - 1`` tokens, so a chunk's prefilled cache would come back
-truncated. kvrag therefore serves such a model within ``W - 1`` tokens (the longest prefill whose cache keeps every
-token) and refuses longer chunks and prompts with :class:`~kvrag.errors.ContextLengthError` naming the window.
+Sliding-window attention (Mistral-7B-v0.1, Qwen2/Qwen3 with ``use_sliding_window``, Gemma 2/3's alternating
+layers, SmolLM3 with a window) and chunked attention (Llama-4) let a query at position ``q`` see only the keys
+``k > q - W`` (transformers' ``sliding_window_overlay``) or only its own aligned chunk of ``W`` tokens. kvrag serves
+such models past the window, in each layer as the model computes it:
 
-Generation may run past the window: decoding uses the model's own forward and transformers' sliding cache, i.e.
-exactly what ``model.generate`` computes.
+* caches keep every token: a chunk is prefilled into full cache layers (:func:`kvrag.kv.hf_cache.new_cache`; the
+  model's masks apply each layer's window), so a chunk longer than a window keeps its whole, valid canonical cache,
+  and a request's :class:`~kvrag.kv.hf_cache.KVBuffer` holds the whole context;
+* ``full``, the suffix prefill and decoding run the model's own forward over that buffer (its masks apply the
+  windows), i.e. what ``model.generate`` computes;
+* what kvrag computes itself honours each layer's window: the explicit masks of selective recompute
+  (:mod:`kvrag.fusion.recompute`, which runs windowed models through its layer-by-layer executor) and of the
+  query-attention scoring pass (:func:`window_mask`), and the batched decode step (:mod:`kvrag.kv.batched`).
 
-:func:`context_limit` is the one entry point (``KVRAGEngine.__init__`` calls it); :func:`attention_window` reads
-the window from a config the way transformers' ``DynamicCache(config=...)`` lays out its cache layers.
+:func:`layer_windows` reads each layer's window from a config the way transformers' ``DynamicCache(config=...)`` lays
+out its cache layers; :func:`attention_window` the smallest one; :func:`context_limit` is the engine's limit.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 from typing import Any
+
+import torch
 
 from kvrag.errors import UnsupportedModelError
 
@@ -50,13 +54,8 @@ class AttentionWindow:
     num_layers: int
     model: str
 
-    @property
-    def max_tokens(self) -> int:
-        """Longest sequence kvrag serves exactly: W - 1 (transformers' sliding cache layer keeps W - 1 tokens)."""
-        return max(1, self.size - 1)
-
     def describe(self) -> str:
-        """One sentence naming the window and what a request needs to be served."""
+        """One sentence naming the window and where it applies."""
         if len(self.layers) == self.num_layers:
             where = "every layer"
         elif len(self.layers) <= 6:
@@ -64,12 +63,7 @@ class AttentionWindow:
         else:
             where = f"{len(self.layers)} of its {self.num_layers} layers"
         what = "a sliding window" if self.kind == "sliding_attention" else "chunks"
-        return (
-            f"{self.model} attends through {what} of {self.size} tokens at {where}; kvrag serves it exactly only "
-            f"within one window (there windowed attention equals full causal attention; transformers' sliding cache "
-            f"keeps {self.size - 1} tokens), so a chunk with its conditioning prefix, and a whole prompt, must fit "
-            f"in {self.max_tokens} tokens -- or use a model with full attention"
-        )
+        return f"{self.model} attends through {what} of {self.size} tokens at {where}"
 
 
 class ContextLimit(int):
@@ -162,18 +156,34 @@ def attention_window(config: Any, model_name: str | None = None) -> AttentionWin
 
 
 def context_limit(model: Any, limit: int) -> int:
-    """The engine's context limit: ``limit`` (the configured / position-embedding limit), capped by the model's
-    attention window (:attr:`AttentionWindow.max_tokens`). A cap comes back as a :class:`ContextLimit` whose text
-    explains it, so the engine's ``ContextLengthError`` messages name the window and what would fit.
+    """The engine's context limit: ``limit`` (the configured / position-embedding limit), capped by the short regime
+    of a length-dependent RoPE (:func:`kvrag.kv.rope.length_regime_limit`); such a cap comes back as a
+    :class:`ContextLimit` whose text explains it, so the engine's ``ContextLengthError`` messages name the reason.
+    Attention windows do not cap it (see the module docstring).
 
     Raises:
         UnsupportedModelError: see :func:`layer_windows`.
     """
-    window = attention_window(model.config, type(model).__name__)
-    if window is None or limit <= window.max_tokens:
-        return int(limit)
-    log.info("%s; context limit %d instead of %d", window.describe(), window.max_tokens, limit)
-    return ContextLimit(window.max_tokens, window.describe())
+    from kvrag.kv.rope import length_regime_limit
+
+    window = attention_window(model.config, type(model).__name__)  # refuses layers that are not attention
+    if window is not None:
+        log.debug("%s; served past the window", window.describe())
+    regime = length_regime_limit(model.config)
+    if regime is not None and regime[0] < limit:  # LongRoPE / dynamic NTK: only the short regime is served
+        log.info("%s; context limit %d instead of %d", regime[1], regime[0], limit)
+        return ContextLimit(regime[0], regime[1])
+    return int(limit)
 
 
-__all__ = ["AttentionWindow", "ContextLimit", "attention_window", "context_limit", "layer_windows"]
+def window_mask(kind: str, size: int, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+    """[N, C] bool, True where a query at ``q_pos`` [N] may see a key at ``k_pos`` [C] under a layer's window of
+    ``size`` tokens (the causal part is the caller's). Sliding: ``k > q - W`` (transformers'
+    ``sliding_window_overlay``); chunked: the same aligned chunk of ``W`` positions."""
+    q, k = q_pos[:, None], k_pos[None, :]
+    if kind == "chunked_attention":
+        return torch.div(q, size, rounding_mode="floor") == torch.div(k, size, rounding_mode="floor")
+    return k > q - size
+
+
+__all__ = ["AttentionWindow", "ContextLimit", "attention_window", "context_limit", "layer_windows", "window_mask"]

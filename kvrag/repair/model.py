@@ -242,7 +242,7 @@ class RepairModel(nn.Module):
         *,
         skip: int = 0,
         canonical_keys: torch.Tensor | None = None,
-        place: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        place: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`repair` of one document in the cache's own layout, in place: the serving path.
 
@@ -258,7 +258,8 @@ class RepairModel(nn.Module):
             skip: leading tokens that are read as context but not repaired (the exact lead).
             canonical_keys: the stale keys with RoPE removed, what the encoder reads (default: ``keys``, which are
                 then canonical themselves).
-            place: maps a layer's key residual [H_kv, N - skip, D] (canonical) to what is added to ``keys`` (e.g.
+            place: ``place(residual, layer)`` maps a layer's key residual [H_kv, N - skip, D] (canonical) to what is
+                added to ``keys`` (e.g.
                 RoPE at the tokens' global positions; rotation is linear, so a placed stale key plus the placed
                 residual is the placed repaired key). Default: added as it is.
 
@@ -287,7 +288,7 @@ class RepairModel(nn.Module):
             r = torch.addmm(b[layer], h, w[layer].t()).view(N - skip, 2, H, D)  # this layer's residual
             rk, rv = r[:, 0].transpose(0, 1), r[:, 1].transpose(0, 1)  # [H_kv, N - skip, D]
             out_v[layer].add_(rv)
-            out_k[layer].add_(place(rk) if place is not None else rk)
+            out_k[layer].add_(place(rk, layer) if place is not None else rk)
         return out_k, out_v
 
     # ----------------------------------------------------------------- persistence

@@ -26,6 +26,21 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerFast
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+"""The core families every standard suite runs on."""
+
+MORE_FAMILIES = ("gemma", "gemma2", "gemma3", "olmo2", "granite", "cohere", "smollm3", "phi", "gpt_neox", "stablelm",
+                 "phi3", "gpt_oss", "exaone4")
+"""Further families, each with what sets it apart from Llama: Gemma (scaled embeddings, (1 + w) RMSNorm), Gemma 2
+(alternating sliding / global layers, attention and final logit soft-capping, query pre-attention scale, extra
+norms; eager attention, which transformers requires for it), Gemma 3 (5 local : 1 global layers with different RoPE
+bases, q/k norms), OLMo 2 (norms after attention and MLP, q/k norm), Granite (embedding, residual, attention and
+logit multipliers), Cohere (LayerNorm, parallel attention + MLP, interleaved RoPE, logit scale), SmolLM3 (every
+4th layer without RoPE), Phi (partial rotary 0.5, parallel block, LayerNorm with bias), GPT-NeoX (partial rotary
+0.25, parallel residual, no GQA), StableLM (partial rotary 0.25), Phi-3 (fused projections; LongRoPE through ``rope=``), GPT-OSS (mixture of experts, attention sinks, alternating
+sliding / global layers; eager attention), EXAONE 4 (3 local layers with RoPE : 1 global layer without). :mod:`tests.unit.test_families` runs them through
+the equivalence oracle; ``docs/models.md`` is generated from it."""
+
+ALL_FAMILIES = FAMILIES + MORE_FAMILIES
 
 VOCAB_SIZE = 256
 HIDDEN_SIZE = 64
@@ -173,7 +188,7 @@ def tiny_config(
     """The config of a tiny model of ``family`` (see module docstring for the shape).
 
     Args:
-        family: one of :data:`FAMILIES`.
+        family: one of :data:`ALL_FAMILIES`.
         rope: overrides of ``rope_parameters`` (default ``{"rope_type": "default", "rope_theta": 10000.0}``),
             e.g. ``{"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 2048}``.
         num_layers: decoder layers.
@@ -185,6 +200,9 @@ def tiny_config(
     """
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
+    if family in MORE_FAMILIES:
+        return _more_config(family, rope=rope, num_layers=num_layers, vocab_size=vocab_size, init_std=init_std,
+                            sliding_window=sliding_window)
     rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": ROPE_THETA}
     rope_parameters.update(rope or {})
     common: dict[str, Any] = {
@@ -217,8 +235,75 @@ def tiny_config(
         return Qwen3Config(**common, **window)
     if family == "mistral":
         return MistralConfig(**common, sliding_window=sliding_window)
-    msg = f"unknown tiny model family {family!r}; expected one of {list(FAMILIES)}"
+    msg = f"unknown tiny model family {family!r}; expected one of {list(ALL_FAMILIES)}"
     raise ConfigError(msg)
+
+
+def _more_config(family: str, *, rope: dict[str, Any] | None, num_layers: int, vocab_size: int, init_std: float,
+                 sliding_window: int | None) -> PretrainedConfig:
+    """The configs of :data:`MORE_FAMILIES` (same shape as the core families; see :func:`tiny_config`)."""
+    import transformers
+
+    base: dict[str, Any] = {"rope_type": "default", "rope_theta": ROPE_THETA}
+    common: dict[str, Any] = {
+        "vocab_size": vocab_size, "hidden_size": HIDDEN_SIZE, "num_attention_heads": NUM_HEADS,
+        "num_key_value_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM, "intermediate_size": INTERMEDIATE_SIZE,
+        "num_hidden_layers": num_layers, "max_position_embeddings": MAX_POSITIONS, "tie_word_embeddings": False,
+        "initializer_range": init_std, "pad_token_id": SPECIAL_TOKENS.index(PAD),
+        "bos_token_id": SPECIAL_TOKENS.index(BOS), "eos_token_id": SPECIAL_TOKENS.index(IM_END),
+    }
+    window = sliding_window if sliding_window is not None else MAX_POSITIONS
+    extra: dict[str, Any] = {}
+    if family == "gemma3":  # 5 local : 1 global layers (fewer layers: the last one global), local base 10K, global 1M
+        pattern = min(6, num_layers)
+        extra["layer_types"] = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                                for i in range(num_layers)]
+        extra["sliding_window"] = window
+        extra["query_pre_attn_scalar"] = HEAD_DIM
+        extra["rope_parameters"] = {"sliding_attention": {"rope_type": "default", "rope_theta": ROPE_THETA},
+                                    "full_attention": {"rope_type": "default", "rope_theta": 1e6, **(rope or {})}}
+        return transformers.Gemma3TextConfig(**common, **extra)
+    params = {**base, **(rope or {})}
+    if family == "gemma":
+        return transformers.GemmaConfig(**common, rope_parameters=params)
+    if family == "gemma2":  # alternating sliding / global layers, soft-capping, query pre-attention scale
+        return transformers.Gemma2Config(**common, rope_parameters=params, sliding_window=window,
+                                         attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                                         query_pre_attn_scalar=HEAD_DIM)
+    if family == "olmo2":
+        return transformers.Olmo2Config(**common, rope_parameters=params)
+    if family == "granite":
+        return transformers.GraniteConfig(**common, rope_parameters=params, embedding_multiplier=2.0,
+                                          residual_multiplier=0.5, attention_multiplier=0.5,
+                                          logits_scaling=0.5)
+    if family == "cohere":
+        return transformers.CohereConfig(**common, rope_parameters=params, logit_scale=0.0625)
+    if family == "smollm3":  # every 4th layer without RoPE
+        return transformers.SmolLM3Config(**common, rope_parameters=params, no_rope_layer_interval=4)
+    if family == "phi":
+        return transformers.PhiConfig(**common, rope_parameters={"partial_rotary_factor": 0.5, **params})
+    if family == "gpt_neox":  # no GQA, parallel attention + MLP, a quarter of each head rotated
+        neox = {k: v for k, v in common.items() if k not in ("num_key_value_heads", "head_dim")}
+        return transformers.GPTNeoXConfig(**neox, rope_parameters={"partial_rotary_factor": 0.25, **params},
+                                          use_parallel_residual=True)
+    if family == "gpt_oss":  # mixture of experts, attention sinks, alternating sliding / global layers
+        return transformers.GptOssConfig(**common, rope_parameters=params, sliding_window=window,
+                                         num_local_experts=4, num_experts_per_tok=2)
+    if family == "exaone4":  # 3 local layers with RoPE : 1 global layer without RoPE, q/k norms
+        return transformers.Exaone4Config(**common, rope_parameters=params, sliding_window=window,
+                                          sliding_window_pattern=4)
+    if family == "stablelm":
+        return transformers.StableLmConfig(**common, rope_parameters={"partial_rotary_factor": 0.25, **params})
+    assert family == "phi3"  # LongRoPE reads original_max_position_embeddings from the config itself
+    orig = params.get("original_max_position_embeddings")
+    return transformers.Phi3Config(**common, rope_parameters=params,
+                                   **({"original_max_position_embeddings": orig} if orig else {}))
+
+
+def attn_implementation(family: str) -> str:
+    """The attention implementation a tiny model of ``family`` loads with: 'eager' where transformers refuses SDPA
+    (Gemma 2: logit soft-capping; GPT-OSS: attention sinks), else 'sdpa' (which kvrag switches to its ``kvrag_sdpa``)."""
+    return "eager" if family in ("gemma2", "gpt_oss") else "sdpa"
 
 
 def tiny_model(
@@ -257,7 +342,8 @@ def tiny_model(
     config = tiny_config(family, rope=rope, num_layers=num_layers, init_std=init_std, sliding_window=sliding_window)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation(family),
+                                                 dtype=torch.float32)
     model = model.to(device=device, dtype=dtype).eval()
     name = f"tiny-{family}" if sliding_window is None else f"tiny-{family}-sw{sliding_window}"
     return wrap_model(model, tiny_tokenizer(), name=name, dtype=dtype, quantize=quantize)
@@ -287,5 +373,5 @@ def tiny_engine(family: str = "qwen2", *, store: Any = None, init_std: float = 0
     return KVRAGEngine(lm, store if store is not None else MemoryStore(), EngineConfig(**config))
 
 
-__all__ = ["CHAT_TEMPLATE", "FAMILIES", "INIT_STD", "SPECIAL_TOKENS", "tiny_config", "tiny_engine", "tiny_model",
+__all__ = ["ALL_FAMILIES", "CHAT_TEMPLATE", "FAMILIES", "INIT_STD", "MORE_FAMILIES", "attn_implementation", "SPECIAL_TOKENS", "tiny_config", "tiny_engine", "tiny_model",
            "tiny_tokenizer"]

@@ -190,7 +190,7 @@ def test_repair_kv_in_the_cache_layout_equals_repair_of_the_packed_kv(dtype: tor
     rot = torch.linalg.qr(torch.randn(D, D, dtype=torch.float64))[0].float()  # any linear "placement"
     placed = (k @ rot).to(dtype)
     rk2, _ = m.repair_kv(placed, v.clone().to(dtype), emb.to(dtype), ci, pos, skip=lead, canonical_keys=k.to(dtype),
-                         place=lambda r: (r.float() @ rot).to(dtype))
+                         place=lambda r, layer: (r.float() @ rot).to(dtype))
     torch.testing.assert_close(rk2.float(), want_k[:, :, lead:] @ rot, **tol)
     if dtype == torch.float32:  # the segment-major encoder is the packed encoder
         inv = torch.rand(cfg.num_segments, 16) + 0.5

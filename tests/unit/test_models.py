@@ -120,8 +120,8 @@ def test_load_model_from_local_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPat
 
 
 def test_load_model_rejects_unsupported_before_loading_weights(tmp_path: Path) -> None:
-    tiny_config("llama", rope={"rope_type": "dynamic", "factor": 2.0}).save_pretrained(tmp_path)  # config only
-    with pytest.raises(UnsupportedModelError, match="dynamic"):
+    tiny_config("llama", rope={"rope_type": "proportional"}).save_pretrained(tmp_path)  # config only
+    with pytest.raises(UnsupportedModelError, match="proportional"):
         load_model(str(tmp_path), device="cpu")
 
 

@@ -144,3 +144,17 @@ def test_aligned_plan_always_equals_whole_tokenization(chunks: list[str], filler
     for s in plan.context:  # a spliced chunk carries exactly its own ids
         if s.kind == "chunk":
             assert list(s.token_ids) == merging_tok(s.text)
+
+
+def test_prompt_tokenized_plan_is_what_full_prefills() -> None:
+    """``Plan.as_prompt_tokenized``: the prompt's own ids, nothing spliced (``full``'s input), the suffix length
+    kept; a plan whose ids already are the prompt's is returned as it is."""
+    loose = plan_prompt("xabcd tail", ["bcd"], merging_tok)
+    assert loose.inexact_chunks == 1 and list(loose.token_ids) != merging_tok("xabcd tail")
+    whole = loose.as_prompt_tokenized()
+    assert list(whole.token_ids) == merging_tok("xabcd tail")
+    assert whole.inexact_chunks == 0 and whole.found == loose.found and whole.registered == loose.registered
+    assert all(s.kind != "chunk" for s in whole.context)
+    assert len(whole.suffix.token_ids) == len(loose.suffix.token_ids) and whole.suffix.start == whole.context_len
+    exact = plan_prompt("sys: CHUNK-1\n\nCHUNK-2\n\nQ?", ["CHUNK-1", "CHUNK-2"], merging_tok)
+    assert exact.inexact_chunks == 0 and exact.as_prompt_tokenized() is exact

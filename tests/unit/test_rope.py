@@ -60,15 +60,32 @@ def test_canonicalize_then_place_equals_direct_prefill(family: str, rope_name: s
     torch.testing.assert_close(v0, v1, atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
-def test_unsupported_rope_types_raise(rope_type: str) -> None:
-    params = {"rope_type": rope_type, "factor": 2.0}
-    if rope_type == "longrope":
-        params = {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
-                  "original_max_position_embeddings": 1024}
-    with pytest.raises(UnsupportedModelError, match=rope_type):
-        lm = tiny_model("llama", rope=params)
-        Rope.from_model(lm.model)
+LONGROPE = {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+            "original_max_position_embeddings": 1024}
+
+
+@pytest.mark.parametrize("rope", [{"rope_type": "dynamic", "factor": 2.0}, LONGROPE])
+def test_length_dependent_rope_is_served_in_its_short_regime(rope: dict) -> None:
+    """Dynamic NTK and LongRoPE: below original_max_position_embeddings their frequencies are fixed (the short
+    regime, which kvrag re-rotates with, exactly); the engine's context stops there, naming the reason."""
+    from kvrag.config import EngineConfig
+    from kvrag.engine.engine import KVRAGEngine
+    from kvrag.store import MemoryStore
+
+    lm = tiny_model("phi3" if rope["rope_type"] == "longrope" else "llama", rope=rope)
+    assert check_rope_support(lm.model) == rope["rope_type"]
+    rope_ = Rope.from_model(lm.model)
+    ids = torch.randint(5, 256, (24,), generator=torch.Generator().manual_seed(0))
+    k0, _ = hf_cache.prefill_kv(lm.model, ids)
+    _, cache = hf_cache.forward(lm.model, ids, None, start=700)
+    k1, _ = hf_cache.cache_to_tensors(cache)
+    torch.testing.assert_close(rope_.place(rope_.canonicalize(k0, torch.arange(24)), torch.arange(700, 724)), k1,
+                               atol=2e-5, rtol=1e-4)
+    limit = KVRAGEngine(lm, MemoryStore(), EngineConfig()).max_context
+    n = rope.get("original_max_position_embeddings", 4096)
+    assert int(limit) == min(n, 4096)
+    if rope["rope_type"] == "longrope":
+        assert "longrope" in str(limit) and "long regime" in str(limit)
 
 
 @pytest.mark.parametrize(
@@ -99,29 +116,6 @@ def test_supported_rope_variants(rope: dict) -> None:
 # ------------------------------------------------------------------ the one RoPE support matrix
 
 
-@pytest.mark.parametrize(
-    ("rope", "why"),
-    [
-        ({"rope_type": "dynamic", "factor": 2.0}, "sequence length"),
-        (
-            {
-                "rope_type": "longrope",
-                "short_factor": [1.0] * 8,
-                "long_factor": [2.0] * 8,
-                "original_max_position_embeddings": 1024,
-            },
-            "sequence length",
-        ),
-    ],
-)
-def test_length_dependent_rope_raises(rope: dict, why: str) -> None:
-    with pytest.raises(UnsupportedModelError, match=rope["rope_type"]) as ei:
-        check_rope_support(tiny_config("llama", rope=rope), name="tiny-llama")
-    assert why in str(ei.value) and "tiny-llama" in str(ei.value)
-    with pytest.raises(UnsupportedModelError, match=rope["rope_type"]):
-        tiny_model("qwen2", rope=rope)
-
-
 def test_gpt2_like_model_raises() -> None:
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -146,13 +140,11 @@ def test_rope_matrix_edge_cases() -> None:
     old_dynamic = types.SimpleNamespace(
         model_type="old", rope_scaling={"type": "dynamic", "factor": 2.0}, rope_theta=1e4
     )
-    with pytest.raises(UnsupportedModelError, match="dynamic"):
-        check_rope_support(old_dynamic)
+    assert check_rope_support(old_dynamic) == "dynamic"
     partial = types.SimpleNamespace(
         model_type="phi", rope_parameters={"rope_type": "default", "partial_rotary_factor": 0.5}
     )
-    with pytest.raises(UnsupportedModelError, match="partial"):
-        check_rope_support(partial)
+    assert check_rope_support(partial) == "default"
     per_layer = types.SimpleNamespace(
         model_type="g3",
         rope_parameters={
@@ -160,8 +152,7 @@ def test_rope_matrix_edge_cases() -> None:
             "sliding_attention": {"rope_type": "default"},
         },
     )
-    with pytest.raises(UnsupportedModelError, match="per-layer"):
-        check_rope_support(per_layer)
+    assert check_rope_support(per_layer) == "per-layer"
     same = {"rope_type": "default", "rope_theta": 1e4}
     uniform = types.SimpleNamespace(
         model_type="g3", rope_parameters={"full_attention": same, "sliding_attention": same}
@@ -169,25 +160,32 @@ def test_rope_matrix_edge_cases() -> None:
     assert check_rope_support(uniform) == "default"
     with pytest.raises(UnsupportedModelError, match="support matrix"):
         check_rope_support(types.SimpleNamespace(model_type="x", rope_parameters={"rope_type": "proportional"}))
+    mrope = types.SimpleNamespace(model_type="qwen2_vl", rope_parameters={"rope_type": "default",
+                                                                          "mrope_section": [2, 3, 3]})
+    with pytest.raises(UnsupportedModelError, match="multimodal"):
+        check_rope_support(mrope)
+    per_layer_mrope = types.SimpleNamespace(model_type="x", rope_parameters={
+        "full_attention": {"rope_type": "default", "mrope_section": [2, 3, 3]}, "sliding_attention": same})
+    with pytest.raises(UnsupportedModelError, match="'full_attention'"):
+        check_rope_support(per_layer_mrope)
 
 
 # ------------------------------------------------------------------ one decision for loader, Rope and KVSpec
 
 
-def test_per_layer_rope_with_same_type_but_other_theta_is_refused() -> None:
-    """Layer types are compared by their whole parameters, not by type: another theta is another frequency set."""
-    per_layer = types.SimpleNamespace(
-        model_type="g3",
-        rope_parameters={
-            "full_attention": {"rope_type": "default", "rope_theta": 1e6},
-            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
-        },
-    )
-    with pytest.raises(UnsupportedModelError, match="per-layer"):
-        check_rope_support(per_layer)
+def test_per_layer_rope_with_same_type_but_other_theta_keeps_each_layers_frequencies() -> None:
+    """Layer types are compared by their whole parameters, not by type: another theta is another frequency set,
+    and each layer is re-rotated with its own (Gemma 3: local base 10K, global 1M)."""
+    lm = tiny_model("gemma3", num_layers=6)
+    rope = Rope.from_model(lm.model)
+    assert rope.per_layer and tuple(rope.inv_freq.shape) == (6, 8)
+    rot = lm.model.model.rotary_emb
+    for i, t in enumerate(lm.model.config.layer_types):
+        assert torch.equal(rope.inv_freq[i], getattr(rot, f"{t}_inv_freq").float())
+    assert not torch.equal(rope.inv_freq[0], rope.inv_freq[5])  # 5 local layers, then the global one
 
 
-@pytest.mark.parametrize("rope", [{"rope_type": "dynamic", "factor": 2.0}, {"rope_type": "proportional"}])
+@pytest.mark.parametrize("rope", [{"rope_type": "default", "mrope_section": [2, 3, 3]}, {"rope_type": "proportional"}])
 def test_rope_kvspec_and_loader_refuse_alike(rope: dict) -> None:
     """Rope.from_model and KVSpec.from_model_config refuse exactly what the loader's check refuses."""
     lm = tiny_model("llama")
@@ -195,7 +193,7 @@ def test_rope_kvspec_and_loader_refuse_alike(rope: dict) -> None:
     for build in (lambda: check_rope_support(lm.model), lambda: Rope.from_model(lm.model),
                   lambda: KVSpec.from_model_config(lm.model.config, dtype="float32"),
                   lambda: wrap_model(lm.model, lm.tokenizer, name="x")):
-        with pytest.raises(UnsupportedModelError, match=rope["rope_type"]):
+        with pytest.raises(UnsupportedModelError, match="multimodal" if "mrope_section" in rope else rope["rope_type"]):
             build()
 
 
@@ -224,7 +222,7 @@ def test_rotary_modules_that_disagree_are_refused() -> None:
         check_rope_support(lm.model)
 
 
-def test_partial_rotary_module_is_refused() -> None:
+def test_rotary_module_that_disagrees_with_the_configs_rotary_dimensions_is_refused() -> None:
     lm = tiny_model("llama")
     rot = lm.model.model.rotary_emb
     rot.inv_freq = rot.inv_freq[: rot.inv_freq.shape[0] // 2].clone()
