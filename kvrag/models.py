@@ -287,12 +287,13 @@ def load_model(
 
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
+    gguf_file = model is not None and is_gguf_path(model)
     is_default = model is None or str(model) == DEFAULT_MODEL
-    from_gguf = is_default or is_gguf_path(model)
-    mode = default_quantize(dev, dt, gguf=from_gguf) if quantize == DEFAULT_QUANTIZE else parse_mode(quantize)
-    if is_default:
+    mode = (default_quantize(dev, dt, gguf=is_default or gguf_file) if quantize == DEFAULT_QUANTIZE
+            else parse_mode(quantize))
+    if model is None or is_default:
         name, source, local = DEFAULT_MODEL, str(prepare_default_model()), True
-    elif is_gguf_path(model):
+    elif gguf_file:
         name, source, local = str(model), str(prepare_gguf(model)), True
     else:
         name, source = str(model), str(model)
