@@ -105,6 +105,14 @@ def _values(rows: Sequence[dict[str, Any]], label: str, key: str, section: str =
     return out
 
 
+def _timing_values(rows: Sequence[dict[str, Any]], label: str, key: str) -> list[float | None]:
+    out: list[float | None] = []
+    for r in rows:
+        m = r.get("methods", {}).get(label)
+        out.append(_num((m.get("timings") or {}).get(key)) if m else None)
+    return out
+
+
 def _mean(xs: Iterable[float | None]) -> float | None:
     v = [x for x in xs if x is not None]
     return float(np.mean(v)) if v else None
@@ -175,8 +183,14 @@ def summarize_method(
     per_req_ratio = (
         [t / tf if t is not None and tf else None for t, tf in zip(ttft, ttft_full, strict=True)] if ttft_full else []
     )
+    answer = _timing_values(rows, label, "total_s")  # prepare + the whole answer's decode: what a user waits for
+    answer_full = _timing_values(rows, full, "total_s") if full else None
+    answer_p50 = _pct(answer, 50)
+    answer_p50_full = _pct(answer_full, 50) if answer_full else None
     m: dict[str, Any] = {
         "n": sum(x is not None for x in f1),
+        "answer_p50_s": answer_p50,
+        "answer_ratio": (answer_p50 / answer_p50_full) if answer_p50 is not None and answer_p50_full else None,
         "f1": _mean(f1),
         "em": _mean(em),
         "kl": _mean(kl),
@@ -341,8 +355,9 @@ def summary_markdown(summary: dict[str, Any]) -> str:
     lines += [
         "",
         "| method | n | F1 [95% CI] | EM | ΔF1 vs full | ΔF1 vs stale | KL(full‖m) | 1st-token agree | "
-        "TTFT p50 ms | TTFT p90 ms | TTFT/full | F1 gap rec. | KL gap rec. | recomputed |",
-        "|---|---:|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "TTFT p50 ms | TTFT p90 ms | TTFT/full | answer p50 ms | answer/full | F1 gap rec. | KL gap rec. | "
+        "recomputed |",
+        "|---|---:|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for lbl, m in summary.get("methods", {}).items():
         ci = m.get("f1_ci")
@@ -353,6 +368,7 @@ def summary_markdown(summary: dict[str, Any]) -> str:
             f"| `{lbl}` | {m.get('n')} | {f1} | {_f(m.get('em'))} | {_pm(m.get('vs_full', {}).get('f1'))} | "
             f"{_pm(m.get('vs_stale', {}).get('f1'))} | {_f(m.get('kl'), 4)} | {_f(m.get('first_token_agreement'), 2)} | "
             f"{_ms(m.get('ttft_p50_s'))} | {_ms(m.get('ttft_p90_s'))} | {_f(m.get('ttft_ratio'), 2)} | "
+            f"{_ms(m.get('answer_p50_s'))} | {_f(m.get('answer_ratio'), 2)} | "
             f"{_f(m.get('f1_gap_recovery'), 2)} | {_f(m.get('kl_gap_recovery'), 2)} | {_f(rec, 3)} |"
         )
     if summary.get("peers"):

@@ -36,6 +36,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF model id or path (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when available)")
     p.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: fp32 on CPU, bf16 on CUDA)")
+    if "--quantize" not in p._option_string_actions:  # `decode` takes a list of formats instead
+        p.add_argument("--quantize", default="default",
+                       help="weights of the decode-sized products: none, int8, int4 (default: kvrag's choice)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's choice; use 1 on a shared, oversubscribed CPU)")
     p.add_argument("--seed", type=int, default=0, help="torch and bootstrap seed")
@@ -286,8 +289,8 @@ def run_bench(args: argparse.Namespace) -> int:
         data=args.data, out=args.out, methods=split_method_specs(args.methods), limit=args.limit, offset=args.offset,
         model=args.model, template=args.template, max_new_tokens=args.max_new_tokens, kl_tokens=args.kl_tokens,
         seed=args.seed, bootstrap=args.bootstrap, peer=args.peer, store=args.store, chunk_prefix=args.chunk_prefix,
-        warmup=args.warmup, threads=args.threads, device=args.device, dtype=args.dtype, overwrite=args.overwrite,
-        plots=not args.no_plots, progress=not args.no_progress,
+        warmup=args.warmup, threads=args.threads, device=args.device, dtype=args.dtype, quantize=args.quantize,
+        overwrite=args.overwrite, plots=not args.no_plots, progress=not args.no_progress,
     )
     bench = QABenchmark(cfg)
     for spec in bench.skipped:
@@ -434,7 +437,8 @@ def run_templates(args: argparse.Namespace) -> int:
     _setup(args)
     names = list(TEMPLATES) if args.candidates in ("all", "") else [c.strip() for c in args.candidates.split(",")]
     reqs = load_requests(args.data, args.limit, args.offset)
-    eng = KVRAGEngine(load_model(args.model, device=args.device, dtype=args.dtype), MemoryStore(), EngineConfig())
+    eng = KVRAGEngine(load_model(args.model, device=args.device, dtype=args.dtype, quantize=args.quantize),
+                      MemoryStore(), EngineConfig())
     result = select_template(eng, reqs, args.out, names, max_new_tokens=args.max_new_tokens, n_boot=args.bootstrap,
                              seed=args.seed, progress=not args.no_progress)
     print(templates_markdown(result))

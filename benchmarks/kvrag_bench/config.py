@@ -64,6 +64,7 @@ class BenchConfig:
     threads: int | None = None
     device: str | None = None
     dtype: str | None = None
+    quantize: str | None = "default"
     overwrite: bool = False
     plots: bool = True
     progress: bool = True

@@ -140,7 +140,8 @@ class QABenchmark:
             from kvrag.models import load_model
             from kvrag.store.factory import store_from_url
 
-            loaded = load_model(self.cfg.model, device=self.cfg.device, dtype=self.cfg.dtype)
+            loaded = load_model(self.cfg.model, device=self.cfg.device, dtype=self.cfg.dtype,
+                                quantize=self.cfg.quantize)
             self._engine = KVRAGEngine(loaded, store_from_url(self.cfg.store), EngineConfig(chunk_prefix=self.cfg.chunk_prefix))
         return self._engine
 
@@ -404,7 +405,7 @@ class QABenchmark:
     def _model_info(self) -> dict[str, Any]:
         eng = self.engine
         return {"name": str(eng.loaded.name), "fingerprint": eng.loaded.fingerprint, "dtype": str(eng.loaded.dtype),
-                "device": str(eng.loaded.device), "max_context": eng.max_context, "chunk_prefix": eng.config.chunk_prefix,
+                "quantize": eng.loaded.quantize, "device": str(eng.loaded.device), "max_context": eng.max_context, "chunk_prefix": eng.config.chunk_prefix,
                 "kv_spec": eng.spec.to_dict()}
 
     def _running_f1(self, rows: Sequence[dict[str, Any]]) -> dict[str, str]:
