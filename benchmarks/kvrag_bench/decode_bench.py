@@ -160,7 +160,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         keys, values = hf_cache.prefill_kv(first.model, torch.tensor(ids[:ctx]))
         peer_ms: list[float] = []
         if peer is not None:
-            _, tok = peer.prefill(ids[:ctx])
+            peer_prefill_s, tok = peer.prefill(ids[:ctx])
         for b in batches:
             times: dict[str, list[float]] = {f: [] for f in formats}
             for _ in range(args.rounds):
@@ -192,7 +192,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                               "bytes_per_step": nbytes, "bound_ms_per_step": bound_ms, "x_bound": step_ms / bound_ms})
             if peer is not None and b == 1 and peer_ms:
                 cells.append({"context": ctx, "batch": 1, "format": "llama.cpp", "step_ms": statistics.median(peer_ms),
-                              "ms_per_token": statistics.median(peer_ms)})
+                              "ms_per_token": statistics.median(peer_ms), "prefill_s": peer_prefill_s})
     return {"bench": "decode", "model": first.name, "dtype": str(first.dtype).removeprefix("torch."),
             "torch_threads": torch.get_num_threads(), "copy_bytes_per_s": bandwidth, "formats": formats,
             "peer": None if peer is None else {"name": "llama.cpp", "llama_cpp_python": peer.version, "gguf": gguf},

@@ -192,3 +192,19 @@ def test_the_default_quantization_rule(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(models.QUANTIZE_ENV, "int5")
     with pytest.raises(ConfigError, match="KVRAG_QUANTIZE"):
         models.default_quantize(cpu, torch.float32, gguf=True)
+
+
+def test_from_pretrained_and_open_engine_take_quantize(tmp_path) -> None:
+    from llama_index.postprocessor.kvrag.persist import open_engine
+
+    lm = tiny_model("qwen2")
+    lm.model.save_pretrained(tmp_path / "m")
+    lm.tokenizer.save_pretrained(tmp_path / "m")
+    dense = KVRAGEngine.from_pretrained(str(tmp_path / "m"), quantize=None, dtype="float32")
+    q8 = KVRAGEngine.from_pretrained(str(tmp_path / "m"), quantize="int8", dtype="float32")
+    assert dense.loaded.quantize is None and q8.loaded.quantize == "int8"
+    assert dense.loaded.fingerprint != q8.loaded.fingerprint  # caches never cross quantizations
+    eng = open_engine(tmp_path / "idx", model=str(tmp_path / "m"), quantize="int4", dtype="float32")
+    assert eng.loaded.quantize == "int4" and quant.quantization_of(eng.model) == "int4"
+    with pytest.raises(ConfigError, match="quantize="):
+        KVRAGEngine.from_pretrained(str(tmp_path / "m"), quantize="fp4")
