@@ -30,7 +30,7 @@ retriever (``integrations/langchain-kvrag``) all call this module for the behavi
 * **Async bridge**: :func:`to_thread` runs a blocking request from asyncio and :func:`aiter_in_thread` drives a
   blocking token stream, each in a worker thread of its own, so that concurrent async callers (``aquery``,
   ``achat``, ``abatch``, ``astream``, ``asyncio.gather``) are all in flight at once and decode in the engine's
-  shared batch (:mod:`kvrag.engine.batching`) instead of queueing for the default executor's few workers.
+  shared batch (:mod:`kvrag.engine.runner`) instead of queueing for the default executor's few workers.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ count N, N client threads start together and each asks ``--questions`` questions
 level reports questions/s and generated tokens/s over its wall time, TTFT p50/p90 (from the call to the first
 streamed text, retrieval included), decode ms/token (the engine's decode time per generated token, per request),
 the batch sizes the engine's decode steps ran at, and the same-answer rate vs the reference. Concurrent callers
-need nothing special: the engine batches whatever is in flight (:mod:`kvrag.engine.batching`).
+need nothing special: the engine batches whatever is in flight (:mod:`kvrag.engine.runner`).
 
 Then the decode step itself: ms/token of the engine's batched step at batch 1 and batch 8 over one real prompt's
 KV (``--context`` tokens), against the weight-read bound = weight bytes / measured copy bandwidth (a step must read
