@@ -239,8 +239,8 @@ class KVRAGEngine(ChunkCaching):
         """
         m = self.method(method)
         reserve = GenerationConfig().max_new_tokens if reserve is None else int(reserve)
-        if reserve < 1:
-            raise ConfigError(f"reserve must be >= 1 new token, got {reserve}")
+        if reserve < 0:
+            raise ConfigError(f"reserve must be >= 0 new tokens, got {reserve}")
         if plan.total_len + reserve > self.max_context:
             msg = (f"the prompt has {plan.total_len} tokens ({plan.context_len} context + {len(plan.suffix.token_ids)} "
                    f"suffix) and {reserve} new tokens are asked for, but the model's context window is "

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import contextvars
 import logging
 import os
 import queue
@@ -45,6 +44,7 @@ from typing import Any
 import torch
 
 from kvrag.config import GenerationConfig
+from kvrag.engine.cancel import CancelToken, cancel_scope, current_token
 from kvrag.engine.generate import DecodeState
 from kvrag.engine.lease import KVBudget, Lease
 from kvrag.engine.scheduler import RequestState, Scheduler, SchedulerError, StepPlan
@@ -56,58 +56,6 @@ log = logging.getLogger(__name__)
 
 END = object()
 """The last item of a request's queue."""
-
-
-# ------------------------------------------------------------------------------------------------- cancellation
-class CancelToken:
-    """Cancels the requests made under it (:func:`cancel_scope`); :meth:`cancel` may be called from any thread."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.cancelled = False
-        self._callbacks: list[Callable[[], None]] = []
-
-    def cancel(self) -> None:
-        with self._lock:
-            if self.cancelled:
-                return
-            self.cancelled = True
-            callbacks, self._callbacks = self._callbacks, []
-        for cb in callbacks:
-            cb()
-
-    def on_cancel(self, cb: Callable[[], None]) -> Callable[[], None]:
-        """Call ``cb`` when cancelled (now, if already); returns a function that unregisters it."""
-        with self._lock:
-            if not self.cancelled:
-                self._callbacks.append(cb)
-
-                def remove() -> None:
-                    with self._lock, contextlib.suppress(ValueError):
-                        self._callbacks.remove(cb)
-
-                return remove
-        cb()
-        return lambda: None
-
-
-_TOKEN: contextvars.ContextVar[CancelToken | None] = contextvars.ContextVar("kvrag_cancel_token", default=None)
-
-
-@contextlib.contextmanager
-def cancel_scope(token: CancelToken | None = None) -> Iterator[CancelToken]:
-    """Requests made inside (``prepare``, ``stream``, ``answer``) are cancelled when the token is."""
-    token = token or CancelToken()
-    reset = _TOKEN.set(token)
-    try:
-        yield token
-    finally:
-        _TOKEN.reset(reset)
-
-
-def current_token() -> CancelToken | None:
-    """The :class:`CancelToken` in effect in this context, if any."""
-    return _TOKEN.get()
 
 
 # ------------------------------------------------------------------------------------------------- requests
@@ -554,4 +502,4 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(before=_fork_before, after_in_parent=_fork_parent, after_in_child=_fork_child)
 
 
-__all__ = ["END", "CancelToken", "Handle", "Runner", "cancel_scope", "current_token"]
+__all__ = ["END", "CancelToken", "Handle", "Runner", "cancel_scope", "current_token"]  # tokens: kvrag.engine.cancel
