@@ -135,6 +135,7 @@ class Runner:
         self._handles: dict[int, Handle] = {}
         self._released: queue.SimpleQueue[int] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        self._last_thread: threading.Thread | None = None
         self._threads_started = 0
         self._consumers_waiting = 0
         self._stats: collections.Counter[str] = collections.Counter()
@@ -329,6 +330,7 @@ class Runner:
                     if not plan:
                         if self._thread is me:
                             self._thread = None
+                            self._last_thread = me
                         self._cv.notify_all()
                         break
                     closing = [(self._handles.pop(rid, None), reason) for rid, reason in plan.finish]
@@ -349,6 +351,7 @@ class Runner:
                 self.scheduler.schedule()
                 if self._thread is me:
                     self._thread = None
+                    self._last_thread = me
                 self._cv.notify_all()
             for h in left:
                 h.error = h.error or e
@@ -445,8 +448,8 @@ class Runner:
                     continue
                 self._cv.wait(left if left is not None else 0.5)
                 self._kick()
-            thread = self._thread
-        if thread is not None:
+            thread = self._last_thread
+        if thread is not None and thread is not threading.current_thread():
             thread.join()
 
     def _before_fork(self) -> None:
@@ -469,7 +472,8 @@ class Runner:
         ``prepares``; and now: ``decoding`` and ``joining`` requests, requests per state, ``threads`` (0 or 1),
         ``consumers_waiting`` (callers blocked on a prepare or a stream), the KV bound's use."""
         with self._cv:
-            out: dict[str, Any] = dict(self._stats)
+            out: dict[str, Any] = dict.fromkeys(("steps", "rows_stepped", "max_rows", "prepares"), 0)
+            out.update(self._stats)
             out.update(decoding=len(self.scheduler.running), joining=len(self.scheduler.queued),
                        states={s.value: n for s, n in self.scheduler.live().items()},
                        threads=int(self._thread is not None), consumers_waiting=self._consumers_waiting)
