@@ -180,19 +180,25 @@ class KVRAGEngine(ChunkCaching):
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
-    def _fetch(self, plan: Plan, timings: Timings) -> tuple[list, dict[str, int], list[str]]:
-        """The plan's context caches: held ones as they are, the rest in one store round trip, misses computed."""
+    def _fetch_stored(self, plan: Plan) -> tuple[list[str], dict[str, ChunkKV | None], float]:
+        """The store's part of the plan's context caches, in one round trip (no model: runs outside the model's
+        turn, in the caller's thread); returns the keys, what the store had, and the seconds it took."""
         t = time.perf_counter()
-        segs = plan.context
-        keys = [s.key or self.chunk_key(s.token_ids, s.kind) for s in segs]
+        keys = [s.key or self.chunk_key(s.token_ids, s.kind) for s in plan.context]
         ask = [k for k in dict.fromkeys(keys) if k not in plan.held]
         # shared: the chunks are only read (rotated into the request buffer), so a memory store need not copy them
         got: dict[str, ChunkKV | None] = dict(zip(ask, self.serving_store.get_many(ask, shared=True), strict=True))
-        timings.fetch_s = time.perf_counter() - t
+        return keys, got, time.perf_counter() - t
+
+    def _complete(self, plan: Plan, keys: list[str], got: dict[str, ChunkKV | None],
+                  timings: Timings) -> tuple[list, dict[str, int], list[tuple[str, ChunkKV]]]:
+        """The plan's context caches: held ones as they are, fetched ones, misses computed (the model). Returns the
+        pieces, the hit/miss counts and the computed caches (which the caller stores after the model's turn)."""
         t = time.perf_counter()
         counts = {"chunk_hits": 0, "chunk_misses": 0, "other_hits": 0, "other_misses": 0, "reused_tokens": 0}
-        pieces = []
-        for s, k in zip(segs, keys, strict=True):
+        pieces, computed = [], []
+        got = dict(got)
+        for s, k in zip(plan.context, keys, strict=True):
             tag = "chunk" if s.kind == "chunk" else "other"
             ch = plan.held.get(k)
             if ch is None:
@@ -200,7 +206,7 @@ class KVRAGEngine(ChunkCaching):
             if ch is None:
                 counts[f"{tag}_misses"] += 1
                 ch = self.compute(s.token_ids, s.kind)
-                self.serving_store.put(k, ch)
+                computed.append((k, ch))
                 got[k] = ch  # a repeated segment is computed once
             else:
                 counts[f"{tag}_hits"] += 1
@@ -208,7 +214,7 @@ class KVRAGEngine(ChunkCaching):
                 self._count(chunks_reused=1)
             pieces.append((s.kind, ch, k))
         timings.compute_misses_s = time.perf_counter() - t
-        return pieces, counts, keys
+        return pieces, counts, computed
 
     def method(self, method: str | FusionMethod | None = None, **params: Any) -> FusionMethod:
         """The fusion method for a spec or instance (None: the configured default), one instance per canonical spec.
@@ -247,15 +253,28 @@ class KVRAGEngine(ChunkCaching):
                    f"{self.max_context}; retrieve fewer or shorter chunks or ask for at most "
                    f"{max(0, self.max_context - plan.total_len)} new tokens")
             raise ContextLengthError(msg)
-        return self.runner.prepare(plan.total_len + reserve, lambda lease: self._prepare(plan, m, reserve, lease))
-
-    def _prepare(self, plan: Plan, m: FusionMethod, reserve: int, lease: Lease) -> Prepared:
-        """The prepare itself (in the runner thread, in the request's turn, holding the model)."""
-        t0 = time.perf_counter()
         timings = Timings()
+        fetched = None
+        if m.reads_cache:  # store I/O before the request's turn: running requests keep decoding meanwhile
+            keys, got, timings.fetch_s = self._fetch_stored(plan)
+            fetched = (keys, got)
+        computed: list[tuple[str, ChunkKV]] = []
+        prep = self.runner.prepare(plan.total_len + reserve,
+                                   lambda lease: self._prepare(plan, m, reserve, lease, timings, fetched, computed))
+        for k, ch in computed:  # misses computed in the turn are stored after it
+            self.serving_store.put(k, ch)
+        return prep
+
+    def _prepare(self, plan: Plan, m: FusionMethod, reserve: int, lease: Lease, timings: Timings,
+                 fetched: tuple[list[str], dict[str, ChunkKV | None]] | None,
+                 computed: list[tuple[str, ChunkKV]]) -> Prepared:
+        """The prepare itself (in the runner thread, in the request's turn, holding the model)."""
+        t0 = time.perf_counter() - timings.fetch_s  # TTFT counts the store fetch, not the wait for the turn
         keys: list[str] | list[None]
-        if m.reads_cache:
-            pieces, counts, keys = self._fetch(plan, timings)
+        if fetched is not None:
+            keys = fetched[0]
+            pieces, counts, new = self._complete(plan, fetched[0], fetched[1], timings)
+            computed.extend(new)
             t = time.perf_counter()
             inp = assemble(self.model, self.rope, self.spec, pieces, plan.suffix.token_ids, reserve=reserve,
                            chunk_prefix_ids=self.chunk_prefix_ids, canonical=m.reads_canonical_keys)

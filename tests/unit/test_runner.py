@@ -379,3 +379,42 @@ def test_close_drains_or_cancels_and_joins_the_thread() -> None:
     t.join(10)
     assert isinstance(out.get("error"), EngineClosedError)
     assert _quiet(eng2)
+
+
+# ---- store I/O outside the model's turn ----------------------------------------------------------------------------
+class _SlowStore(MemoryStore):
+    delay = 0.0
+
+    def get_many(self, keys: Any, *args: Any, **kwargs: Any) -> Any:
+        time.sleep(self.delay)
+        return super().get_many(keys, *args, **kwargs)
+
+
+def test_a_slow_store_fetch_does_not_stall_decoding_requests() -> None:
+    """A prepare's store round trip happens before its turn: requests already decoding keep being stepped."""
+    store = _SlowStore()
+    eng = KVRAGEngine(tiny_model("qwen2", init_std=0.1), store, EngineConfig())
+    eng.ingest(DOCS)
+    seq = _answer(eng, 1)
+    stamps: list[float] = []
+    step = eng.runner._step
+
+    def stamped(rows: list[Any]) -> None:
+        step(rows)
+        stamps.append(time.monotonic())
+
+    eng.runner._step = stamped  # type: ignore[method-assign]
+    running = eng.stream(eng.prepare(_plan(eng, 0), "stale", reserve=2000), GenerationConfig(max_new_tokens=2000))
+    next(running)
+    assert _wait_for(lambda: len(stamps) > 3)
+    store.delay = 1.0
+    t0 = time.monotonic()
+    prep = eng.prepare(_plan(eng, 1), "stale", reserve=GEN.max_new_tokens)
+    t1 = time.monotonic()
+    store.delay = 0.0
+    "".join(eng.stream(prep, GEN))
+    running.close()
+    assert t1 - t0 >= 1.0 and prep.token_ids == seq
+    during = [t for t in stamps if t0 <= t <= t1]
+    gaps = [b - a for a, b in zip([t0, *during], [*during, t1], strict=True)]
+    assert len(during) > 5 and max(gaps) < 0.5, max(gaps)  # at 088a252 the fetch held the model: one 1 s gap
