@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from kvrag.config import EngineConfig
-from kvrag.engine.ingest_prefill import compute_chunk_kvs, plan_batches, prefill_prefix
 from kvrag.engine.engine import KVRAGEngine
+from kvrag.engine.ingest_prefill import compute_chunk_kvs, plan_batches, prefill_prefix
 from kvrag.errors import ConfigError, ContextLengthError
 from kvrag.kv.compute import compute_chunk_kv
 from kvrag.prompting import render_passage
