@@ -407,14 +407,14 @@ def test_a_slow_store_fetch_does_not_stall_decoding_requests() -> None:
     running = eng.stream(eng.prepare(_plan(eng, 0), "stale", reserve=2000), GenerationConfig(max_new_tokens=2000))
     next(running)
     assert _wait_for(lambda: len(stamps) > 3)
-    store.delay = 1.0
+    store.delay = 2.0
     t0 = time.monotonic()
     prep = eng.prepare(_plan(eng, 1), "stale", reserve=GEN.max_new_tokens)
     t1 = time.monotonic()
     store.delay = 0.0
     "".join(eng.stream(prep, GEN))
     running.close()
-    assert t1 - t0 >= 1.0 and prep.token_ids == seq
+    assert t1 - t0 >= 2.0 and prep.token_ids == seq
     during = [t for t in stamps if t0 <= t <= t1]
     gaps = [b - a for a, b in zip([t0, *during], [*during, t1], strict=True)]
-    assert len(during) > 5 and max(gaps) < 0.5, max(gaps)  # at 088a252 the fetch held the model: one 1 s gap
+    assert len(during) > 5 and max(gaps) < 1.0, max(gaps)  # at 088a252 the fetch held the model: one 2 s gap
