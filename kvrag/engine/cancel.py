@@ -1,8 +1,8 @@
 """Cancellation of requests from any thread or asyncio task: a :class:`CancelToken` in the request's context.
 
 A request (``engine.prepare``, ``engine.stream``, ``engine.answer``) made inside :func:`cancel_scope` is cancelled
-when its token is: a request waiting for admission leaves the line at once, one being prepared is dropped right
-after its prepare, one decoding leaves the batch before the next step; each gives its slot and KV lease back, and
+when its token is: a request waiting for admission leaves the line at once, one being prepared stops at its next
+piece boundary (right after the piece in flight), one decoding leaves the batch before the next step; each gives its slot and KV lease back, and
 its caller gets :class:`~kvrag.errors.RequestCancelledError`. kvrag's asyncio bridges (:mod:`kvrag.adapters`)
 give every async call its own token and cancel it with the awaiting task. Tokens hold no engine state, so this
 module is light to import.

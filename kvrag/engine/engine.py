@@ -7,7 +7,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Any
 
 from kvrag.config import EngineConfig, GenerationConfig
@@ -191,10 +191,11 @@ class KVRAGEngine(ChunkCaching):
         return keys, got, time.perf_counter() - t
 
     def _complete(self, plan: Plan, keys: list[str], got: dict[str, ChunkKV | None],
-                  timings: Timings) -> tuple[list, dict[str, int], list[tuple[str, ChunkKV]]]:
+                  timings: Timings) -> Generator[None, None, tuple[list, dict[str, int], list[tuple[str, ChunkKV]]]]:
         """The plan's context caches: held ones as they are, fetched ones, misses computed (the model). Returns the
-        pieces, the hit/miss counts and the computed caches (which the caller stores after the model's turn)."""
-        t = time.perf_counter()
+        pieces, the hit/miss counts and the computed caches (which the caller stores after the model's turn).
+        Yields after each computed miss: a piece boundary, where the runner lets decoding requests step."""
+        timings.compute_misses_s = 0.0
         counts = {"chunk_hits": 0, "chunk_misses": 0, "other_hits": 0, "other_misses": 0, "reused_tokens": 0}
         pieces, computed = [], []
         got = dict(got)
@@ -205,15 +206,17 @@ class KVRAGEngine(ChunkCaching):
                 ch = got.get(k)
             if ch is None:
                 counts[f"{tag}_misses"] += 1
+                t = time.perf_counter()
                 ch = self.compute(s.token_ids, s.kind)
+                timings.compute_misses_s += time.perf_counter() - t
                 computed.append((k, ch))
                 got[k] = ch  # a repeated segment is computed once
+                yield
             else:
                 counts[f"{tag}_hits"] += 1
                 counts["reused_tokens"] += len(s.token_ids)
                 self._count(chunks_reused=1)
             pieces.append((s.kind, ch, k))
-        timings.compute_misses_s = time.perf_counter() - t
         return pieces, counts, computed
 
     def method(self, method: str | FusionMethod | None = None, **params: Any) -> FusionMethod:
@@ -267,13 +270,15 @@ class KVRAGEngine(ChunkCaching):
 
     def _prepare(self, plan: Plan, m: FusionMethod, reserve: int, lease: Lease, timings: Timings,
                  fetched: tuple[list[str], dict[str, ChunkKV | None]] | None,
-                 computed: list[tuple[str, ChunkKV]]) -> Prepared:
-        """The prepare itself (in the runner thread, in the request's turn, holding the model)."""
+                 computed: list[tuple[str, ChunkKV]]) -> Generator[None, None, Prepared]:
+        """The prepare itself (in the runner thread, in the request's turn, holding the model), in pieces: one per
+        chunk cache it computes, then the rest (assemble, repair, suffix prefill)."""
         t0 = time.perf_counter() - timings.fetch_s  # TTFT counts the store fetch, not the wait for the turn
         keys: list[str] | list[None]
         if fetched is not None:
             keys = fetched[0]
-            pieces, counts, new = self._complete(plan, fetched[0], fetched[1], timings)
+            pieces, counts, new = yield from self._complete(plan, fetched[0], fetched[1], timings)
+            t0 = time.perf_counter() - timings.fetch_s - timings.compute_misses_s  # not the steps between pieces
             computed.extend(new)
             t = time.perf_counter()
             inp = assemble(self.model, self.rope, self.spec, pieces, plan.suffix.token_ids, reserve=reserve,

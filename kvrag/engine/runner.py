@@ -7,7 +7,8 @@ callers, run at most one prepare, run one batched decode step (:func:`kvrag.kv.b
 the model's lock (:func:`kvrag.kv.hf_cache.model_lock`) for each forward. Callers never run model work themselves:
 
 * :meth:`Runner.prepare` puts a request in line with its KV size (prompt + ``max_new_tokens``) and waits until the
-  runner has prepared it (the prepare runs in the runner thread, in its turn); it waits at most
+  runner has prepared it (the prepare runs in the runner thread, in its turn -- in pieces when the job is a
+  generator, one piece per plan, interleaved with decode steps); it waits at most
   ``EngineConfig.admission_timeout_s`` for admission, then raises :class:`~kvrag.errors.EngineBusyError` naming
   the budget.
 * :meth:`Runner.submit` starts a prepared request's stream: its first token is chosen from the prepare's logits,
@@ -17,8 +18,8 @@ the model's lock (:func:`kvrag.kv.hf_cache.model_lock`) for each forward. Caller
   :class:`~kvrag.engine.results.Prepared` (its lease), or cancelling a :class:`CancelToken` -- the token in effect
   (:func:`cancel_scope`) when a request was made; kvrag's asyncio bridges (:func:`kvrag.adapters.to_thread`,
   :func:`kvrag.adapters.aiter_in_thread`) cancel theirs when the awaiting task is cancelled or the async iterator
-  is closed. A waiting request leaves at once, a decoding one before the next step, a preparing one right after
-  its prepare; each gives its slot and its KV lease back.
+  is closed. A waiting request leaves at once, a decoding one before the next step, a preparing one at its next
+  piece boundary (right after the piece in flight); each gives its slot and its KV lease back.
 * **Lifetime**: the thread starts when there is work and exits when a plan is empty -- both decided under the
   lock, and nothing runs after the exit decision, so there is never a second loop over the same requests.
   :meth:`Runner.close` drains (or cancels) and joins it; after ``os.fork`` the child gets a fresh, empty runner
@@ -32,13 +33,14 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import inspect
 import logging
 import os
 import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -71,6 +73,7 @@ class Handle:
         self.job = job
         self.lease: Lease | None = None
         self.result: Any = None
+        self.pieces: Generator[None, None, Any] | None = None  # a prepare in progress, between two pieces
         self.error: BaseException | None = None
         self.prepared_done = threading.Event()
         self.items: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -202,34 +205,52 @@ class Runner:
             h.rid = self.scheduler.add(nbytes)
             self.scheduler.admit(h.rid)
             self._handles[h.rid] = h
-        self._run_prepare(h)
+        while not h.prepared_done.is_set():
+            self._run_prepare(h)
         if h.error is not None:
             raise h.error
         out, h.result = h.result, None
         return out
 
     def _run_prepare(self, h: Handle) -> None:
+        """One piece of a request's prepare: all of it, or -- when the job is a generator -- up to its next
+        ``yield`` (the scheduler gives the next piece the next plan, after a decode step)."""
         with self._cv:
             lease = self.scheduler.requests[h.rid].lease
-        assert lease is not None and h.job is not None
+        assert lease is not None
         lease.on_release = self._lease_released
         h.lease = lease
-        ok = True
+        ok, done = True, True
         try:
             with torch.inference_mode(), self.lock:
-                h.result = h.job(lease)
+                if h.pieces is None:
+                    assert h.job is not None
+                    out = h.job(lease)
+                    h.job = None
+                    if inspect.isgenerator(out):
+                        h.pieces = out  # type: ignore[assignment]
+                    else:
+                        h.result = out
+                if h.pieces is not None:
+                    try:
+                        next(h.pieces)
+                        done = False
+                    except StopIteration as stop:
+                        h.pieces, h.result = None, stop.value
         except BaseException as e:  # noqa: BLE001 - the caller gets it
-            ok, h.error = False, e
-        h.job = None
+            ok, h.error, h.pieces, h.job = False, e, None, None
         with self._cv:
-            self._stats["prepares"] += 1
-            state = self.scheduler.prepared(h.rid, ok)
-            if state is not RequestState.READY:  # failed, or cancelled while preparing: dropped right after
-                if h.error is None:
-                    h.result, h.error = None, _reason_error("cancelled")
-                self._handles.pop(h.rid, None)
-                h.closed = True
-        h.prepared_done.set()
+            self._stats["prepare_pieces"] += 1
+            if done:
+                self._stats["prepares"] += 1
+                state = self.scheduler.prepared(h.rid, ok)
+                if state is not RequestState.READY:  # failed, or cancelled while preparing: dropped right after
+                    if h.error is None:
+                        h.result, h.error = None, _reason_error("cancelled")
+                    self._handles.pop(h.rid, None)
+                    h.closed = True
+        if done:
+            h.prepared_done.set()
 
     def _lease_released(self, lease: Lease) -> None:
         """A lease let go outside the scheduler (the Prepared dropped or collected): safe from any thread and from
@@ -381,6 +402,9 @@ class Runner:
             return
         h.closed = True
         try:
+            if h.pieces is not None:  # a prepare stopped between two pieces
+                pieces, h.pieces = h.pieces, None
+                pieces.close()
             if h.row is not None and h.prepared is not None:  # the cache now covers what was decoded
                 h.prepared.cache = h.row.buffer.as_cache(h.row.length)
         except BaseException:  # noqa: BLE001 - the consumer still gets its end below
@@ -469,10 +493,10 @@ class Runner:
     # ------------------------------------------------------------------------------------------- introspection
     def stats(self) -> dict[str, Any]:
         """Counters since creation: ``steps``, ``rows_stepped`` (sum of batch sizes), ``max_rows`` (largest batch),
-        ``prepares``; and now: ``decoding`` and ``joining`` requests, requests per state, ``threads`` (0 or 1),
+        ``prepares``, ``prepare_pieces``; and now: ``decoding`` and ``joining`` requests, requests per state, ``threads`` (0 or 1),
         ``consumers_waiting`` (callers blocked on a prepare or a stream), the KV bound's use."""
         with self._cv:
-            out: dict[str, Any] = dict.fromkeys(("steps", "rows_stepped", "max_rows", "prepares"), 0)
+            out: dict[str, Any] = dict.fromkeys(("steps", "rows_stepped", "max_rows", "prepares", "prepare_pieces"), 0)
             out.update(self._stats)
             out.update(decoding=len(self.scheduler.running), joining=len(self.scheduler.queued),
                        states={s.value: n for s, n in self.scheduler.live().items()},

@@ -19,12 +19,14 @@ The policy, written once in :meth:`Scheduler.schedule`:
   arrival: prompt + ``max_new_tokens``) fits the budget; a request larger than the whole budget is admitted when
   nothing else holds memory. Later arrivals never pass it, so a large request is not starved by a stream of small
   ones. A wait limit is the caller's: it cancels a request that is still WAITING with the reason ``"busy"``.
-* **One prepare between two decode steps.** A plan holds at most one prepare and at most one decode step, so a
-  decoding request waits at most one prepare per token and a new request at most one step per plan ahead of it.
+* **One prepare piece between two decode steps.** A plan holds at most one piece of one prepare and at most one
+  decode step, so a decoding request waits at most one piece per token. A prepare may come in pieces (e.g. one per
+  chunk cache it must compute): the one in progress gets the next plan's piece until it is done, then the next
+  request in line is admitted.
 * **Continuous batching.** QUEUED requests join RUNNING at a plan boundary, up to ``max_batch_size``, in the order
   their streams started; every RUNNING request is in every step (each exactly once).
 * **Cancellation between steps.** A RUNNING or PREPARING request that is cancelled leaves at the next plan (its
-  step or prepare is never cut in half); any other state leaves at once. Leaving gives its lease back.
+  step or prepare piece is never cut in half); any other state leaves at once. Leaving gives its lease back.
 """
 
 from __future__ import annotations
@@ -79,7 +81,7 @@ class StepPlan:
     Attributes:
         finish: ``(rid, reason)`` of requests that finished since the last plan (the runner tells their callers);
             their leases are already given back.
-        prepare: the request to prepare now (just admitted), or None.
+        prepare: the request whose prepare runs its next piece now (just admitted, or in progress), or None.
         decode: the requests to step once each, in batch order.
     """
 
@@ -116,6 +118,8 @@ class Scheduler:
         self.waiting: collections.deque[int] = collections.deque()
         self.queued: collections.deque[int] = collections.deque()
         self.running: list[int] = []
+        self.preparing: int | None = None
+        """The prepare in progress (it gets every plan's prepare piece until it is done)."""
         self.closed = False
         self._outbox: list[tuple[int, str]] = []
         self._ids = itertools.count(1)
@@ -170,6 +174,8 @@ class Scheduler:
     def prepared(self, rid: int, ok: bool) -> RequestState:
         """The prepare of a PREPARING request ended (``ok``: it produced a request to stream); returns the new state."""
         req = self._get(rid, RequestState.PREPARING, "finish a prepare")
+        if self.preparing == rid:
+            self.preparing = None
         if not ok:
             self._finish(req, "failed")
         elif req.cancel_requested:
@@ -209,12 +215,18 @@ class Scheduler:
             self.requests[rid].state = RequestState.RUNNING
             self.running.append(rid)
         prepare = None
-        if self.waiting:
+        if self.preparing is not None:
+            req = self.requests[self.preparing]
+            if req.cancel_requested:  # stops at this piece boundary
+                self._finish(req, req.cancel_requested)
+            else:
+                prepare = req.rid
+        if self.preparing is None and self.waiting:
             head = self.requests[self.waiting[0]]
             if self.budget.fits(head.kv_bytes):
                 self.waiting.popleft()
                 self._admit(head)
-                prepare = head.rid
+                self.preparing = prepare = head.rid
         self.budget.waiting = len(self.waiting)
         plan = StepPlan(self._outbox, prepare, list(self.running))
         self._outbox = []
@@ -222,8 +234,7 @@ class Scheduler:
 
     def idle(self) -> bool:
         """Nothing is in flight (READY requests wait for their caller, not for the scheduler)."""
-        return not (self.waiting or self.queued or self.running or self._outbox
-                    or any(r.state is RequestState.PREPARING for r in self.requests.values()))
+        return not (self.waiting or self.queued or self.running or self._outbox or self.preparing is not None)
 
     def live(self) -> dict[RequestState, int]:
         """Requests per state (FINISHED ones are forgotten)."""
@@ -251,6 +262,8 @@ class Scheduler:
             self.queued.remove(req.rid)
         elif req.state is RequestState.RUNNING:
             self.running.remove(req.rid)
+        if self.preparing == req.rid:
+            self.preparing = None
         if req.lease is not None:
             self.budget.give(req.lease)
         req.state = RequestState.FINISHED

@@ -418,3 +418,61 @@ def test_a_slow_store_fetch_does_not_stall_decoding_requests() -> None:
     during = [t for t in stamps if t0 <= t <= t1]
     gaps = [b - a for a, b in zip([t0, *during], [*during, t1], strict=True)]
     assert len(during) > 5 and max(gaps) < 1.0, max(gaps)  # at 088a252 the fetch held the model: one 2 s gap
+
+
+# ---- a prepare in pieces -------------------------------------------------------------------------------------------
+def _cold_plan(eng: KVRAGEngine, tag: str) -> Any:
+    """A prompt over four passages the store has never seen: its prepare computes four chunk caches."""
+    passages = [render_passage(f"Passage {tag}{i}: the {tag} harbour opens at {i + 6} o'clock.", f"{tag}{i}")
+                for i in range(4)]
+    return eng.plan(RagTemplate().render(eng.tokenizer, passages, "When does it open?"), passages)
+
+
+def test_chunks_a_prepare_computes_interleave_with_decode_steps_and_a_cancel_stops_between_them() -> None:
+    eng = _engine()
+    compute, calls = eng.compute, []
+
+    def slow_compute(*args: Any, **kwargs: Any) -> Any:
+        calls.append(time.monotonic())
+        time.sleep(0.4)
+        return compute(*args, **kwargs)
+
+    stamps: list[float] = []
+    step = eng.runner._step
+
+    def stamped(rows: list[Any]) -> None:
+        step(rows)
+        stamps.append(time.monotonic())
+
+    eng.runner._step = stamped  # type: ignore[method-assign]
+    running = eng.stream(eng.prepare(_plan(eng, 0), "stale", reserve=2000), GenerationConfig(max_new_tokens=2000))
+    next(running)
+    eng.compute = slow_compute  # type: ignore[method-assign]
+    t0 = time.monotonic()
+    prep = eng.prepare(_cold_plan(eng, "a"), "stale", reserve=GEN.max_new_tokens)
+    t1 = time.monotonic()
+    assert len(calls) >= 4 and t1 - t0 >= 1.6
+    during = [t for t in stamps if t0 <= t <= t1]
+    gaps = [b - a for a, b in zip([t0, *during], [*during, t1], strict=True)]
+    assert max(gaps) < 1.2, max(gaps)  # one chunk (0.4 s) at a time, not all four (1.6 s) in one turn
+    assert eng.runner.stats()["prepare_pieces"] > eng.runner.stats()["prepares"]
+    "".join(eng.stream(prep, GEN))
+    eng.compute = compute  # type: ignore[method-assign]
+    assert prep.token_ids == eng.answer_plan(_cold_plan(eng, "a"), "stale", GEN).token_ids
+
+    calls.clear()
+    eng.compute = slow_compute  # type: ignore[method-assign]
+    token = CancelToken()
+
+    def cold() -> Any:
+        with cancel_scope(token):
+            return eng.prepare(_cold_plan(eng, "b"), "stale", reserve=GEN.max_new_tokens)
+
+    t, out = _in_thread(cold)
+    assert _wait_for(lambda: len(calls) >= 1)
+    token.cancel()
+    t.join(20)
+    assert isinstance(out.get("error"), RequestCancelledError)
+    assert len(calls) <= 2  # it stopped at the next piece boundary, not after all four
+    running.close()
+    assert _wait_for(lambda: _quiet(eng))

@@ -48,21 +48,31 @@ def test_admission_in_arrival_order_and_a_large_request_is_not_passed() -> None:
     s = _sched(limit=100)
     a = s.add(60)
     assert s.schedule().prepare == a
+    s.prepared(a, True)
     big = s.add(500)  # larger than the whole bound
     small = s.add(10)  # would fit now, but arrived later: it does not pass the big one
     plan = s.schedule()
     assert plan.prepare is None and s.ahead(small) == 1
-    s.prepared(a, True)
     s.release(a)  # the only holder lets go: the big one runs alone
     plan = s.schedule()
     assert plan.finish == [(a, "dropped")] and plan.prepare == big
     assert s.budget.used == 500
-    assert s.schedule().prepare is None  # nothing else while it holds more than the bound
+    assert s.schedule().prepare == big  # its next piece: nobody else is admitted meanwhile
     s.cancel(big)
-    assert s.schedule().prepare is None  # cancelled while PREPARING: it leaves after its prepare
-    assert s.prepared(big, True) is S.FINISHED
+    assert s.prepared(big, True) is S.FINISHED  # cancelled while PREPARING: it leaves after its prepare
     plan = s.schedule()
     assert plan.finish == [(big, "cancelled")] and plan.prepare == small
+
+
+def test_a_prepare_in_pieces_keeps_its_turn_and_a_cancel_stops_it_at_a_piece_boundary() -> None:
+    s = _sched(batch=2)
+    a, b = s.add(10), s.add(10)
+    assert s.schedule().prepare == a
+    assert s.schedule().prepare == a  # its next piece: b is not admitted meanwhile
+    assert s.state(b) is S.WAITING
+    s.cancel(a)
+    plan = s.schedule()  # a stops here, b's turn begins
+    assert plan.finish == [(a, "cancelled")] and plan.prepare == b and s.budget.used == 10
 
 
 def test_cancellation_by_state() -> None:
@@ -132,11 +142,14 @@ def _plan(s: Scheduler, seed: int, admitted: list[int], seen_finished: set[int])
     seen_finished.update(r for r, _ in plan.finish)
     if plan.prepare is not None:
         assert all(w > plan.prepare for w in s.waiting)  # arrival order: nobody earlier is still in line
-        assert not admitted or plan.prepare > admitted[-1]
-        admitted.append(plan.prepare)
-        s.prepared(plan.prepare, ok=seed % 7 != 0)
+        if not admitted or plan.prepare != admitted[-1]:  # a new admission (else: the next piece of the same one)
+            assert not admitted or plan.prepare > admitted[-1]
+            admitted.append(plan.prepare)
+        if seed % 5 != 1:  # else the prepare has more pieces
+            s.prepared(plan.prepare, ok=seed % 7 != 0)
     s.stepped([r for i, r in enumerate(plan.decode) if (seed >> i) & 1])
     _check(s, seen_finished)
+    assert s.preparing is None or s.state(s.preparing) is S.PREPARING
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -166,7 +179,7 @@ def test_random_sequences_keep_every_invariant_and_nobody_starves(ops: list[tupl
     for _ in range(4 * len(rids) + 4):
         for r in [r for r in s.requests.values() if r.state is S.READY]:
             s.stream(r.rid)
-        _plan(s, 0b1, admitted, seen_finished)  # one row finishes per step
+        _plan(s, 0b11, admitted, seen_finished)  # one row finishes per step; prepares end
         if s.idle() and not s.requests:
             break
     assert not s.requests and s.idle()
