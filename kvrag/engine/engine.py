@@ -81,6 +81,7 @@ class KVRAGEngine(ChunkCaching):
                                              model_fingerprint=loaded.fingerprint)
         limit = int(self.config.max_context or getattr(text_cfg, "max_position_embeddings", None) or 2048)
         self.max_context = context_limit(self.model, limit)  # capped by a sliding/chunked attention window
+        self.max_positions = limit  # prompt + generated tokens (decoding may run past an attention window)
         self.chunk_prefix_ids: tuple[int, ...] = self._chunk_prefix()
         self._spaces = {kind: self.chunk_key((), kind) for kind in ("chunk", "prefix")}
         self._lock = hf_cache.model_lock(self.model)  # shared by every engine on this model (forwards, probe)
@@ -241,7 +242,8 @@ class KVRAGEngine(ChunkCaching):
         decode steps.
 
         Raises:
-            ContextLengthError: prompt + ``reserve`` does not fit the context window (before any work).
+            ContextLengthError: the prompt does not fit the context window, or prompt + ``reserve`` exceeds the
+                model's positions (before any work).
             EngineBusyError: not admitted within ``config.admission_timeout_s``.
             RequestCancelledError: the :class:`~kvrag.engine.runner.CancelToken` in effect was cancelled.
             EngineClosedError: the engine is closed.
@@ -250,11 +252,15 @@ class KVRAGEngine(ChunkCaching):
         reserve = GenerationConfig().max_new_tokens if reserve is None else int(reserve)
         if reserve < 0:
             raise ConfigError(f"reserve must be >= 0 new tokens, got {reserve}")
-        if plan.total_len + reserve > self.max_context:
+        if plan.total_len >= self.max_context:
             msg = (f"the prompt has {plan.total_len} tokens ({plan.context_len} context + {len(plan.suffix.token_ids)} "
-                   f"suffix) and {reserve} new tokens are asked for, but the model's context window is "
-                   f"{self.max_context}; retrieve fewer or shorter chunks or ask for at most "
-                   f"{max(0, self.max_context - plan.total_len)} new tokens")
+                   f"suffix) but the model's context window is {self.max_context}; retrieve fewer or shorter chunks")
+            raise ContextLengthError(msg)
+        if plan.total_len + reserve > self.max_positions:
+            msg = (f"the prompt has {plan.total_len} tokens and {reserve} new tokens are asked for, but the model "
+                   f"handles {self.max_positions} positions (EngineConfig.max_context or the model's "
+                   f"max_position_embeddings); retrieve fewer or shorter chunks or ask for at most "
+                   f"{max(0, self.max_positions - plan.total_len)} new tokens")
             raise ContextLengthError(msg)
         timings = Timings()
         fetched = None

@@ -40,7 +40,7 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -48,56 +48,14 @@ import torch
 from kvrag.config import GenerationConfig
 from kvrag.engine.cancel import CancelToken, cancel_scope, current_token
 from kvrag.engine.generate import DecodeState
+from kvrag.engine.handle import END, Handle, reason_error
 from kvrag.engine.lease import KVBudget, Lease
 from kvrag.engine.scheduler import RequestState, Scheduler, SchedulerError, StepPlan
-from kvrag.errors import ConfigError, EngineBusyError, EngineClosedError, RequestCancelledError
+from kvrag.errors import ConfigError, EngineBusyError, EngineClosedError
 from kvrag.kv import batched, hf_cache
 from kvrag.kv.attention import IMPL
 
 log = logging.getLogger(__name__)
-
-END = object()
-"""The last item of a request's queue."""
-
-
-# ------------------------------------------------------------------------------------------------- requests
-class Handle:
-    """The runner's side of one request (its state lives in the scheduler, not here).
-
-    Attributes:
-        items: ``(token, delta)`` items for the stream's consumer, then an exception or :data:`END`.
-    """
-
-    def __init__(self, job: Callable[[Lease], Any] | None) -> None:
-        self.rid = 0
-        self.job = job
-        self.lease: Lease | None = None
-        self.result: Any = None
-        self.pieces: Generator[None, None, Any] | None = None  # a prepare in progress, between two pieces
-        self.error: BaseException | None = None
-        self.prepared_done = threading.Event()
-        self.items: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self.state: DecodeState | None = None
-        self.row: batched.Row | None = None
-        self.prepared: Any = None
-        self.closed = False
-
-    def __iter__(self) -> Iterator[tuple[int, str]]:
-        """The stream's items as they come; raises what failed or cancelled it."""
-        while True:
-            item = self.items.get()
-            if item is END:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-
-
-def _reason_error(reason: str) -> BaseException:
-    if reason == "closed":
-        return EngineClosedError("the engine was closed (engine.close(cancel=True)) while this request was in flight")
-    return RequestCancelledError(f"the request was cancelled ({reason})")
-
 
 _RUNNERS: weakref.WeakSet[Runner] = weakref.WeakSet()
 
@@ -163,7 +121,7 @@ class Runner:
             return self._prepare_nested(h, nbytes)
         token = current_token()
         if token is not None and token.cancelled:
-            raise _reason_error("cancelled")
+            raise reason_error("cancelled")
         with self._cv:
             try:
                 h.rid = self.scheduler.add(nbytes)
@@ -246,7 +204,7 @@ class Runner:
                 state = self.scheduler.prepared(h.rid, ok)
                 if state is not RequestState.READY:  # failed, or cancelled while preparing: dropped right after
                     if h.error is None:
-                        h.result, h.error = None, _reason_error("cancelled")
+                        h.result, h.error = None, reason_error("cancelled")
                     self._handles.pop(h.rid, None)
                     h.closed = True
         if done:
@@ -411,10 +369,10 @@ class Runner:
             log.exception("could not hand a request's decoded cache back")
         finally:
             if not h.prepared_done.is_set():
-                h.error = h.error or _reason_error(reason)
+                h.error = h.error or reason_error(reason)
                 h.prepared_done.set()
             if reason not in ("done", "failed"):
-                h.items.put(_reason_error(reason))
+                h.items.put(reason_error(reason))
             h.items.put(END)
             h.prepared = None
 

@@ -79,8 +79,7 @@ def repairer(tmp_path_factory: pytest.TempPathFactory) -> Callable[[KVRAGEngine]
 def _step_diffs(eng: KVRAGEngine, steps: int) -> tuple[float, list[list[int]]]:
     """Requests of different lengths and methods decoded together vs each alone
     (:func:`kvrag.testing.batching.compare_batched_to_alone`): the largest logit difference and the tokens."""
-    preps = [eng.prepare(_plan(eng, i), m, reserve=1)  # the oracle grows the buffers itself, past any window
-             for i, m in enumerate(["stale", "full", "relaxkv:r=0.3", "stale", "full"])]
+    preps = [eng.prepare(_plan(eng, i), m) for i, m in enumerate(["stale", "full", "relaxkv:r=0.3", "stale", "full"])]
     got = compare_batched_to_alone(eng.model, preps, steps)
     return got.worst, got.tokens
 

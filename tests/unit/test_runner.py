@@ -186,7 +186,7 @@ def test_a_prepared_request_is_streamed_once() -> None:
 def test_prompt_plus_new_tokens_past_the_window_is_refused_before_any_work() -> None:
     eng = _engine()
     plan = _plan(eng, 0)
-    room = eng.max_context - plan.total_len
+    room = eng.max_positions - plan.total_len
     before = eng.runner.stats()
     with pytest.raises(ContextLengthError, match=f"ask for at most {room} new tokens"):
         eng.answer_plan(plan, "stale", GenerationConfig(max_new_tokens=room + 1))
