@@ -304,12 +304,16 @@ async def aiter_in_thread(factory: Callable[[], Iterator[T]]) -> AsyncIterator[T
     ctx = contextvars.copy_context()
     token = ctx.run(_fresh_token)
 
+    def put(item: tuple[bool, Any]) -> None:
+        with contextlib.suppress(RuntimeError):  # the consumer left and its loop closed: nobody to tell
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
     def work() -> None:
         try:
             it = factory()
             try:
                 for item in it:
-                    loop.call_soon_threadsafe(queue.put_nowait, (True, item))
+                    put((True, item))
                     if stop.is_set():
                         break
             finally:
@@ -317,9 +321,9 @@ async def aiter_in_thread(factory: Callable[[], Iterator[T]]) -> AsyncIterator[T
                 if close is not None:
                     close()
         except BaseException as e:  # noqa: BLE001  (re-raised in the consumer)
-            loop.call_soon_threadsafe(queue.put_nowait, (False, e))
+            put((False, e))
             return
-        loop.call_soon_threadsafe(queue.put_nowait, (True, _DONE))
+        put((True, _DONE))
 
     thread = threading.Thread(target=ctx.run, args=(work,), name="kvrag-stream", daemon=True)
     thread.start()

@@ -134,6 +134,9 @@ class Runner:
             self._wait_prepared(h, nbytes)
         finally:
             remove()
+        with self._cv:  # cancelled after its prepare, before this call returned: the caller gets no Prepared
+            if h.error is None and self.scheduler.state(h.rid) is not RequestState.READY:
+                h.result, h.error = None, reason_error("cancelled")
         if h.error is not None:
             raise h.error
         out, h.result = h.result, None  # the runner keeps no reference: dropping the Prepared frees its lease
