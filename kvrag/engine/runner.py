@@ -6,11 +6,9 @@ lock only to record what happened and ask :meth:`kvrag.engine.scheduler.Schedule
 callers, run at most one prepare, run one batched decode step (:func:`kvrag.kv.batched.decode_step`) -- holding
 the model's lock (:func:`kvrag.kv.hf_cache.model_lock`) for each forward. Callers never run model work themselves:
 
-* :meth:`Runner.prepare` puts a request in line with its KV size (prompt + ``max_new_tokens``) and waits until the
-  runner has prepared it (the prepare runs in the runner thread, in its turn -- in pieces when the job is a
-  generator, one piece per plan, interleaved with decode steps); it waits at most
-  ``EngineConfig.admission_timeout_s`` for admission, then raises :class:`~kvrag.errors.EngineBusyError` naming
-  the budget.
+* :meth:`Runner.prepare` puts a request in line (KV: prompt + ``max_new_tokens``) and waits until the runner
+  prepared it in its turn (in pieces when the job is a generator, one per plan, between decode steps); at most
+  ``EngineConfig.admission_timeout_s`` for admission, then :class:`~kvrag.errors.EngineBusyError` names the bound.
 * :meth:`Runner.submit` starts a prepared request's stream: its first token is chosen from the prepare's logits,
   then it joins the batch at a plan boundary; the consumer reads ``(token, delta)`` items from the request's own
   queue (transformers' per-request output queues), so a slow consumer never holds the model.
@@ -129,12 +127,20 @@ class Runner:
                 raise EngineClosedError("the engine is closed (engine.close()); open a new one") from None
             self._handles[h.rid] = h
             self._kick()
-        remove = token.on_cancel(lambda: self.cancel(h.rid)) if token is not None else (lambda: None)
+        armed = [True]
+
+        def cancel() -> None:
+            with self._cv:
+                if armed[0]:  # a late callback (after this call returned) must not drop the caller's Prepared
+                    self.cancel(h.rid)
+
+        remove = token.on_cancel(cancel) if token is not None else (lambda: None)
         try:
             self._wait_prepared(h, nbytes)
         finally:
             remove()
         with self._cv:  # cancelled after its prepare, before this call returned: the caller gets no Prepared
+            armed[0] = False
             if h.error is None and self.scheduler.state(h.rid) is not RequestState.READY:
                 h.result, h.error = None, reason_error("cancelled")
         if h.error is not None:
