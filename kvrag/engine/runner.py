@@ -137,6 +137,9 @@ class Runner:
         remove = token.on_cancel(cancel) if token is not None else (lambda: None)
         try:
             self._wait_prepared(h, nbytes)
+        except BaseException:  # e.g. KeyboardInterrupt while waiting: the request leaves
+            self.cancel(h.rid)
+            raise
         finally:
             remove()
         with self._cv:  # cancelled after its prepare, before this call returned: the caller gets no Prepared
@@ -167,7 +170,7 @@ class Runner:
                 return
 
     def _prepare_nested(self, h: Handle, nbytes: int) -> Any:
-        """A prepare called from inside a forward of this thread (or the runner's own): run it here, now."""
+        """A prepare called inside a forward of this thread (or the runner's own): run it here, now."""
         with self._cv:
             h.rid = self.scheduler.add(nbytes)
             self.scheduler.admit(h.rid)
@@ -452,10 +455,8 @@ class Runner:
         self.lock.release()
 
     def _after_fork_child(self) -> None:
-        old = self.budget
-        self._cv.release()
-        self.lock.release()
-        self._fresh(KVBudget(old.limit, old.bytes_per_token))
+        self._after_fork_parent()
+        self._fresh(KVBudget(self.budget.limit, self.budget.bytes_per_token))
 
     # ------------------------------------------------------------------------------------------- introspection
     def stats(self) -> dict[str, Any]:
@@ -481,20 +482,15 @@ def _fork_before() -> None:
         r._before_fork()
 
 
-def _fork_parent() -> None:
+def _fork_after(child: bool) -> None:
     for r in reversed(_FORKING):
-        r._after_fork_parent()
-    _FORKING.clear()
-
-
-def _fork_child() -> None:
-    for r in reversed(_FORKING):
-        r._after_fork_child()
+        r._after_fork_child() if child else r._after_fork_parent()
     _FORKING.clear()
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(before=_fork_before, after_in_parent=_fork_parent, after_in_child=_fork_child)
+    os.register_at_fork(before=_fork_before, after_in_parent=lambda: _fork_after(False),
+                        after_in_child=lambda: _fork_after(True))
 
 
 __all__ = ["END", "CancelToken", "Handle", "Runner", "cancel_scope", "current_token"]  # tokens: kvrag.engine.cancel
