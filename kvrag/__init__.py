@@ -20,7 +20,10 @@ from kvrag.errors import (
     CheckpointMismatchError,
     ConfigError,
     ContextLengthError,
+    EngineBusyError,
+    EngineClosedError,
     KVRAGError,
+    RequestCancelledError,
     StoreError,
     UnsupportedModelError,
 )
@@ -28,6 +31,8 @@ from kvrag.errors import (
 __version__ = "0.1.0"
 
 _LAZY = {
+    "CancelToken": "kvrag.engine.cancel",
+    "cancel_scope": "kvrag.engine.cancel",
     "KVRAGEngine": "kvrag.engine.engine",
     "Response": "kvrag.engine.engine",
     "load_model": "kvrag.models",
@@ -53,9 +58,12 @@ __all__ = [
     "CheckpointMismatchError",
     "ConfigError",
     "ContextLengthError",
+    "EngineBusyError",
+    "EngineClosedError",
     "EngineConfig",
     "GenerationConfig",
     "KVRAGError",
+    "RequestCancelledError",
     "StoreError",
     "UnsupportedModelError",
     "__version__",

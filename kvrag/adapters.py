@@ -30,7 +30,9 @@ retriever (``integrations/langchain-kvrag``) all call this module for the behavi
 * **Async bridge**: :func:`to_thread` runs a blocking request from asyncio and :func:`aiter_in_thread` drives a
   blocking token stream, each in a worker thread of its own, so that concurrent async callers (``aquery``,
   ``achat``, ``abatch``, ``astream``, ``asyncio.gather``) are all in flight at once and decode in the engine's
-  shared batch (:mod:`kvrag.engine.batching`) instead of queueing for the default executor's few workers.
+  shared batch (:mod:`kvrag.engine.runner`) instead of queueing for the default executor's few workers. Each call
+  runs under its own :class:`~kvrag.engine.runner.CancelToken`: cancelling the awaiting task (``task.cancel()``,
+  a timeout) or closing the async iterator cancels the engine request too, which frees its batch slot and KV.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequenc
 from typing import Any, TypeVar
 
 from kvrag.config import GenerationConfig
+from kvrag.engine.cancel import CancelToken, current_token, use_token
 from kvrag.engine.chunks import RegisteredChunk
 from kvrag.errors import ConfigError
 from kvrag.prompting import render_chat
@@ -270,7 +273,23 @@ async def to_thread(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
     """
     loop = asyncio.get_running_loop()
     ctx = contextvars.copy_context()
-    return await loop.run_in_executor(_pool(), functools.partial(ctx.run, fn, *args, **kwargs))
+    token = ctx.run(_fresh_token)
+    try:
+        return await loop.run_in_executor(_pool(), functools.partial(ctx.run, fn, *args, **kwargs))
+    except asyncio.CancelledError:
+        token.cancel()  # the engine drops the request: out of line, before its next step, or right after its prepare
+        raise
+
+
+def _fresh_token() -> CancelToken:
+    """A :class:`~kvrag.engine.runner.CancelToken` for one async call, set in the current context (a copy made for
+    the call's worker thread); cancelling it also cancels the caller's own token, if any."""
+    outer = current_token()
+    token = CancelToken()
+    if outer is not None:
+        outer.on_cancel(token.cancel)
+    use_token(token)
+    return token
 
 
 async def aiter_in_thread(factory: Callable[[], Iterator[T]]) -> AsyncIterator[T]:
@@ -283,13 +302,18 @@ async def aiter_in_thread(factory: Callable[[], Iterator[T]]) -> AsyncIterator[T
     queue: asyncio.Queue[Any] = asyncio.Queue()
     stop = threading.Event()
     ctx = contextvars.copy_context()
+    token = ctx.run(_fresh_token)
+
+    def put(item: tuple[bool, Any]) -> None:
+        with contextlib.suppress(RuntimeError):  # the consumer left and its loop closed: nobody to tell
+            loop.call_soon_threadsafe(queue.put_nowait, item)
 
     def work() -> None:
         try:
             it = factory()
             try:
                 for item in it:
-                    loop.call_soon_threadsafe(queue.put_nowait, (True, item))
+                    put((True, item))
                     if stop.is_set():
                         break
             finally:
@@ -297,9 +321,9 @@ async def aiter_in_thread(factory: Callable[[], Iterator[T]]) -> AsyncIterator[T
                 if close is not None:
                     close()
         except BaseException as e:  # noqa: BLE001  (re-raised in the consumer)
-            loop.call_soon_threadsafe(queue.put_nowait, (False, e))
+            put((False, e))
             return
-        loop.call_soon_threadsafe(queue.put_nowait, (True, _DONE))
+        put((True, _DONE))
 
     thread = threading.Thread(target=ctx.run, args=(work,), name="kvrag-stream", daemon=True)
     thread.start()
@@ -313,6 +337,7 @@ async def aiter_in_thread(factory: Callable[[], Iterator[T]]) -> AsyncIterator[T
             yield item
     finally:
         stop.set()
+        token.cancel()  # closed or cancelled early: the thread's request leaves the batch (no-op once it ended)
 
 
 def chunk_texts(chunks: Sequence[RegisteredChunk]) -> list[str]:

@@ -305,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--chunk-tokens", type=int, default=256)
     sp.add_argument("--chunk-prefix", choices=["none", "template"], default="template")
     sp.add_argument("--batch-size", type=int, default=None,
-                    help="chunks per prefill forward (default: kvrag.engine.batch.DEFAULT_BATCH_SIZE; 1: one at a time)")
+                    help="chunks per prefill forward (default: kvrag.engine.ingest_prefill.DEFAULT_BATCH_SIZE; 1: one at a time)")
     sp.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
                     help="prefill on Ray workers (pip install 'kvrag[ray]'); ADDRESS of a running cluster (e.g. "
                          "ray://head:10001 or auto), or none to start a local Ray with --workers workers")

@@ -60,12 +60,12 @@ class EngineConfig:
             "raise" lets the StoreError propagate. ``ingest()`` always raises: storing is its purpose.
         store_retry_s: with "recompute", seconds to leave a failed store alone before trying it again.
         max_batch_size: most requests decoded together in one batched step (continuous batching,
-            :mod:`kvrag.engine.batching`); further requests wait for a free place at a step boundary. Default 8: a
+            :mod:`kvrag.engine.scheduler`); further requests wait for a free place at a step boundary. Default 8: a
             step reads every weight once whatever the batch, while each row adds its own attention over its context
             (SmolLM2-135M, 1.5K-token contexts, one thread, 2-core Xeon with AMX: bf16 57 ms/step at batch 1,
             108 ms at batch 8, i.e. 13.4 ms/token; fp32 69 vs 233 ms/step, 29 ms/token).
         kv_memory_bytes: bound on the KV bytes of the requests in flight (prompt + reserved answer tokens of each
-            request buffer); a request that does not fit waits until others finish (:mod:`kvrag.engine.admission`).
+            request buffer); a request that does not fit waits, in arrival order, until others finish (:mod:`kvrag.engine.lease`).
             None (default): ``max_batch_size`` requests of the full context window, capped at half the memory
             available on the model's device when the engine starts.
         compile_decode: capture the batched decode step with ``torch.compile`` (dynamic batch size; see
@@ -73,6 +73,9 @@ class EngineConfig:
             1.5K-token contexts): ~45 s of compilation at the first step, then fp32 ~5% faster (batch 1: 70 -> 67
             ms/step, batch 8: 233 -> 220 ms) and bf16 no faster (58 -> 59 ms, 105 -> 111 ms; kvrag's packed bf16
             linears already do what inductor would).
+        admission_timeout_s: longest wait, in seconds, of a request in line for the KV memory bound (requests are
+            admitted in arrival order); past it ``prepare`` raises :class:`~kvrag.errors.EngineBusyError` naming the
+            bound. None: wait without limit.
         strict_tokenization: a registered chunk whose own token ids do not occur in the tokenized prompt (its
             boundary token merges with the text around it, e.g. after indentation) is prefilled as text (True), or
             spliced anyway and counted as ``inexact_chunks`` in the response stats (False, default). Either way
@@ -89,6 +92,7 @@ class EngineConfig:
     max_batch_size: int = 8
     kv_memory_bytes: int | None = None
     compile_decode: bool = False
+    admission_timeout_s: float | None = 300.0
 
     def __post_init__(self) -> None:
         if self.chunk_prefix not in CHUNK_PREFIX_MODES:
@@ -106,6 +110,8 @@ class EngineConfig:
             raise ConfigError(f"store_retry_s must be >= 0 seconds, got {self.store_retry_s!r}")
         if not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
             raise ConfigError(f"max_batch_size must be an integer >= 1, got {self.max_batch_size!r}")
+        if self.admission_timeout_s is not None and not self.admission_timeout_s >= 0:
+            raise ConfigError(f"admission_timeout_s must be >= 0 seconds or None, got {self.admission_timeout_s!r}")
         if self.kv_memory_bytes is not None and (not isinstance(self.kv_memory_bytes, int) or self.kv_memory_bytes < 1):
             msg = f"kv_memory_bytes must be a positive number of bytes or None (automatic), got {self.kv_memory_bytes!r}"
             raise ConfigError(msg)

@@ -10,7 +10,7 @@ into the shared KV store.
 Flow: the driver (this process) tokenizes every text, computes its content-addressed key, skips the chunks the
 store already holds (so a rerun resumes), sorts the rest by length and cuts them into tasks of a few batches. A pool
 of Ray actors, each holding the model once (one torch thread each by default), computes each task's caches with the
-batched prefill (:func:`kvrag.engine.batch.compute_chunk_kvs`) and ``put``s them into the store; only keys, token
+batched prefill (:func:`kvrag.engine.ingest_prefill.compute_chunk_kvs`) and ``put``s them into the store; only keys, token
 ids and small reports travel through Ray, never K/V tensors. The FAISS index and docstore are built by the caller
 on the driver (``kvrag ingest --ray`` does).
 
@@ -240,7 +240,7 @@ class RayIngest:
         """Compute and store ``(key, token_ids)`` items on the actors; returns task/worker statistics."""
         from tqdm.auto import tqdm
 
-        from kvrag.engine.batch import DEFAULT_BATCH_SIZE
+        from kvrag.engine.ingest_prefill import DEFAULT_BATCH_SIZE
 
         bs = DEFAULT_BATCH_SIZE if batch_size is None else batch_size
         if not isinstance(bs, int) or bs < 1:

@@ -31,5 +31,17 @@ class ContextLengthError(KVRAGError, ValueError):
     """A prompt or chunk does not fit the model's context window."""
 
 
+class EngineBusyError(KVRAGError):
+    """A request was not admitted within ``EngineConfig.admission_timeout_s``: the KV memory bound stayed spent."""
+
+
+class EngineClosedError(KVRAGError):
+    """The engine was closed (``engine.close()``) before or while the request ran."""
+
+
+class RequestCancelledError(KVRAGError):
+    """The request was cancelled (its :class:`kvrag.engine.runner.CancelToken`, or its stream closed)."""
+
+
 class CheckpointMismatchError(KVRAGError):
     """A repairer checkpoint was trained for another model."""

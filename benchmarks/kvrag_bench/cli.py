@@ -388,7 +388,7 @@ def run_load(args: argparse.Namespace) -> int:
     result = h.run_sweep(h.config_from_args(args))
     print(h.markdown(result))
     print(f"results in {result['path']}", file=sys.stderr)
-    levels = [lv for fw in result["frameworks"].values() for lv in fw["levels"]]
+    levels = [lv for fw in result["frameworks"].values() for lv in [*fw["levels"], *([fw["burst"]] if "burst" in fw else [])]]
     return 0 if all(lv["errors"] == 0 and lv["same_answer_rate"] == 1.0 for lv in levels) else 1
 
 

@@ -116,8 +116,8 @@ def run_ingest_bench(cfg: IngestBenchConfig) -> dict[str, Any]:
     """Run the benchmark; writes ``ingest.json`` / ``ingest.md`` into ``cfg.out`` and returns the result."""
     import torch
 
-    from kvrag.engine.batch import DEFAULT_BATCH_SIZE
     from kvrag.engine.engine import KVRAGEngine
+    from kvrag.engine.ingest_prefill import DEFAULT_BATCH_SIZE
     from kvrag.store.factory import store_from_url
 
     torch.set_num_threads(cfg.threads)

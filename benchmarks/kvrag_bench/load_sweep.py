@@ -14,7 +14,7 @@ count N, N client threads start together and each asks ``--questions`` questions
 level reports questions/s and generated tokens/s over its wall time, TTFT p50/p90 (from the call to the first
 streamed text, retrieval included), decode ms/token (the engine's decode time per generated token, per request),
 the batch sizes the engine's decode steps ran at, and the same-answer rate vs the reference. Concurrent callers
-need nothing special: the engine batches whatever is in flight (:mod:`kvrag.engine.batching`).
+need nothing special: the engine batches whatever is in flight (:mod:`kvrag.engine.runner`).
 
 Then the decode step itself: ms/token of the engine's batched step at batch 1 and batch 8 over one real prompt's
 KV (``--context`` tokens), against the weight-read bound = weight bytes / measured copy bandwidth (a step must read
@@ -76,11 +76,14 @@ class SweepConfig:
     max_batch_size: int = 8
     context: int = 1500
     step_repeats: int = 5
+    burst: int = 0
     out: str = "runs/load_sweep"
 
     def __post_init__(self) -> None:
         from kvrag.errors import ConfigError
 
+        if self.burst < 0:
+            raise ConfigError(f"burst must be >= 0 questions (0: no burst), got {self.burst}")
         if not self.clients or min(self.clients) < 1 or self.questions < 1:
             raise ConfigError(f"clients and questions must be >= 1, got {self.clients}, {self.questions}")
         bad = [f for f in self.frameworks if f not in FRAMEWORKS]
@@ -103,12 +106,14 @@ def percentile(xs: Sequence[float], q: float) -> float | None:
 Ask = Callable[[str], dict[str, Any]]
 
 
-def _sample(answer: str, t0: float, ttft: float | None, info: dict[str, Any]) -> dict[str, Any]:
+def _sample(answer: str, t0: float, ttft: float | None, info: dict[str, Any], stamps: Sequence[float] = ()) -> dict[str, Any]:
+    """One answer's record; ``stamps``: when each non-empty text delta arrived (for inter-token latency)."""
     total = time.perf_counter() - t0
     timings, tokens = info.get("timings") or {}, info.get("token_ids") or []
     decode = timings.get("decode_s")
     return {"answer": answer, "ttft_s": ttft if ttft is not None else total, "total_s": total, "tokens": len(tokens),
-            "decode_ms_per_token": 1000 * decode / len(tokens) if decode and tokens else None}
+            "decode_ms_per_token": 1000 * decode / len(tokens) if decode and tokens else None,
+            "itl_s": [b - a for a, b in zip(stamps, stamps[1:], strict=False)]}
 
 
 def llamaindex_client(engine: Any, cfg: SweepConfig, docs_dir: Path) -> Ask:
@@ -129,13 +134,14 @@ def llamaindex_client(engine: Any, cfg: SweepConfig, docs_dir: Path) -> Ask:
                                similarity_top_k=cfg.top_k, streaming=True)
 
     def ask(question: str) -> dict[str, Any]:
-        t0, ttft, parts = time.perf_counter(), None, []
+        t0, ttft, parts, stamps = time.perf_counter(), None, [], []
         for delta in qe.query(question).response_gen:
-            if delta and ttft is None:
-                ttft = time.perf_counter() - t0
+            if delta:
+                stamps.append(time.perf_counter())
+                ttft = stamps[0] - t0
             parts.append(delta)
         info = llm.last_info or {}  # the record made in this thread's context
-        return _sample("".join(parts), t0, ttft, info.get("raw", {}))
+        return _sample("".join(parts), t0, ttft, info.get("raw", {}), stamps)
 
     return ask
 
@@ -162,14 +168,15 @@ def langchain_client(engine: Any, cfg: SweepConfig, docs_dir: Path) -> Ask:
              | ChatPromptTemplate.from_template(PROMPT) | llm)
 
     def ask(question: str) -> dict[str, Any]:
-        t0, ttft, parts = time.perf_counter(), None, []
+        t0, ttft, parts, stamps = time.perf_counter(), None, [], []
         meta: dict[str, Any] = {}
         for chunk in chain.stream(question):
-            if chunk.content and ttft is None:
-                ttft = time.perf_counter() - t0
+            if chunk.content:
+                stamps.append(time.perf_counter())
+                ttft = stamps[0] - t0
             parts.append(str(chunk.content))
             meta = chunk.response_metadata.get("kvrag") or meta  # the last chunk carries the request's record
-        return _sample("".join(parts), t0, ttft, meta)
+        return _sample("".join(parts), t0, ttft, meta, stamps)
 
     return ask
 
@@ -194,7 +201,7 @@ def run_level(ask: Ask, engine: Any, questions: Sequence[str], clients: int, per
             with lock:
                 rows.append(row)
 
-    before = engine.batcher.stats()
+    before = engine.runner.stats()
     threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
     for t in threads:
         t.start()
@@ -203,15 +210,17 @@ def run_level(ask: Ask, engine: Any, questions: Sequence[str], clients: int, per
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
-    after = engine.batcher.stats()
+    after = engine.runner.stats()
     ok = [r for r in rows if r["error"] is None]
     ttfts = [r["ttft_s"] for r in ok]
+    itls = [x for r in ok for x in r["itl_s"]]
     per_token = [r["decode_ms_per_token"] for r in ok if r["decode_ms_per_token"] is not None]
     steps = after.get("steps", 0) - before.get("steps", 0)
     return {
         "clients": clients, "requests": len(rows), "errors": len(rows) - len(ok), "wall_s": wall,
         "questions_per_s": len(ok) / wall, "tokens_per_s": sum(r["tokens"] for r in ok) / wall,
-        "ttft_p50_s": percentile(ttfts, 50), "ttft_p90_s": percentile(ttfts, 90),
+        "ttft_p50_s": percentile(ttfts, 50), "ttft_p90_s": percentile(ttfts, 90), "ttft_p99_s": percentile(ttfts, 99),
+        "itl_p50_s": percentile(itls, 50), "itl_p99_s": percentile(itls, 99),
         "decode_ms_per_token": statistics.fmean(per_token) if per_token else None,
         "mean_batch": (after.get("rows_stepped", 0) - before.get("rows_stepped", 0)) / steps if steps else None,
         "same_answer_rate": sum(r["answer"] == reference[r["question"]] for r in ok) / len(ok) if ok else 0.0,
@@ -301,13 +310,21 @@ def run_sweep(cfg: SweepConfig, engine: Any = None) -> dict[str, Any]:
     questions = list(QUESTIONS)
     for fw in cfg.frameworks:
         ask = builders[fw](engine, cfg, docs_dir)
-        needed = {questions[i % len(questions)] for i in range(max(cfg.clients) * cfg.questions)}
+        needed = {questions[i % len(questions)] for i in range(max(max(cfg.clients) * cfg.questions, cfg.burst))}
         t = time.perf_counter()
         reference = {q: ask(q) for q in questions if q in needed}
         seq = {"wall_s": time.perf_counter() - t, "ttft_p50_s": percentile([r["ttft_s"] for r in reference.values()], 50)}
         answers = {q: r["answer"] for q, r in reference.items()}
         levels = [run_level(ask, engine, questions, n, cfg.questions, answers) for n in cfg.clients]
         result["frameworks"][fw] = {"sequential": seq, "levels": levels}
+        if cfg.burst:  # N different questions at once, one each, against the same N answered one by one
+            burst = run_level(ask, engine, questions, cfg.burst, 1, answers)
+            alone = sum(reference[questions[i % len(questions)]]["total_s"] for i in range(cfg.burst))
+            burst["sequential_s"] = alone
+            burst["speedup"] = alone / burst["wall_s"]
+            result["frameworks"][fw]["burst"] = burst
+            log.info("%s burst of %d: %.2fx the sequential speed, same answers %.0f%%", fw, cfg.burst,
+                     burst["speedup"], 100 * burst["same_answer_rate"])
         for lv in levels:
             log.info("%s %d clients: %.2f q/s, TTFT p50 %.2f s, same answers %.0f%%", fw, lv["clients"],
                      lv["questions_per_s"], lv["ttft_p50_s"] or 0, 100 * lv["same_answer_rate"])
@@ -338,6 +355,15 @@ def markdown(result: dict[str, Any]) -> str:
                          f"{f(lv['ttft_p50_s'], '.2f')} s | {f(lv['ttft_p90_s'], '.2f')} s | "
                          f"{f(lv['decode_ms_per_token'], '.1f')} | {f(lv['mean_batch'], '.2f')} | "
                          f"{100 * lv['same_answer_rate']:.0f}% |")
+    bursts = [(fw, data["burst"]) for fw, data in result["frameworks"].items() if data.get("burst")]
+    if bursts:
+        lines += ["", "| framework | burst | wall | one by one | speedup | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | "
+                  "same answer |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for fw, b in bursts:
+            ms = lambda x: "-" if x is None else f"{1000 * x:.0f} ms"  # noqa: E731
+            lines.append(f"| {fw} | {b['clients']} | {b['wall_s']:.2f} s | {b['sequential_s']:.2f} s | "
+                         f"{b['speedup']:.2f}x | {f(b['ttft_p50_s'], '.2f')} s | {f(b['ttft_p99_s'], '.2f')} s | "
+                         f"{ms(b['itl_p50_s'])} | {ms(b['itl_p99_s'])} | {100 * b['same_answer_rate']:.0f}% |")
     d = result["decode"]
     lines += ["", f"Decode step at {d['context_tokens']} context tokens ({d['torch_threads']} torch threads): weight "
               f"read bound {d['weight_read_bound_ms']:.1f} ms ({d['weight_bytes'] / 1e6:.0f} MB at "
@@ -395,6 +421,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--max-batch-size", type=int, default=d.max_batch_size, help="EngineConfig.max_batch_size")
     parser.add_argument("--context", type=int, default=d.context, help="context tokens of the decode-step check")
+    parser.add_argument("--burst", type=int, default=d.burst,
+                        help="also N different questions at once (one each) vs the same N one by one: questions/s, "
+                             "speedup, TTFT and inter-token latency p50/p99 (default 0: no burst)")
     parser.add_argument("--out", default=d.out, help="output folder")
 
 
@@ -404,7 +433,7 @@ def config_from_args(args: argparse.Namespace) -> SweepConfig:
         frameworks=tuple(x.strip() for x in str(args.frameworks).split(",") if x.strip()), method=args.method,
         max_new_tokens=args.max_new_tokens, top_k=args.top_k, docs=args.docs, model=args.model, dtype=args.dtype,
         device=args.device, threads=args.threads, max_batch_size=args.max_batch_size, context=args.context,
-        out=args.out)
+        burst=getattr(args, "burst", 0) or 0, out=args.out)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -415,7 +444,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     result = run_sweep(config_from_args(parser.parse_args(argv)))
     print(markdown(result))
     print(f"written to {result['path']}")
-    levels = [lv for fw in result["frameworks"].values() for lv in fw["levels"]]
+    levels = [lv for fw in result["frameworks"].values() for lv in [*fw["levels"], *([fw["burst"]] if "burst" in fw else [])]]
     return 0 if all(lv["errors"] == 0 and lv["same_answer_rate"] == 1.0 for lv in levels) else 1
 
 

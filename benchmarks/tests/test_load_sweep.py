@@ -24,7 +24,7 @@ def test_sweep_on_a_tiny_model(tmp_path: Path) -> None:
     parser = argparse.ArgumentParser()
     load_sweep.add_arguments(parser)
     args = parser.parse_args(["--clients", "1,3", "--questions", "2", "--max-new-tokens", "8", "--context", "300",
-                              "--out", str(tmp_path)])
+                              "--burst", "3", "--out", str(tmp_path)])
     cfg = load_sweep.config_from_args(args)
     assert cfg.clients == (1, 3) and cfg.frameworks == ("llamaindex", "langchain")
     engine = KVRAGEngine(tiny_model("llama", init_std=0.1), MemoryStore(), EngineConfig())
@@ -34,7 +34,11 @@ def test_sweep_on_a_tiny_model(tmp_path: Path) -> None:
         assert [lv["clients"] for lv in levels] == [1, 3]
         assert all(lv["errors"] == 0 and lv["same_answer_rate"] == 1.0 for lv in levels)
         assert levels[1]["mean_batch"] > 1  # three clients decoded in shared steps
+        burst = result["frameworks"][fw]["burst"]
+        assert burst["clients"] == 3 and burst["errors"] == 0 and burst["same_answer_rate"] == 1.0
+        assert burst["speedup"] > 0 and burst["itl_p50_s"] is not None and burst["ttft_p99_s"] >= burst["ttft_p50_s"]
     d = result["decode"]
     assert d["batch8"]["step_ms"] > 0 and d["weight_read_bound_ms"] > 0 and d["context_tokens"] >= 300
     assert json.loads((tmp_path / "sweep.json").read_text())["model"] == result["model"]
     assert (tmp_path / "sweep.png").stat().st_size > 0 and "| langchain | 3 |" in (tmp_path / "sweep.md").read_text()
+    assert "| llamaindex | 3 |" in (tmp_path / "sweep.md").read_text().split("| burst |")[1]

@@ -164,7 +164,7 @@ class ChunkCaching:
         """Make sure every chunk's cache is stored -- the one path ingest, index builders and adapters go through.
 
         The store is asked once for all chunks (``contains_many``; ``get_many`` with ``fetch``); the missing caches
-        are prefilled ``batch_size`` chunks per forward (:func:`kvrag.engine.batch.compute_chunk_kvs`, the same K/V
+        are prefilled ``batch_size`` chunks per forward (:func:`kvrag.engine.ingest_prefill.compute_chunk_kvs`, the same K/V
         and keys as one at a time) and each batch is stored as soon as it is computed.
 
         Args:
@@ -175,7 +175,7 @@ class ChunkCaching:
                 store hands out its own tensors, see ``KVStore.get_many(shared=True)``).
             store: where to look and put (default: the serving store, which degrades with
                 ``on_store_error="recompute"``; :meth:`ingest` passes the raw store so failures raise).
-            batch_size: chunks per forward (default :data:`kvrag.engine.batch.DEFAULT_BATCH_SIZE`; 1: exactly
+            batch_size: chunks per forward (default :data:`kvrag.engine.ingest_prefill.DEFAULT_BATCH_SIZE`; 1: exactly
                 :meth:`compute` per chunk).
             progress: show a progress bar while computing.
 
@@ -188,7 +188,7 @@ class ChunkCaching:
             ConfigError: ``batch_size`` < 1, or a chunk that is not text.
             StoreError: the store failed and ``store`` does not degrade.
         """
-        from kvrag.engine.batch import DEFAULT_BATCH_SIZE
+        from kvrag.engine.ingest_prefill import DEFAULT_BATCH_SIZE
 
         bs = DEFAULT_BATCH_SIZE if batch_size is None else batch_size
         if not isinstance(bs, int) or isinstance(bs, bool) or bs < 1:
@@ -259,7 +259,7 @@ class ChunkCaching:
         """
         from tqdm.auto import tqdm
 
-        from kvrag.engine.batch import DEFAULT_BATCH_SIZE, compute_chunk_kvs, prefill_prefix
+        from kvrag.engine.ingest_prefill import DEFAULT_BATCH_SIZE, compute_chunk_kvs, prefill_prefix
 
         store = self.store if store is None else store
         bs = DEFAULT_BATCH_SIZE if batch_size is None else batch_size

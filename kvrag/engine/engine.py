@@ -7,19 +7,18 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Any
 
-import torch
-
 from kvrag.config import EngineConfig, GenerationConfig
-from kvrag.engine.admission import KVBudget, default_kv_bytes
+from kvrag.engine.admission import default_kv_bytes
 from kvrag.engine.assemble import assemble, context_only_input
-from kvrag.engine.batching import DecodeBatcher
 from kvrag.engine.caching import ChunkCaching
 from kvrag.engine.chunks import RegisteredChunk
+from kvrag.engine.lease import KVBudget, Lease
 from kvrag.engine.planner import Plan, TextPiece, plan_pieces, plan_prompt
 from kvrag.engine.results import Prepared, Response, Stats, Timings
+from kvrag.engine.runner import Runner, current_token
 from kvrag.errors import ConfigError, ContextLengthError
 from kvrag.fusion import FusionMethod, Observation, shared_method
 from kvrag.kv import hf_cache
@@ -35,14 +34,17 @@ log = logging.getLogger(__name__)
 class KVRAGEngine(ChunkCaching):
     """Ingest chunk caches once; answer prompts by splicing them in and repairing the cross-chunk attention.
 
-    Thread safety and batching: one engine may serve many threads and asyncio tasks at once. Requests decode
-    together: every :meth:`stream` joins the engine's running batch (:attr:`batcher`,
-    :mod:`kvrag.engine.batching`), where one forward per step gives every decoding request its next token, and
-    :meth:`prepare` takes turns with the decode steps (at most one prepare between two steps). No lock is held
-    while a consumer handles a token, so a slow or abandoned stream does not block other requests; a stream that
-    is closed or garbage-collected leaves the batch. Each request has its own KV buffer (no cross-talk). At most
-    ``config.max_batch_size`` requests decode at once and their KV stays under ``config.kv_memory_bytes``; a
-    request that does not fit waits.
+    Thread safety and batching: one engine may serve many threads and asyncio tasks at once. Its runner thread
+    (:attr:`runner`, :mod:`kvrag.engine.runner`) executes the plans of a pure scheduler
+    (:mod:`kvrag.engine.scheduler`): :meth:`prepare` puts a request in line, sized once (prompt + ``reserve``
+    new tokens) against ``config.kv_memory_bytes`` and admitted in arrival order (or refused with
+    :class:`~kvrag.errors.EngineBusyError` after ``config.admission_timeout_s``); prepares take turns with the
+    decode steps (at most one between two steps); every :meth:`stream` joins the running batch, where one forward
+    per step gives every decoding request its next token (at most ``config.max_batch_size`` at once). No lock is
+    held while a consumer handles a token, so a slow or abandoned stream does not block other requests; a stream
+    that is closed or garbage-collected, or whose :class:`~kvrag.engine.runner.CancelToken` is cancelled, leaves
+    the batch before the next step and gives its memory back. Each request has its own KV buffer (no cross-talk).
+    :meth:`close` drains (or cancels) and joins the runner.
 
     Store failures: with ``config.on_store_error="recompute"`` (default) the answering path reads and writes the
     store through a :class:`~kvrag.store.fallback.FallbackStore`: if the store fails, a warning is logged once,
@@ -56,7 +58,8 @@ class KVRAGEngine(ChunkCaching):
 
     Attributes:
         counters: ``chunks_computed`` / ``chunks_reused`` since creation (every path: ingest, ensure, answers).
-        batcher: the decode scheduler (:class:`~kvrag.engine.batching.DecodeBatcher`; ``batcher.stats()``).
+        runner: the request runner (:class:`~kvrag.engine.runner.Runner`; ``runner.stats()``); ``batcher`` is
+            the same object under its earlier name.
     """
 
     def __init__(self, loaded: Any, store: Any, config: EngineConfig | None = None) -> None:
@@ -78,6 +81,7 @@ class KVRAGEngine(ChunkCaching):
                                              model_fingerprint=loaded.fingerprint)
         limit = int(self.config.max_context or getattr(text_cfg, "max_position_embeddings", None) or 2048)
         self.max_context = context_limit(self.model, limit)  # capped by a sliding/chunked attention window
+        self.max_positions = limit  # prompt + generated tokens (decoding may run past an attention window)
         self.chunk_prefix_ids: tuple[int, ...] = self._chunk_prefix()
         self._spaces = {kind: self.chunk_key((), kind) for kind in ("chunk", "prefix")}
         self._lock = hf_cache.model_lock(self.model)  # shared by every engine on this model (forwards, probe)
@@ -85,9 +89,10 @@ class KVRAGEngine(ChunkCaching):
         per_token = self.spec.with_dtype(dtype_name(mdtype)).bytes_per_token  # request buffers hold the model dtype
         kv_bytes = self.config.kv_memory_bytes or default_kv_bytes(per_token, int(self.max_context),
                                                                    self.config.max_batch_size, self.model.device)
-        self.batcher = DecodeBatcher(self.model, self.tokenizer, KVBudget(kv_bytes, per_token),
-                                     max_batch_size=self.config.max_batch_size,
-                                     compile_decode=self.config.compile_decode)
+        self.runner = Runner(self.model, self.tokenizer, KVBudget(kv_bytes, per_token),
+                             max_batch_size=self.config.max_batch_size, compile_decode=self.config.compile_decode,
+                             admission_timeout_s=self.config.admission_timeout_s)
+        self.batcher = self.runner  # the earlier name
 
     @classmethod
     def from_pretrained(
@@ -181,35 +186,44 @@ class KVRAGEngine(ChunkCaching):
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
-    def _fetch(self, plan: Plan, timings: Timings) -> tuple[list, dict[str, int], list[str]]:
-        """The plan's context caches: held ones as they are, the rest in one store round trip, misses computed."""
+    def _fetch_stored(self, plan: Plan) -> tuple[list[str], dict[str, ChunkKV | None], float]:
+        """The store's part of the plan's context caches, in one round trip (no model: runs outside the model's
+        turn, in the caller's thread); returns the keys, what the store had, and the seconds it took."""
         t = time.perf_counter()
-        segs = plan.context
-        keys = [s.key or self.chunk_key(s.token_ids, s.kind) for s in segs]
+        keys = [s.key or self.chunk_key(s.token_ids, s.kind) for s in plan.context]
         ask = [k for k in dict.fromkeys(keys) if k not in plan.held]
         # shared: the chunks are only read (rotated into the request buffer), so a memory store need not copy them
         got: dict[str, ChunkKV | None] = dict(zip(ask, self.serving_store.get_many(ask, shared=True), strict=True))
-        timings.fetch_s = time.perf_counter() - t
-        t = time.perf_counter()
+        return keys, got, time.perf_counter() - t
+
+    def _complete(self, plan: Plan, keys: list[str], got: dict[str, ChunkKV | None],
+                  timings: Timings) -> Generator[None, None, tuple[list, dict[str, int], list[tuple[str, ChunkKV]]]]:
+        """The plan's context caches: held ones as they are, fetched ones, misses computed (the model). Returns the
+        pieces, the hit/miss counts and the computed caches (which the caller stores after the model's turn).
+        Yields after each computed miss: a piece boundary, where the runner lets decoding requests step."""
+        timings.compute_misses_s = 0.0
         counts = {"chunk_hits": 0, "chunk_misses": 0, "other_hits": 0, "other_misses": 0, "reused_tokens": 0}
-        pieces = []
-        for s, k in zip(segs, keys, strict=True):
+        pieces, computed = [], []
+        got = dict(got)
+        for s, k in zip(plan.context, keys, strict=True):
             tag = "chunk" if s.kind == "chunk" else "other"
             ch = plan.held.get(k)
             if ch is None:
                 ch = got.get(k)
             if ch is None:
                 counts[f"{tag}_misses"] += 1
+                t = time.perf_counter()
                 ch = self.compute(s.token_ids, s.kind)
-                self.serving_store.put(k, ch)
+                timings.compute_misses_s += time.perf_counter() - t
+                computed.append((k, ch))
                 got[k] = ch  # a repeated segment is computed once
+                yield
             else:
                 counts[f"{tag}_hits"] += 1
                 counts["reused_tokens"] += len(s.token_ids)
                 self._count(chunks_reused=1)
             pieces.append((s.kind, ch, k))
-        timings.compute_misses_s = time.perf_counter() - t
-        return pieces, counts, keys
+        return pieces, counts, computed
 
     def method(self, method: str | FusionMethod | None = None, **params: Any) -> FusionMethod:
         """The fusion method for a spec or instance (None: the configured default), one instance per canonical spec.
@@ -223,45 +237,81 @@ class KVRAGEngine(ChunkCaching):
             return self.default_method
         return shared_method(method if method is not None else self.config.method, **params)
 
-    @torch.inference_mode()
-    def prepare(self, plan: Plan, method: str | FusionMethod | None = None, *, reserve: int = 64) -> Prepared:
+    def prepare(self, plan: Plan, method: str | FusionMethod | None = None, *, reserve: int | None = None) -> Prepared:
         """Fetch, assemble, repair and prefill the suffix for ``plan``; returns the state to decode from.
 
-        ``reserve``: decode positions to allocate in the request's KV buffer up front (it grows if needed). Waits
-        while the KV bound is spent and, while requests decode, for its turn between two decode steps.
+        ``reserve``: the most new tokens the request will be streamed for (default: ``GenerationConfig``'s
+        ``max_new_tokens``). The request's KV is sized once from it (prompt + ``reserve`` positions) and leased
+        from the engine's bound; a stream asking for more is refused. The request waits in arrival order while
+        the bound is spent (at most ``config.admission_timeout_s``), then runs in the runner thread between two
+        decode steps.
+
+        Raises:
+            ContextLengthError: the prompt does not fit the context window, or prompt + ``reserve`` exceeds the
+                model's positions (before any work).
+            EngineBusyError: not admitted within ``config.admission_timeout_s``.
+            RequestCancelledError: the :class:`~kvrag.engine.runner.CancelToken` in effect was cancelled.
+            EngineClosedError: the engine is closed.
         """
         m = self.method(method)
         if not m.reads_cache:  # e.g. full: the prompt's own tokenization, never a chunk's spliced ids
             plan = plan.as_prompt_tokenized()
+        reserve = GenerationConfig().max_new_tokens if reserve is None else int(reserve)
+        if reserve < 0:
+            raise ConfigError(f"reserve must be >= 0 new tokens, got {reserve}")
         if plan.total_len >= self.max_context:
             msg = (f"the prompt has {plan.total_len} tokens ({plan.context_len} context + {len(plan.suffix.token_ids)} "
                    f"suffix) but the model's context window is {self.max_context}; retrieve fewer or shorter chunks")
             raise ContextLengthError(msg)
-        with self.batcher.turn(plan.total_len + reserve) as lease:
-            t0 = time.perf_counter()
-            timings = Timings()
-            keys: list[str] | list[None]
-            if m.reads_cache:
-                pieces, counts, keys = self._fetch(plan, timings)
-                t = time.perf_counter()
-                inp = assemble(self.model, self.rope, self.spec, pieces, plan.suffix.token_ids, reserve=reserve,
-                               chunk_prefix_ids=self.chunk_prefix_ids, canonical=m.reads_canonical_keys)
-                timings.assemble_s = time.perf_counter() - t
-            else:  # e.g. full prefill: the stale KV is never read, so it is neither fetched nor assembled
-                counts = dict.fromkeys(("chunk_hits", "chunk_misses", "other_hits", "other_misses", "reused_tokens"), 0)
-                keys = [None] * len(plan.context)
-                inp = context_only_input(self.model, self.rope, self.spec, plan.context, plan.suffix.token_ids,
-                                         reserve=reserve)
+        if plan.total_len + reserve > self.max_positions:
+            msg = (f"the prompt has {plan.total_len} tokens and {reserve} new tokens are asked for, but the model "
+                   f"handles {self.max_positions} positions (EngineConfig.max_context or the model's "
+                   f"max_position_embeddings); retrieve fewer or shorter chunks or ask for at most "
+                   f"{max(0, self.max_positions - plan.total_len)} new tokens")
+            raise ContextLengthError(msg)
+        timings = Timings()
+        fetched = None
+        if m.reads_cache:  # store I/O before the request's turn: running requests keep decoding meanwhile
+            keys, got, timings.fetch_s = self._fetch_stored(plan)
+            fetched = (keys, got)
+        computed: list[tuple[str, ChunkKV]] = []
+        prep = self.runner.prepare(plan.total_len + reserve,
+                                   lambda lease: self._prepare(plan, m, reserve, lease, timings, fetched, computed))
+        for k, ch in computed:  # misses computed in the turn are stored after it
+            self.serving_store.put(k, ch)
+        return prep
+
+    def _prepare(self, plan: Plan, m: FusionMethod, reserve: int, lease: Lease, timings: Timings,
+                 fetched: tuple[list[str], dict[str, ChunkKV | None]] | None,
+                 computed: list[tuple[str, ChunkKV]]) -> Generator[None, None, Prepared]:
+        """The prepare itself (in the runner thread, in the request's turn, holding the model), in pieces: one per
+        chunk cache it computes, then the rest (assemble, repair, suffix prefill)."""
+        t0 = time.perf_counter() - timings.fetch_s  # TTFT counts the store fetch, not the wait for the turn
+        keys: list[str] | list[None]
+        if fetched is not None:
+            keys = fetched[0]
+            pieces, counts, new = yield from self._complete(plan, fetched[0], fetched[1], timings)
+            t0 = time.perf_counter() - timings.fetch_s - timings.compute_misses_s  # not the steps between pieces
+            computed.extend(new)
             t = time.perf_counter()
-            out = m.fuse(inp)
-            timings.repair_s = time.perf_counter() - t
-            t = time.perf_counter()
-            if out.last_logits is None:
-                logits, cache = hf_cache.forward(self.model, inp.suffix_ids, out.cache, start=inp.context_len)
-                last = logits[-1]
-            else:
-                cache, last = out.cache, out.last_logits
-            timings.suffix_prefill_s = time.perf_counter() - t
+            inp = assemble(self.model, self.rope, self.spec, pieces, plan.suffix.token_ids, reserve=reserve,
+                           chunk_prefix_ids=self.chunk_prefix_ids, canonical=m.reads_canonical_keys)
+            timings.assemble_s = time.perf_counter() - t
+        else:  # e.g. full prefill: the stale KV is never read, so it is neither fetched nor assembled
+            counts = dict.fromkeys(("chunk_hits", "chunk_misses", "other_hits", "other_misses", "reused_tokens"), 0)
+            keys = [None] * len(plan.context)
+            inp = context_only_input(self.model, self.rope, self.spec, plan.context, plan.suffix.token_ids,
+                                     reserve=reserve)
+        t = time.perf_counter()
+        out = m.fuse(inp)
+        timings.repair_s = time.perf_counter() - t
+        t = time.perf_counter()
+        if out.last_logits is None:
+            logits, cache = hf_cache.forward(self.model, inp.suffix_ids, out.cache, start=inp.context_len)
+            last = logits[-1]
+        else:
+            cache, last = out.cache, out.last_logits
+        timings.suffix_prefill_s = time.perf_counter() - t
         # the method's time to first token without computing missing caches: what `auto` learns from
         m.observe(Observation(self.model, plan.context_len, len(plan.suffix.token_ids), timings.fetch_s
                               + timings.assemble_s + timings.repair_s + timings.suffix_prefill_s, out.stats))
@@ -287,9 +337,15 @@ class KVRAGEngine(ChunkCaching):
     def stream(self, prepared: Prepared, gen: GenerationConfig | None = None) -> Iterator[str]:
         """Decode from a prepared request, yielding text deltas; fills ``prepared.timings`` as it goes.
 
-        The request joins the engine's decode batch (:attr:`batcher`) when the generator starts and leaves it when
-        the answer ends or the generator is closed or garbage-collected. Tokens are computed by the batch's
-        scheduler thread, not under the consumer, so the consumer may pause, or resume in another thread.
+        The request joins the engine's decode batch when the generator starts and leaves it when the answer ends,
+        the generator is closed or garbage-collected, or the :class:`~kvrag.engine.runner.CancelToken` in effect
+        is cancelled (then the generator raises :class:`~kvrag.errors.RequestCancelledError`). Tokens are
+        computed by the runner thread, not under the consumer, so the consumer may pause, or resume in another
+        thread. A Prepared is streamed once.
+
+        Raises:
+            ConfigError: ``prepared`` is already streaming or was streamed, or ``gen.max_new_tokens`` exceeds the
+                ``reserve`` it was prepared with.
         """
         gen = gen or GenerationConfig()
         timings = prepared.timings
@@ -299,20 +355,35 @@ class KVRAGEngine(ChunkCaching):
             timings.ttft_s = time.perf_counter() - prepared.t0
 
         t = time.perf_counter()
-        req = self.batcher.submit(prepared, gen, self._eos_ids(), first)
+        req = self.runner.submit(prepared, gen, self._eos_ids(), first)
+        token = current_token()
+        remove = token.on_cancel(lambda: self.runner.cancel(req)) if token is not None else (lambda: None)
         try:
-            for tok, delta in req:
+            for tok, delta in self.runner.iterate(req):
                 if tok >= 0:
                     tokens.append(tok)
                 if delta:
                     yield delta
         finally:
-            self.batcher.cancel(req)  # leave the batch if the consumer stopped early (no-op once finished)
+            remove()
+            self.runner.cancel(req)  # leave the batch if the consumer stopped early (no-op once finished)
         if timings.ttft_s is None:
             timings.ttft_s = time.perf_counter() - prepared.t0
         timings.decode_s = time.perf_counter() - t
         timings.total_s = time.perf_counter() - prepared.t0
         prepared.stats.generated_tokens = len(tokens)
+
+    def close(self, *, cancel: bool = False, timeout: float | None = None) -> None:
+        """Stop taking requests; let those in flight finish (``cancel``: cancel them; ``timeout``: cancel what is
+        left after that many seconds); join the runner thread. Later requests raise
+        :class:`~kvrag.errors.EngineClosedError`. Idempotent."""
+        self.runner.close(cancel=cancel, timeout=timeout)
+
+    def __enter__(self) -> KVRAGEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _eos_ids(self) -> list[int]:
         ids: set[int] = set()

@@ -2,7 +2,7 @@
 
 :class:`DecodeState` is what one request needs between decode steps, whoever runs the forward: it picks the next
 token from that request's logits (its own seeded generator), ends on EOS, ``max_new_tokens`` or a stop string, and
-turns the new token into a text delta. The batched scheduler (:mod:`kvrag.engine.batching`) keeps one per request;
+turns the new token into a text delta. The batched scheduler (:mod:`kvrag.engine.runner`) keeps one per request;
 :func:`decode` is the one-request loop over a transformers cache.
 
 Text is decoded incrementally, as vLLM's detokenizer does (``prefix_offset`` / ``read_offset``): each step

@@ -14,7 +14,7 @@ A request's path:
    sent (prompt over the context window: ``code="context_length_exceeded"``), also for ``stream=true``. A store that
    is down is answered by recomputing (``EngineConfig.on_store_error="recompute"``) and flagged with a
    ``Warning: 199 kvrag "..."`` header.
-5. **Decode** in the engine's shared batch (:mod:`kvrag.engine.batching`). The response streams by SSE or is
+5. **Decode** in the engine's shared batch (:mod:`kvrag.engine.runner`). The response streams by SSE or is
    collected. A client that goes away cancels its request: the stream generator is closed, which takes the request
    out of the batch at the next step and releases its KV memory.
 
@@ -321,13 +321,16 @@ def _sse(obj: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
-def create_app(engine: Any, config: ServeConfig | None = None, *, persist: str | None = None) -> Any:
+def create_app(engine: Any, config: ServeConfig | None = None, *, persist: str | None = None,
+               close_engine: bool = False) -> Any:
     """The FastAPI app serving ``engine``.
 
     Args:
         engine: a :class:`~kvrag.engine.engine.KVRAGEngine`.
         config: server settings.
         persist: a ``kvrag ingest`` index directory whose chunks are registered at start.
+        close_engine: close the engine (``engine.close()``: its runner drained and joined) when the app shuts down;
+            for an app that owns its engine (``kvrag serve``), not for one serving an engine its caller keeps using.
     """
     fastapi = require("fastapi", "serve", "kvrag serve")
     from fastapi import Request
@@ -344,9 +347,8 @@ def create_app(engine: Any, config: ServeConfig | None = None, *, persist: str |
     async def lifespan(app: Any) -> AsyncIterator[None]:
         yield
         # uvicorn has already let the requests in flight finish (graceful shutdown); anything left is cancelled
-        close = getattr(engine, "close", None)
-        if callable(close):
-            await asyncio.to_thread(close)
+        if close_engine:
+            await asyncio.to_thread(engine.close)
 
     app = fastapi.FastAPI(title="kvrag serve", version="1", lifespan=lifespan,
                           description="OpenAI-compatible completions with reused, repaired chunk KV caches.")

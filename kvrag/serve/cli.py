@@ -56,7 +56,7 @@ def run(args: argparse.Namespace, model: str | None, store: str, chunk_prefix: s
                       drain_timeout_s=args.drain_timeout)
     if args.ray is not None:
         return _serve_on_ray(args, factory, cfg, store)
-    app = create_app(factory(), cfg, persist=args.persist)
+    app = create_app(factory(), cfg, persist=args.persist, close_engine=True)
     print(f"kvrag serve: {app.state.kvrag.model_id} ({args.method}) on http://{args.host}:{args.port}/v1, "
           f"{len(app.state.kvrag.chunks)} chunks registered", file=sys.stderr)
     serve(app, args.host, args.port, drain_timeout_s=args.drain_timeout, log_level="debug" if args.verbose else "info")

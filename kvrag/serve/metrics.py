@@ -20,7 +20,7 @@ HIT_RATE_BUCKETS = (0.0, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0)
 
 
 class _BatcherCollector:
-    """Reads the engine's scheduler counters (:meth:`kvrag.engine.batching.DecodeBatcher.stats`) at scrape time."""
+    """Reads the engine's scheduler counters (:meth:`kvrag.engine.runner.Runner.stats`) at scrape time."""
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
@@ -28,7 +28,7 @@ class _BatcherCollector:
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        st = self.engine.batcher.stats()
+        st = self.engine.runner.stats()
         yield CounterMetricFamily("kvrag_decode_steps", "Batched decode steps run by the engine", value=st.get("steps", 0))
         yield CounterMetricFamily("kvrag_decode_rows", "Request rows stepped (sum of batch sizes; / steps = mean batch size)",
                                   value=st.get("rows_stepped", 0))

@@ -82,7 +82,7 @@ def application(engine_factory: Callable[[], Any], config: Any = None, *, persis
     def build() -> Any:
         from kvrag.serve.app import create_app
 
-        app = create_app(engine_factory(), config, persist=persist)
+        app = create_app(engine_factory(), config, persist=persist, close_engine=True)
         app.state.kvrag.sync = RayChunkSync(table)
         return app
 

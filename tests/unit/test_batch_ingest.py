@@ -1,4 +1,4 @@
-"""Batched ingest (kvrag.engine.batch): every chunk's K/V and key equal its one-at-a-time prefill."""
+"""Batched ingest (kvrag.engine.ingest_prefill): every chunk's K/V and key equal its one-at-a-time prefill."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from kvrag.config import EngineConfig
-from kvrag.engine.batch import compute_chunk_kvs, plan_batches, prefill_prefix
 from kvrag.engine.engine import KVRAGEngine
+from kvrag.engine.ingest_prefill import compute_chunk_kvs, plan_batches, prefill_prefix
 from kvrag.errors import ConfigError, ContextLengthError
 from kvrag.kv.compute import compute_chunk_kv
 from kvrag.prompting import render_passage

@@ -16,6 +16,7 @@ import torch
 
 from kvrag.config import EngineConfig, GenerationConfig
 from kvrag.engine.engine import KVRAGEngine
+from kvrag.errors import EngineBusyError
 from kvrag.kv import batched, hf_cache
 from kvrag.prompting import RagTemplate, render_passage
 from kvrag.repair.config import RepairConfig
@@ -233,14 +234,20 @@ def test_request_that_does_not_fit_the_kv_bound_waits() -> None:
     t.join(60)  # the first request ends (its consumer is paused) and gives its KV back
     assert out["b"] == seq[1]
     first.close()
-    # bigger than the whole bound: admitted alone, never stuck; one thread holding an unstreamed request is not
-    # made to wait for itself
+    # bigger than the whole bound: admitted alone, never stuck
     tiny = _engine(kv_memory_bytes=1)
-    held = [tiny.prepare(_plan(tiny, i), "stale") for i in range(2)]
+    held = [tiny.prepare(_plan(tiny, i), "stale", reserve=GEN.max_new_tokens) for i in range(1)]
     for p in held:
         "".join(tiny.stream(p, GEN))
-    assert [p.token_ids for p in held] == seq
+    assert [p.token_ids for p in held] == seq[:1]
     assert _concurrently(lambda i: _answer(tiny, i % 2, "stale", GEN), 4) == [seq[0], seq[1]] * 2
+    # a thread holding an unstreamed request does not prepare past the bound: its second request waits in line
+    # and is refused after the wait limit, naming the bound
+    busy = _engine(kv_memory_bytes=1, admission_timeout_s=0.3)
+    kept = busy.prepare(_plan(busy, 0), "stale", reserve=GEN.max_new_tokens)
+    with pytest.raises(EngineBusyError, match=r"kv_memory_bytes=1\b.*held by 1 requests"):
+        busy.prepare(_plan(busy, 1), "stale")
+    assert "".join(busy.stream(kept, GEN)) and kept.token_ids == seq[0]
 
 
 def test_consumers_that_stop_free_their_slot_and_memory() -> None:
@@ -248,12 +255,12 @@ def test_consumers_that_stop_free_their_slot_and_memory() -> None:
     seq = _answer(eng, 2, "stale", GEN)
     kv = lambda: eng.batcher.stats()["kv"]  # noqa: E731
 
-    closed = eng.stream(eng.prepare(_plan(eng, 0), "stale"), GenerationConfig(max_new_tokens=200))
+    closed = eng.stream(eng.prepare(_plan(eng, 0), "stale", reserve=200), GenerationConfig(max_new_tokens=200))
     next(closed)
     closed.close()
     assert _wait_for(lambda: kv()["used"] == 0 and eng.batcher.stats()["decoding"] == 0)
 
-    abandoned = eng.stream(eng.prepare(_plan(eng, 1), "stale"), GenerationConfig(max_new_tokens=200))
+    abandoned = eng.stream(eng.prepare(_plan(eng, 1), "stale", reserve=200), GenerationConfig(max_new_tokens=200))
     next(abandoned)
     del abandoned  # never closed: garbage collection ends it
     gc.collect()

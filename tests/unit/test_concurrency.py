@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import multiprocessing
 import threading
 import uuid
@@ -226,20 +225,18 @@ def test_a_prepare_never_waits_more_than_one_step_and_never_two_prepares_between
     eng = KVRAGEngine(tiny_model("qwen2", init_std=0.1), MemoryStore(), EngineConfig())
     eng.ingest(DOCS)
     events: list[str] = []
-    step, turn = eng.batcher._step, eng.batcher.turn
+    step, prepare = eng.runner._step, eng.runner._run_prepare
 
     def logged_step(rows: Any) -> None:
         events.append(f"step{len(rows)}")
         step(rows)
 
-    @contextlib.contextmanager
-    def logged_turn(kv_tokens: int) -> Any:
-        with turn(kv_tokens) as lease:
-            events.append("prepare")
-            yield lease
+    def logged_prepare(h: Any) -> None:
+        events.append("prepare")
+        prepare(h)
 
-    eng.batcher._step = logged_step  # type: ignore[method-assign]
-    eng.batcher.turn = logged_turn  # type: ignore[method-assign]
+    eng.runner._step = logged_step  # type: ignore[method-assign]
+    eng.runner._run_prepare = logged_prepare  # type: ignore[method-assign]
     gen = GenerationConfig(max_new_tokens=24)
     with ThreadPoolExecutor(max_workers=8) as ex:
         list(ex.map(lambda i: eng.answer_plan(_plan(eng, i), "stale", gen), range(8)))

@@ -118,20 +118,25 @@ def test_context_overflow_and_bad_method_raise() -> None:
 
 @pytest.mark.parametrize("method", ["full", "stale", "relaxkv:r=0.5"])
 def test_kv_buffer_growth_during_decode_changes_nothing(method: str) -> None:
-    """A request buffer sized with no room for decoding grows (one copy) and decodes the same tokens, and the
-    repaired context KV lives in the request's buffer (no concatenation)."""
+    """A request buffer is sized once, at prepare, for prompt + ``reserve`` new tokens: a request prepared with no
+    room for decoding is refused a stream (a clear error, no growth past its KV lease); one prepared with room
+    decodes the same tokens without reallocating, and the repaired context KV lives in the request's buffer (no
+    concatenation)."""
     eng = make_engine("llama")
     prefix, ps, suffix = RagTemplate().parts(eng.tokenizer, PASSAGES, "What is the capital of France?")
     plan = eng.plan_parts(prefix, ps, suffix)
     gen = GenerationConfig(max_new_tokens=10)
     ref = eng.answer_plan(plan, method, gen)
-    tight = eng.prepare(plan, method, reserve=0)
+    none = eng.prepare(plan, method, reserve=0)
+    assert none.cache.layers[0].buf.capacity == plan.total_len  # exactly the prompt
+    with pytest.raises(ConfigError, match="reserve=10"):
+        next(eng.stream(none, gen))
+    tight = eng.prepare(plan, method, reserve=gen.max_new_tokens)
     buf = tight.cache.layers[0].buf
     cap = buf.capacity
-    assert cap == plan.total_len  # exactly the prompt
+    assert cap == plan.total_len + gen.max_new_tokens
     text = "".join(eng.stream(tight, gen))
     assert tight.token_ids == ref.token_ids and text == ref.text
-    if len(tight.token_ids) > 1:
-        assert buf.capacity > cap  # it grew while decoding
+    assert buf.capacity == cap  # no allocation while decoding
     k, _ = hf_cache.cache_to_tensors(tight.cache)
     assert k.shape[2] == plan.total_len + len(tight.token_ids) - 1  # the last sampled token is not fed back

@@ -1,0 +1,496 @@
+"""The runner: one thread per engine that executes the scheduler's plans (prepares and batched decode steps).
+
+Decide apart from run (vLLM v1's engine core loop around its ``Scheduler``): every iteration takes the runner's
+lock only to record what happened and ask :meth:`kvrag.engine.scheduler.Scheduler.schedule` for the next
+:class:`~kvrag.engine.scheduler.StepPlan`, then releases it and executes the plan -- tell finished requests'
+callers, run at most one prepare, run one batched decode step (:func:`kvrag.kv.batched.decode_step`) -- holding
+the model's lock (:func:`kvrag.kv.hf_cache.model_lock`) for each forward. Callers never run model work themselves:
+
+* :meth:`Runner.prepare` puts a request in line (KV: prompt + ``max_new_tokens``) and waits until the runner
+  prepared it in its turn (in pieces when the job is a generator, one per plan, between decode steps); at most
+  ``EngineConfig.admission_timeout_s`` for admission, then :class:`~kvrag.errors.EngineBusyError` names the bound.
+* :meth:`Runner.submit` starts a prepared request's stream: its first token is chosen from the prepare's logits,
+  then it joins the batch at a plan boundary; the consumer reads ``(token, delta)`` items from the request's own
+  queue (transformers' per-request output queues), so a slow consumer never holds the model.
+* **Cancellation** reaches the scheduler from any thread: closing or collecting a stream, dropping a
+  :class:`~kvrag.engine.results.Prepared` (its lease), or cancelling a :class:`CancelToken` -- the token in effect
+  (:func:`cancel_scope`) when a request was made; kvrag's asyncio bridges (:func:`kvrag.adapters.to_thread`,
+  :func:`kvrag.adapters.aiter_in_thread`) cancel theirs when the awaiting task is cancelled or the async iterator
+  is closed. A waiting request leaves at once, a decoding one before the next step, a preparing one at its next
+  piece boundary (right after the piece in flight); each gives its slot and its KV lease back.
+* **Lifetime**: the thread starts when there is work and exits when a plan is empty -- both decided under the
+  lock, and nothing runs after the exit decision, so there is never a second loop over the same requests.
+  :meth:`Runner.close` drains (or cancels) and joins it; after ``os.fork`` the child gets a fresh, empty runner
+  (the parent's locks are taken around the fork so the child never inherits one held mid-step).
+
+Models that cannot run a batched step (:func:`kvrag.kv.batched.batchable`) are stepped one request at a time by
+the same plans, so every other property holds for them too.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import inspect
+import logging
+import os
+import queue
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from kvrag.config import GenerationConfig
+from kvrag.engine.cancel import CancelToken, cancel_scope, current_token
+from kvrag.engine.generate import DecodeState
+from kvrag.engine.handle import END, Handle, reason_error
+from kvrag.engine.lease import KVBudget, Lease
+from kvrag.engine.scheduler import RequestState, Scheduler, SchedulerError, StepPlan
+from kvrag.errors import ConfigError, EngineBusyError, EngineClosedError
+from kvrag.kv import batched, hf_cache
+from kvrag.kv.attention import IMPL
+
+log = logging.getLogger(__name__)
+
+_RUNNERS: weakref.WeakSet[Runner] = weakref.WeakSet()
+
+
+class Runner:
+    """Executes one engine's plans in one thread (see the module docstring).
+
+    Args:
+        model: the engine's model (its lock is held for every forward).
+        tokenizer: for the requests' incremental text.
+        budget: the engine's KV memory bound.
+        max_batch_size: most requests in one step.
+        compile_decode: capture the step with ``torch.compile`` (see :mod:`kvrag.kv.batched`).
+        admission_timeout_s: longest wait for admission (None: no limit).
+    """
+
+    _exit_hook: Callable[[], None] | None = None
+    """Called right after the thread decided to exit (tests use it to hold the thread in that window)."""
+
+    def __init__(self, model: Any, tokenizer: Any, budget: KVBudget, *, max_batch_size: int,
+                 compile_decode: bool = False, admission_timeout_s: float | None = None) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_batch_size = int(max_batch_size)
+        self.compile_decode = bool(compile_decode)
+        self.admission_timeout_s = admission_timeout_s
+        self.lock = hf_cache.model_lock(model)
+        self.unbatchable = batched.batchable(model, IMPL)
+        if self.unbatchable:
+            log.info("decoding one request per step: %s", self.unbatchable)
+        self.windows = batched.windows(model)
+        self._fresh(budget)
+        _RUNNERS.add(self)
+
+    def _fresh(self, budget: KVBudget) -> None:
+        self._cv = threading.Condition(threading.RLock())
+        self.scheduler = Scheduler(budget, self.max_batch_size)
+        self._handles: dict[int, Handle] = {}
+        self._released: queue.SimpleQueue[int] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._last_thread: threading.Thread | None = None
+        self._threads_started = 0
+        self._consumers_waiting = 0
+        self._stats: collections.Counter[str] = collections.Counter()
+
+    @property
+    def budget(self) -> KVBudget:
+        return self.scheduler.budget
+
+    # ------------------------------------------------------------------------------------------- prepares
+    def prepare(self, kv_tokens: int, job: Callable[[Lease], Any]) -> Any:
+        """Put a request of ``kv_tokens`` KV positions in line and return what ``job(lease)`` returns once the
+        runner ran it in the request's turn (under the model lock, in inference mode).
+
+        Raises:
+            EngineBusyError: not admitted within ``admission_timeout_s``.
+            EngineClosedError: the engine is closed.
+            RequestCancelledError: the request's :class:`CancelToken` was cancelled.
+        """
+        nbytes = self.budget.bytes_for(kv_tokens)
+        h = Handle(job)
+        if threading.current_thread() is self._thread or self.lock._is_owned():  # type: ignore[attr-defined]
+            return self._prepare_nested(h, nbytes)
+        token = current_token()
+        if token is not None and token.cancelled:
+            raise reason_error("cancelled")
+        with self._cv:
+            try:
+                h.rid = self.scheduler.add(nbytes)
+            except SchedulerError:
+                raise EngineClosedError("the engine is closed (engine.close()); open a new one") from None
+            self._handles[h.rid] = h
+            self._kick()
+        armed = [True]
+
+        def cancel() -> None:
+            with self._cv:
+                if armed[0]:  # a late callback (after this call returned) must not drop the caller's Prepared
+                    self.cancel(h.rid)
+
+        remove = token.on_cancel(cancel) if token is not None else (lambda: None)
+        try:
+            self._wait_prepared(h, nbytes)
+        except BaseException:  # e.g. KeyboardInterrupt while waiting: the request leaves
+            self.cancel(h.rid)
+            raise
+        finally:
+            remove()
+        with self._cv:  # cancelled after its prepare, before this call returned: the caller gets no Prepared
+            armed[0] = False
+            if h.error is None and self.scheduler.state(h.rid) is not RequestState.READY:
+                h.result, h.error = None, reason_error("cancelled")
+        if h.error is not None:
+            raise h.error
+        out, h.result = h.result, None  # the runner keeps no reference: dropping the Prepared frees its lease
+        return out
+
+    def _wait_prepared(self, h: Handle, nbytes: int) -> None:
+        limit = self.admission_timeout_s
+        start = time.monotonic()
+        with self._counting():
+            while not h.prepared_done.wait(None if limit is None else max(0.0, start + limit - time.monotonic())):
+                with self._cv:
+                    if self.scheduler.state(h.rid) is not RequestState.WAITING:
+                        limit = None  # admitted: its prepare is in flight
+                        continue
+                    msg = (f"the engine is busy: a request needing {nbytes / 2**20:.2f} MiB of KV waited "
+                           f"{time.monotonic() - start:.1f} s (EngineConfig.admission_timeout_s) behind "
+                           f"{self.scheduler.ahead(h.rid)} earlier requests; {self.budget.describe()}. Retry later, "
+                           "send fewer requests at once, or raise kv_memory_bytes or admission_timeout_s")
+                    h.error = EngineBusyError(msg)
+                    self.scheduler.cancel(h.rid, "busy")
+                    self._kick()
+                return
+
+    def _prepare_nested(self, h: Handle, nbytes: int) -> Any:
+        """A prepare called inside a forward of this thread (or the runner's own): run it here, now."""
+        with self._cv:
+            h.rid = self.scheduler.add(nbytes)
+            self.scheduler.admit(h.rid)
+            self._handles[h.rid] = h
+        while not h.prepared_done.is_set():
+            self._run_prepare(h)
+        if h.error is not None:
+            raise h.error
+        out, h.result = h.result, None
+        return out
+
+    def _run_prepare(self, h: Handle) -> None:
+        """One piece of a request's prepare: all of it, or -- when the job is a generator -- up to its next
+        ``yield`` (the scheduler gives the next piece the next plan, after a decode step)."""
+        with self._cv:
+            lease = self.scheduler.requests[h.rid].lease
+        assert lease is not None
+        lease.on_release = self._lease_released
+        h.lease = lease
+        ok, done = True, True
+        try:
+            with torch.inference_mode(), self.lock:
+                if h.pieces is None:
+                    assert h.job is not None
+                    out = h.job(lease)
+                    h.job = None
+                    if inspect.isgenerator(out):
+                        h.pieces = out  # type: ignore[assignment]
+                    else:
+                        h.result = out
+                if h.pieces is not None:
+                    try:
+                        next(h.pieces)
+                        done = False
+                    except StopIteration as stop:
+                        h.pieces, h.result = None, stop.value
+        except BaseException as e:  # noqa: BLE001 - the caller gets it
+            ok, h.error, h.pieces, h.job = False, e, None, None
+        with self._cv:
+            self._stats["prepare_pieces"] += 1
+            if done:
+                self._stats["prepares"] += 1
+                state = self.scheduler.prepared(h.rid, ok)
+                if state is not RequestState.READY:  # failed, or cancelled while preparing: dropped right after
+                    if h.error is None:
+                        h.result, h.error = None, reason_error("cancelled")
+                    self._handles.pop(h.rid, None)
+                    h.closed = True
+        if done:
+            h.prepared_done.set()
+
+    def _lease_released(self, lease: Lease) -> None:
+        """A lease let go outside the scheduler (the Prepared dropped or collected): safe from any thread and from
+        a finalizer, so it only queues the id and wakes the runner."""
+        if lease.rid is not None:
+            self._released.put(lease.rid)
+            self._kick()
+
+    # ------------------------------------------------------------------------------------------- streams
+    def submit(self, prepared: Any, gen: GenerationConfig, eos_ids: Sequence[int],
+               on_first_token: Callable[[], None] | None = None) -> Handle:
+        """Start decoding a prepared request: its first token is chosen now (from the prepare's logits), then it
+        joins the running batch at the next plan. Iterate the returned handle for its items and call
+        :meth:`cancel` when the consumer stops.
+
+        Raises:
+            ConfigError: the request was not prepared by this engine, is already streaming or streamed, or asks for
+                more new tokens than it was prepared (and its KV leased) for.
+        """
+        lease = getattr(prepared, "kv_lease", None)
+        rid = getattr(lease, "rid", None)
+        with self._cv:
+            h = self._handles.get(rid) if rid is not None else None
+            state = self.scheduler.state(rid) if rid is not None else None
+            if h is None or state is not RequestState.READY:
+                what = {RequestState.QUEUED: "is already streaming", RequestState.RUNNING: "is already streaming",
+                        }.get(state, "was already streamed or dropped")  # type: ignore[arg-type]
+                if rid is None or lease.budget is not self.budget:  # type: ignore[union-attr]
+                    what = "was not prepared by this engine"
+                msg = (f"this Prepared request {what}: a Prepared is streamed once (its KV buffer holds one answer); "
+                       "call engine.prepare() again for another answer")
+                raise ConfigError(msg)
+            buf, length = hf_cache.buffer_of(prepared.cache)
+            need = self.budget.bytes_for(length + gen.max_new_tokens)
+            if need > lease.nbytes:  # type: ignore[union-attr]
+                have = lease.nbytes // self.budget.bytes_per_token  # type: ignore[union-attr]
+                msg = (f"the stream asks for max_new_tokens={gen.max_new_tokens} but the request was prepared for "
+                       f"{have - length} new tokens (its KV was leased for {have} positions); pass "
+                       f"reserve={gen.max_new_tokens} to engine.prepare()")
+                raise ConfigError(msg)
+            assert rid is not None
+            h.prepared = prepared
+            h.state = DecodeState(self.tokenizer, gen, eos_ids)
+            try:
+                items = h.state.advance(prepared.last_logits)
+            finally:
+                if on_first_token is not None:
+                    on_first_token()
+            for item in items:
+                h.items.put(item)
+            buf.reserve(length + gen.max_new_tokens)  # every step's K/V fits: no allocation while decoding
+            h.row = batched.Row(buf, length)
+            self.scheduler.stream(rid)
+            if h.state.finished:
+                self.scheduler.cancel(rid, "done")
+            self._kick()
+        return h
+
+    def cancel(self, h: Handle | int) -> None:
+        """Cancel a request (idempotent; any thread): it leaves at the next plan boundary, freeing its slot and KV."""
+        rid = h if isinstance(h, int) else h.rid
+        with self._cv:
+            self.scheduler.cancel(rid)
+            self._kick()
+
+    def iterate(self, h: Handle) -> Iterator[tuple[int, str]]:
+        """:meth:`Handle.__iter__`, counted as a waiting consumer while it blocks."""
+        with self._counting():
+            yield from h
+
+    @contextlib.contextmanager
+    def _counting(self) -> Iterator[None]:
+        with self._cv:
+            self._consumers_waiting += 1
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._consumers_waiting -= 1
+
+    # ------------------------------------------------------------------------------------------- the loop
+    def _kick(self) -> None:
+        with self._cv:
+            if self._thread is None and not (self.scheduler.idle() and self._released.empty()):
+                self._thread = threading.Thread(target=self._loop, name="kvrag-runner", daemon=True)
+                self._threads_started += 1
+                self._thread.start()
+            self._cv.notify_all()
+
+    def _loop(self) -> None:
+        me = threading.current_thread()
+        try:
+            while True:
+                with self._cv:
+                    while not self._released.empty():
+                        self.scheduler.release(self._released.get())
+                    plan = self.scheduler.schedule()
+                    if not plan:
+                        if self._thread is me:
+                            self._thread = None
+                            self._last_thread = me
+                        self._cv.notify_all()
+                        break
+                    closing = [(self._handles.pop(rid, None), reason) for rid, reason in plan.finish]
+                    prep = self._handles.get(plan.prepare) if plan.prepare is not None else None
+                    rows = [self._handles[rid] for rid in plan.decode]
+                self._execute(plan, closing, prep, rows)
+            hook = self._exit_hook
+            if hook is not None:
+                hook()
+        except BaseException as e:  # noqa: BLE001 - never leave a caller waiting on a dead loop
+            log.exception("the runner failed")
+            with self._cv:
+                left = list(self._handles.values())
+                self._handles.clear()
+                for rid in list(self.scheduler.requests):
+                    self.scheduler.cancel(rid, "failed")
+                    self.scheduler.stepped([rid])
+                self.scheduler.schedule()
+                if self._thread is me:
+                    self._thread = None
+                    self._last_thread = me
+                self._cv.notify_all()
+            for h in left:
+                h.error = h.error or e
+                h.items.put(e)
+                self._close(h, "failed")
+
+    def _execute(self, plan: StepPlan, closing: list[tuple[Handle | None, str]], prep: Handle | None,
+                 rows: list[Handle]) -> None:
+        for h, reason in closing:
+            if h is not None:
+                self._close(h, reason)
+        if prep is not None:
+            self._run_prepare(prep)
+        if rows:
+            self._step(rows)
+            finished = [h for h in rows if h.state is None or h.state.finished]
+            with self._cv:
+                self.scheduler.stepped([h.rid for h in finished])
+                for h in finished:
+                    self._handles.pop(h.rid, None)
+            for h in finished:
+                self._close(h, "done")
+
+    def _close(self, h: Handle, reason: str) -> None:
+        """Tell a request's caller it ended; never raises, and always ends its stream and its wait."""
+        if h.closed:
+            return
+        h.closed = True
+        try:
+            if h.pieces is not None:  # a prepare stopped between two pieces
+                pieces, h.pieces = h.pieces, None
+                pieces.close()
+            if h.row is not None and h.prepared is not None:  # the cache now covers what was decoded
+                h.prepared.cache = h.row.buffer.as_cache(h.row.length)
+        except BaseException:  # noqa: BLE001 - the consumer still gets its end below
+            log.exception("could not hand a request's decoded cache back")
+        finally:
+            if not h.prepared_done.is_set():
+                h.error = h.error or reason_error(reason)
+                h.prepared_done.set()
+            if reason not in ("done", "failed"):
+                h.items.put(reason_error(reason))
+            h.items.put(END)
+            h.prepared = None
+
+    def _step(self, rows: list[Handle]) -> None:
+        """One forward for every row, then each row's token choice and text."""
+        try:
+            with self.lock:
+                if self.unbatchable is None:
+                    logits = batched.decode_step(self.model, [h.row for h in rows],  # type: ignore[misc]
+                                                 [int(h.state.last) for h in rows],  # type: ignore[union-attr,arg-type]
+                                                 self.windows, compiled=self.compile_decode)
+                else:
+                    logits = torch.stack([self._single(h) for h in rows])
+        except BaseException as e:  # noqa: BLE001 - each consumer gets the failure
+            for h in rows:
+                h.items.put(e)
+                h.state = None
+            return
+        self._stats["steps"] += 1
+        self._stats["rows_stepped"] += len(rows)
+        self._stats["max_rows"] = max(self._stats["max_rows"], len(rows))
+        for i, h in enumerate(rows):
+            assert h.row is not None and h.state is not None
+            h.row.length += 1
+            try:
+                for item in h.state.advance(logits[i]):
+                    h.items.put(item)
+            except Exception as e:  # noqa: BLE001 - this request's consumer gets it
+                h.items.put(e)
+                h.state = None
+
+    def _single(self, h: Handle) -> torch.Tensor:
+        assert h.row is not None and h.state is not None and h.state.last is not None
+        cache = h.row.buffer.as_cache(h.row.length)
+        out, _ = hf_cache.forward(self.model, torch.tensor([h.state.last]), cache)
+        return out[-1]
+
+    # ------------------------------------------------------------------------------------------- lifetime
+    def close(self, *, cancel: bool = False, timeout: float | None = None) -> None:
+        """Take no new requests; let those in flight finish (or, with ``cancel``, cancel them); join the thread.
+
+        With ``timeout``, requests still in flight after that many seconds are cancelled. Prepared requests that
+        were never streamed keep their lease until they are dropped.
+        """
+        with self._cv:
+            self.scheduler.close(cancel=cancel)
+            self._kick()
+            end = None if timeout is None else time.monotonic() + timeout
+            while not (self.scheduler.idle() and self._thread is None):
+                left = None if end is None else end - time.monotonic()
+                if left is not None and left <= 0:
+                    self.scheduler.close(cancel=True)
+                    self._kick()
+                    end = None
+                    continue
+                self._cv.wait(left if left is not None else 0.5)
+                self._kick()
+            thread = self._last_thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+
+    def _before_fork(self) -> None:
+        self.lock.acquire()
+        self._cv.acquire()
+
+    def _after_fork_parent(self) -> None:
+        self._cv.release()
+        self.lock.release()
+
+    def _after_fork_child(self) -> None:
+        self._after_fork_parent()
+        self._fresh(KVBudget(self.budget.limit, self.budget.bytes_per_token))
+
+    # ------------------------------------------------------------------------------------------- introspection
+    def stats(self) -> dict[str, Any]:
+        """Counters since creation: ``steps``, ``rows_stepped`` (sum of batch sizes), ``max_rows`` (largest batch),
+        ``prepares``, ``prepare_pieces``; and now: ``decoding`` and ``joining`` requests, requests per state, ``threads`` (0 or 1),
+        ``consumers_waiting`` (callers blocked on a prepare or a stream), the KV bound's use."""
+        with self._cv:
+            out: dict[str, Any] = dict.fromkeys(("steps", "rows_stepped", "max_rows", "prepares", "prepare_pieces"), 0)
+            out.update(self._stats)
+            out.update(decoding=len(self.scheduler.running), joining=len(self.scheduler.queued),
+                       states={s.value: n for s, n in self.scheduler.live().items()},
+                       threads=int(self._thread is not None), consumers_waiting=self._consumers_waiting)
+            out["kv"] = self.budget.snapshot()
+        return out
+
+
+_FORKING: list[Runner] = []
+
+
+def _fork_before() -> None:
+    _FORKING[:] = list(_RUNNERS)
+    for r in _FORKING:
+        r._before_fork()
+
+
+def _fork_after(child: bool) -> None:
+    for r in reversed(_FORKING):
+        r._after_fork_child() if child else r._after_fork_parent()
+    _FORKING.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_fork_before, after_in_parent=lambda: _fork_after(False),
+                        after_in_child=lambda: _fork_after(True))
+
+
+__all__ = ["END", "CancelToken", "Handle", "Runner", "cancel_scope", "current_token"]  # tokens: kvrag.engine.cancel
