@@ -78,7 +78,7 @@ def add_bench_arguments(subparsers: Any) -> argparse.ArgumentParser:
     )
     _add_qa_args(p)
     p.set_defaults(func=run_bench)
-    sub = p.add_subparsers(dest="bench_command", metavar="{sweep,store,load,decode,llamaindex-kl,dtype-kl,ingest,templates,plot}")
+    sub = p.add_subparsers(dest="bench_command", metavar="{sweep,store,load,decode,quant-kl,llamaindex-kl,dtype-kl,ingest,templates,plot}")
 
     s = sub.add_parser("sweep", help="TTFT and memory vs context length and vs chunk count, every method")
     s.add_argument("--data", default=None, help="QA JSONL whose passages supply the text (default: built-in text)")
@@ -131,6 +131,16 @@ def add_bench_arguments(subparsers: Any) -> argparse.ArgumentParser:
     decode_bench.add_arguments(dc)
     _add_model_args(dc)
     dc.set_defaults(func=decode_bench.main)
+
+    qk = sub.add_parser("quant-kl", help="KL(dense || quantized) of the next token along the dense answer, on dev data",
+                        description="Prefill and greedily decode each request with dense weights, then teacher-force "
+                                    "each variant (int4, int8, or another dtype) along that answer: next-token KL at "
+                                    "every answer position and whether the variant's own greedy answer is the same.")
+    from kvrag_bench import quant_kl
+
+    quant_kl.add_arguments(qk)
+    _add_model_args(qk)
+    qk.set_defaults(func=quant_kl.main)
 
     lk = sub.add_parser("llamaindex-kl", help="next-token KL vs full on the prompts a stock LlamaIndex query engine sends",
                         description="Record the LLM calls of a stock LlamaIndex query engine (default prompts; "
