@@ -34,14 +34,19 @@ a few hundred thousand logits."""
 
 @pytest.fixture(scope="module")
 def fp32_engine() -> KVRAGEngine:
-    return KVRAGEngine(load_model(None, dtype="float32"), MemoryStore(), EngineConfig())
+    return KVRAGEngine(load_model(None, dtype="float32", quantize=None), MemoryStore(), EngineConfig())
 
 
 @pytest.fixture(scope="module")
 def bf16_engine() -> KVRAGEngine:
     if cpu_native_bf16() is None:
         pytest.skip("this CPU has no native bfloat16 unit (AMX / AVX512-BF16): bf16 would be emulated")
-    return KVRAGEngine(load_model(None, dtype="bfloat16"), MemoryStore(), EngineConfig())
+    return KVRAGEngine(load_model(None, dtype="bfloat16", quantize=None), MemoryStore(), EngineConfig())
+
+
+@pytest.fixture(scope="module")
+def int4_engine() -> KVRAGEngine:
+    return KVRAGEngine(load_model(None, dtype="float32", quantize="int4"), MemoryStore(), EngineConfig())
 
 
 def _plans(engine: KVRAGEngine) -> list:
@@ -81,9 +86,9 @@ def _concurrent_answers(engine: KVRAGEngine, plans: list) -> list[list[int]]:
     return out
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_batch_of_one_is_bit_identical_to_the_models_own_step(request: pytest.FixtureRequest, dtype: str) -> None:
-    engine = request.getfixturevalue("fp32_engine" if dtype == "float32" else "bf16_engine")
+@pytest.mark.parametrize("variant", ["fp32_engine", "bf16_engine", "int4_engine"])
+def test_batch_of_one_is_bit_identical_to_the_models_own_step(request: pytest.FixtureRequest, variant: str) -> None:
+    engine = request.getfixturevalue(variant)
     prep = engine.prepare(_plans(engine)[0], "stale")
     buf, n = hf_cache.buffer_of(prep.cache)
     buf.reserve(n + 4)
@@ -116,3 +121,14 @@ def test_bf16_batched_logits_within_the_bf16_noise_floor(bf16_engine: KVRAGEngin
     assert batched_vs_alone <= BF16_TOLERANCE * floor  # measured on a CPU with AMX: 0 (identical), floor 0.62
     sequential = [engine.answer_plan(p, "stale", GEN).token_ids for p in plans]
     assert _concurrent_answers(engine, plans) == sequential
+
+
+def test_int4_batched_logits_within_the_quantization_noise_floor(int4_engine: KVRAGEngine,
+                                                                  fp32_engine: KVRAGEngine) -> None:
+    """int4 products run with bf16 activations and outputs, so a batched GEMM's other summation order moves the
+    logits by bf16-sized amounts: bounded by the same factor of int4's own floor (int4 alone vs dense fp32 alone)."""
+    plans = _plans(int4_engine)
+    batched_vs_alone, floor = _step_diffs(int4_engine, plans, 6, reference=fp32_engine)
+    assert 0 < floor and batched_vs_alone <= BF16_TOLERANCE * floor
+    sequential = [int4_engine.answer_plan(p, "stale", GEN).token_ids for p in plans]
+    assert _concurrent_answers(int4_engine, plans) == sequential

@@ -47,7 +47,7 @@ def test_conversion_writes_a_plain_checkpoint(prepared: tuple[Path, float]) -> N
 
 def test_reload_gives_identical_logits(prepared: tuple[Path, float]) -> None:
     t0 = time.perf_counter()
-    lm = models.load_model(device="cpu", dtype="float32")  # the digest below is of float32 logits
+    lm = models.load_model(device="cpu", dtype="float32", quantize=None)  # the digest is of dense float32 logits
     print(f"warm load: {time.perf_counter() - t0:.1f} s")
     assert lm.name == default_model.DEFAULT_MODEL and lm.dtype == torch.float32
     assert getattr(lm.model.config, "quantization_config", None) is None
@@ -63,11 +63,15 @@ def test_reload_gives_identical_logits(prepared: tuple[Path, float]) -> None:
     ids = lm.tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
     out = lm.model.generate(ids, max_new_tokens=8, do_sample=False)
     assert "Paris" in lm.tokenizer.decode(out[0, ids.shape[1] :])
-    again = models.load_model(default_model.DEFAULT_MODEL, device="cpu", dtype="float32")
+    again = models.load_model(default_model.DEFAULT_MODEL, device="cpu", dtype="float32", quantize=None)
     assert (again.fingerprint, again.tokenizer_fingerprint) == (lm.fingerprint, lm.tokenizer_fingerprint)
-    picked = models.load_model(device="cpu")  # no dtype: the machine's default, keyed apart when it differs
+    picked = models.load_model(device="cpu")  # the machine's default dtype and weights, keyed apart when they differ
     assert picked.dtype == models.resolve_dtype(None, torch.device("cpu"))
-    assert (picked.fingerprint == lm.fingerprint) == (picked.dtype == torch.float32)
+    assert picked.quantize == models.default_quantize(torch.device("cpu"), picked.dtype, gguf=True)
+    assert (picked.fingerprint == lm.fingerprint) == (picked.dtype == torch.float32 and picked.quantize is None)
+    q4 = picked if picked.quantize == "int4" else models.load_model(device="cpu", dtype="float32", quantize="int4")
+    out = q4.model.generate(ids, max_new_tokens=8, do_sample=False)  # the file's own 4-bit blocks answer too
+    assert "Paris" in q4.tokenizer.decode(out[0, ids.shape[1] :])
 
 
 def test_second_prepare_reuses_the_checkpoint(prepared: tuple[Path, float]) -> None:
