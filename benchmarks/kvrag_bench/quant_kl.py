@@ -36,10 +36,11 @@ def _answer(model: Any, ids: Any, n: int, eos: set[int], forced: list[int] | Non
         cache = DynamicCache(config=model.config)
         logits = [model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1].float()]
         tokens: list[int] = []
-        for i in range(n if forced is None else len(forced)):
+        last = n if forced is None else min(n, len(forced))
+        for i in range(last):
             t = int(logits[-1].argmax()) if forced is None else forced[i]
             tokens.append(t)
-            if (forced is None and t in eos) or len(tokens) == n:
+            if (forced is None and t in eos) or len(tokens) == last:
                 break
             logits.append(model(input_ids=torch.tensor([[t]]), cache=cache, use_cache=True).logits[0, -1].float())
     return tokens, torch.stack(logits)
