@@ -21,15 +21,19 @@ PASSAGES = [
 ]
 
 
-def make_engine(family: str = "llama", dtype: torch.dtype = torch.float32, **cfg) -> KVRAGEngine:
-    return KVRAGEngine(tiny_model(family, dtype=dtype), MemoryStore(), EngineConfig(**cfg))
+def make_engine(family: str = "llama", dtype: torch.dtype = torch.float32, quantize: str | None = None,
+                **cfg) -> KVRAGEngine:
+    return KVRAGEngine(tiny_model(family, dtype=dtype, quantize=quantize), MemoryStore(), EngineConfig(**cfg))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("dtype", "quantize"), [(torch.float32, None), (torch.bfloat16, None),
+                                                 (torch.float32, "int4"), (torch.float32, "int8")])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_full_matches_model_generate(family: str, dtype: torch.dtype) -> None:
-    """Token for token in every compute dtype kvrag may pick (the same model object, so the same kernels)."""
-    eng = make_engine(family, dtype)
+def test_full_matches_model_generate(family: str, dtype: torch.dtype, quantize: str | None) -> None:
+    """Token for token in every compute dtype kvrag may pick and with quantized weights (the same model object, so
+    the same kernels: generate's decode steps run the same quantized products)."""
+    eng = make_engine(family, dtype, quantize)
+    assert eng.loaded.quantize == quantize
     prefix, ps, suffix = RagTemplate().parts(eng.tokenizer, PASSAGES, "What is the capital of France?")
     plan = eng.plan_parts(prefix, ps, suffix)
     ids = [t for s in (*plan.context, plan.suffix) for t in s.token_ids]
