@@ -260,7 +260,9 @@ def decode_bound(engine: Any, docs_dir: Path, cfg: SweepConfig) -> dict[str, Any
     engine.ingest(passages)
     prep = engine.prepare(engine.plan_parts(*RagTemplate().parts(engine.tokenizer, passages, QUESTIONS[0])), "stale")
     buf, length = hf_cache.buffer_of(prep.cache)
-    weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    from kvrag_bench.decode_bench import step_bytes
+
+    weights = step_bytes(engine.model, 1, 0)  # the weights one step reads, in their format (dense or quantized)
     bandwidth = copy_bandwidth()
     bound_ms = 1000 * weights / bandwidth
     out: dict[str, Any] = {"context_tokens": length, "weight_bytes": weights, "copy_bytes_per_s": bandwidth,
