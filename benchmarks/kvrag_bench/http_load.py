@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvrag_bench.load_sweep import DATA, PROMPT, QUESTIONS, percentile
+from kvrag_bench.load_sweep import DATA, PROMPT, QUESTIONS, percentile, run_clients
 
 _WORD = re.compile(r"[a-z0-9]+")
 
@@ -86,29 +86,7 @@ def stream_chat(client: Any, model: str, content: str, max_tokens: int, method: 
 def run_level(ask: Callable[[str], dict[str, Any]], questions: Sequence[str], clients: int, per_client: int,
               reference: dict[str, str]) -> dict[str, Any]:
     """``clients`` threads start together, each asks ``per_client`` questions back to back."""
-    rows: list[dict[str, Any]] = []
-    lock = threading.Lock()
-    start = threading.Barrier(clients + 1)
-
-    def client(c: int) -> None:
-        start.wait()
-        for j in range(per_client):
-            q = questions[(c * per_client + j) % len(questions)]
-            try:
-                row = {"question": q, **ask(q), "error": None}
-            except Exception as e:  # noqa: BLE001 - recorded, counted as a failure
-                row = {"question": q, "error": f"{type(e).__name__}: {e}"}
-            with lock:
-                rows.append(row)
-
-    threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
-    for t in threads:
-        t.start()
-    start.wait()
-    t0 = time.perf_counter()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
+    rows, wall = run_clients(ask, questions, clients, per_client)
     ok = [r for r in rows if r["error"] is None]
     ttfts = [r["ttft_s"] for r in ok]
     return {

@@ -182,9 +182,10 @@ def langchain_client(engine: Any, cfg: SweepConfig, docs_dir: Path) -> Ask:
 
 
 # ------------------------------------------------------------------------------------------------- the sweep
-def run_level(ask: Ask, engine: Any, questions: Sequence[str], clients: int, per_client: int,
-              reference: dict[str, str]) -> dict[str, Any]:
-    """``clients`` threads start together, each asks ``per_client`` questions back to back."""
+def run_clients(ask: Callable[[str], dict[str, Any]], questions: Sequence[str], clients: int,
+                per_client: int) -> tuple[list[dict[str, Any]], float]:
+    """``clients`` threads start together, each asks ``per_client`` questions back to back: (one row per question,
+    with ``error`` set where it failed; wall seconds from the common start to the last answer)."""
     rows: list[dict[str, Any]] = []
     lock = threading.Lock()
     start = threading.Barrier(clients + 1)
@@ -201,7 +202,6 @@ def run_level(ask: Ask, engine: Any, questions: Sequence[str], clients: int, per
             with lock:
                 rows.append(row)
 
-    before = engine.runner.stats()
     threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
     for t in threads:
         t.start()
@@ -209,7 +209,14 @@ def run_level(ask: Ask, engine: Any, questions: Sequence[str], clients: int, per
     t0 = time.perf_counter()
     for t in threads:
         t.join()
-    wall = time.perf_counter() - t0
+    return rows, time.perf_counter() - t0
+
+
+def run_level(ask: Ask, engine: Any, questions: Sequence[str], clients: int, per_client: int,
+              reference: dict[str, str]) -> dict[str, Any]:
+    """``clients`` threads start together, each asks ``per_client`` questions back to back."""
+    before = engine.runner.stats()
+    rows, wall = run_clients(ask, questions, clients, per_client)
     after = engine.runner.stats()
     ok = [r for r in rows if r["error"] is None]
     ttfts = [r["ttft_s"] for r in ok]
