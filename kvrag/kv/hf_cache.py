@@ -195,6 +195,24 @@ def prefill_kv(model: Any, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch
     return cache_to_tensors(cache)
 
 
+@torch.inference_mode()
+def layer_inputs(model: Any, input_ids: torch.Tensor) -> list[torch.Tensor]:
+    """The hidden states [1, T, hidden] each decoder layer receives when ``input_ids`` [T] are prefilled from
+    position 0 (captured by forward pre-hooks, so whatever a family does before its layers is included)."""
+    seen: list[torch.Tensor] = []
+
+    def grab(_module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        seen.append((args[0] if args else kwargs["hidden_states"]).detach().clone())
+
+    hooks = [layer.register_forward_pre_hook(grab, with_kwargs=True) for layer in decoder_layers(model)]
+    try:
+        forward(model, input_ids, None, start=0, logits_to_keep=1)
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen
+
+
 def logits_head(model: Any) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """``head(hidden [1, N, hidden]) -> logits [N, V]`` (float32) as the model's forward computes them from its
     last decoder layer's output (final norm, then the LM head); None for families that post-process logits

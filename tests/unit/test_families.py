@@ -106,6 +106,30 @@ def test_rerotated_keys_equal_a_prefill_at_those_positions(family: str, dtype: t
         assert (k0 - k1).abs().max() > 1e-2
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_load_time_check_passes_every_family_and_refuses_a_layer_that_skips_rope(dtype: torch.dtype) -> None:
+    """:func:`check_rerotation` judges each layer on the same inputs at both positions: it passes every supported
+    family in both dtypes, and names the layer of a model whose code leaves one layer's keys unrotated."""
+    from kvrag.kv.compute import check_rerotation
+
+    for family in FAMILIES:
+        lm = _lm(family, dtype)
+        check_rerotation(lm.model, Rope.from_model(lm.model), name=family)
+    lm = tiny_model("llama", num_layers=LAYERS, init_std=INIT_STD, dtype=dtype)
+    rope = Rope.from_model(lm.model)
+
+    def no_rope(_module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        cos, sin = kwargs["position_embeddings"]
+        return args, {**kwargs, "position_embeddings": (torch.ones_like(cos), torch.zeros_like(sin))}
+
+    hook = hf_cache.decoder_layers(lm.model)[2].register_forward_pre_hook(no_rope, with_kwargs=True)
+    try:
+        with pytest.raises(UnsupportedModelError, match="in layer 2 "):
+            check_rerotation(lm.model, rope, name="patched")
+    finally:
+        hook.remove()
+
+
 def test_layers_without_rope_keep_their_keys_as_they_are() -> None:
     """SmolLM3's NoPE layers: the canonical key is the cached key (no rotation), every other layer is rotated."""
     lm = _lm("smollm3", torch.float32)
