@@ -73,6 +73,11 @@ class EngineConfig:
             1.5K-token contexts): ~45 s of compilation at the first step, then fp32 ~5% faster (batch 1: 70 -> 67
             ms/step, batch 8: 233 -> 220 ms) and bf16 no faster (58 -> 59 ms, 105 -> 111 ms; kvrag's packed bf16
             linears already do what inductor would).
+        speculative_tokens: most tokens drafted per greedy request and decode step by prompt lookup
+            (:mod:`kvrag.engine.speculate`: the answer's last n-gram found in the prompt, the tokens after it
+            verified in one forward); 0 turns speculative decoding off. Greedy answers are token-identical either way.
+        speculative_ngram: the longest answer suffix (tokens) looked up in the prompt; shorter ones down to one
+            token are tried after it.
         admission_timeout_s: longest wait, in seconds, of a request in line for the KV memory bound (requests are
             admitted in arrival order); past it ``prepare`` raises :class:`~kvrag.errors.EngineBusyError` naming the
             bound. None: wait without limit.
@@ -93,6 +98,8 @@ class EngineConfig:
     kv_memory_bytes: int | None = None
     compile_decode: bool = False
     admission_timeout_s: float | None = 300.0
+    speculative_tokens: int = 4
+    speculative_ngram: int = 3
 
     def __post_init__(self) -> None:
         if self.chunk_prefix not in CHUNK_PREFIX_MODES:
@@ -108,6 +115,10 @@ class EngineConfig:
             raise ConfigError(msg)
         if not self.store_retry_s >= 0:
             raise ConfigError(f"store_retry_s must be >= 0 seconds, got {self.store_retry_s!r}")
+        if not isinstance(self.speculative_tokens, int) or self.speculative_tokens < 0:
+            raise ConfigError(f"speculative_tokens must be an integer >= 0 (0: off), got {self.speculative_tokens!r}")
+        if not isinstance(self.speculative_ngram, int) or self.speculative_ngram < 1:
+            raise ConfigError(f"speculative_ngram must be an integer >= 1, got {self.speculative_ngram!r}")
         if not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
             raise ConfigError(f"max_batch_size must be an integer >= 1, got {self.max_batch_size!r}")
         if self.admission_timeout_s is not None and not self.admission_timeout_s >= 0:

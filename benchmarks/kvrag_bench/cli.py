@@ -78,7 +78,7 @@ def add_bench_arguments(subparsers: Any) -> argparse.ArgumentParser:
     )
     _add_qa_args(p)
     p.set_defaults(func=run_bench)
-    sub = p.add_subparsers(dest="bench_command", metavar="{sweep,store,load,decode,quant-kl,llamaindex-kl,dtype-kl,ingest,templates,plot}")
+    sub = p.add_subparsers(dest="bench_command", metavar="{sweep,store,load,decode,speculate,quant-kl,llamaindex-kl,dtype-kl,ingest,templates,plot}")
 
     s = sub.add_parser("sweep", help="TTFT and memory vs context length and vs chunk count, every method")
     s.add_argument("--data", default=None, help="QA JSONL whose passages supply the text (default: built-in text)")
@@ -141,6 +141,16 @@ def add_bench_arguments(subparsers: Any) -> argparse.ArgumentParser:
     quant_kl.add_arguments(qk)
     _add_model_args(qk)
     qk.set_defaults(func=quant_kl.main)
+
+    sp = sub.add_parser("speculate", help="speculative decoding from the prompt on QA answers vs plain and llama.cpp",
+                        description="Answer QA requests with each speculative_tokens setting in turn (0: plain "
+                                    "decoding): decode ms/token, tokens per forward, drafts accepted, same tokens as "
+                                    "plain decoding; llama.cpp on the same GGUF and prompt ids when installed.")
+    from kvrag_bench import spec_bench
+
+    spec_bench.add_arguments(sp)
+    _add_model_args(sp)
+    sp.set_defaults(func=spec_bench.main)
 
     lk = sub.add_parser("llamaindex-kl", help="next-token KL vs full on the prompts a stock LlamaIndex query engine sends",
                         description="Record the LLM calls of a stock LlamaIndex query engine (default prompts; "

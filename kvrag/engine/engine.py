@@ -19,6 +19,7 @@ from kvrag.engine.lease import KVBudget, Lease
 from kvrag.engine.planner import Plan, TextPiece, plan_pieces, plan_prompt
 from kvrag.engine.results import Prepared, Response, Stats, Timings
 from kvrag.engine.runner import Runner, current_token
+from kvrag.engine.speculate import SpeculationConfig
 from kvrag.errors import ConfigError, ContextLengthError
 from kvrag.fusion import FusionMethod, Observation, shared_method
 from kvrag.kv import hf_cache
@@ -91,7 +92,9 @@ class KVRAGEngine(ChunkCaching):
                                                                    self.config.max_batch_size, self.model.device)
         self.runner = Runner(self.model, self.tokenizer, KVBudget(kv_bytes, per_token),
                              max_batch_size=self.config.max_batch_size, compile_decode=self.config.compile_decode,
-                             admission_timeout_s=self.config.admission_timeout_s)
+                             admission_timeout_s=self.config.admission_timeout_s,
+                             speculation=SpeculationConfig(max_draft=self.config.speculative_tokens,
+                                                           max_ngram=self.config.speculative_ngram))
         self.batcher = self.runner  # the earlier name
 
     @classmethod
@@ -355,7 +358,7 @@ class KVRAGEngine(ChunkCaching):
             timings.ttft_s = time.perf_counter() - prepared.t0
 
         t = time.perf_counter()
-        req = self.runner.submit(prepared, gen, self._eos_ids(), first)
+        req = self.runner.submit(prepared, gen, self._eos_ids(), first, prompt_ids=prepared.plan.token_ids)
         token = current_token()
         remove = token.on_cancel(lambda: self.runner.cancel(req)) if token is not None else (lambda: None)
         try:
@@ -372,6 +375,9 @@ class KVRAGEngine(ChunkCaching):
         timings.decode_s = time.perf_counter() - t
         timings.total_s = time.perf_counter() - prepared.t0
         prepared.stats.generated_tokens = len(tokens)
+        prepared.stats.decode_forwards = req.spec.decode_forwards
+        prepared.stats.drafted_tokens = req.spec.drafted_tokens
+        prepared.stats.accepted_tokens = req.spec.accepted_tokens
 
     def close(self, *, cancel: bool = False, timeout: float | None = None) -> None:
         """Stop taking requests; let those in flight finish (``cancel``: cancel them; ``timeout``: cancel what is

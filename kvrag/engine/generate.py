@@ -134,9 +134,10 @@ class DecodeState:
         self.last: int | None = None
         self.finished = False
 
-    def advance(self, logits: torch.Tensor) -> list[tuple[int, str]]:
-        """Choose the next token from ``logits`` [V]; the items to emit for it."""
-        tok = select_token(logits, self.cfg, self.generator)
+    def advance(self, logits: torch.Tensor | None, token: int | None = None) -> list[tuple[int, str]]:
+        """Choose the next token from ``logits`` [V] (or take ``token``, a greedy choice the caller made for a
+        whole batch in one operation); the items to emit for it."""
+        tok = int(token) if token is not None else select_token(logits, self.cfg, self.generator)  # type: ignore[arg-type]
         self.steps += 1
         if tok in self.eos:
             self.finished = True

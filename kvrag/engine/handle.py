@@ -14,6 +14,8 @@ from typing import Any
 
 from kvrag.engine.generate import DecodeState
 from kvrag.engine.lease import Lease
+from kvrag.engine.results import SpecStats
+from kvrag.engine.speculate import PromptLookup
 from kvrag.errors import EngineClosedError, RequestCancelledError
 from kvrag.kv import batched
 
@@ -41,6 +43,8 @@ class Handle:
         self.row: batched.Row | None = None
         self.prepared: Any = None
         self.closed = False
+        self.drafter: PromptLookup | None = None  # speculative decoding's drafts (greedy requests only)
+        self.spec = SpecStats()
 
     def __iter__(self) -> Iterator[tuple[int, str]]:
         """The stream's items as they come; raises what failed or cancelled it."""

@@ -59,6 +59,18 @@ class Timings(_Fields):
 
 
 @dataclasses.dataclass
+class SpecStats(_Fields):
+    """One request's decoding: forwards it took part in, tokens drafted from the prompt and how many of them the
+    model's greedy choices confirmed (:mod:`kvrag.engine.speculate`). Tokens generated = ``accepted_tokens`` +
+    ``decode_forwards`` + 1 (the first token comes from the prepare's logits), less one when the answer ended
+    inside a verified draft."""
+
+    decode_forwards: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+
+
+@dataclasses.dataclass
 class Stats(_Fields):
     """What one request reused and computed.
 
@@ -74,6 +86,8 @@ class Stats(_Fields):
         method_stats: the fusion method's own statistics (recomputed fractions, attention pairs, timings, ...;
             ``to_dict()`` gives the JSON form under the key ``method_stats``).
         generated_tokens: tokens decoded (set when the stream ends).
+        decode_forwards / drafted_tokens / accepted_tokens: the decode forwards this request took part in and its
+            speculative drafts (:class:`SpecStats`; set when the stream ends).
     """
 
     context_tokens: int = 0
@@ -90,6 +104,9 @@ class Stats(_Fields):
     hit_rate: float = 0.0
     method_stats: MethodStats = dataclasses.field(default_factory=MethodStats)
     generated_tokens: int | None = None
+    decode_forwards: int | None = None
+    drafted_tokens: int | None = None
+    accepted_tokens: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form: every field, ``method_stats`` as :meth:`MethodStats.to_dict` writes it."""
@@ -146,4 +163,4 @@ class Prepared:
             weakref.finalize(self, self.kv_lease.release)
 
 
-__all__ = ["Prepared", "Response", "Stats", "Timings"]
+__all__ = ["Prepared", "Response", "SpecStats", "Stats", "Timings"]

@@ -33,30 +33,27 @@ import collections
 import contextlib
 import inspect
 import logging
-import os
 import queue
 import threading
 import time
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
 from kvrag.config import GenerationConfig
+from kvrag.engine import forking
 from kvrag.engine.cancel import CancelToken, cancel_scope, current_token
 from kvrag.engine.generate import DecodeState
 from kvrag.engine.handle import END, Handle, reason_error
 from kvrag.engine.lease import KVBudget, Lease
 from kvrag.engine.scheduler import RequestState, Scheduler, SchedulerError, StepPlan
+from kvrag.engine.speculate import PromptLookup, SpeculationConfig, accept_row, draft_rows
 from kvrag.errors import ConfigError, EngineBusyError, EngineClosedError
 from kvrag.kv import batched, hf_cache
 from kvrag.kv.attention import IMPL
 
 log = logging.getLogger(__name__)
-
-_RUNNERS: weakref.WeakSet[Runner] = weakref.WeakSet()
-
 
 class Runner:
     """Executes one engine's plans in one thread (see the module docstring).
@@ -68,14 +65,17 @@ class Runner:
         max_batch_size: most requests in one step.
         compile_decode: capture the step with ``torch.compile`` (see :mod:`kvrag.kv.batched`).
         admission_timeout_s: longest wait for admission (None: no limit).
+        speculation: prompt-lookup drafting for greedy requests (:mod:`kvrag.engine.speculate`; None: off).
     """
 
     _exit_hook: Callable[[], None] | None = None
     """Called right after the thread decided to exit (tests use it to hold the thread in that window)."""
 
     def __init__(self, model: Any, tokenizer: Any, budget: KVBudget, *, max_batch_size: int,
-                 compile_decode: bool = False, admission_timeout_s: float | None = None) -> None:
+                 compile_decode: bool = False, admission_timeout_s: float | None = None,
+                 speculation: SpeculationConfig | None = None) -> None:
         self.model = model
+        self.speculation = speculation or SpeculationConfig(max_draft=0)
         self.tokenizer = tokenizer
         self.max_batch_size = int(max_batch_size)
         self.compile_decode = bool(compile_decode)
@@ -86,7 +86,7 @@ class Runner:
             log.info("decoding one request per step: %s", self.unbatchable)
         self.windows = batched.windows(model)
         self._fresh(budget)
-        _RUNNERS.add(self)
+        forking.track(self)
 
     def _fresh(self, budget: KVBudget) -> None:
         self._cv = threading.Condition(threading.RLock())
@@ -231,10 +231,11 @@ class Runner:
 
     # ------------------------------------------------------------------------------------------- streams
     def submit(self, prepared: Any, gen: GenerationConfig, eos_ids: Sequence[int],
-               on_first_token: Callable[[], None] | None = None) -> Handle:
+               on_first_token: Callable[[], None] | None = None, prompt_ids: Sequence[int] | None = None) -> Handle:
         """Start decoding a prepared request: its first token is chosen now (from the prepare's logits), then it
         joins the running batch at the next plan. Iterate the returned handle for its items and call
-        :meth:`cancel` when the consumer stops.
+        :meth:`cancel` when the consumer stops. ``prompt_ids``: the prompt's token ids, which greedy requests draft
+        from when speculation is on.
 
         Raises:
             ConfigError: the request was not prepared by this engine, is already streaming or streamed, or asks for
@@ -271,6 +272,11 @@ class Runner:
                     on_first_token()
             for item in items:
                 h.items.put(item)
+            if (self.speculation.enabled and prompt_ids is not None and not gen.do_sample
+                    and self.unbatchable is None and not h.state.finished):
+                spec = self.speculation
+                h.drafter = PromptLookup(prompt_ids, spec.max_ngram, spec.min_ngram)
+                h.drafter.push(int(h.state.last))  # type: ignore[arg-type]
             buf.reserve(length + gen.max_new_tokens)  # every step's K/V fits: no allocation while decoding
             h.row = batched.Row(buf, length)
             self.scheduler.stream(rid)
@@ -389,15 +395,21 @@ class Runner:
             h.prepared = None
 
     def _step(self, rows: list[Handle]) -> None:
-        """One forward for every row, then each row's token choice and text."""
+        """One forward for every row (with drafts: a verify forward), then each row's token choices and text."""
+        drafts = draft_rows(rows, self.speculation) if self.unbatchable is None else None
+        feeds = [[int(h.state.last)] + (drafts[i] if drafts else [])  # type: ignore[union-attr,arg-type]
+                 for i, h in enumerate(rows)]
         try:
             with self.lock:
-                if self.unbatchable is None:
-                    logits = batched.decode_step(self.model, [h.row for h in rows],  # type: ignore[misc]
-                                                 [int(h.state.last) for h in rows],  # type: ignore[union-attr,arg-type]
-                                                 self.windows, compiled=self.compile_decode)
-                else:
+                if self.unbatchable is not None:
                     logits = torch.stack([self._single(h) for h in rows])
+                elif drafts is None:
+                    logits = batched.decode_step(self.model, [h.row for h in rows],  # type: ignore[misc]
+                                                 [f[0] for f in feeds], self.windows, compiled=self.compile_decode)
+                else:
+                    logits = batched.verify_step(self.model, [h.row for h in rows], feeds,  # type: ignore[misc]
+                                                 self.windows)
+            greedy = logits.argmax(-1).tolist()  # every row's greedy choice at every position, in one operation
         except BaseException as e:  # noqa: BLE001 - each consumer gets the failure
             for h in rows:
                 h.items.put(e)
@@ -406,15 +418,12 @@ class Runner:
         self._stats["steps"] += 1
         self._stats["rows_stepped"] += len(rows)
         self._stats["max_rows"] = max(self._stats["max_rows"], len(rows))
-        for i, h in enumerate(rows):
-            assert h.row is not None and h.state is not None
-            h.row.length += 1
-            try:
-                for item in h.state.advance(logits[i]):
-                    h.items.put(item)
-            except Exception as e:  # noqa: BLE001 - this request's consumer gets it
-                h.items.put(e)
-                h.state = None
+        self._stats["verify_steps"] += drafts is not None
+        at = 0
+        for h, feed in zip(rows, feeds, strict=True):
+            self._stats["accepted"] += accept_row(h, feed, logits, greedy, at) - 1
+            self._stats["drafted"] += len(feed) - 1
+            at += len(feed)
 
     def _single(self, h: Handle) -> torch.Tensor:
         assert h.row is not None and h.state is not None and h.state.last is not None
@@ -461,36 +470,18 @@ class Runner:
     # ------------------------------------------------------------------------------------------- introspection
     def stats(self) -> dict[str, Any]:
         """Counters since creation: ``steps``, ``rows_stepped`` (sum of batch sizes), ``max_rows`` (largest batch),
-        ``prepares``, ``prepare_pieces``; and now: ``decoding`` and ``joining`` requests, requests per state, ``threads`` (0 or 1),
+        ``prepares``, ``prepare_pieces``, ``verify_steps`` (steps that checked drafts), ``drafted`` / ``accepted``
+        (draft tokens proposed / confirmed); and now: ``decoding`` and ``joining`` requests, requests per state, ``threads`` (0 or 1),
         ``consumers_waiting`` (callers blocked on a prepare or a stream), the KV bound's use."""
         with self._cv:
-            out: dict[str, Any] = dict.fromkeys(("steps", "rows_stepped", "max_rows", "prepares", "prepare_pieces"), 0)
+            out: dict[str, Any] = dict.fromkeys(("steps", "rows_stepped", "max_rows", "prepares", "prepare_pieces",
+                                                 "verify_steps", "drafted", "accepted"), 0)
             out.update(self._stats)
             out.update(decoding=len(self.scheduler.running), joining=len(self.scheduler.queued),
                        states={s.value: n for s, n in self.scheduler.live().items()},
                        threads=int(self._thread is not None), consumers_waiting=self._consumers_waiting)
             out["kv"] = self.budget.snapshot()
         return out
-
-
-_FORKING: list[Runner] = []
-
-
-def _fork_before() -> None:
-    _FORKING[:] = list(_RUNNERS)
-    for r in _FORKING:
-        r._before_fork()
-
-
-def _fork_after(child: bool) -> None:
-    for r in reversed(_FORKING):
-        r._after_fork_child() if child else r._after_fork_parent()
-    _FORKING.clear()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(before=_fork_before, after_in_parent=lambda: _fork_after(False),
-                        after_in_child=lambda: _fork_after(True))
 
 
 __all__ = ["END", "CancelToken", "Handle", "Runner", "cancel_scope", "current_token"]  # tokens: kvrag.engine.cancel

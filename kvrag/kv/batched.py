@@ -66,13 +66,16 @@ class Row:
 
 
 class _Active:
-    """The rows of the batched step running in this thread, and each layer's attention window."""
+    """The rows of the batched step running in this thread, each layer's attention window and, for a verify step
+    (:func:`verify_step`), how many tokens each row feeds (None: one each, laid out as [B, 1])."""
 
-    __slots__ = ("rows", "windows")
+    __slots__ = ("counts", "rows", "windows")
 
-    def __init__(self, rows: Sequence[Row], windows: Sequence[tuple[str, int | None]]) -> None:
+    def __init__(self, rows: Sequence[Row], windows: Sequence[tuple[str, int | None]],
+                 counts: Sequence[int] | None = None) -> None:
         self.rows = rows
         self.windows = windows
+        self.counts = counts
 
 
 _local = threading.local()
@@ -96,6 +99,8 @@ def _attend(layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Ten
             scaling: float | None) -> torch.Tensor:
     """Write each row's fresh K/V into its buffer and attend each row to its own buffer: [B, 1, H, D]."""
     step: _Active = _local.step
+    if step.counts is not None:
+        return _attend_packed(step, layer, query, key, value, scaling)
     out = torch.empty((query.shape[0], 1, query.shape[1], value.shape[-1]), dtype=query.dtype, device=query.device)
     kind, size = step.windows[layer]
     sdpa = torch.nn.functional.scaled_dot_product_attention
@@ -112,15 +117,49 @@ def _attend(layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     return out
 
 
+def _attend_packed(step: _Active, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   scaling: float | None) -> torch.Tensor:
+    """A verify step's attention: the rows' tokens packed along one sequence ([1, H, T, D]); row ``i`` feeds
+    ``counts[i]`` tokens at positions ``length .. length + count - 1``, writes their K/V there and attends causally
+    over its own buffer. Returns [1, T, H, D].
+
+    Each query attends alone, with the plain step's own call: a masked multi-query call reads the context once
+    but sums in another order (bfloat16 attention outputs differ by ~2e-4, float32 by ~1e-7), and through bf16
+    roundings -- the model's, or the quantized products' bf16 activations -- that moves logits by up to 0.4
+    (SmolLM2-135M, int4, float32 or bfloat16), enough to flip greedy choices in near-ties. With per-query calls
+    a verified position's logits are bit-identical to a plain step's wherever the model's products compute each
+    row alone (int4 / int8 weights, packed bf16 linears: tested); dense float32 GEMMs differ by ~1e-5 across row
+    counts, as batched decoding's do."""
+    assert step.counts is not None
+    out = torch.empty((1, query.shape[2], query.shape[1], value.shape[-1]), dtype=query.dtype, device=query.device)
+    kind, size = step.windows[layer]
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    o = 0
+    for row, q in zip(step.rows, step.counts, strict=True):
+        n = row.length
+        kb, vb = row.buffer.keys[layer], row.buffer.values[layer]  # [H_kv, capacity, D]
+        kb[:, n : n + q].copy_(key[0, :, o : o + q])
+        vb[:, n : n + q].copy_(value[0, :, o : o + q])
+        for j in range(q):  # each query alone: the plain step's own call, so the logits are bit-identical
+            p = n + j
+            s0 = _window_start(kind, size, p)
+            a = sdpa(query[:, :, o + j : o + j + 1], kb[None, :, s0 : p + 1], vb[None, :, s0 : p + 1], scale=scaling,
+                     enable_gqa=True)
+            out[0, o + j].copy_(a[0, :, 0])
+        o += q
+    return out
+
+
 def attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
               scaling: float | None) -> tuple[torch.Tensor, None]:
     """The attention of a batched step (called by ``gqa_sdpa_attention`` while :func:`active`).
 
     Args:
-        query: [B, H, 1, D] (RoPE applied); key, value: [B, H_kv, 1, D] the rows' fresh K/V.
+        query: [B, H, 1, D] (RoPE applied); key, value: [B, H_kv, 1, D] the rows' fresh K/V (a verify step:
+            [1, H, T, D] and [1, H_kv, T, D], the rows' tokens packed).
 
     Returns:
-        (attn_output [B, 1, H, D], None), the layout transformers' attention functions return.
+        (attn_output [B, 1, H, D] or [1, T, H, D], None), the layout transformers' attention functions return.
     """
     return _attend(int(module.layer_idx), query, key, value, scaling), None
 
@@ -160,10 +199,10 @@ def windows(model: Any) -> list[tuple[str, int | None]]:
     return layer_windows(model.config)
 
 
-def _forward(model: Any, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def _forward(model: Any, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, keep: int = 1) -> torch.Tensor:
     out = model(input_ids=ids, position_ids=pos, attention_mask=mask, cache=_PassThroughCache(), use_cache=True,
-                logits_to_keep=1)
-    return out.logits[:, -1]
+                logits_to_keep=keep)
+    return out.logits[:, -1] if keep == 1 else out.logits[0]
 
 
 # -------------------------------------------------------------------------------------------- compiled step
@@ -265,4 +304,34 @@ def decode_step(model: Any, rows: Sequence[Row], tokens: Sequence[int],
         _local.step = None
 
 
-__all__ = ["Row", "active", "attention", "batchable", "compiled_forward", "decode_step", "windows"]
+@torch.inference_mode()
+def verify_step(model: Any, rows: Sequence[Row], tokens: Sequence[Sequence[int]],
+                layer_windows_: Sequence[tuple[str, int | None]]) -> torch.Tensor:
+    """Feed each row several tokens in one forward: ``tokens[i]`` (its next input and the draft after it) at
+    positions ``rows[i].length ..``, packed along one sequence, every row attending causally to its own buffer.
+
+    What speculative decoding verifies with (:mod:`kvrag.engine.speculate`): the logits at each fed position are the
+    ones plain steps would compute after the same tokens, so a draft is checked against greedy choices in one
+    forward. Each row's buffer needs room for its tokens; the caller advances ``length`` past the accepted ones only
+    (K/V written past that are overwritten by later steps: the roll-back costs nothing).
+
+    Returns:
+        logits [sum(len(t) for t in tokens), V] (float32), row after row.
+    """
+    dev = model.device
+    counts = [len(t) for t in tokens]
+    if not counts or min(counts) < 1:
+        raise ValueError("verify_step: every row feeds at least one token")
+    flat = [int(t) for ts in tokens for t in ts]
+    ids = torch.tensor(flat, dtype=torch.long, device=dev).view(1, -1)
+    pos = torch.tensor([r.length + j for r, q in zip(rows, counts, strict=True) for j in range(q)], dtype=torch.long,
+                       device=dev).view(1, -1)
+    mask = torch.ones((1, 1, len(flat), 1), dtype=torch.bool, device=dev)  # 4D: the mask builders pass it through
+    _local.step = _Active(rows, layer_windows_, counts)
+    try:
+        return _forward(model, ids, pos, mask, keep=0).float()
+    finally:
+        _local.step = None
+
+
+__all__ = ["Row", "active", "attention", "batchable", "compiled_forward", "decode_step", "verify_step", "windows"]

@@ -216,7 +216,7 @@ def _forward(module: torch.nn.Linear, state: _State, x: torch.Tensor) -> torch.T
             or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
         return state.dense_forward(x)
     rows = x.reshape(-1, k)
-    y = state.qweight.mm(rows.to(torch.bfloat16)).to(x.dtype)
+    y = state.qweight.mm(rows.to(torch.bfloat16).contiguous()).to(x.dtype)  # the kernels want contiguous rows
     if isinstance(state.qweight, _Int8Groups):  # the output head: the likely next tokens' logits exactly
         y = _refine_top(y, rows, w, module.bias)
     elif module.bias is not None:

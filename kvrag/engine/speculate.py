@@ -1,0 +1,151 @@
+"""Exact speculative decoding from the prompt (prompt lookup): drafts copied from the retrieved chunks.
+
+RAG answers copy spans of their context -- names, dates, phrases of a retrieved passage. Prompt lookup (the
+``prompt_lookup_num_tokens`` candidate generator of transformers, vLLM's ``ngram`` proposer) drafts the next
+tokens by finding the answer's last n-gram earlier in the prompt (or in the answer so far) and proposing the
+tokens that followed it there; no draft model is needed, and the chunks are already tokenized.
+
+:class:`PromptLookup` keeps, per n-gram size, a dict from each n-gram to the position right after its latest
+occurrence that has a continuation, so a draft costs a few dict lookups whatever the prompt's length, and each
+generated token updates the dicts in O(n).
+
+The runner (:mod:`kvrag.engine.runner`) feeds each greedy row its next input plus its draft in one forward
+(:func:`kvrag.kv.batched.verify_step`), takes the model's greedy choice at every fed position, keeps the drafted
+tokens up to the first one greedy decoding would not have chosen, and adds the model's own choice after them
+(one token more than the draft matched). The tokens are those of plain greedy decoding: each choice is the argmax
+of the logits after exactly the tokens plain decoding would have fed. Positions past the accepted tokens are
+rolled back by not advancing the request's length. Sampling requests are not drafted for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from kvrag.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculationConfig:
+    """How prompt-lookup drafting runs.
+
+    Attributes:
+        max_draft: most drafted tokens per request and step (0 turns speculation off).
+        max_ngram / min_ngram: the longest and shortest suffix of the answer that is looked up (longest first).
+        max_step_tokens: most tokens one verify forward feeds over all its rows (inputs plus drafts): small
+            forwards keep decode-sized products on the quantized weights and the step's cost near one token's.
+    """
+
+    max_draft: int = 4
+    max_ngram: int = 3
+    min_ngram: int = 1
+    max_step_tokens: int = 16
+
+    def __post_init__(self) -> None:
+        if self.max_draft < 0:
+            raise ConfigError(f"speculative max_draft must be >= 0 tokens, got {self.max_draft}")
+        if not 1 <= self.min_ngram <= self.max_ngram:
+            msg = f"speculative n-gram sizes need 1 <= min_ngram <= max_ngram, got {self.min_ngram}, {self.max_ngram}"
+            raise ConfigError(msg)
+        if self.max_step_tokens < 1:
+            raise ConfigError(f"speculative max_step_tokens must be >= 1, got {self.max_step_tokens}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_draft > 0
+
+
+class PromptLookup:
+    """Drafts for one request: the tokens that followed the latest earlier occurrence of its last n-gram.
+
+    Args:
+        prompt_ids: the request's prompt token ids (context and question).
+        max_ngram / min_ngram: n-gram sizes tried, longest first.
+    """
+
+    def __init__(self, prompt_ids: Sequence[int], max_ngram: int = 3, min_ngram: int = 1) -> None:
+        self.ids: list[int] = [int(t) for t in prompt_ids]
+        self.sizes = tuple(range(max_ngram, min_ngram - 1, -1))
+        self.next_of: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in self.sizes}
+        ids = self.ids
+        for n in self.sizes:
+            table = self.next_of[n]
+            for end in range(n, len(ids)):  # the n-gram ids[end - n:end] is followed by ids[end]
+                table[tuple(ids[end - n : end])] = end
+
+    def push(self, token: int) -> None:
+        """Append a generated token (the n-grams ending just before it now have a continuation)."""
+        self.ids.append(int(token))
+        end = len(self.ids) - 1
+        for n in self.sizes:
+            if end >= n:
+                self.next_of[n][tuple(self.ids[end - n : end])] = end
+
+    def draft(self, k: int) -> list[int]:
+        """Up to ``k`` tokens that followed the longest matching suffix n-gram's latest occurrence ([] if none)."""
+        if k <= 0:
+            return []
+        ids = self.ids
+        for n in self.sizes:
+            if len(ids) < n:
+                continue
+            at = self.next_of[n].get(tuple(ids[len(ids) - n :]))
+            if at is not None:
+                return ids[at : at + k]
+        return []
+
+
+def draft_rows(rows: Sequence[Any], spec: SpeculationConfig) -> list[list[int]] | None:
+    """Each running request's draft for the next step (the runner's handles: ``drafter``, ``state``, ``row``),
+    within the step's token budget; None when no row has one (the plain step runs then).
+
+    A draft never runs past ``max_new_tokens`` (the model's choice after an accepted draft is one more token) nor
+    past the request's KV buffer.
+    """
+    budget = spec.max_step_tokens - len(rows)
+    if not spec.enabled or budget <= 0:
+        return None
+    drafts: list[list[int]] = []
+    for h in rows:
+        d: list[int] = []
+        if h.drafter is not None and budget > 0:
+            left = h.state.cfg.max_new_tokens - h.state.steps - 1  # tokens allowed after the next one
+            room = h.row.buffer.capacity - h.row.length - 1
+            d = h.drafter.draft(min(spec.max_draft, budget, left, room))
+            budget -= len(d)
+        drafts.append(d)
+    return drafts if any(drafts) else None
+
+
+def accept_row(h: Any, feed: Sequence[int], logits: torch.Tensor, greedy: Sequence[int], at: int) -> int:
+    """Choose a request's tokens from a step's logits: ``feed`` (its input, then its draft) was fed at rows
+    ``at ..`` of ``logits``; each position's choice is emitted until the answer ends or a choice differs from the
+    next drafted token. Advances the request's length past the fed tokens that were kept (the roll-back of the
+    rest) and its :class:`~kvrag.engine.results.SpecStats`; returns how many fed tokens were kept."""
+    fed = 0
+    try:
+        for j in range(len(feed)):
+            fed += 1
+            sample = h.state.cfg.do_sample
+            for item in h.state.advance(logits[at + j], None if sample else greedy[at + j]):
+                h.items.put(item)
+            if h.state.finished:
+                break
+            if h.drafter is not None:
+                h.drafter.push(int(h.state.last))
+            if j + 1 < len(feed) and h.state.last != feed[j + 1]:
+                break  # the model chose otherwise: the rest of the draft is dropped
+    except Exception as e:  # noqa: BLE001 - this request's consumer gets it
+        h.items.put(e)
+        h.state = None
+    h.row.length += fed  # K/V written past the kept tokens are overwritten by later steps
+    h.spec.decode_forwards += 1
+    h.spec.drafted_tokens += len(feed) - 1
+    h.spec.accepted_tokens += fed - 1
+    return fed
+
+
+__all__ = ["PromptLookup", "SpeculationConfig", "accept_row", "draft_rows"]
