@@ -76,8 +76,9 @@ class EngineConfig:
         speculative_tokens: most tokens drafted per greedy request and decode step by prompt lookup
             (:mod:`kvrag.engine.speculate`: the answer's last n-gram found in the prompt, the tokens after it
             verified in one forward); 0 turns speculative decoding off. Greedy answers are token-identical either way.
-        speculative_ngram: the longest answer suffix (tokens) looked up in the prompt; shorter ones down to one
-            token are tried after it.
+        speculative_ngram / speculative_min_ngram: the longest and the shortest answer suffix (tokens) looked up in
+            the prompt, longest first (a one-token match drafts often and is accepted less; a minimum above the
+            longest is capped to it).
         admission_timeout_s: longest wait, in seconds, of a request in line for the KV memory bound (requests are
             admitted in arrival order); past it ``prepare`` raises :class:`~kvrag.errors.EngineBusyError` naming the
             bound. None: wait without limit.
@@ -98,8 +99,9 @@ class EngineConfig:
     kv_memory_bytes: int | None = None
     compile_decode: bool = False
     admission_timeout_s: float | None = 300.0
-    speculative_tokens: int = 4
+    speculative_tokens: int = 3
     speculative_ngram: int = 3
+    speculative_min_ngram: int = 2
 
     def __post_init__(self) -> None:
         if self.chunk_prefix not in CHUNK_PREFIX_MODES:
@@ -119,6 +121,8 @@ class EngineConfig:
             raise ConfigError(f"speculative_tokens must be an integer >= 0 (0: off), got {self.speculative_tokens!r}")
         if not isinstance(self.speculative_ngram, int) or self.speculative_ngram < 1:
             raise ConfigError(f"speculative_ngram must be an integer >= 1, got {self.speculative_ngram!r}")
+        if not isinstance(self.speculative_min_ngram, int) or self.speculative_min_ngram < 1:
+            raise ConfigError(f"speculative_min_ngram must be an integer >= 1, got {self.speculative_min_ngram!r}")
         if not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
             raise ConfigError(f"max_batch_size must be an integer >= 1, got {self.max_batch_size!r}")
         if self.admission_timeout_s is not None and not self.admission_timeout_s >= 0:

@@ -29,6 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", default="stale", help="fusion method spec of every answer")
     p.add_argument("--speculate", default="0,4", help="speculative_tokens settings to compare (0: plain decoding)")
     p.add_argument("--ngram", type=int, default=3, help="speculative_ngram: longest answer suffix looked up")
+    p.add_argument("--min-ngram", type=int, default=2, help="speculative_min_ngram: shortest answer suffix looked up")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--template", default=None, help="prompt template name (default: the selected default)")
     p.add_argument("--peer", default="auto", choices=("auto", "llama.cpp", "none"),
@@ -74,7 +75,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit(f"--speculate takes non-negative integers, got {args.speculate!r}")
     loaded = load_model(args.model, dtype=args.dtype, device=args.device, quantize=args.quantize)
     store = MemoryStore()
-    engines = {k: KVRAGEngine(loaded, store, EngineConfig(speculative_tokens=k, speculative_ngram=args.ngram))
+    engines = {k: KVRAGEngine(loaded, store, EngineConfig(speculative_tokens=k, speculative_ngram=args.ngram,
+                                                           speculative_min_ngram=min(args.min_ngram, args.ngram)))
                for k in settings}
     template = get_template(args.template)
     requests = load_requests(args.data, limit=args.limit, offset=args.offset)
@@ -127,7 +129,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                                   if "llama.cpp" in r)}
     return {"model": loaded.name, "dtype": str(next(loaded.model.parameters()).dtype).replace("torch.", ""),
             "quantize": args.quantize, "method": args.method, "max_new_tokens": args.max_new_tokens,
-            "requests": len(rows), "data": str(args.data), "offset": args.offset, "ngram": args.ngram,
+            "requests": len(rows), "data": str(args.data), "offset": args.offset, "ngram": [args.min_ngram, args.ngram],
             "torch_threads": torch.get_num_threads(), "quantization": quantization_of(loaded.model) or "none",
             "machine": machine_info(loaded.device, next(loaded.model.parameters()).dtype), "summary": summary, "rows": rows}
 

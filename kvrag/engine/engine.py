@@ -94,7 +94,9 @@ class KVRAGEngine(ChunkCaching):
                              max_batch_size=self.config.max_batch_size, compile_decode=self.config.compile_decode,
                              admission_timeout_s=self.config.admission_timeout_s,
                              speculation=SpeculationConfig(max_draft=self.config.speculative_tokens,
-                                                           max_ngram=self.config.speculative_ngram))
+                                                           max_ngram=self.config.speculative_ngram,
+                                                           min_ngram=min(self.config.speculative_min_ngram,
+                                                                         self.config.speculative_ngram)))
         self.batcher = self.runner  # the earlier name
 
     @classmethod

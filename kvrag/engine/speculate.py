@@ -39,9 +39,9 @@ class SpeculationConfig:
             forwards keep decode-sized products on the quantized weights and the step's cost near one token's.
     """
 
-    max_draft: int = 4
+    max_draft: int = 3
     max_ngram: int = 3
-    min_ngram: int = 1
+    min_ngram: int = 2
     max_step_tokens: int = 16
 
     def __post_init__(self) -> None:

@@ -24,6 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-queue", type=int, default=64,
                         help="most requests held at once (decoding or waiting); more get 429 with Retry-After")
     parser.add_argument("--max-batch-size", type=int, default=8, help="most requests decoded together")
+    parser.add_argument("--speculative-tokens", type=int, default=3,
+                        help="tokens drafted from the prompt per greedy request and step (0: off; answers are the same)")
     parser.add_argument("--default-max-tokens", type=int, default=256,
                         help="chat completions without max_tokens generate at most this many tokens")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
@@ -51,7 +53,7 @@ def run(args: argparse.Namespace, model: str | None, store: str, chunk_prefix: s
 
     factory = functools.partial(KVRAGEngine.from_pretrained, model, store, chunk_prefix=chunk_prefix,
                                 method=args.method, on_store_error=args.on_store_error,
-                                max_batch_size=args.max_batch_size)
+                                max_batch_size=args.max_batch_size, speculative_tokens=args.speculative_tokens)
     cfg = ServeConfig(model_id=args.model_id, max_queue=args.max_queue, default_max_tokens=args.default_max_tokens,
                       drain_timeout_s=args.drain_timeout)
     if args.ray is not None:

@@ -49,6 +49,10 @@ def test_bad_speculation_settings_fail_clearly() -> None:
         EngineConfig(speculative_tokens=-1)
     with pytest.raises(ConfigError, match="speculative_ngram"):
         EngineConfig(speculative_ngram=0)
+    with pytest.raises(ConfigError, match="speculative_min_ngram"):
+        EngineConfig(speculative_min_ngram=0)
+    eng = KVRAGEngine(tiny_model("llama"), MemoryStore(), EngineConfig(speculative_ngram=1))
+    assert eng.runner.speculation.min_ngram == 1  # the default minimum (2) is capped to the longest
     with pytest.raises(ConfigError, match="min_ngram"):
         SpeculationConfig(min_ngram=3, max_ngram=2)
     assert not SpeculationConfig(max_draft=0).enabled
@@ -92,6 +96,7 @@ def test_verify_step_logits_equal_plain_steps(family: str, weights: str) -> None
 
 def _engine(family: str, spec: int, quantize: str | None = None, **config: Any) -> KVRAGEngine:
     lm = tiny_model(family, init_std=0.1, quantize=quantize)
+    config.setdefault("speculative_min_ngram", 1)  # random tiny models copy little: one-token matches draft more
     eng = KVRAGEngine(lm, MemoryStore(), EngineConfig(speculative_tokens=spec, **config))
     eng.ingest(DOCS)
     return eng
