@@ -10,6 +10,7 @@ implement; everything the paper summary leaves open is a parameter here (marked 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Generator
 
 import torch
 
@@ -21,10 +22,11 @@ from kvrag.fusion.recompute import (
     exact_mask,
     fusion_output,
     positions_of,
-    recompute_input,
+    recompute_input_pieces,
     top_positions,
 )
 from kvrag.fusion.scoring import query_attention_scores
+from kvrag.kv import pieces
 
 
 @dataclasses.dataclass
@@ -159,9 +161,15 @@ class RelaxKV(FusionMethod):
         return relaxkv_schedule(scores, k, exact, exact_context=self.exact_context), k, score_edges, score_s
 
     def fuse(self, inp: FusionInput) -> FusionOutput:
+        return pieces.run_whole(self.fuse_pieces(inp, pieces.WHOLE))  # type: ignore[no-any-return]
+
+    def fuse_pieces(self, inp: FusionInput, pace: pieces.Pace) -> Generator[None, None, FusionOutput]:
+        """The scoring pass, then the recompute one layer at a time, ending a piece between two of them when
+        ``pace`` is due: the same layer calls, so the same bits, as :meth:`fuse`."""
         sched, k, score_edges, score_s = self.schedule(inp)
+        yield from pace.boundary()
         ctx = sched.union if self.context == "anchors" else None
-        res, cache, last = recompute_input(inp, sched.active, ctx)
+        res, cache, last = yield from recompute_input_pieces(inp, sched.active, ctx, pace)
         tc = max(1, inp.context_len)
         u_frac = sched.union.numel() / tc if self.context == "anchors" else 1.0
         return fusion_output(
