@@ -232,6 +232,10 @@ class Scheduler:
         self._outbox = []
         return plan
 
+    def decoding(self) -> bool:
+        """Some request decodes or waits to join the batch (then a long prepare runs in pieces)."""
+        return bool(self.running or self.queued)
+
     def idle(self) -> bool:
         """Nothing is in flight (READY requests wait for their caller, not for the scheduler)."""
         return not (self.waiting or self.queued or self.running or self._outbox or self.preparing is not None)
