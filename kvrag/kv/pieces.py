@@ -12,9 +12,9 @@ and so the rounding):
   layers;
 * a whole-model forward (``full``) runs in the model's own ``forward`` -- every family's masks, position
   embeddings and quirks exactly as transformers computes them -- on a helper thread that the runner thread hands
-  the model to and takes it back from: at each linear layer's call (a torch function mode, thread-local, so other
-  threads' forwards and compiled graphs are untouched) the helper asks the pace and, when the piece is due, parks
-  until the next piece. Only one of the two threads ever runs model work; the other waits, so the runner's
+  the model to and takes it back from: before each linear layer and attention kernel (:data:`CHECKPOINTS`, seen
+  through a torch function mode, which is thread-local, so other threads' forwards and compiled graphs are
+  untouched) the helper asks the pace and, when the piece is due, parks until the next piece. Only one of the two threads ever runs model work; the other waits, so the runner's
   "one forward at a time" holds.
 
 When nobody is decoding (the pace's budget is None) none of this happens: the forward runs whole, in the calling
@@ -34,7 +34,8 @@ from torch.overrides import TorchFunctionMode
 PIECE_OF_STEP = 0.5
 """A prepare piece's budget as a share of the recent decode step (:meth:`kvrag.engine.runner.Runner.piece_budget_s`):
 while a prepare runs in pieces, a running stream waits one step plus one piece per token, so its inter-token
-latency stays near 1.5x the steady step (a piece may pass its budget by part of one linear layer)."""
+latency stays near 1.5x the steady step (a piece may pass its budget when a unit of work takes longer than it did
+in the previous decoder layer)."""
 
 Budget = Callable[[], "float | None"]
 """``budget()``: the seconds a piece may take now, or None when no other request waits for the model (then a
@@ -67,20 +68,25 @@ class Pace:
         """Whether pieces are worth it now (another request waits for the model)."""
         return self._budget is not None and self._budget() is not None
 
-    def due(self) -> bool:
-        """Whether the piece should end here: the next unit of work (estimated as long as the time since the
-        previous check) would take the piece past its budget, and someone waits for the model."""
+    def clock(self) -> float:
+        """``time.perf_counter()``, after the queued kernels on an accelerator."""
+        if self._device.type != "cpu":
+            from kvrag.kv import hf_cache
+
+            hf_cache.sync(self._device)
+        return time.perf_counter()
+
+    def due(self, next_s: float | None = None) -> bool:
+        """Whether the piece should end here: someone waits for the model and the next unit of work -- ``next_s``
+        seconds when the caller knows (e.g. the same linear layer's time in the previous decoder layer), else
+        estimated as long as the time since the previous check -- would take the piece past its budget."""
         if self._budget is None:
             return False
         budget = self._budget()
         if budget is None:
             return False
-        if self._device.type != "cpu":
-            from kvrag.kv import hf_cache
-
-            hf_cache.sync(self._device)
-        now = time.perf_counter()
-        unit, self._last = now - self._last, now
+        now = self.clock()
+        unit, self._last = (now - self._last if next_s is None else next_s), now
         return (now - self._start) + unit >= budget
 
     def pause(self) -> None:
@@ -119,16 +125,24 @@ class _Abort(BaseException):
     """Unwinds a parked forward whose prepare was closed between two pieces."""
 
 
-class _Checkpoints(TorchFunctionMode):
-    """Calls ``at()`` before every linear layer of the forward it is active in (this thread only)."""
+CHECKPOINTS = (torch.nn.functional.linear, torch.nn.functional.scaled_dot_product_attention)
+"""The calls a forward in pieces may park before: every linear layer and the attention kernel (SDPA), the units
+of a prefill's time (for a 1.5K-token prefill of SmolLM2-135M on one core: 3-14 ms per linear, ~16 ms per
+attention)."""
 
-    def __init__(self, at: Callable[[], None]) -> None:
+
+class _Checkpoints(TorchFunctionMode):
+    """Calls ``at(key)`` before every :data:`CHECKPOINTS` call of the forward it is active in (this thread only);
+    ``key`` tells calls of the same shape apart (the same unit of work in every decoder layer)."""
+
+    def __init__(self, at: Callable[[Any], None]) -> None:
         super().__init__()
         self.at = at
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func is torch.nn.functional.linear:
-            self.at()
+        if func in CHECKPOINTS:
+            shape = getattr(args[1], "shape", None) if len(args) > 1 else None
+            self.at((func, None if shape is None else tuple(shape)))
         return func(*args, **(kwargs or {}))
 
 
@@ -140,19 +154,27 @@ class _Parked:
         self._go = threading.Semaphore(0)  # the helper may run
         self._back = threading.Semaphore(0)  # the helper parked or finished
         self._abort = False
+        self._units: dict[Any, float] = {}  # seconds of each kind of unit (by checkpoint key), last measured
+        self._key: Any = None
+        self._t = 0.0
         self.done = False
         self.result: Any = None
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name="kvrag-prepare-piece", daemon=True)
 
-    def _checkpoint(self) -> None:
-        if self.pace.due():
+    def _checkpoint(self, key: Any) -> None:
+        now = self.pace.clock()
+        if self._key is not None:
+            self._units[self._key] = now - self._t  # what the unit that began at the previous checkpoint took
+        self._key = key
+        if self.pace.due(self._units.get(key)):
             self.pace.pause()
             self._back.release()
             self._go.acquire()
             if self._abort:
                 raise _Abort
             self.pace.resume()
+        self._t = time.perf_counter()
 
     def _run(self) -> None:
         try:
@@ -187,7 +209,7 @@ class _Parked:
 
 
 def call_pieces(fn: Callable[[], Any], pace: Pace) -> Generator[None, None, Any]:
-    """``fn()`` (a model forward) in pieces that end at linear-layer calls where ``pace`` is due; the same
+    """``fn()`` (a model forward) in pieces that end at :data:`CHECKPOINTS` where ``pace`` is due; the same
     computation as ``fn()`` itself, in the same order (see the module docstring). Runs ``fn()`` directly, in one
     piece, when the pace is not active."""
     if not pace.active():
@@ -204,4 +226,4 @@ def forward_pieces(model: Any, input_ids: torch.Tensor, cache: Any = None, *, st
         lambda: hf_cache.forward(model, input_ids, cache, start=start, logits_to_keep=logits_to_keep), pace))
 
 
-__all__ = ["PIECE_OF_STEP", "WHOLE", "Budget", "Pace", "call_pieces", "forward_pieces", "run_whole"]
+__all__ = ["CHECKPOINTS", "PIECE_OF_STEP", "WHOLE", "Budget", "Pace", "call_pieces", "forward_pieces", "run_whole"]
