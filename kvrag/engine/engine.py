@@ -23,7 +23,7 @@ from kvrag.errors import ConfigError, ContextLengthError
 from kvrag.fusion import FusionMethod, Observation, shared_method
 from kvrag.kv import hf_cache
 from kvrag.kv.chunk import ChunkKV
-from kvrag.kv.pieces import Pace
+from kvrag.kv.pieces import Pace, forward_pieces
 from kvrag.kv.rope import Rope
 from kvrag.kv.spec import KVSpec, dtype_name, text_config
 from kvrag.kv.window import context_limit
@@ -307,19 +307,18 @@ class KVRAGEngine(ChunkCaching):
             keys = [None] * len(plan.context)
             inp = context_only_input(self.model, self.rope, self.spec, plan.context, plan.suffix.token_ids,
                                      reserve=reserve)
-        t = time.perf_counter()
-        paused = pace.paused_s
+        t, paused = time.perf_counter(), pace.paused_s  # paused_s: other requests' steps between pieces
         out = yield from m.fuse_pieces(inp, pace)
-        paused = pace.paused_s - paused  # other requests' steps between the repair's pieces
-        timings.repair_s = time.perf_counter() - t - paused
-        t0 += paused
-        t = time.perf_counter()
+        timings.repair_s = time.perf_counter() - t - (pace.paused_s - paused)
+        t, repair_paused = time.perf_counter(), pace.paused_s - paused
         if out.last_logits is None:
-            logits, cache = hf_cache.forward(self.model, inp.suffix_ids, out.cache, start=inp.context_len)
+            logits, cache = yield from forward_pieces(self.model, inp.suffix_ids, out.cache, start=inp.context_len,
+                                                      pace=pace)
             last = logits[-1]
         else:
             cache, last = out.cache, out.last_logits
-        timings.suffix_prefill_s = time.perf_counter() - t
+        timings.suffix_prefill_s = time.perf_counter() - t - (pace.paused_s - paused - repair_paused)
+        t0 += pace.paused_s - paused
         # the method's time to first token without computing missing caches: what `auto` learns from
         m.observe(Observation(self.model, plan.context_len, len(plan.suffix.token_ids), timings.fetch_s
                               + timings.assemble_s + timings.repair_s + timings.suffix_prefill_s, out.stats))
