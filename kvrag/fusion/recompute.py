@@ -16,7 +16,6 @@ Position ``p`` of the context is index ``p`` of every tensor (the context starts
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import time
@@ -207,8 +206,9 @@ def selective_recompute_pieces(
             prefill after the repair would compute them, and ``keys``/``values`` must then hold Tc + S positions
             (their K/V land there). Needs ``context`` None and no ``hook``. The result's states, edges and
             targets count the context only; ``suffix_hidden`` holds the suffix's last-layer states.
-        pace: where to end a piece (:mod:`kvrag.kv.pieces`): between two layers, when due. The layers run exactly
-            as in one piece; the attention probe is uninstalled while other requests step.
+        pace: where to end a piece (:mod:`kvrag.kv.pieces`): before a linear layer or attention kernel, when due
+            (:func:`kvrag.kv.pieces.call_pieces`). The layers run exactly as in one piece; the attention probe is
+            uninstalled while other requests step.
 
     Returns:
         RecomputeResult (a generator's value: ``yield from``); ``seconds`` leaves out the time between pieces.
@@ -259,26 +259,11 @@ def selective_recompute_pieces(
         ids = torch.cat([token_ids.to("cpu", torch.long), suffix_ids.to("cpu", torch.long)])
     hf_cache.sync(keys.device)
     t0 = time.perf_counter()
-    layers = _recompute_layers(model, ids, keys, values, plan, ctx_list, hook, rows, inplace, attn)
-    done: tuple[RecomputeResult, torch.Tensor] | None = None
-    paused = 0.0
-    while done is None:
-        with contextlib.ExitStack() as stack:
-            if attn is not None:
-                stack.enter_context(hf_cache.capture_attention(model, attn))
-            try:
-                next(layers)  # at least one layer per piece
-                while not pace.due():
-                    next(layers)
-            except StopIteration as stop:
-                done = stop.value
-        if done is None:  # a piece boundary between two layers, outside the probe: other requests step now
-            t = time.perf_counter()
-            pace.pause()
-            yield
-            pace.resume()
-            paused += time.perf_counter() - t
-    res, last_hidden = done
+    paused = pace.paused_s
+    res, last_hidden = yield from pieces.call_pieces(
+        lambda: _recompute_layers(model, ids, keys, values, plan, ctx_list, hook, rows, inplace, attn), pace,
+        None if attn is None else lambda: hf_cache.capture_attention(model, attn))
+    paused = pace.paused_s - paused
     hf_cache.sync(keys.device)
     if s_len:  # report the context's repair only: the suffix rows are the prefill every method pays
         sfx_edges = n_layers * (s_len * tc + s_len * (s_len + 1) // 2)
@@ -300,10 +285,9 @@ def _recompute_layers(
     rows: int,
     inplace: bool,
     attn: PrefixAttention | None,
-) -> Generator[None, None, tuple[RecomputeResult, torch.Tensor]]:
-    """The layer loop of :func:`selective_recompute` (its arguments, validated), yielding before every layer but
-    the first; returns the result (``seconds`` and ``suffix_hidden`` left to the caller) and the last layer's output
-    hidden states [1, N_last, hidden]."""
+) -> tuple[RecomputeResult, torch.Tensor]:
+    """The layer loop of :func:`selective_recompute` (its arguments, validated); returns the result (``seconds``
+    and ``suffix_hidden`` left to the caller) and the last layer's output hidden states [1, N_last, hidden]."""
     n_layers = keys.shape[0]
     k_out, v_out = (keys, values) if inplace else (keys.clone(), values.clone())
     done: list[torch.Tensor] = []
@@ -311,8 +295,6 @@ def _recompute_layers(
     prev = plan[0]
     hidden = hf_cache.embed(model, token_ids[prev])  # [1, N_0, hidden]
     for layer in range(n_layers):
-        if layer:
-            yield  # a possible piece boundary
         tgt = plan[layer]
         if tgt.numel() == 0:
             done.extend(torch.zeros(0, dtype=torch.long) for _ in range(n_layers - layer))

@@ -99,7 +99,7 @@ def query_attention_scores_pieces(
     layer's attention output, :class:`_ScoringProbe`), no logits, and the last layer stops after its attention
     (its output projection, MLP and the final norm would only feed the LM head).
 
-    ``pace``: where to end a piece (:mod:`kvrag.kv.pieces`): between two layers, when due, outside the probe.
+    ``pace``: where to end a piece (:func:`kvrag.kv.pieces.call_pieces`); the probe is uninstalled between pieces.
 
     Returns:
         (scores [L, Tc] float32 on the CPU, attention pairs computed by the pass, seconds without the time between
@@ -125,24 +125,19 @@ def query_attention_scores_pieces(
     masks = {(kind, size): (mask if size is None else mask & window_mask(kind, size, q_pos, k_pos)).to(dev)
              for kind, size in set(windows)}  # a sliding / chunked layer sees only its window (kvrag.kv.window)
     probe.stop_at = n_layers - 1
-    layer, paused = 0, 0.0
-    while layer < n_layers:
-        with hf_cache.capture_attention(model, probe):
-            while layer < n_layers:
-                try:
-                    hidden, _, _ = hf_cache.run_layer(model, layer, hidden, pos, inp.keys[layer], inp.values[layer],
-                                                      masks[windows[layer]])
-                except _ScoresDone:
-                    layer = n_layers
-                layer += 1
-                if layer < n_layers and pace.due():
-                    break
-        if layer < n_layers:  # a piece boundary between two layers: other requests step now
-            t = time.perf_counter()
-            pace.pause()
-            yield
-            pace.resume()
-            paused += time.perf_counter() - t
+
+    def layers() -> None:
+        h = hidden
+        for layer in range(n_layers):
+            try:
+                h, _, _ = hf_cache.run_layer(model, layer, h, pos, inp.keys[layer], inp.values[layer],
+                                             masks[windows[layer]])
+            except _ScoresDone:
+                break
+
+    paused = pace.paused_s
+    yield from pieces.call_pieces(layers, pace, lambda: hf_cache.capture_attention(model, probe))
+    paused = pace.paused_s - paused
     hf_cache.sync(dev)
     edges = n_layers * s_len * (tc + s_len)  # the dense [S, Tc + S] logits of every layer
     return scores, edges, time.perf_counter() - t0 - paused

@@ -23,6 +23,7 @@ thread.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Generator
@@ -125,10 +126,12 @@ class _Abort(BaseException):
     """Unwinds a parked forward whose prepare was closed between two pieces."""
 
 
-CHECKPOINTS = (torch.nn.functional.linear, torch.nn.functional.scaled_dot_product_attention)
-"""The calls a forward in pieces may park before: every linear layer and the attention kernel (SDPA), the units
-of a prefill's time (for a 1.5K-token prefill of SmolLM2-135M on one core: 3-14 ms per linear, ~16 ms per
-attention)."""
+CHECKPOINTS = frozenset({"linear", "_linear_pointwise", "_weight_int4pack_mm_for_cpu", "_weight_int8pack_mm",
+                         "scaled_dot_product_attention"})
+"""The calls a forward in pieces may park before (by name): every linear layer -- ``F.linear``, and the packed
+bfloat16 and int4 / int8 products that :mod:`kvrag.kv.linear` and :mod:`kvrag.kv.quant` give small inputs -- and
+the attention kernel (SDPA): the units of a prefill's time (for a 1.5K-token prefill of SmolLM2-135M on one core:
+3-14 ms per linear, ~16 ms per attention)."""
 
 
 class _Checkpoints(TorchFunctionMode):
@@ -140,17 +143,18 @@ class _Checkpoints(TorchFunctionMode):
         self.at = at
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func in CHECKPOINTS:
+        name = getattr(func, "__name__", None)
+        if name in CHECKPOINTS:
             shape = getattr(args[1], "shape", None) if len(args) > 1 else None
-            self.at((func, None if shape is None else tuple(shape)))
+            self.at((name, None if shape is None else tuple(shape)))
         return func(*args, **(kwargs or {}))
 
 
 class _Parked:
     """One call run on a helper thread that parks at :class:`_Checkpoints` when the pace says the piece is due."""
 
-    def __init__(self, fn: Callable[[], Any], pace: Pace) -> None:
-        self.fn, self.pace = fn, pace
+    def __init__(self, fn: Callable[[], Any], pace: Pace, each_piece: Callable[[], Any] | None) -> None:
+        self.fn, self.pace, self.each_piece = fn, pace, each_piece
         self._go = threading.Semaphore(0)  # the helper may run
         self._back = threading.Semaphore(0)  # the helper parked or finished
         self._abort = False
@@ -188,33 +192,50 @@ class _Parked:
             self.done = True
             self._back.release()
 
+    def _enter(self) -> contextlib.ExitStack:
+        stack = contextlib.ExitStack()
+        if self.each_piece is not None:
+            stack.enter_context(self.each_piece())
+        return stack
+
     def pieces(self) -> Generator[None, None, Any]:
+        stack = self._enter()
         self.thread.start()
         try:
             while True:
                 self._back.acquire()
                 if self.done:
                     break
+                stack.close()  # e.g. the attention probe is uninstalled while other requests step
                 yield
+                stack = self._enter()
                 self._go.release()
         finally:
-            if not self.done:  # closed between two pieces: unwind the parked forward before anything else runs
+            if not self.done:  # closed between two pieces: unwind the parked call before anything else runs
                 self._abort = True
                 self._go.release()
                 self._back.acquire()
             self.thread.join()
+            stack.close()
         if self.error is not None:
             raise self.error
         return self.result
 
 
-def call_pieces(fn: Callable[[], Any], pace: Pace) -> Generator[None, None, Any]:
-    """``fn()`` (a model forward) in pieces that end at :data:`CHECKPOINTS` where ``pace`` is due; the same
-    computation as ``fn()`` itself, in the same order (see the module docstring). Runs ``fn()`` directly, in one
-    piece, when the pace is not active."""
+def call_pieces(fn: Callable[[], Any], pace: Pace,
+                each_piece: Callable[[], Any] | None = None) -> Generator[None, None, Any]:
+    """``fn()`` (model work) in pieces that end at :data:`CHECKPOINTS` where ``pace`` is due; the same computation
+    as ``fn()`` itself, in the same order (see the module docstring). Runs ``fn()`` directly, in one piece, when the
+    pace is not active.
+
+    ``each_piece``: a context manager factory entered (in the calling thread) around each piece, e.g.
+    :func:`kvrag.kv.hf_cache.capture_attention`, which must not be in effect while other requests step."""
     if not pace.active():
-        return fn()
-    return (yield from _Parked(fn, pace).pieces())
+        with contextlib.ExitStack() as stack:
+            if each_piece is not None:
+                stack.enter_context(each_piece())
+            return fn()
+    return (yield from _Parked(fn, pace, each_piece).pieces())
 
 
 def forward_pieces(model: Any, input_ids: torch.Tensor, cache: Any = None, *, start: int | None = None,

@@ -102,6 +102,24 @@ def test_a_method_in_pieces_computes_exactly_its_whole_call(family: str, dtype: 
     assert not [t for t in threading.enumerate() if t.name == "kvrag-prepare-piece"]
 
 
+@pytest.mark.parametrize("quantize", ["int4", "int8"])
+def test_pieces_end_at_quantized_products_too(quantize: str) -> None:
+    """Small inputs take the quantized (and packed) products instead of ``F.linear``: pieces end there too, and the
+    result is still the whole call's."""
+    lm = tiny_model("llama", num_layers=4, init_std=0.1, dtype=torch.bfloat16, quantize=quantize)
+    rope, s = Rope.from_model(lm.model), lm.kv_spec()
+    chunks = [(kind, compute_chunk_kv(lm.model, rope, s, list(range(5 + i, 5 + i + n))), f"c{i}")
+              for i, (kind, n) in enumerate(LAYOUT)]
+    suffix = torch.arange(30, 39)
+    for spec in ("full", "relaxkv:r=0.1"):
+        m = get_method(spec)
+        whole = m.fuse(assemble(lm.model, rope, s, chunks, suffix))
+        split, n = _in_pieces(m.fuse_pieces(assemble(lm.model, rope, s, chunks, suffix), pieces.Pace(lambda: 0.0)),
+                              lambda: None)
+        assert n >= 3 * 4, (spec, n)  # several per layer
+        _same(split, whole)
+
+
 def test_hybrid_in_pieces_computes_exactly_its_whole_call(tmp_path: Path) -> None:
     lm = tiny_model("llama", num_layers=4, init_std=0.1)
     s = lm.kv_spec()
