@@ -6,16 +6,15 @@ decode step for the running requests, then the next piece. A fusion method's ``f
 (:meth:`kvrag.fusion.base.FusionMethod.fuse_pieces`) yields where ``pace.due()`` says the piece has used its time,
 so running streams keep getting tokens while a long ``full`` / ``relaxkv`` / ``hybrid`` prepare runs. Splitting
 must not change a single bit of the result, so nothing is split along tokens (a chunked prefill changes GEMM shapes
-and so the rounding):
-
-* the selective-recompute methods already run layer by layer (:mod:`kvrag.fusion.recompute`) and yield between
-  layers;
-* a whole-model forward (``full``) runs in the model's own ``forward`` -- every family's masks, position
-  embeddings and quirks exactly as transformers computes them -- on a helper thread that the runner thread hands
-  the model to and takes it back from: before each linear layer and attention kernel (:data:`CHECKPOINTS`, seen
-  through a torch function mode, which is thread-local, so other threads' forwards and compiled graphs are
-  untouched) the helper asks the pace and, when the piece is due, parks until the next piece. Only one of the two threads ever runs model work; the other waits, so the runner's
-  "one forward at a time" holds.
+and so the rounding). Instead the work runs exactly as in one call -- a whole-model forward (``full``, the suffix
+prefill) in the model's own ``forward``, with every family's masks, position embeddings and quirks as transformers
+computes them, and the selective recompute's and scoring pass's layer loops (:mod:`kvrag.fusion.recompute`,
+:mod:`kvrag.fusion.scoring`) as they are -- on a helper thread that the runner thread hands the model to and takes it
+back from: before each linear layer and attention kernel (:data:`CHECKPOINTS`, seen through a torch function mode,
+which is thread-local, so other threads' forwards and compiled graphs are untouched) the helper asks the pace and,
+when the piece is due, parks until the next piece. Only one of the two threads ever runs model work; the other
+waits, so the runner's "one forward at a time" holds. What must not be in effect while other requests step (the
+attention probe of :func:`kvrag.kv.hf_cache.capture_attention`) is entered around each piece, not around the call.
 
 When nobody is decoding (the pace's budget is None) none of this happens: the forward runs whole, in the calling
 thread.
