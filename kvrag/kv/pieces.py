@@ -58,7 +58,7 @@ class Pace:
 
     def __init__(self, budget: Budget | None = None, device: torch.device | str = "cpu") -> None:
         self._budget = budget
-        self._device = torch.device(device)
+        self.device = torch.device(device)
         self.paused_s = 0.0
         self.pieces = 0
         self._start = self._last = time.perf_counter()
@@ -70,10 +70,10 @@ class Pace:
 
     def clock(self) -> float:
         """``time.perf_counter()``, after the queued kernels on an accelerator."""
-        if self._device.type != "cpu":
+        if self.device.type != "cpu":
             from kvrag.kv import hf_cache
 
-            hf_cache.sync(self._device)
+            hf_cache.sync(self.device)
         return time.perf_counter()
 
     def due(self, next_s: float | None = None) -> bool:
@@ -181,6 +181,8 @@ class _Parked:
 
     def _run(self) -> None:
         try:
+            if self.pace.device.type == "cuda" and self.pace.device.index is not None:  # the current device is per thread
+                torch.cuda.set_device(self.pace.device)
             with torch.inference_mode(), _Checkpoints(self._checkpoint):
                 self.result = self.fn()
         except _Abort:
