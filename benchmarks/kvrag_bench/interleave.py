@@ -90,8 +90,9 @@ def _phase(engine: Any, stream_plans: Sequence[Any], tokens: int, work: Callable
             "streams_that_ran_out": short, **info}
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    """The three phases (see the module docstring); writes interleave.json / .md under ``args.out``."""
+def run(args: argparse.Namespace, engine: Any = None) -> dict[str, Any]:
+    """The three phases (see the module docstring); writes interleave.json / .md under ``args.out``. ``engine``:
+    one to use (default: ``--model``'s)."""
     import torch
 
     from kvrag.engine.engine import KVRAGEngine
@@ -100,8 +101,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.threads:
         torch.set_num_threads(args.threads)
     methods = [m.strip() for m in str(args.interleave).split(",") if m.strip()]
-    engine = KVRAGEngine.from_pretrained(args.model, "memory://", dtype=args.dtype, device=args.device,
-                                         max_batch_size=max(args.max_batch_size, args.streams))
+    own = engine is None
+    if engine is None:
+        engine = KVRAGEngine.from_pretrained(args.model, "memory://", dtype=args.dtype, device=args.device,
+                                             max_batch_size=max(args.max_batch_size, args.streams))
     paras = paragraphs(Path(args.docs) if args.docs else DATA)
     long_ctx, n = [], 0
     for p in paras * 8:  # the sample documents, repeated if they are short of --context tokens
@@ -150,7 +153,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               "model": engine.loaded.name, "dtype": str(next(engine.model.parameters()).dtype).removeprefix("torch."),
               "context_tokens": long_plan.total_len, "torch_threads": torch.get_num_threads(),
               "phases": {"steady": steady, "pieces": pieces, "whole": whole}}
-    engine.close(cancel=True)
+    if own:
+        engine.close(cancel=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "interleave.json").write_text(json.dumps(result, indent=2))
