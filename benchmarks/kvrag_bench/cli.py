@@ -116,9 +116,10 @@ def add_bench_arguments(subparsers: Any) -> argparse.ArgumentParser:
     from kvrag_bench import load_sweep
 
     load_sweep.add_arguments(ld)
-    from kvrag_bench import http_load
+    from kvrag_bench import http_load, interleave
 
     http_load.add_arguments(ld)
+    interleave.add_arguments(ld)
     ld.set_defaults(func=run_load)
 
     dc = sub.add_parser("decode", help="ms per generated token vs context and batch: dense, int8, int4, llama.cpp",
@@ -404,6 +405,13 @@ def run_load(args: argparse.Namespace) -> int:
         print(http_load.markdown(res))
         print(f"results in {res['path']}", file=sys.stderr)
         return 0 if all(lv["errors"] == 0 and lv["same_answer_rate"] == 1.0 for lv in res["levels"]) else 1
+    if getattr(args, "interleave", None):  # running streams' ITL while long prepares arrive (kvrag_bench.interleave)
+        from kvrag_bench import interleave
+
+        res = interleave.run(args)
+        print(interleave.markdown(res))
+        print(f"results in {res['path']}", file=sys.stderr)
+        return 0
     h = _llamaindex_harness("load", "load_sweep")
     result = h.run_sweep(h.config_from_args(args))
     print(h.markdown(result))

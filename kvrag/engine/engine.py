@@ -24,6 +24,7 @@ from kvrag.errors import ConfigError, ContextLengthError
 from kvrag.fusion import FusionMethod, Observation, shared_method
 from kvrag.kv import hf_cache
 from kvrag.kv.chunk import ChunkKV
+from kvrag.kv.pieces import Pace, forward_pieces
 from kvrag.kv.rope import Rope
 from kvrag.kv.spec import KVSpec, dtype_name, text_config
 from kvrag.kv.window import context_limit
@@ -201,11 +202,11 @@ class KVRAGEngine(ChunkCaching):
         got: dict[str, ChunkKV | None] = dict(zip(ask, self.serving_store.get_many(ask, shared=True), strict=True))
         return keys, got, time.perf_counter() - t
 
-    def _complete(self, plan: Plan, keys: list[str], got: dict[str, ChunkKV | None],
-                  timings: Timings) -> Generator[None, None, tuple[list, dict[str, int], list[tuple[str, ChunkKV]]]]:
+    def _complete(self, plan: Plan, keys: list[str], got: dict[str, ChunkKV | None], timings: Timings,
+                  pace: Pace) -> Generator[None, None, tuple[list, dict[str, int], list[tuple[str, ChunkKV]]]]:
         """The plan's context caches: held ones as they are, fetched ones, misses computed (the model). Returns the
         pieces, the hit/miss counts and the computed caches (which the caller stores after the model's turn).
-        Yields after each computed miss: a piece boundary, where the runner lets decoding requests step."""
+        May yield after each computed miss (when ``pace`` is due): a piece boundary, where decoding requests step."""
         timings.compute_misses_s = 0.0
         counts = {"chunk_hits": 0, "chunk_misses": 0, "other_hits": 0, "other_misses": 0, "reused_tokens": 0}
         pieces, computed = [], []
@@ -222,7 +223,7 @@ class KVRAGEngine(ChunkCaching):
                 timings.compute_misses_s += time.perf_counter() - t
                 computed.append((k, ch))
                 got[k] = ch  # a repeated segment is computed once
-                yield
+                yield from pace.boundary()
             else:
                 counts[f"{tag}_hits"] += 1
                 counts["reused_tokens"] += len(s.token_ids)
@@ -289,13 +290,17 @@ class KVRAGEngine(ChunkCaching):
     def _prepare(self, plan: Plan, m: FusionMethod, reserve: int, lease: Lease, timings: Timings,
                  fetched: tuple[list[str], dict[str, ChunkKV | None]] | None,
                  computed: list[tuple[str, ChunkKV]]) -> Generator[None, None, Prepared]:
-        """The prepare itself (in the runner thread, in the request's turn, holding the model), in pieces: one per
-        chunk cache it computes, then the rest (assemble, repair, suffix prefill)."""
+        """The prepare itself (in the runner thread, in the request's turn, holding the model): compute missing
+        chunk caches, assemble, repair, prefill the suffix. While other requests decode it runs in pieces of about
+        the runner's budget (:meth:`Runner.piece_budget_s`), ending one after a computed chunk cache or inside the
+        repair (:meth:`FusionMethod.fuse_pieces`, :mod:`kvrag.kv.pieces`); else in one piece. Timings leave out
+        the decode steps between pieces."""
         t0 = time.perf_counter() - timings.fetch_s  # TTFT counts the store fetch, not the wait for the turn
+        pace = Pace(self.runner.piece_budget_s, self.model.device)
         keys: list[str] | list[None]
         if fetched is not None:
             keys = fetched[0]
-            pieces, counts, new = yield from self._complete(plan, fetched[0], fetched[1], timings)
+            pieces, counts, new = yield from self._complete(plan, fetched[0], fetched[1], timings, pace)
             t0 = time.perf_counter() - timings.fetch_s - timings.compute_misses_s  # not the steps between pieces
             computed.extend(new)
             t = time.perf_counter()
@@ -307,16 +312,18 @@ class KVRAGEngine(ChunkCaching):
             keys = [None] * len(plan.context)
             inp = context_only_input(self.model, self.rope, self.spec, plan.context, plan.suffix.token_ids,
                                      reserve=reserve)
-        t = time.perf_counter()
-        out = m.fuse(inp)
-        timings.repair_s = time.perf_counter() - t
-        t = time.perf_counter()
+        t, paused = time.perf_counter(), pace.paused_s  # paused_s: other requests' steps between pieces
+        out = yield from m.fuse_pieces(inp, pace)
+        timings.repair_s = time.perf_counter() - t - (pace.paused_s - paused)
+        t, repair_paused = time.perf_counter(), pace.paused_s - paused
         if out.last_logits is None:
-            logits, cache = hf_cache.forward(self.model, inp.suffix_ids, out.cache, start=inp.context_len)
+            logits, cache = yield from forward_pieces(self.model, inp.suffix_ids, out.cache, start=inp.context_len,
+                                                      pace=pace)
             last = logits[-1]
         else:
             cache, last = out.cache, out.last_logits
-        timings.suffix_prefill_s = time.perf_counter() - t
+        timings.suffix_prefill_s = time.perf_counter() - t - (pace.paused_s - paused - repair_paused)
+        t0 += pace.paused_s - paused
         # the method's time to first token without computing missing caches: what `auto` learns from
         m.observe(Observation(self.model, plan.context_len, len(plan.suffix.token_ids), timings.fetch_s
                               + timings.assemble_s + timings.repair_s + timings.suffix_prefill_s, out.stats))

@@ -50,7 +50,7 @@ from kvrag.engine.lease import KVBudget, Lease
 from kvrag.engine.scheduler import RequestState, Scheduler, SchedulerError, StepPlan
 from kvrag.engine.speculate import PromptLookup, SpeculationConfig, accept_row, draft_rows
 from kvrag.errors import ConfigError, EngineBusyError, EngineClosedError
-from kvrag.kv import batched, hf_cache
+from kvrag.kv import batched, hf_cache, pieces
 from kvrag.kv.attention import IMPL
 
 log = logging.getLogger(__name__)
@@ -98,6 +98,7 @@ class Runner:
         self._threads_started = 0
         self._consumers_waiting = 0
         self._stats: collections.Counter[str] = collections.Counter()
+        self._step_s = 0.05  # recent decode steps' seconds (moving average): what prepare pieces are sized by
 
     @property
     def budget(self) -> KVBudget:
@@ -183,8 +184,7 @@ class Runner:
         return out
 
     def _run_prepare(self, h: Handle) -> None:
-        """One piece of a request's prepare: all of it, or -- when the job is a generator -- up to its next
-        ``yield`` (the scheduler gives the next piece the next plan, after a decode step)."""
+        """One piece of a request's prepare: all of it, or up to a generator job's next ``yield`` (then a step)."""
         with self._cv:
             lease = self.scheduler.requests[h.rid].lease
         assert lease is not None
@@ -222,9 +222,11 @@ class Runner:
         if done:
             h.prepared_done.set()
 
+    def piece_budget_s(self) -> float | None:  # a prepare piece's seconds now (kvrag.kv.pieces); None: none decodes
+        return pieces.PIECE_OF_STEP * self._step_s if self.scheduler.decoding() else None
+
     def _lease_released(self, lease: Lease) -> None:
-        """A lease let go outside the scheduler (the Prepared dropped or collected): safe from any thread and from
-        a finalizer, so it only queues the id and wakes the runner."""
+        """A lease let go outside the scheduler (a Prepared dropped): from any thread or a finalizer, so just a note."""
         if lease.rid is not None:
             self._released.put(lease.rid)
             self._kick()
@@ -363,7 +365,9 @@ class Runner:
         if prep is not None:
             self._run_prepare(prep)
         if rows:
+            t = time.perf_counter()
             self._step(rows)
+            self._step_s += 0.25 * (time.perf_counter() - t - self._step_s)
             finished = [h for h in rows if h.state is None or h.state.finished]
             with self._cv:
                 self.scheduler.stepped([h.rid for h in finished])

@@ -20,9 +20,9 @@ The policy, written once in :meth:`Scheduler.schedule`:
   nothing else holds memory. Later arrivals never pass it, so a large request is not starved by a stream of small
   ones. A wait limit is the caller's: it cancels a request that is still WAITING with the reason ``"busy"``.
 * **One prepare piece between two decode steps.** A plan holds at most one piece of one prepare and at most one
-  decode step, so a decoding request waits at most one piece per token. A prepare may come in pieces (e.g. one per
-  chunk cache it must compute): the one in progress gets the next plan's piece until it is done, then the next
-  request in line is admitted.
+  decode step, so a decoding request waits at most one piece per token. A prepare may come in pieces (while
+  requests decode: about half a step each, :mod:`kvrag.kv.pieces`): the one in progress gets the next plan's piece
+  until it is done, then the next request in line is admitted.
 * **Continuous batching.** QUEUED requests join RUNNING at a plan boundary, up to ``max_batch_size``, in the order
   their streams started; every RUNNING request is in every step (each exactly once).
 * **Cancellation between steps.** A RUNNING or PREPARING request that is cancelled leaves at the next plan (its
@@ -231,6 +231,10 @@ class Scheduler:
         plan = StepPlan(self._outbox, prepare, list(self.running))
         self._outbox = []
         return plan
+
+    def decoding(self) -> bool:
+        """Some request decodes or waits to join the batch (then a long prepare runs in pieces)."""
+        return bool(self.running or self.queued)
 
     def idle(self) -> bool:
         """Nothing is in flight (READY requests wait for their caller, not for the scheduler)."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+from collections.abc import Generator
 from typing import Any
 
 import torch
@@ -34,6 +35,7 @@ from kvrag.fusion.cost import ModelCost
 from kvrag.fusion.cost_model import SHIPPED_COST_MODEL, CostModel, fit_cost_model, load_cost_model
 from kvrag.fusion.online import OnlineCosts, online_costs
 from kvrag.fusion.recompute import check_choice, check_ratio
+from kvrag.kv import pieces
 
 log = logging.getLogger(__name__)
 
@@ -163,6 +165,10 @@ class Auto(FusionMethod):
         return cm, online, online.speed(prior), kind, dt
 
     def fuse(self, inp: FusionInput) -> FusionOutput:
+        return pieces.run_whole(self.fuse_pieces(inp, pieces.WHOLE))  # type: ignore[no-any-return]
+
+    def fuse_pieces(self, inp: FusionInput, pace: pieces.Pace) -> Generator[None, None, FusionOutput]:
+        """The chosen method's pieces (:meth:`FusionMethod.fuse_pieces`)."""
         s = int(inp.suffix_ids.shape[0])
         cm, online, speed, _, _ = self._context(inp.model, inp.keys.device, inp.keys.dtype)
         p = self.pick(self.predictions(inp.model.config, inp.context_len, s, cm, online, speed))
@@ -170,7 +176,7 @@ class Auto(FusionMethod):
         chunks = sum(sp.kind == "chunk" for sp in inp.spans)
         log.info("auto: %s for %d context tokens in %d chunks (predicted TTFT %.2fx full, correction %.2f, "
                  "budget %.2f)", p.spec, inp.context_len, chunks, p.ratio, p.correction, self.budget)
-        out = method.fuse(inp)
+        out = yield from method.fuse_pieces(inp, pace)
         out.stats = dataclasses.replace(out.stats, auto_choice=p.spec, auto_predicted_ttft_ratio=p.ratio,
                                         auto_budget=self.budget, auto_margin=self.margin, auto_chunks=chunks,
                                         auto_correction=p.correction)

@@ -11,7 +11,8 @@ import abc
 import dataclasses
 import importlib
 import threading
-from typing import Any, ClassVar
+from collections.abc import Generator
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -19,6 +20,9 @@ from kvrag.errors import ConfigError
 from kvrag.fusion.stats import MethodStats
 from kvrag.kv.rope import Rope
 from kvrag.kv.spec import KVSpec
+
+if TYPE_CHECKING:
+    from kvrag.kv.pieces import Pace
 
 _TRUE = {"1", "true", "yes", "on", "y", "t"}
 _FALSE = {"0", "false", "no", "off", "n", "f"}
@@ -210,6 +214,14 @@ class FusionMethod(abc.ABC):
     def fuse(self, inp: FusionInput) -> FusionOutput:
         """Repair ``inp``'s stale KV: in place when ``inp.buffer`` is set, else on copies (see
         :meth:`FusionInput.working_kv`); stored chunk caches are never modified."""
+
+    def fuse_pieces(self, inp: FusionInput, pace: Pace) -> Generator[None, None, FusionOutput]:
+        """:meth:`fuse` in pieces: a generator whose ``yield`` s are piece boundaries (the engine's runner runs a
+        decode step of the running requests at each, :mod:`kvrag.kv.pieces`), returning what :meth:`fuse` returns
+        -- bit for bit. Methods yield only where ``pace.due()`` (``yield from pace.boundary()``), so with no one
+        else decoding they run as one piece. Default: :meth:`fuse` in one piece."""
+        return self.fuse(inp)
+        yield  # a generator  # pragma: no cover
 
     def observe(self, obs: Observation) -> None:  # noqa: B027 (optional hook, not abstract)
         """Called by the engine once per request this method served, after the suffix prefill; methods that

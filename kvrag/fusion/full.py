@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Generator
+
 import torch
 
 from kvrag.fusion.base import FusionInput, FusionMethod, FusionOutput, Observation, register
 from kvrag.fusion.cost import ModelCost
 from kvrag.fusion.online import online_costs
 from kvrag.fusion.stats import MethodStats
-from kvrag.kv import hf_cache
+from kvrag.kv import pieces
 
 
 @register
@@ -23,9 +25,14 @@ class Full(FusionMethod):
     reads_cache = False
 
     def fuse(self, inp: FusionInput) -> FusionOutput:
+        return pieces.run_whole(self.fuse_pieces(inp, pieces.WHOLE))  # type: ignore[no-any-return]
+
+    def fuse_pieces(self, inp: FusionInput, pace: pieces.Pace) -> Generator[None, None, FusionOutput]:
+        """The one forward, parked at linear layers when ``pace`` is due (:func:`kvrag.kv.pieces.forward_pieces`):
+        the same computation, so the same bits, as :meth:`fuse`."""
         ids = torch.cat([inp.token_ids, inp.suffix_ids.to(inp.token_ids.device)])
         cache = inp.buffer.as_cache(0) if inp.buffer is not None else None  # the request's buffer: no concatenation
-        logits, cache = hf_cache.forward(inp.model, ids, cache, start=0)
+        logits, cache = yield from pieces.forward_pieces(inp.model, ids, cache, start=0, pace=pace)
         return FusionOutput(cache=cache, last_logits=logits[-1], stats=MethodStats(recomputed_fraction=1.0))
 
     def observe(self, obs: Observation) -> None:

@@ -20,10 +20,12 @@ Both steps write into the request's KV buffer in place (:meth:`FusionInput.owned
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Generator
 
 from kvrag.fusion.base import Bool, FusionInput, FusionMethod, FusionOutput, register, shared_method
 from kvrag.fusion.cacherepair import CacheRepair
 from kvrag.fusion.relaxkv import RelaxKV
+from kvrag.kv import pieces
 
 
 @register
@@ -49,9 +51,14 @@ class Hybrid(FusionMethod):
         self.repair = shared_method(CacheRepair(checkpoint=self.checkpoint))  # shares the loaded checkpoint
 
     def fuse(self, inp: FusionInput) -> FusionOutput:
+        return pieces.run_whole(self.fuse_pieces(inp, pieces.WHOLE))  # type: ignore[no-any-return]
+
+    def fuse_pieces(self, inp: FusionInput, pace: pieces.Pace) -> Generator[None, None, FusionOutput]:
+        """The repair (one piece), then RelaxKV's pieces (:meth:`RelaxKV.fuse_pieces`)."""
         work = inp.owned()  # both steps write in place
         rep = self.repair.fuse(work)
-        out = self.relax.fuse(work)  # scores and recomputes over the repaired cache
+        yield from pace.boundary()
+        out = yield from self.relax.fuse_pieces(work, pace)  # scores and recomputes over the repaired cache
         # RelaxKV's stats with the repair step's as a part; the repairer's FLOPs count at the top level (what the
         # cost model reads)
         part = dataclasses.replace(rep.stats, repairer_flops=None)

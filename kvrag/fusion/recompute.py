@@ -16,11 +16,10 @@ Position ``p`` of the context is index ``p`` of every tensor (the context starts
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import Any
 
 import torch
@@ -29,7 +28,7 @@ from kvrag.errors import ConfigError
 from kvrag.fusion.base import FusionInput, FusionOutput
 from kvrag.fusion.prefix_attention import PrefixAttention, plain_attention, run_targets_prefix
 from kvrag.fusion.stats import MethodStats
-from kvrag.kv import hf_cache
+from kvrag.kv import hf_cache, pieces
 from kvrag.kv.window import layer_windows, window_mask
 
 
@@ -140,7 +139,19 @@ def _is_subset(sub: torch.Tensor, sup: torch.Tensor) -> bool:
 
 
 @torch.inference_mode()
-def selective_recompute(
+def selective_recompute(model: Any, token_ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                        targets: Sequence[torch.Tensor],
+                        context: torch.Tensor | None | Sequence[torch.Tensor | None] = None, *,
+                        hook: LayerHook | None = None, block_size: int | None = None, inplace: bool = False,
+                        executor: str = "auto", suffix_ids: torch.Tensor | None = None) -> RecomputeResult:
+    """:func:`selective_recompute_pieces` in one piece (the documentation is there)."""
+    return pieces.run_whole(selective_recompute_pieces(  # type: ignore[no-any-return]
+        model, token_ids, keys, values, targets, context, hook=hook, block_size=block_size, inplace=inplace,
+        executor=executor, suffix_ids=suffix_ids))
+
+
+@torch.inference_mode()
+def selective_recompute_pieces(
     model: Any,
     token_ids: torch.Tensor,
     keys: torch.Tensor,
@@ -153,7 +164,8 @@ def selective_recompute(
     inplace: bool = False,
     executor: str = "auto",
     suffix_ids: torch.Tensor | None = None,
-) -> RecomputeResult:
+    pace: pieces.Pace = pieces.WHOLE,
+) -> Generator[None, None, RecomputeResult]:
     """Layer-by-layer selective recomputation over a stale cache. docs/methods.md#selective-recomputation;
     RelaxKV §3.3-§3.4, §A.2.
 
@@ -194,9 +206,12 @@ def selective_recompute(
             prefill after the repair would compute them, and ``keys``/``values`` must then hold Tc + S positions
             (their K/V land there). Needs ``context`` None and no ``hook``. The result's states, edges and
             targets count the context only; ``suffix_hidden`` holds the suffix's last-layer states.
+        pace: where to end a piece (:mod:`kvrag.kv.pieces`): before a linear layer or attention kernel, when due
+            (:func:`kvrag.kv.pieces.call_pieces`). The layers run exactly as in one piece; the attention probe is
+            uninstalled while other requests step.
 
     Returns:
-        RecomputeResult.
+        RecomputeResult (a generator's value: ``yield from``); ``seconds`` leaves out the time between pieces.
     """
     n_layers, _, tc, _ = keys.shape
     s_len = 0 if suffix_ids is None else int(suffix_ids.shape[0])
@@ -244,10 +259,11 @@ def selective_recompute(
         ids = torch.cat([token_ids.to("cpu", torch.long), suffix_ids.to("cpu", torch.long)])
     hf_cache.sync(keys.device)
     t0 = time.perf_counter()
-    with contextlib.ExitStack() as stack:
-        if attn is not None:
-            stack.enter_context(hf_cache.capture_attention(model, attn))
-        res, last_hidden = _recompute_layers(model, ids, keys, values, plan, ctx_list, hook, rows, inplace, attn)
+    paused = pace.paused_s
+    res, last_hidden = yield from pieces.call_pieces(
+        lambda: _recompute_layers(model, ids, keys, values, plan, ctx_list, hook, rows, inplace, attn), pace,
+        None if attn is None else lambda: hf_cache.capture_attention(model, attn))
+    paused = pace.paused_s - paused
     hf_cache.sync(keys.device)
     if s_len:  # report the context's repair only: the suffix rows are the prefill every method pays
         sfx_edges = n_layers * (s_len * tc + s_len * (s_len + 1) // 2)
@@ -255,7 +271,7 @@ def selective_recompute(
             res, targets=[t[t < tc] for t in res.targets], states=res.states - n_layers * s_len,
             edges=res.edges - sfx_edges, computed_edges=res.computed_edges - sfx_edges,
             suffix_hidden=last_hidden[:, -s_len:])  # the suffix positions are the highest targets of every layer
-    return dataclasses.replace(res, seconds=time.perf_counter() - t0)
+    return dataclasses.replace(res, seconds=time.perf_counter() - t0 - paused)
 
 
 def _recompute_layers(
@@ -366,7 +382,15 @@ def _run_targets(
 def recompute_input(
     inp: FusionInput, targets: Sequence[torch.Tensor], context: torch.Tensor | None = None
 ) -> tuple[RecomputeResult, Any, torch.Tensor | None]:
-    """:func:`selective_recompute` of ``targets`` over the input's working KV (in place), with the question
+    """:func:`recompute_input_pieces` in one piece."""
+    return pieces.run_whole(recompute_input_pieces(inp, targets, context))  # type: ignore[no-any-return]
+
+
+def recompute_input_pieces(
+    inp: FusionInput, targets: Sequence[torch.Tensor], context: torch.Tensor | None = None,
+    pace: pieces.Pace = pieces.WHOLE,
+) -> Generator[None, None, tuple[RecomputeResult, Any, torch.Tensor | None]]:
+    """:func:`selective_recompute_pieces` of ``targets`` over the input's working KV (in place), with the question
     suffix folded into the same layer calls when it can be: full causal context (``context`` None), the request's
     own buffer, and a family whose logits :func:`hf_cache.logits_head` computes. The suffix then costs a few more
     rows in GEMMs the repair runs anyway instead of a second pass over every layer's weights.
@@ -380,11 +404,12 @@ def recompute_input(
     if context is None and inp.buffer is not None and head is not None and s_len:
         tc = inp.context_len
         keys, values = inp.buffer.context(tc + s_len)  # the views to use: reserve() may have moved the buffer
-        res = selective_recompute(inp.model, inp.token_ids, keys, values, targets, None, inplace=True,
-                                  suffix_ids=inp.suffix_ids)
+        res = yield from selective_recompute_pieces(inp.model, inp.token_ids, keys, values, targets, None,
+                                                    inplace=True, suffix_ids=inp.suffix_ids, pace=pace)
         assert res.suffix_hidden is not None
         return res, inp.buffer.as_cache(tc + s_len), head(res.suffix_hidden[:, -1:])[-1]
-    res = selective_recompute(inp.model, inp.token_ids, *inp.working_kv(), targets, context, inplace=True)
+    res = yield from selective_recompute_pieces(inp.model, inp.token_ids, *inp.working_kv(), targets, context,
+                                                inplace=True, pace=pace)
     return res, inp.cache_over(res.keys, res.values), None
 
 

@@ -10,6 +10,7 @@ implement; everything the paper summary leaves open is a parameter here (marked 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Generator
 
 import torch
 
@@ -21,10 +22,11 @@ from kvrag.fusion.recompute import (
     exact_mask,
     fusion_output,
     positions_of,
-    recompute_input,
+    recompute_input_pieces,
     top_positions,
 )
-from kvrag.fusion.scoring import query_attention_scores
+from kvrag.fusion.scoring import query_attention_scores_pieces
+from kvrag.kv import pieces
 
 
 @dataclasses.dataclass
@@ -153,15 +155,26 @@ class RelaxKV(FusionMethod):
 
     def schedule(self, inp: FusionInput) -> tuple[RelaxSchedule, int, int, float]:
         """Run the scoring pass and derive the schedule: (schedule, k, scoring edges, scoring seconds)."""
-        scores, score_edges, score_s = query_attention_scores(inp, heads=self.agg, kind=self.score)
+        return pieces.run_whole(self._schedule_pieces(inp, pieces.WHOLE))  # type: ignore[no-any-return]
+
+    def _schedule_pieces(self, inp: FusionInput,
+                         pace: pieces.Pace) -> Generator[None, None, tuple[RelaxSchedule, int, int, float]]:
+        scores, score_edges, score_s = yield from query_attention_scores_pieces(inp, heads=self.agg, kind=self.score,
+                                                                                pace=pace)
         k = budget(self.r, inp.context_len)
         exact = exact_mask(inp, first_chunk=self.exclude_first_chunk)
         return relaxkv_schedule(scores, k, exact, exact_context=self.exact_context), k, score_edges, score_s
 
     def fuse(self, inp: FusionInput) -> FusionOutput:
-        sched, k, score_edges, score_s = self.schedule(inp)
+        return pieces.run_whole(self.fuse_pieces(inp, pieces.WHOLE))  # type: ignore[no-any-return]
+
+    def fuse_pieces(self, inp: FusionInput, pace: pieces.Pace) -> Generator[None, None, FusionOutput]:
+        """The scoring pass, then the recompute, one layer at a time, ending a piece between two layers when
+        ``pace`` is due: the same layer calls, so the same bits, as :meth:`fuse`."""
+        sched, k, score_edges, score_s = yield from self._schedule_pieces(inp, pace)
+        yield from pace.boundary()
         ctx = sched.union if self.context == "anchors" else None
-        res, cache, last = recompute_input(inp, sched.active, ctx)
+        res, cache, last = yield from recompute_input_pieces(inp, sched.active, ctx, pace)
         tc = max(1, inp.context_len)
         u_frac = sched.union.numel() / tc if self.context == "anchors" else 1.0
         return fusion_output(

@@ -4,13 +4,14 @@ every context position is reduced to one score (docs/methods.md#scoring-pass; Pr
 from __future__ import annotations
 
 import time
+from collections.abc import Generator
 from typing import Any
 
 import torch
 
 from kvrag.fusion.base import FusionInput
 from kvrag.fusion.prefix_attention import has_special_attention
-from kvrag.kv import hf_cache
+from kvrag.kv import hf_cache, pieces
 from kvrag.kv.window import layer_windows, window_mask
 
 
@@ -72,6 +73,16 @@ class _ScoresDone(Exception):
 def query_attention_scores(
     inp: FusionInput, *, heads: str = "mean", kind: str = "prob", max_elems: int = 1 << 24
 ) -> tuple[torch.Tensor, int, float]:
+    """:func:`query_attention_scores_pieces` in one piece."""
+    return pieces.run_whole(  # type: ignore[no-any-return]
+        query_attention_scores_pieces(inp, heads=heads, kind=kind, max_elems=max_elems))
+
+
+@torch.inference_mode()
+def query_attention_scores_pieces(
+    inp: FusionInput, *, heads: str = "mean", kind: str = "prob", max_elems: int = 1 << 24,
+    pace: pieces.Pace = pieces.WHOLE,
+) -> Generator[None, None, tuple[torch.Tensor, int, float]]:
     """Scoring pass: the suffix attends over the stale cache; one score per (layer, context position).
 
     docs/methods.md#scoring-pass, ProphetKV Stage I, RelaxKV §3.2. The suffix runs through the model's own layers at
@@ -88,8 +99,11 @@ def query_attention_scores(
     layer's attention output, :class:`_ScoringProbe`), no logits, and the last layer stops after its attention
     (its output projection, MLP and the final norm would only feed the LM head).
 
+    ``pace``: where to end a piece (:func:`kvrag.kv.pieces.call_pieces`); the probe is uninstalled between pieces.
+
     Returns:
-        (scores [L, Tc] float32 on the CPU, attention pairs computed by the pass, seconds).
+        (scores [L, Tc] float32 on the CPU, attention pairs computed by the pass, seconds without the time between
+        pieces).
     """
     model, tc = inp.model, inp.context_len
     n_layers = inp.keys.shape[0]
@@ -111,13 +125,19 @@ def query_attention_scores(
     masks = {(kind, size): (mask if size is None else mask & window_mask(kind, size, q_pos, k_pos)).to(dev)
              for kind, size in set(windows)}  # a sliding / chunked layer sees only its window (kvrag.kv.window)
     probe.stop_at = n_layers - 1
-    with hf_cache.capture_attention(model, probe):
+
+    def layers() -> None:
+        h = hidden
         for layer in range(n_layers):
             try:
-                hidden, _, _ = hf_cache.run_layer(model, layer, hidden, pos, inp.keys[layer], inp.values[layer],
-                                                  masks[windows[layer]])
+                h, _, _ = hf_cache.run_layer(model, layer, h, pos, inp.keys[layer], inp.values[layer],
+                                             masks[windows[layer]])
             except _ScoresDone:
                 break
+
+    paused = pace.paused_s
+    yield from pieces.call_pieces(layers, pace, lambda: hf_cache.capture_attention(model, probe))
+    paused = pace.paused_s - paused
     hf_cache.sync(dev)
     edges = n_layers * s_len * (tc + s_len)  # the dense [S, Tc + S] logits of every layer
-    return scores, edges, time.perf_counter() - t0
+    return scores, edges, time.perf_counter() - t0 - paused
