@@ -66,8 +66,13 @@ class PromptLookup:
         max_ngram / min_ngram: n-gram sizes tried, longest first.
     """
 
+    BACKOFF_CAP = 16
+    """Most steps a request waits before drafting again after its drafts kept being rejected."""
+
     def __init__(self, prompt_ids: Sequence[int], max_ngram: int = 3, min_ngram: int = 1) -> None:
         self.ids: list[int] = [int(t) for t in prompt_ids]
+        self.misses = 0  # verify steps in a row whose whole draft was rejected
+        self.wait = 0  # steps left before the next draft
         self.sizes = tuple(range(max_ngram, min_ngram - 1, -1))
         self.next_of: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in self.sizes}
         ids = self.ids
@@ -84,8 +89,26 @@ class PromptLookup:
             if end >= n:
                 self.next_of[n][tuple(self.ids[end - n : end])] = end
 
+    def feedback(self, drafted: int, accepted: int) -> None:
+        """What the last verify kept of a draft. A verify forward costs more than a plain step (each drafted position
+        is a row of every product and its own attention), so a request whose drafts keep failing -- an answer that
+        does not copy its context -- stops drafting for 2, 4, ... up to :data:`BACKOFF_CAP` steps, and drafts again
+        at once after an accepted token."""
+        if not drafted:
+            return
+        if accepted:
+            self.misses = 0
+            return
+        self.misses += 1
+        if self.misses >= 2:
+            self.wait = min(self.BACKOFF_CAP, 2 ** (self.misses - 1))
+
     def draft(self, k: int) -> list[int]:
-        """Up to ``k`` tokens that followed the longest matching suffix n-gram's latest occurrence ([] if none)."""
+        """Up to ``k`` tokens that followed the longest matching suffix n-gram's latest occurrence ([] if none, or
+        while backing off after rejected drafts)."""
+        if self.wait > 0:
+            self.wait -= 1
+            return []
         if k <= 0:
             return []
         ids = self.ids
@@ -141,6 +164,8 @@ def accept_row(h: Any, feed: Sequence[int], logits: torch.Tensor, greedy: Sequen
     except Exception as e:  # noqa: BLE001 - this request's consumer gets it
         h.items.put(e)
         h.state = None
+    if h.drafter is not None:
+        h.drafter.feedback(len(feed) - 1, fed - 1)
     h.row.length += fed  # K/V written past the kept tokens are overwritten by later steps
     h.spec.decode_forwards += 1
     h.spec.drafted_tokens += len(feed) - 1

@@ -44,6 +44,24 @@ def test_prompt_lookup_drafts_what_followed_the_longest_latest_match() -> None:
     assert d.draft(100) == d.ids[4:]  # never past the end
 
 
+def test_rejected_drafts_back_off_and_an_accepted_one_resumes() -> None:
+    d = PromptLookup([1, 2, 3, 1, 2], max_ngram=2, min_ngram=1)
+    assert d.draft(2) == [3, 1]
+    d.feedback(2, 0)
+    assert d.draft(2) == [3, 1]  # one miss: still drafting
+    waits = []
+    for _ in range(6):  # misses in a row: wait 2, 4, 8, 16, 16 ... steps
+        d.feedback(2, 0)
+        n = 0
+        while not d.draft(2):
+            n += 1
+        waits.append(n)
+    assert waits == [2, 4, 8, 16, 16, 16]
+    d.feedback(2, 1)
+    d.feedback(0, 0)  # no draft: no news
+    assert d.draft(2) == [3, 1] and d.misses == 0
+
+
 def test_bad_speculation_settings_fail_clearly() -> None:
     with pytest.raises(ConfigError, match="speculative_tokens"):
         EngineConfig(speculative_tokens=-1)
