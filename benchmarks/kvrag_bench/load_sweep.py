@@ -74,6 +74,7 @@ class SweepConfig:
     device: str | None = None
     threads: int | None = None
     max_batch_size: int = 8
+    speculative_tokens: int | None = None
     context: int = 1500
     step_repeats: int = 5
     burst: int = 0
@@ -310,8 +311,9 @@ def run_sweep(cfg: SweepConfig, engine: Any = None) -> dict[str, Any]:
         torch.set_num_threads(cfg.threads)
     docs_dir = Path(cfg.docs) if cfg.docs else DATA
     if engine is None:
+        spec = {} if cfg.speculative_tokens is None else {"speculative_tokens": cfg.speculative_tokens}
         engine = KVRAGEngine.from_pretrained(cfg.model, "memory://", device=cfg.device, dtype=cfg.dtype,
-                                             max_batch_size=cfg.max_batch_size)
+                                             max_batch_size=cfg.max_batch_size, **spec)
     builders = {"llamaindex": llamaindex_client, "langchain": langchain_client}
     result: dict[str, Any] = {"config": dataclasses.asdict(cfg), "model": engine.loaded.name,
                               "dtype": str(next(engine.model.parameters()).dtype).removeprefix("torch."),
@@ -429,6 +431,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--max-batch-size", type=int, default=d.max_batch_size, help="EngineConfig.max_batch_size")
+    parser.add_argument("--speculative-tokens", type=int, default=None,
+                        help="EngineConfig.speculative_tokens (default: the engine's; 0: plain decoding)")
     parser.add_argument("--context", type=int, default=d.context, help="context tokens of the decode-step check")
     parser.add_argument("--burst", type=int, default=d.burst,
                         help="also N different questions at once (one each) vs the same N one by one: questions/s, "
@@ -441,7 +445,8 @@ def config_from_args(args: argparse.Namespace) -> SweepConfig:
         clients=tuple(int(x) for x in str(args.clients).split(",") if x.strip()), questions=args.questions,
         frameworks=tuple(x.strip() for x in str(args.frameworks).split(",") if x.strip()), method=args.method,
         max_new_tokens=args.max_new_tokens, top_k=args.top_k, docs=args.docs, model=args.model, dtype=args.dtype,
-        device=args.device, threads=args.threads, max_batch_size=args.max_batch_size, context=args.context,
+        device=args.device, threads=args.threads, max_batch_size=args.max_batch_size,
+        speculative_tokens=getattr(args, "speculative_tokens", None), context=args.context,
         burst=getattr(args, "burst", 0) or 0, out=args.out)
 
 
