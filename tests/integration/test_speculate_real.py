@@ -17,10 +17,9 @@ from kvrag.store.memory import MemoryStore
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_torch_thread")]
 DOCS = Path(__file__).parent.parent / "data" / "docs"
-QUESTIONS = ["How tall is the Harrow Point Lighthouse?", "Who designed it?", "When did it open?",
-             "Quote the first sentence of the text."]
-GEN = GenerationConfig(max_new_tokens=24)
-METHODS = ("full", "stale", "relaxkv:r=0.15", "cacheblend:r=0.15")
+QUESTIONS = ["How tall is the Harrow Point Lighthouse?", "Who designed it?", "Quote the first sentence of the text."]
+GEN = GenerationConfig(max_new_tokens=16)
+METHODS = ("full", "stale", "relaxkv:r=0.15")
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +55,7 @@ def test_answers_are_token_identical_and_save_forwards(engines: Any) -> None:
 
 def test_concurrent_answers_with_drafts_equal_plain_sequential(engines: Any) -> None:
     plain, spec, plans = engines
-    jobs = [(p, m) for p in plans for m in ("stale", "full")]
+    jobs = [(p, "stale") for p in plans] + [(plans[0], "full")]
     want = [_tokens(plain, p, m)[0] for p, m in jobs]
     got: list[Any] = [None] * len(jobs)
 
