@@ -21,7 +21,6 @@ Writes ``decode.json``, ``decode.md`` and ``decode.png`` to ``--out``.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import statistics
 import time
@@ -245,14 +244,10 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    from kvrag_bench.report import write_result
+
     result = run(args)
-    (out / "decode.json").write_text(json.dumps(result, indent=2))
-    md = markdown(result)
-    (out / "decode.md").write_text(md + "\n")
-    plot(result, out / "decode.png")
-    print(md)
+    plot(result, write_result(args.out, "decode", result, markdown) / "decode.png")
     return 0
 
 

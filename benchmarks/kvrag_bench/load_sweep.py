@@ -311,7 +311,7 @@ def run_sweep(cfg: SweepConfig, engine: Any = None) -> dict[str, Any]:
         torch.set_num_threads(cfg.threads)
     docs_dir = Path(cfg.docs) if cfg.docs else DATA
     if engine is None:
-        spec = {} if cfg.speculative_tokens is None else {"speculative_tokens": cfg.speculative_tokens}
+        spec: dict[str, Any] = {} if cfg.speculative_tokens is None else {"speculative_tokens": cfg.speculative_tokens}
         engine = KVRAGEngine.from_pretrained(cfg.model, "memory://", device=cfg.device, dtype=cfg.dtype,
                                              max_batch_size=cfg.max_batch_size, **spec)
     builders = {"llamaindex": llamaindex_client, "langchain": langchain_client}

@@ -11,9 +11,7 @@ per-step KL along the answer is the measure that sees them. Writes ``quant_kl.js
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-from pathlib import Path
 from typing import Any
 
 
@@ -103,13 +101,9 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    result = run(args)
-    (out / "quant_kl.json").write_text(json.dumps(result, indent=2))
-    md = markdown(result)
-    (out / "quant_kl.md").write_text(md + "\n")
-    print(md)
+    from kvrag_bench.report import write_result
+
+    write_result(args.out, "quant_kl", run(args), markdown)
     return 0
 
 

@@ -15,10 +15,8 @@ Writes ``speculate.json`` and ``speculate.md`` to ``--out``.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 
@@ -152,13 +150,9 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    result = run(args)
-    (out / "speculate.json").write_text(json.dumps(result, indent=2))
-    md = markdown(result)
-    (out / "speculate.md").write_text(md + "\n")
-    print(md)
+    from kvrag_bench.report import write_result
+
+    write_result(args.out, "speculate", run(args), markdown)
     return 0
 
 

@@ -292,11 +292,16 @@ class KVRAGEngine(ChunkCaching):
                  computed: list[tuple[str, ChunkKV]]) -> Generator[None, None, Prepared]:
         """The prepare itself (in the runner thread, in the request's turn, holding the model): compute missing
         chunk caches, assemble, repair, prefill the suffix. While other requests decode it runs in pieces of about
-        the runner's budget (:meth:`Runner.piece_budget_s`), ending one after a computed chunk cache or inside the
-        repair (:meth:`FusionMethod.fuse_pieces`, :mod:`kvrag.kv.pieces`); else in one piece. Timings leave out
+        the runner's budget (:meth:`Runner.piece_budget_s`), ending one after a computed chunk cache or inside a
+        repair that recomputes context (:meth:`FusionMethod.fuse_pieces`, :mod:`kvrag.kv.pieces`) and the suffix
+        prefill after it; else in one piece. Timings leave out
         the decode steps between pieces."""
         t0 = time.perf_counter() - timings.fetch_s  # TTFT counts the store fetch, not the wait for the turn
         pace = Pace(self.runner.piece_budget_s, self.model.device)
+        # Only methods whose repair recomputes context run in pieces (full, relaxkv, hybrid, auto): a reuse
+        # method's whole prepare (assemble + a question-sized prefill) is a few decode steps, and cutting it into
+        # half-step pieces let a burst's arrivals join the batch several times later.
+        long_repair = type(m).fuse_pieces is not FusionMethod.fuse_pieces
         keys: list[str] | list[None]
         if fetched is not None:
             keys = fetched[0]
@@ -316,9 +321,9 @@ class KVRAGEngine(ChunkCaching):
         out = yield from m.fuse_pieces(inp, pace)
         timings.repair_s = time.perf_counter() - t - (pace.paused_s - paused)
         t, repair_paused = time.perf_counter(), pace.paused_s - paused
-        if out.last_logits is None:
+        if out.last_logits is None:  # the suffix in pieces too after a long repair; whole after a short one
             logits, cache = yield from forward_pieces(self.model, inp.suffix_ids, out.cache, start=inp.context_len,
-                                                      pace=pace)
+                                                      pace=pace if long_repair else Pace(None))
             last = logits[-1]
         else:
             cache, last = out.cache, out.last_logits
