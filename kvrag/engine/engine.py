@@ -294,8 +294,7 @@ class KVRAGEngine(ChunkCaching):
         chunk caches, assemble, repair, prefill the suffix. While other requests decode it runs in pieces of about
         the runner's budget (:meth:`Runner.piece_budget_s`), ending one after a computed chunk cache or inside a
         repair that recomputes context (:meth:`FusionMethod.fuse_pieces`, :mod:`kvrag.kv.pieces`) and the suffix
-        prefill after it; else in one piece. Timings leave out
-        the decode steps between pieces."""
+        prefill after it; else in one piece. Timings leave out the decode steps between pieces."""
         t0 = time.perf_counter() - timings.fetch_s  # TTFT counts the store fetch, not the wait for the turn
         pace = Pace(self.runner.piece_budget_s, self.model.device)
         # Only methods whose repair recomputes context run in pieces (full, relaxkv, hybrid, auto): a reuse
