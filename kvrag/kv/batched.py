@@ -97,57 +97,44 @@ def _window_start(kind: str, size: int | None, pos: int) -> int:
 
 def _attend(layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             scaling: float | None) -> torch.Tensor:
-    """Write each row's fresh K/V into its buffer and attend each row to its own buffer: [B, 1, H, D]."""
+    """Write each row's fresh K/V into its buffer and attend each row to its own buffer.
+
+    A plain step feeds one token per row, batched as [B, H, 1, D] (returns [B, 1, H, D]); a verify step
+    (:func:`verify_step`) packs ``counts[i]`` tokens of row ``i`` along one sequence, [1, H, T, D] (returns
+    [1, T, H, D]). A plain step is read as the packed layout with one token per row (a transposed view: each row's
+    query is then the same tensor, strides included, as a slice of the batch), so both run one loop.
+
+    Each query attends alone, with the call transformers' sdpa makes for a one-token, mask-free batch-1 step, over
+    its own buffer up to its position: a batch of one is bit-identical to the model's own step, and a verified
+    position to a plain step's. A masked multi-query call would read the context once but sums in another order
+    (bfloat16 attention outputs differ by ~2e-4, float32 by ~1e-7), and through bf16 roundings -- the model's, or
+    the quantized products' bf16 activations -- that moves logits by up to 0.4 (SmolLM2-135M, int4, float32 or
+    bfloat16), enough to flip greedy choices in near-ties. With per-query calls a verified position's logits are
+    bit-identical to a plain step's wherever the model's products compute each row alone (int4 / int8 weights,
+    packed bf16 linears: tested); dense float32 GEMMs differ by ~1e-5 across row counts, as batched decoding's do.
+    """
     step: _Active = _local.step
-    if step.counts is not None:
-        return _attend_packed(step, layer, query, key, value, scaling)
-    out = torch.empty((query.shape[0], 1, query.shape[1], value.shape[-1]), dtype=query.dtype, device=query.device)
-    kind, size = step.windows[layer]
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    for i, row in enumerate(step.rows):
-        n = row.length
-        kb, vb = row.buffer.keys[layer], row.buffer.values[layer]  # [H_kv, capacity, D]
-        kb[:, n].copy_(key[i, :, 0])
-        vb[:, n].copy_(value[i, :, 0])
-        start = _window_start(kind, size, n)
-        # the call transformers' sdpa makes for a one-token, mask-free batch-1 step: bit-identical to it
-        o = sdpa(query[i : i + 1], kb[None, :, start : n + 1], vb[None, :, start : n + 1], scale=scaling,
-                 enable_gqa=True)
-        out[i, 0].copy_(o[0, :, 0])
-    return out
-
-
-def _attend_packed(step: _Active, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                   scaling: float | None) -> torch.Tensor:
-    """A verify step's attention: the rows' tokens packed along one sequence ([1, H, T, D]); row ``i`` feeds
-    ``counts[i]`` tokens at positions ``length .. length + count - 1``, writes their K/V there and attends causally
-    over its own buffer. Returns [1, T, H, D].
-
-    Each query attends alone, with the plain step's own call: a masked multi-query call reads the context once
-    but sums in another order (bfloat16 attention outputs differ by ~2e-4, float32 by ~1e-7), and through bf16
-    roundings -- the model's, or the quantized products' bf16 activations -- that moves logits by up to 0.4
-    (SmolLM2-135M, int4, float32 or bfloat16), enough to flip greedy choices in near-ties. With per-query calls
-    a verified position's logits are bit-identical to a plain step's wherever the model's products compute each
-    row alone (int4 / int8 weights, packed bf16 linears: tested); dense float32 GEMMs differ by ~1e-5 across row
-    counts, as batched decoding's do."""
-    assert step.counts is not None
+    plain = step.counts is None
+    if plain:  # [B, H, 1, D] -> [1, H, B, D]: row i's one token at i
+        query, key, value = query.transpose(0, 2), key.transpose(0, 2), value.transpose(0, 2)
+    counts = [1] * len(step.rows) if step.counts is None else step.counts
     out = torch.empty((1, query.shape[2], query.shape[1], value.shape[-1]), dtype=query.dtype, device=query.device)
     kind, size = step.windows[layer]
     sdpa = torch.nn.functional.scaled_dot_product_attention
     o = 0
-    for row, q in zip(step.rows, step.counts, strict=True):
+    for row, q in zip(step.rows, counts, strict=True):
         n = row.length
         kb, vb = row.buffer.keys[layer], row.buffer.values[layer]  # [H_kv, capacity, D]
         kb[:, n : n + q].copy_(key[0, :, o : o + q])
         vb[:, n : n + q].copy_(value[0, :, o : o + q])
-        for j in range(q):  # each query alone: the plain step's own call, so the logits are bit-identical
+        for j in range(q):
             p = n + j
             s0 = _window_start(kind, size, p)
             a = sdpa(query[:, :, o + j : o + j + 1], kb[None, :, s0 : p + 1], vb[None, :, s0 : p + 1], scale=scaling,
                      enable_gqa=True)
             out[0, o + j].copy_(a[0, :, 0])
         o += q
-    return out
+    return out.view(len(step.rows), 1, *out.shape[2:]) if plain else out
 
 
 def attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
