@@ -245,6 +245,10 @@ class Runner:
         """
         lease = getattr(prepared, "kv_lease", None)
         rid = getattr(lease, "rid", None)
+        spec = self.speculation
+        drafter = (PromptLookup(prompt_ids, spec.max_ngram, spec.min_ngram)  # indexing the prompt: outside the lock
+                   if spec.enabled and prompt_ids is not None and not gen.do_sample and self.unbatchable is None
+                   else None)
         with self._cv:
             h = self._handles.get(rid) if rid is not None else None
             state = self.scheduler.state(rid) if rid is not None else None
@@ -274,11 +278,9 @@ class Runner:
                     on_first_token()
             for item in items:
                 h.items.put(item)
-            if (self.speculation.enabled and prompt_ids is not None and not gen.do_sample
-                    and self.unbatchable is None and not h.state.finished):
-                spec = self.speculation
-                h.drafter = PromptLookup(prompt_ids, spec.max_ngram, spec.min_ngram)
-                h.drafter.push(int(h.state.last))  # type: ignore[arg-type]
+            if drafter is not None and not h.state.finished:
+                h.drafter = drafter
+                drafter.push(int(h.state.last))  # type: ignore[arg-type]
             buf.reserve(length + gen.max_new_tokens)  # every step's K/V fits: no allocation while decoding
             h.row = batched.Row(buf, length)
             self.scheduler.stream(rid)

@@ -149,10 +149,10 @@ def accept_row(h: Any, feed: Sequence[int], logits: torch.Tensor, greedy: Sequen
     next drafted token. Advances the request's length past the fed tokens that were kept (the roll-back of the
     rest) and its :class:`~kvrag.engine.results.SpecStats`; returns how many fed tokens were kept."""
     fed = 0
+    sample = h.state.cfg.do_sample
     try:
         for j in range(len(feed)):
             fed += 1
-            sample = h.state.cfg.do_sample
             for item in h.state.advance(logits[at + j], None if sample else greedy[at + j]):
                 h.items.put(item)
             if h.state.finished:
