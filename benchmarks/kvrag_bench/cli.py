@@ -67,6 +67,15 @@ def _add_qa_args(p: argparse.ArgumentParser) -> None:
     _add_model_args(p)
 
 
+def _module_command(sub: Any, name: str, module: Any, help_: str, description: str) -> None:
+    """A ``kvrag bench`` subcommand whose module brings its options (``add_arguments``) and runner (``main``),
+    with the model options every command shares."""
+    p = sub.add_parser(name, help=help_, description=description)
+    module.add_arguments(p)
+    _add_model_args(p)
+    p.set_defaults(func=module.main)
+
+
 def add_bench_arguments(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``bench`` (with ``sweep``, ``store``, ``load``, ``templates``) to a top-level ``add_subparsers()`` object.
 
@@ -122,36 +131,24 @@ def add_bench_arguments(subparsers: Any) -> argparse.ArgumentParser:
     interleave.add_arguments(ld)
     ld.set_defaults(func=run_load)
 
-    dc = sub.add_parser("decode", help="ms per generated token vs context and batch: dense, int8, int4, llama.cpp",
-                        description="The engine's batched decode step at each context length and batch in each weight "
-                                    "format (interleaved), beside the bytes-read bound (bytes one step reads / copy "
-                                    "bandwidth, measured in the same run) and llama.cpp on the same GGUF file and "
-                                    "token ids when llama-cpp-python is installed (the `peers` extra).")
-    from kvrag_bench import decode_bench
+    from kvrag_bench import decode_bench, quant_kl, spec_bench
 
-    decode_bench.add_arguments(dc)
-    _add_model_args(dc)
-    dc.set_defaults(func=decode_bench.main)
-
-    qk = sub.add_parser("quant-kl", help="KL(dense || quantized) of the next token along the dense answer, on dev data",
-                        description="Prefill and greedily decode each request with dense weights, then teacher-force "
-                                    "each variant (int4, int8, or another dtype) along that answer: next-token KL at "
-                                    "every answer position and whether the variant's own greedy answer is the same.")
-    from kvrag_bench import quant_kl
-
-    quant_kl.add_arguments(qk)
-    _add_model_args(qk)
-    qk.set_defaults(func=quant_kl.main)
-
-    sp = sub.add_parser("speculate", help="speculative decoding from the prompt on QA answers vs plain and llama.cpp",
-                        description="Answer QA requests with each speculative_tokens setting in turn (0: plain "
-                                    "decoding): decode ms/token, tokens per forward, drafts accepted, same tokens as "
-                                    "plain decoding; llama.cpp on the same GGUF and prompt ids when installed.")
-    from kvrag_bench import spec_bench
-
-    spec_bench.add_arguments(sp)
-    _add_model_args(sp)
-    sp.set_defaults(func=spec_bench.main)
+    _module_command(sub, "decode", decode_bench,
+                    "ms per generated token vs context and batch: dense, int8, int4, llama.cpp",
+                    "The engine's batched decode step at each context length and batch in each weight format "
+                    "(interleaved), beside the bytes-read bound (bytes one step reads / copy bandwidth, measured in "
+                    "the same run) and llama.cpp on the same GGUF file and token ids when llama-cpp-python is "
+                    "installed (the `peers` extra).")
+    _module_command(sub, "quant-kl", quant_kl,
+                    "KL(dense || quantized) of the next token along the dense answer, on dev data",
+                    "Prefill and greedily decode each request with dense weights, then teacher-force each variant "
+                    "(int4, int8, or another dtype) along that answer: next-token KL at every answer position and "
+                    "whether the variant's own greedy answer is the same.")
+    _module_command(sub, "speculate", spec_bench,
+                    "speculative decoding from the prompt on QA answers vs plain and llama.cpp",
+                    "Answer QA requests with each speculative_tokens setting in turn (0: plain decoding): decode "
+                    "ms/token, tokens per forward, drafts accepted, same tokens as plain decoding; llama.cpp on the "
+                    "same GGUF and prompt ids when installed.")
 
     lk = sub.add_parser("llamaindex-kl", help="next-token KL vs full on the prompts a stock LlamaIndex query engine sends",
                         description="Record the LLM calls of a stock LlamaIndex query engine (default prompts; "

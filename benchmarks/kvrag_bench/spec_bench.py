@@ -85,11 +85,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for i, req in enumerate(requests):
         prefix, passages, suffix = template.parts(first.tokenizer, req.passages(), req.question)
         first.ingest(passages, progress=False)
-        row: dict[str, Any] = {"id": req.id}
+        plan = first.plan_parts(prefix, passages, suffix)  # the engines share the model, tokenizer and store
+        row: dict[str, Any] = {"id": req.id, "context_tokens": plan.total_len}
         base: list[int] | None = None
         for k in settings:  # the settings take turns on each request
             eng = engines[k]
-            prep = eng.prepare(eng.plan_parts(prefix, passages, suffix), args.method, reserve=gen.max_new_tokens)
+            prep = eng.prepare(plan, args.method, reserve=gen.max_new_tokens)
             t = time.perf_counter()
             text = "".join(eng.stream(prep, gen))
             dt = time.perf_counter() - t
@@ -99,11 +100,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             row[str(k)] = {"decode_s": dt, "ttft_s": prep.timings.ttft_s, "tokens": len(toks),
                            "forwards": s.decode_forwards, "drafted": s.drafted_tokens, "accepted": s.accepted_tokens,
                            "same_tokens": toks == base, "text": text}
-            row["context_tokens"] = s.context_tokens + s.suffix_tokens
-            ids = list(prep.plan.token_ids)
         if peer is not None and base:
-            _, _tok = peer.prefill(ids)
-            times = peer.steps(_tok, max(1, len(base) - 1))
+            _, first_token = peer.prefill(list(plan.token_ids))
+            times = peer.steps(first_token, max(1, len(base) - 1))
             row["llama.cpp"] = {"ms_per_token": 1000 * statistics.median(times)}
         rows.append(row)
         print(f"[{i + 1}/{len(requests)}] " + "  ".join(
@@ -125,11 +124,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if any("llama.cpp" in r for r in rows):
         summary["llama.cpp"] = {"ms_per_token": statistics.median(r["llama.cpp"]["ms_per_token"] for r in rows
                                                                   if "llama.cpp" in r)}
-    return {"model": loaded.name, "dtype": str(next(loaded.model.parameters()).dtype).replace("torch.", ""),
+    dtype = next(loaded.model.parameters()).dtype
+    return {"model": loaded.name, "dtype": str(dtype).replace("torch.", ""),
             "quantize": args.quantize, "method": args.method, "max_new_tokens": args.max_new_tokens,
             "requests": len(rows), "data": str(args.data), "offset": args.offset, "ngram": [args.min_ngram, args.ngram],
             "torch_threads": torch.get_num_threads(), "quantization": quantization_of(loaded.model) or "none",
-            "machine": machine_info(loaded.device, next(loaded.model.parameters()).dtype), "summary": summary, "rows": rows}
+            "machine": machine_info(loaded.device, dtype), "summary": summary, "rows": rows}
 
 
 def markdown(result: dict[str, Any]) -> str:
