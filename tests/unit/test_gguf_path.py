@@ -122,3 +122,32 @@ def test_bad_gguf_paths_say_what_to_pass(home: Path, tmp_path: Path) -> None:
     (folder / "model-Q4_K_M.gguf").write_bytes(b"GGUF")
     with pytest.raises(ConfigError, match=r"holds GGUF files but no config\.json: pass a file's path"):
         load_model(str(folder))
+
+
+def test_a_conversion_parses_the_file_once_and_leaves_gguf_as_it_was(tiny, home: Path, tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    import gguf as gguf_pkg
+
+    from kvrag.gguf_reading import parsed_once
+
+    path = write_tiny_gguf(tmp_path / "tiny-llama.F32.gguf", tiny)
+    original_reader, original_names = gguf_pkg.GGUFReader, gguf_pkg.get_tensor_name_map
+    parses: list[str] = []
+    real_init = original_reader.__init__
+
+    def counting_init(self: object, path: object, mode: str = "r") -> None:
+        parses.append(str(path))
+        real_init(self, path, mode)
+
+    monkeypatch.setattr(original_reader, "__init__", counting_init)
+    with parsed_once():
+        a, b = gguf_pkg.GGUFReader(path), gguf_pkg.GGUFReader(str(path))
+        assert a is b and isinstance(a, original_reader) and len(parses) == 1
+        assert gguf_pkg.get_tensor_name_map(gguf_pkg.MODEL_ARCH.LLAMA, 2) is \
+            gguf_pkg.get_tensor_name_map(gguf_pkg.MODEL_ARCH.LLAMA, 2)
+    assert (gguf_pkg.GGUFReader, gguf_pkg.get_tensor_name_map) == (original_reader, original_names)
+    assert gguf_pkg.GGUFReader(path) is not gguf_pkg.GGUFReader(path)  # outside: a plain reader each time
+    parses.clear()
+    load_model(str(path), dtype="float32", device="cpu")  # the conversion: config, tokenizer, weights, inspection
+    assert len(parses) == 1, parses
+    assert (gguf_pkg.GGUFReader, gguf_pkg.get_tensor_name_map) == (original_reader, original_names)
