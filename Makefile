@@ -19,6 +19,10 @@ MODEL ?=
 # The dev QA set the published figures come from is not part of the repository: pass it as DATA=...
 DATA ?=
 LIMIT ?= 100
+# pytest-xdist workers for `make test` (one a core on the 2-core CI machines; each file's tests stay in one worker,
+# so module-scoped models load once); TEST_WORKERS=0 runs the suite in this process.
+TEST_WORKERS ?= 2
+PYTEST := $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile
 
 .PHONY: demo test test-unit test-bf16 bench bench-data setup setup-dev setup-bench lint clean gpu-check
 
@@ -55,18 +59,18 @@ test: setup-dev
 	$(VENV)/bin/ruff check $(LINT_DIRS)
 	$(VENV)/bin/mypy kvrag benchmarks/kvrag_bench
 	$(VENV)/bin/kvrag pull
-	$(PY) -m pytest -q -p no:cacheprovider $(TEST_DIRS)
+	$(PYTEST) $(TEST_DIRS)
 
 test-unit: setup-dev
 	bash .ci/install-redis
-	$(PY) -m pytest -q -p no:cacheprovider tests/unit benchmarks/tests $(foreach d,$(INTEGRATIONS),$(wildcard $(d)/tests/unit_tests))
+	$(PYTEST) tests/unit benchmarks/tests $(foreach d,$(INTEGRATIONS),$(wildcard $(d)/tests/unit_tests))
 
 # The whole suite with the real default model in bfloat16 (slow on CPUs without native bf16). The bf16 equivalence
 # subset (tests/unit/test_bf16_equivalence.py, the *_bfloat16 integration tests) runs in `make test` on every machine.
 test-bf16: setup-dev
 	bash .ci/install-redis
 	$(VENV)/bin/kvrag pull
-	KVRAG_TEST_DTYPE=bfloat16 $(PY) -m pytest -q -p no:cacheprovider $(TEST_DIRS)
+	KVRAG_TEST_DTYPE=bfloat16 $(PYTEST) $(TEST_DIRS)
 
 # Checked before any set-up, so a missing DATA fails at once.
 bench-data:
