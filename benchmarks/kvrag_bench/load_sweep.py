@@ -301,11 +301,25 @@ def decode_bound(engine: Any, docs_dir: Path, cfg: SweepConfig) -> dict[str, Any
     return out
 
 
+def command_line(cfg: SweepConfig) -> str:
+    """The ``kvrag bench load`` command that reruns ``cfg`` (the options that differ from the defaults)."""
+    defaults = SweepConfig()
+    words = ["kvrag bench load"]
+    for field in dataclasses.fields(cfg):
+        value = getattr(cfg, field.name)
+        if field.name == "out" or value == getattr(defaults, field.name):
+            continue
+        shown = ",".join(map(str, value)) if isinstance(value, tuple) else value
+        words.append(f"--{field.name.replace('_', '-')} {shown}")
+    return " ".join(words)
+
+
 def run_sweep(cfg: SweepConfig, engine: Any = None) -> dict[str, Any]:
     """The whole sweep (see the module docstring); writes sweep.json / .md / .png under ``cfg.out``."""
     import torch
 
     from kvrag.engine.engine import KVRAGEngine
+    from kvrag_bench.provenance import environment_info
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -340,6 +354,8 @@ def run_sweep(cfg: SweepConfig, engine: Any = None) -> dict[str, Any]:
             log.info("%s %d clients: %.2f q/s, TTFT p50 %.2f s, same answers %.0f%%", fw, lv["clients"],
                      lv["questions_per_s"], lv["ttft_p50_s"] or 0, 100 * lv["same_answer_rate"])
     result["decode"] = decode_bound(engine, docs_dir, cfg)
+    result["command"] = command_line(cfg)
+    result["environment"] = environment_info()
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "sweep.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
@@ -381,6 +397,11 @@ def markdown(result: dict[str, Any]) -> str:
               f"{d['copy_bytes_per_s'] / 1e9:.1f} GB/s); batch 1 {d['batch1']['ms_per_token']:.1f} ms/token "
               f"({d['batch1']['x_bound']:.1f}x), batch 8 {d['batch8']['ms_per_token']:.1f} ms/token "
               f"({d['batch8']['x_bound']:.1f}x)."]
+    env = result.get("environment") or {}
+    hw = env.get("hardware") or {}
+    if result.get("command"):
+        lines += ["", f"`{result['command']}` -- commit `{str(env.get('git_sha') or '?')[:7]}`, CPU {hw.get('cpu', '?')} "
+                  f"(bf16: {hw.get('cpu_bf16') or 'none'}), {hw.get('cores', '?')} cores."]
     return "\n".join(lines) + "\n"
 
 
@@ -466,5 +487,5 @@ if __name__ == "__main__":
     raise SystemExit(main())
 
 
-__all__ = ["SweepConfig", "add_arguments", "config_from_args", "decode_bound", "main", "markdown", "plot",
+__all__ = ["SweepConfig", "add_arguments", "command_line", "config_from_args", "decode_bound", "main", "markdown", "plot",
            "run_sweep"]

@@ -42,3 +42,7 @@ def test_sweep_on_a_tiny_model(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "sweep.json").read_text())["model"] == result["model"]
     assert (tmp_path / "sweep.png").stat().st_size > 0 and "| langchain | 3 |" in (tmp_path / "sweep.md").read_text()
     assert "| llamaindex | 3 |" in (tmp_path / "sweep.md").read_text().split("| burst |")[1]
+    # the files say how to rerun them and where they ran
+    assert result["command"] == "kvrag bench load --clients 1,3 --questions 2 --max-new-tokens 8 --context 300 --burst 3"
+    assert result["environment"]["hardware"]["cores"] >= 1 and "git_sha" in result["environment"]
+    assert f"`{result['command']}` -- commit" in (tmp_path / "sweep.md").read_text()
