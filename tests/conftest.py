@@ -123,6 +123,16 @@ REAL_COMPONENT_SKIPS = {
 }
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: Any) -> None:
+    """Under pytest-xdist (``make test``) turn off the ``benchmark`` fixture's timing (langchain-tests' standard
+    tests use it) explicitly: timings taken beside another worker mean nothing, and pytest-benchmark would say so
+    in a warning at the end of every run."""
+    if config.pluginmanager.hasplugin("benchmark") and (
+            config.getoption("dist", "no") != "no" or os.environ.get("PYTEST_XDIST_WORKER")):
+        config.option.benchmark_disable = True
+
+
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: Any) -> None:
     """One line naming the real-component tests that were skipped (e.g. Redis without ``redis-server``) and the
     command that enables them: under ``-q`` a skip is otherwise only a number in the final count."""
