@@ -282,6 +282,17 @@ def _head_dim(config: Any) -> int | None:
     return int(hidden) // int(heads) if hidden and heads else None
 
 
+BLOCK_BYTES = 512 * 1024
+"""Float32 bytes of one leading-dimension block rotated at a time into an ``out`` tensor (:meth:`Rope.rotate`)."""
+
+
+def _block_rows(x: torch.Tensor) -> int:
+    """Leading-dimension rows per block of :meth:`Rope.rotate` into ``out`` (0: one block, e.g. for CUDA)."""
+    if x.device.type != "cpu" or x.dim() < 3 or x.shape[0] <= 1:
+        return 0
+    return max(1, BLOCK_BYTES // max(1, 4 * x[0].numel()))
+
+
 class Rope:
     """Pure RoPE rotations with a model's frequencies, one set for every layer or one per layer.
 
@@ -353,11 +364,26 @@ class Rope:
             msg = f"head dim {x.shape[-1]} does not match the RoPE's {self.head_dim}"
             raise ValueError(msg)
         cos, sin = cos_sin if cos_sin is not None else self.cos_sin(positions, device=x.device)
+        if self.per_layer and (x.dim() < 3 or x.shape[0] != int(self.inv_freq.shape[0])):
+            msg = (f"per-layer RoPE rotates tensors [L={int(self.inv_freq.shape[0])}, ..., T, D], got shape "
+                   f"{tuple(x.shape)}")
+            raise ValueError(msg)
+        step = _block_rows(x) if out is not None else 0
+        if out is not None and 0 < step < x.shape[0]:
+            # Into ``out`` block by block along the leading dimension (layers): the fp32 temporaries of a block stay
+            # in the CPU's cache instead of streaming through memory. Element-wise ops on the same rows: same bits.
+            for i in range(0, x.shape[0], step):
+                j = min(i + step, x.shape[0])
+                block = (cos[i:j], sin[i:j]) if self.per_layer else (cos, sin)
+                self._rotate_rows(x[i:j], inverse, out[i:j], block)
+            return out
+        return self._rotate_rows(x, inverse, out, (cos, sin))
+
+    def _rotate_rows(self, x: torch.Tensor, inverse: bool, out: torch.Tensor | None,
+                     cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        cos, sin = cos_sin
         if self.per_layer:
-            n = int(self.inv_freq.shape[0])
-            if x.dim() < 3 or x.shape[0] != n:
-                msg = f"per-layer RoPE rotates tensors [L={n}, ..., T, D], got shape {tuple(x.shape)}"
-                raise ValueError(msg)
+            n = int(cos.shape[0])
             view = (n, *([1] * (x.dim() - 3)), *cos.shape[-2:])
             cos, sin = cos.reshape(view), sin.reshape(view)
         if inverse:

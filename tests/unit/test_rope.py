@@ -37,6 +37,38 @@ def test_rotate_then_unrotate_is_identity(pairing: str) -> None:
     torch.testing.assert_close(rope.place(rope.place(x, a), b), rope.place(x, a + b), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("per_layer", [False, True])
+@pytest.mark.parametrize("pairing", ["half", "interleaved"])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_rotating_into_out_in_blocks_gives_the_same_bits(pairing: str, per_layer: bool, out_dtype: torch.dtype,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Assembly rotates a chunk's keys straight into the request buffer a few layers at a time (so the float32
+    temporaries stay in the CPU's cache): every block size writes exactly what one whole call writes."""
+    from kvrag.kv import rope as rope_mod
+
+    g = torch.Generator().manual_seed(1)
+    inv = 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16))
+    if per_layer:  # e.g. Gemma 3's local and global layers
+        inv = torch.stack([inv, inv / 4, inv, inv / 4, inv])
+    rope = Rope(inv, pairing)
+    x = torch.randn(5, 3, 37, 16, generator=g).to(torch.bfloat16)
+    pos = torch.arange(900, 937)
+    outs = []
+    for block in (1 << 40, 1, 3 * 37 * 16 * 4 * 2):  # one block; one layer each; two layers each (the last alone)
+        monkeypatch.setattr(rope_mod, "BLOCK_BYTES", block)
+        buf = torch.zeros(5, 3, 60, 16, dtype=out_dtype)
+        rope.place(x, pos, out=buf[:, :, 10:47])
+        outs.append(buf)
+    assert rope_mod._block_rows(x) == 2
+    for got in outs[1:]:
+        assert torch.equal(got, outs[0])
+    if out_dtype is torch.bfloat16:  # and what rotating without ``out`` returns in the keys' dtype
+        assert torch.equal(outs[0][:, :, 10:47], rope.place(x, pos))
+    if per_layer:  # fewer layers than the RoPE has: refused, not rotated with the wrong layers' frequencies
+        with pytest.raises(ValueError, match="per-layer RoPE rotates"):
+            rope.place(x[:4], pos, out=outs[0][:4, :, 10:47])
+
+
 def test_interleaved_differs_from_half() -> None:
     inv = 1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8))
     x = torch.randn(1, 5, 8)
