@@ -59,7 +59,10 @@ def plot_curve(curve: Path, out: Path) -> Path | None:
     ax.set_ylabel("normalized residual MSE")
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
-    ax.legend()
+    if train or evals:
+        ax.legend()
+    else:  # a run that recorded no step yet: say so rather than draw an empty legend
+        ax.text(0.5, 0.5, "no steps recorded", ha="center", va="center", transform=ax.transAxes)
     ax.set_title("CacheRepair learning curve")
     fig.tight_layout()
     fig.savefig(out)
