@@ -58,16 +58,18 @@ class _Packed:
 
     def valid_for(self, weight: torch.Tensor) -> bool:
         return (weight.data_ptr() == self.ptr and weight._version == self.version
-                and weight.dtype == torch.bfloat16 and weight.device.type == "cpu")
+                and weight.dtype == torch.bfloat16 and weight.is_cpu)
 
 
 def _packed_forward(module: torch.nn.Linear, state: _Packed, x: torch.Tensor) -> torch.Tensor:
-    w = module.weight
-    usable = (x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.numel() <= MAX_ROWS * x.shape[-1]
+    # plain dict reads (module.weight goes through nn.Module.__getattr__): this runs for every product of every step
+    params: dict[str, torch.Tensor] = module._parameters  # type: ignore[assignment]
+    w, bias = params["weight"], params.get("bias")
+    usable = (x.dtype == torch.bfloat16 and x.is_cpu and x.numel() <= MAX_ROWS * x.shape[-1]
               and state.valid_for(w) and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)))
     if not usable:
-        return F.linear(x, w, module.bias)
-    return torch.ops.mkldnn._linear_pointwise(x, state.packed, module.bias, "none", [], "")
+        return F.linear(x, w, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, state.packed, bias, "none", [], "")
 
 
 def pack_linears(model: Any) -> int:

@@ -1,0 +1,161 @@
+"""A batched step's forward run directly over the model's own modules, without transformers' per-call machinery.
+
+A decode step of a small model is many small operations, and on the CPU the Python around them costs about as much
+as some of the operations: transformers' model forward checks and routes its keyword arguments, builds masks,
+collects outputs and goes through a decorated call per layer and per attention (SmolLM2-135M, int4, one thread, 1.5K
+tokens of context: ~7 ms of a ~60 ms step at batch 1). gpt-fast avoids this by writing the model itself; kvrag keeps
+transformers' modules -- the embeddings, rotary embedding, norms, projections (with kvrag's quantized or packed
+forwards), MLP and LM head are the model's own, called in the order and with the arguments the model's forward uses
+-- and only the loop around them is its own: per layer, ``x = norm(h)``, the q/k/v projections (with Qwen3's q/k
+norms), the family's ``apply_rotary_pos_emb``, the batched step's row attention (:func:`kvrag.kv.batched.attention`),
+``o_proj``, the residual, ``post_attention_layernorm``, ``mlp``, the residual; then the final norm and the LM head
+over the kept positions. The outputs are the same bits as the model's forward (tested per family and dtype).
+
+Which models: the decoder layouts written out above -- Llama, Mistral, Qwen2 and Qwen3 (SmolLM2 is a Llama) -- with
+no forward hooks on the modules the loop replaces; every other model runs transformers' forward. Because a later
+transformers could change a layer's arithmetic, the first direct step of each model is checked against the model's
+forward on the same inputs (logits and written K/V, bit for bit); on any difference kvrag logs it and keeps the
+model's forward for that model.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+FAMILIES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+"""Model classes whose decoder layers :func:`forward` runs (by class name, as transformers names them)."""
+
+_checked: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+_all_modules: weakref.WeakKeyDictionary[Any, list[torch.nn.Module]] = weakref.WeakKeyDictionary()
+_lock = threading.Lock()
+
+
+def _hooked(modules: Sequence[torch.nn.Module]) -> bool:
+    from torch.nn.modules import module as nn_module
+
+    if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
+
+
+def why_not(model: Any) -> str | None:
+    """None when :func:`forward` can run ``model``'s batched steps, else why not."""
+    name = type(model).__name__
+    if name not in FAMILIES:
+        return f"{name} is not one of the layouts it writes out ({', '.join(FAMILIES)})"
+    inner = getattr(model, "model", None)
+    if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "rotary_emb", "layers", "norm")):
+        return f"{name} lacks the expected submodules"
+    layers = list(inner.layers[: model.config.num_hidden_layers])
+    for layer in layers:
+        a = getattr(layer, "self_attn", None)
+        if a is None or not all(hasattr(a, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj", "scaling",
+                                                        "head_dim", "layer_idx")):
+            return f"{name}'s attention lacks the expected projections"
+        if not all(hasattr(layer, p) for p in ("input_layernorm", "post_attention_layernorm", "mlp")):
+            return f"{name}'s decoder layer lacks the expected norms / MLP"
+    if _hooked(_modules(model)):
+        return "forward hooks on the model or its modules"
+    return None
+
+
+@torch.inference_mode()
+def forward(model: Any, ids: torch.Tensor, pos: torch.Tensor, keep: int) -> torch.Tensor:
+    """The model's forward for a batched step (``ids`` / ``pos`` [B, S]; attention through the active step's rows).
+
+    Returns:
+        logits [B, keep, V] of the last ``keep`` positions (``keep`` 0: all), in the model's dtype.
+    """
+    inner = model.model
+    rope = sys.modules[type(inner.layers[0].self_attn).__module__].apply_rotary_pos_emb
+    from kvrag.kv import batched
+
+    # each module's ``forward`` straight away: :func:`runner` checked that no module of the model has hooks, so
+    # this is what ``module(...)`` runs, minus nn.Module's call dispatch (~4 us a call, ~300 calls a step)
+    h = inner.embed_tokens.forward(ids)
+    cos, sin = inner.rotary_emb.forward(h, position_ids=pos)
+    b, s = ids.shape
+    for layer in inner.layers[: model.config.num_hidden_layers]:
+        a = layer.self_attn
+        shape = (b, s, -1, a.head_dim)
+        residual = h
+        x = layer.input_layernorm.forward(h)
+        q = a.q_proj.forward(x).view(shape)
+        k = a.k_proj.forward(x).view(shape)
+        q_norm, k_norm = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
+        if q_norm is not None and k_norm is not None:
+            q, k = q_norm.forward(q), k_norm.forward(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        v = a.v_proj.forward(x).view(shape).transpose(1, 2)
+        q, k = rope(q, k, cos, sin)
+        o, _ = batched.attention(a, q, k, v, a.scaling)
+        h = residual + a.o_proj.forward(o.reshape(b, s, -1).contiguous())
+        residual = h
+        h = residual + layer.mlp.forward(layer.post_attention_layernorm.forward(h))
+    h = inner.norm.forward(h)
+    return model.lm_head.forward(h if keep == 0 else h[:, -keep:, :])
+
+
+def runner(model: Any, reference: Callable[[], torch.Tensor], rows: Sequence[Any], counts: Sequence[int],
+           direct: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """Run a step with :func:`forward` where it serves ``model`` (checked against ``reference`` the first time).
+
+    Args:
+        reference: the step through the model's own forward.
+        rows, counts: the step's rows and how many positions each writes (for the first step's K/V comparison).
+        direct: the step through :func:`forward`.
+    """
+    ok = _checked.get(model)
+    if ok is None:
+        with _lock:
+            ok = _checked.get(model)
+            if ok is None:
+                return _first(model, reference, rows, counts, direct)
+    return direct() if ok and not _hooked(_modules(model)) else reference()
+
+
+def _modules(model: Any) -> list[torch.nn.Module]:
+    """Every module of ``model`` (the loop calls their ``forward`` directly, so none may have hooks)."""
+    mods = _all_modules.get(model)
+    if mods is None:
+        mods = _all_modules[model] = list(model.modules())
+    return mods
+
+
+def _first(model: Any, reference: Callable[[], torch.Tensor], rows: Sequence[Any], counts: Sequence[int],
+           direct: Callable[[], torch.Tensor]) -> torch.Tensor:
+    why = why_not(model)
+    if why is not None:
+        log.debug("batched steps run the model's own forward: %s", why)
+        _checked[model] = False
+        return reference()
+    got = direct()
+    written = [(r.buffer.keys[:, :, r.length : r.length + n].clone(), r.buffer.values[:, :, r.length : r.length + n]
+                .clone()) for r, n in zip(rows, counts, strict=True)]
+    ref = reference()  # writes the same positions again: what stays is the model's own
+    same = torch.equal(got, ref) and all(
+        torch.equal(k, r.buffer.keys[:, :, r.length : r.length + n])
+        and torch.equal(v, r.buffer.values[:, :, r.length : r.length + n])
+        for (k, v), r, n in zip(written, rows, counts, strict=True))
+    if not same:
+        log.warning("%s: the direct decode step differs from the model's forward with this transformers version; "
+                    "batched steps keep the model's forward", type(model).__name__)
+    _checked[model] = same
+    return ref
+
+
+def served(model: Any) -> bool | None:
+    """Whether batched steps of ``model`` run :func:`forward` (None: not decided yet, no step has run)."""
+    return _checked.get(model)
+
+
+__all__ = ["FAMILIES", "forward", "runner", "served", "why_not"]

@@ -1,0 +1,149 @@
+"""The direct batched-step forward (kvrag.kv.direct): the same bits as the model's own forward, per family, dtype and
+weight format, for plain and verify steps; models it does not write out, hooked models and a forward that differs
+keep the model's forward."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+import torch
+
+from kvrag.config import EngineConfig
+from kvrag.engine.engine import KVRAGEngine
+from kvrag.kv import batched, direct, hf_cache
+from kvrag.prompting import RagTemplate, render_passage
+from kvrag.store import MemoryStore
+from kvrag.testing.tiny import tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+DOCS = [
+    render_passage("Paris is the capital of France. The city has many museums.", "Paris"),
+    render_passage("Berlin is the capital of Germany. It is a large city.", "Berlin"),
+    render_passage("The quick brown fox jumps over the lazy dog.", "Fox"),
+]
+REQUESTS = [([0, 1, 2], "What is the capital of France?"), ([2], "Who jumps?"), ([1, 0], "Where is Berlin?")]
+
+
+def _rows(eng: KVRAGEngine, extra: int) -> tuple[list[batched.Row], list[batched.Row], list[int]]:
+    """The requests prepared (``stale`` and ``full``), each as two rows over separate copies of its KV."""
+    a, b, toks = [], [], []
+    for i, (idx, q) in enumerate(REQUESTS):
+        passages = [DOCS[j] for j in idx]
+        prep = eng.prepare(eng.plan(RagTemplate().render(eng.tokenizer, passages, q), passages),
+                           "stale" if i % 2 else "full")
+        buf, n = hf_cache.buffer_of(prep.cache)
+        buf.reserve(n + extra)
+        copy = hf_cache.KVBuffer.wrap(buf.keys.clone(), buf.values.clone())
+        a.append(batched.Row(buf, n))
+        b.append(batched.Row(copy, n))
+        toks.append(int(prep.last_logits.argmax()))
+    return a, b, toks
+
+
+def _step(model: Any, rows: list[batched.Row], toks: list[int], served: bool) -> torch.Tensor:
+    direct._checked[model] = served
+    return batched.decode_step(model, rows, toks, batched.windows(model))
+
+
+@pytest.mark.parametrize(("family", "dtype", "quantize", "window"), [
+    ("llama", torch.float32, None, None), ("llama", torch.bfloat16, None, None), ("llama", torch.bfloat16, "int4", None),
+    ("qwen2", torch.float32, None, 40), ("qwen3", torch.bfloat16, None, None), ("qwen3", torch.float32, "int8", None),
+    ("mistral", torch.float32, None, 40), ("mistral", torch.bfloat16, None, None),
+])
+def test_direct_steps_are_the_models_forward_bit_for_bit(family: str, dtype: torch.dtype, quantize: str | None,
+                                                         window: int | None) -> None:
+    """Plain steps (3 rows of different lengths and methods) and a verify step, through the direct forward and
+    through the model's own, over copies of the same KV: identical logits and identical written K/V."""
+    lm = tiny_model(family, init_std=0.1, dtype=dtype, quantize=quantize, sliding_window=window)
+    eng = KVRAGEngine(lm, MemoryStore(), EngineConfig())
+    eng.ingest(DOCS)
+    assert direct.why_not(lm.model) is None
+    a, b, toks = _rows(eng, 12)
+    for _ in range(6):
+        got, ref = _step(lm.model, a, toks, True), _step(lm.model, b, toks, False)
+        assert torch.equal(got, ref)
+        for r in a + b:
+            r.length += 1
+        toks = [int(t) for t in ref.argmax(-1)]
+    feeds = [[t, 7, 9][: i + 1] for i, t in enumerate(toks)]  # 1, 2 and 3 tokens
+    direct._checked[lm.model] = True
+    got = batched.verify_step(lm.model, a, feeds, batched.windows(lm.model))
+    direct._checked[lm.model] = False
+    ref = batched.verify_step(lm.model, b, feeds, batched.windows(lm.model))
+    assert torch.equal(got, ref)
+    for ra, rb, f in zip(a, b, feeds, strict=True):
+        n = ra.length + len(f)
+        assert torch.equal(ra.buffer.keys[:, :, :n], rb.buffer.keys[:, :, :n])
+        assert torch.equal(ra.buffer.values[:, :, :n], rb.buffer.values[:, :, :n])
+
+
+def test_the_first_step_decides_and_other_models_keep_their_forward(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+    real = direct.forward
+
+    def spy(model: Any, *args: Any) -> torch.Tensor:
+        calls.append(type(model).__name__)
+        return real(model, *args)
+
+    monkeypatch.setattr(direct, "forward", spy)
+    lm = tiny_model("llama", init_std=0.1)
+    eng = KVRAGEngine(lm, MemoryStore(), EngineConfig())
+    eng.ingest(DOCS)
+    a, _, toks = _rows(eng, 4)
+    assert direct.served(lm.model) is None
+    for _ in range(2):
+        batched.decode_step(lm.model, a, toks, batched.windows(lm.model))
+    assert direct.served(lm.model) is True and calls == ["LlamaForCausalLM"] * 2  # checked once, then served
+
+    other = tiny_model("gemma", init_std=0.1)  # scaled embeddings: a layout the loop does not write out
+    assert "GemmaForCausalLM" in str(direct.why_not(other.model))
+    eng2 = KVRAGEngine(other, MemoryStore(), EngineConfig())
+    eng2.ingest(DOCS)
+    a2, _, toks2 = _rows(eng2, 4)
+    batched.decode_step(other.model, a2, toks2, batched.windows(other.model))
+    assert direct.served(other.model) is False and calls == ["LlamaForCausalLM"] * 2
+
+
+def test_a_direct_forward_that_differs_is_not_used(monkeypatch: pytest.MonkeyPatch,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """What a transformers with other layer arithmetic would look like: the first step compares, returns the model's
+    own result, warns, and later steps keep the model's forward."""
+    lm = tiny_model("qwen2", init_std=0.1)
+    eng = KVRAGEngine(lm, MemoryStore(), EngineConfig())
+    eng.ingest(DOCS)
+    a, b, toks = _rows(eng, 4)
+    real = direct.forward
+    calls = []
+
+    def off(*args: Any) -> torch.Tensor:
+        calls.append(1)
+        return real(*args) + 1e-3
+
+    monkeypatch.setattr(direct, "forward", off)
+    with caplog.at_level(logging.WARNING, logger="kvrag.kv.direct"):
+        got = batched.decode_step(lm.model, a, toks, batched.windows(lm.model))
+    assert direct.served(lm.model) is False and len(calls) == 1
+    assert any("differs" in r.getMessage() for r in caplog.records)
+    assert torch.equal(got, _step(lm.model, b, toks, False))  # the model's own result was returned
+    batched.decode_step(lm.model, a, toks, batched.windows(lm.model))
+    assert len(calls) == 1  # not tried again
+
+
+def test_hooks_keep_the_models_forward() -> None:
+    """A forward hook on any module must run, so a hooked model's steps go through its own forward."""
+    lm = tiny_model("llama", init_std=0.1)
+    eng = KVRAGEngine(lm, MemoryStore(), EngineConfig())
+    eng.ingest(DOCS)
+    a, _, toks = _rows(eng, 4)
+    batched.decode_step(lm.model, a, toks, batched.windows(lm.model))
+    assert direct.served(lm.model) is True
+    seen = []
+    handle = lm.model.model.layers[0].mlp.down_proj.register_forward_hook(lambda *_: seen.append(1))
+    try:
+        batched.decode_step(lm.model, a, toks, batched.windows(lm.model))
+    finally:
+        handle.remove()
+    assert seen == [1]
