@@ -205,7 +205,7 @@ def _forward(model: Any, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tenso
     step: _Active = _local.step
 
     def direct_() -> torch.Tensor:
-        logits = direct.forward(model, ids, pos, keep)
+        logits = direct.forward(model, ids, pos, keep, attention)
         return logits[:, -1] if keep == 1 else logits[0]
 
     counts = [1] * len(step.rows) if step.counts is None else step.counts

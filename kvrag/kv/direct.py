@@ -69,16 +69,16 @@ def why_not(model: Any) -> str | None:
 
 
 @torch.inference_mode()
-def forward(model: Any, ids: torch.Tensor, pos: torch.Tensor, keep: int) -> torch.Tensor:
-    """The model's forward for a batched step (``ids`` / ``pos`` [B, S]; attention through the active step's rows).
+def forward(model: Any, ids: torch.Tensor, pos: torch.Tensor, keep: int,
+            attention: Callable[..., tuple[torch.Tensor, Any]]) -> torch.Tensor:
+    """The model's forward for a batched step (``ids`` / ``pos`` [B, S]), each layer's attention through
+    ``attention(module, query, key, value, scaling)`` (the batched step's, :func:`kvrag.kv.batched.attention`).
 
     Returns:
         logits [B, keep, V] of the last ``keep`` positions (``keep`` 0: all), in the model's dtype.
     """
     inner = model.model
     rope = sys.modules[type(inner.layers[0].self_attn).__module__].apply_rotary_pos_emb
-    from kvrag.kv import batched
-
     # each module's ``forward`` straight away: :func:`runner` checked that no module of the model has hooks, so
     # this is what ``module(...)`` runs, minus nn.Module's call dispatch (~4 us a call, ~300 calls a step)
     h = inner.embed_tokens.forward(ids)
@@ -97,7 +97,7 @@ def forward(model: Any, ids: torch.Tensor, pos: torch.Tensor, keep: int) -> torc
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = a.v_proj.forward(x).view(shape).transpose(1, 2)
         q, k = rope(q, k, cos, sin)
-        o, _ = batched.attention(a, q, k, v, a.scaling)
+        o, _ = attention(a, q, k, v, a.scaling)
         h = residual + a.o_proj.forward(o.reshape(b, s, -1).contiguous())
         residual = h
         h = residual + layer.mlp.forward(layer.post_attention_layernorm.forward(h))
