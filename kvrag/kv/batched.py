@@ -23,7 +23,7 @@ How it hooks in: :func:`decode_step` runs the model's forward with
 
 For the decoder layouts it writes out (Llama, Mistral, Qwen2, Qwen3), :mod:`kvrag.kv.direct` runs that forward as a
 loop of its own over the model's modules -- the same bits, checked against the model's forward on each model's first
-step -- without transformers' per-call machinery (SmolLM2-135M, int4, one thread: 0.88-0.91x the step time at batch
+step -- without transformers' per-call machinery (SmolLM2-135M, int4, one thread: 0.88-0.90x the step time at batch
 1, 0.93-0.96x at batch 4-8, together with the leaner quantized / packed linear forwards).
 
 Attention windows (:mod:`kvrag.kv.window`): a sliding layer attends to the last ``W`` keys (``k > q - W``), a
