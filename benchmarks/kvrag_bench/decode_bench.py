@@ -61,6 +61,21 @@ def _context_ids(tokenizer: Any, data: str | None, n: int) -> list[int]:
     return ids[:n]
 
 
+def context_rows(keys: Any, values: Any, batch: int, capacity: int, dtype: Any) -> list[Any]:
+    """``batch`` rows of a batched step (:class:`kvrag.kv.batched.Row`), each its own buffer of ``capacity``
+    positions holding a copy of one prefilled context (``keys`` / ``values`` [layers, kv_heads, length, head_dim],
+    as ``hf_cache.prefill_kv`` returns)."""
+    from kvrag.kv import batched, hf_cache
+
+    rows = []
+    for _ in range(batch):
+        buf = hf_cache.KVBuffer(keys.shape[0], keys.shape[1], keys.shape[3], capacity, dtype, keys.device)
+        buf.keys[:, :, : keys.shape[2]].copy_(keys)
+        buf.values[:, :, : keys.shape[2]].copy_(values)
+        rows.append(batched.Row(buf, keys.shape[2]))
+    return rows
+
+
 def step_bytes(model: Any, rows: int, context: int) -> int:
     """Bytes one decode step reads: every linear weight once in its current format, one embedding row per row,
     every other parameter (norms), and each row's KV over ``context`` positions."""
@@ -164,13 +179,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             times: dict[str, list[float]] = {f: [] for f in formats}
             for _ in range(args.rounds):
                 for f, lm in models.items():
-                    rows = []
-                    for _ in range(b):
-                        buf = hf_cache.KVBuffer(keys.shape[0], keys.shape[1], keys.shape[3], ctx + args.steps + 2,
-                                                lm.dtype, keys.device)
-                        buf.keys[:, :, :ctx].copy_(keys)
-                        buf.values[:, :, :ctx].copy_(values)
-                        rows.append(batched.Row(buf, ctx))
+                    rows = context_rows(keys, values, b, ctx + args.steps + 2, lm.dtype)
                     win = batched.windows(lm.model)
                     for i in range(args.steps + 1):
                         t = time.perf_counter()

@@ -83,6 +83,10 @@ class _Active:
         self.windows = windows
         self.counts = counts
 
+    def fed(self) -> Sequence[int]:
+        """How many tokens each row feeds in this step."""
+        return [1] * len(self.rows) if self.counts is None else self.counts
+
 
 _local = threading.local()
 
@@ -123,7 +127,7 @@ def _attend(layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     plain = step.counts is None
     if plain:  # [B, H, 1, D] -> [1, H, B, D]: row i's one token at i
         query, key, value = query.transpose(0, 2), key.transpose(0, 2), value.transpose(0, 2)
-    counts = [1] * len(step.rows) if step.counts is None else step.counts
+    counts = step.fed()
     out = torch.empty((1, query.shape[2], query.shape[1], value.shape[-1]), dtype=query.dtype, device=query.device)
     kind, size = step.windows[layer]
     sdpa = torch.nn.functional.scaled_dot_product_attention
@@ -208,8 +212,7 @@ def _forward(model: Any, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tenso
         logits = direct.forward(model, ids, pos, keep, attention)
         return logits[:, -1] if keep == 1 else logits[0]
 
-    counts = [1] * len(step.rows) if step.counts is None else step.counts
-    return direct.runner(model, lambda: _model_forward(model, ids, pos, mask, keep), step.rows, counts, direct_)
+    return direct.runner(model, lambda: _model_forward(model, ids, pos, mask, keep), step.rows, step.fed(), direct_)
 
 
 # -------------------------------------------------------------------------------------------- compiled step

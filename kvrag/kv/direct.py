@@ -3,20 +3,20 @@
 A decode step of a small model is many small operations, and on the CPU the Python around them costs about as much
 as some of the operations: transformers' model forward checks and routes its keyword arguments, builds masks,
 collects outputs and goes through a decorated call per layer and per attention (SmolLM2-135M, int4, one thread, 1.5K
-tokens of context: ~3 ms of a ~54 ms step at batch 1, measured by switching this loop on and off). gpt-fast avoids this by writing the model itself; kvrag keeps
-transformers' modules -- the embeddings, rotary embedding, norms, projections (with kvrag's quantized or packed
-forwards), MLP and LM head are the model's own, called in the order and with the arguments the model's forward uses
--- and only the loop around them is its own: per layer, ``x = norm(h)``, the q/k/v projections (with Qwen3's q/k
-norms), the family's ``apply_rotary_pos_emb``, the batched step's row attention (:func:`kvrag.kv.batched.attention`),
-``o_proj``, the residual, ``post_attention_layernorm``, ``mlp``, the residual; then the final norm and the LM head
-over the kept positions. The outputs are the same bits as the model's forward (tested per family and dtype).
+tokens of context: ~3 ms of a ~54 ms step at batch 1, measured by switching this loop on and off). gpt-fast avoids
+this by writing the model itself; kvrag keeps transformers' modules -- the embeddings, rotary embedding, norms,
+projections (with kvrag's quantized or packed forwards), MLP and LM head are the model's own, called in the order
+and with the arguments the model's forward uses -- and only the loop around them is its own: per layer,
+``x = norm(h)``, the q/k/v projections (with Qwen3's q/k norms), the family's ``apply_rotary_pos_emb``, the batched
+step's row attention (:func:`kvrag.kv.batched.attention`), ``o_proj``, the residual, ``post_attention_layernorm``,
+``mlp``, the residual; then the final norm and the LM head over the kept positions. The outputs are the same bits as
+the model's forward (tested per family and dtype).
 
 Which models: the decoder layouts written out above -- Llama, Mistral, Qwen2 and Qwen3 (SmolLM2 is a Llama) -- with
 no forward hooks on any of their modules (the loop calls each module's ``forward`` itself, so hooks would not run);
-every other model runs transformers' forward. Because a later
-transformers could change a layer's arithmetic, the first direct step of each model is checked against the model's
-forward on the same inputs (logits and written K/V, bit for bit); on any difference kvrag logs it and keeps the
-model's forward for that model.
+every other model runs transformers' forward. Because a later transformers could change a layer's arithmetic, the
+first direct step of each model is checked against the model's forward on the same inputs (logits and written K/V,
+bit for bit); on any difference, or if the loop fails, kvrag logs it and keeps the model's forward for that model.
 """
 
 from __future__ import annotations

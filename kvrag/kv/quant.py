@@ -184,14 +184,13 @@ class _State:
     """A linear module's quantized weight, the dense forward it falls back to and the identity of the dense weight
     it was quantized from (a replaced or in-place-changed weight is never served from a stale copy)."""
 
-    __slots__ = ("dense_forward", "head", "mode", "ptr", "qweight", "version")
+    __slots__ = ("dense_forward", "mode", "ptr", "qweight", "version")
 
     def __init__(self, module: torch.nn.Linear, mode: Mode, head: bool = False) -> None:
         w = module.weight
         self.qweight: _Int4 | _Int8 | _Int8Groups = (_Int8Groups(w) if head and w.shape[1] % GROUP == 0
                                                      and w.shape[0] % 16 == 0 else
                                                      _Int4(w) if mode == "int4" else _Int8(w))
-        self.head = isinstance(self.qweight, _Int8Groups)
         self.mode = mode
         self.ptr, self.version = w.data_ptr(), w._version
         self.dense_forward = module.forward
@@ -220,15 +219,14 @@ def _forward(module: torch.nn.Linear, state: _State, x: torch.Tensor) -> torch.T
     if (not x.is_cpu or x.numel() > MAX_ROWS * k or not state.valid_for(w)
             or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
         return state.dense_forward(x)
-    rows = x.reshape(-1, k)
-    if rows.dtype != torch.bfloat16:
-        rows = rows.to(torch.bfloat16)
+    flat = x.reshape(-1, k)
+    rows = flat if flat.dtype == torch.bfloat16 else flat.to(torch.bfloat16)
     y = state.qweight.mm(rows if rows.is_contiguous() else rows.contiguous())  # the kernels want contiguous rows
     if y.dtype != x.dtype:
         y = y.to(x.dtype)
     bias = params.get("bias")
-    if state.head:  # the output head: the likely next tokens' logits exactly
-        y = _refine_top(y, x.reshape(-1, k), w, bias)
+    if isinstance(state.qweight, _Int8Groups):  # the output head: the likely next tokens' logits exactly
+        y = _refine_top(y, flat, w, bias)
     elif bias is not None:
         y = y + bias
     return y.view(*shape[:-1], y.shape[-1])

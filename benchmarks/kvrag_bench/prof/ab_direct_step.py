@@ -14,6 +14,7 @@ import torch
 
 from kvrag.kv import batched, direct, hf_cache
 from kvrag.models import load_model
+from kvrag_bench.decode_bench import context_rows
 
 
 def main():
@@ -28,16 +29,7 @@ def main():
     for ctx in contexts:
         keys, values = hf_cache.prefill_kv(model, torch.tensor(list(range(1000, 1000 + ctx))))
         for b in batches:
-            sides = []
-            for _ in range(2):
-                rows = []
-                for _ in range(b):
-                    buf = hf_cache.KVBuffer(keys.shape[0], keys.shape[1], keys.shape[3], ctx + steps + 1, lm.dtype,
-                                            keys.device)
-                    buf.keys[:, :, :ctx].copy_(keys)
-                    buf.values[:, :, :ctx].copy_(values)
-                    rows.append(batched.Row(buf, ctx))
-                sides.append(rows)
+            sides = [context_rows(keys, values, b, ctx + steps + 1, lm.dtype) for _ in range(2)]
             toks, times = [500 + i for i in range(b)], ([], [])
             for _ in range(steps):
                 out = []
