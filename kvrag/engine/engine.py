@@ -22,9 +22,9 @@ from kvrag.engine.runner import Runner, current_token
 from kvrag.engine.speculate import SpeculationConfig
 from kvrag.errors import ConfigError, ContextLengthError
 from kvrag.fusion import FusionMethod, Observation, shared_method
-from kvrag.kv import hf_cache
+from kvrag.kv import batched, hf_cache
 from kvrag.kv.chunk import ChunkKV
-from kvrag.kv.pieces import Pace, forward_pieces
+from kvrag.kv.pieces import Pace, SuffixPrefill, forward_pieces
 from kvrag.kv.rope import Rope
 from kvrag.kv.spec import KVSpec, dtype_name, text_config
 from kvrag.kv.window import context_limit
@@ -289,12 +289,16 @@ class KVRAGEngine(ChunkCaching):
 
     def _prepare(self, plan: Plan, m: FusionMethod, reserve: int, lease: Lease, timings: Timings,
                  fetched: tuple[list[str], dict[str, ChunkKV | None]] | None,
-                 computed: list[tuple[str, ChunkKV]]) -> Generator[None, None, Prepared]:
+                 computed: list[tuple[str, ChunkKV]]) -> Generator[Any, Any, Prepared]:
         """The prepare itself (in the runner thread, in the request's turn, holding the model): compute missing
         chunk caches, assemble, repair, prefill the suffix. While other requests decode it runs in pieces of about
         the runner's budget (:meth:`Runner.piece_budget_s`), ending one after a computed chunk cache or inside a
         repair that recomputes context (:meth:`FusionMethod.fuse_pieces`, :mod:`kvrag.kv.pieces`) and the suffix
-        prefill after it; else in one piece. Timings leave out the decode steps between pieces."""
+        prefill after it; else in one piece. After a short repair (``stale``, ``cacherepair``, ...) it parks at the
+        suffix prefill (yields a :class:`~kvrag.kv.pieces.SuffixPrefill`): the runner prefills the suffixes of
+        the requests that arrived together in one forward and sends back the logits. Timings leave out the decode
+        steps between pieces; a packed suffix prefill counts the request's share of the shared forward (by
+        tokens)."""
         t0 = time.perf_counter() - timings.fetch_s  # TTFT counts the store fetch, not the wait for the turn
         pace = Pace(self.runner.piece_budget_s, self.model.device)
         # Only methods whose repair recomputes context run in pieces (full, relaxkv, hybrid, auto): a reuse
@@ -320,13 +324,22 @@ class KVRAGEngine(ChunkCaching):
         out = yield from m.fuse_pieces(inp, pace)
         timings.repair_s = time.perf_counter() - t - (pace.paused_s - paused)
         t, repair_paused = time.perf_counter(), pace.paused_s - paused
-        if out.last_logits is None:  # the suffix in pieces too after a long repair; whole after a short one
-            logits, cache = yield from forward_pieces(self.model, inp.suffix_ids, out.cache, start=inp.context_len,
-                                                      pace=pace if long_repair else Pace(None))
-            last = logits[-1]
+        if out.last_logits is None and not long_repair and self.runner.packs_suffixes:
+            # parks here: the suffixes of the requests that arrived together are prefilled in one forward
+            buf, length = hf_cache.buffer_of(out.cache)
+            ids = tuple(int(t) for t in inp.suffix_ids.tolist())
+            buf.reserve(length + len(ids) + reserve)
+            last, timings.suffix_prefill_s = yield SuffixPrefill(batched.Row(buf, length), ids)
+            cache = buf.as_cache(length + len(ids))
         else:
-            cache, last = out.cache, out.last_logits
-        timings.suffix_prefill_s = time.perf_counter() - t - (pace.paused_s - paused - repair_paused)
+            if out.last_logits is None:  # the suffix in pieces too after a long repair
+                logits, cache = yield from forward_pieces(self.model, inp.suffix_ids, out.cache,
+                                                          start=inp.context_len,
+                                                          pace=pace if long_repair else Pace(None))
+                last = logits[-1]
+            else:
+                cache, last = out.cache, out.last_logits
+            timings.suffix_prefill_s = time.perf_counter() - t - (pace.paused_s - paused - repair_paused)
         t0 += pace.paused_s - paused
         # the method's time to first token without computing missing caches: what `auto` learns from
         m.observe(Observation(self.model, plan.context_len, len(plan.suffix.token_ids), timings.fetch_s

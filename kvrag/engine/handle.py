@@ -18,6 +18,7 @@ from kvrag.engine.results import SpecStats
 from kvrag.engine.speculate import PromptLookup
 from kvrag.errors import EngineClosedError, RequestCancelledError
 from kvrag.kv import batched
+from kvrag.kv.pieces import SuffixPrefill
 
 END = object()
 """The last item of a request's queue."""
@@ -35,7 +36,8 @@ class Handle:
         self.job = job
         self.lease: Lease | None = None
         self.result: Any = None
-        self.pieces: Generator[None, None, Any] | None = None  # a prepare in progress, between two pieces
+        self.pieces: Generator[Any, Any, Any] | None = None  # a prepare in progress, between two pieces
+        self.suffix: SuffixPrefill | None = None  # a parked prepare's suffix, waiting for a packed prefill
         self.error: BaseException | None = None
         self.prepared_done = threading.Event()
         self.items: queue.SimpleQueue[Any] = queue.SimpleQueue()

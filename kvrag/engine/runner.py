@@ -3,8 +3,9 @@
 Decide apart from run (vLLM v1's engine core loop around its ``Scheduler``): every iteration takes the runner's
 lock only to record what happened and ask :meth:`kvrag.engine.scheduler.Scheduler.schedule` for the next
 :class:`~kvrag.engine.scheduler.StepPlan`, then releases it and executes the plan -- tell finished requests'
-callers, run at most one prepare, run one batched decode step (:func:`kvrag.kv.batched.decode_step`) -- holding
-the model's lock (:func:`kvrag.kv.hf_cache.model_lock`) for each forward. Callers never run model work themselves:
+callers, run at most one prepare piece, prefill the parked prepares' suffixes together, run one batched decode
+step (the forwards: :mod:`kvrag.engine.forwards`) -- holding the model's lock for each forward. Callers never run
+model work themselves:
 
 * :meth:`Runner.prepare` puts a request in line (KV: prompt + ``max_new_tokens``) and waits until the runner
   prepared it in its turn (in pieces when the job is a generator, one per plan, between decode steps); at most
@@ -44,14 +45,16 @@ import torch
 from kvrag.config import GenerationConfig
 from kvrag.engine import forking
 from kvrag.engine.cancel import CancelToken, cancel_scope, current_token
+from kvrag.engine.forwards import Forwards
 from kvrag.engine.generate import DecodeState
 from kvrag.engine.handle import END, Handle, reason_error
 from kvrag.engine.lease import KVBudget, Lease
 from kvrag.engine.scheduler import RequestState, Scheduler, SchedulerError, StepPlan
-from kvrag.engine.speculate import PromptLookup, SpeculationConfig, accept_row, draft_rows
+from kvrag.engine.speculate import PromptLookup, SpeculationConfig
 from kvrag.errors import ConfigError, EngineBusyError, EngineClosedError
 from kvrag.kv import batched, hf_cache, pieces
 from kvrag.kv.attention import IMPL
+from kvrag.kv.pieces import SuffixPrefill
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +87,7 @@ class Runner:
         self.unbatchable = batched.batchable(model, IMPL)
         if self.unbatchable:
             log.info("decoding one request per step: %s", self.unbatchable)
-        self.windows = batched.windows(model)
+        self.forwards = Forwards(model, self.lock, self.unbatchable, self.speculation, self.compile_decode)
         self._fresh(budget)
         forking.track(self)
 
@@ -177,14 +180,19 @@ class Runner:
             self.scheduler.admit(h.rid)
             self._handles[h.rid] = h
         while not h.prepared_done.is_set():
-            self._run_prepare(h)
+            self._run_prepare(h, nested=True)
+            if h.suffix is not None:  # no other arrival joins a nested prepare: its suffix runs alone, now
+                self._prefill_suffixes([h])
         if h.error is not None:
             raise h.error
         out, h.result = h.result, None
         return out
 
-    def _run_prepare(self, h: Handle) -> None:
-        """One piece of a request's prepare: all of it, or up to a generator job's next ``yield`` (then a step)."""
+    def _run_prepare(self, h: Handle, *, nested: bool = False, send: Any = None,
+                     throw: BaseException | None = None) -> None:
+        """One piece of a request's prepare: all of it, or up to a generator job's next ``yield`` (then a step). A
+        job that yields a :class:`~kvrag.kv.pieces.SuffixPrefill` parks there (:meth:`Scheduler.park`) until
+        :meth:`_prefill_suffixes` resumes it with ``send`` (its logits) or ``throw`` (the forward's failure)."""
         with self._cv:
             lease = self.scheduler.requests[h.rid].lease
         assert lease is not None
@@ -198,19 +206,24 @@ class Runner:
                     out = h.job(lease)
                     h.job = None
                     if inspect.isgenerator(out):
-                        h.pieces = out  # type: ignore[assignment]
+                        h.pieces = out
                     else:
                         h.result = out
                 if h.pieces is not None:
                     try:
-                        next(h.pieces)
+                        got = (h.pieces.throw(throw) if throw is not None else
+                               h.pieces.send(send) if send is not None else next(h.pieces))
                         done = False
+                        if isinstance(got, SuffixPrefill):
+                            h.suffix = got
                     except StopIteration as stop:
                         h.pieces, h.result = None, stop.value
         except BaseException as e:  # noqa: BLE001 - the caller gets it
             ok, h.error, h.pieces, h.job = False, e, None, None
         with self._cv:
             self._stats["prepare_pieces"] += 1
+            if h.suffix is not None and not nested:
+                self.scheduler.park(h.rid)
             if done:
                 self._stats["prepares"] += 1
                 state = self.scheduler.prepared(h.rid, ok)
@@ -221,6 +234,26 @@ class Runner:
                     h.closed = True
         if done:
             h.prepared_done.set()
+
+    def _prefill_suffixes(self, hs: list[Handle]) -> None:
+        """The parked requests' question suffixes in one forward, then each prepare resumed with its logits (or the
+        forward's failure) to its end."""
+        logits, failed, seconds = self.forwards.prefill_suffixes(hs)
+        with self._cv:
+            self._stats.update(suffix_prefills=1, suffix_rows=len(hs))  # a Counter: adds
+        total = sum(len(h.suffix.ids) for h in hs)  # type: ignore[union-attr]
+        for i, h in enumerate(hs):
+            share = seconds * len(h.suffix.ids) / total  # type: ignore[union-attr]
+            h.suffix = None
+            if logits is not None:
+                self._run_prepare(h, send=(logits[i], share))
+            else:
+                self._run_prepare(h, throw=failed)
+
+    @property
+    def packs_suffixes(self) -> bool:
+        """Whether prepares park at their suffix prefill (:meth:`_prefill_suffixes`): models a batched step serves."""
+        return self.unbatchable is None
 
     def piece_budget_s(self) -> float | None:  # a prepare piece's seconds now (kvrag.kv.pieces); None: none decodes
         return pieces.PIECE_OF_STEP * self._step_s if self.scheduler.decoding() else None
@@ -336,8 +369,9 @@ class Runner:
                         break
                     closing = [(self._handles.pop(rid, None), reason) for rid, reason in plan.finish]
                     prep = self._handles.get(plan.prepare) if plan.prepare is not None else None
+                    parked = [self._handles[rid] for rid in plan.suffixes]
                     rows = [self._handles[rid] for rid in plan.decode]
-                self._execute(plan, closing, prep, rows)
+                self._execute(plan, closing, prep, parked, rows)
             hook = self._exit_hook
             if hook is not None:
                 hook()
@@ -360,12 +394,16 @@ class Runner:
                 self._close(h, "failed")
 
     def _execute(self, plan: StepPlan, closing: list[tuple[Handle | None, str]], prep: Handle | None,
-                 rows: list[Handle]) -> None:
+                 parked: list[Handle], rows: list[Handle]) -> None:
         for h, reason in closing:
             if h is not None:
                 self._close(h, reason)
         if prep is not None:
             self._run_prepare(prep)
+            with self._cv:  # it may have parked: prefill the parked suffixes now unless another arrival joins them
+                parked = [self._handles[rid] for rid in self.scheduler.flush()]
+        if parked:
+            self._prefill_suffixes(parked)
         if rows:
             t = time.perf_counter()
             self._step(rows)
@@ -383,6 +421,7 @@ class Runner:
         if h.closed:
             return
         h.closed = True
+        h.suffix = None
         try:
             if h.pieces is not None:  # a prepare stopped between two pieces
                 pieces, h.pieces = h.pieces, None
@@ -401,41 +440,7 @@ class Runner:
             h.prepared = None
 
     def _step(self, rows: list[Handle]) -> None:
-        """One forward for every row (with drafts: a verify forward), then each row's token choices and text."""
-        drafts = draft_rows(rows, self.speculation) if self.unbatchable is None else None
-        feeds = [[int(h.state.last)] + (drafts[i] if drafts else [])  # type: ignore[union-attr,arg-type]
-                 for i, h in enumerate(rows)]
-        try:
-            with self.lock:
-                if self.unbatchable is not None:
-                    logits = torch.stack([self._single(h) for h in rows])
-                elif drafts is None:
-                    logits = batched.decode_step(self.model, [h.row for h in rows],  # type: ignore[misc]
-                                                 [f[0] for f in feeds], self.windows, compiled=self.compile_decode)
-                else:
-                    logits = batched.verify_step(self.model, [h.row for h in rows], feeds,  # type: ignore[misc]
-                                                 self.windows)
-            greedy = logits.argmax(-1).tolist()  # every row's greedy choice at every position, in one operation
-        except BaseException as e:  # noqa: BLE001 - each consumer gets the failure
-            for h in rows:
-                h.items.put(e)
-                h.state = None
-            return
-        self._stats["steps"] += 1
-        self._stats["rows_stepped"] += len(rows)
-        self._stats["max_rows"] = max(self._stats["max_rows"], len(rows))
-        self._stats["verify_steps"] += drafts is not None
-        at = 0
-        for h, feed in zip(rows, feeds, strict=True):
-            self._stats["accepted"] += accept_row(h, feed, logits, greedy, at) - 1
-            self._stats["drafted"] += len(feed) - 1
-            at += len(feed)
-
-    def _single(self, h: Handle) -> torch.Tensor:
-        assert h.row is not None and h.state is not None and h.state.last is not None
-        cache = h.row.buffer.as_cache(h.row.length)
-        out, _ = hf_cache.forward(self.model, torch.tensor([h.state.last]), cache)
-        return out[-1]
+        self.forwards.step(rows, self._stats)
 
     # ------------------------------------------------------------------------------------------- lifetime
     def close(self, *, cancel: bool = False, timeout: float | None = None) -> None:
@@ -476,12 +481,14 @@ class Runner:
     # ------------------------------------------------------------------------------------------- introspection
     def stats(self) -> dict[str, Any]:
         """Counters since creation: ``steps``, ``rows_stepped`` (sum of batch sizes), ``max_rows`` (largest batch),
-        ``prepares``, ``prepare_pieces``, ``verify_steps`` (steps that checked drafts), ``drafted`` / ``accepted``
+        ``prepares``, ``prepare_pieces``, ``suffix_prefills`` / ``suffix_rows`` (packed suffix forwards / the
+        requests they prefilled), ``verify_steps`` (steps that checked drafts), ``drafted`` / ``accepted``
         (draft tokens proposed / confirmed); and now: ``decoding`` and ``joining`` requests, requests per state, ``threads`` (0 or 1),
         ``consumers_waiting`` (callers blocked on a prepare or a stream), the KV bound's use."""
         with self._cv:
             out: dict[str, Any] = dict.fromkeys(("steps", "rows_stepped", "max_rows", "prepares", "prepare_pieces",
-                                                 "verify_steps", "drafted", "accepted"), 0)
+                                                 "suffix_prefills", "suffix_rows", "verify_steps", "drafted",
+                                                 "accepted"), 0)
             out.update(self._stats)
             out.update(decoding=len(self.scheduler.running), joining=len(self.scheduler.queued),
                        states={s.value: n for s, n in self.scheduler.live().items()},

@@ -23,6 +23,12 @@ The policy, written once in :meth:`Scheduler.schedule`:
   decode step, so a decoding request waits at most one piece per token. A prepare may come in pieces (while
   requests decode: about half a step each, :mod:`kvrag.kv.pieces`): the one in progress gets the next plan's piece
   until it is done, then the next request in line is admitted.
+* **Arrivals' question suffixes in one forward.** A prepare whose last part is a plain suffix prefill (``stale``,
+  ``cacherepair``, ...) *parks* there (:meth:`Scheduler.park`): the next request in line is admitted meanwhile,
+  and when none would be admitted next (nobody waits, the head does not fit, a long prepare is in progress, or
+  ``max_batch_size`` requests are parked), :meth:`Scheduler.flush` hands every parked request to one suffix
+  forward (:func:`kvrag.kv.batched.prefill_rows`), so a burst's arrivals read the weights once for all their
+  suffixes. A parked request holds its lease and stays PREPARING; a cancelled one leaves at the next plan.
 * **Continuous batching.** QUEUED requests join RUNNING at a plan boundary, up to ``max_batch_size``, in the order
   their streams started; every RUNNING request is in every step (each exactly once).
 * **Cancellation between steps.** A RUNNING or PREPARING request that is cancelled leaves at the next plan (its
@@ -82,15 +88,18 @@ class StepPlan:
         finish: ``(rid, reason)`` of requests that finished since the last plan (the runner tells their callers);
             their leases are already given back.
         prepare: the request whose prepare runs its next piece now (just admitted, or in progress), or None.
+        suffixes: parked requests whose question suffixes are prefilled together now (see :meth:`Scheduler.flush`;
+            with a ``prepare``, the runner asks :meth:`Scheduler.flush` again after its piece).
         decode: the requests to step once each, in batch order.
     """
 
     finish: list[tuple[int, str]] = dataclasses.field(default_factory=list)
     prepare: int | None = None
     decode: list[int] = dataclasses.field(default_factory=list)
+    suffixes: list[int] = dataclasses.field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.finish or self.prepare is not None or self.decode)
+        return bool(self.finish or self.prepare is not None or self.decode or self.suffixes)
 
 
 class SchedulerError(RuntimeError):
@@ -120,6 +129,8 @@ class Scheduler:
         self.running: list[int] = []
         self.preparing: int | None = None
         """The prepare in progress (it gets every plan's prepare piece until it is done)."""
+        self.parked: list[int] = []
+        """PREPARING requests waiting at their suffix prefill, in arrival order (see :meth:`flush`)."""
         self.closed = False
         self._outbox: list[tuple[int, str]] = []
         self._ids = itertools.count(1)
@@ -184,6 +195,24 @@ class Scheduler:
             req.state = RequestState.READY
         return req.state
 
+    def park(self, rid: int) -> None:
+        """The prepare of a PREPARING request reached its suffix prefill: it waits there for :meth:`flush` (and the
+        next request in line may be admitted meanwhile)."""
+        self._get(rid, RequestState.PREPARING, "park at its suffix prefill")
+        if self.preparing == rid:
+            self.preparing = None
+        if rid not in self.parked:
+            self.parked.append(rid)
+
+    def flush(self) -> list[int]:
+        """The parked requests whose suffixes are prefilled now, together (they stay PREPARING until
+        :meth:`prepared`): all of them, unless the next plan would admit the next request in line -- then they
+        wait for its suffix too."""
+        if not self.parked or self._admits_next():
+            return []
+        out, self.parked = self.parked, []
+        return out
+
     def stream(self, rid: int) -> None:
         """A READY request's stream started: it queues for a place in the batch."""
         req = self._get(rid, RequestState.READY, "start streaming")
@@ -207,7 +236,7 @@ class Scheduler:
     # ------------------------------------------------------------------------------------------- the decision
     def schedule(self) -> StepPlan:
         """The next plan (see the module docstring for the policy)."""
-        for rid in [r for r in self.running if self.requests[r].cancel_requested]:
+        for rid in [r for r in (*self.running, *self.parked) if self.requests[r].cancel_requested]:
             req = self.requests[rid]
             self._finish(req, req.cancel_requested or "cancelled")
         while self.queued and len(self.running) < self.max_batch_size:
@@ -221,16 +250,20 @@ class Scheduler:
                 self._finish(req, req.cancel_requested)
             else:
                 prepare = req.rid
-        if self.preparing is None and self.waiting:
-            head = self.requests[self.waiting[0]]
-            if self.budget.fits(head.kv_bytes):
-                self.waiting.popleft()
-                self._admit(head)
-                self.preparing = prepare = head.rid
+        if self._admits_next():
+            head = self.requests[self.waiting.popleft()]
+            self._admit(head)
+            self.preparing = prepare = head.rid
         self.budget.waiting = len(self.waiting)
-        plan = StepPlan(self._outbox, prepare, list(self.running))
+        plan = StepPlan(self._outbox, prepare, list(self.running), [] if prepare is not None else self.flush())
         self._outbox = []
         return plan
+
+    def _admits_next(self) -> bool:
+        """The next plan admits the head of the line: no prepare in progress, fewer than ``max_batch_size`` parked
+        and the head's KV fits."""
+        return (self.preparing is None and bool(self.waiting) and len(self.parked) < self.max_batch_size
+                and self.budget.fits(self.requests[self.waiting[0]].kv_bytes))
 
     def decoding(self) -> bool:
         """Some request decodes or waits to join the batch (then a long prepare runs in pieces)."""
@@ -238,7 +271,8 @@ class Scheduler:
 
     def idle(self) -> bool:
         """Nothing is in flight (READY requests wait for their caller, not for the scheduler)."""
-        return not (self.waiting or self.queued or self.running or self._outbox or self.preparing is not None)
+        return not (self.waiting or self.queued or self.running or self._outbox or self.parked
+                    or self.preparing is not None)
 
     def live(self) -> dict[RequestState, int]:
         """Requests per state (FINISHED ones are forgotten)."""
@@ -268,6 +302,8 @@ class Scheduler:
             self.running.remove(req.rid)
         if self.preparing == req.rid:
             self.preparing = None
+        if req.rid in self.parked:
+            self.parked.remove(req.rid)
         if req.lease is not None:
             self.budget.give(req.lease)
         req.state = RequestState.FINISHED

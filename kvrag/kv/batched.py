@@ -73,19 +73,37 @@ class Row:
 
 class _Active:
     """The rows of the batched step running in this thread, each layer's attention window and, for a verify step
-    (:func:`verify_step`), how many tokens each row feeds (None: one each, laid out as [B, 1])."""
+    (:func:`verify_step`) or a suffix prefill (:func:`prefill_rows`), how many tokens each row feeds (None: one
+    each, laid out as [B, 1]). ``prefill``: each row's tokens attend in one masked call (see :func:`_attend`)."""
 
-    __slots__ = ("counts", "rows", "windows")
+    __slots__ = ("counts", "masks", "prefill", "rows", "windows")
 
     def __init__(self, rows: Sequence[Row], windows: Sequence[tuple[str, int | None]],
-                 counts: Sequence[int] | None = None) -> None:
+                 counts: Sequence[int] | None = None, prefill: bool = False) -> None:
         self.rows = rows
         self.windows = windows
         self.counts = counts
+        self.prefill = prefill
+        self.masks: dict[tuple[int, str, int | None], tuple[int, torch.Tensor]] = {}
 
     def fed(self) -> Sequence[int]:
         """How many tokens each row feeds in this step."""
         return [1] * len(self.rows) if self.counts is None else self.counts
+
+    def mask(self, i: int, kind: str, size: int | None, n: int, q: int, device: torch.device) -> tuple[int, torch.Tensor]:
+        """Row ``i``'s first key position and [q, keys] boolean mask for its ``q`` tokens at ``n ..`` (built once
+        per window kind and step): causal, within the layer's window."""
+        key = (i, kind, size)
+        got = self.masks.get(key)
+        if got is None:
+            s0 = _window_start(kind, size, n)
+            qp = torch.arange(n, n + q, device=device).view(-1, 1)
+            kp = torch.arange(s0, n + q, device=device).view(1, -1)
+            allowed = kp <= qp
+            if size is not None:
+                allowed &= kp >= (qp // size) * size if kind == "chunked_attention" else kp > qp - size
+            got = self.masks[key] = (s0, allowed)
+        return got
 
 
 _local = threading.local()
@@ -124,6 +142,8 @@ def _attend(layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     packed bf16 linears: tested); dense float32 GEMMs differ by ~1e-5 across row counts, as batched decoding's do.
     """
     step: _Active = _local.step
+    if step.prefill:
+        return _attend_prefill(step, layer, query, key, value, scaling)
     plain = step.counts is None
     if plain:  # [B, H, 1, D] -> [1, H, B, D]: row i's one token at i
         query, key, value = query.transpose(0, 2), key.transpose(0, 2), value.transpose(0, 2)
@@ -145,6 +165,30 @@ def _attend(layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Ten
             out[0, o + j].copy_(a[0, :, 0])
         o += q
     return out.view(len(step.rows), 1, *out.shape[2:]) if plain else out
+
+
+def _attend_prefill(step: _Active, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    scaling: float | None) -> torch.Tensor:
+    """:func:`_attend` for :func:`prefill_rows`: the packed [1, H, T, D] tokens of each row written into its buffer,
+    then attending in one call per row -- all of the row's queries over its buffer up to its last token, masked
+    causally (and to the layer's window). The row's result depends on its own tokens and buffer only, never on the
+    rows packed beside it."""
+    counts = step.fed()
+    out = torch.empty((1, query.shape[2], query.shape[1], value.shape[-1]), dtype=query.dtype, device=query.device)
+    kind, size = step.windows[layer]
+    o = 0
+    for i, (row, q) in enumerate(zip(step.rows, counts, strict=True)):
+        n = row.length
+        kb, vb = row.buffer.keys[layer], row.buffer.values[layer]  # [H_kv, capacity, D]
+        kb[:, n : n + q].copy_(key[0, :, o : o + q])
+        vb[:, n : n + q].copy_(value[0, :, o : o + q])
+        s0, allowed = step.mask(i, kind, size, n, q, query.device)
+        a = torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, o : o + q], kb[None, :, s0 : n + q], vb[None, :, s0 : n + q], attn_mask=allowed,
+            scale=scaling, enable_gqa=True)
+        out[0, o : o + q].copy_(a[0].transpose(0, 1))
+        o += q
+    return out
 
 
 def attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -197,20 +241,22 @@ def windows(model: Any) -> list[tuple[str, int | None]]:
 
 
 def _model_forward(model: Any, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
-                   keep: int = 1) -> torch.Tensor:
-    """The step through the model's own forward: logits [B, V] (``keep`` 1) or [T, V] (``keep`` 0, one packed row)."""
+                   keep: int | torch.Tensor = 1) -> torch.Tensor:
+    """The step through the model's own forward: logits [B, V] (``keep`` 1) or, for one packed row, [T, V] (``keep``
+    0) or the rows of the positions in a 1D tensor ``keep``."""
     out = model(input_ids=ids, position_ids=pos, attention_mask=mask, cache=_PassThroughCache(), use_cache=True,
                 logits_to_keep=keep)
-    return out.logits[:, -1] if keep == 1 else out.logits[0]
+    return out.logits[:, -1] if isinstance(keep, int) and keep == 1 else out.logits[0]
 
 
-def _forward(model: Any, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, keep: int = 1) -> torch.Tensor:
+def _forward(model: Any, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
+             keep: int | torch.Tensor = 1) -> torch.Tensor:
     """:func:`_model_forward`'s result, computed by :func:`kvrag.kv.direct.forward` where that serves the model."""
     step: _Active = _local.step
 
     def direct_() -> torch.Tensor:
         logits = direct.forward(model, ids, pos, keep, attention)
-        return logits[:, -1] if keep == 1 else logits[0]
+        return logits[:, -1] if isinstance(keep, int) and keep == 1 else logits[0]
 
     return direct.runner(model, lambda: _model_forward(model, ids, pos, mask, keep), step.rows, step.fed(), direct_)
 
@@ -344,4 +390,48 @@ def verify_step(model: Any, rows: Sequence[Row], tokens: Sequence[Sequence[int]]
         _local.step = None
 
 
-__all__ = ["Row", "active", "attention", "batchable", "compiled_forward", "decode_step", "verify_step", "windows"]
+@torch.inference_mode()
+def prefill_rows(model: Any, rows: Sequence[Row], tokens: Sequence[Sequence[int]],
+                 layer_windows_: Sequence[tuple[str, int | None]]) -> torch.Tensor:
+    """Prefill several requests' question suffixes: ``tokens[i]`` at positions ``rows[i].length ..`` after the
+    context in row ``i``'s buffer (its repaired cache), each row's tokens attending causally to its own buffer in
+    one masked call.
+
+    Where the direct loop serves the model (:func:`kvrag.kv.direct.usable`) the rows go in one forward, packed along
+    one sequence, every linear layer running one row's tokens at a time (``segments``): each row computes exactly
+    what it computes alone -- the same bits, the same weight route (quantized for short suffixes) -- while the
+    per-call overhead of the forward is paid once and each weight is read from memory once for all rows. Only the
+    output head runs over the rows' last positions together, as in a decode step (a dense float32 head sums a
+    B-row product in another order than a 1-row one, ~1e-6, as batched decoding's does). Other models run one
+    forward per row. The caller holds the model's lock and advances each row's length.
+
+    Returns:
+        logits [B, V] (float32) of the next token after each row's last fed token.
+    """
+    dev = model.device
+    counts = [len(t) for t in tokens]
+    if not counts or min(counts) < 1:
+        raise ValueError("prefill_rows: every row feeds at least one token")
+    for r, q in zip(rows, counts, strict=True):
+        if r.length + q > r.buffer.capacity:
+            raise ValueError(f"prefill_rows: a row of {r.length} positions has no room for {q} more "
+                             f"(capacity {r.buffer.capacity})")
+    if len(rows) > 1 and not direct.usable(model):
+        return torch.cat([prefill_rows(model, [r], [t], layer_windows_) for r, t in zip(rows, tokens, strict=True)])
+    flat = [int(t) for ts in tokens for t in ts]
+    ids = torch.tensor(flat, dtype=torch.long, device=dev).view(1, -1)
+    pos = torch.tensor([r.length + j for r, q in zip(rows, counts, strict=True) for j in range(q)], dtype=torch.long,
+                       device=dev).view(1, -1)
+    last = torch.tensor(counts, device=dev).cumsum(0) - 1
+    _local.step = _Active(rows, layer_windows_, counts, prefill=True)
+    try:
+        if len(rows) > 1:
+            return direct.forward(model, ids, pos, last, attention, counts)[0].float()
+        mask = torch.ones((1, 1, len(flat), 1), dtype=torch.bool, device=dev)  # 4D: the mask builders pass it through
+        return _forward(model, ids, pos, mask, keep=last).float()
+    finally:
+        _local.step = None
+
+
+__all__ = ["Row", "active", "attention", "batchable", "compiled_forward", "decode_step", "prefill_rows", "verify_step",
+           "windows"]

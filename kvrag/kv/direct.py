@@ -9,7 +9,7 @@ projections (with kvrag's quantized or packed forwards), MLP and LM head are the
 and with the arguments the model's forward uses -- and only the loop around them is its own: per layer,
 ``x = norm(h)``, the q/k/v projections (with Qwen3's q/k norms), the family's ``apply_rotary_pos_emb``, the batched
 step's row attention (:func:`kvrag.kv.batched.attention`), ``o_proj``, the residual, ``post_attention_layernorm``,
-``mlp``, the residual; then the final norm and the LM head over the kept positions. The outputs are the same bits as
+the gated MLP's ``down(act(gate(x)) * up(x))``, the residual; then the final norm and the LM head over the kept positions. The outputs are the same bits as
 the model's forward (tested per family and dtype).
 
 Which models: the decoder layouts written out above -- Llama, Mistral, Qwen2 and Qwen3 (SmolLM2 is a Llama) -- with
@@ -64,19 +64,41 @@ def why_not(model: Any) -> str | None:
             return f"{name}'s attention lacks the expected projections"
         if not all(hasattr(layer, p) for p in ("input_layernorm", "post_attention_layernorm", "mlp")):
             return f"{name}'s decoder layer lacks the expected norms / MLP"
+        if not all(hasattr(layer.mlp, p) for p in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+            return f"{name}'s MLP is not the gated MLP it writes out"
     if _hooked(_modules(model)):
         return "forward hooks on the model or its modules"
     return None
 
 
+def _segmented(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
+               segments: Sequence[int] | None) -> torch.Tensor:
+    """``fn`` over ``x`` [1, T, ...] one segment of the sequence at a time (None: all at once), concatenated."""
+    if segments is None:
+        return fn(x)
+    outs, o = [], 0
+    for q in segments:
+        outs.append(fn(x[:, o : o + q]))
+        o += q
+    return torch.cat(outs, dim=1)
+
+
 @torch.inference_mode()
-def forward(model: Any, ids: torch.Tensor, pos: torch.Tensor, keep: int,
-            attention: Callable[..., tuple[torch.Tensor, Any]]) -> torch.Tensor:
+def forward(model: Any, ids: torch.Tensor, pos: torch.Tensor, keep: int | torch.Tensor,
+            attention: Callable[..., tuple[torch.Tensor, Any]], segments: Sequence[int] | None = None) -> torch.Tensor:
     """The model's forward for a batched step (``ids`` / ``pos`` [B, S]), each layer's attention through
     ``attention(module, query, key, value, scaling)`` (the batched step's, :func:`kvrag.kv.batched.attention`).
 
+    ``segments``: the packed sequence's rows' token counts (``ids`` [1, sum]); every linear layer then runs on one
+    row's tokens at a time, each weight for all rows in turn (it stays in the CPU's cache), so a row's products
+    have the shape -- and so the rounding and the weight route -- they have with the row alone; everything else is
+    row-wise or per row already. GEMM kernels round differently past some row count (oneDNN bfloat16 on AMX: the
+    first rows of a [M, 576] x [576, 1536] product change between M = 32 and 64), which would make a request's
+    logits depend on what it was packed with.
+
     Returns:
-        logits [B, keep, V] of the last ``keep`` positions (``keep`` 0: all), in the model's dtype.
+        logits [B, keep, V] of the last ``keep`` positions (``keep`` 0: all; a 1D tensor: those positions, as
+        transformers' ``logits_to_keep`` reads one), in the model's dtype.
     """
     inner = model.model
     rope = sys.modules[type(inner.layers[0].self_attn).__module__].apply_rotary_pos_emb
@@ -90,19 +112,25 @@ def forward(model: Any, ids: torch.Tensor, pos: torch.Tensor, keep: int,
         shape = (b, s, -1, a.head_dim)
         residual = h
         x = layer.input_layernorm.forward(h)
-        q = a.q_proj.forward(x).view(shape)
-        k = a.k_proj.forward(x).view(shape)
+        q = _segmented(a.q_proj.forward, x, segments).view(shape)
+        k = _segmented(a.k_proj.forward, x, segments).view(shape)
         q_norm, k_norm = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
         if q_norm is not None and k_norm is not None:
             q, k = q_norm.forward(q), k_norm.forward(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
-        v = a.v_proj.forward(x).view(shape).transpose(1, 2)
+        v = _segmented(a.v_proj.forward, x, segments).view(shape).transpose(1, 2)
         q, k = rope(q, k, cos, sin)
         o, _ = attention(a, q, k, v, a.scaling)
-        h = residual + a.o_proj.forward(o.reshape(b, s, -1).contiguous())
+        h = residual + _segmented(a.o_proj.forward, o.reshape(b, s, -1).contiguous(), segments)
         residual = h
-        h = residual + layer.mlp.forward(layer.post_attention_layernorm.forward(h))
+        x = layer.post_attention_layernorm.forward(h)
+        mlp = layer.mlp  # transformers' gated MLP: down(act(gate(x)) * up(x))
+        gate = _segmented(mlp.gate_proj.forward, x, segments)
+        up = _segmented(mlp.up_proj.forward, x, segments)
+        h = residual + _segmented(mlp.down_proj.forward, mlp.act_fn(gate) * up, segments)
     h = inner.norm.forward(h)
+    if isinstance(keep, torch.Tensor):
+        return model.lm_head.forward(h[:, keep, :])
     return model.lm_head.forward(h if keep == 0 else h[:, -keep:, :])
 
 
@@ -121,7 +149,7 @@ def runner(model: Any, reference: Callable[[], torch.Tensor], rows: Sequence[Any
             ok = _checked.get(model)
             if ok is None:
                 return _first(model, reference, rows, counts, direct)
-    return direct() if ok and not _hooked(_modules(model)) else reference()
+    return direct() if ok and usable(model) else reference()
 
 
 def _modules(model: Any) -> list[torch.nn.Module]:
@@ -165,4 +193,9 @@ def served(model: Any) -> bool | None:
     return _checked.get(model)
 
 
-__all__ = ["FAMILIES", "forward", "runner", "served", "why_not"]
+def usable(model: Any) -> bool:
+    """Whether :func:`forward` serves ``model`` now: its first step was checked equal, and no module has hooks."""
+    return bool(_checked.get(model)) and not _hooked(_modules(model))
+
+
+__all__ = ["FAMILIES", "forward", "runner", "served", "usable", "why_not"]

@@ -23,6 +23,7 @@ thread.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Generator
@@ -110,6 +111,17 @@ class Pace:
 
 WHOLE = Pace()
 """A pace that never ends a piece (the unsplit call)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SuffixPrefill:
+    """What a prepare job yields at its question suffix prefill: ``ids`` to prefill after ``row`` (a
+    :class:`kvrag.kv.batched.Row` over the request's repaired cache). The runner prefills the suffixes of the
+    requests parked this way together (:func:`kvrag.kv.batched.prefill_rows`) and sends each job back
+    ``(logits [V], seconds)``: its next-token logits and its share of the shared forward's time (by tokens)."""
+
+    row: Any
+    ids: tuple[int, ...]
 
 
 def run_whole(pieces: Generator[None, None, Any]) -> Any:
@@ -248,4 +260,5 @@ def forward_pieces(model: Any, input_ids: torch.Tensor, cache: Any = None, *, st
         lambda: hf_cache.forward(model, input_ids, cache, start=start, logits_to_keep=logits_to_keep), pace))
 
 
-__all__ = ["CHECKPOINTS", "PIECE_OF_STEP", "WHOLE", "Budget", "Pace", "call_pieces", "forward_pieces", "run_whole"]
+__all__ = ["CHECKPOINTS", "PIECE_OF_STEP", "WHOLE", "Budget", "Pace", "SuffixPrefill", "call_pieces", "forward_pieces",
+           "run_whole"]

@@ -78,6 +78,15 @@ def test_direct_steps_are_the_models_forward_bit_for_bit(family: str, dtype: tor
         n = ra.length + len(f)
         assert torch.equal(ra.buffer.keys[:, :, :n], rb.buffer.keys[:, :, :n])
         assert torch.equal(ra.buffer.values[:, :, :n], rb.buffer.values[:, :, :n])
+    suffixes = [[5, 6, 7, 8, 9][: 2 * i + 1] for i in range(len(a))]  # suffix prefills: 1, 3 and 5 tokens
+    for ra, rb, f in zip(a, b, suffixes, strict=True):
+        direct._checked[lm.model] = True
+        got = batched.prefill_rows(lm.model, [ra], [f], batched.windows(lm.model))
+        direct._checked[lm.model] = False
+        assert torch.equal(got, batched.prefill_rows(lm.model, [rb], [f], batched.windows(lm.model)))
+        n = ra.length + len(f)
+        assert torch.equal(ra.buffer.keys[:, :, :n], rb.buffer.keys[:, :, :n])
+        assert torch.equal(ra.buffer.values[:, :, :n], rb.buffer.values[:, :, :n])
 
 
 def test_the_first_step_decides_and_other_models_keep_their_forward(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -93,7 +102,9 @@ def test_the_first_step_decides_and_other_models_keep_their_forward(monkeypatch:
     eng = KVRAGEngine(lm, MemoryStore(), EngineConfig())
     eng.ingest(DOCS)
     a, _, toks = _rows(eng, 4)
-    assert direct.served(lm.model) is None
+    assert direct.served(lm.model) is True  # decided by the prepares' suffix prefills (batched.prefill_rows)
+    direct._checked.pop(lm.model)  # decide again, on a decode step
+    calls.clear()
     for _ in range(2):
         batched.decode_step(lm.model, a, toks, batched.windows(lm.model))
     assert direct.served(lm.model) is True and calls == ["LlamaForCausalLM"] * 2  # checked once, then served
@@ -116,6 +127,7 @@ def test_a_direct_forward_that_differs_is_not_used(how: str, said: str, monkeypa
     eng = KVRAGEngine(lm, MemoryStore(), EngineConfig())
     eng.ingest(DOCS)
     a, b, toks = _rows(eng, 4)
+    direct._checked.pop(lm.model)  # decided by the prepares' suffix prefills: decide again, on this step
     real = direct.forward
     calls = []
 

@@ -193,8 +193,8 @@ def _events(eng: KVRAGEngine) -> list[tuple[str, int]]:
     events: list[tuple[str, int]] = []
     run_prepare, step = eng.runner._run_prepare, eng.runner._step
 
-    def piece(h: Any) -> None:
-        run_prepare(h)
+    def piece(h: Any, **kw: Any) -> None:
+        run_prepare(h, **kw)
         events.append(("piece", h.rid))
 
     def stepped(rows: list[Any]) -> None:

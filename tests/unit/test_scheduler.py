@@ -114,6 +114,48 @@ def test_a_failed_prepare_gives_its_lease_back() -> None:
     assert s.idle()
 
 
+def test_parked_suffixes_wait_for_the_next_arrivals_and_go_together() -> None:
+    s = _sched(limit=100, batch=3)
+    a, b, c = s.add(10), s.add(10), s.add(90)
+    assert s.schedule().prepare == a
+    s.park(a)  # the runner asks right after the piece: b is admitted next, so a waits for it
+    assert s.flush() == [] and s.state(a) is S.PREPARING
+    plan = s.schedule()
+    assert plan.prepare == b and plan.suffixes == []
+    s.park(b)
+    assert s.flush() == [a, b]  # c does not fit the bound: nobody joins them, the two go now
+    s.prepared(a, True)
+    s.prepared(b, True)
+    assert s.schedule().prepare is None and s.state(c) is S.WAITING
+
+
+def test_flush_at_max_batch_size_parked_and_while_a_long_prepare_runs() -> None:
+    s = _sched(limit=1000, batch=2)
+    ids = [s.add(10) for _ in range(4)]
+    for rid in ids[:2]:
+        assert s.schedule().prepare == rid
+        s.park(rid)
+    assert s.flush() == ids[:2]  # two parked: as many as one step takes, even with more in line
+    for rid in ids[:2]:
+        s.prepared(rid, True)
+    assert s.schedule().prepare == ids[2]
+    s.park(ids[2])
+    assert s.schedule().prepare == ids[3]  # a long prepare (it does not park): the parked one goes with its piece
+    assert s.flush() == [ids[2]]
+
+
+def test_a_parked_request_cancelled_leaves_at_the_next_plan() -> None:
+    s = _sched(limit=100)
+    a, b = s.add(10), s.add(10)
+    s.schedule()
+    s.park(a)
+    assert s.cancel(a) is S.PREPARING and s.budget.used == 10
+    plan = s.schedule()
+    assert plan.finish == [(a, "cancelled")] and plan.prepare == b and a not in s.parked and s.budget.used == 10
+    with pytest.raises(SchedulerError, match="finished: cannot park"):
+        s.park(a)
+
+
 # ---- properties ----------------------------------------------------------------------------------------------------
 OPS = st.lists(st.one_of(
     st.tuples(st.just("arrive"), st.integers(1, 160)),
@@ -140,16 +182,26 @@ def _plan(s: Scheduler, seed: int, admitted: list[int], seen_finished: set[int])
     assert all(s.state(r) is S.RUNNING for r in plan.decode)
     assert not seen_finished & ({r for r, _ in plan.finish} | set(plan.decode))  # a finished request never returns
     seen_finished.update(r for r, _ in plan.finish)
+    suffixes = plan.suffixes
     if plan.prepare is not None:
+        assert not suffixes and plan.prepare not in s.parked
         assert all(w > plan.prepare for w in s.waiting)  # arrival order: nobody earlier is still in line
         if not admitted or plan.prepare != admitted[-1]:  # a new admission (else: the next piece of the same one)
             assert not admitted or plan.prepare > admitted[-1]
             admitted.append(plan.prepare)
-        if seed % 5 != 1:  # else the prepare has more pieces
+        if seed % 5 == 2:  # parks at its suffix prefill
+            s.park(plan.prepare)
+        elif seed % 5 != 1:  # else the prepare has more pieces
             s.prepared(plan.prepare, ok=seed % 7 != 0)
+        suffixes = s.flush()  # what the runner asks after the piece
+    assert len(suffixes) <= s.max_batch_size and not set(suffixes) & set(s.parked)
+    for rid in suffixes:  # the packed suffix forward ran: each prepare ends
+        assert s.state(rid) is S.PREPARING
+        s.prepared(rid, ok=seed % 11 != 0)
     s.stepped([r for i, r in enumerate(plan.decode) if (seed >> i) & 1])
     _check(s, seen_finished)
     assert s.preparing is None or s.state(s.preparing) is S.PREPARING
+    assert all(s.state(r) is S.PREPARING for r in s.parked) and s.preparing not in s.parked
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
