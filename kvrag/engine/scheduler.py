@@ -24,11 +24,14 @@ The policy, written once in :meth:`Scheduler.schedule`:
   requests decode: about half a step each, :mod:`kvrag.kv.pieces`): the one in progress gets the next plan's piece
   until it is done, then the next request in line is admitted.
 * **Arrivals' question suffixes in one forward.** A prepare whose last part is a plain suffix prefill (``stale``,
-  ``cacherepair``, ...) *parks* there (:meth:`Scheduler.park`): the next request in line is admitted meanwhile,
-  and when none would be admitted next (nobody waits, the head does not fit, a long prepare is in progress, or
-  ``max_batch_size`` requests are parked), :meth:`Scheduler.flush` hands every parked request to one suffix
-  forward (:func:`kvrag.kv.batched.prefill_rows`), so a burst's arrivals read the weights once for all their
-  suffixes. A parked request holds its lease and stays PREPARING; a cancelled one leaves at the next plan.
+  ``cacherepair``, ...) *parks* there (:meth:`Scheduler.park`). While nobody decodes, the next request in line is
+  admitted meanwhile, and when none would be admitted next (nobody waits, the head does not fit, a long prepare is
+  in progress, or ``max_batch_size`` requests are parked), :meth:`Scheduler.flush` hands every parked request to
+  one suffix forward (:func:`kvrag.kv.batched.prefill_rows`): a burst's arrivals share the forward's overhead and
+  weight reads and get their first tokens together. While requests decode, a parked request goes right after its
+  piece (holding it across decode steps for later arrivals would cost it a step per arrival, and a large packed
+  forward would stall the running streams). A parked request holds its lease and stays PREPARING; a cancelled one
+  leaves at the next plan.
 * **Continuous batching.** QUEUED requests join RUNNING at a plan boundary, up to ``max_batch_size``, in the order
   their streams started; every RUNNING request is in every step (each exactly once).
 * **Cancellation between steps.** A RUNNING or PREPARING request that is cancelled leaves at the next plan (its
@@ -206,9 +209,9 @@ class Scheduler:
 
     def flush(self) -> list[int]:
         """The parked requests whose suffixes are prefilled now, together (they stay PREPARING until
-        :meth:`prepared`): all of them, unless the next plan would admit the next request in line -- then they
-        wait for its suffix too."""
-        if not self.parked or self._admits_next():
+        :meth:`prepared`): all of them, unless nobody decodes and the next plan would admit the next request in
+        line -- then they wait for its suffix too."""
+        if not self.parked or (self._admits_next() and not self.decoding()):
             return []
         out, self.parked = self.parked, []
         return out

@@ -144,6 +144,20 @@ def test_flush_at_max_batch_size_parked_and_while_a_long_prepare_runs() -> None:
     assert s.flush() == [ids[2]]
 
 
+def test_while_requests_decode_a_parked_request_does_not_wait_for_later_arrivals() -> None:
+    s = _sched(limit=100, batch=4)
+    a = s.add(10)
+    s.prepared(s.schedule().prepare, True)  # type: ignore[arg-type]
+    s.stream(a)
+    b, c = s.add(10), s.add(10)
+    plan = s.schedule()
+    assert plan.decode == [a] and plan.prepare == b
+    s.park(b)
+    assert s.flush() == [b]  # c could be admitted next, but a decodes: b's suffix runs before a's step
+    s.prepared(b, True)
+    assert s.schedule().prepare == c
+
+
 def test_a_parked_request_cancelled_leaves_at_the_next_plan() -> None:
     s = _sched(limit=100)
     a, b = s.add(10), s.add(10)
