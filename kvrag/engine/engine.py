@@ -94,6 +94,7 @@ class KVRAGEngine(ChunkCaching):
         self.runner = Runner(self.model, self.tokenizer, KVBudget(kv_bytes, per_token),
                              max_batch_size=self.config.max_batch_size, compile_decode=self.config.compile_decode,
                              admission_timeout_s=self.config.admission_timeout_s,
+                             pack_suffixes=self.config.pack_suffixes,
                              speculation=SpeculationConfig(max_draft=self.config.speculative_tokens,
                                                            max_ngram=self.config.speculative_ngram,
                                                            min_ngram=min(self.config.speculative_min_ngram,
@@ -298,7 +299,7 @@ class KVRAGEngine(ChunkCaching):
         suffix prefill (yields a :class:`~kvrag.kv.pieces.SuffixPrefill`): the runner prefills the suffixes of
         the requests that arrived together in one forward and sends back the logits. Timings leave out the decode
         steps between pieces; a packed suffix prefill counts the request's share of the shared forward (by
-        tokens)."""
+        tokens), not the wait for the other arrivals (like the wait for the turn, TTFT leaves it out)."""
         t0 = time.perf_counter() - timings.fetch_s  # TTFT counts the store fetch, not the wait for the turn
         pace = Pace(self.runner.piece_budget_s, self.model.device)
         # Only methods whose repair recomputes context run in pieces (full, relaxkv, hybrid, auto): a reuse
@@ -329,7 +330,9 @@ class KVRAGEngine(ChunkCaching):
             buf, length = hf_cache.buffer_of(out.cache)
             ids = tuple(int(t) for t in inp.suffix_ids.tolist())
             buf.reserve(length + len(ids) + reserve)
+            parked = time.perf_counter()
             last, timings.suffix_prefill_s = yield SuffixPrefill(batched.Row(buf, length), ids)
+            t0 += time.perf_counter() - parked - timings.suffix_prefill_s  # waiting for others: like the turn
             cache = buf.as_cache(length + len(ids))
         else:
             if out.last_logits is None:  # the suffix in pieces too after a long repair

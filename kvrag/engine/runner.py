@@ -69,15 +69,15 @@ class Runner:
         compile_decode: capture the step with ``torch.compile`` (see :mod:`kvrag.kv.batched`).
         admission_timeout_s: longest wait for admission (None: no limit).
         speculation: prompt-lookup drafting for greedy requests (:mod:`kvrag.engine.speculate`; None: off).
+        pack_suffixes: arrivals' question suffixes in one forward (``EngineConfig.pack_suffixes``).
     """
 
-    _exit_hook: Callable[[], None] | None = None
-    """Called right after the thread decided to exit (tests use it to hold the thread in that window)."""
+    _exit_hook: Callable[[], None] | None = None  # called right after the thread decided to exit (tests hold it)
 
     def __init__(self, model: Any, tokenizer: Any, budget: KVBudget, *, max_batch_size: int,
                  compile_decode: bool = False, admission_timeout_s: float | None = None,
-                 speculation: SpeculationConfig | None = None) -> None:
-        self.model = model
+                 speculation: SpeculationConfig | None = None, pack_suffixes: bool = False) -> None:
+        self.model, self.pack_suffixes = model, bool(pack_suffixes)
         self.speculation = speculation or SpeculationConfig(max_draft=0)
         self.tokenizer = tokenizer
         self.max_batch_size = int(max_batch_size)
@@ -93,7 +93,7 @@ class Runner:
 
     def _fresh(self, budget: KVBudget) -> None:
         self._cv = threading.Condition(threading.RLock())
-        self.scheduler = Scheduler(budget, self.max_batch_size)
+        self.scheduler = Scheduler(budget, self.max_batch_size, self.pack_suffixes)
         self._handles: dict[int, Handle] = {}
         self._released: queue.SimpleQueue[int] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
@@ -241,9 +241,9 @@ class Runner:
         logits, failed, seconds = self.forwards.prefill_suffixes(hs)
         with self._cv:
             self._stats.update(suffix_prefills=1, suffix_rows=len(hs))  # a Counter: adds
-        total = sum(len(h.suffix.ids) for h in hs)  # type: ignore[union-attr]
+        sizes = [len(h.suffix.ids) if h.suffix is not None else 0 for h in hs]
         for i, h in enumerate(hs):
-            share = seconds * len(h.suffix.ids) / total  # type: ignore[union-attr]
+            share = seconds * sizes[i] / sum(sizes)
             h.suffix = None
             if logits is not None:
                 self._run_prepare(h, send=(logits[i], share))
@@ -481,9 +481,9 @@ class Runner:
     # ------------------------------------------------------------------------------------------- introspection
     def stats(self) -> dict[str, Any]:
         """Counters since creation: ``steps``, ``rows_stepped`` (sum of batch sizes), ``max_rows`` (largest batch),
-        ``prepares``, ``prepare_pieces``, ``suffix_prefills`` / ``suffix_rows`` (packed suffix forwards / the
-        requests they prefilled), ``verify_steps`` (steps that checked drafts), ``drafted`` / ``accepted``
-        (draft tokens proposed / confirmed); and now: ``decoding`` and ``joining`` requests, requests per state, ``threads`` (0 or 1),
+        ``prepares``, ``prepare_pieces``, ``suffix_prefills`` / ``suffix_rows`` (suffix forwards / requests in
+        them), ``verify_steps`` (steps that checked drafts), ``drafted`` / ``accepted`` (draft tokens proposed /
+        confirmed); and now: ``decoding`` and ``joining`` requests, requests per state, ``threads`` (0 or 1),
         ``consumers_waiting`` (callers blocked on a prepare or a stream), the KV bound's use."""
         with self._cv:
             out: dict[str, Any] = dict.fromkeys(("steps", "rows_stepped", "max_rows", "prepares", "prepare_pieces",

@@ -23,8 +23,9 @@ The policy, written once in :meth:`Scheduler.schedule`:
   decode step, so a decoding request waits at most one piece per token. A prepare may come in pieces (while
   requests decode: about half a step each, :mod:`kvrag.kv.pieces`): the one in progress gets the next plan's piece
   until it is done, then the next request in line is admitted.
-* **Arrivals' question suffixes in one forward.** A prepare whose last part is a plain suffix prefill (``stale``,
-  ``cacherepair``, ...) *parks* there (:meth:`Scheduler.park`). While nobody decodes, the next request in line is
+* **Arrivals' question suffixes in one forward** (``pack_suffixes``, off by default). A prepare whose last part is a
+  plain suffix prefill (``stale``, ``cacherepair``, ...) *parks* there (:meth:`Scheduler.park`); without packing it
+  goes right after its piece, alone. With it, while nobody decodes, the next request in line is
   admitted meanwhile, and when none would be admitted next (nobody waits, the head does not fit, a long prepare is
   in progress, or ``max_batch_size`` requests are parked), :meth:`Scheduler.flush` hands every parked request to
   one suffix forward (:func:`kvrag.kv.batched.prefill_rows`): a burst's arrivals share the forward's overhead and
@@ -118,14 +119,17 @@ class Scheduler:
 
     Args:
         budget: the engine's KV memory bound (this scheduler takes and gives its leases).
-        max_batch_size: most requests in one decode step.
+        max_batch_size: most requests in one decode step (and parked for one suffix forward).
+        pack_suffixes: let parked requests wait for the next arrivals' suffixes (False: each goes alone, right
+            after its piece).
     """
 
-    def __init__(self, budget: KVBudget, max_batch_size: int) -> None:
+    def __init__(self, budget: KVBudget, max_batch_size: int, pack_suffixes: bool = False) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.budget = budget
         self.max_batch_size = int(max_batch_size)
+        self.max_parked = self.max_batch_size if pack_suffixes else 1
         self.requests: dict[int, Request] = {}
         self.waiting: collections.deque[int] = collections.deque()
         self.queued: collections.deque[int] = collections.deque()
@@ -263,9 +267,9 @@ class Scheduler:
         return plan
 
     def _admits_next(self) -> bool:
-        """The next plan admits the head of the line: no prepare in progress, fewer than ``max_batch_size`` parked
-        and the head's KV fits."""
-        return (self.preparing is None and bool(self.waiting) and len(self.parked) < self.max_batch_size
+        """The next plan admits the head of the line: no prepare in progress, fewer than ``max_parked`` parked and
+        the head's KV fits."""
+        return (self.preparing is None and bool(self.waiting) and len(self.parked) < self.max_parked
                 and self.budget.fits(self.requests[self.waiting[0]].kv_bytes))
 
     def decoding(self) -> bool:

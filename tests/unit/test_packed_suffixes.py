@@ -105,12 +105,12 @@ def _plan(eng: KVRAGEngine, i: int) -> Any:
     return eng.plan(RagTemplate().render(eng.tokenizer, passages, q), passages)
 
 
-@pytest.mark.parametrize("method", ["stale", "cacheblend:r=0.3"])
-def test_a_burst_parks_and_shares_one_suffix_forward_with_the_answers_given_alone(method: str) -> None:
-    """Four requests waiting together: each prepare parks at its suffix and one forward prefills all four; every
-    answer equals the one its request gets alone."""
+@pytest.mark.parametrize(("method", "pack"), [("stale", True), ("cacheblend:r=0.3", True), ("stale", False)])
+def test_a_burst_parks_and_shares_one_suffix_forward_with_the_answers_given_alone(method: str, pack: bool) -> None:
+    """Four requests waiting together: each prepare parks at its suffix and one forward prefills all four (with
+    ``pack_suffixes=False``: one forward each); every answer equals the one its request gets alone."""
     gen = GenerationConfig(max_new_tokens=8)
-    eng = KVRAGEngine(tiny_model("qwen2", init_std=0.1), MemoryStore(), EngineConfig())
+    eng = KVRAGEngine(tiny_model("qwen2", init_std=0.1), MemoryStore(), EngineConfig(pack_suffixes=pack))
     eng.ingest(DOCS)
     alone = [eng.answer_plan(_plan(eng, i), method, gen).token_ids for i in range(len(QUESTIONS))]
     before = eng.runner.stats()
@@ -129,7 +129,7 @@ def test_a_burst_parks_and_shares_one_suffix_forward_with_the_answers_given_alon
         t.join(60)
     after = eng.runner.stats()
     assert after["suffix_rows"] - before["suffix_rows"] == len(QUESTIONS)
-    assert after["suffix_prefills"] - before["suffix_prefills"] == 1  # all four in one forward
+    assert after["suffix_prefills"] - before["suffix_prefills"] == (1 if pack else len(QUESTIONS))
     assert [out[i] for i in range(len(QUESTIONS))] == alone
 
 
@@ -139,7 +139,7 @@ def test_a_parked_request_cancelled_frees_its_lease_and_the_others_finish() -> N
     from kvrag.errors import RequestCancelledError
 
     gen = GenerationConfig(max_new_tokens=4)
-    eng = KVRAGEngine(tiny_model("qwen2", init_std=0.1), MemoryStore(), EngineConfig())
+    eng = KVRAGEngine(tiny_model("qwen2", init_std=0.1), MemoryStore(), EngineConfig(pack_suffixes=True))
     eng.ingest(DOCS)
     token = CancelToken()
     out: dict[int, list[int]] = {}

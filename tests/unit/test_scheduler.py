@@ -14,7 +14,7 @@ S = RequestState
 
 
 def _sched(limit: int = 100, batch: int = 2) -> Scheduler:
-    return Scheduler(KVBudget(limit, 1), batch)
+    return Scheduler(KVBudget(limit, 1), batch, pack_suffixes=True)
 
 
 def _prepare_all(s: Scheduler) -> list[int]:
@@ -129,6 +129,14 @@ def test_parked_suffixes_wait_for_the_next_arrivals_and_go_together() -> None:
     assert s.schedule().prepare is None and s.state(c) is S.WAITING
 
 
+def test_without_packing_a_parked_request_goes_alone() -> None:
+    s = Scheduler(KVBudget(100, 1), 4)  # the default
+    a, b = s.add(10), s.add(10)
+    assert s.schedule().prepare == a
+    s.park(a)
+    assert s.flush() == [a]
+
+
 def test_flush_at_max_batch_size_parked_and_while_a_long_prepare_runs() -> None:
     s = _sched(limit=1000, batch=2)
     ids = [s.add(10) for _ in range(4)]
@@ -219,10 +227,10 @@ def _plan(s: Scheduler, seed: int, admitted: list[int], seen_finished: set[int])
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(OPS, st.integers(1, 4), st.integers(50, 400))
+@given(OPS, st.integers(1, 4), st.integers(50, 400), st.booleans())
 def test_random_sequences_keep_every_invariant_and_nobody_starves(ops: list[tuple[str, int]], batch: int,
-                                                                  limit: int) -> None:
-    s = Scheduler(KVBudget(limit, 1), batch)
+                                                                  limit: int, pack: bool) -> None:
+    s = Scheduler(KVBudget(limit, 1), batch, pack_suffixes=pack)
     rids: list[int] = []
     admitted: list[int] = []
     seen_finished: set[int] = set()
