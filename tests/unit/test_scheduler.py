@@ -134,7 +134,9 @@ def test_without_packing_a_parked_request_goes_alone() -> None:
     a, b = s.add(10), s.add(10)
     assert s.schedule().prepare == a
     s.park(a)
-    assert s.flush() == [a]
+    assert s.flush() == [a]  # b would be admitted next: with packing a would wait for it
+    s.prepared(a, True)
+    assert s.schedule().prepare == b
 
 
 def test_flush_at_max_batch_size_parked_and_while_a_long_prepare_runs() -> None:

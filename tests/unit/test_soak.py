@@ -3,7 +3,8 @@
 larger than the whole KV bound. Every completed answer equals its sequential answer; at the end nothing is
 reserved, no runner thread is left and nobody waits.
 
-The short form (one round: 200 requests from 16 threads and asyncio tasks) runs in the normal suite (~15 s).
+The short form (one round: 200 requests from 16 threads and asyncio tasks) runs in the normal suite (~15 s), with and
+without packing arrivals' question suffixes into one forward.
 ``KVRAG_SOAK_S=600`` repeats rounds with new seeds for that many seconds.
 """
 
@@ -174,13 +175,14 @@ def _quiet(eng: KVRAGEngine) -> bool:
             and s["consumers_waiting"] == 0 and not s["states"])
 
 
-def test_soak() -> None:
+@pytest.mark.parametrize("pack", [False, True], ids=["alone", "packed-suffixes"])
+def test_soak(pack: bool) -> None:
     probe = KVRAGEngine(tiny_model("qwen2", init_std=0.1), MemoryStore(), EngineConfig())
     longest = max(_plan(probe, q).total_len for q in range(len(QUESTIONS)))
     bound_tokens = 3 * (longest + MAX_NEW)  # three ordinary requests at once; the large ones need more than all
     eng = KVRAGEngine(probe.loaded, MemoryStore(), EngineConfig(
         max_batch_size=4, kv_memory_bytes=bound_tokens * probe.runner.budget.bytes_per_token,
-        admission_timeout_s=None))
+        admission_timeout_s=None, pack_suffixes=pack))
     eng.ingest(DOCS)
     reference = {(q, m): eng.answer_plan(_plan(eng, q), m, GenerationConfig(max_new_tokens=MAX_NEW)).token_ids
                  for q in range(len(QUESTIONS)) for m in METHODS}

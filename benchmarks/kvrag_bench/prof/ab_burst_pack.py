@@ -45,7 +45,8 @@ def burst(eng, plans, gen):
 
 def main():
     torch.set_num_threads(1)
-    data, offset, n, new, rounds = sys.argv[1], *(int(a) for a in sys.argv[2:6])
+    data = sys.argv[1]
+    offset, n, new, rounds = (int(a) for a in sys.argv[2:6])
     loaded = load_model(None)
     store = MemoryStore()
     engines = {pack: KVRAGEngine(loaded, store, EngineConfig(pack_suffixes=pack)) for pack in (True, False)}

@@ -22,7 +22,8 @@ from kvrag_bench.decode_bench import context_rows
 def main():
     torch.set_num_threads(1)
     quantize = sys.argv[1] if len(sys.argv) > 1 else "int4"
-    ctx, n, rows_n, rounds = (int(a) for a in (sys.argv[2:6] + ["1200", "25", "8", "5"][len(sys.argv[2:6]):]))
+    given = sys.argv[2:6]
+    ctx, n, rows_n, rounds = (int(a) for a in given + ["1200", "25", "8", "5"][len(given):])
     lm = load_model(None, quantize=None if quantize == "none" else quantize)
     model, win = lm.model, batched.windows(lm.model)
     keys, values = hf_cache.prefill_kv(model, torch.tensor(list(range(1000, 1000 + ctx))))
