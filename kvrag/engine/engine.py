@@ -296,10 +296,11 @@ class KVRAGEngine(ChunkCaching):
         the runner's budget (:meth:`Runner.piece_budget_s`), ending one after a computed chunk cache or inside a
         repair that recomputes context (:meth:`FusionMethod.fuse_pieces`, :mod:`kvrag.kv.pieces`) and the suffix
         prefill after it; else in one piece. After a short repair (``stale``, ``cacherepair``, ...) it parks at the
-        suffix prefill (yields a :class:`~kvrag.kv.pieces.SuffixPrefill`): the runner prefills the suffixes of
-        the requests that arrived together in one forward and sends back the logits. Timings leave out the decode
-        steps between pieces; a packed suffix prefill counts the request's share of the shared forward (by
-        tokens), not the wait for the other arrivals (like the wait for the turn, TTFT leaves it out)."""
+        suffix prefill (yields a :class:`~kvrag.kv.pieces.SuffixPrefill`): the runner prefills the suffix -- alone,
+        or with ``EngineConfig.pack_suffixes`` in one forward with other arrivals' -- and sends back the logits.
+        Timings leave out the decode steps between pieces; a packed suffix prefill counts the request's share of
+        the shared forward (by tokens), not the wait for the other arrivals (like the wait for the turn, TTFT
+        leaves it out)."""
         t0 = time.perf_counter() - timings.fetch_s  # TTFT counts the store fetch, not the wait for the turn
         pace = Pace(self.runner.piece_budget_s, self.model.device)
         # Only methods whose repair recomputes context run in pieces (full, relaxkv, hybrid, auto): a reuse
@@ -325,8 +326,8 @@ class KVRAGEngine(ChunkCaching):
         out = yield from m.fuse_pieces(inp, pace)
         timings.repair_s = time.perf_counter() - t - (pace.paused_s - paused)
         t, repair_paused = time.perf_counter(), pace.paused_s - paused
-        if out.last_logits is None and not long_repair and self.runner.packs_suffixes:
-            # parks here: the suffixes of the requests that arrived together are prefilled in one forward
+        if out.last_logits is None and not long_repair and self.runner.parks_at_suffix:
+            # parks here: the runner prefills the suffix (alone, or with other arrivals' when packing them)
             buf, length = hf_cache.buffer_of(out.cache)
             ids = tuple(int(t) for t in inp.suffix_ids.tolist())
             buf.reserve(length + len(ids) + reserve)

@@ -251,8 +251,8 @@ class Runner:
                 self._run_prepare(h, throw=failed)
 
     @property
-    def packs_suffixes(self) -> bool:
-        """Whether prepares park at their suffix prefill (:meth:`_prefill_suffixes`): models a batched step serves."""
+    def parks_at_suffix(self) -> bool:
+        """Whether prepares leave their suffix prefill to the runner (:meth:`_prefill_suffixes`): batchable models."""
         return self.unbatchable is None
 
     def piece_budget_s(self) -> float | None:  # a prepare piece's seconds now (kvrag.kv.pieces); None: none decodes

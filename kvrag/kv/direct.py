@@ -9,8 +9,8 @@ projections (with kvrag's quantized or packed forwards), MLP and LM head are the
 and with the arguments the model's forward uses -- and only the loop around them is its own: per layer,
 ``x = norm(h)``, the q/k/v projections (with Qwen3's q/k norms), the family's ``apply_rotary_pos_emb``, the batched
 step's row attention (:func:`kvrag.kv.batched.attention`), ``o_proj``, the residual, ``post_attention_layernorm``,
-the gated MLP's ``down(act(gate(x)) * up(x))``, the residual; then the final norm and the LM head over the kept positions. The outputs are the same bits as
-the model's forward (tested per family and dtype).
+the gated MLP's ``down(act(gate(x)) * up(x))``, the residual; then the final norm and the LM head over the kept
+positions. The outputs are the same bits as the model's forward (tested per family and dtype).
 
 Which models: the decoder layouts written out above -- Llama, Mistral, Qwen2 and Qwen3 (SmolLM2 is a Llama) -- with
 no forward hooks on any of their modules (the loop calls each module's ``forward`` itself, so hooks would not run);

@@ -12,6 +12,15 @@ from typing import Any
 import torch
 
 from kvrag.kv import batched, hf_cache
+from kvrag.prompting import render_passage
+
+PASSAGES = [
+    render_passage("Paris is the capital of France. The city has many museums.", "Paris"),
+    render_passage("Berlin is the capital of Germany. It is a large city.", "Berlin"),
+    render_passage("The quick brown fox jumps over the lazy dog.", "Fox"),
+    render_passage("Rotary position embeddings rotate queries and keys by position.", "RoPE"),
+]
+"""Four short passages the tests of batching, packing and the soak answer from (tiny models, tiny tokenizer)."""
 
 
 @dataclasses.dataclass
@@ -67,4 +76,4 @@ def compare_batched_to_alone(model: Any, preps: Sequence[Any], steps: int, *, re
     return StepComparison(worst, floor, seen)
 
 
-__all__ = ["StepComparison", "compare_batched_to_alone"]
+__all__ = ["PASSAGES", "StepComparison", "compare_batched_to_alone"]

@@ -18,21 +18,16 @@ from kvrag.config import EngineConfig, GenerationConfig
 from kvrag.engine.engine import KVRAGEngine
 from kvrag.errors import EngineBusyError
 from kvrag.kv import batched, hf_cache
-from kvrag.prompting import RagTemplate, render_passage
+from kvrag.prompting import RagTemplate
 from kvrag.repair.config import RepairConfig
 from kvrag.repair.model import RepairModel
 from kvrag.store import MemoryStore
-from kvrag.testing.batching import compare_batched_to_alone
+from kvrag.testing.batching import PASSAGES, compare_batched_to_alone
 from kvrag.testing.tiny import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-DOCS = [
-    render_passage("Paris is the capital of France. The city has many museums.", "Paris"),
-    render_passage("Berlin is the capital of Germany. It is a large city.", "Berlin"),
-    render_passage("The quick brown fox jumps over the lazy dog.", "Fox"),
-    render_passage("Rotary position embeddings rotate queries and keys by position.", "RoPE"),
-]
+DOCS = PASSAGES
 REQUESTS = [
     ([0, 1, 2], "What is the capital of France?"),
     ([2], "Who jumps over the dog?"),

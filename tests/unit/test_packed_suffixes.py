@@ -14,18 +14,14 @@ import torch
 from kvrag.config import EngineConfig, GenerationConfig
 from kvrag.engine.engine import KVRAGEngine
 from kvrag.kv import batched, direct, hf_cache
-from kvrag.prompting import RagTemplate, render_passage
+from kvrag.prompting import RagTemplate
 from kvrag.store import MemoryStore
+from kvrag.testing.batching import PASSAGES
 from kvrag.testing.tiny import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-DOCS = [
-    render_passage("Paris is the capital of France. The city has many museums.", "Paris"),
-    render_passage("Berlin is the capital of Germany. It is a large city.", "Berlin"),
-    render_passage("The quick brown fox jumps over the lazy dog.", "Fox"),
-    render_passage("Rotary position embeddings rotate queries and keys by position.", "RoPE"),
-]
+DOCS = PASSAGES
 QUESTIONS = [([0, 1, 2], "What is the capital of France?"), ([2], "Who jumps over the dog?"),
              ([3, 0], "What rotates the keys?"), ([1, 3], "What is the capital of Germany, in one word?")]
 CONTEXTS = (70, 95, 120)  # past the 40-token windows below
