@@ -320,3 +320,25 @@ def test_store_down_recomputes_with_a_warning_header(lm: Any, redis_server: Any)
         assert down.json()["choices"] == ok.json()["choices"] and down.json()["kvrag"]["chunk_misses"] == 2
         assert c.get("/health").json()["store"] == "degraded"
     store.close()
+
+
+def test_serve_options_reach_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``kvrag serve``'s engine options go into the engine it loads (the server itself is not started here)."""
+    import argparse
+    import types
+
+    import kvrag.serve
+    from kvrag.serve import cli as serve_cli
+
+    parser = argparse.ArgumentParser()
+    serve_cli.add_arguments(parser)
+    seen: dict[str, Any] = {}
+    monkeypatch.setattr(KVRAGEngine, "from_pretrained", lambda *a, **kw: seen.update(kw))
+    app = types.SimpleNamespace(state=types.SimpleNamespace(kvrag=types.SimpleNamespace(model_id="m", chunks=[])))
+    monkeypatch.setattr(kvrag.serve, "create_app", lambda *a, **kw: app)
+    monkeypatch.setattr(kvrag.serve, "serve", lambda *a, **kw: None)
+    for argv, pack in (([], False), (["--pack-suffixes", "--speculative-tokens", "0"], True)):
+        args = parser.parse_args(argv)
+        args.verbose = False
+        assert serve_cli.run(args, None, "memory://", "template") == 0
+        assert seen["pack_suffixes"] is pack and seen["speculative_tokens"] == (0 if pack else 3)
