@@ -37,7 +37,7 @@ class Handle:
         self.lease: Lease | None = None
         self.result: Any = None
         self.pieces: Generator[Any, Any, Any] | None = None  # a prepare in progress, between two pieces
-        self.suffix: SuffixPrefill | None = None  # a parked prepare's suffix, waiting for a packed prefill
+        self.suffix: SuffixPrefill | None = None  # a parked prepare's suffix, waiting for the runner to prefill it
         self.error: BaseException | None = None
         self.prepared_done = threading.Event()
         self.items: queue.SimpleQueue[Any] = queue.SimpleQueue()

@@ -116,9 +116,10 @@ WHOLE = Pace()
 @dataclasses.dataclass(frozen=True)
 class SuffixPrefill:
     """What a prepare job yields at its question suffix prefill: ``ids`` to prefill after ``row`` (a
-    :class:`kvrag.kv.batched.Row` over the request's repaired cache). The runner prefills the suffixes of the
-    requests parked this way together (:func:`kvrag.kv.batched.prefill_rows`) and sends each job back
-    ``(logits [V], seconds)``: its next-token logits and its share of the shared forward's time (by tokens)."""
+    :class:`kvrag.kv.batched.Row` over the request's repaired cache). The runner prefills it
+    (:func:`kvrag.kv.batched.prefill_rows`) -- alone, or in one forward with other parked requests' suffixes
+    (``EngineConfig.pack_suffixes``) -- and sends the job back ``(logits [V], seconds)``: its next-token logits and
+    its share of the forward's time (by tokens)."""
 
     row: Any
     ids: tuple[int, ...]

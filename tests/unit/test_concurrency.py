@@ -221,7 +221,7 @@ def test_batched_steps_have_no_cross_talk() -> None:
 
 def test_a_prepare_never_waits_more_than_one_step_and_never_two_prepares_between_steps() -> None:
     """The interleaving policy: while requests decode, prepares and decode steps alternate (at most one prepare
-    piece between two steps; arrivals' suffixes then go in one forward), so neither a new request nor a decoding one
+    piece between two steps, its suffix prefill right after it), so neither a new request nor a decoding one
     starves."""
     eng = KVRAGEngine(tiny_model("qwen2", init_std=0.1), MemoryStore(), EngineConfig())
     eng.ingest(DOCS)
@@ -249,7 +249,7 @@ def test_a_prepare_never_waits_more_than_one_step_and_never_two_prepares_between
     assert "prepare" in decoding_part  # requests arrived while others decoded
     between = "".join("s" if e.startswith("step") else e[0] for e in decoding_part).split("s")
     assert all(part.count("p") <= 1 for part in between), events  # at most one prepare piece between two steps
-    assert eng.runner.stats()["suffix_rows"] == 9  # every prepare ended in a (packed) suffix prefill
+    assert eng.runner.stats()["suffix_rows"] == 9  # every prepare's suffix went through the runner's prefill
 
 
 # ---- several engines, one model (issue 13) ------------------------------------------------------------------------
