@@ -329,7 +329,7 @@ class KVRAGEngine(ChunkCaching):
         if out.last_logits is None and not long_repair and self.runner.parks_at_suffix:
             # parks here: the runner prefills the suffix (alone, or with other arrivals' when packing them)
             buf, length = hf_cache.buffer_of(out.cache)
-            ids = tuple(int(t) for t in inp.suffix_ids.tolist())
+            ids = tuple(inp.suffix_ids.tolist())
             buf.reserve(length + len(ids) + reserve)
             parked = time.perf_counter()
             last, timings.suffix_prefill_s = yield SuffixPrefill(batched.Row(buf, length), ids)

@@ -18,6 +18,7 @@ import torch
 from kvrag.engine.handle import Handle
 from kvrag.engine.speculate import SpeculationConfig, accept_row, draft_rows
 from kvrag.kv import batched, hf_cache
+from kvrag.kv.pieces import SuffixPrefill
 
 
 class Forwards:
@@ -77,14 +78,15 @@ class Forwards:
         out, _ = hf_cache.forward(self.model, torch.tensor([h.state.last]), cache)
         return out[-1]
 
-    def prefill_suffixes(self, hs: Sequence[Handle]) -> tuple[torch.Tensor | None, BaseException | None, float]:
-        """The parked requests' suffixes (``h.suffix``) in one forward (:func:`kvrag.kv.batched.prefill_rows`):
-        ``(logits [B, V], None, seconds)``, or ``(None, the failure, seconds)``."""
+    def prefill_suffixes(self, suffixes: Sequence[SuffixPrefill]) -> tuple[torch.Tensor | None, BaseException | None,
+                                                                            float]:
+        """Parked requests' suffixes in one forward (:func:`kvrag.kv.batched.prefill_rows`): ``(logits [B, V], None,
+        seconds)``, or ``(None, the failure, seconds)``."""
         t = time.perf_counter()
         try:
             with torch.inference_mode(), self.lock:
-                logits = batched.prefill_rows(self.model, [h.suffix.row for h in hs],  # type: ignore[union-attr]
-                                              [h.suffix.ids for h in hs], self.windows)  # type: ignore[union-attr]
+                logits = batched.prefill_rows(self.model, [s.row for s in suffixes], [s.ids for s in suffixes],
+                                              self.windows)
         except BaseException as e:  # noqa: BLE001 - each request's caller gets it
             return None, e, time.perf_counter() - t
         return logits, None, time.perf_counter() - t

@@ -238,13 +238,13 @@ class Runner:
     def _prefill_suffixes(self, hs: list[Handle]) -> None:
         """The parked requests' question suffixes in one forward, then each prepare resumed with its logits (or the
         forward's failure) to its end."""
-        logits, failed, seconds = self.forwards.prefill_suffixes(hs)
+        suffixes = [h.suffix for h in hs if h.suffix is not None]
+        logits, failed, seconds = self.forwards.prefill_suffixes(suffixes)
         with self._cv:
             self._stats.update(suffix_prefills=1, suffix_rows=len(hs))  # a Counter: adds
-        sizes = [len(h.suffix.ids) if h.suffix is not None else 0 for h in hs]
-        for i, h in enumerate(hs):
-            share = seconds * sizes[i] / sum(sizes)
-            h.suffix = None
+        tokens = sum(len(s.ids) for s in suffixes)
+        for i, (h, s) in enumerate(zip(hs, suffixes, strict=True)):
+            h.suffix, share = None, seconds * len(s.ids) / tokens
             if logits is not None:
                 self._run_prepare(h, send=(logits[i], share))
             else:

@@ -362,6 +362,21 @@ def decode_step(model: Any, rows: Sequence[Row], tokens: Sequence[int],
         _local.step = None
 
 
+def _packed(model: Any, rows: Sequence[Row], tokens: Sequence[Sequence[int]],
+            what: str) -> tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Several tokens per row packed along one sequence: (tokens per row, ids [1, T], positions [1, T] -- row
+    ``i``'s from ``rows[i].length`` on --, the 4D all-true mask transformers' mask builders pass through)."""
+    dev = model.device
+    counts = [len(t) for t in tokens]
+    if not counts or min(counts) < 1:
+        raise ValueError(f"{what}: every row feeds at least one token")
+    flat = [int(t) for ts in tokens for t in ts]
+    ids = torch.tensor(flat, dtype=torch.long, device=dev).view(1, -1)
+    pos = torch.tensor([r.length + j for r, q in zip(rows, counts, strict=True) for j in range(q)], dtype=torch.long,
+                       device=dev).view(1, -1)
+    return counts, ids, pos, torch.ones((1, 1, len(flat), 1), dtype=torch.bool, device=dev)
+
+
 @torch.inference_mode()
 def verify_step(model: Any, rows: Sequence[Row], tokens: Sequence[Sequence[int]],
                 layer_windows_: Sequence[tuple[str, int | None]]) -> torch.Tensor:
@@ -376,15 +391,7 @@ def verify_step(model: Any, rows: Sequence[Row], tokens: Sequence[Sequence[int]]
     Returns:
         logits [sum(len(t) for t in tokens), V] (float32), row after row.
     """
-    dev = model.device
-    counts = [len(t) for t in tokens]
-    if not counts or min(counts) < 1:
-        raise ValueError("verify_step: every row feeds at least one token")
-    flat = [int(t) for ts in tokens for t in ts]
-    ids = torch.tensor(flat, dtype=torch.long, device=dev).view(1, -1)
-    pos = torch.tensor([r.length + j for r, q in zip(rows, counts, strict=True) for j in range(q)], dtype=torch.long,
-                       device=dev).view(1, -1)
-    mask = torch.ones((1, 1, len(flat), 1), dtype=torch.bool, device=dev)  # 4D: the mask builders pass it through
+    counts, ids, pos, mask = _packed(model, rows, tokens, "verify_step")
     _local.step = _Active(rows, layer_windows_, counts)
     try:
         return _forward(model, ids, pos, mask, keep=0).float()
@@ -410,26 +417,18 @@ def prefill_rows(model: Any, rows: Sequence[Row], tokens: Sequence[Sequence[int]
     Returns:
         logits [B, V] (float32) of the next token after each row's last fed token.
     """
-    dev = model.device
-    counts = [len(t) for t in tokens]
-    if not counts or min(counts) < 1:
-        raise ValueError("prefill_rows: every row feeds at least one token")
+    if len(rows) > 1 and not direct.usable(model):
+        return torch.cat([prefill_rows(model, [r], [t], layer_windows_) for r, t in zip(rows, tokens, strict=True)])
+    counts, ids, pos, mask = _packed(model, rows, tokens, "prefill_rows")
     for r, q in zip(rows, counts, strict=True):
         if r.length + q > r.buffer.capacity:
             raise ValueError(f"prefill_rows: a row of {r.length} positions has no room for {q} more "
                              f"(capacity {r.buffer.capacity})")
-    if len(rows) > 1 and not direct.usable(model):
-        return torch.cat([prefill_rows(model, [r], [t], layer_windows_) for r, t in zip(rows, tokens, strict=True)])
-    flat = [int(t) for ts in tokens for t in ts]
-    ids = torch.tensor(flat, dtype=torch.long, device=dev).view(1, -1)
-    pos = torch.tensor([r.length + j for r, q in zip(rows, counts, strict=True) for j in range(q)], dtype=torch.long,
-                       device=dev).view(1, -1)
-    last = torch.tensor(counts, device=dev).cumsum(0) - 1
+    last = torch.tensor(counts, device=model.device).cumsum(0) - 1
     _local.step = _Active(rows, layer_windows_, counts, prefill=True)
     try:
         if len(rows) > 1:
             return direct.forward(model, ids, pos, last, attention, counts)[0].float()
-        mask = torch.ones((1, 1, len(flat), 1), dtype=torch.bool, device=dev)  # 4D: the mask builders pass it through
         return _forward(model, ids, pos, mask, keep=last).float()
     finally:
         _local.step = None
