@@ -125,6 +125,18 @@ def _window_start(kind: str, size: int | None, pos: int) -> int:
     return max(0, pos + 1 - size)
 
 
+def _write_fresh(row: Row, layer: int, key: torch.Tensor, value: torch.Tensor, o: int,
+                 q: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write a row's ``q`` fresh K/V (at ``o ..`` of the packed [1, H_kv, T, D] ``key`` / ``value``) into its
+    buffer at its positions ``row.length ..``; returns the buffer's [H_kv, capacity, D] keys and values of
+    ``layer``."""
+    n = row.length
+    kb, vb = row.buffer.keys[layer], row.buffer.values[layer]
+    kb[:, n : n + q].copy_(key[0, :, o : o + q])
+    vb[:, n : n + q].copy_(value[0, :, o : o + q])
+    return kb, vb
+
+
 def _attend(layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             scaling: float | None) -> torch.Tensor:
     """Write each row's fresh K/V into its buffer and attend each row to its own buffer.
@@ -156,9 +168,7 @@ def _attend(layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     o = 0
     for row, q in zip(step.rows, counts, strict=True):
         n = row.length
-        kb, vb = row.buffer.keys[layer], row.buffer.values[layer]  # [H_kv, capacity, D]
-        kb[:, n : n + q].copy_(key[0, :, o : o + q])
-        vb[:, n : n + q].copy_(value[0, :, o : o + q])
+        kb, vb = _write_fresh(row, layer, key, value, o, q)
         for j in range(q):
             p = n + j
             s0 = _window_start(kind, size, p)
@@ -181,9 +191,7 @@ def _attend_prefill(step: _Active, layer: int, query: torch.Tensor, key: torch.T
     o = 0
     for i, (row, q) in enumerate(zip(step.rows, counts, strict=True)):
         n = row.length
-        kb, vb = row.buffer.keys[layer], row.buffer.values[layer]  # [H_kv, capacity, D]
-        kb[:, n : n + q].copy_(key[0, :, o : o + q])
-        vb[:, n : n + q].copy_(value[0, :, o : o + q])
+        kb, vb = _write_fresh(row, layer, key, value, o, q)
         s0, mask = step.mask(i, kind, size, n, q, query)
         a = torch.nn.functional.scaled_dot_product_attention(
             query[:, :, o : o + q], kb[None, :, s0 : n + q], vb[None, :, s0 : n + q], attn_mask=mask,
