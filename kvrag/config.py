@@ -68,11 +68,11 @@ class EngineConfig:
             request buffer); a request that does not fit waits, in arrival order, until others finish (:mod:`kvrag.engine.lease`).
             None (default): ``max_batch_size`` requests of the full context window, capped at half the memory
             available on the model's device when the engine starts.
-        compile_decode: capture the batched decode step with ``torch.compile`` (dynamic batch size; see
-            :mod:`kvrag.kv.batched`). Off by default, by measurement (SmolLM2-135M, CPU with AMX, one thread,
-            1.5K-token contexts): ~45 s of compilation at the first step, then fp32 ~5% faster (batch 1: 70 -> 67
-            ms/step, batch 8: 233 -> 220 ms) and bf16 no faster (58 -> 59 ms, 105 -> 111 ms; kvrag's packed bf16
-            linears already do what inductor would).
+        compile_decode: run plain decode steps captured by ``torch.compile`` around the same weight kernels and
+            row attention, computing the eager step's bits (checked on the first step of each batch shape; see
+            :mod:`kvrag.kv.compiled`; models with kvrag's packed bf16 weights keep the eager step). Off by default,
+            by measurement (SmolLM2-135M, bf16 + int4, CPU with AMX, one thread, 0.5-3K-token contexts): 37-52 s
+            of compilation per batch shape, then 0.98-1.00x the eager step's time.
         speculative_tokens: most tokens drafted per greedy request and decode step by prompt lookup
             (:mod:`kvrag.engine.speculate`: the answer's last n-gram found in the prompt, the tokens after it
             verified in one forward); 0 turns speculative decoding off. Greedy answers are token-identical either way.

@@ -32,14 +32,8 @@ chunked layer to its own aligned chunk of ``W`` keys, as transformers' mask over
 :func:`batchable` says when a model can run this step (the ``kvrag_sdpa`` implementation, no logit soft-capping or
 attention sinks); other models are decoded one row at a time by the caller.
 
-Static / compiled step (``EngineConfig.compile_decode``): gpt-fast's decode is fast because one captured graph
-serves every step (static shapes, a preallocated cache indexed by position). kvrag's rows are ragged (each buffer
-its own length), so the attention stays an opaque custom op (``kvrag::row_attention``, reading the same
-thread-local rows) and ``torch.compile`` captures everything around it (embeddings, norms, projections, RoPE, MLP,
-LM head) with a dynamic batch dimension; :func:`compiled_forward` builds that once per model. Measured on the CPU
-(SmolLM2-135M, AMX, one thread, 1.5K-token contexts): ~45 s to compile, then fp32 ~5% faster at batch 1 and 8 and
-bf16 no faster than eager (kvrag's packed bf16 linears, :mod:`kvrag.kv.linear`, already skip the weight reorders
-inductor would save), so it stays off by default.
+Compiled step (``EngineConfig.compile_decode``, ``compiled=True``): the plain step captured by ``torch.compile``
+around the same row attention, computing the eager step's bits (:mod:`kvrag.kv.compiled`).
 
 Where a step's time goes (same setting, bf16, eager): at batch 1 the GEMMs dominate (weight reads); at batch 8 the
 per-row attention is about half of the step (8 rows x 30 layers of one-token SDPA over 1.5K keys), so a faster
@@ -50,13 +44,13 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from transformers.cache_utils import Cache
 
+from kvrag.kv import compiled as _compiled
 from kvrag.kv import direct
 from kvrag.kv.hf_cache import KVBuffer
 from kvrag.kv.window import layer_windows
@@ -271,83 +265,14 @@ def _forward(model: Any, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tenso
     return direct.runner(model, lambda: _model_forward(model, ids, pos, mask, keep), step.rows, step.fed(), direct_)
 
 
-# -------------------------------------------------------------------------------------------- compiled step
-_compiled: weakref.WeakKeyDictionary[Any, Callable[..., torch.Tensor]] = weakref.WeakKeyDictionary()
-_OP_IMPL = "kvrag_row_attention"
-
-
-def _register_op() -> None:
-    """``kvrag::row_attention``: :func:`_attend` as an opaque custom op (torch.compile does not trace into it), and
-    the ``kvrag_row_attention`` attention implementation that calls it."""
-    from transformers import AttentionInterface
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    if _OP_IMPL in ALL_ATTENTION_FUNCTIONS:
-        return
-
-    @torch.library.custom_op("kvrag::row_attention", mutates_args=())
-    def row_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int,
-                      scaling: float) -> torch.Tensor:
-        return _attend(layer, query, key, value, scaling)
-
-    @row_attention.register_fake
-    def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scaling: float) -> torch.Tensor:
-        return query.new_empty((query.shape[0], 1, query.shape[1], value.shape[-1]))
-
-    def impl(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
-             scaling: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
-        scale = float(scaling if scaling is not None else query.shape[-1] ** -0.5)
-        return torch.ops.kvrag.row_attention(query, key, value, int(module.layer_idx), scale), None
-
-    AttentionInterface.register(_OP_IMPL, impl)
-
-
-def compiled_forward(model: Any) -> Callable[..., torch.Tensor]:
-    """``fn(ids [B, 1], pos [B, 1], mask) -> logits [B, V]``: the batched forward captured by ``torch.compile``
-    (dynamic batch size) around the ``kvrag::row_attention`` op; built once per model (the first calls compile)."""
-    fn = _compiled.get(model)
-    if fn is None:
-        _register_op()
-        compiled = torch.compile(_model_forward, dynamic=True)
-
-        def fn(*args: Any) -> torch.Tensor:
-            # the layer index is an int attribute of each attention module: unspecialized, one graph serves all layers
-            with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True):
-                return compiled(*args)
-
-        _compiled[model] = fn
-    return fn
-
-
-def _set_impl(model: Any, impl: str) -> dict[int, str]:
-    from transformers import PretrainedConfig
-
-    saved: dict[int, str] = {}
-    for m in model.modules():
-        c = getattr(m, "config", None)
-        if isinstance(c, PretrainedConfig) and id(c) not in saved:
-            saved[id(c)] = c._attn_implementation
-            c._attn_implementation = impl
-    return saved
-
-
-def _restore_impl(model: Any, saved: dict[int, str]) -> None:
-    from transformers import PretrainedConfig
-
-    for m in model.modules():
-        c = getattr(m, "config", None)
-        if isinstance(c, PretrainedConfig) and id(c) in saved:
-            c._attn_implementation = saved[id(c)]
-
-
 @torch.inference_mode()
 def decode_step(model: Any, rows: Sequence[Row], tokens: Sequence[int],
                 layer_windows_: Sequence[tuple[str, int | None]], *, compiled: bool = False) -> torch.Tensor:
     """Feed ``tokens[i]`` to request ``rows[i]`` at position ``rows[i].length``, all rows in one forward.
 
     Each row's buffer must have room for one more position (the caller reserves it); its fresh K/V are written
-    there, and the caller advances ``length``. The caller holds the model's lock (a compiled step switches the
-    model's attention implementation for its duration).
+    there, and the caller advances ``length``. The caller holds the model's lock. ``compiled``: run the
+    step captured where :mod:`kvrag.kv.compiled` serves the model (the same logits and K/V).
 
     Returns:
         logits [B, V] (float32) of the next token of each row (the last position only).
@@ -360,12 +285,7 @@ def decode_step(model: Any, rows: Sequence[Row], tokens: Sequence[int],
     try:
         if not compiled:
             return _forward(model, ids, pos, mask).float()
-        fn = compiled_forward(model)
-        saved = _set_impl(model, _OP_IMPL)
-        try:
-            return fn(model, ids, pos, mask).float()
-        finally:
-            _restore_impl(model, saved)
+        return _compiled.runner(model, rows, lambda: _forward(model, ids, pos, mask), ids, pos).float()
     finally:
         _local.step = None
 
@@ -442,5 +362,5 @@ def prefill_rows(model: Any, rows: Sequence[Row], tokens: Sequence[Sequence[int]
         _local.step = None
 
 
-__all__ = ["Row", "active", "attention", "batchable", "compiled_forward", "decode_step", "prefill_rows", "verify_step",
+__all__ = ["Row", "active", "attention", "batchable", "decode_step", "prefill_rows", "verify_step",
            "windows"]

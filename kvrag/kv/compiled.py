@@ -1,0 +1,310 @@
+"""A plain decode step captured by ``torch.compile`` that computes the eager step's bits (``compile_decode``).
+
+A decode step of a small model on the CPU is ~100 small operations a layer (norms, RoPE, casts, views, residual
+adds, the gated MLP's activation) around a few kernels, and each costs a dispatch (2-5 us on a 2-core VM) whatever
+its size. Inductor fuses them into a few generated loops. By default its logits need not be the model's bits,
+for three reasons, and each is removed here:
+
+* a fused group keeps its intermediates in float32 where eager rounds each operation's result to the model's
+  dtype: compiled with ``emulate_precision_casts`` (inductor rounds where eager does);
+* inductor writes its own reductions, which sum in another order (RMSNorm's mean of squares differs in the last
+  float32 bit on ~40% of SmolLM2's hidden states, and in the bfloat16 output on ~1 in 2,000): the graph's ``mean``
+  and ``sum`` run torch's own kernels (:func:`torch._inductor.lowering.force_fallback`, scoped to this graph's
+  compilation);
+* RoPE's ``cos`` / ``sin`` of large angles round differently in generated code (1 position of 8,192 for SmolLM2):
+  they are computed eagerly, by the model's rotary embedding, and passed in.
+
+What stays outside the generated code: every linear layer runs the kernel its eager forward runs (torch's int4 /
+int8 weight-only kernels, ``F.linear``), each row's attention is :func:`kvrag.kv.batched.attention` behind an
+opaque custom op (rows are ragged: each buffer its own length), and the output head (with its exact top-logit
+refinement) runs eagerly on the captured graph's last hidden state. The rest is element-wise arithmetic, in the
+order and dtype eager uses, with floating-point contraction off (inductor's default), so the outputs are the same
+numbers. Because a later torch could change how a kernel is generated, the first compiled step of each model and
+batch shape (one row, several rows) is checked against the eager step, logits and written K/V bit for bit; on any
+difference, or if capture fails, kvrag logs it and keeps the eager step for that model. kvrag's packed bfloat16
+weights (:mod:`kvrag.kv.linear`, dense bf16 on CPUs with oneDNN bf16) are not captured (inductor takes such
+weights only from frozen graphs): those models keep the eager step.
+
+Which steps: plain decode steps (one token per row) of the layouts :mod:`kvrag.kv.direct` writes out, with at most
+:data:`kvrag.kv.quant.MAX_ROWS` rows (so each linear layer keeps the route it takes eagerly). Verify steps
+(speculation) and suffix prefills stay eager.
+
+Measured (``benchmarks/kvrag_bench/prof/ab_compiled_step.py int4 512,1536,3072 1,8 40``: SmolLM2-135M, bfloat16
++ int4, one thread, 2-core Xeon with AMX, the two steps interleaved, every step's logits equal): the captured step
+takes 0.98-1.00x the eager step's time at 512 / 1.5K / 3K tokens and batch 1 / 8, after 37 s (one row) and 52 s
+(eight rows) of compilation. With inductor's own reductions (whose logits differed from the eager step's within
+60 steps) captures of the same loop took 0.85-0.95x the eager step in three runs at 1.5K tokens, batch 1: calling
+torch's reduction kernels between the fused groups, plus the generated code's dispatch of the opaque attention and
+weight kernels, takes that gain back. So ``compile_decode`` stays off by default: exact, and no faster here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import sys
+import threading
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from kvrag.kv import direct, quant
+
+log = logging.getLogger(__name__)
+
+_OPTIONS: dict[str, str | int | bool | Callable[..., Any]] = {"emulate_precision_casts": True, "fx_graph_cache": False}
+"""Inductor options of the captured step (the FX graph cache is off: its key does not include the forced fallbacks,
+so a cached graph compiled without them could be served)."""
+
+_state: weakref.WeakKeyDictionary[Any, _Compiled | None] = weakref.WeakKeyDictionary()
+_lock = threading.Lock()
+
+
+_compiling = threading.local()
+_dispatch_installed = False
+
+
+def _reductions() -> list[Any]:
+    aten = torch.ops.aten
+    return [aten.mean.dim, aten.sum.dim_IntList]
+
+
+def _install_dispatch() -> None:
+    """Make inductor lower :func:`_reductions` to torch's own kernels while this module's step compiles (a flag of
+    the compiling thread), and as before for every other graph. Installed once per process (building the fallback
+    lowering takes ~40 ms, too much for every step)."""
+    global _dispatch_installed
+    from torch._inductor import lowering
+
+    if _dispatch_installed:
+        return
+    for op in _reductions():
+        original = lowering.lowerings.get(op)
+        with lowering.force_fallback(op):
+            fallback = lowering.lowerings[op]
+        if original is None:
+            continue
+
+        def dispatch(*args: Any, _original: Any = original, _fallback: Any = fallback, **kwargs: Any) -> Any:
+            chosen = _fallback if getattr(_compiling, "on", False) else _original
+            return chosen(*args, **kwargs)
+
+        lowering.lowerings[op] = dispatch
+    _dispatch_installed = True
+
+
+@contextlib.contextmanager
+def _eager_reductions() -> Iterator[None]:
+    """Around every call of the captured step (a call may compile): its reductions call torch's kernels."""
+    _compiling.on = True
+    try:
+        yield
+    finally:
+        _compiling.on = False
+
+
+def _register_attention() -> Callable[..., torch.Tensor]:
+    """``kvrag::row_attention``: :func:`kvrag.kv.batched.attention` as an opaque op (inductor does not trace into
+    it; it reads the step's rows from the thread that runs the step)."""
+    if hasattr(torch.ops.kvrag, "row_attention"):
+        return torch.ops.kvrag.row_attention  # type: ignore[no-any-return]
+    from kvrag.kv import batched
+
+    @torch.library.custom_op("kvrag::row_attention", mutates_args=())
+    def row_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int,
+                      scaling: float) -> torch.Tensor:
+        return batched._attend(layer, query, key, value, scaling)
+
+    @row_attention.register_fake
+    def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scaling: float) -> torch.Tensor:
+        return query.new_empty((query.shape[0], 1, query.shape[1], value.shape[-1]))
+
+    return torch.ops.kvrag.row_attention  # type: ignore[no-any-return]
+
+
+def _linear(mod: torch.nn.Linear) -> tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[], bool]]:
+    """The product ``mod``'s eager forward runs for a decode step's rows, as a traceable function (the kernels as
+    graph calls), and a check that the weight it captured is still the module's."""
+    w, bias = mod.weight, mod.bias
+    q = getattr(mod, "_kvrag_quant", None)
+    if q is not None:
+        qw = q.qweight
+        if isinstance(qw, quant._Int4):
+            packed, sz = qw.packed, qw.scales_zeros
+
+            def kernel(rows: torch.Tensor) -> torch.Tensor:
+                return torch._weight_int4pack_mm_for_cpu(rows, packed, quant.GROUP, sz)
+        elif isinstance(qw, quant._Int8):
+            q8, scales = qw.q, qw.scales
+
+            def kernel(rows: torch.Tensor) -> torch.Tensor:
+                return torch._weight_int8pack_mm(rows, q8, scales)
+        else:
+            msg = f"{type(qw).__name__} weights are not captured"
+            raise NotImplementedError(msg)
+
+        def fn(x: torch.Tensor) -> torch.Tensor:
+            flat = x.reshape(-1, x.shape[-1])
+            y = kernel(flat.to(torch.bfloat16).contiguous()).to(x.dtype)
+            if bias is not None:
+                y = y + bias
+            return y.view(*x.shape[:-1], y.shape[-1])
+
+        return fn, functools.partial(_quant_valid, mod._parameters, q)
+    if getattr(mod, "_kvrag_packed", None) is not None:
+        msg = ("kvrag's packed bfloat16 weights (kvrag.kv.linear) are not captured: inductor takes such weights only "
+               "from frozen graphs")
+        raise NotImplementedError(msg)
+
+    def plain(x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, w, bias)
+
+    return plain, functools.partial(_same, mod._parameters, w)
+
+
+def _quant_valid(params: dict[str, Any], state: Any) -> bool:
+    return bool(state.valid_for(params["weight"]))
+
+
+def _same(params: dict[str, Any], weight: torch.Tensor) -> bool:
+    return params["weight"] is weight
+
+
+class _Compiled:
+    """One model's captured step: the compiled body, the validity checks of its captured weights, and which batch
+    shapes have been checked against the eager step (True: equal; False: differed, not used)."""
+
+    def __init__(self, model: Any) -> None:
+        inner = model.model
+        self.layers = list(inner.layers[: model.config.num_hidden_layers])
+        self.rotary = inner.rotary_emb
+        self.head = model.lm_head
+        self.dtype = inner.embed_tokens.weight.dtype
+        self.checked: dict[bool, bool] = {}
+        self.failed = False
+        rope = sys.modules[type(self.layers[0].self_attn).__module__].apply_rotary_pos_emb
+        attend = _register_attention()
+        _install_dispatch()
+        checks: list[Callable[[], bool]] = []
+
+        def lin(mod: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
+            fn, ok = _linear(mod)
+            checks.append(ok)
+            return fn
+
+        layers = [(layer, layer.self_attn, layer.mlp, float(layer.self_attn.scaling), int(layer.self_attn.layer_idx),
+                   [lin(m) for m in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+                                     layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj,
+                                     layer.mlp.down_proj)]) for layer in self.layers]
+        self.checks = checks
+        embed, norm = inner.embed_tokens, inner.norm
+
+        def body(ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+            # kvrag.kv.direct.forward's layer loop for [B, 1] ids, with the products and the attention as above
+            h = embed(ids)
+            b, s = ids.shape
+            for layer, a, mlp, scaling, idx, (qp, kp, vp, op, gp, up, dp) in layers:
+                shape = (b, s, -1, a.head_dim)
+                residual = h
+                x = layer.input_layernorm(h)
+                q, k = qp(x).view(shape), kp(x).view(shape)
+                q_norm, k_norm = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
+                if q_norm is not None and k_norm is not None:
+                    q, k = q_norm(q), k_norm(k)
+                q, k = q.transpose(1, 2), k.transpose(1, 2)
+                v = vp(x).view(shape).transpose(1, 2)
+                q, k = rope(q, k, cos, sin)
+                o = attend(q, k, v, idx, scaling)
+                h = residual + op(o.reshape(b, s, -1).contiguous())
+                residual = h
+                x = layer.post_attention_layernorm(h)
+                h = residual + dp(mlp.act_fn(gp(x)) * up(x))
+            return norm(h)
+
+        self.body = torch.compile(body, fullgraph=True, options=_OPTIONS)
+
+    def valid(self) -> bool:
+        """The captured weights are still the modules' (none replaced or changed in place)."""
+        return all(ok() for ok in self.checks)
+
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Logits [B, V] of the plain step over ``ids`` / ``pos`` [B, 1] (the rows' attention from the step running
+        in this thread)."""
+        cos, sin = self.rotary.forward(torch.empty(0, dtype=self.dtype, device=ids.device), position_ids=pos)
+        with _eager_reductions():
+            h = self.body(ids, cos, sin)
+        return self.head.forward(h)[:, -1]  # type: ignore[no-any-return]
+
+
+def why_not(model: Any, rows: int) -> str | None:
+    """None when a step of ``rows`` rows of ``model`` can run captured, else why not."""
+    why = direct.why_not(model)
+    if why is not None:
+        return why
+    if rows > quant.MAX_ROWS:
+        return f"{rows} rows (captured steps have at most {quant.MAX_ROWS}, where each product keeps its route)"
+    return None
+
+
+def runner(model: Any, rows: Sequence[Any], eager: Callable[[], torch.Tensor], ids: torch.Tensor,
+           pos: torch.Tensor) -> torch.Tensor:
+    """Run a plain step captured where that serves ``model`` (the first step of each batch shape checked against
+    ``eager``, the step through :func:`kvrag.kv.direct.forward`), else ``eager``. Returns logits [B, V]."""
+    if why_not(model, len(rows)) is not None or not direct.usable(model):
+        return eager()
+    with _lock:
+        if model not in _state:
+            try:
+                _state[model] = _Compiled(model)
+            except NotImplementedError as e:  # weights the capture does not take: the eager step
+                log.warning("%s: the decode step is not captured (%s); steps run eagerly", type(model).__name__, e)
+                _state[model] = None
+            except Exception:  # noqa: BLE001 -- a layout the capture does not handle: the eager step
+                log.warning("%s: the decode step cannot be captured; steps run eagerly", type(model).__name__,
+                            exc_info=True)
+                _state[model] = None
+        comp = _state[model]
+    if comp is None or comp.failed or not comp.valid():
+        return eager()
+    shape = len(rows) > 1
+    ok = comp.checked.get(shape)
+    if ok is False:
+        return eager()
+    if ok is None:
+        return _first(model, comp, shape, rows, eager, ids, pos)
+    return comp.forward(ids, pos)
+
+
+def _first(model: Any, comp: _Compiled, shape: bool, rows: Sequence[Any], eager: Callable[[], torch.Tensor],
+           ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    try:
+        got = comp.forward(ids, pos)
+    except Exception:  # noqa: BLE001 -- capture or compilation failed: keep the eager step
+        log.warning("%s: compiling the decode step failed; steps run eagerly", type(model).__name__, exc_info=True)
+        comp.failed = True
+        return eager()
+    written = [(r.buffer.keys[:, :, r.length].clone(), r.buffer.values[:, :, r.length].clone()) for r in rows]
+    ref = eager()  # writes the same positions again: what stays is the eager step's
+    same = torch.equal(got, ref) and all(
+        torch.equal(k, r.buffer.keys[:, :, r.length]) and torch.equal(v, r.buffer.values[:, :, r.length])
+        for (k, v), r in zip(written, rows, strict=True))
+    if not same:
+        log.warning("%s: the compiled decode step differs from the eager step with this torch; steps of %s run "
+                    "eagerly", type(model).__name__, "several rows" if shape else "one row")
+    comp.checked[shape] = same
+    return ref
+
+
+def captured(model: Any) -> dict[str, bool]:
+    """Which batch shapes of ``model`` run captured (checked equal) so far: {"one row": ..., "several rows": ...}."""
+    comp = _state.get(model)
+    if comp is None:
+        return {}
+    return {("several rows" if k else "one row"): v for k, v in comp.checked.items()}
+
+
+__all__ = ["captured", "runner", "why_not"]
