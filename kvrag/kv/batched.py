@@ -285,7 +285,7 @@ def decode_step(model: Any, rows: Sequence[Row], tokens: Sequence[int],
     try:
         if not compiled:
             return _forward(model, ids, pos, mask).float()
-        return _compiled.runner(model, rows, lambda: _forward(model, ids, pos, mask), ids, pos).float()
+        return _compiled.runner(model, rows, lambda: _forward(model, ids, pos, mask), ids, pos, _attend).float()
     finally:
         _local.step = None
 

@@ -107,17 +107,17 @@ def _eager_reductions() -> Iterator[None]:
         _compiling.on = False
 
 
-def _register_attention() -> Callable[..., torch.Tensor]:
-    """``kvrag::row_attention``: :func:`kvrag.kv.batched.attention` as an opaque op (inductor does not trace into
-    it; it reads the step's rows from the thread that runs the step)."""
+def _register_attention(attend: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``kvrag::row_attention``: ``attend(layer, query, key, value, scaling)`` (the batched step's row attention,
+    which reads the step's rows from the thread that runs it) as an opaque op: inductor does not trace into it.
+    Registered once per process."""
     if hasattr(torch.ops.kvrag, "row_attention"):
         return torch.ops.kvrag.row_attention  # type: ignore[no-any-return]
-    from kvrag.kv import batched
 
     @torch.library.custom_op("kvrag::row_attention", mutates_args=())
     def row_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int,
                       scaling: float) -> torch.Tensor:
-        return batched._attend(layer, query, key, value, scaling)
+        return attend(layer, query, key, value, scaling)
 
     @row_attention.register_fake
     def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scaling: float) -> torch.Tensor:
@@ -178,7 +178,7 @@ class _Compiled:
     """One model's captured step: the compiled body, the validity checks of its captured weights, and which batch
     shapes have been checked against the eager step (True: equal; False: differed, not used)."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, attend: Callable[..., torch.Tensor]) -> None:
         inner = model.model
         self.layers = list(inner.layers[: model.config.num_hidden_layers])
         self.rotary = inner.rotary_emb
@@ -187,7 +187,7 @@ class _Compiled:
         self.checked: dict[bool, bool] = {}
         self.failed = False
         rope = sys.modules[type(self.layers[0].self_attn).__module__].apply_rotary_pos_emb
-        attend = _register_attention()
+        attention = _register_attention(attend)
         _install_dispatch()
         checks: list[Callable[[], bool]] = []
 
@@ -218,7 +218,7 @@ class _Compiled:
                 q, k = q.transpose(1, 2), k.transpose(1, 2)
                 v = vp(x).view(shape).transpose(1, 2)
                 q, k = rope(q, k, cos, sin)
-                o = attend(q, k, v, idx, scaling)
+                o = attention(q, k, v, idx, scaling)
                 h = residual + op(o.reshape(b, s, -1).contiguous())
                 residual = h
                 x = layer.post_attention_layernorm(h)
@@ -250,16 +250,21 @@ def why_not(model: Any, rows: int) -> str | None:
     return None
 
 
-def runner(model: Any, rows: Sequence[Any], eager: Callable[[], torch.Tensor], ids: torch.Tensor,
-           pos: torch.Tensor) -> torch.Tensor:
+def runner(model: Any, rows: Sequence[Any], eager: Callable[[], torch.Tensor], ids: torch.Tensor, pos: torch.Tensor,
+           attend: Callable[..., torch.Tensor]) -> torch.Tensor:
     """Run a plain step captured where that serves ``model`` (the first step of each batch shape checked against
-    ``eager``, the step through :func:`kvrag.kv.direct.forward`), else ``eager``. Returns logits [B, V]."""
+    ``eager``, the step through :func:`kvrag.kv.direct.forward`), else ``eager``. Returns logits [B, V].
+
+    Args:
+        attend: the batched step's row attention, ``attend(layer, query, key, value, scaling)``
+            (:func:`kvrag.kv.batched._attend`), called from the captured graph.
+    """
     if why_not(model, len(rows)) is not None or not direct.usable(model):
         return eager()
     with _lock:
         if model not in _state:
             try:
-                _state[model] = _Compiled(model)
+                _state[model] = _Compiled(model, attend)
             except NotImplementedError as e:  # weights the capture does not take: the eager step
                 log.warning("%s: the decode step is not captured (%s); steps run eagerly", type(model).__name__, e)
                 _state[model] = None
