@@ -71,8 +71,8 @@ class EngineConfig:
         compile_decode: run plain decode steps captured by ``torch.compile`` around the same weight kernels and
             row attention, computing the eager step's bits (checked on the first step of each batch shape; see
             :mod:`kvrag.kv.compiled`; models with kvrag's packed bf16 weights keep the eager step). Off by default,
-            by measurement (SmolLM2-135M, bf16 + int4, CPU with AMX, one thread, 0.5-3K-token contexts): 37-52 s
-            of compilation per batch shape, then 0.98-1.00x the eager step's time.
+            by measurement (SmolLM2-135M, bf16 + int4, CPU with AMX, one thread, 0.5-3K-token contexts): 49-60 s
+            of compilation per batch shape, then 0.92-1.00x the eager step's time.
         speculative_tokens: most tokens drafted per greedy request and decode step by prompt lookup
             (:mod:`kvrag.engine.speculate`: the answer's last n-gram found in the prompt, the tokens after it
             verified in one forward); 0 turns speculative decoding off. Greedy answers are token-identical either way.

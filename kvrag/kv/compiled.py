@@ -8,9 +8,9 @@ for three reasons, and each is removed here:
 * a fused group keeps its intermediates in float32 where eager rounds each operation's result to the model's
   dtype: compiled with ``emulate_precision_casts`` (inductor rounds where eager does);
 * inductor writes its own reductions, which sum in another order (RMSNorm's mean of squares differs in the last
-  float32 bit on ~40% of SmolLM2's hidden states, and in the bfloat16 output on ~1 in 2,000): the graph's ``mean``
-  and ``sum`` run torch's own kernels (:func:`torch._inductor.lowering.force_fallback`, scoped to this graph's
-  compilation);
+  float32 bit on ~40% of SmolLM2's hidden states, and in the bfloat16 output on ~1 in 2,000): while this graph
+  compiles, ``sum`` lowers to torch's own kernel and ``mean`` to what torch's CPU ``mean`` computes, that kernel's
+  sum divided by the element count (the division generated, so it fuses with what follows);
 * RoPE's ``cos`` / ``sin`` of large angles round differently in generated code (1 position of 8,192 for SmolLM2):
   they are computed eagerly, by the model's rotary embedding, and passed in.
 
@@ -31,11 +31,10 @@ Which steps: plain decode steps (one token per row) of the layouts :mod:`kvrag.k
 
 Measured (``benchmarks/kvrag_bench/prof/ab_compiled_step.py int4 512,1536,3072 1,8 40``: SmolLM2-135M, bfloat16
 + int4, one thread, 2-core Xeon with AMX, the two steps interleaved, every step's logits equal): the captured step
-takes 0.98-1.00x the eager step's time at 512 / 1.5K / 3K tokens and batch 1 / 8, after 37 s (one row) and 52 s
-(eight rows) of compilation. With inductor's own reductions (whose logits differed from the eager step's within
-60 steps) captures of the same loop took 0.85-0.95x the eager step in three runs at 1.5K tokens, batch 1: calling
-torch's reduction kernels between the fused groups, plus the generated code's dispatch of the opaque attention and
-weight kernels, takes that gain back. So ``compile_decode`` stays off by default: exact, and no faster here.
+takes 0.92-1.00x the eager step's time at 512 / 1.5K / 3K tokens and batch 1 / 8 (median ~0.96x), after 49 s (one
+row) and 60 s (eight rows) of compilation. What it cannot fuse away: the 211 weight products, 30 row attentions
+and 61 reductions a step stay kernel calls from the generated code, as in the eager step. So ``compile_decode``
+stays off by default: exact, a few percent faster, a minute of compilation per batch shape.
 """
 
 from __future__ import annotations
@@ -57,8 +56,8 @@ from kvrag.kv import direct, quant
 log = logging.getLogger(__name__)
 
 _OPTIONS: dict[str, str | int | bool | Callable[..., Any]] = {"emulate_precision_casts": True, "fx_graph_cache": False}
-"""Inductor options of the captured step (the FX graph cache is off: its key does not include the forced fallbacks,
-so a cached graph compiled without them could be served)."""
+"""Inductor options of the captured step (the FX graph cache is off: its key does not include the lowerings
+:func:`_install_dispatch` chooses, so a graph cached without them could be served)."""
 
 _state: weakref.WeakKeyDictionary[Any, _Compiled | None] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
@@ -68,38 +67,55 @@ _compiling = threading.local()
 _dispatch_installed = False
 
 
-def _reductions() -> list[Any]:
-    aten = torch.ops.aten
-    return [aten.mean.dim, aten.sum.dim_IntList]
+def _fallbacks() -> list[Any]:
+    """Ops the captured step runs as torch's own kernels: the reductions (inductor's sum adds in another order)."""
+    return [torch.ops.aten.sum.dim_IntList]
 
 
 def _install_dispatch() -> None:
-    """Make inductor lower :func:`_reductions` to torch's own kernels while this module's step compiles (a flag of
-    the compiling thread), and as before for every other graph. Installed once per process (building the fallback
-    lowering takes ~40 ms, too much for every step)."""
+    """While this module's step compiles (a flag of the compiling thread), make inductor lower :func:`_fallbacks`
+    to torch's kernels and ``mean`` to what torch's CPU ``mean`` computes -- its ``sum`` kernel, then a division by
+    the element count (generated, so it fuses with what follows) -- and every other graph as before. Installed once
+    per process (building a fallback lowering takes ~40 ms, too much for every step)."""
     global _dispatch_installed
     from torch._inductor import lowering
 
     if _dispatch_installed:
         return
-    for op in _reductions():
+
+    def chooser(original: Any, replacement: Any) -> Any:
+        def dispatch(*args: Any, **kwargs: Any) -> Any:
+            return (replacement if getattr(_compiling, "on", False) else original)(*args, **kwargs)
+
+        return dispatch
+
+    fallbacks = {}
+    for op in _fallbacks():
         original = lowering.lowerings.get(op)
         with lowering.force_fallback(op):
-            fallback = lowering.lowerings[op]
-        if original is None:
-            continue
+            fallbacks[op] = lowering.lowerings[op]
+        lowering.lowerings[op] = chooser(original, fallbacks[op]) if original is not None else fallbacks[op]
+    aten = torch.ops.aten
+    div, eager_sum = lowering.lowerings[aten.div.Tensor], fallbacks[aten.sum.dim_IntList]
 
-        def dispatch(*args: Any, _original: Any = original, _fallback: Any = fallback, **kwargs: Any) -> Any:
-            chosen = _fallback if getattr(_compiling, "on", False) else _original
-            return chosen(*args, **kwargs)
+    def mean_as_torch_does(x: Any, dim: Any = None, keepdim: bool = False, *, dtype: Any = None) -> Any:
+        # ATen's CPU mean of a floating tensor: sum_out(...).div_(number of elements reduced)
+        size = x.get_size()
+        dims = range(len(size)) if not dim else [d % len(size) for d in dim]
+        count = 1
+        for d in dims:
+            count *= size[d]
+        if getattr(count, "is_number", True):
+            count = int(count)
+        return div(eager_sum(x, dim, keepdim, dtype=dtype), count)
 
-        lowering.lowerings[op] = dispatch
+    lowering.lowerings[aten.mean.dim] = chooser(lowering.lowerings[aten.mean.dim], mean_as_torch_does)
     _dispatch_installed = True
 
 
 @contextlib.contextmanager
-def _eager_reductions() -> Iterator[None]:
-    """Around every call of the captured step (a call may compile): its reductions call torch's kernels."""
+def _eager_kernels() -> Iterator[None]:
+    """Around every call of the captured step (a call may compile): :func:`_install_dispatch`'s lowerings apply."""
     _compiling.on = True
     try:
         yield
@@ -107,22 +123,29 @@ def _eager_reductions() -> Iterator[None]:
         _compiling.on = False
 
 
+_library: list[Any] = []
+
+
 def _register_attention(attend: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """``kvrag::row_attention``: ``attend(layer, query, key, value, scaling)`` (the batched step's row attention,
     which reads the step's rows from the thread that runs it) as an opaque op: inductor does not trace into it.
-    Registered once per process."""
-    if hasattr(torch.ops.kvrag, "row_attention"):
-        return torch.ops.kvrag.row_attention  # type: ignore[no-any-return]
+    Registered once per process, through ``torch.library.Library`` (``torch.library.custom_op``'s Python wrapper
+    costs ~45 us a call, 30 calls a step)."""
+    if not _library:
+        lib = torch.library.Library("kvrag", "FRAGMENT")
+        lib.define("row_attention(Tensor query, Tensor key, Tensor value, int layer, float scaling) -> Tensor")
 
-    @torch.library.custom_op("kvrag::row_attention", mutates_args=())
-    def row_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int,
-                      scaling: float) -> torch.Tensor:
-        return attend(layer, query, key, value, scaling)
+        def row_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int,
+                          scaling: float) -> torch.Tensor:
+            return attend(layer, query, key, value, scaling)
 
-    @row_attention.register_fake
-    def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scaling: float) -> torch.Tensor:
-        return query.new_empty((query.shape[0], 1, query.shape[1], value.shape[-1]))
+        def fake(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int,
+                 scaling: float) -> torch.Tensor:
+            return query.new_empty((query.shape[0], 1, query.shape[1], value.shape[-1]))
 
+        lib.impl("row_attention", row_attention, "CompositeExplicitAutograd")
+        torch.library.register_fake("kvrag::row_attention", fake, lib=lib)
+        _library.append(lib)
     return torch.ops.kvrag.row_attention  # type: ignore[no-any-return]
 
 
@@ -235,7 +258,7 @@ class _Compiled:
         """Logits [B, V] of the plain step over ``ids`` / ``pos`` [B, 1] (the rows' attention from the step running
         in this thread)."""
         cos, sin = self.rotary.forward(torch.empty(0, dtype=self.dtype, device=ids.device), position_ids=pos)
-        with _eager_reductions():
+        with _eager_kernels():
             h = self.body(ids, cos, sin)
         return self.head.forward(h)[:, -1]  # type: ignore[no-any-return]
 

@@ -24,7 +24,8 @@ def _rows(model: torch.nn.Module, contexts: list[list[int]], extra: int) -> list
 
 
 @pytest.mark.parametrize(("family", "dtype", "quantize"), [("llama", torch.bfloat16, "int4"),
-                                                            ("qwen3", torch.float32, None)])
+                                                            ("qwen3", torch.float32, None),
+                                                            ("qwen2", torch.float32, "int8")])
 def test_captured_step_writes_and_returns_the_eager_steps_bits(family: str, dtype: torch.dtype,
                                                                 quantize: str | None) -> None:
     model = tiny_model(family, init_std=0.1, dtype=dtype, quantize=quantize).model
