@@ -28,7 +28,7 @@ class Forwards:
         model: the engine's model; lock: its lock (held for each forward).
         unbatchable: why the model cannot run a batched step (then each row is stepped alone), or None.
         speculation: prompt-lookup drafting (:mod:`kvrag.engine.speculate`).
-        compiled: capture the plain step with ``torch.compile`` (:func:`kvrag.kv.batched.compiled_forward`).
+        compiled: run plain steps captured by ``torch.compile`` where that serves the model (:mod:`kvrag.kv.compiled`).
     """
 
     def __init__(self, model: Any, lock: Any, unbatchable: str | None, speculation: SpeculationConfig,

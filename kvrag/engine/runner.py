@@ -66,7 +66,7 @@ class Runner:
         tokenizer: for the requests' incremental text.
         budget: the engine's KV memory bound.
         max_batch_size: most requests in one step.
-        compile_decode: capture the step with ``torch.compile`` (see :mod:`kvrag.kv.batched`).
+        compile_decode: run plain steps captured by ``torch.compile`` (see :mod:`kvrag.kv.compiled`).
         admission_timeout_s: longest wait for admission (None: no limit).
         speculation: prompt-lookup drafting for greedy requests (:mod:`kvrag.engine.speculate`; None: off).
         pack_suffixes: arrivals' question suffixes in one forward (``EngineConfig.pack_suffixes``).
