@@ -7,23 +7,17 @@ The context is synthetic token ids prefilled once (what a step costs depends on 
 Prints the median step time of each and their ratio per (context, batch).
 """
 import statistics
-import sys
 import time
 
 import torch
 
 from kvrag.kv import batched, direct, hf_cache
-from kvrag.models import load_model
 from kvrag_bench.decode_bench import context_rows
+from kvrag_bench.prof import step_args
 
 
 def main():
-    torch.set_num_threads(1)
-    quantize = sys.argv[1] if len(sys.argv) > 1 else "int4"
-    contexts = [int(c) for c in (sys.argv[2] if len(sys.argv) > 2 else "1536").split(",")]
-    batches = [int(b) for b in (sys.argv[3] if len(sys.argv) > 3 else "1,8").split(",")]
-    steps = int(sys.argv[4]) if len(sys.argv) > 4 else 40
-    lm = load_model(None, quantize=None if quantize == "none" else quantize)
+    quantize, contexts, batches, steps, lm = step_args("1536")
     model, win = lm.model, batched.windows(lm.model)
     print(f"{lm.name} {lm.dtype} quantize={quantize}; direct loop serves it: {direct.why_not(model) is None}")
     for ctx in contexts:

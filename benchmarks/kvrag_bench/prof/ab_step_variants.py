@@ -23,8 +23,8 @@ import time
 import torch
 
 from kvrag.kv import batched, direct, hf_cache, quant
-from kvrag.models import load_model
 from kvrag_bench.decode_bench import context_rows
+from kvrag_bench.prof import step_args
 
 
 def _stack(mods):
@@ -122,13 +122,8 @@ def parts(model, keys, values, dtype, win):
 
 
 def main():
-    torch.set_num_threads(1)
-    quantize = sys.argv[1] if len(sys.argv) > 1 else "int4"
-    contexts = [int(c) for c in (sys.argv[2] if len(sys.argv) > 2 else "512,1536").split(",")]
-    batches = [int(b) for b in (sys.argv[3] if len(sys.argv) > 3 else "1,8").split(",")]
-    steps = int(sys.argv[4]) if len(sys.argv) > 4 else 40
+    quantize, contexts, batches, steps, lm = step_args("512,1536")
     assert quantize == "int4", "the variants stack int4 weights"
-    lm = load_model(None, quantize=quantize)
     model, win = lm.model, batched.windows(lm.model)
     assert direct.why_not(model) is None, "the direct loop does not serve this model"
     base = direct.forward
