@@ -258,6 +258,9 @@ class _Compiled:
         """Logits [B, V] of the plain step over ``ids`` / ``pos`` [B, 1] (the rows' attention from the step running
         in this thread)."""
         cos, sin = self.rotary.forward(torch.empty(0, dtype=self.dtype, device=ids.device), position_ids=pos)
+        if ids.shape[0] > 1:  # one graph for every batch of several rows, the one its first step was checked with
+            for t in (ids, cos, sin):
+                torch._dynamo.mark_dynamic(t, 0)
         with _eager_kernels():
             h = self.body(ids, cos, sin)
         return self.head.forward(h)[:, -1]  # type: ignore[no-any-return]

@@ -31,7 +31,7 @@ def test_captured_step_writes_and_returns_the_eager_steps_bits(family: str, dtyp
     model = tiny_model(family, init_std=0.1, dtype=dtype, quantize=quantize).model
     win = batched.windows(model)
     contexts = [[(7 * i + 3 * j) % 200 + 10 for j in range(n)] for i, n in enumerate((37, 90, 61))]
-    for batch in (1, 3):
+    for batch in (1, 3, 2):  # the several-rows graph, checked at 3 rows, also serves 2
         eager, captured = (_rows(model, contexts[:batch], 12) for _ in range(2))
         toks = [5 + i for i in range(batch)]
         for step in range(6):
