@@ -35,8 +35,9 @@ takes 0.92-1.00x the eager step's time at 512 / 1.5K / 3K tokens and batch 1 / 8
 row) and 60 s (eight rows) of compilation. What it cannot fuse away: the 211 weight products, 30 row attentions
 and 61 reductions a step stay kernel calls from the generated code, as in the eager step. So ``compile_decode``
 stays off by default: exact, a few percent faster, a minute of compilation per batch shape. (Inductor's C++
-wrapper, ``cpp_wrapper``, calls those kernels from generated C++: 0.869x the eager step in one run at 1.5K tokens,
-batch 1, but 406 s to compile the one-row shape on the same 2-core machine.)
+wrapper, ``cpp_wrapper``, calls those kernels from generated C++, still exact: 0.85-0.87x the eager step at batch 1
+and 0.92-0.94x at batch 8, 1.5K-3K tokens, but 349-447 s to compile each batch shape on the same 2-core machine,
+in every process.)
 """
 
 from __future__ import annotations
