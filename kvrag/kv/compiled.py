@@ -288,7 +288,8 @@ def runner(model: Any, rows: Sequence[Any], eager: Callable[[], torch.Tensor], i
         attend: the batched step's row attention, ``attend(layer, query, key, value, scaling)``
             (:func:`kvrag.kv.batched._attend`), called from the captured graph.
     """
-    if why_not(model, len(rows)) is not None or not direct.usable(model):
+    # usable: the direct loop serves the model (why_not was None at its first step) and no module has hooks
+    if len(rows) > quant.MAX_ROWS or not direct.usable(model):
         return eager()
     with _lock:
         if model not in _state:
@@ -321,11 +322,7 @@ def _first(model: Any, comp: _Compiled, shape: bool, rows: Sequence[Any], eager:
         log.warning("%s: compiling the decode step failed; steps run eagerly", type(model).__name__, exc_info=True)
         comp.failed = True
         return eager()
-    written = [(r.buffer.keys[:, :, r.length].clone(), r.buffer.values[:, :, r.length].clone()) for r in rows]
-    ref = eager()  # writes the same positions again: what stays is the eager step's
-    same = torch.equal(got, ref) and all(
-        torch.equal(k, r.buffer.keys[:, :, r.length]) and torch.equal(v, r.buffer.values[:, :, r.length])
-        for (k, v), r in zip(written, rows, strict=True))
+    ref, same = direct.same_as(got, eager, rows, [1] * len(rows))  # what stays is the eager step's
     if not same:
         log.warning("%s: the compiled decode step differs from the eager step with this torch; steps of %s run "
                     "eagerly", type(model).__name__, "several rows" if shape else "one row")

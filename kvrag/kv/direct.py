@@ -174,18 +174,27 @@ def _first(model: Any, reference: Callable[[], torch.Tensor], rows: Sequence[Any
                     type(model).__name__, exc_info=True)
         _checked[model] = False
         return reference()
-    written = [(r.buffer.keys[:, :, r.length : r.length + n].clone(), r.buffer.values[:, :, r.length : r.length + n]
-                .clone()) for r, n in zip(rows, counts, strict=True)]
-    ref = reference()  # writes the same positions again: what stays is the model's own
-    same = torch.equal(got, ref) and all(
-        torch.equal(k, r.buffer.keys[:, :, r.length : r.length + n])
-        and torch.equal(v, r.buffer.values[:, :, r.length : r.length + n])
-        for (k, v), r, n in zip(written, rows, counts, strict=True))
+    ref, same = same_as(got, reference, rows, counts)
     if not same:
         log.warning("%s: the direct decode step differs from the model's forward with this transformers version; "
                     "batched steps keep the model's forward", type(model).__name__)
     _checked[model] = same
     return ref
+
+
+def same_as(got: torch.Tensor, reference: Callable[[], torch.Tensor], rows: Sequence[Any],
+            counts: Sequence[int]) -> tuple[torch.Tensor, bool]:
+    """Check a step that returned ``got`` against ``reference``, a step over the same rows: run ``reference`` (it
+    writes the same positions again, so what stays is its K/V) and return its logits and whether ``got`` and the
+    K/V the first step wrote (``counts[i]`` positions of row ``i`` from its ``length``) are the same bits."""
+    written = [(r.buffer.keys[:, :, r.length : r.length + n].clone(), r.buffer.values[:, :, r.length : r.length + n]
+                .clone()) for r, n in zip(rows, counts, strict=True)]
+    ref = reference()
+    same = torch.equal(got, ref) and all(
+        torch.equal(k, r.buffer.keys[:, :, r.length : r.length + n])
+        and torch.equal(v, r.buffer.values[:, :, r.length : r.length + n])
+        for (k, v), r, n in zip(written, rows, counts, strict=True))
+    return ref, same
 
 
 def served(model: Any) -> bool | None:
@@ -198,4 +207,4 @@ def usable(model: Any) -> bool:
     return bool(_checked.get(model)) and not _hooked(_modules(model))
 
 
-__all__ = ["FAMILIES", "forward", "runner", "served", "usable", "why_not"]
+__all__ = ["FAMILIES", "forward", "runner", "same_as", "served", "usable", "why_not"]
