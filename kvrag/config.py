@@ -69,10 +69,12 @@ class EngineConfig:
             None (default): ``max_batch_size`` requests of the full context window, capped at half the memory
             available on the model's device when the engine starts.
         compile_decode: run plain decode steps captured by ``torch.compile`` around the same weight kernels and
-            row attention, computing the eager step's bits (checked on the first step of each batch shape; see
-            :mod:`kvrag.kv.compiled`; models with kvrag's packed bf16 weights keep the eager step). Off by default,
-            by measurement (SmolLM2-135M, bf16 + int4, CPU with AMX, one thread, 0.5-3K-token contexts): 49-60 s
-            of compilation per batch shape, then 0.92-1.00x the eager step's time.
+            row attention, computing the eager step's bits (checked for each batch shape; see
+            :mod:`kvrag.kv.compiled`; models with kvrag's packed bf16 weights keep the eager step). Each batch shape
+            (one row, several rows) compiles on a helper thread while steps run eagerly, and stays in torch's
+            inductor cache for later processes. Off by default, by measurement (SmolLM2-135M, bf16 + int4, CPU with
+            AMX, one thread, 0.5-3K-token contexts): 0.83-0.84x the eager step's time at batch 1, 0.86-0.94x at
+            batch 8, after 5-6 minutes of one core per batch shape the first time on a machine (seconds later).
         speculative_tokens: most tokens drafted per greedy request and decode step by prompt lookup
             (:mod:`kvrag.engine.speculate`: the answer's last n-gram found in the prompt, the tokens after it
             verified in one forward); 0 turns speculative decoding off. Greedy answers are token-identical either way.

@@ -33,7 +33,8 @@ chunked layer to its own aligned chunk of ``W`` keys, as transformers' mask over
 attention sinks); other models are decoded one row at a time by the caller.
 
 Compiled step (``EngineConfig.compile_decode``, ``compiled=True``): the plain step captured by ``torch.compile``
-around the same row attention, computing the eager step's bits (:mod:`kvrag.kv.compiled`).
+around the same row attention, computing the eager step's bits (:mod:`kvrag.kv.compiled`). Each batch shape
+compiles on a helper thread over throwaway rows (:func:`_rehearse`) while the served steps run eagerly.
 
 Where a step's time goes (same setting, bf16, eager): at batch 1 the GEMMs dominate (weight reads); at batch 8 the
 per-row attention is about half of the step (8 rows x 30 layers of one-token SDPA over 1.5K keys), so a faster
@@ -43,6 +44,7 @@ one-token attention kernel for :func:`_attend` is the next lever for large batch
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -52,7 +54,7 @@ from transformers.cache_utils import Cache
 
 from kvrag.kv import compiled as _compiled
 from kvrag.kv import direct
-from kvrag.kv.hf_cache import KVBuffer
+from kvrag.kv.hf_cache import KVBuffer, model_lock
 from kvrag.kv.window import layer_windows
 
 
@@ -285,7 +287,32 @@ def decode_step(model: Any, rows: Sequence[Row], tokens: Sequence[int],
     try:
         if not compiled:
             return _forward(model, ids, pos, mask).float()
-        return _compiled.runner(model, rows, lambda: _forward(model, ids, pos, mask), ids, pos, _attend).float()
+        return _compiled.runner(model, rows, lambda: _forward(model, ids, pos, mask), ids, pos, _attend,
+                                functools.partial(_rehearse, model, rows[0].buffer.keys, layer_windows_)).float()
+    finally:
+        _local.step = None
+
+
+@torch.inference_mode()
+def _rehearse(model: Any, like: torch.Tensor, layer_windows_: Sequence[tuple[str, int | None]], n: int) -> None:
+    """A plain step of ``n`` rows over throwaway buffers shaped like ``like`` (a request's keys), run captured
+    without a helper (:func:`kvrag.kv.compiled.runner` compiles it here and checks it against the eager step, which
+    runs under the model's lock): what the capture's helper thread compiles a batch shape with."""
+    gen = torch.Generator().manual_seed(n)
+    rows = [Row(KVBuffer.wrap(*(torch.randn(like.shape[0], like.shape[1], 16, like.shape[3], generator=gen)
+                                .to(like) for _ in range(2))), 8 + i) for i in range(n)]
+    dev = model.device
+    ids = torch.tensor([[11 + i] for i in range(n)], dtype=torch.long, device=dev)
+    pos = torch.tensor([[r.length] for r in rows], dtype=torch.long, device=dev)
+    mask = torch.ones((n, 1, 1, 1), dtype=torch.bool, device=dev)
+
+    def eager() -> torch.Tensor:
+        with model_lock(model):
+            return _forward(model, ids, pos, mask)
+
+    _local.step = _Active(rows, layer_windows_)
+    try:
+        _compiled.runner(model, rows, eager, ids, pos, _attend)
     finally:
         _local.step = None
 

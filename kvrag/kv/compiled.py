@@ -29,24 +29,34 @@ Which steps: plain decode steps (one token per row) of the layouts :mod:`kvrag.k
 :data:`kvrag.kv.quant.MAX_ROWS` rows (so each linear layer keeps the route it takes eagerly). Verify steps
 (speculation) and suffix prefills stay eager.
 
+When it compiles: the first step of each batch shape runs eagerly and starts a helper thread
+(``kvrag-compile-decode``, one shape at a time) that runs a step of that shape over throwaway rows
+(:func:`kvrag.kv.batched._rehearse`): the capture compiles there and is checked against the eager step; the served
+steps run eagerly meanwhile, and the first served captured step of the shape is checked again. The generated code
+is called from C++ (inductor's ``cpp_wrapper``) and kept in inductor's FX graph cache under a key that carries this
+module's lowerings (:func:`_options`): compiling the default model's step took 295 s (one row) and 381 s (eight
+rows) of one core on a 2-core VM the first time, and 4 s from the cache in later processes.
+
 Measured (``benchmarks/kvrag_bench/prof/ab_compiled_step.py int4 512,1536,3072 1,8 40``: SmolLM2-135M, bfloat16
 + int4, one thread, 2-core Xeon with AMX, the two steps interleaved, every step's logits equal): the captured step
-takes 0.92-1.00x the eager step's time at 512 / 1.5K / 3K tokens and batch 1 / 8 (median ~0.96x), after 49 s (one
-row) and 60 s (eight rows) of compilation. What it cannot fuse away: the 211 weight products, 30 row attentions
-and 61 reductions a step stay kernel calls from the generated code, as in the eager step. So ``compile_decode``
-stays off by default: exact, a few percent faster, a minute of compilation per batch shape. (Inductor's C++
-wrapper, ``cpp_wrapper``, calls those kernels from generated C++, still exact: 0.85-0.87x the eager step at batch 1
-and 0.92-0.94x at batch 8, 1.5K-3K tokens, but 349-447 s to compile each batch shape on the same 2-core machine,
-in every process.)
+takes 0.825-0.843x the eager step's time at batch 1 and 0.86-0.94x at batch 8 (512 / 1.5K / 3K tokens; eager 33 /
+53 / 63 ms at batch 1). What it cannot fuse away: the 211 weight products, 30 row attentions and 61 reductions a
+step stay kernel calls, as in the eager step. (With inductor's Python wrapper the same capture took 0.92-1.00x
+after ~1 minute of compilation per shape.) ``compile_decode`` stays off by default: the first process on a
+machine spends ~5-6 minutes of a core per batch shape compiling, and the gain is ~15% a token.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
+import inspect
 import logging
+import os
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -58,14 +68,48 @@ from kvrag.kv import direct, quant
 
 log = logging.getLogger(__name__)
 
-_OPTIONS: dict[str, str | int | bool | Callable[..., Any]] = {"emulate_precision_casts": True, "fx_graph_cache": False}
-"""Inductor options of the captured step (the FX graph cache is off: its key does not include the lowerings
-:func:`_install_dispatch` chooses, so a graph cached without them could be served)."""
+@functools.cache
+def _options() -> dict[str, Any]:
+    """Inductor options of the captured step: rounding where eager rounds (``emulate_precision_casts``), the
+    generated code called from C++ (``cpp_wrapper``: the kernels' calls cost less than from a Python wrapper), and
+    the FX graph cache on, keyed by the lowerings :func:`_install_dispatch` installs.
+
+    Inductor's FX graph cache keys a compiled graph by the graph, its inputs' shapes, torch and the inductor config
+    -- not by the lowerings installed while it compiled. The post-grad pass set here leaves the graph as it is; set
+    exactly when those lowerings apply, its ``uuid`` (a hash of the code that chooses them) makes every captured
+    step's key differ from any other compile's, and change with those lowerings. So the cache can stay on: the first process
+    on a machine compiles (minutes for a 30-layer model), later ones load the compiled step from torch's inductor
+    cache directory in seconds. (Imported here, not with the module: ``torch._inductor`` takes ~1.3 s to import.)"""
+    from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+    class LoweringsKey(CustomGraphPass):
+        def __call__(self, graph: torch.fx.graph.Graph) -> None:
+            return None
+
+        def uuid(self) -> str:
+            try:
+                code = "".join(inspect.getsource(f) for f in (_fallbacks, _install_dispatch))
+            except OSError:  # no source next to the bytecode: this whole module
+                return get_hash_for_files((__file__,), extra="kvrag.kv.compiled").hex()
+            return hashlib.sha256(code.encode()).hexdigest()
+
+    return {"emulate_precision_casts": True, "cpp_wrapper": True, "fx_graph_cache": True,
+            "post_grad_custom_post_pass": LoweringsKey()}
+
 
 _state: weakref.WeakKeyDictionary[Any, _Compiled | None] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
+_compile_lock = threading.Lock()  # one batch shape compiles at a time, on a helper thread
 
 
+def _forget() -> None:
+    """In a forked child: no helper thread came along, and the locks may have been held by one."""
+    global _lock, _compile_lock
+    _state.clear()
+    _lock, _compile_lock = threading.Lock(), threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget)
 _compiling = threading.local()
 _dispatch_installed = False
 
@@ -113,6 +157,10 @@ def _install_dispatch() -> None:
         return div(eager_sum(x, dim, keepdim, dtype=dtype), count)
 
     lowering.lowerings[aten.mean.dim] = chooser(lowering.lowerings[aten.mean.dim], mean_as_torch_does)
+    # with the C++ wrapper, inductor warns for every call of torch's sum that it goes through its proxy executor:
+    # it does, on purpose; say nothing while this module's step compiles
+    logging.getLogger("torch._inductor.ir").addFilter(
+        lambda record: not (getattr(_compiling, "on", False) and "c-shim" in record.getMessage()))
     _dispatch_installed = True
 
 
@@ -201,8 +249,10 @@ def _same(params: dict[str, Any], weight: torch.Tensor) -> bool:
 
 
 class _Compiled:
-    """One model's captured step: the compiled body, the validity checks of its captured weights, and which batch
-    shapes have been checked against the eager step (True: equal; False: differed, not used)."""
+    """One model's captured step: the compiled body, the validity checks of its captured weights, and per batch
+    shape (one row: False, several rows: True) where it stands: compiling on the helper thread (``warming``),
+    compiled and checked over throwaway rows (``compiled``), checked against the eager step of a served step
+    (``checked``: True equal, False differed or failed -- not used)."""
 
     def __init__(self, model: Any, attend: Callable[..., torch.Tensor]) -> None:
         inner = model.model
@@ -211,6 +261,8 @@ class _Compiled:
         self.head = model.lm_head
         self.dtype = inner.embed_tokens.weight.dtype
         self.checked: dict[bool, bool] = {}
+        self.warming: set[bool] = set()
+        self.compiled: set[bool] = set()
         self.failed = False
         rope = sys.modules[type(self.layers[0].self_attn).__module__].apply_rotary_pos_emb
         attention = _register_attention(attend)
@@ -251,7 +303,7 @@ class _Compiled:
                 h = residual + dp(mlp.act_fn(gp(x)) * up(x))
             return norm(h)
 
-        self.body = torch.compile(body, fullgraph=True, options=_OPTIONS)
+        self.body = torch.compile(body, fullgraph=True, options=_options())
 
     def valid(self) -> bool:
         """The captured weights are still the modules' (none replaced or changed in place)."""
@@ -280,9 +332,14 @@ def why_not(model: Any, rows: int) -> str | None:
 
 
 def runner(model: Any, rows: Sequence[Any], eager: Callable[[], torch.Tensor], ids: torch.Tensor, pos: torch.Tensor,
-           attend: Callable[..., torch.Tensor]) -> torch.Tensor:
-    """Run a plain step captured where that serves ``model`` (the first step of each batch shape checked against
-    ``eager``, the step through :func:`kvrag.kv.direct.forward`), else ``eager``. Returns logits [B, V].
+           attend: Callable[..., torch.Tensor], rehearse: Callable[[int], None] | None = None) -> torch.Tensor:
+    """Run a plain step captured where that serves ``model``, else ``eager`` (the step through
+    :func:`kvrag.kv.direct.forward`). Returns logits [B, V].
+
+    A batch shape's first captured step is checked against ``eager`` bit for bit. With ``rehearse``, compiling
+    happens off this thread: the first step of a shape starts a helper thread that runs ``rehearse(rows)`` (a plain
+    step of that many rows over throwaway buffers, calling this function without ``rehearse``: it compiles and
+    checks there), and this step and the ones after it run eagerly until that is done.
 
     Args:
         attend: the batched step's row attention, ``attend(layer, query, key, value, scaling)``
@@ -307,11 +364,52 @@ def runner(model: Any, rows: Sequence[Any], eager: Callable[[], torch.Tensor], i
         return eager()
     shape = len(rows) > 1
     ok = comp.checked.get(shape)
-    if ok is False:
+    if ok is None and rehearse is not None and shape not in comp.compiled:
+        _warm(model, comp, shape, rehearse)
         return eager()
     if ok is None:
         return _first(model, comp, shape, rows, eager, ids, pos)
-    return comp.forward(ids, pos)
+    return comp.forward(ids, pos) if ok else eager()
+
+
+def _warm(model: Any, comp: _Compiled, shape: bool, rehearse: Callable[[int], None]) -> None:
+    """Compile and check ``shape`` on a helper thread (once; one shape at a time in the process)."""
+    with _lock:
+        if shape in comp.warming:
+            return
+        comp.warming.add(shape)
+    name = type(model).__name__
+
+    def work() -> None:
+        t0 = time.perf_counter()
+        try:
+            with _compile_lock:
+                rehearse(2 if shape else 1)
+        except Exception:  # noqa: BLE001 -- the served steps stay eager
+            log.warning("%s: compiling the decode step failed; steps run eagerly", name, exc_info=True)
+            comp.failed = True
+        with _lock:
+            same = comp.checked.pop(shape, None)  # set by the rehearsal's check; a served step is checked too
+            if same:
+                comp.compiled.add(shape)
+            elif same is False:
+                comp.checked[shape] = False
+            comp.warming.discard(shape)
+        log.info("%s: decode step of %s %s after %.0f s", name, "several rows" if shape else "one row",
+                 "compiled" if same else "not captured", time.perf_counter() - t0)
+
+    threading.Thread(target=work, name="kvrag-compile-decode", daemon=True).start()
+
+
+def wait(model: Any, timeout: float | None = None) -> dict[str, bool]:
+    """Wait until no batch shape of ``model`` is compiling on the helper thread (at most ``timeout`` seconds), then
+    :func:`captured`. For benchmarks and tests; serving never waits (steps run eagerly meanwhile)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        comp = _state.get(model)
+        if comp is None or not comp.warming or (deadline is not None and time.monotonic() > deadline):
+            return captured(model)
+        time.sleep(0.05)
 
 
 def _first(model: Any, comp: _Compiled, shape: bool, rows: Sequence[Any], eager: Callable[[], torch.Tensor],
@@ -331,11 +429,14 @@ def _first(model: Any, comp: _Compiled, shape: bool, rows: Sequence[Any], eager:
 
 
 def captured(model: Any) -> dict[str, bool]:
-    """Which batch shapes of ``model`` run captured (checked equal) so far: {"one row": ..., "several rows": ...}."""
+    """Which batch shapes of ``model`` run captured so far: {"one row": ..., "several rows": ...}, True where compiled
+    and checked equal to the eager step (over throwaway rows on the helper thread, then on its first served step),
+    False where it differed or failed (those steps run eagerly)."""
     comp = _state.get(model)
     if comp is None:
         return {}
-    return {("several rows" if k else "one row"): v for k, v in comp.checked.items()}
+    out = dict.fromkeys(comp.compiled, True) | comp.checked
+    return {("several rows" if k else "one row"): v for k, v in out.items()}
 
 
-__all__ = ["captured", "runner", "why_not"]
+__all__ = ["captured", "runner", "wait", "why_not"]

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -39,6 +42,8 @@ def test_captured_step_writes_and_returns_the_eager_steps_bits(family: str, dtyp
                 a = batched.decode_step(model, eager, toks, win)
                 b = batched.decode_step(model, captured, toks, win, compiled=True)
             assert torch.equal(a, b), f"batch {batch}, step {step}: the captured step's logits differ"
+            if step == 0:  # the shape's first step ran eagerly and started its compilation on the helper thread
+                compiled.wait(model, timeout=900)
             for r, s in zip(eager, captured, strict=True):
                 assert torch.equal(r.buffer.keys[:, :, r.length], s.buffer.keys[:, :, s.length])
                 assert torch.equal(r.buffer.values[:, :, r.length], s.buffer.values[:, :, s.length])
@@ -47,6 +52,34 @@ def test_captured_step_writes_and_returns_the_eager_steps_bits(family: str, dtyp
             toks = [int(t) for t in a.argmax(-1)]
     # both shapes ran captured (their first steps checked bit for bit against the eager step), not the fallback
     assert compiled.captured(model) == {"one row": True, "several rows": True}
+
+
+def test_a_batch_shape_compiles_on_a_helper_thread_while_steps_run_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = tiny_model("llama", init_std=0.1, dtype=torch.float32).model
+    win = batched.windows(model)
+    release, rehearsed = threading.Event(), []
+    real = batched._rehearse
+
+    def held(*args: object) -> None:
+        rehearsed.append(threading.current_thread().name)
+        assert release.wait(60)
+        real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(batched, "_rehearse", held)
+    eager, captured = (_rows(model, [[(3 * j) % 200 + 10 for j in range(30)]], 8) for _ in range(2))
+    for step in range(4):
+        with hf_cache.model_lock(model):
+            a = batched.decode_step(model, eager, [9 + step], win)
+            b = batched.decode_step(model, captured, [9 + step], win, compiled=True)
+        assert torch.equal(a, b), f"step {step}"
+        for r in eager + captured:
+            r.length += 1
+        if step == 1:  # two steps served eagerly while the compilation waits; then let it go
+            assert compiled.captured(model) == {}
+            assert rehearsed == ["kvrag-compile-decode"]
+            release.set()
+            assert compiled.wait(model, timeout=900) == {"one row": True}
+    assert compiled.captured(model) == {"one row": True}  # its first served step checked equal too
 
 
 def test_a_step_of_more_rows_than_the_quantized_route_stays_eager() -> None:
@@ -70,3 +103,40 @@ def test_packed_bfloat16_weights_keep_the_eager_step() -> None:
         assert compiled.captured(model) == {}
     else:  # dense bf16 products: captured, and its first step checked against the eager one (equal steps above)
         assert "one row" in compiled.captured(model)
+
+
+def _rms(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(x.dtype)
+
+
+def test_the_graph_cache_keeps_the_captures_lowerings_apart(tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inductor's FX graph cache stays on for the capture: a graph compiled without kvrag's lowerings is never served
+    to it (nor the reverse), and a capture compiled again (a later process, a later engine) loads from the cache."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    compiled._install_dispatch()
+    x = torch.randn(64, 576, dtype=torch.bfloat16)
+
+    def compile_once(options: dict[str, object], ours: bool) -> torch.Tensor:
+        torch._dynamo.reset()
+        fn = torch.compile(_rms, fullgraph=True, options=options)
+        if not ours:
+            return fn(x)  # type: ignore[no-any-return]
+        with compiled._eager_kernels():
+            return fn(x)  # type: ignore[no-any-return]
+
+    counters.clear()
+    try:
+        compile_once({"emulate_precision_casts": True, "fx_graph_cache": True}, ours=False)
+        assert counters["inductor"]["fxgraph_cache_miss"] == 1
+        got = compile_once(compiled._options(), ours=True)
+        assert counters["inductor"]["fxgraph_cache_hit"] == 0, "served a graph compiled without kvrag's lowerings"
+        assert counters["inductor"]["fxgraph_cache_miss"] == 2
+        assert torch.equal(got, _rms(x))
+        again = compile_once(compiled._options(), ours=True)
+        assert counters["inductor"]["fxgraph_cache_hit"] == 1
+        assert torch.equal(again, got)
+    finally:
+        torch._dynamo.reset()
