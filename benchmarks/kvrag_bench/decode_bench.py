@@ -11,6 +11,10 @@ What it runs, on one model loaded once per weight format (``--quantize``, e.g. `
   median ms per step and per token;
 * the bytes-read bound of each format: the bytes one step must read (the linear weights in the format's encoding,
   one embedding row per token, the norms, and the rows' KV) divided by the copy bandwidth measured in the same run;
+* with ``--compile-decode``, each format also as ``<format> compiled``: the same model's step captured by
+  ``torch.compile`` (:mod:`kvrag.kv.compiled`, what ``EngineConfig.compile_decode`` runs), its batch shapes
+  compiled before timing (the wait is recorded as ``compile_s``: minutes the first time on a machine, seconds from
+  torch's inductor cache after that);
 * with ``llama-cpp-python`` installed (kvrag-bench's ``peers`` extra) and a GGUF model (the embedded default),
   llama.cpp on the same file: the same token ids prefilled, then greedy steps one token at a time (``n_threads`` =
   torch's threads), interleaved with kvrag's formats at batch 1.
@@ -41,6 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=2, help="times the formats take turns in each cell")
     p.add_argument("--peer", default="auto", choices=("auto", "llama.cpp", "none"),
                    help="llama.cpp on the same GGUF (auto: when llama-cpp-python is installed and the model is one)")
+    p.add_argument("--compile-decode", action="store_true",
+                   help="also time each format's step captured by torch.compile (EngineConfig.compile_decode, the "
+                        "same logits), compiled before timing")
     p.add_argument("--out", default="runs/decode")
 
 
@@ -74,6 +81,28 @@ def context_rows(keys: Any, values: Any, batch: int, capacity: int, dtype: Any) 
         buf.values[:, :, : keys.shape[2]].copy_(values)
         rows.append(batched.Row(buf, keys.shape[2]))
     return rows
+
+
+def _compile_steps(lm: Any, keys: Any, values: Any, batches: list[int], token: int) -> tuple[float, dict[str, bool]]:
+    """Compile the captured step's batch shapes that ``batches`` use (one row, several rows) and run each one's
+    first served step, where it is checked against the eager step. Returns the seconds it took and which shapes
+    run captured (:func:`kvrag.kv.compiled.captured`)."""
+    from kvrag.kv import batched, compiled
+
+    t = time.perf_counter()
+    win = batched.windows(lm.model)
+    shapes = sorted({min(b, 2) for b in batches})
+    for b in shapes:
+        rows = context_rows(keys, values, b, keys.shape[2] + 4, lm.dtype)
+        for _ in range(2):  # eager while the helper thread compiles; then the first captured step
+            batched.decode_step(lm.model, rows, [token] * b, win, compiled=True)
+            for r in rows:
+                r.length += 1
+            compiled.wait(lm.model)
+    if compiled.captured(lm.model) != {("several rows" if b > 1 else "one row"): True for b in shapes}:
+        log.warning("%s: the captured step is not served (%s): its column times the eager step",
+                    lm.name, compiled.captured(lm.model))
+    return time.perf_counter() - t, compiled.captured(lm.model)
 
 
 def step_bytes(model: Any, rows: int, context: int) -> int:
@@ -168,6 +197,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if args.peer == "llama.cpp":
                 raise
             log.warning("llama-cpp-python is not installed: no llama.cpp column (pip install 'kvrag-bench[peers]')")
+    variants = [(f, False) for f in formats] + [(f, True) for f in formats if args.compile_decode]
+    names = {v: f"{v[0]} compiled" if v[1] else v[0] for v in variants}
+    compile_s, captured = {}, {}
+    if args.compile_decode:
+        keys, values = hf_cache.prefill_kv(first.model, torch.tensor(ids[:64]))
+        for f, lm in models.items():
+            compile_s[f], captured[f] = _compile_steps(lm, keys, values, batches, ids[63])
     bandwidth = copy_bandwidth()
     cells: list[dict[str, Any]] = []
     for ctx in contexts:
@@ -176,43 +212,49 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if peer is not None:
             peer_prefill_s, tok = peer.prefill(ids[:ctx])
         for b in batches:
-            times: dict[str, list[float]] = {f: [] for f in formats}
+            times: dict[tuple[str, bool], list[float]] = {v: [] for v in variants}
             for _ in range(args.rounds):
-                for f, lm in models.items():
+                for f, comp in variants:
+                    lm = models[f]
                     rows = context_rows(keys, values, b, ctx + args.steps + 2, lm.dtype)
                     win = batched.windows(lm.model)
                     for i in range(args.steps + 1):
                         t = time.perf_counter()
-                        batched.decode_step(lm.model, rows, [ids[ctx - 1]] * b, win)
+                        batched.decode_step(lm.model, rows, [ids[ctx - 1]] * b, win, compiled=comp)
                         hf_cache.sync(lm.device)
                         if i:  # the first step warms up
-                            times[f].append(time.perf_counter() - t)
+                            times[f, comp].append(time.perf_counter() - t)
                         for r in rows:
                             r.length += 1
                 if peer is not None and b == 1:
                     peer_ms += [1000 * t for t in peer.steps(tok, args.steps)]
                     peer.llm.n_tokens = ctx  # roll back to the prefilled context for the next round
-            for f, lm in models.items():
-                step_ms = 1000 * statistics.median(times[f])
+            for f, comp in variants:
+                lm = models[f]
+                step_ms = 1000 * statistics.median(times[f, comp])
                 nbytes = step_bytes(lm.model, b, ctx)
                 bound_ms = 1000 * nbytes / bandwidth
-                cells.append({"context": ctx, "batch": b, "format": f, "step_ms": step_ms, "ms_per_token": step_ms / b,
+                cells.append({"context": ctx, "batch": b, "format": names[f, comp], "step_ms": step_ms,
+                              "ms_per_token": step_ms / b,
                               "bytes_per_step": nbytes, "bound_ms_per_step": bound_ms, "x_bound": step_ms / bound_ms})
             if peer is not None and b == 1 and peer_ms:
                 cells.append({"context": ctx, "batch": 1, "format": "llama.cpp", "step_ms": statistics.median(peer_ms),
                               "ms_per_token": statistics.median(peer_ms), "prefill_s": peer_prefill_s})
     return {"bench": "decode", "model": first.name, "dtype": str(first.dtype).removeprefix("torch."),
-            "torch_threads": torch.get_num_threads(), "copy_bytes_per_s": bandwidth, "formats": formats,
+            "torch_threads": torch.get_num_threads(), "copy_bytes_per_s": bandwidth,
+            "formats": [names[v] for v in variants], "compile_s": compile_s, "captured": captured,
             "peer": None if peer is None else {"name": "llama.cpp", "llama_cpp_python": peer.version, "gguf": gguf},
             "cells": cells, "environment": environment_info(),
             "command": "kvrag bench decode " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
                                                        if k in ("contexts", "batches", "quantize", "steps", "rounds",
-                                                                "dtype", "threads", "data") and v is not None)}
+                                                                "dtype", "threads", "data") and v is not None)
+                       + (" --compile-decode" if args.compile_decode else "")}
 
 
 def markdown(result: dict[str, Any]) -> str:
     lines = [f"`{result['command']}` -- {result['model']}, {result['dtype']}, {result['torch_threads']} thread(s), "
-             f"copy bandwidth {result['copy_bytes_per_s'] / 1e9:.1f} GB/s",
+             f"copy bandwidth {result['copy_bytes_per_s'] / 1e9:.1f} GB/s"
+             + "".join(f"; {f} compiled: {s:.0f} s to compile" for f, s in result.get("compile_s", {}).items()),
              "", "| context | batch | format | ms / token | ms / step | bytes-read bound (ms / step) | x bound |",
              "|---:|---:|---|---:|---:|---:|---:|"]
     for c in result["cells"]:
@@ -239,7 +281,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
                 ax.plot(*zip(*pts, strict=True), marker="o", label=f)
         for f in result["formats"]:
             pts = sorted((c["context"], c["bound_ms_per_step"] / b) for c in result["cells"] if c["batch"] == b
-                         and c["format"] == f)
+                         and c["format"] == f and not f.endswith(" compiled"))
             if pts:
                 ax.plot(*zip(*pts, strict=True), ls=":", color="gray")
         ax.set_title(f"batch {b}")
