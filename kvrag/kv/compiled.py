@@ -110,6 +110,7 @@ def _forget() -> None:
 
 
 os.register_at_fork(after_in_child=_forget)
+
 _compiling = threading.local()
 _dispatch_installed = False
 

@@ -55,13 +55,16 @@ def test_captured_step_writes_and_returns_the_eager_steps_bits(family: str, dtyp
 
 
 def test_a_batch_shape_compiles_on_a_helper_thread_while_steps_run_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch._dynamo.utils import counters
+
     model = tiny_model("llama", init_std=0.1, dtype=torch.float32).model
     win = batched.windows(model)
-    release, rehearsed = threading.Event(), []
+    entered, release, rehearsed = threading.Event(), threading.Event(), []
     real = batched._rehearse
 
     def held(*args: object) -> None:
         rehearsed.append(threading.current_thread().name)
+        entered.set()
         assert release.wait(60)
         real(*args)  # type: ignore[arg-type]
 
@@ -75,11 +78,13 @@ def test_a_batch_shape_compiles_on_a_helper_thread_while_steps_run_eagerly(monke
         for r in eager + captured:
             r.length += 1
         if step == 1:  # two steps served eagerly while the compilation waits; then let it go
-            assert compiled.captured(model) == {}
+            assert entered.wait(60) and compiled.captured(model) == {}
             assert rehearsed == ["kvrag-compile-decode"]
             release.set()
             assert compiled.wait(model, timeout=900) == {"one row": True}
+            graphs = counters["stats"]["unique_graphs"]
     assert compiled.captured(model) == {"one row": True}  # its first served step checked equal too
+    assert counters["stats"]["unique_graphs"] == graphs  # the served steps ran what the helper compiled
 
 
 def test_a_step_of_more_rows_than_the_quantized_route_stays_eager() -> None:
