@@ -8,6 +8,7 @@ subcommand go after its name (``kvrag bench sweep --lengths 1024,2048``).
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import shlex
@@ -67,13 +68,27 @@ def _add_qa_args(p: argparse.ArgumentParser) -> None:
     _add_model_args(p)
 
 
+def _pinned(func: Any) -> Any:
+    """``func`` with the commit it runs pinned first (:func:`kvrag_bench.provenance.run_git_sha`), so a result file
+    written at the end of a long run names the commit the run started on, not one made while it ran."""
+
+    @functools.wraps(func)
+    def run(args: argparse.Namespace) -> Any:
+        from kvrag_bench.provenance import run_git_sha
+
+        run_git_sha()
+        return func(args)
+
+    return run
+
+
 def _module_command(sub: Any, name: str, module: Any, help_: str, description: str) -> None:
     """A ``kvrag bench`` subcommand whose module brings its options (``add_arguments``) and runner (``main``),
     with the model options every command shares."""
     p = sub.add_parser(name, help=help_, description=description)
     module.add_arguments(p)
     _add_model_args(p)
-    p.set_defaults(func=module.main)
+    p.set_defaults(func=_pinned(module.main))
 
 
 def add_bench_arguments(subparsers: Any) -> argparse.ArgumentParser:
@@ -86,7 +101,7 @@ def add_bench_arguments(subparsers: Any) -> argparse.ArgumentParser:
         description="Benchmark fusion methods on multi-document QA: F1/EM, KL vs full, KV error, cache-ready TTFT.",
     )
     _add_qa_args(p)
-    p.set_defaults(func=run_bench)
+    p.set_defaults(func=_pinned(run_bench))
     sub = p.add_subparsers(dest="bench_command", metavar="{sweep,store,load,decode,speculate,quant-kl,llamaindex-kl,dtype-kl,ingest,templates,plot}")
 
     s = sub.add_parser("sweep", help="TTFT and memory vs context length and vs chunk count, every method")
@@ -102,7 +117,7 @@ def add_bench_arguments(subparsers: Any) -> argparse.ArgumentParser:
     s.add_argument("--out", default="runs/sweep")
     s.add_argument("--overwrite", action="store_true")
     _add_model_args(s)
-    s.set_defaults(func=run_sweep)
+    s.set_defaults(func=_pinned(run_sweep))
 
     st = sub.add_parser("store", help="read/write throughput of each store backend and bytes per token per codec")
     st.add_argument("--backends", default="memory,file", help="comma-separated: memory,file,tiered,redis")
@@ -114,7 +129,7 @@ def add_bench_arguments(subparsers: Any) -> argparse.ArgumentParser:
     st.add_argument("--repeats", type=int, default=3)
     st.add_argument("--out", default="runs/store")
     _add_model_args(st)
-    st.set_defaults(func=run_store)
+    st.set_defaults(func=_pinned(run_store))
 
     ld = sub.add_parser("load", help="1, 2, 4, 8 concurrent clients through a LlamaIndex query engine and an LCEL chain",
                         description="Concurrent clients through a stock LlamaIndex streaming query engine and a stock "
@@ -129,7 +144,7 @@ def add_bench_arguments(subparsers: Any) -> argparse.ArgumentParser:
 
     http_load.add_arguments(ld)
     interleave.add_arguments(ld)
-    ld.set_defaults(func=run_load)
+    ld.set_defaults(func=_pinned(run_load))
 
     from kvrag_bench import decode_bench, quant_kl, spec_bench
 
@@ -162,7 +177,7 @@ def add_bench_arguments(subparsers: Any) -> argparse.ArgumentParser:
     lk.add_argument("--top-k", type=int, default=5)
     lk.add_argument("--out", default="runs/llamaindex-kl")
     _add_model_args(lk)
-    lk.set_defaults(func=run_llamaindex_kl)
+    lk.set_defaults(func=_pinned(run_llamaindex_kl))
 
     dk = sub.add_parser("dtype-kl", help="KL(float32 full || bf16 full) of the next token on dev data",
                         description="Load the model in float32 and in --dtype, prefill every request in full with "
@@ -172,7 +187,7 @@ def add_bench_arguments(subparsers: Any) -> argparse.ArgumentParser:
     dk.add_argument("--offset", type=int, default=0)
     dk.add_argument("--out", default="runs/dtype-kl")
     _add_model_args(dk)
-    dk.set_defaults(func=run_dtype_kl, dtype="bfloat16")
+    dk.set_defaults(func=_pinned(run_dtype_kl), dtype="bfloat16")
 
     t = sub.add_parser("templates", help="choose the prompt template by full-prefill F1 on dev data")
     t.add_argument("--data", required=True)
@@ -183,7 +198,7 @@ def add_bench_arguments(subparsers: Any) -> argparse.ArgumentParser:
     t.add_argument("--bootstrap", type=int, default=1000)
     t.add_argument("--out", default="runs/templates")
     _add_model_args(t)
-    t.set_defaults(func=run_templates)
+    t.set_defaults(func=_pinned(run_templates))
 
     ig = sub.add_parser("ingest", help="chunks/s of one-at-a-time vs batched vs Ray-distributed ingest",
                         description="Ingest the same corpus chunks in every mode (interleaved per slice), then check "
@@ -200,13 +215,13 @@ def add_bench_arguments(subparsers: Any) -> argparse.ArgumentParser:
     ig.add_argument("--codec", default="native", help="storage codec of every mode's store (native, float16, int8 ...)")
     ig.add_argument("--out", default="runs/ingest")
     _add_model_args(ig)
-    ig.set_defaults(func=run_ingest)
+    ig.set_defaults(func=_pinned(run_ingest))
 
     pl = sub.add_parser("plot", help="one KL (or F1) vs TTFT/TTFT_full chart over several runs' summary.json")
     pl.add_argument("runs", nargs="+", help="NAME=PATH/summary.json (or a run directory) per run")
     pl.add_argument("--metric", choices=["kl", "f1"], default="kl")
     pl.add_argument("--out", required=True, help="PNG path")
-    pl.set_defaults(func=run_plot)
+    pl.set_defaults(func=_pinned(run_plot))
 
     fa = sub.add_parser("fit-auto", help="fit the cost model of the `auto` method from a finished run's summary.json")
     fa.add_argument("summary", help="a kvrag bench --out directory or its summary.json")
@@ -214,14 +229,14 @@ def add_bench_arguments(subparsers: Any) -> argparse.ArgumentParser:
     fa.add_argument("--machine-kind", default=None,
                     help="machine kind the run was measured on (default: the summary's hardware.machine_kind)")
     fa.add_argument("--dtype", default=None, help="compute dtype of the run (default: the summary's dtype)")
-    fa.set_defaults(func=run_fit_auto)
+    fa.set_defaults(func=_pinned(run_fit_auto))
 
     mg = sub.add_parser("merge", help="one summary from runs that split one request list between processes "
                         "(e.g. one per core, side by side)")
     mg.add_argument("runs", nargs="+", help="kvrag bench --out directories (same methods and template)")
     mg.add_argument("--out", required=True, help="directory for the merged summary.json / summary.md / plots")
     mg.add_argument("--bootstrap", type=int, default=1000)
-    mg.set_defaults(func=run_merge)
+    mg.set_defaults(func=_pinned(run_merge))
     return p
 
 

@@ -270,11 +270,11 @@ def test_cli_mounts_bench_commands() -> None:
     p = argparse.ArgumentParser(prog="kvrag")
     add_bench_arguments(p.add_subparsers(dest="command"))
     a = p.parse_args(["bench", "--data", "x.jsonl", "--limit", "3", "--methods", "full,relaxkv:r=0.15", "--bootstrap", "10"])
-    assert a.func is run_bench and a.limit == 3 and a.methods == "full,relaxkv:r=0.15"
+    assert a.func.__wrapped__ is run_bench and a.limit == 3 and a.methods == "full,relaxkv:r=0.15"
     a = p.parse_args(["bench", "sweep", "--lengths", "1024,2048", "--methods", "full"])
-    assert a.func is run_sweep and a.lengths == [1024, 2048]
-    assert p.parse_args(["bench", "store", "--codecs", "int8"]).func is run_store
-    assert p.parse_args(["bench", "templates", "--data", "x"]).func is run_templates
+    assert a.func.__wrapped__ is run_sweep and a.lengths == [1024, 2048]
+    assert p.parse_args(["bench", "store", "--codecs", "int8"]).func.__wrapped__ is run_store
+    assert p.parse_args(["bench", "templates", "--data", "x"]).func.__wrapped__ is run_templates
 
 
 def test_combined_pareto_plot(tmp_path: Path) -> None:

@@ -15,8 +15,8 @@ def test_entry_point_is_installed_and_mounts_bench() -> None:
     assert "bench" in eps, "kvrag-bench is not installed: pip install -e benchmarks"
     assert eps["bench"].load() is add_bench_arguments
     p = build_parser()
-    assert p.parse_args(["bench", "--data", "x.jsonl"]).func is run_bench
-    assert p.parse_args(["bench", "sweep", "--lengths", "1024"]).func is run_sweep
+    assert p.parse_args(["bench", "--data", "x.jsonl"]).func.__wrapped__ is run_bench
+    assert p.parse_args(["bench", "sweep", "--lengths", "1024"]).func.__wrapped__ is run_sweep
 
 
 def test_bench_without_data_is_a_clear_error(capsys) -> None:
@@ -24,3 +24,14 @@ def test_bench_without_data_is_a_clear_error(capsys) -> None:
 
     assert main(["bench"]) == 2
     assert "needs --data" in capsys.readouterr().err
+
+
+def test_a_bench_command_pins_its_commit_before_it_runs(monkeypatch) -> None:
+    """Result files name the commit a run started on (written at its end, after any commit made meanwhile)."""
+    from kvrag_bench import provenance
+
+    monkeypatch.setattr(provenance, "_RUN_SHA", {})
+    seen = []
+    monkeypatch.setattr("kvrag_bench.decode_bench.main", lambda args: seen.append(dict(provenance._RUN_SHA)) or 0)
+    args = build_parser().parse_args(["bench", "decode", "--contexts", "64"])
+    assert args.func(args) == 0 and seen == [{"sha": provenance.git_sha()}]

@@ -37,4 +37,4 @@ def test_cli_is_wired() -> None:
     from kvrag_bench.cli import run_dtype_kl as cli_run
 
     args = build_parser().parse_args(["bench", "dtype-kl", "--data", "x.jsonl", "--limit", "3", "--threads", "1"])
-    assert args.func is cli_run and (args.limit, args.dtype, args.threads) == (3, "bfloat16", 1)
+    assert args.func.__wrapped__ is cli_run and (args.limit, args.dtype, args.threads) == (3, "bfloat16", 1)
