@@ -10,16 +10,21 @@ from kvrag.testing.tiny import tiny_model
 from kvrag_bench.cli import main
 
 
-def test_decode_bench_on_a_tiny_model(tmp_path: Path) -> None:
+def _bench(tmp_path: Path, contexts: str, quantize: str, *extra: str) -> tuple[Path, dict]:
+    """``kvrag bench decode`` on a tiny 2-layer llama saved to ``tmp_path``: (its --out folder, decode.json)."""
     lm = tiny_model("llama", num_layers=2)
     lm.model.save_pretrained(tmp_path / "m")
     lm.tokenizer.save_pretrained(tmp_path / "m")
     out = tmp_path / "out"
     rc = main(["bench", "decode", "--model", str(tmp_path / "m"), "--dtype", "float32", "--threads", "1",
-               "--contexts", "48,96", "--batches", "1,2", "--quantize", "none,int4", "--steps", "2", "--rounds", "1",
-               "--peer", "none", "--out", str(out), "--no-progress"])
+               "--contexts", contexts, "--batches", "1,2", "--quantize", quantize, "--steps", "2", "--rounds", "1",
+               "--peer", "none", *extra, "--out", str(out), "--no-progress"])
     assert rc == 0
-    res = json.loads((out / "decode.json").read_text())
+    return out, json.loads((out / "decode.json").read_text())
+
+
+def test_decode_bench_on_a_tiny_model(tmp_path: Path) -> None:
+    out, res = _bench(tmp_path, "48,96", "none,int4")
     cells = {(c["context"], c["batch"], c["format"]): c for c in res["cells"]}
     assert set(cells) == {(c, b, f) for c in (48, 96) for b in (1, 2) for f in ("none", "int4")}
     for c in cells.values():
@@ -34,15 +39,7 @@ def test_decode_bench_on_a_tiny_model(tmp_path: Path) -> None:
 
 def test_decode_bench_times_the_compiled_step_too(tmp_path: Path) -> None:
     """``--compile-decode`` adds each format's captured step as a column of its own, compiled before timing."""
-    lm = tiny_model("llama", num_layers=2)
-    lm.model.save_pretrained(tmp_path / "m")
-    lm.tokenizer.save_pretrained(tmp_path / "m")
-    out = tmp_path / "out"
-    rc = main(["bench", "decode", "--model", str(tmp_path / "m"), "--dtype", "float32", "--threads", "1",
-               "--contexts", "80", "--batches", "1,2", "--quantize", "int4", "--steps", "2", "--rounds", "1",
-               "--peer", "none", "--compile-decode", "--out", str(out), "--no-progress"])
-    assert rc == 0
-    res = json.loads((out / "decode.json").read_text())
+    out, res = _bench(tmp_path, "80", "int4", "--compile-decode")
     assert res["formats"] == ["int4", "int4 compiled"] and res["compile_s"]["int4"] > 0
     assert res["captured"]["int4"] == {"one row": True, "several rows": True}  # its column is the captured step's
     cells = {(c["batch"], c["format"]): c for c in res["cells"]}
