@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -114,17 +115,18 @@ def _rms(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(x.dtype)
 
 
-def test_the_graph_cache_keeps_the_captures_lowerings_apart(tmp_path: Path,
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """Inductor's FX graph cache stays on for the capture: a graph compiled without kvrag's lowerings is never served
-    to it (nor the reverse), and a capture compiled again (a later process, a later engine) loads from the cache."""
+def test_the_graph_cache_keeps_the_captures_lowerings_apart(tmp_path: Path) -> None:
+    """Inductor's FX graph cache stays on for the capture: a graph compiled with the same options but without kvrag's
+    lowerings is never served to it, and a capture compiled again (a later process, a later engine) loads from the
+    cache."""
     from torch._dynamo.utils import counters
+    from torch._inductor.utils import clear_caches, fresh_cache
 
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     compiled._install_dispatch()
     x = torch.randn(64, 576, dtype=torch.bfloat16)
+    without_key = {k: v for k, v in compiled._options().items() if k != "post_grad_custom_post_pass"}
 
-    def compile_once(options: dict[str, object], ours: bool) -> torch.Tensor:
+    def compile_once(options: dict[str, Any], ours: bool) -> torch.Tensor:
         torch._dynamo.reset()
         fn = torch.compile(_rms, fullgraph=True, options=options)
         if not ours:
@@ -134,14 +136,16 @@ def test_the_graph_cache_keeps_the_captures_lowerings_apart(tmp_path: Path,
 
     counters.clear()
     try:
-        compile_once({"emulate_precision_casts": True, "fx_graph_cache": True}, ours=False)
-        assert counters["inductor"]["fxgraph_cache_miss"] == 1
-        got = compile_once(compiled._options(), ours=True)
-        assert counters["inductor"]["fxgraph_cache_hit"] == 0, "served a graph compiled without kvrag's lowerings"
-        assert counters["inductor"]["fxgraph_cache_miss"] == 2
-        assert torch.equal(got, _rms(x))
-        again = compile_once(compiled._options(), ours=True)
-        assert counters["inductor"]["fxgraph_cache_hit"] == 1
-        assert torch.equal(again, got)
+        with fresh_cache(dir=str(tmp_path)):
+            compile_once(without_key, ours=False)
+            assert counters["inductor"]["fxgraph_cache_miss"] == 1
+            got = compile_once(compiled._options(), ours=True)
+            assert counters["inductor"]["fxgraph_cache_hit"] == 0, "served a graph compiled without kvrag's lowerings"
+            assert counters["inductor"]["fxgraph_cache_miss"] == 2
+            assert torch.equal(got, _rms(x))
+            again = compile_once(compiled._options(), ours=True)
+            assert counters["inductor"]["fxgraph_cache_hit"] == 1
+            assert torch.equal(again, got)
     finally:
         torch._dynamo.reset()
+        clear_caches()  # nothing keeps pointing at the removed directory
