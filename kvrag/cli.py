@@ -57,9 +57,22 @@ def cmd_pull(args: argparse.Namespace) -> int:
     if args.model in (None, "default", "smollm2-135m-instruct"):
         path = prepare_default_model(progress=True)
         print(f"default model ready at {path}")
-    else:
-        lm = load_model(args.model)
+        if not args.compile_decode:
+            return 0
+    lm = load_model(args.model)
+    if args.model not in (None, "default", "smollm2-135m-instruct"):
         print(f"{lm.name} loads fine ({lm.dtype}, {lm.device}); fingerprint {lm.fingerprint[:16]}")
+    if args.compile_decode:
+        import time
+
+        from kvrag.kv import batched
+
+        print("compiling the decode step (compile_decode), one batch shape at a time: minutes the first time on a "
+              "machine, then cached for every process ...", flush=True)
+        t = time.perf_counter()
+        got = batched.precompile(lm.model)
+        shapes = ", ".join(f"{k}: {'compiled' if v else 'not captured'}" for k, v in got.items()) or "not captured"
+        print(f"{lm.name} ({lm.dtype}, quantize={lm.quantize}): {shapes} in {time.perf_counter() - t:.0f} s")
     return 0
 
 
@@ -295,6 +308,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("pull", help="prepare the default (or given) model")
     sp.add_argument("model", nargs="?", default=None)
+    sp.add_argument("--compile-decode", action="store_true",
+                    help="also compile the decode step that EngineConfig.compile_decode runs (minutes, once per "
+                         "machine: torch's inductor cache keeps it for every later process)")
     sp.set_defaults(func=cmd_pull)
 
     sp = sub.add_parser("ingest", help="split documents, cache their chunks and build a FAISS index")

@@ -74,7 +74,8 @@ class EngineConfig:
             (one row, several rows) compiles on a helper thread while steps run eagerly, and stays in torch's
             inductor cache for later processes. Off by default, by measurement (SmolLM2-135M, bf16 + int4, CPU with
             AMX, one thread, 0.5-3K-token contexts): 0.83-0.84x the eager step's time at batch 1, 0.86-0.94x at
-            batch 8, after 5-6 minutes of one core per batch shape the first time on a machine (seconds later).
+            batch 8, after 5-6 minutes of one core per batch shape the first time on a machine (seconds later;
+            ``kvrag pull --compile-decode`` compiles ahead).
         speculative_tokens: most tokens drafted per greedy request and decode step by prompt lookup
             (:mod:`kvrag.engine.speculate`: the answer's last n-gram found in the prompt, the tokens after it
             verified in one forward); 0 turns speculative decoding off. Greedy answers are token-identical either way.

@@ -317,6 +317,24 @@ def _rehearse(model: Any, like: torch.Tensor, layer_windows_: Sequence[tuple[str
         _local.step = None
 
 
+@torch.inference_mode()
+def precompile(model: Any) -> dict[str, bool]:
+    """Compile the captured plain step's batch shapes (one row, several rows) now, in this thread, as
+    ``compile_decode``'s helper thread would on first use: minutes the first time on a machine, after which torch's
+    inductor cache serves them to every process (``kvrag pull --compile-decode``, for a deploy step). Returns
+    :func:`kvrag.kv.compiled.captured` (a shape the capture does not serve stays eager, with a logged reason)."""
+    from kvrag.kv.hf_cache import prefill_kv
+
+    wins = windows(model)
+    with model_lock(model):
+        keys, values = prefill_kv(model, torch.arange(8, device=model.device) + 10)
+        rows = [Row(KVBuffer.wrap(keys.clone(), values.clone()), 7)]  # a step over its last position (rewritten)
+        decode_step(model, rows, [17], wins)  # the direct loop's own first-step check, which the capture needs
+    for n in (1, 2):
+        _rehearse(model, keys, wins, n)
+    return _compiled.captured(model)
+
+
 def _packed(model: Any, rows: Sequence[Row], tokens: Sequence[Sequence[int]],
             what: str) -> tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor]:
     """Several tokens per row packed along one sequence: (tokens per row, ids [1, T], positions [1, T] -- row

@@ -149,3 +149,17 @@ def test_the_graph_cache_keeps_the_captures_lowerings_apart(tmp_path: Path) -> N
     finally:
         torch._dynamo.reset()
         clear_caches()  # nothing keeps pointing at the removed directory
+
+
+def test_precompile_compiles_both_shapes_now(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """``kvrag pull --compile-decode`` (``batched.precompile``): both batch shapes compiled and checked in the calling
+    thread, so a deploy step can fill the cache before a server starts."""
+    from kvrag.cli import main
+
+    lm = tiny_model("qwen2", init_std=0.1)
+    lm.model.save_pretrained(tmp_path / "m")
+    lm.tokenizer.save_pretrained(tmp_path / "m")
+    monkeypatch.setenv("KVRAG_DTYPE", "float32")  # dense fp32 products: captured on every CPU kind
+    assert main(["pull", str(tmp_path / "m"), "--compile-decode"]) == 0
+    assert "one row: compiled, several rows: compiled" in capsys.readouterr().out
