@@ -310,7 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("model", nargs="?", default=None)
     sp.add_argument("--compile-decode", action="store_true",
                     help="also compile the decode step that EngineConfig.compile_decode runs (minutes, once per "
-                         "machine: torch's inductor cache keeps it for every later process)")
+                         "machine and torch thread count: torch's inductor cache keeps it for later processes)")
     sp.set_defaults(func=cmd_pull)
 
     sp = sub.add_parser("ingest", help="split documents, cache their chunks and build a FAISS index")
