@@ -68,7 +68,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
         from kvrag.kv import batched
 
         print("compiling the decode step (compile_decode), one batch shape at a time: minutes the first time on a "
-              "machine, then cached for every process ...", flush=True)
+              "machine, then cached for later processes at this torch thread count ...", flush=True)
         t = time.perf_counter()
         got = batched.precompile(lm.model)
         shapes = ", ".join(f"{k}: {'compiled' if v else 'not captured'}" for k, v in got.items()) or "not captured"

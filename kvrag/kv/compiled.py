@@ -36,7 +36,8 @@ steps run eagerly meanwhile, and the first served captured step of the shape is 
 is called from C++ (inductor's ``cpp_wrapper``) and kept in inductor's FX graph cache under a key that carries this
 module's lowerings (:func:`_options`): compiling the default model's step took 295 s (one row) and 381 s (eight
 rows) of one core on a 2-core VM the first time, and 4 s from the cache in later processes with the same torch
-thread count (the generated code is specific to it, and the cache key has it).
+thread count (the generated code is specific to it, and the cache key has it). :func:`kvrag.kv.batched.precompile`
+(``kvrag pull --compile-decode``) compiles both shapes ahead, in the calling thread.
 
 Measured (``benchmarks/kvrag_bench/prof/ab_compiled_step.py int4 512,1536,3072 1,8 40``: SmolLM2-135M, bfloat16
 + int4, one thread, 2-core Xeon with AMX, the two steps interleaved, every step's logits equal): the captured step
