@@ -54,13 +54,14 @@ def cmd_pull(args: argparse.Namespace) -> int:
     from kvrag.default_model import prepare_default_model
     from kvrag.models import load_model
 
-    if args.model in (None, "default", "smollm2-135m-instruct"):
+    default = args.model in (None, "default", "smollm2-135m-instruct")
+    if default:
         path = prepare_default_model(progress=True)
         print(f"default model ready at {path}")
         if not args.compile_decode:
             return 0
     lm = load_model(args.model)
-    if args.model not in (None, "default", "smollm2-135m-instruct"):
+    if not default:
         print(f"{lm.name} loads fine ({lm.dtype}, {lm.device}); fingerprint {lm.fingerprint[:16]}")
     if args.compile_decode:
         import time

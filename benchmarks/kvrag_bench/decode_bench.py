@@ -83,26 +83,17 @@ def context_rows(keys: Any, values: Any, batch: int, capacity: int, dtype: Any) 
     return rows
 
 
-def _compile_steps(lm: Any, keys: Any, values: Any, batches: list[int], token: int) -> tuple[float, dict[str, bool]]:
-    """Compile the captured step's batch shapes that ``batches`` use (one row, several rows) and run each one's
-    first served step, where it is checked against the eager step. Returns the seconds it took and which shapes
-    run captured (:func:`kvrag.kv.compiled.captured`)."""
-    from kvrag.kv import batched, compiled
+def _compile_steps(lm: Any, batches: list[int]) -> tuple[float, dict[str, bool]]:
+    """Compile the captured step's batch shapes that ``batches`` use (one row, several rows) before timing
+    (:func:`kvrag.kv.batched.precompile`). Returns the seconds it took and which shapes run captured."""
+    from kvrag.kv import batched
 
     t = time.perf_counter()
-    win = batched.windows(lm.model)
     shapes = sorted({min(b, 2) for b in batches})
-    for b in shapes:
-        rows = context_rows(keys, values, b, keys.shape[2] + 4, lm.dtype)
-        for _ in range(2):  # eager while the helper thread compiles; then the first captured step
-            batched.decode_step(lm.model, rows, [token] * b, win, compiled=True)
-            for r in rows:
-                r.length += 1
-            compiled.wait(lm.model)
-    if compiled.captured(lm.model) != {("several rows" if b > 1 else "one row"): True for b in shapes}:
-        log.warning("%s: the captured step is not served (%s): its column times the eager step",
-                    lm.name, compiled.captured(lm.model))
-    return time.perf_counter() - t, compiled.captured(lm.model)
+    got = batched.precompile(lm.model, shapes)
+    if got != {("several rows" if b > 1 else "one row"): True for b in shapes}:
+        log.warning("%s: the captured step is not served (%s): its column times the eager step", lm.name, got)
+    return time.perf_counter() - t, got
 
 
 def step_bytes(model: Any, rows: int, context: int) -> int:
@@ -201,9 +192,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     names = {v: f"{v[0]} compiled" if v[1] else v[0] for v in variants}
     compile_s, captured = {}, {}
     if args.compile_decode:
-        keys, values = hf_cache.prefill_kv(first.model, torch.tensor(ids[:64]))
         for f, lm in models.items():
-            compile_s[f], captured[f] = _compile_steps(lm, keys, values, batches, ids[63])
+            compile_s[f], captured[f] = _compile_steps(lm, batches)
     bandwidth = copy_bandwidth()
     cells: list[dict[str, Any]] = []
     for ctx in contexts:

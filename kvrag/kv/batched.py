@@ -318,11 +318,17 @@ def _rehearse(model: Any, like: torch.Tensor, layer_windows_: Sequence[tuple[str
 
 
 @torch.inference_mode()
-def precompile(model: Any) -> dict[str, bool]:
-    """Compile the captured plain step's batch shapes (one row, several rows) now, in this thread, as
-    ``compile_decode``'s helper thread would on first use: minutes the first time on a machine, after which torch's
-    inductor cache serves them to every process (``kvrag pull --compile-decode``, for a deploy step). Returns
-    :func:`kvrag.kv.compiled.captured` (a shape the capture does not serve stays eager, with a logged reason)."""
+def precompile(model: Any, batches: Sequence[int] = (1, 2)) -> dict[str, bool]:
+    """Compile the captured plain step's batch shapes now, in this thread, as ``compile_decode``'s helper thread
+    would on first use: minutes the first time on a machine, after which torch's inductor cache serves them to later
+    processes (``kvrag pull --compile-decode``, for a deploy step; ``kvrag bench decode --compile-decode``).
+
+    Args:
+        batches: a batch size per shape to compile (1: the one-row shape; 2 or more: the several-rows shape).
+
+    Returns:
+        :func:`kvrag.kv.compiled.captured` (a shape the capture does not serve stays eager, with a logged reason).
+    """
     from kvrag.kv.hf_cache import prefill_kv
 
     wins = windows(model)
@@ -330,7 +336,7 @@ def precompile(model: Any) -> dict[str, bool]:
         keys, values = prefill_kv(model, torch.arange(8, device=model.device) + 10)
         rows = [Row(KVBuffer.wrap(keys.clone(), values.clone()), 7)]  # a step over its last position (rewritten)
         decode_step(model, rows, [17], wins)  # the direct loop's own first-step check, which the capture needs
-    for n in (1, 2):
+    for n in sorted({min(b, 2) for b in batches}):
         _rehearse(model, keys, wins, n)
     return _compiled.captured(model)
 

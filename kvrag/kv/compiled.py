@@ -79,9 +79,9 @@ def _options() -> dict[str, Any]:
     Inductor's FX graph cache keys a compiled graph by the graph, its inputs' shapes, torch and the inductor config
     -- not by the lowerings installed while it compiled. The post-grad pass set here leaves the graph as it is; set
     exactly when those lowerings apply, its ``uuid`` (a hash of the code that chooses them) makes every captured
-    step's key differ from any other compile's, and change with those lowerings. So the cache can stay on: the first process
-    on a machine compiles (minutes for a 30-layer model), later ones load the compiled step from torch's inductor
-    cache directory in seconds. (Imported here, not with the module: ``torch._inductor`` takes ~1.3 s to import.)"""
+    step's key differ from any other compile's, and change with those lowerings. So the cache can stay on: the
+    first process on a machine compiles (minutes for a 30-layer model), later ones load the compiled step from
+    torch's inductor cache directory in seconds. (Imported here, not with the module: ``torch._inductor`` takes ~1.3 s to import.)"""
     from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
     class LoweringsKey(CustomGraphPass):
