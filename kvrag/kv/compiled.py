@@ -59,6 +59,7 @@ import os
 import sys
 import threading
 import time
+import types
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -306,7 +307,12 @@ class _Compiled:
                 h = residual + dp(mlp.act_fn(gp(x)) * up(x))
             return norm(h)
 
-        self.body = torch.compile(body, fullgraph=True, options=_options())
+        # a code object of this model's own: dynamo keeps its compiled entries per code object, so models sharing
+        # `body`'s would share one list of them -- its recompile limit (8) reached after a few models and batch
+        # shapes in one process, and each entry keeping its model's closure alive
+        own = types.FunctionType(body.__code__.replace(), body.__globals__, body.__name__, body.__defaults__,
+                                 body.__closure__)
+        self.body = torch.compile(own, fullgraph=True, options=_options())
 
     def valid(self) -> bool:
         """The captured weights are still the modules' (none replaced or changed in place)."""

@@ -163,3 +163,16 @@ def test_precompile_compiles_both_shapes_now(tmp_path: Path, monkeypatch: pytest
     monkeypatch.setenv("KVRAG_DTYPE", "float32")  # dense fp32 products: captured on every CPU kind
     assert main(["pull", str(tmp_path / "m"), "--compile-decode"]) == 0
     assert "one row: compiled, several rows: compiled" in capsys.readouterr().out
+
+
+def test_each_model_compiles_a_code_object_of_its_own() -> None:
+    """Dynamo keeps compiled entries per code object: models sharing one would share its recompile limit (8 entries:
+    a few models and batch shapes in one process, then 'recompile limit exceeded' and eager steps) and keep each
+    other's closures alive."""
+    bodies = []
+    for _ in range(2):
+        model = tiny_model("llama", init_std=0.1, dtype=torch.float32).model
+        comp = compiled._Compiled(model, batched._attend)
+        bodies.append(comp.body._torchdynamo_orig_callable)  # type: ignore[attr-defined]
+    assert bodies[0].__code__ is not bodies[1].__code__
+    assert bodies[0].__code__.co_code == bodies[1].__code__.co_code  # the same loop
