@@ -31,7 +31,7 @@ from kvrag.fingerprint import model_fingerprint, tokenizer_fingerprint
 from kvrag.kv.attention import use_gqa_sdpa
 from kvrag.kv.compute import check_rerotation
 from kvrag.kv.linear import pack_linears
-from kvrag.kv.quant import parse_mode, quantize_linears
+from kvrag.kv.quant import parse_mode, quant_tag, quantize_linears
 from kvrag.kv.rope import Rope, check_rope_support
 from kvrag.kv.spec import KVSpec, dtype_from_name, dtype_name
 from kvrag.paths import env_offline, hf_offline
@@ -245,7 +245,7 @@ def wrap_model(
         model=model,
         tokenizer=tokenizer,
         name=name,
-        fingerprint=model_fingerprint(model, dtype, mode),
+        fingerprint=model_fingerprint(model, dtype, quant_tag(mode)),
         tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
         device=param.device,
         dtype=dtype,

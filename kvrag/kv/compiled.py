@@ -67,7 +67,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kvrag.kv import direct, quant
+from kvrag.kv import direct, int4_kernel, quant
 
 log = logging.getLogger(__name__)
 
@@ -179,6 +179,22 @@ def _eager_kernels() -> Iterator[None]:
 
 
 _library: list[Any] = []
+_int4_library: list[Any] = []
+
+
+def _register_int4() -> Callable[..., torch.Tensor]:
+    """``kvrag::int4_mm``: kvrag's int4 kernel (:func:`kvrag.kv.int4_kernel.mm`) as an opaque op."""
+    if not _int4_library:
+        lib = torch.library.Library("kvrag", "FRAGMENT")
+        lib.define("int4_mm(Tensor rows, Tensor packed, int n) -> Tensor")
+
+        def fake(rows: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+            return rows.new_empty((rows.shape[0], n))
+
+        lib.impl("int4_mm", int4_kernel.mm, "CompositeExplicitAutograd")
+        torch.library.register_fake("kvrag::int4_mm", fake, lib=lib)
+        _int4_library.append(lib)
+    return torch.ops.kvrag.int4_mm  # type: ignore[no-any-return]
 
 
 def _register_attention(attend: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -212,10 +228,15 @@ def _linear(mod: torch.nn.Linear) -> tuple[Callable[[torch.Tensor], torch.Tensor
     if q is not None:
         qw = q.qweight
         if isinstance(qw, quant._Int4):
-            packed, sz = qw.packed, qw.scales_zeros
+            packed, sz, n = qw.packed, qw.scales_zeros, qw.n
+            if sz is None:  # kvrag's own int4 kernel, as an opaque op
+                op = _register_int4()
 
-            def kernel(rows: torch.Tensor) -> torch.Tensor:
-                return torch._weight_int4pack_mm_for_cpu(rows, packed, quant.GROUP, sz)
+                def kernel(rows: torch.Tensor) -> torch.Tensor:
+                    return op(rows, packed, n)  # type: ignore[no-any-return]
+            else:
+                def kernel(rows: torch.Tensor) -> torch.Tensor:
+                    return torch._weight_int4pack_mm_for_cpu(rows, packed, quant.GROUP, sz)
         elif isinstance(qw, quant._Int8):
             q8, scales = qw.q, qw.scales
 

@@ -42,6 +42,7 @@ from typing import Any, Literal
 import torch
 
 from kvrag.errors import ConfigError
+from kvrag.kv import int4_kernel
 
 log = logging.getLogger(__name__)
 
@@ -105,9 +106,10 @@ def int4_dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, gr
 
 
 class _Int4:
-    """A weight as torch's CPU int4 kernel wants it: packed ``q`` and [K/g, N, 2] bfloat16 (scale, zero)."""
+    """A weight for an int4 kernel: kvrag's own (:mod:`kvrag.kv.int4_kernel`, where the CPU has AVX512-BF16 and a C
+    compiler) in its packed layout, else torch's: packed ``q`` and [K/g, N, 2] bfloat16 (scale, zero)."""
 
-    __slots__ = ("packed", "scales_zeros")
+    __slots__ = ("n", "packed", "scales_zeros")
 
     def __init__(self, weight: torch.Tensor) -> None:
         self._set(*int4_groups(weight))
@@ -120,15 +122,22 @@ class _Int4:
         return out
 
     def _set(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> None:
-        self.packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
-        self.scales_zeros = torch.stack([scale, zero], -1).transpose(0, 1).contiguous()
+        self.n = q.shape[0]
+        if int4_kernel.path() is not None:
+            self.packed, self.scales_zeros = int4_kernel.pack(q, scale, zero), None
+        else:
+            self.packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
+            self.scales_zeros = torch.stack([scale, zero], -1).transpose(0, 1).contiguous()
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
+        if self.scales_zeros is None:
+            return int4_kernel.mm(x, self.packed, self.n)
         return torch._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_zeros)
 
     @property
     def nbytes(self) -> int:
-        return self.packed.numel() * self.packed.element_size() + self.scales_zeros.numel() * 2
+        sz = 0 if self.scales_zeros is None else self.scales_zeros.numel() * 2
+        return self.packed.numel() * self.packed.element_size() + sz
 
 
 class _Int8Groups:
@@ -282,6 +291,16 @@ def quantize_linears(model: Any, mode: str | None) -> int:
     return n
 
 
+def quant_tag(mode: str | None) -> str | None:
+    """What a model fingerprint records of ``mode``: the mode and, when kvrag's own int4 kernel computes its int4
+    products (the int4 body and the 8-bit output head of both modes), that kernel's path -- its outputs differ from
+    torch's kernel's in the last bit now and then, so caches never cross kernels."""
+    m = parse_mode(mode)
+    if m is None:
+        return None
+    return m if int4_kernel.path() is None else f"{m}+{int4_kernel.tag()}"
+
+
 def quantization_of(model: Any) -> Mode | None:
     """The mode :func:`quantize_linears` applied to ``model``'s linear layers, or None (dense)."""
     for mod in model.modules():
@@ -297,4 +316,4 @@ def quantized_bytes(model: Any) -> int:
 
 
 __all__ = ["GROUP", "MAX_ROWS", "MODES", "REFINE_TOP", "int4_dequantize", "int4_groups", "kernels_available", "parse_mode",
-           "quantization_of", "quantize_linears", "quantized_bytes"]
+           "quant_tag", "quantization_of", "quantize_linears", "quantized_bytes"]

@@ -1,0 +1,212 @@
+"""kvrag's own int4 x bfloat16 product for decode-sized inputs on x86 CPUs with AVX512-BF16 (``int4_gemm.c``).
+
+torch's CPU int4 kernel (``_weight_int4pack_mm_for_cpu``) dequantizes the weights to float32 and multiplies per
+input row, so a batch of 8 rows costs 8 rows' decoding and float32 FMAs ([8, 576] x [576, 1536]: ~150 us against
+~40 us for one row, one thread). ``int4_gemm.c`` decodes each 4-bit weight once per call for all the rows:
+
+* ``amx``: on CPUs with AMX the decoded weights of a tile of 16 outputs and a group of 32 inputs become one tile
+  of the matrix unit and one ``TDPBF16PS`` multiplies them by up to 16 rows;
+* ``avx512bf16``: elsewhere with AVX512-BF16, ``VDPBF16PS`` multiplies 32 decoded weights by two broadcast inputs
+  for 16 outputs, for up to 8 rows per decoded weight.
+
+Both apply each group's bf16 scale and zero in float32 and round the output to bfloat16, like torch's kernel; their
+outputs differ from it (and from each other) in the last bfloat16 bit now and then. A process uses one path for
+every int4 product, and each row is computed the same way whatever the other rows of its call and the thread
+split are, so a request's tokens do not depend on its batch (tested bit for bit). The path is part of the model's
+fingerprint (:func:`tag`).
+
+The C source is compiled once per machine with the system's C compiler into ``$KVRAG_HOME/kernels`` (about a
+second) and loaded with ctypes (the call releases the GIL; threads come from the OpenMP runtime torch loaded). No
+compiler, a CPU without AVX512-BF16, a failed self-check or ``KVRAG_INT4_KERNEL=torch`` leave torch's kernel in
+place, with the reason in :func:`why_not`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from kvrag.errors import ConfigError
+from kvrag.paths import kvrag_home
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("int4_gemm.c")
+PATHS = ("amx", "avx512bf16")
+"""kvrag's kernel paths, best first; ``KVRAG_INT4_KERNEL`` picks one of these or ``torch``."""
+_ABI = 4
+TILE, GROUP = 16, 32
+_GROUP_BYTES = 8 * 32 + TILE * 4
+
+
+def _cpu_flags() -> frozenset[str]:
+    from kvrag.calibration import cpu_flags
+
+    return cpu_flags()
+
+
+def _wanted() -> str:
+    v = os.environ.get("KVRAG_INT4_KERNEL", "auto").strip().lower() or "auto"
+    if v not in ("auto", "torch", *PATHS):
+        msg = f"KVRAG_INT4_KERNEL={v!r} is not a kernel; use auto, torch, {', or '.join(PATHS)}"
+        raise ConfigError(msg)
+    return v
+
+
+def _compile() -> Path:
+    """The shared library built from :data:`SOURCE` for this machine (built now if missing)."""
+    src = SOURCE.read_bytes()
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        msg = "no C compiler (cc / gcc) on PATH"
+        raise RuntimeError(msg)
+    key = hashlib.sha256(src + cc.encode() + os.uname().machine.encode()).hexdigest()[:16]
+    out = kvrag_home() / "kernels" / f"int4_gemm-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        so = Path(tmp) / out.name
+        base = [cc, "-O3", "-shared", "-fPIC", str(SOURCE), "-o", str(so)]
+        res = subprocess.run([*base[:4], "-fopenmp", *base[4:]], capture_output=True, text=True, check=False)
+        if res.returncode != 0:  # a compiler without OpenMP: one thread
+            res = subprocess.run(base, capture_output=True, text=True, check=False)
+        if res.returncode != 0:
+            msg = f"{cc} failed on {SOURCE.name}: {res.stderr.strip()[-400:]}"
+            raise RuntimeError(msg)
+        os.replace(so, out)  # atomic: concurrent processes each build and the last rename wins
+    return out
+
+
+class _Lib:
+    def __init__(self, path: str) -> None:
+        lib = ctypes.CDLL(str(_compile()))
+        if lib.kvrag_int4_abi() != _ABI:
+            msg = f"{SOURCE.name} ABI {lib.kvrag_int4_abi()} != {_ABI}"
+            raise RuntimeError(msg)
+        if path == "amx" and not lib.kvrag_int4_amx_init():
+            msg = "the kernel refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)"
+            raise RuntimeError(msg)
+        fn = lib.kvrag_int4_mm
+        i64, vp = ctypes.c_int64, ctypes.c_void_p
+        fn.argtypes = [vp, i64, i64, vp, i64, vp, ctypes.c_int, ctypes.c_int]
+        fn.restype = ctypes.c_int
+        self.fn, self.amx = fn, int(path == "amx")
+
+
+@functools.cache
+def _load() -> tuple[str | None, _Lib | None, str | None]:
+    """(path, library, why not): the kernel this process uses, chosen once."""
+    try:
+        wanted = _wanted()
+    except ConfigError as e:
+        return None, None, str(e)
+    if wanted == "torch":
+        return None, None, "KVRAG_INT4_KERNEL=torch"
+    flags = _cpu_flags()
+    have = [p for p in PATHS if ("amx_bf16" if p == "amx" else "avx512_bf16") in flags]
+    if wanted != "auto":
+        if wanted not in have:
+            return None, None, f"KVRAG_INT4_KERNEL={wanted} but this CPU lacks it (flags: {sorted(have) or 'none'})"
+        have = [wanted]
+    if not have:
+        return None, None, "this CPU has no AVX512-BF16"
+    path = have[0]
+    try:
+        lib = _Lib(path)
+        _self_check(lib)
+    except (OSError, RuntimeError, AssertionError) as e:
+        log.warning("kvrag's int4 kernel is not used (torch's is): %s", e)
+        return None, None, str(e)
+    log.info("int4 products: kvrag's %s kernel", path)
+    return path, lib, None
+
+
+def path() -> str | None:
+    """The kernel path int4 products take in this process ('amx' / 'avx512bf16'), None for torch's kernel."""
+    return _load()[0]
+
+
+def why_not() -> str | None:
+    """Why torch's kernel serves int4 products here (None when kvrag's does)."""
+    return _load()[2]
+
+
+def tag() -> str:
+    """What a model fingerprint records of the int4 products' kernel: 'torch' or 'kvrag-<path>'."""
+    p = path()
+    return "torch" if p is None else f"kvrag-{p}"
+
+
+def pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """kvrag's layout (int4_gemm.c's header) of ``q`` [N, K] in 0..15 and bfloat16 ``scale`` / ``zero`` [N, K/32]
+    (``w = (q - 8) scale + zero``): uint8 [N/16, K/32, 320]."""
+    n, k = q.shape
+    if n % TILE or k % GROUP:
+        msg = f"int4 weights need a multiple of {TILE} outputs and {GROUP} inputs, not {tuple(q.shape)}"
+        raise ValueError(msg)
+    g = k // GROUP
+    qq = q.to(torch.uint8).reshape(n // TILE, TILE, g, 8, 2, 2)  # tile, output, group, chunk, lo/hi, kk
+    b = (qq[..., 0, :] | (qq[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).reshape(n // TILE, g, 8 * 32)
+
+    def side(t: torch.Tensor) -> torch.Tensor:
+        return t.to(torch.bfloat16).reshape(n // TILE, TILE, g).permute(0, 2, 1).contiguous().view(torch.uint8)
+
+    return torch.cat([b, side(scale), side(zero)], -1).contiguous()
+
+
+def mm(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    """``x`` [M, K] contiguous bfloat16 times the packed weight: [M, n] bfloat16."""
+    lib = _load()[1]
+    assert lib is not None, "kvrag's int4 kernel is not loaded here"
+    m, k = x.shape
+    out = torch.empty((m, n), dtype=torch.bfloat16)
+    if lib.fn(x.data_ptr(), m, k, packed.data_ptr(), n, out.data_ptr(), lib.amx, torch.get_num_threads()):
+        raise MemoryError(f"kvrag's int4 kernel: no memory for {m} x {k // GROUP} group sums")
+    return out
+
+
+def _reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    n, k = q.shape
+    w = (q.reshape(n, k // GROUP, GROUP).float() - 8) * scale.float()[..., None] + zero.float()[..., None]
+    return x.float() @ w.reshape(n, k).T
+
+
+def _self_check(lib: _Lib) -> None:
+    """The kernel against float32 arithmetic on a random weight, for 1-16 rows, each row alone and in a batch."""
+    gen = torch.Generator().manual_seed(0)
+    n, k = 96, 128
+    q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int32)
+    scale = (torch.rand(n, k // GROUP, generator=gen) * 0.02 + 1e-3).to(torch.bfloat16)
+    zero = (torch.randn(n, k // GROUP, generator=gen) * 0.01).to(torch.bfloat16)
+    packed = pack(q, scale, zero)
+    x = torch.randn(16, k, generator=gen).to(torch.bfloat16)
+    ref = _reference(x, q, scale, zero)
+
+    def run(rows: torch.Tensor, threads: int) -> torch.Tensor:
+        out = torch.empty((rows.shape[0], n), dtype=torch.bfloat16)
+        lib.fn(rows.data_ptr(), rows.shape[0], k, packed.data_ptr(), n, out.data_ptr(), lib.amx, threads)
+        return out
+
+    full = run(x, 1)
+    err = (full.float() - ref).abs().max().item()
+    tol = 0.02 * ref.abs().max().item()
+    if not err <= tol:
+        msg = f"self-check: max error {err:.3g} against float32 > {tol:.3g}"
+        raise AssertionError(msg)
+    for m in (1, 3, 8):
+        if not torch.equal(run(x[:m].contiguous(), 2), full[:m]):
+            msg = f"self-check: {m} rows differ from the same rows in a batch of 16"
+            raise AssertionError(msg)
+
+
+__all__ = ["PATHS", "SOURCE", "mm", "pack", "path", "tag", "why_not"]

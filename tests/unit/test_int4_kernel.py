@@ -1,0 +1,135 @@
+"""kvrag's int4 kernel (kvrag.kv.int4_kernel): its arithmetic, row independence, the choice of path and fallbacks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvrag.calibration import cpu_flags
+from kvrag.kv import int4_kernel, quant
+
+FLAG = {"amx": "amx_bf16", "avx512bf16": "avx512_bf16"}
+
+
+@pytest.fixture
+def kernel(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest):
+    """The kernel path ``request.param`` loaded for this test alone (skipped where the CPU lacks it)."""
+    name = request.param
+    if FLAG[name] not in cpu_flags():
+        pytest.skip(f"this CPU has no {FLAG[name]}")
+    monkeypatch.setenv("KVRAG_INT4_KERNEL", name)
+    int4_kernel._load.cache_clear()
+    assert int4_kernel.path() == name, int4_kernel.why_not()
+    yield name
+    int4_kernel._load.cache_clear()
+
+
+def _weight(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return quant.int4_groups(torch.randn(n, k, generator=gen) * 0.05)
+
+
+@pytest.mark.parametrize("kernel", ["amx", "avx512bf16"], indirect=True)
+@pytest.mark.parametrize(("n", "k"), [(48, 64), (1536, 576), (576, 1536), (208, 96)])
+def test_product_matches_float32_arithmetic(kernel: str, n: int, k: int) -> None:
+    q, scale, zero = _weight(n, k)
+    packed = int4_kernel.pack(q, scale, zero)
+    w = quant.int4_dequantize(q, scale, zero)
+    for m in (1, 5, 16):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
+        got = int4_kernel.mm(x, packed, n)
+        exact = x.float() @ w.T
+        assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+        # the bf16 output's own rounding (2^-8 relative) plus float32 sums: well inside 1% of the largest output
+        assert (got.float() - exact).abs().max() <= 0.01 * exact.abs().max()
+        ref = quant._Int4.__new__(quant._Int4)
+        ref.packed = torch._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
+        ref.scales_zeros = torch.stack([scale, zero], -1).transpose(0, 1).contiguous()
+        ref.n = n
+        theirs = ref.mm(x)  # torch's kernel on the same weight: the same numbers but for the last bit now and then
+        assert int((got != theirs).sum()) <= max(2, got.numel() // 100)
+
+
+@pytest.mark.parametrize("kernel", ["amx", "avx512bf16"], indirect=True)
+def test_a_row_is_the_same_bits_in_any_batch_and_thread_split(kernel: str) -> None:
+    n, k = 1536, 576
+    q, scale, zero = _weight(n, k, seed=1)
+    packed = int4_kernel.pack(q, scale, zero)
+    x = (torch.randn(16, k) * torch.rand(16, k) * 4).to(torch.bfloat16)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        batch = int4_kernel.mm(x, packed, n)
+        for m in range(1, 17):
+            assert torch.equal(int4_kernel.mm(x[:m].contiguous(), packed, n), batch[:m]), f"{m} rows"
+        for i in (0, 7, 15):
+            assert torch.equal(int4_kernel.mm(x[i : i + 1].contiguous(), packed, n), batch[i : i + 1])
+        torch.set_num_threads(2)
+        assert torch.equal(int4_kernel.mm(x, packed, n), batch)
+        assert torch.equal(int4_kernel.mm(x[3:11].contiguous(), packed, n), batch[3:11])
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("kernel", ["amx", "avx512bf16"], indirect=True)
+def test_quantized_linear_takes_the_kernel_and_the_fingerprint_says_so(kernel: str) -> None:
+    lin = torch.nn.Linear(64, 32, bias=True).to(torch.bfloat16)
+    quant.quantize_linears(torch.nn.Sequential(lin), "int4")
+    state = lin._kvrag_quant
+    assert state.qweight.scales_zeros is None  # kvrag's layout
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    q, scale, zero = quant.int4_groups(lin.weight)
+    expect = int4_kernel.mm(x, int4_kernel.pack(q, scale, zero), 32) + lin.bias.detach()
+    with torch.no_grad():
+        assert torch.equal(lin(x), expect)
+    assert quant.quant_tag("int4") == f"int4+kvrag-{kernel}"
+    assert quant.quant_tag(None) is None
+
+
+def test_torch_kernel_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVRAG_INT4_KERNEL", "torch")
+    int4_kernel._load.cache_clear()
+    try:
+        assert int4_kernel.path() is None and int4_kernel.why_not() == "KVRAG_INT4_KERNEL=torch"
+        assert quant.quant_tag("int4") == "int4" and int4_kernel.tag() == "torch"
+        lin = torch.nn.Linear(64, 32, bias=False)
+        quant.quantize_linears(torch.nn.Sequential(lin), "int4")
+        assert lin._kvrag_quant.qweight.scales_zeros is not None  # torch's layout
+    finally:
+        int4_kernel._load.cache_clear()
+
+
+def test_a_bad_setting_or_a_missing_path_falls_back_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVRAG_INT4_KERNEL", "fast")
+    int4_kernel._load.cache_clear()
+    try:
+        assert int4_kernel.path() is None
+        assert "KVRAG_INT4_KERNEL='fast' is not a kernel" in int4_kernel.why_not()
+        monkeypatch.setenv("KVRAG_INT4_KERNEL", "amx")
+        monkeypatch.setattr(int4_kernel, "_cpu_flags", lambda: frozenset({"avx2"}))
+        int4_kernel._load.cache_clear()
+        assert int4_kernel.path() is None and "lacks it" in int4_kernel.why_not()
+        monkeypatch.setenv("KVRAG_INT4_KERNEL", "auto")
+        int4_kernel._load.cache_clear()
+        assert int4_kernel.path() is None and int4_kernel.why_not() == "this CPU has no AVX512-BF16"
+    finally:
+        int4_kernel._load.cache_clear()
+
+
+def test_no_compiler_falls_back_to_torch(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    if "avx512_bf16" not in cpu_flags():
+        pytest.skip("this CPU has no AVX512-BF16")
+    monkeypatch.setenv("KVRAG_HOME", str(tmp_path))  # nothing built there yet
+    monkeypatch.setenv("KVRAG_INT4_KERNEL", "avx512bf16")
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    int4_kernel._load.cache_clear()
+    try:
+        assert int4_kernel.path() is None and "no-such-cc" in int4_kernel.why_not()
+    finally:
+        int4_kernel._load.cache_clear()
+
+
+def test_pack_refuses_shapes_off_the_tiles() -> None:
+    q, scale, zero = _weight(48, 64)
+    with pytest.raises(ValueError, match="multiple of 16 outputs and 32 inputs"):
+        int4_kernel.pack(q[:40], scale[:40], zero[:40])
