@@ -9,9 +9,11 @@ computes exactly what kvrag's ``full`` does.
 
 The kernels, and why these and not a library's:
 
-* ``int4``: ``torch._weight_int4pack_mm_for_cpu`` -- asymmetric groups of :data:`GROUP` input columns, one
-  (scale, zero) pair each, ``w = (q - 8) * scale + zero`` with ``q`` in 0..15 (the layout gpt-fast's ``quantize.py``
-  builds). A GGUF ``Q4_1`` block is exactly such a group (``w = d * q + m``: scale ``d``, zero ``m + 8 d``) and the
+* ``int4``: asymmetric groups of :data:`GROUP` input columns, one (scale, zero) pair each,
+  ``w = (q - 8) * scale + zero`` with ``q`` in 0..15, run by kvrag's own kernel (:mod:`kvrag.kv.int4_kernel`: AMX
+  tiles or VDPBF16PS, each weight decoded once per call for all its rows) where the CPU has AVX512-BF16 and a C
+  compiler is at hand, else by ``torch._weight_int4pack_mm_for_cpu`` (the layout gpt-fast's ``quantize.py``
+  builds), which decodes the weights once per row. A GGUF ``Q4_1`` block is exactly such a group (``w = d * q + m``: scale ``d``, zero ``m + 8 d``) and the
   default model's dequantized weights re-quantize to the file's own ``q`` without error, so ``int4`` on the embedded
   default keeps the file's own 4-bit blocks.
 * ``int8``: ``torch._weight_int8pack_mm`` -- symmetric, one scale per output channel.

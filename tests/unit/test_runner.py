@@ -420,6 +420,7 @@ def test_a_slow_store_fetch_does_not_stall_decoding_requests() -> None:
 
     def stamped(rows: list[Any]) -> None:
         step(rows)
+        time.sleep(0.002)  # >= 2 ms a step: the running request's 2000 tokens outlast the 2 s fetch on any machine
         stamps.append(time.monotonic())
 
     eng.runner._step = stamped  # type: ignore[method-assign]
@@ -461,6 +462,7 @@ def test_chunks_a_prepare_computes_interleave_with_decode_steps_and_a_cancel_sto
 
     def stamped(rows: list[Any]) -> None:
         step(rows)
+        time.sleep(0.002)  # >= 2 ms a step: the running request's 2000 tokens outlast the 2 s fetch on any machine
         stamps.append(time.monotonic())
 
     eng.runner._step = stamped  # type: ignore[method-assign]
