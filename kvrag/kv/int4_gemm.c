@@ -3,7 +3,7 @@
  *   out[m, n] = bf16( sum_k x[m, k] * w[n, k] ),   w[n, k] = (q[n, k] - 8) * scale[n, g] + zero[n, g],  g = k / 32
  *
  * x and out are bfloat16 rows; q is 4-bit, scale / zero bfloat16 -- the weight torch's _weight_int4pack_mm_for_cpu
- * multiplies by, in a layout of kvrag's own (see kvrag/kv/int4.py, which packs it):
+ * multiplies by, in a layout of its own (kvrag/kv/int4_kernel.py packs it):
  *
  *   for each tile of 16 outputs, for each group of 32 inputs: 8 chunks of 32 bytes, then 16 scales and 16 zeros
  *   (bf16). Byte j of chunk c holds, for output n = j / 2 and kk = j % 2, q[n, 32 g + 4 c + kk] in its low nibble
