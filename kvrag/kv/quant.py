@@ -12,10 +12,10 @@ The kernels, and why these and not a library's:
 * ``int4``: asymmetric groups of :data:`GROUP` input columns, one (scale, zero) pair each,
   ``w = (q - 8) * scale + zero`` with ``q`` in 0..15, run by kvrag's own kernel (:mod:`kvrag.kv.int4_kernel`: AMX
   tiles, each weight decoded once per call for all its rows) where the CPU has AMX and a C compiler is at
-  hand, else by ``torch._weight_int4pack_mm_for_cpu`` (the layout gpt-fast's ``quantize.py``
-  builds), which decodes the weights once per row. A GGUF ``Q4_1`` block is exactly such a group (``w = d * q + m``: scale ``d``, zero ``m + 8 d``) and the
-  default model's dequantized weights re-quantize to the file's own ``q`` without error, so ``int4`` on the embedded
-  default keeps the file's own 4-bit blocks.
+  hand, else by ``torch._weight_int4pack_mm_for_cpu`` (the layout gpt-fast's ``quantize.py`` builds), which
+  decodes the weights once per row. A GGUF ``Q4_1`` block is exactly such a group (``w = d * q + m``: scale ``d``,
+  zero ``m + 8 d``) and the default model's dequantized weights re-quantize to the file's own ``q`` without
+  error, so ``int4`` on the embedded default keeps the file's own 4-bit blocks.
 * ``int8``: ``torch._weight_int8pack_mm`` -- symmetric, one scale per output channel.
 * Both kernels are fast only with bfloat16 activations (torch 2.13, one thread, AVX512-BF16 CPU: [1, 576] x
   [576, 1536] takes 70 us in int4 with bf16 activations, 2.8 ms with fp16 and ~5 ms with fp32 activations, against
