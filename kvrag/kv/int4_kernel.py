@@ -49,7 +49,6 @@ PATHS = ("amx", "avx512bf16")
 """kvrag's kernel paths, best first; ``KVRAG_INT4_KERNEL`` picks one of these or ``torch``."""
 _ABI = 4
 TILE, GROUP = 16, 32
-_GROUP_BYTES = 8 * 32 + TILE * 4
 
 
 def _cpu_flags() -> frozenset[str]:
@@ -105,6 +104,13 @@ class _Lib:
         fn.argtypes = [vp, i64, i64, vp, i64, vp, ctypes.c_int, ctypes.c_int]
         fn.restype = ctypes.c_int
         self.fn, self.amx = fn, int(path == "amx")
+
+    def mm(self, x: torch.Tensor, packed: torch.Tensor, n: int, threads: int) -> torch.Tensor:
+        m, k = x.shape
+        out = torch.empty((m, n), dtype=torch.bfloat16)
+        if self.fn(x.data_ptr(), m, k, packed.data_ptr(), n, out.data_ptr(), self.amx, threads):
+            raise MemoryError(f"kvrag's int4 kernel: no memory for {m} x {k // GROUP} group sums")
+        return out
 
 
 @functools.cache
@@ -173,17 +179,15 @@ def mm(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
     """``x`` [M, K] contiguous bfloat16 times the packed weight: [M, n] bfloat16."""
     lib = _load()[1]
     assert lib is not None, "kvrag's int4 kernel is not loaded here"
-    m, k = x.shape
-    out = torch.empty((m, n), dtype=torch.bfloat16)
-    if lib.fn(x.data_ptr(), m, k, packed.data_ptr(), n, out.data_ptr(), lib.amx, torch.get_num_threads()):
-        raise MemoryError(f"kvrag's int4 kernel: no memory for {m} x {k // GROUP} group sums")
-    return out
+    return lib.mm(x, packed, n, torch.get_num_threads())
 
 
-def _reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int = GROUP) -> torch.Tensor:
+    """The float32 [N, K] weight that ``q`` [N, K] in 0..15 and ``scale`` / ``zero`` [N, K/group] stand for,
+    ``(q - 8) * scale + zero``: what both int4 kernels multiply by (``kvrag.kv.quant.int4_dequantize``)."""
     n, k = q.shape
-    w = (q.reshape(n, k // GROUP, GROUP).float() - 8) * scale.float()[..., None] + zero.float()[..., None]
-    return x.float() @ w.reshape(n, k).T
+    w = (q.reshape(n, k // group, group).float() - 8) * scale.float()[..., None] + zero.float()[..., None]
+    return w.reshape(n, k)
 
 
 def _self_check(lib: _Lib) -> None:
@@ -195,23 +199,17 @@ def _self_check(lib: _Lib) -> None:
     zero = (torch.randn(n, k // GROUP, generator=gen) * 0.01).to(torch.bfloat16)
     packed = pack(q, scale, zero)
     x = torch.randn(16, k, generator=gen).to(torch.bfloat16)
-    ref = _reference(x, q, scale, zero)
-
-    def run(rows: torch.Tensor, threads: int) -> torch.Tensor:
-        out = torch.empty((rows.shape[0], n), dtype=torch.bfloat16)
-        lib.fn(rows.data_ptr(), rows.shape[0], k, packed.data_ptr(), n, out.data_ptr(), lib.amx, threads)
-        return out
-
-    full = run(x, 1)
+    ref = x.float() @ dequantize(q, scale, zero).T
+    full = lib.mm(x, packed, n, 1)
     err = (full.float() - ref).abs().max().item()
     tol = 0.02 * ref.abs().max().item()
     if not err <= tol:
         msg = f"self-check: max error {err:.3g} against float32 > {tol:.3g}"
         raise AssertionError(msg)
     for m in (1, 3, 8):
-        if not torch.equal(run(x[:m].contiguous(), 2), full[:m]):
+        if not torch.equal(lib.mm(x[:m].contiguous(), packed, n, 2), full[:m]):
             msg = f"self-check: {m} rows differ from the same rows in a batch of 16"
             raise AssertionError(msg)
 
 
-__all__ = ["PATHS", "SOURCE", "mm", "pack", "path", "tag", "why_not"]
+__all__ = ["PATHS", "SOURCE", "dequantize", "mm", "pack", "path", "tag", "why_not"]

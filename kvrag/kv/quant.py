@@ -100,11 +100,8 @@ def int4_groups(weight: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor,
     return q.reshape(n, k), scale, zero
 
 
-def int4_dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int = GROUP) -> torch.Tensor:
-    """float32 [N, K] weight of :func:`int4_groups`' output (what the kernel multiplies by)."""
-    n, k = q.shape
-    w = (q.reshape(n, k // group, group).float() - 8) * scale.float()[..., None] + zero.float()[..., None]
-    return w.reshape(n, k)
+int4_dequantize = int4_kernel.dequantize
+"""float32 [N, K] weight of :func:`int4_groups`' output (what the kernels multiply by)."""
 
 
 class _Int4:

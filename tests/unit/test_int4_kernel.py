@@ -42,11 +42,9 @@ def test_product_matches_float32_arithmetic(kernel: str, n: int, k: int) -> None
         assert got.dtype == torch.bfloat16 and got.shape == (m, n)
         # the bf16 output's own rounding (2^-8 relative) plus float32 sums: well inside 1% of the largest output
         assert (got.float() - exact).abs().max() <= 0.01 * exact.abs().max()
-        ref = quant._Int4.__new__(quant._Int4)
-        ref.packed = torch._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
-        ref.scales_zeros = torch.stack([scale, zero], -1).transpose(0, 1).contiguous()
-        ref.n = n
-        theirs = ref.mm(x)  # torch's kernel on the same weight: the same numbers but for the last bit now and then
+        theirs = torch._weight_int4pack_mm_for_cpu(  # torch's kernel on the same weight: the same numbers but
+            x, torch._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1), 32,  # for the last bit now and then
+            torch.stack([scale, zero], -1).transpose(0, 1).contiguous())
         assert int((got != theirs).sum()) <= max(2, got.numel() // 100)
 
 
