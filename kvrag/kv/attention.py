@@ -7,8 +7,11 @@ transformers' ``sdpa`` implementation copies every layer's keys and values ``num
 only for mask-free calls. On the CPU that copy is a large share of a short forward over a long cache (SmolLM2-135M,
 28 suffix tokens over 1.7K cached tokens: ~2.4 ms of 6.7 ms per layer). ``kvrag_sdpa`` passes the mask and the
 un-repeated K/V to ``scaled_dot_product_attention(..., enable_gqa=True)`` instead, which gives bit-identical
-outputs (tested) without the copy; every other call (no mask, one query token, no GQA, not on the CPU, extra
-features such as softcap or position bias) goes to transformers' ``sdpa`` unchanged.
+outputs (tested) without the copy. A one-token query of batch 1 (a decode step: ``model.generate``, a single-token
+forward over a cache) over all keys or a suffix of them runs kvrag's one-token kernel where it serves
+(:mod:`kvrag.kv.row_attention`), the kernel kvrag's batched and verify steps run, so ``model.generate`` and kvrag's
+decoding compute the same bits. Every other call (no mask, no GQA, not on the CPU, extra features such as softcap or
+position bias) goes to transformers' ``sdpa`` unchanged.
 
 It is registered through transformers' own extension points (``AttentionInterface`` and
 ``AttentionMaskInterface``, with SDPA's mask builder), and :func:`use_gqa_sdpa` switches a loaded model to it,
@@ -21,7 +24,7 @@ from typing import Any
 
 import torch
 
-from kvrag.kv import batched
+from kvrag.kv import batched, row_attention
 
 IMPL = "kvrag_sdpa"
 """The registered implementation name (``model.config._attn_implementation`` after :func:`use_gqa_sdpa`)."""
@@ -38,11 +41,17 @@ def gqa_sdpa_attention(
     is_causal: bool | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """transformers' ``sdpa`` attention, with masked grouped-query calls on the CPU broadcasting K/V heads."""
+    """transformers' ``sdpa`` attention, with masked grouped-query calls on the CPU broadcasting K/V heads and
+    one-token calls through kvrag's row attention."""
     if batched.active():  # a batched decode step: each row attends to its own request buffer (kvrag.kv.batched)
         return batched.attention(module, query, key, value, scaling)
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    if query.shape[2] == 1 and query.shape[0] == 1 and _one_token(module, key, value, dropout, kwargs):
+        start = row_attention.window_start(attention_mask, key.shape[2])
+        if start is not None and row_attention.serves(query):  # the kernel kvrag's decode steps use (see there)
+            out = torch.empty((1, 1, query.shape[1], value.shape[-1]), dtype=query.dtype)
+            return row_attention.attend(query, [(key[0], value[0], start, key.shape[2])], out, scaling), None
     groups = int(getattr(module, "num_key_value_groups", 1) or 1)
     plain = (
         attention_mask is None
@@ -62,6 +71,20 @@ def gqa_sdpa_attention(
         query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True
     )
     return out.transpose(1, 2).contiguous(), None
+
+
+def _one_token(module: torch.nn.Module, key: torch.Tensor, value: torch.Tensor, dropout: float,
+               kwargs: dict[str, Any]) -> bool:
+    """A one-token call that is plain softmax(q k^T * scale + mask) v (what :mod:`kvrag.kv.row_attention` computes)."""
+    return not (
+        key.shape[-1] != value.shape[-1]
+        or dropout
+        or module.training
+        or kwargs.get("position_bias") is not None
+        or kwargs.get("softcap") is not None
+        or kwargs.get("output_attentions", False)
+        or getattr(module, "sinks", None) is not None
+    )
 
 
 def register() -> None:

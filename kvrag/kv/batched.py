@@ -3,10 +3,13 @@
 A batched decode step feeds one new token of each of B requests through the model's own forward at once, so the
 projections, the MLP and the LM head run as [B, hidden] GEMMs (one read of the weights for B tokens), while each
 request keeps its own KV in its own :class:`~kvrag.kv.hf_cache.KVBuffer` (repaired caches stay zero-copy: nothing is
-stacked or padded into a shared batch cache). Per layer, the attention of row ``i`` writes the row's fresh K/V at
-its position in its buffer and runs ``scaled_dot_product_attention(..., enable_gqa=True)`` over that buffer's
-views -- exactly the call transformers' ``sdpa`` makes for a one-token batch-1 step, so a batch of one is
-bit-identical to the model's own decode step (tested) and a row's attention output is the one it would get alone;
+stacked or padded into a shared batch cache). Per layer, the attention writes each row's fresh K/V at its position
+in its buffer and attends every row's query over its own buffer in one call of kvrag's one-token kernel
+(:mod:`kvrag.kv.row_attention`) -- the kernel the model's own one-token forward runs under ``kvrag_sdpa``, each
+entry computed alone -- or, where that kernel does not serve (another device or dtype), with
+``scaled_dot_product_attention(..., enable_gqa=True)`` per row over that buffer's views, exactly the call
+transformers' ``sdpa`` makes for a one-token batch-1 step. Either way a batch of one is bit-identical to the model's
+own decode step (tested) and a row's attention output is the one it would get alone;
 the batched GEMMs may reorder sums
 (float32: logits within 1e-4 of a batch-1 step, ~3e-6 on the tiny test models; bfloat16: a batched GEMM rounds its
 bf16 outputs after summing in another order, an error of the kind and size of bf16's own rounding, so logits stay
@@ -37,8 +40,8 @@ around the same row attention, computing the eager step's bits (:mod:`kvrag.kv.c
 compiles on a helper thread over throwaway rows (:func:`_rehearse`) while the served steps run eagerly.
 
 Where a step's time goes (same setting, bf16, eager): at batch 1 the GEMMs dominate (weight reads); at batch 8 the
-per-row attention is about half of the step (8 rows x 30 layers of one-token SDPA over 1.5K keys), so a faster
-one-token attention kernel for :func:`_attend` is the next lever for large batches.
+per-row attention over 1.5K keys each is the largest part (8 rows x 30 layers), which kvrag's one-token kernel
+takes in 30 calls.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from kvrag.kv import compiled as _compiled
-from kvrag.kv import direct
+from kvrag.kv import direct, row_attention
 from kvrag.kv.hf_cache import KVBuffer, model_lock
 from kvrag.kv.window import layer_windows
 
@@ -142,9 +145,10 @@ def _attend(layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     [1, T, H, D]). A plain step is read as the packed layout with one token per row (a transposed view: each row's
     query is then the same tensor, strides included, as a slice of the batch), so both run one loop.
 
-    Each query attends alone, with the call transformers' sdpa makes for a one-token, mask-free batch-1 step, over
-    its own buffer up to its position: a batch of one is bit-identical to the model's own step, and a verified
-    position to a plain step's. A masked multi-query call would read the context once but sums in another order
+    Each query attends alone over its own buffer up to its position -- all queries of the layer in one call of
+    kvrag's one-token kernel where it serves (:func:`kvrag.kv.row_attention.serves`), else with the call
+    transformers' sdpa makes for a one-token, mask-free batch-1 step: a batch of one is bit-identical to the
+    model's own step (whose one-token attention takes the same path), and a verified position to a plain step's. A masked multi-query call would read the context once but sums in another order
     (bfloat16 attention outputs differ by ~2e-4, float32 by ~1e-7), and through bf16 roundings -- the model's, or
     the quantized products' bf16 activations -- that moves logits by up to 0.4 (SmolLM2-135M, int4, float32 or
     bfloat16), enough to flip greedy choices in near-ties. With per-query calls a verified position's logits are
@@ -160,6 +164,15 @@ def _attend(layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     counts = step.fed()
     out = torch.empty((1, query.shape[2], query.shape[1], value.shape[-1]), dtype=query.dtype, device=query.device)
     kind, size = step.windows[layer]
+    if row_attention.serves(query):  # every query of the layer in one call of kvrag's kernel
+        keys = []
+        o = 0
+        for row, q in zip(step.rows, counts, strict=True):
+            kb, vb = _write_fresh(row, layer, key, value, o, q)
+            keys += [(kb, vb, _window_start(kind, size, p), p + 1) for p in range(row.length, row.length + q)]
+            o += q
+        row_attention.attend(query, keys, out, scaling)
+        return out.view(len(step.rows), 1, *out.shape[2:]) if plain else out
     sdpa = torch.nn.functional.scaled_dot_product_attention
     o = 0
     for row, q in zip(step.rows, counts, strict=True):

@@ -29,18 +29,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
 from kvrag.errors import ConfigError
-from kvrag.paths import kvrag_home
+from kvrag.kv import native
 
 log = logging.getLogger(__name__)
 
@@ -65,34 +61,9 @@ def _wanted() -> str:
     return v
 
 
-def _compile() -> Path:
-    """The shared library built from :data:`SOURCE` for this machine (built now if missing)."""
-    src = SOURCE.read_bytes()
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        msg = "no C compiler (cc / gcc) on PATH"
-        raise RuntimeError(msg)
-    key = hashlib.sha256(src + cc.encode() + os.uname().machine.encode()).hexdigest()[:16]
-    out = kvrag_home() / "kernels" / f"int4_gemm-{key}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        so = Path(tmp) / out.name
-        base = [cc, "-O3", "-shared", "-fPIC", str(SOURCE), "-o", str(so)]
-        res = subprocess.run([*base[:4], "-fopenmp", *base[4:]], capture_output=True, text=True, check=False)
-        if res.returncode != 0:  # a compiler without OpenMP: one thread
-            res = subprocess.run(base, capture_output=True, text=True, check=False)
-        if res.returncode != 0:
-            msg = f"{cc} failed on {SOURCE.name}: {res.stderr.strip()[-400:]}"
-            raise RuntimeError(msg)
-        os.replace(so, out)  # atomic: concurrent processes each build and the last rename wins
-    return out
-
-
 class _Lib:
     def __init__(self, path: str) -> None:
-        lib = ctypes.CDLL(str(_compile()))
+        lib = ctypes.CDLL(str(native.build(SOURCE)))
         if lib.kvrag_int4_abi() != _ABI:
             msg = f"{SOURCE.name} ABI {lib.kvrag_int4_abi()} != {_ABI}"
             raise RuntimeError(msg)

@@ -1,0 +1,342 @@
+/* kvrag's attention of one query token over a request's keys, for decode and verify steps on x86 CPUs.
+ *
+ * For each entry (a row's new token, or one drafted position of a verify step) and each KV head h, over that
+ * head's G = H / H_kv query heads g and the entry's n keys t:
+ *
+ *   s[g, t] = scale * sum_d q[g, d] k[t, d]
+ *   out[g, :] = sum_t exp(s[g, t] - max_t s[g, t]) v[t, :] / sum_t exp(s[g, t] - max_t s[g, t])
+ *
+ * in float32 (scores, softmax, weighted sum), the output rounded to the inputs' dtype (round to nearest even for
+ * bfloat16). A head's keys and values are read once: the scores visit each key once for up to 4 query heads, and
+ * the weighted sum walks the values 64 dimensions of every position at a time for up to 4 query heads.
+ *
+ *   bfloat16 (AVX512-BF16): q . k by VDPBF16PS (exact products of bf16 pairs, float32 sums), values widened to
+ *                           float32 and accumulated by FMA;
+ *   float32  (AVX2 + FMA):  FMA throughout.
+ *
+ * Each entry's result depends on its own query, keys and values only -- never on the other entries of the call or
+ * on how the work is split between threads -- and every sum runs in a fixed order, so a row decoded in a batch gets
+ * the bits it gets alone, and a verified position the bits of a plain step at that position.
+ *
+ * Entries: int64 [E, 6] = (address of the query's head 0, address of head 0 position 0 of the keys, of the values,
+ * elements between K/V heads, keys n >= 1, address of the contiguous [H, D] output). Queries are [H, D] with
+ * `q_head` elements between heads and D contiguous; a key / value position is D contiguous elements.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define GB 4 /* query heads per pass over a KV head's keys / values */
+
+/* ------------------------------------------------------------------------------------------------- bfloat16 */
+#define BF __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
+
+BF static inline __m512 exp512(__m512 x) { /* x <= 0; Cephes' expf polynomial, ~1 ulp */
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(y, n);
+}
+
+BF static inline __m512 widen16(const uint16_t *p, __mmask16 m) {
+    __m256i h = _mm256_maskz_loadu_epi16(m, p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* softmax weights of s[0 .. n) in place; returns their sum */
+BF static float softmax512(float *s, int64_t n) {
+    __m512 mv = _mm512_set1_ps(-INFINITY);
+    for (int64_t t = 0; t < n; t += 16) {
+        __mmask16 m = n - t >= 16 ? 0xffff : (__mmask16)((1u << (n - t)) - 1);
+        mv = _mm512_mask_max_ps(mv, m, mv, _mm512_maskz_loadu_ps(m, s + t));
+    }
+    __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(mv)), sv = _mm512_setzero_ps();
+    for (int64_t t = 0; t < n; t += 16) {
+        __mmask16 m = n - t >= 16 ? 0xffff : (__mmask16)((1u << (n - t)) - 1);
+        __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + t), mx));
+        _mm512_mask_storeu_ps(s + t, m, e);
+        sv = _mm512_mask_add_ps(sv, m, sv, e);
+    }
+    return _mm512_reduce_add_ps(sv);
+}
+
+/* the sums of a0 .. a3's lanes, in that order */
+BF static inline __m128 sum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+    __m512 x01 = _mm512_add_ps(_mm512_shuffle_f32x4(a0, a1, 0x44), _mm512_shuffle_f32x4(a0, a1, 0xEE));
+    __m512 x23 = _mm512_add_ps(_mm512_shuffle_f32x4(a2, a3, 0x44), _mm512_shuffle_f32x4(a2, a3, 0xEE));
+    __m512 y = _mm512_add_ps(_mm512_shuffle_f32x4(x01, x23, 0x88), _mm512_shuffle_f32x4(x01, x23, 0xDD));
+    y = _mm512_add_ps(y, _mm512_permute_ps(y, 0x4E));
+    y = _mm512_add_ps(y, _mm512_permute_ps(y, 0xB1));
+    return _mm512_castps512_ps128(_mm512_maskz_compress_ps(0x1111, y));
+}
+
+BF static inline __attribute__((always_inline)) void scores_bf16(const uint16_t *q, int64_t qh, const uint16_t *k,
+                                                                 int64_t n, int64_t d, int gb, float scale,
+                                                                 float *s) {
+    const int64_t chunks = (d + 31) / 32;
+    const __mmask32 last = d % 32 ? (__mmask32)((1ull << (d % 32)) - 1) : 0xffffffffu;
+    const __m128 sc = _mm_set1_ps(scale);
+    int64_t t = 0;
+    for (; t + 4 <= n; t += 4) { /* four keys at a time, their sums reduced together */
+        __m512 acc[GB][4];
+        for (int g = 0; g < GB; g++)
+            for (int j = 0; j < 4; j++) acc[g][j] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < chunks; c++) {
+            __mmask32 m = c == chunks - 1 ? last : 0xffffffffu;
+            __m512i kv[4];
+            for (int j = 0; j < 4; j++) kv[j] = _mm512_maskz_loadu_epi16(m, k + (t + j) * d + 32 * c);
+            for (int g = 0; g < GB; g++)
+                if (g < gb) {
+                    __m512i qv = _mm512_maskz_loadu_epi16(m, q + g * qh + 32 * c);
+                    for (int j = 0; j < 4; j++) acc[g][j] = _mm512_dpbf16_ps(acc[g][j], (__m512bh)qv, (__m512bh)kv[j]);
+                }
+        }
+        for (int g = 0; g < GB; g++)
+            if (g < gb) _mm_storeu_ps(s + g * n + t, _mm_mul_ps(sum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]), sc));
+    }
+    for (; t < n; t++) {
+        __m512 acc[GB];
+        for (int g = 0; g < GB; g++) acc[g] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < chunks; c++) {
+            __mmask32 m = c == chunks - 1 ? last : 0xffffffffu;
+            __m512i kv = _mm512_maskz_loadu_epi16(m, k + t * d + 32 * c);
+            for (int g = 0; g < GB; g++)
+                if (g < gb) {
+                    __m512i qv = _mm512_maskz_loadu_epi16(m, q + g * qh + 32 * c);
+                    acc[g] = _mm512_dpbf16_ps(acc[g], (__m512bh)qv, (__m512bh)kv);
+                }
+        }
+        for (int g = 0; g < GB; g++) /* the same sums as sum4's lane 0 */
+            if (g < gb) {
+                __m512 z = _mm512_setzero_ps();
+                s[g * n + t] = _mm_cvtss_f32(sum4(acc[g], z, z, z)) * scale;
+            }
+    }
+}
+
+BF static inline __attribute__((always_inline)) void values_bf16(const float *p, const float *sums,
+                                                                 const uint16_t *v, int64_t n, int64_t d, int gb,
+                                                                 uint16_t *out) {
+    for (int64_t d0 = 0; d0 < d; d0 += 64) { /* 64 dims (two 64-byte lines) of each position per pass */
+        int64_t w = d - d0 < 64 ? d - d0 : 64;
+        __mmask16 m[4];
+        for (int c = 0; c < 4; c++) {
+            int64_t r = w - 16 * c;
+            m[c] = r >= 16 ? 0xffff : r > 0 ? (__mmask16)((1u << r) - 1) : 0;
+        }
+        __m512 acc[GB][4];
+        for (int g = 0; g < GB; g++)
+            for (int c = 0; c < 4; c++) acc[g][c] = _mm512_setzero_ps();
+        for (int64_t t = 0; t < n; t++) {
+            const uint16_t *vt = v + t * d + d0;
+            __m512 vv[4];
+            for (int c = 0; c < 4; c++) vv[c] = widen16(vt + 16 * c, m[c]);
+            for (int g = 0; g < GB; g++)
+                if (g < gb) {
+                    __m512 pb = _mm512_set1_ps(p[g * n + t]);
+                    for (int c = 0; c < 4; c++) acc[g][c] = _mm512_fmadd_ps(pb, vv[c], acc[g][c]);
+                }
+        }
+        for (int g = 0; g < GB; g++)
+            if (g < gb) {
+                __m512 l = _mm512_set1_ps(sums[g]);
+                for (int c = 0; c < 4; c++) {
+                    __m256bh o = _mm512_cvtneps_pbh(_mm512_div_ps(acc[g][c], l));
+                    _mm256_mask_storeu_epi16(out + g * d + d0 + 16 * c, m[c], (__m256i)o);
+                }
+            }
+    }
+}
+
+BF static void head_bf16(const uint16_t *q, int64_t qh, const uint16_t *k, const uint16_t *v, int64_t n, int64_t d,
+                         int heads, float scale, uint16_t *out, float *s) {
+    float sums[GB];
+    for (int g0 = 0; g0 < heads; g0 += GB) {
+        int gb = heads - g0 < GB ? heads - g0 : GB;
+        const uint16_t *qg = q + g0 * qh;
+        if (d == 64 && gb == 3) scores_bf16(qg, qh, k, n, 64, 3, scale, s); /* SmolLM2, Llama-3.2, Qwen: inlined */
+        else if (d == 128 && gb == 4) scores_bf16(qg, qh, k, n, 128, 4, scale, s);
+        else scores_bf16(qg, qh, k, n, d, gb, scale, s);
+        for (int g = 0; g < gb; g++) sums[g] = softmax512(s + g * n, n);
+        if (d == 64 && gb == 3) values_bf16(s, sums, v, n, 64, 3, out + g0 * d);
+        else if (d == 128 && gb == 4) values_bf16(s, sums, v, n, 128, 4, out + g0 * d);
+        else values_bf16(s, sums, v, n, d, gb, out + g0 * d);
+    }
+}
+
+/* --------------------------------------------------------------------------------------------------- float32 */
+#define F32 __attribute__((target("avx2,fma")))
+
+F32 static inline __m256 exp256(__m256 x) { /* x <= 0; the same polynomial as exp512 */
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+F32 static inline float hsum256(__m256 v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+
+F32 static inline __m256i tail8(int64_t w) { /* lanes < w */
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)w), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+F32 static float softmax256(float *s, int64_t n) {
+    float mx = -INFINITY, l = 0.0f;
+    int64_t n8 = n & ~(int64_t)7;
+    __m256 mv = _mm256_set1_ps(-INFINITY);
+    for (int64_t t = 0; t < n8; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + t));
+    float lanes[8];
+    _mm256_storeu_ps(lanes, mv);
+    for (int i = 0; i < 8; i++) mx = lanes[i] > mx ? lanes[i] : mx;
+    for (int64_t t = n8; t < n; t++) mx = s[t] > mx ? s[t] : mx;
+    __m256 mb = _mm256_set1_ps(mx), sv = _mm256_setzero_ps();
+    for (int64_t t = 0; t < n8; t += 8) {
+        __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + t), mb));
+        _mm256_storeu_ps(s + t, e);
+        sv = _mm256_add_ps(sv, e);
+    }
+    if (n8 < n) {
+        __m256i m = tail8(n - n8);
+        __m256 e = exp256(_mm256_sub_ps(_mm256_maskload_ps(s + n8, m), mb));
+        e = _mm256_and_ps(e, _mm256_castsi256_ps(m));
+        _mm256_maskstore_ps(s + n8, m, e);
+        sv = _mm256_add_ps(sv, e);
+    }
+    l = hsum256(sv);
+    return l;
+}
+
+/* the sums of a0 .. a3's lanes, in that order */
+F32 static inline __m128 sum4_256(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+    __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+F32 static inline __attribute__((always_inline)) void scores_f32(const float *q, int64_t qh, const float *k, int64_t n,
+                                                                 int64_t d, int gb, float scale, float *s) {
+    const __m128 sc = _mm_set1_ps(scale);
+    const __m256 z = _mm256_setzero_ps();
+    int64_t t = 0;
+    for (; t + 4 <= n; t += 4) { /* four keys at a time, their sums reduced together */
+        for (int g0 = 0; g0 < gb; g0 += 2) { /* two query heads (8 accumulators) per pass over the four keys */
+            __m256 acc[2][4];
+            for (int g = 0; g < 2; g++)
+                for (int j = 0; j < 4; j++) acc[g][j] = z;
+            for (int64_t c = 0; c < d; c += 8) {
+                __m256 q0 = _mm256_loadu_ps(q + g0 * qh + c);
+                __m256 q1 = g0 + 1 < gb ? _mm256_loadu_ps(q + (g0 + 1) * qh + c) : z;
+                for (int j = 0; j < 4; j++) {
+                    __m256 kv = _mm256_loadu_ps(k + (t + j) * d + c);
+                    acc[0][j] = _mm256_fmadd_ps(q0, kv, acc[0][j]);
+                    acc[1][j] = _mm256_fmadd_ps(q1, kv, acc[1][j]);
+                }
+            }
+            for (int g = 0; g < 2 && g0 + g < gb; g++)
+                _mm_storeu_ps(s + (g0 + g) * n + t,
+                              _mm_mul_ps(sum4_256(acc[g][0], acc[g][1], acc[g][2], acc[g][3]), sc));
+        }
+    }
+    for (; t < n; t++) {
+        for (int g = 0; g < gb; g++) {
+            __m256 acc = z;
+            for (int64_t c = 0; c < d; c += 8)
+                acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * qh + c), _mm256_loadu_ps(k + t * d + c), acc);
+            s[g * n + t] = _mm_cvtss_f32(sum4_256(acc, z, z, z)) * scale; /* the same sums as sum4_256's lane 0 */
+        }
+    }
+}
+
+F32 static inline __attribute__((always_inline)) void values_f32(const float *p, const float *sums, const float *v,
+                                                                 int64_t n, int64_t d, int gb, float *out) {
+    for (int g = 0; g < gb; g++) /* one query head per pass: its 64-dim accumulators fill the registers */
+        for (int64_t d0 = 0; d0 < d; d0 += 64) {
+            const int64_t w = d - d0 < 64 ? (d - d0) / 8 : 8;
+            __m256 acc[8];
+            for (int c = 0; c < 8; c++) acc[c] = _mm256_setzero_ps();
+            for (int64_t t = 0; t < n; t++) {
+                const float *vt = v + t * d + d0;
+                __m256 pb = _mm256_set1_ps(p[g * n + t]);
+                for (int c = 0; c < 8; c++)
+                    if (c < w) acc[c] = _mm256_fmadd_ps(pb, _mm256_loadu_ps(vt + 8 * c), acc[c]);
+            }
+            __m256 l = _mm256_set1_ps(sums[g]);
+            for (int c = 0; c < 8; c++)
+                if (c < w) _mm256_storeu_ps(out + g * d + d0 + 8 * c, _mm256_div_ps(acc[c], l));
+        }
+}
+
+F32 static void head_f32(const float *q, int64_t qh, const float *k, const float *v, int64_t n, int64_t d, int heads,
+                         float scale, float *out, float *s) {
+    float sums[GB];
+    for (int g0 = 0; g0 < heads; g0 += GB) {
+        int gb = heads - g0 < GB ? heads - g0 : GB;
+        const float *qg = q + g0 * qh;
+        if (d == 64) scores_f32(qg, qh, k, n, 64, gb, scale, s);
+        else scores_f32(qg, qh, k, n, d, gb, scale, s);
+        for (int g = 0; g < gb; g++) sums[g] = softmax256(s + g * n, n);
+        if (d == 64) values_f32(s, sums, v, n, 64, gb, out + g0 * d);
+        else values_f32(s, sums, v, n, d, gb, out + g0 * d);
+    }
+}
+
+/* ------------------------------------------------------------------------------------------------------ entry */
+
+/* bf16: 1 for bfloat16 (needs AVX512-BF16), 0 for float32 (needs AVX2 + FMA; d a multiple of 8; bfloat16 needs d
+ * even). Work items (entry, KV head) are split between `threads` OpenMP threads. Returns 0, or -1 when out of
+ * memory. */
+int kvrag_row_attention(int bf16, const int64_t *entries, int64_t count, int64_t heads, int64_t kv_heads, int64_t d,
+                        int64_t q_head, float scale, int threads) {
+    const int64_t groups = heads / kv_heads, items = count * kv_heads;
+    const size_t el = bf16 ? 2 : 4;
+    int failed = 0;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && items > 1)
+    for (int64_t it = 0; it < items; it++) {
+        const int64_t *e = entries + (it / kv_heads) * 6, h = it % kv_heads, n = e[4];
+        float *s = malloc(sizeof(float) * (size_t)(groups < GB ? groups : GB) * (size_t)n);
+        if (!s) {
+            failed = 1;
+            continue;
+        }
+        const char *q = (const char *)(intptr_t)e[0] + (size_t)(h * groups * q_head) * el;
+        const char *k = (const char *)(intptr_t)e[1] + (size_t)(h * e[3]) * el;
+        const char *v = (const char *)(intptr_t)e[2] + (size_t)(h * e[3]) * el;
+        char *out = (char *)(intptr_t)e[5] + (size_t)(h * groups * d) * el;
+        if (bf16)
+            head_bf16((const uint16_t *)q, q_head, (const uint16_t *)k, (const uint16_t *)v, n, d, (int)groups,
+                      scale, (uint16_t *)out, s);
+        else
+            head_f32((const float *)q, q_head, (const float *)k, (const float *)v, n, d, (int)groups, scale,
+                     (float *)out, s);
+        free(s);
+    }
+    return failed ? -1 : 0;
+}
+
+int kvrag_row_attention_abi(void) { return 1; }

@@ -1,0 +1,203 @@
+"""kvrag's one-token attention on x86 CPUs (``row_attention.c``): a decode step's rows in one call per layer.
+
+A decode step attends each request's one new token over that request's own keys. torch's CPU SDPA serves such a
+call through its flash-attention kernel, built for blocks of many queries: for one query over 1.5K bf16 keys
+(SmolLM2-135M's [9 heads, 64] over 3 KV heads, one thread) it reads the layer's K/V at ~9 GB/s where a plain
+float32 sum reads memory at ~25 GB/s. ``row_attention.c`` computes the scores, the softmax and the weighted sum for
+each (query, KV head) in one pass over the head's keys and one over its values, and takes every query of a layer
+-- all rows of a batched step, all drafted positions of a verify step -- in one call, split over torch's OpenMP
+threads.
+
+Its arithmetic is its own (float32 scores, softmax and sums; the output rounded to the model's dtype), so the
+outputs differ from torch's SDPA in the last bits. It therefore serves *every* one-token attention of a model that
+runs ``kvrag_sdpa`` -- kvrag's batched and verify steps and the model's own forward (``model.generate``,
+single-token forwards over a cache) alike -- so ``full`` still generates what ``model.generate`` does on the same
+model object, and each entry's result never depends on the other entries of its call or on the thread split (a
+row's tokens do not depend on its batch).
+
+Paths: bfloat16 with AVX512-BF16 (head dim even), float32 with AVX2 + FMA (head dim a multiple of 8), CPU tensors
+only. Anything else, no C compiler, a failed self-check, or ``KVRAG_ROW_ATTENTION=torch`` leaves torch's SDPA in
+place for every call of that dtype, with the reason in :func:`why_not`.
+"""
+
+from __future__ import annotations
+
+import array
+import ctypes
+import functools
+import logging
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from kvrag.errors import ConfigError
+from kvrag.kv import native
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("row_attention.c")
+_ABI = 1
+_NEEDS = {torch.bfloat16: ("avx512_bf16",), torch.float32: ("avx2", "fma")}
+
+
+def _cpu_flags() -> frozenset[str]:
+    from kvrag.calibration import cpu_flags
+
+    return cpu_flags()
+
+
+def _wanted() -> str:
+    v = os.environ.get("KVRAG_ROW_ATTENTION", "auto").strip().lower() or "auto"
+    if v not in ("auto", "kvrag", "torch"):
+        msg = f"KVRAG_ROW_ATTENTION={v!r} is not a setting; use auto, kvrag or torch"
+        raise ConfigError(msg)
+    return v
+
+
+class _Lib:
+    def __init__(self) -> None:
+        lib = ctypes.CDLL(str(native.build(SOURCE)))
+        if lib.kvrag_row_attention_abi() != _ABI:
+            msg = f"{SOURCE.name} ABI {lib.kvrag_row_attention_abi()} != {_ABI}"
+            raise RuntimeError(msg)
+        fn = lib.kvrag_row_attention
+        i64 = ctypes.c_int64
+        fn.argtypes = [ctypes.c_int, ctypes.c_void_p, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
+        fn.restype = ctypes.c_int
+        self.fn = fn
+
+    def run(self, bf16: bool, entries: array.array, count: int, heads: int, kv_heads: int, d: int, q_head: int,
+            scale: float, threads: int) -> None:
+        if self.fn(int(bf16), entries.buffer_info()[0], count, heads, kv_heads, d, q_head, scale, threads):
+            raise MemoryError("kvrag's row attention: no memory for the scores")
+
+
+@functools.cache
+def _load(dtype: torch.dtype) -> tuple[_Lib | None, str | None]:
+    """(library, why not) for one-token attention in ``dtype``: chosen once per dtype and process."""
+    try:
+        wanted = _wanted()
+    except ConfigError as e:
+        return None, str(e)
+    if wanted == "torch":
+        return None, "KVRAG_ROW_ATTENTION=torch"
+    needs = _NEEDS.get(dtype)
+    if needs is None:
+        return None, f"no kvrag row-attention path for {dtype}"
+    missing = [f for f in needs if f not in _cpu_flags()]
+    if missing:
+        return None, f"this CPU lacks {', '.join(missing)} for the {dtype} path"
+    try:
+        lib = _Lib()
+        _self_check(lib, dtype)
+    except (OSError, RuntimeError, AssertionError) as e:
+        log.warning("kvrag's row attention is not used for %s (torch's SDPA is): %s", dtype, e)
+        return None, str(e)
+    log.info("one-token attention (%s): kvrag's kernel", dtype)
+    return lib, None
+
+
+def why_not(dtype: torch.dtype) -> str | None:
+    """Why torch's SDPA serves one-token attention in ``dtype`` here (None when kvrag's kernel does)."""
+    return _load(dtype)[1]
+
+
+def serves(query: torch.Tensor) -> bool:
+    """Whether one-token attention over ``query``'s dtype and head dim runs kvrag's kernel: decided by the device,
+    dtype and head dim only, so every call of a model decides alike."""
+    if query.device.type != "cpu":
+        return False
+    d = query.shape[-1]
+    if (query.dtype == torch.bfloat16 and d % 2) or (query.dtype == torch.float32 and d % 8):
+        return False
+    return _load(query.dtype)[0] is not None
+
+
+def window_start(mask: torch.Tensor | None, keys: int) -> int | None:
+    """The first key a one-token query attends to under ``mask`` ([.., keys] boolean, True = attend), when the mask
+    admits a suffix of the keys (none: 0); None for any other mask (torch's SDPA then serves the call)."""
+    if mask is None:
+        return 0
+    if mask.dtype != torch.bool or mask.shape[-1] != keys or mask.numel() != keys:
+        return None
+    m = mask.reshape(keys)
+    start = keys - int(m.sum())
+    return start if start < keys and bool(m[start:].all()) else None
+
+
+def attend(query: torch.Tensor, keys: Sequence[tuple[torch.Tensor, torch.Tensor, int, int]], out: torch.Tensor,
+           scale: float | None) -> torch.Tensor:
+    """One-token attention of ``query[:, :, i]`` over ``keys[i]``, written into ``out[0, i]``.
+
+    Args:
+        query: [1, H, Q, D] (any strides); keys: per query, (K, V, start, stop) with K / V [H_kv, T, D] (D
+            contiguous, positions D apart) and the query attending to positions ``start .. stop - 1``.
+        out: [1, Q, H, D] contiguous, the query's dtype.
+
+    Returns:
+        ``out``.
+    """
+    lib = _load(query.dtype)[0]
+    assert lib is not None, "kvrag's row attention does not serve this dtype here"
+    return _call(lib, query, keys, out, 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale),
+                 torch.get_num_threads())
+
+
+def _call(lib: _Lib, query: torch.Tensor, keys: Sequence[tuple[torch.Tensor, torch.Tensor, int, int]],
+          out: torch.Tensor, scale: float, threads: int) -> torch.Tensor:
+    _, heads, _, d = query.shape
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    el = query.element_size()
+    q0, qs, o0, os_ = query.data_ptr(), query.stride(2) * el, out.data_ptr(), out.stride(1) * el
+    flat, keep = array.array("q"), []
+    for i, (k, v, start, stop) in enumerate(keys):
+        ks = k.stride()
+        if ks[1:] != (d, 1) or v.stride() != ks:
+            k, v = k.contiguous(), v.contiguous()
+            keep.append((k, v))  # alive until the call returns
+            ks = k.stride()
+        flat.extend((q0 + i * qs, k.data_ptr() + start * d * el, v.data_ptr() + start * d * el, ks[0], stop - start,
+                     o0 + i * os_))
+    lib.run(query.dtype == torch.bfloat16, flat, len(keys), heads, keys[0][0].shape[0], d, query.stride(1), scale,
+            threads)
+    return out
+
+
+def reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
+    """float64 attention of ``query`` [H, D] over ``key`` / ``value`` [H_kv, T, D]: [H, D]."""
+    g = query.shape[0] // key.shape[0]
+    k = key.double().repeat_interleave(g, 0)
+    v = value.double().repeat_interleave(g, 0)
+    w = torch.softmax(torch.einsum("hd,htd->ht", query.double(), k) * scale, -1)
+    return torch.einsum("ht,htd->hd", w, v)
+
+
+def _self_check(lib: _Lib, dtype: torch.dtype) -> None:
+    """The kernel against float64 arithmetic for several key counts, each query alone and in one call."""
+    gen = torch.Generator().manual_seed(0)
+    heads, kv_heads, d = 6, 2, 64
+    lengths = (1, 7, 33, 300)
+    q = torch.randn(1, heads, len(lengths), d, generator=gen).to(dtype)
+    kv = [(torch.randn(kv_heads, n + 3, d, generator=gen).to(dtype),
+           torch.randn(kv_heads, n + 3, d, generator=gen).to(dtype), 2, n + 2) for n in lengths]
+    out = torch.empty(1, len(lengths), heads, d, dtype=dtype)
+    _call(lib, q, kv, out, 0.125, 2)
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    for i, (k, v, a, b) in enumerate(kv):
+        ref = reference(q[0, :, i], k[:, a:b], v[:, a:b], 0.125)
+        err = (out[0, i].double() - ref).abs().max().item()
+        if not err <= tol:
+            msg = f"self-check ({dtype}): max error {err:.3g} against float64 over {b - a} keys > {tol}"
+            raise AssertionError(msg)
+        alone = torch.empty(1, 1, heads, d, dtype=dtype)
+        _call(lib, q[:, :, i : i + 1], [kv[i]], alone, 0.125, 1)
+        if not torch.equal(alone[0, 0], out[0, i]):
+            msg = f"self-check ({dtype}): a query alone differs from the same query among others"
+            raise AssertionError(msg)
+
+
+__all__ = ["SOURCE", "attend", "reference", "serves", "why_not", "window_start"]
