@@ -148,7 +148,8 @@ def _attend(layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     Each query attends alone over its own buffer up to its position -- all queries of the layer in one call of
     kvrag's one-token kernel where it serves (:func:`kvrag.kv.row_attention.serves`), else with the call
     transformers' sdpa makes for a one-token, mask-free batch-1 step: a batch of one is bit-identical to the
-    model's own step (whose one-token attention takes the same path), and a verified position to a plain step's. A masked multi-query call would read the context once but sums in another order
+    model's own step (whose one-token attention takes the same path), and a verified position to a plain step's.
+    A masked multi-query call would read the context once but sums in another order
     (bfloat16 attention outputs differ by ~2e-4, float32 by ~1e-7), and through bf16 roundings -- the model's, or
     the quantized products' bf16 activations -- that moves logits by up to 0.4 (SmolLM2-135M, int4, float32 or
     bfloat16), enough to flip greedy choices in near-ties. With per-query calls a verified position's logits are
