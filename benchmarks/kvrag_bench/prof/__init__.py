@@ -23,3 +23,41 @@ def step_args(contexts: str = "1536") -> tuple[str, list[int], list[int], int, A
     batches = [int(b) for b in (argv[2] or "1,8").split(",")]
     steps = int(argv[3] or 40)
     return quantize, ctxs, batches, steps, load_model(None, quantize=None if quantize == "none" else quantize)
+
+
+def interleaved_steps(sides: list[Any], rows: list[list[Any]], tokens: list[int], steps: int) -> tuple[list[float], int]:
+    """Decode steps of two sides taking turns (the order alternating each step), the same tokens fed to both.
+
+    Args:
+        sides: two callables ``side(rows) -> logits [B, V]`` (one decode step over the given rows; the caller's
+            setup, e.g. a kernel switch, inside); rows: each side's own rows (advanced after each step here);
+        tokens: the first step's tokens (afterwards side 0's greedy choice).
+
+    Returns:
+        (median seconds of a step per side, how many row-steps' greedy tokens agreed). The first two steps of each
+        side (the direct loop's check) are not timed.
+    """
+    import statistics
+    import time
+
+    def step(s: int) -> Any:
+        out = sides[s](rows[s], tokens)
+        for r in rows[s]:
+            r.length += 1
+        return out
+
+    for s in (0, 1):
+        step(s)
+        step(s)
+    times: tuple[list[float], list[float]] = ([], [])
+    agree = 0
+    for st in range(steps):
+        out: list[Any] = [None, None]
+        for s in ((0, 1) if st % 2 == 0 else (1, 0)):
+            t = time.perf_counter()
+            out[s] = step(s)
+            times[s].append(time.perf_counter() - t)
+        a, k = out[0].argmax(-1), out[1].argmax(-1)
+        agree += int((a == k).sum())
+        tokens = [int(t) for t in a]
+    return [statistics.median(t) for t in times], agree

@@ -7,16 +7,20 @@ The kernel path is ``amx`` or ``avx512bf16`` (what this CPU has). The context is
 Prints the median step time of each side and their ratio per (context, batch), and how often the two sides' greedy
 tokens agree (their logits differ in the last bf16 bit of some products, so they need not be equal).
 """
+import functools
 import os
-import statistics
 import sys
-import time
 
 import torch
 
 from kvrag.kv import batched, hf_cache, int4_kernel
 from kvrag.models import load_model
 from kvrag_bench.decode_bench import context_rows
+from kvrag_bench.prof import interleaved_steps
+
+
+def _step(model, windows, rows, tokens):
+    return batched.decode_step(model, rows, tokens, windows)
 
 
 def _load(kernel):
@@ -43,25 +47,9 @@ def main():
         for b in batches:
             rows = [context_rows(*kv[s], b, ctx + steps + 4, sides[s].dtype) for s in (0, 1)]
             wins = [batched.windows(lm.model) for lm in sides]
-            toks = [500 + i for i in range(b)]
-            for s in (0, 1):  # the first steps: the direct loop's check
-                for _ in range(2):
-                    batched.decode_step(sides[s].model, rows[s], toks, wins[s])
-                    for r in rows[s]:
-                        r.length += 1
-            times, agree = ([], []), 0
-            for st in range(steps):
-                out = [None, None]
-                for s in ((0, 1) if st % 2 == 0 else (1, 0)):
-                    t = time.perf_counter()
-                    out[s] = batched.decode_step(sides[s].model, rows[s], toks, wins[s])
-                    times[s].append(time.perf_counter() - t)
-                    for r in rows[s]:
-                        r.length += 1
-                a, k = out[0].argmax(-1), out[1].argmax(-1)
-                agree += int((a == k).sum())
-                toks = [int(t) for t in a]
-            ref, new = (1e3 * statistics.median(t) for t in times)
+            fns = [functools.partial(_step, lm.model, w) for lm, w in zip(sides, wins, strict=True)]
+            (ref, new), agree = interleaved_steps(fns, rows, [500 + i for i in range(b)], steps)
+            ref, new = 1e3 * ref, 1e3 * new
             print(f"context {ctx:5d} batch {b}: {names[0]} {ref:.1f} ms, {names[1]} {new:.1f} ms ({new / ref:.3f}x); "
                   f"greedy tokens agree {agree}/{steps * b}", flush=True)
 
