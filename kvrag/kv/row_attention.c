@@ -7,8 +7,9 @@
  *   out[g, :] = sum_t exp(s[g, t] - max_t s[g, t]) v[t, :] / sum_t exp(s[g, t] - max_t s[g, t])
  *
  * in float32 (scores, softmax, weighted sum), the output rounded to the inputs' dtype (round to nearest even for
- * bfloat16). A head's keys and values are read once: the scores visit each key once for up to 4 query heads, and
- * the weighted sum walks the values 64 dimensions of every position at a time for up to 4 query heads.
+ * bfloat16). The scores visit each key once for up to 4 query heads; the weighted sum walks the values
+ * contiguously, 64 dimensions of every position a pass, for up to 4 query heads in bfloat16 (float32: one query head
+ * a pass -- AVX2's 16 registers hold one head's 64 float32 sums -- the later passes reading the values from cache).
  *
  *   bfloat16 (AVX512-BF16): q . k by VDPBF16PS (exact products of bf16 pairs, float32 sums), values widened to
  *                           float32 and accumulated by FMA;
