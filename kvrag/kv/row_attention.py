@@ -40,7 +40,9 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("row_attention.c")
 _ABI = 1
-_NEEDS = {torch.bfloat16: ("avx512_bf16",), torch.float32: ("avx2", "fma")}
+_NEEDS = {torch.bfloat16: ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16"),
+          torch.float32: ("avx2", "fma")}
+"""The CPU flags each path is compiled for (row_attention.c's target attributes)."""
 
 
 def _cpu_flags() -> frozenset[str]:
