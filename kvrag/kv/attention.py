@@ -47,23 +47,21 @@ def gqa_sdpa_attention(
         return batched.attention(module, query, key, value, scaling)
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    if query.shape[2] == 1 and query.shape[0] == 1 and _one_token(module, key, value, dropout, kwargs):
-        start = row_attention.window_start(attention_mask, key.shape[2])
-        if start is not None and row_attention.serves(query):  # the kernel kvrag's decode steps use (see there)
-            out = torch.empty((1, 1, query.shape[1], value.shape[-1]), dtype=query.dtype)
-            return row_attention.attend(query, [(key[0], value[0], start, key.shape[2])], out, scaling), None
-    groups = int(getattr(module, "num_key_value_groups", 1) or 1)
-    plain = (
-        attention_mask is None
-        or groups == 1
-        or query.shape[2] == 1
-        or query.device.type != "cpu"
-        or key.shape[-1] != value.shape[-1]
+    special = (  # what neither kvrag's GQA call nor its row attention computes
+        key.shape[-1] != value.shape[-1]
         or kwargs.get("position_bias") is not None
         or kwargs.get("softcap") is not None
         or kwargs.get("output_attentions", False)
         or module.training
     )
+    if (query.shape[2] == 1 and query.shape[0] == 1 and not special and not dropout
+            and getattr(module, "sinks", None) is None and row_attention.serves(query)):
+        start = row_attention.window_start(attention_mask, key.shape[2])
+        if start is not None:  # the kernel kvrag's decode steps use (see there)
+            out = torch.empty((1, 1, query.shape[1], value.shape[-1]), dtype=query.dtype)
+            return row_attention.attend(query, [(key[0], value[0], start, key.shape[2])], out, scaling), None
+    groups = int(getattr(module, "num_key_value_groups", 1) or 1)
+    plain = attention_mask is None or groups == 1 or query.shape[2] == 1 or query.device.type != "cpu" or special
     if plain:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
@@ -71,20 +69,6 @@ def gqa_sdpa_attention(
         query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True
     )
     return out.transpose(1, 2).contiguous(), None
-
-
-def _one_token(module: torch.nn.Module, key: torch.Tensor, value: torch.Tensor, dropout: float,
-               kwargs: dict[str, Any]) -> bool:
-    """A one-token call that is plain softmax(q k^T * scale + mask) v (what :mod:`kvrag.kv.row_attention` computes)."""
-    return not (
-        key.shape[-1] != value.shape[-1]
-        or dropout
-        or module.training
-        or kwargs.get("position_bias") is not None
-        or kwargs.get("softcap") is not None
-        or kwargs.get("output_attentions", False)
-        or getattr(module, "sinks", None) is not None
-    )
 
 
 def register() -> None:

@@ -165,27 +165,19 @@ def _attend(layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     counts = step.fed()
     out = torch.empty((1, query.shape[2], query.shape[1], value.shape[-1]), dtype=query.dtype, device=query.device)
     kind, size = step.windows[layer]
-    if row_attention.serves(query):  # every query of the layer in one call of kvrag's kernel
-        keys = []
-        o = 0
-        for row, q in zip(step.rows, counts, strict=True):
-            kb, vb = _write_fresh(row, layer, key, value, o, q)
-            keys += [(kb, vb, _window_start(kind, size, p), p + 1) for p in range(row.length, row.length + q)]
-            o += q
-        row_attention.attend(query, keys, out, scaling)
-        return out.view(len(step.rows), 1, *out.shape[2:]) if plain else out
-    sdpa = torch.nn.functional.scaled_dot_product_attention
+    keys = []  # per query: its row's K / V and the positions it attends to
     o = 0
     for row, q in zip(step.rows, counts, strict=True):
-        n = row.length
         kb, vb = _write_fresh(row, layer, key, value, o, q)
-        for j in range(q):
-            p = n + j
-            s0 = _window_start(kind, size, p)
-            a = sdpa(query[:, :, o + j : o + j + 1], kb[None, :, s0 : p + 1], vb[None, :, s0 : p + 1], scale=scaling,
-                     enable_gqa=True)
-            out[0, o + j].copy_(a[0, :, 0])
+        keys += [(kb, vb, _window_start(kind, size, p), p + 1) for p in range(row.length, row.length + q)]
         o += q
+    if row_attention.serves(query):  # every query of the layer in one call of kvrag's kernel
+        row_attention.attend(query, keys, out, scaling)
+    else:
+        for i, (kb, vb, s0, end) in enumerate(keys):
+            a = torch.nn.functional.scaled_dot_product_attention(
+                query[:, :, i : i + 1], kb[None, :, s0:end], vb[None, :, s0:end], scale=scaling, enable_gqa=True)
+            out[0, i].copy_(a[0, :, 0])
     return out.view(len(step.rows), 1, *out.shape[2:]) if plain else out
 
 
