@@ -37,6 +37,10 @@ def test_sweep_on_a_tiny_model(tmp_path: Path) -> None:
         burst = result["frameworks"][fw]["burst"]
         assert burst["clients"] == 3 and burst["errors"] == 0 and burst["same_answer_rate"] == 1.0
         assert burst["speedup"] > 0 and burst["itl_p50_s"] is not None and burst["ttft_p99_s"] >= burst["ttft_p50_s"]
+        # the baseline: the same questions one by one right before and right after the burst, caches warm
+        before, after = burst["sequential_runs_s"]
+        assert burst["sequential_s"] == pytest.approx((before + after) / 2)
+        assert burst["speedup"] == pytest.approx(burst["sequential_s"] / burst["wall_s"])
     d = result["decode"]
     assert d["batch8"]["step_ms"] > 0 and d["weight_read_bound_ms"] > 0 and d["context_tokens"] >= 300
     assert json.loads((tmp_path / "sweep.json").read_text())["model"] == result["model"]
@@ -46,3 +50,9 @@ def test_sweep_on_a_tiny_model(tmp_path: Path) -> None:
     assert result["command"] == "kvrag bench load --clients 1,3 --questions 2 --max-new-tokens 8 --context 300 --burst 3"
     assert result["environment"]["hardware"]["cores"] >= 1 and "git_sha" in result["environment"]
     assert f"`{result['command']}` -- commit" in (tmp_path / "sweep.md").read_text()
+
+
+def test_one_by_one_times_every_question_in_turn() -> None:
+    asked: list[str] = []
+    seconds = load_sweep.one_by_one(lambda q: asked.append(q) or {}, ["a", "b", "a"])
+    assert asked == ["a", "b", "a"] and seconds >= 0
