@@ -82,6 +82,16 @@ class EngineConfig:
         speculative_ngram / speculative_min_ngram: the longest and the shortest answer suffix (tokens) looked up in
             the prompt, longest first (a one-token match drafts often and is accepted less; a minimum above the
             longest is capped to it).
+        runner_threads: torch intra-op threads of the runner thread, which runs every prepare and decode forward
+            (:mod:`kvrag.engine.runner`; set for that thread alone, :func:`kvrag.threads.set_own_threads`); None:
+            the process's setting. Give the runner the cores and the process's other threads one
+            (``torch.set_num_threads(1)`` before loading the model): GNU OpenMP gives each thread that runs
+            parallel work its own team, and once the teams hold more threads than the machine has cores it stops
+            spinning between parallel regions, so each of a decode step's small operations pays a wake-up
+            (measured on 2 cores, default model, bf16 + int4, 1.5K tokens: a step in a second thread took 38 ms
+            with the caller on two threads, 16-18 ms with the caller on one). ``kvrag serve`` does this
+            (``--threads``). The tokens can differ from a run on another thread count (bf16 products may split
+            their sums by threads); ``full`` equals ``model.generate`` run on the runner's count.
         admission_timeout_s: longest wait, in seconds, of a request in line for the KV memory bound (requests are
             admitted in arrival order); past it ``prepare`` raises :class:`~kvrag.errors.EngineBusyError` naming the
             bound. None: wait without limit.
@@ -107,6 +117,7 @@ class EngineConfig:
     max_batch_size: int = 8
     kv_memory_bytes: int | None = None
     compile_decode: bool = False
+    runner_threads: int | None = None
     admission_timeout_s: float | None = 300.0
     speculative_tokens: int = 3
     speculative_ngram: int = 3
@@ -135,6 +146,9 @@ class EngineConfig:
             raise ConfigError(f"speculative_min_ngram must be an integer >= 1, got {self.speculative_min_ngram!r}")
         if not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
             raise ConfigError(f"max_batch_size must be an integer >= 1, got {self.max_batch_size!r}")
+        if self.runner_threads is not None and (not isinstance(self.runner_threads, int) or self.runner_threads < 1):
+            msg = f"runner_threads must be an integer >= 1 or None (the process's setting), got {self.runner_threads!r}"
+            raise ConfigError(msg)
         if self.admission_timeout_s is not None and not self.admission_timeout_s >= 0:
             raise ConfigError(f"admission_timeout_s must be >= 0 seconds or None, got {self.admission_timeout_s!r}")
         if self.kv_memory_bytes is not None and (not isinstance(self.kv_memory_bytes, int) or self.kv_memory_bytes < 1):

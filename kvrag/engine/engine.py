@@ -94,7 +94,7 @@ class KVRAGEngine(ChunkCaching):
         self.runner = Runner(self.model, self.tokenizer, KVBudget(kv_bytes, per_token),
                              max_batch_size=self.config.max_batch_size, compile_decode=self.config.compile_decode,
                              admission_timeout_s=self.config.admission_timeout_s,
-                             pack_suffixes=self.config.pack_suffixes,
+                             pack_suffixes=self.config.pack_suffixes, threads=self.config.runner_threads,
                              speculation=SpeculationConfig(max_draft=self.config.speculative_tokens,
                                                            max_ngram=self.config.speculative_ngram,
                                                            min_ngram=min(self.config.speculative_min_ngram,

@@ -55,6 +55,7 @@ from kvrag.errors import ConfigError, EngineBusyError, EngineClosedError
 from kvrag.kv import batched, hf_cache, pieces
 from kvrag.kv.attention import IMPL
 from kvrag.kv.pieces import SuffixPrefill
+from kvrag.threads import set_own_threads
 
 log = logging.getLogger(__name__)
 
@@ -70,14 +71,16 @@ class Runner:
         admission_timeout_s: longest wait for admission (None: no limit).
         speculation: prompt-lookup drafting for greedy requests (:mod:`kvrag.engine.speculate`; None: off).
         pack_suffixes: arrivals' question suffixes in one forward (``EngineConfig.pack_suffixes``).
+        threads: torch intra-op threads of the runner thread (``EngineConfig.runner_threads``; None: the process's).
     """
 
     _exit_hook: Callable[[], None] | None = None  # called right after the thread decided to exit (tests hold it)
 
     def __init__(self, model: Any, tokenizer: Any, budget: KVBudget, *, max_batch_size: int,
                  compile_decode: bool = False, admission_timeout_s: float | None = None,
-                 speculation: SpeculationConfig | None = None, pack_suffixes: bool = False) -> None:
-        self.model, self.pack_suffixes = model, bool(pack_suffixes)
+                 speculation: SpeculationConfig | None = None, pack_suffixes: bool = False,
+                 threads: int | None = None) -> None:
+        self.model, self.pack_suffixes, self.threads = model, bool(pack_suffixes), threads
         self.speculation = speculation or SpeculationConfig(max_draft=0)
         self.tokenizer = tokenizer
         self.max_batch_size = int(max_batch_size)
@@ -355,6 +358,8 @@ class Runner:
 
     def _loop(self) -> None:
         me = threading.current_thread()
+        if self.threads is not None:  # this thread's own count; every other thread keeps its own
+            set_own_threads(self.threads)
         try:
             while True:
                 with self._cv:

@@ -497,3 +497,28 @@ def test_chunks_a_prepare_computes_interleave_with_decode_steps_and_a_cancel_sto
     assert len(calls) <= 2  # it stopped at the next piece boundary, not after all four
     running.close()
     assert _wait_for(lambda: _quiet(eng))
+
+
+# ---- the runner's own torch threads ---------------------------------------------------------------------------
+def test_runner_threads_apply_to_the_runner_thread_only() -> None:
+    import torch
+
+    eng = _engine(runner_threads=2)
+    seen: list[tuple[str, int]] = []
+    hook = eng.model.register_forward_pre_hook(
+        lambda *_: seen.append((threading.current_thread().name, torch.get_num_threads())))
+    try:
+        assert torch.get_num_threads() == 1  # the module's fixture
+        tokens = _answer(eng, 0)
+    finally:
+        hook.remove()
+    assert tokens == _answer(_engine(), 0)  # the tiny model's answer does not depend on the runner's threads
+    assert seen and all(name == "kvrag-runner" and n == 2 for name, n in seen)  # every forward ran on the runner
+    assert torch.get_num_threads() == 1  # the caller's own count is left alone
+    later: list[int] = []
+    t = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+    t.start()
+    t.join()
+    assert later == [1]  # and so is torch's default for threads that start afterwards
+    with pytest.raises(ConfigError, match="runner_threads must be an integer >= 1"):
+        EngineConfig(runner_threads=0)

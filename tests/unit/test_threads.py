@@ -1,0 +1,35 @@
+"""kvrag.threads: one thread's own torch intra-op count, nobody else's changed."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from kvrag.threads import set_own_threads
+
+
+def _in_thread(fn) -> list[int]:  # type: ignore[no-untyped-def]
+    out: list[int] = []
+    t = threading.Thread(target=lambda: out.append(fn()))
+    t.start()
+    t.join()
+    return out
+
+
+def test_a_thread_sets_its_own_count_only() -> None:
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        def own() -> int:
+            set_own_threads(3)
+            return torch.get_num_threads()
+
+        assert _in_thread(own) == [3]
+        assert torch.get_num_threads() == 1  # the caller's
+        assert _in_thread(torch.get_num_threads) == [1]  # a thread started afterwards gets torch's default
+        with pytest.raises(ValueError, match="at least one intra-op thread"):
+            set_own_threads(0)
+    finally:
+        torch.set_num_threads(saved)
