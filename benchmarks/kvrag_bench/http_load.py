@@ -8,7 +8,9 @@ client count N, N client threads start together and each streams ``--questions``
 level's wall time, client-side TTFT p50/p90 (request sent -> first content delta), 429 and other errors, the chunk
 hit rate (the server's ``/metrics``), and the same-answer rate against each question answered alone first.
 
-``--http local`` starts the server in this process (:class:`kvrag.serve.LiveServer` over an engine of ``--model``)
+``--http local`` starts the server in this process (:class:`kvrag.serve.LiveServer` over an engine of ``--model``,
+built as ``kvrag serve`` builds it: ``--threads`` torch threads for the engine's runner, default torch's count, and
+one for every other thread)
 and also runs each level **in process** on the same engine -- the same prompts and chunks through
 ``engine.prepare`` / ``engine.stream`` from N threads, what the framework adapters do -- so that the HTTP
 throughput is reported as a fraction of the in-process burst. With a URL only the HTTP side is measured.
@@ -108,8 +110,6 @@ def _metric(client: Any, name: str) -> float:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import httpx
 
-    from kvrag.engine.engine import KVRAGEngine
-
     docs = Path(args.docs) if args.docs else DATA
     paras = paragraphs(docs)
     questions = list(QUESTIONS)
@@ -119,13 +119,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     url = args.http
     if url == "local":
         from kvrag.serve import LiveServer, ServeConfig, create_app
+        from kvrag.serve.cli import serving_engine
 
-        if args.threads:
-            import torch
-
-            torch.set_num_threads(args.threads)
-        engine = KVRAGEngine.from_pretrained(args.model, "memory://", dtype=args.dtype, device=args.device,
-                                             method=args.method, max_batch_size=args.max_batch_size)
+        # as `kvrag serve` builds it: --threads for the runner, this process's other threads on one
+        engine = serving_engine(args.threads, args.model, "memory://", dtype=args.dtype, device=args.device,
+                                method=args.method, max_batch_size=args.max_batch_size)
         server = LiveServer(create_app(engine, ServeConfig(max_queue=max(64, 2 * max(clients))))).start()
         url = server.url
     try:

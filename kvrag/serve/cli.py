@@ -32,6 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile-decode", action="store_true",
                         help="run plain decode steps compiled (torch.compile, the same bits), compiled on a helper "
                              "thread while steps run eagerly; minutes the first time on a machine, then cached")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads of the engine's runner, which runs every forward (default: torch's, the "
+                             "machine's cores); the server's other threads run torch work on one thread")
     parser.add_argument("--default-max-tokens", type=int, default=256,
                         help="chat completions without max_tokens generate at most this many tokens")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
@@ -54,10 +57,12 @@ def run(args: argparse.Namespace, model: str | None, store: str, chunk_prefix: s
     and the ``--persist`` manifest)."""
     require("fastapi", "serve", "kvrag serve")  # before loading a model for nothing
     require("uvicorn", "serve", "kvrag serve")
-    from kvrag.engine.engine import KVRAGEngine
     from kvrag.serve import ServeConfig, create_app, serve
 
-    factory = functools.partial(KVRAGEngine.from_pretrained, model, store, chunk_prefix=chunk_prefix,
+    if args.threads is not None and args.threads < 1:
+        print(f"kvrag serve: --threads must be >= 1, got {args.threads}", file=sys.stderr)
+        return 2
+    factory = functools.partial(serving_engine, args.threads, model, store, chunk_prefix=chunk_prefix,
                                 method=args.method, on_store_error=args.on_store_error,
                                 max_batch_size=args.max_batch_size, speculative_tokens=args.speculative_tokens,
                                 pack_suffixes=args.pack_suffixes, compile_decode=args.compile_decode)
@@ -70,6 +75,20 @@ def run(args: argparse.Namespace, model: str | None, store: str, chunk_prefix: s
           f"{len(app.state.kvrag.chunks)} chunks registered", file=sys.stderr)
     serve(app, args.host, args.port, drain_timeout_s=args.drain_timeout, log_level="debug" if args.verbose else "info")
     return 0
+
+
+def serving_engine(threads: int | None, model: str | None, store: str, **config: Any) -> Any:
+    """The server's engine: the forwards on the runner thread with ``threads`` torch threads (None: torch's count),
+    this thread on one. GNU OpenMP gives each thread that runs parallel work its own
+    team; with more team threads than cores it stops spinning between parallel regions and each small operation of
+    a decode step pays a wake-up (see ``EngineConfig.runner_threads``)."""
+    import torch
+
+    from kvrag.engine.engine import KVRAGEngine
+
+    runner = threads if threads is not None else torch.get_num_threads()
+    torch.set_num_threads(1)
+    return KVRAGEngine.from_pretrained(model, store, runner_threads=runner, **config)
 
 
 def _serve_on_ray(args: argparse.Namespace, factory: Any, cfg: Any, store: str) -> int:
@@ -97,4 +116,4 @@ def _serve_on_ray(args: argparse.Namespace, factory: Any, cfg: Any, store: str) 
     return 0
 
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["add_arguments", "run", "serving_engine"]

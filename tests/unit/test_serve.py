@@ -343,3 +343,19 @@ def test_serve_options_reach_the_engine(monkeypatch: pytest.MonkeyPatch) -> None
         assert serve_cli.run(args, None, "memory://", "template") == 0
         assert seen["pack_suffixes"] is on and seen["speculative_tokens"] == (0 if on else 3)
         assert seen["compile_decode"] is on
+    import torch
+
+    saved = torch.get_num_threads()
+    try:
+        for argv, threads in (([], saved), (["--threads", "3"], 3)):
+            torch.set_num_threads(saved)
+            args = parser.parse_args(argv)
+            args.verbose = False
+            assert serve_cli.run(args, None, "memory://", "template") == 0
+            # the runner gets the threads; the thread that loads the model (and serves HTTP) runs torch on one
+            assert seen["runner_threads"] == threads and torch.get_num_threads() == 1
+        args = parser.parse_args(["--threads", "0"])
+        args.verbose = False
+        assert serve_cli.run(args, None, "memory://", "template") == 2
+    finally:
+        torch.set_num_threads(saved)
