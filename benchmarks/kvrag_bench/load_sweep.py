@@ -76,6 +76,7 @@ class SweepConfig:
     dtype: str | None = None
     device: str | None = None
     threads: int | None = None
+    runner_threads: int | None = None
     max_batch_size: int = 8
     speculative_tokens: int | None = None
     context: int = 1500
@@ -338,6 +339,9 @@ def run_sweep(cfg: SweepConfig, engine: Any = None) -> dict[str, Any]:
     docs_dir = Path(cfg.docs) if cfg.docs else DATA
     if engine is None:
         spec: dict[str, Any] = {} if cfg.speculative_tokens is None else {"speculative_tokens": cfg.speculative_tokens}
+        if cfg.runner_threads:  # the runner on its own threads, the clients (retrieval, embedding) on one each
+            spec["runner_threads"] = cfg.runner_threads
+            torch.set_num_threads(1)
         engine = KVRAGEngine.from_pretrained(cfg.model, "memory://", device=cfg.device, dtype=cfg.dtype,
                                              max_batch_size=cfg.max_batch_size, **spec)
     builders = {"llamaindex": llamaindex_client, "langchain": langchain_client}
@@ -466,6 +470,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: the device's)")
     parser.add_argument("--device", default=None)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--runner-threads", type=int, default=None,
+                        help="the engine runner's torch threads (EngineConfig.runner_threads), every other thread on "
+                             "one, as `kvrag serve` runs (default: --threads for every thread)")
     parser.add_argument("--max-batch-size", type=int, default=d.max_batch_size, help="EngineConfig.max_batch_size")
     parser.add_argument("--speculative-tokens", type=int, default=None,
                         help="EngineConfig.speculative_tokens (default: the engine's; 0: plain decoding)")
@@ -481,7 +488,8 @@ def config_from_args(args: argparse.Namespace) -> SweepConfig:
         clients=tuple(int(x) for x in str(args.clients).split(",") if x.strip()), questions=args.questions,
         frameworks=tuple(x.strip() for x in str(args.frameworks).split(",") if x.strip()), method=args.method,
         max_new_tokens=args.max_new_tokens, top_k=args.top_k, docs=args.docs, model=args.model, dtype=args.dtype,
-        device=args.device, threads=args.threads, max_batch_size=args.max_batch_size,
+        device=args.device, threads=args.threads, runner_threads=getattr(args, "runner_threads", None),
+        max_batch_size=args.max_batch_size,
         speculative_tokens=getattr(args, "speculative_tokens", None), context=args.context,
         burst=getattr(args, "burst", 0) or 0, out=args.out)
 
