@@ -3,7 +3,7 @@
 ``torch.set_num_threads`` sets the calling thread's count *and* torch's default for every thread that runs its
 first torch operation later, so calling it from the runner would hand the runner's count to client threads started
 afterwards. With torch's OpenMP backend the count is a per-thread OpenMP setting, so :func:`set_own_threads` sets
-that alone (``omp_set_num_threads`` of the OpenMP runtime torch loaded), after torch's own per-thread setup has run
+that alone (``omp_set_num_threads`` of the OpenMP runtime torch is linked with), after torch's own per-thread setup has run
 in this thread (which would otherwise overwrite it). Elsewhere -- another backend, a runtime that cannot be found --
 it falls back to ``torch.set_num_threads``.
 
@@ -25,7 +25,10 @@ import torch
 
 @functools.cache
 def _openmp() -> ctypes.CDLL | None:
-    """The OpenMP runtime torch runs on (None: torch's backend is not OpenMP, or its library was not found)."""
+    """The OpenMP runtime torch runs on (None: torch's backend is not OpenMP, or its library was not found).
+
+    Other libraries bring their own OpenMP runtime (faiss's wheel does), each with its own thread settings, so the
+    symbol is looked up through torch's own library: ``dlsym`` on its handle searches it and its dependencies."""
     if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
         return None
     try:
@@ -33,7 +36,7 @@ def _openmp() -> ctypes.CDLL | None:
             maps = f.read()
     except OSError:
         return None
-    for path in sorted(set(re.findall(r"\S*/lib(?:gomp|iomp5|omp)[^\s/]*\.so[^\s/]*", maps))):
+    for path in sorted(set(re.findall(r"\S*/libtorch_cpu[^\s/]*\.so[^\s/]*", maps))):
         try:
             lib = ctypes.CDLL(path)
             lib.omp_set_num_threads.argtypes = [ctypes.c_int]
@@ -55,6 +58,8 @@ def set_own_threads(n: int) -> None:
         torch.set_num_threads(n)
         return
     lib.omp_set_num_threads(int(n))
+    if torch.get_num_threads() != n:  # not the runtime torch reads its count from after all
+        torch.set_num_threads(n)
 
 
 __all__ = ["set_own_threads"]

@@ -80,13 +80,10 @@ class Runner:
                  compile_decode: bool = False, admission_timeout_s: float | None = None,
                  speculation: SpeculationConfig | None = None, pack_suffixes: bool = False,
                  threads: int | None = None) -> None:
-        self.model, self.pack_suffixes, self.threads = model, bool(pack_suffixes), threads
+        self.model, self.tokenizer, self.pack_suffixes, self.threads = model, tokenizer, bool(pack_suffixes), threads
         self.speculation = speculation or SpeculationConfig(max_draft=0)
-        self.tokenizer = tokenizer
-        self.max_batch_size = int(max_batch_size)
-        self.compile_decode = bool(compile_decode)
-        self.admission_timeout_s = admission_timeout_s
-        self.lock = hf_cache.model_lock(model)
+        self.max_batch_size, self.compile_decode = int(max_batch_size), bool(compile_decode)
+        self.admission_timeout_s, self.lock = admission_timeout_s, hf_cache.model_lock(model)
         self.unbatchable = batched.batchable(model, IMPL)
         if self.unbatchable:
             log.info("decoding one request per step: %s", self.unbatchable)
@@ -101,8 +98,7 @@ class Runner:
         self._released: queue.SimpleQueue[int] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._last_thread: threading.Thread | None = None
-        self._threads_started = 0
-        self._consumers_waiting = 0
+        self._threads_started, self._consumers_waiting = 0, 0
         self._stats: collections.Counter[str] = collections.Counter()
         self._step_s = 0.05  # recent decode steps' seconds (moving average): what prepare pieces are sized by
 
@@ -377,8 +373,7 @@ class Runner:
                     parked = [self._handles[rid] for rid in plan.suffixes]
                     rows = [self._handles[rid] for rid in plan.decode]
                 self._execute(plan, closing, prep, parked, rows)
-            hook = self._exit_hook
-            if hook is not None:
+            if (hook := self._exit_hook) is not None:
                 hook()
         except BaseException as e:  # noqa: BLE001 - never leave a caller waiting on a dead loop
             log.exception("the runner failed")

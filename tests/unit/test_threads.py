@@ -7,6 +7,7 @@ import threading
 import pytest
 import torch
 
+from kvrag import threads
 from kvrag.threads import set_own_threads
 
 
@@ -33,3 +34,11 @@ def test_a_thread_sets_its_own_count_only() -> None:
             set_own_threads(0)
     finally:
         torch.set_num_threads(saved)
+
+
+def test_another_openmp_runtime_in_the_process_is_not_mistaken_for_torchs() -> None:
+    pytest.importorskip("faiss")  # faiss's wheel brings its own libgomp, which /proc/self/maps can list first
+    if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
+        pytest.skip("torch does not run on OpenMP here")
+    threads._openmp.cache_clear()  # look the runtime up again, now with faiss's loaded
+    test_a_thread_sets_its_own_count_only()
