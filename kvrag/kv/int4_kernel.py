@@ -7,11 +7,10 @@ input row, so a batch of 8 rows costs 8 rows' decoding and float32 FMAs ([8, 576
 * ``amx`` (the default on CPUs with AMX): the decoded weights of a tile of 16 outputs and a group of 32 inputs
   become one tile of the matrix unit and one ``TDPBF16PS`` multiplies them by up to 16 rows (a decode step of 8
   rows: 0.71-0.84x torch's kernel's; of one row 1.03-1.05x);
-* ``avx512bf16`` (only when asked, ``KVRAG_INT4_KERNEL=avx512bf16``): ``VDPBF16PS`` multiplies 32 decoded weights
-  by two broadcast inputs for 16 outputs, for up to 8 rows per decoded weight. Faster than torch's kernel for one
-  row in isolation (31 vs 41 us for [1, 576] x [576, 1536]), but a decode step measured 1.01-1.10x torch's on an
-  AMX host, and it has not been measured on an AVX512-BF16 CPU without AMX, so torch's kernel stays the default
-  there.
+* ``avx512bf16`` (the default on AVX512-BF16 CPUs without AMX): ``VDPBF16PS`` multiplies 32 decoded weights by
+  two broadcast inputs for 16 outputs, for up to 8 rows per decoded weight (on such a CPU, float32 model, one
+  thread: a decode step of 8 rows 0.87-0.92x torch's kernel's, of 1 or 4 rows 0.99-1.01x; on an AMX host, where
+  the AMX path serves, it measured 1.01-1.10x torch's).
 
 Both apply each group's bf16 scale and zero in float32 and round the output to bfloat16, like torch's kernel; their
 outputs differ from it (and from each other) in the last bfloat16 bit now and then. A process uses one path for
@@ -21,8 +20,8 @@ fingerprint (:func:`tag`).
 
 The C source is compiled once per machine with the system's C compiler into ``$KVRAG_HOME/kernels`` (about a
 second) and loaded with ctypes (the call releases the GIL; threads come from the OpenMP runtime torch loaded). No
-compiler, a CPU without AMX (unless the VDPBF16PS path is asked for), a failed self-check or
-``KVRAG_INT4_KERNEL=torch`` leave torch's kernel in place, with the reason in :func:`why_not`.
+compiler, a CPU with neither AMX nor AVX512-BF16, a failed self-check or ``KVRAG_INT4_KERNEL=torch`` leave torch's
+kernel in place, with the reason in :func:`why_not`.
 """
 
 from __future__ import annotations
@@ -95,10 +94,10 @@ def _load() -> tuple[str | None, _Lib | None, str | None]:
         return None, None, "KVRAG_INT4_KERNEL=torch"
     flags = _cpu_flags()
     have = [p for p in PATHS if ("amx_bf16" if p == "amx" else "avx512_bf16") in flags]
-    if wanted == "auto":  # the VDPBF16PS path measured no faster in a decode step than torch's kernel: asked only
-        if "amx" not in have:
-            return None, None, "this CPU has no AMX (KVRAG_INT4_KERNEL=avx512bf16 takes kvrag's VDPBF16PS path)"
-        path = "amx"
+    if wanted == "auto":  # the best path this CPU has (PATHS is best first)
+        if not have:
+            return None, None, "this CPU has neither AMX nor AVX512-BF16, which kvrag's int4 kernel needs"
+        path = have[0]
     elif wanted not in have:
         return None, None, f"KVRAG_INT4_KERNEL={wanted} but this CPU lacks it (has: {sorted(have) or 'neither'})"
     else:
