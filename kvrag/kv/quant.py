@@ -11,8 +11,8 @@ The kernels, and why these and not a library's:
 
 * ``int4``: asymmetric groups of :data:`GROUP` input columns, one (scale, zero) pair each,
   ``w = (q - 8) * scale + zero`` with ``q`` in 0..15, run by kvrag's own kernel (:mod:`kvrag.kv.int4_kernel`: AMX
-  tiles, each weight decoded once per call for all its rows) where the CPU has AMX and a C compiler is at
-  hand, else by ``torch._weight_int4pack_mm_for_cpu`` (the layout gpt-fast's ``quantize.py`` builds), which
+  tiles or VDPBF16PS, each weight decoded once per call for all its rows) where the CPU has AMX or AVX512-BF16
+  and a C compiler is at hand, else by ``torch._weight_int4pack_mm_for_cpu`` (the layout gpt-fast's ``quantize.py`` builds), which
   decodes the weights once per row. A GGUF ``Q4_1`` block is exactly such a group (``w = d * q + m``: scale ``d``,
   zero ``m + 8 d``) and the default model's dequantized weights re-quantize to the file's own ``q`` without
   error, so ``int4`` on the embedded default keeps the file's own 4-bit blocks.
@@ -105,8 +105,8 @@ int4_dequantize = int4_kernel.dequantize
 
 
 class _Int4:
-    """A weight for an int4 kernel: kvrag's own (:mod:`kvrag.kv.int4_kernel`, where the CPU has AMX and a C
-    compiler) in its packed layout, else torch's: packed ``q`` and [K/g, N, 2] bfloat16 (scale, zero)."""
+    """A weight for an int4 kernel: kvrag's own (:mod:`kvrag.kv.int4_kernel`, where the CPU has AMX or
+    AVX512-BF16 and a C compiler) in its packed layout, else torch's: packed ``q`` and [K/g, N, 2] bfloat16 (scale, zero)."""
 
     __slots__ = ("n", "packed", "scales_zeros")
 
