@@ -2,7 +2,8 @@
  *
  *   out[m, n] = bf16( sum_k x[m, k] * w[n, k] ),   w[n, k] = (q[n, k] - 8) * scale[n, g] + zero[n, g],  g = k / 32
  *
- * x and out are bfloat16 rows; q is 4-bit, scale / zero bfloat16 -- the weight torch's _weight_int4pack_mm_for_cpu
+ * x and out are bfloat16 rows (kvrag_int4_mm_f32: float32 rows and outputs around the same product); q is 4-bit,
+ * scale / zero bfloat16 -- the weight torch's _weight_int4pack_mm_for_cpu
  * multiplies by, in a layout of its own (kvrag/kv/int4_kernel.py packs it):
  *
  *   for each tile of 16 outputs, for each group of 32 inputs: 8 chunks of 32 bytes, then 16 scales and 16 zeros
@@ -297,4 +298,35 @@ int kvrag_int4_mm(const uint16_t *x, int64_t rows, int64_t k, const uint8_t *w, 
     return 0;
 }
 
-int kvrag_int4_abi(void) { return 4; }
+/* float32 rows in, float32 out, for a float32 model: the rows rounded to bfloat16 as torch's vectorized conversion
+ * rounds them (to nearest even by integer arithmetic; NaN -> 0xFFFF), kvrag_int4_mm, its bfloat16 outputs widened
+ * -- the same bits as converting around kvrag_int4_mm in torch, without two tensor operations per product. The
+ * counts converted are multiples of 16 (k is one of 32, n one of 16). */
+TARGET static void to_bf16(const float *src, int64_t count, uint16_t *dst) {
+    const __m512i ones = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7FFF), nan = _mm512_set1_epi32(0xFFFF);
+    for (int64_t i = 0; i + 16 <= count; i += 16) {
+        __m512 f = _mm512_loadu_ps(src + i);
+        __m512i v = _mm512_castps_si512(f);
+        __m512i t = _mm512_add_epi32(_mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(v, 16), ones), bias), v);
+        t = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(f, f, _CMP_ORD_Q), nan, _mm512_srli_epi32(t, 16));
+        _mm256_storeu_si256((__m256i *)(dst + i), _mm512_cvtusepi32_epi16(t));
+    }
+}
+
+TARGET static void to_f32(const uint16_t *src, int64_t count, float *dst) {
+    for (int64_t i = 0; i + 16 <= count; i += 16) _mm512_storeu_ps(dst + i, bf16x16_to_f32(src + i));
+}
+
+int kvrag_int4_mm_f32(const float *xf, int64_t rows, int64_t k, const uint8_t *w, int64_t n, float *outf, int amx,
+                      int threads) {
+    uint16_t *x = malloc(sizeof(uint16_t) * (size_t)(rows * k + rows * n));
+    if (!x) return -1;
+    uint16_t *out = x + rows * k;
+    to_bf16(xf, rows * k, x);
+    int rc = kvrag_int4_mm(x, rows, k, w, n, out, amx, threads);
+    if (rc == 0) to_f32(out, rows * n, outf);
+    free(x);
+    return rc;
+}
+
+int kvrag_int4_abi(void) { return 5; }

@@ -31,6 +31,7 @@ import functools
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -42,7 +43,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("int4_gemm.c")
 PATHS = ("amx", "avx512bf16")
 """kvrag's kernel paths, best first; ``KVRAG_INT4_KERNEL`` picks one of these or ``torch``."""
-_ABI = 4
+_ABI = 5
 TILE, GROUP = 16, 32
 
 
@@ -69,17 +70,20 @@ class _Lib:
         if path == "amx" and not lib.kvrag_int4_amx_init():
             msg = "the kernel refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)"
             raise RuntimeError(msg)
-        fn = lib.kvrag_int4_mm
         i64, vp = ctypes.c_int64, ctypes.c_void_p
-        fn.argtypes = [vp, i64, i64, vp, i64, vp, ctypes.c_int, ctypes.c_int]
-        fn.restype = ctypes.c_int
-        self.fn, self.amx = fn, int(path == "amx")
+        self.fns: dict[torch.dtype, Any] = {}
+        for dtype, name in ((torch.bfloat16, "kvrag_int4_mm"), (torch.float32, "kvrag_int4_mm_f32")):
+            fn = getattr(lib, name)
+            fn.argtypes = [vp, i64, i64, vp, i64, vp, ctypes.c_int, ctypes.c_int]
+            fn.restype = ctypes.c_int
+            self.fns[dtype] = fn
+        self.amx = int(path == "amx")
 
     def mm(self, x: torch.Tensor, packed: torch.Tensor, n: int, threads: int) -> torch.Tensor:
         m, k = x.shape
-        out = torch.empty((m, n), dtype=torch.bfloat16)
-        if self.fn(x.data_ptr(), m, k, packed.data_ptr(), n, out.data_ptr(), self.amx, threads):
-            raise MemoryError(f"kvrag's int4 kernel: no memory for {m} x {k // GROUP} group sums")
+        out = torch.empty((m, n), dtype=x.dtype)
+        if self.fns[x.dtype](x.data_ptr(), m, k, packed.data_ptr(), n, out.data_ptr(), self.amx, threads):
+            raise MemoryError(f"kvrag's int4 kernel: no memory for a [{m}, {k}] x [{k}, {n}] product")
         return out
 
 
@@ -146,7 +150,8 @@ def pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tens
 
 
 def mm(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
-    """``x`` [M, K] contiguous bfloat16 times the packed weight: [M, n] bfloat16."""
+    """``x`` [M, K] contiguous bfloat16 times the packed weight: [M, n] bfloat16. A float32 ``x`` gives float32:
+    the bits of ``mm(x.bfloat16(), ...).float()``, converted inside the kernel (no tensor operations around it)."""
     lib = _load()[1]
     assert lib is not None, "kvrag's int4 kernel is not loaded here"
     return lib.mm(x, packed, n, torch.get_num_threads())

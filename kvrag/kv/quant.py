@@ -128,6 +128,11 @@ class _Int4:
             self.packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
             self.scales_zeros = torch.stack([scale, zero], -1).transpose(0, 1).contiguous()
 
+    @property
+    def takes_float32(self) -> bool:
+        """Whether :meth:`mm` takes float32 rows (kvrag's kernel converts them inside; torch's wants bfloat16)."""
+        return self.scales_zeros is None
+
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         if self.scales_zeros is None:
             return int4_kernel.mm(x, self.packed, self.n)
@@ -161,6 +166,8 @@ class _Int8Groups:
         self.hi = _Int4.from_parts((hi + 8).reshape(n, k), (16 * d).to(torch.bfloat16), torch.zeros_like(d, dtype=torch.bfloat16))
         self.lo = _Int4.from_parts(lo.reshape(n, k), d.to(torch.bfloat16), (8 * d).to(torch.bfloat16))
 
+    takes_float32 = False  # its sum is rounded to bfloat16, as it always was
+
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         return (self.hi.mm(x).float() + self.lo.mm(x).float()).to(x.dtype)
 
@@ -179,6 +186,8 @@ class _Int8:
         scales = (w.abs().amax(1) / 127).clamp(min=torch.finfo(torch.bfloat16).tiny).to(torch.bfloat16)
         self.q = (w / scales.float()[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous()
         self.scales = scales
+
+    takes_float32 = False
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         return torch._weight_int8pack_mm(x, self.q, self.scales)
@@ -228,10 +237,14 @@ def _forward(module: torch.nn.Linear, state: _State, x: torch.Tensor) -> torch.T
             or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
         return state.dense_forward(x)
     flat = x.reshape(-1, k)
-    rows = flat if flat.dtype == torch.bfloat16 else flat.to(torch.bfloat16)
-    y = state.qweight.mm(rows if rows.is_contiguous() else rows.contiguous())  # the kernels want contiguous rows
-    if y.dtype != x.dtype:
-        y = y.to(x.dtype)
+    qweight = state.qweight
+    if flat.dtype == torch.float32 and qweight.takes_float32:  # converted inside the kernel, the same bits
+        y = qweight.mm(flat if flat.is_contiguous() else flat.contiguous())
+    else:
+        rows = flat if flat.dtype == torch.bfloat16 else flat.to(torch.bfloat16)
+        y = qweight.mm(rows if rows.is_contiguous() else rows.contiguous())  # the kernels want contiguous rows
+        if y.dtype != x.dtype:
+            y = y.to(x.dtype)
     bias = params.get("bias")
     if isinstance(state.qweight, _Int8Groups):  # the output head: the likely next tokens' logits exactly
         y = _refine_top(y, flat, w, bias)

@@ -135,3 +135,34 @@ def test_pack_refuses_shapes_off_the_tiles() -> None:
     q, scale, zero = _weight(48, 64)
     with pytest.raises(ValueError, match="multiple of 16 outputs and 32 inputs"):
         int4_kernel.pack(q[:40], scale[:40], zero[:40])
+
+
+@pytest.mark.parametrize("kernel", ["amx", "avx512bf16"], indirect=True)
+def test_float32_rows_give_the_bits_of_converting_around_the_bfloat16_product(kernel: str) -> None:
+    n, k = 208, 96  # a tail of outputs beyond whole groups of tiles; k*rows not always a multiple of 16 floats
+    q, scale, zero = _weight(n, k, seed=2)
+    packed = int4_kernel.pack(q, scale, zero)
+    gen = torch.Generator().manual_seed(3)
+    for m in (1, 3, 8, 16):
+        x = torch.randn(m, k, generator=gen) * torch.logspace(-40, 3, k)  # subnormals to large, both signs
+        x[0, :6] = torch.tensor([float("inf"), -float("inf"), 0.0, -0.0, 1e-45, 3.3895e38])  # and what rounds up
+        got = int4_kernel.mm(x, packed, n)
+        assert got.dtype == torch.float32 and bool(torch.isfinite(got[1:]).all())
+        bits = got.view(torch.int32)  # bit for bit, the NaNs the infinities make in row 0 included
+        assert torch.equal(bits, int4_kernel.mm(x.to(torch.bfloat16), packed, n).float().view(torch.int32))
+        assert torch.equal(bits[1:], int4_kernel.mm(x[1:].contiguous(), packed, n).view(torch.int32))
+
+
+@pytest.mark.parametrize("kernel", ["amx", "avx512bf16"], indirect=True)
+def test_a_float32_models_products_skip_the_casts_and_keep_their_bits(kernel: str) -> None:
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(96, 208)
+    ref = torch.nn.Linear(96, 208)
+    ref.load_state_dict(lin.state_dict())
+    assert quant.quantize_linears(lin, "int4") == 1 and lin._kvrag_quant.qweight.takes_float32
+    x = torch.randn(5, 96)
+    with torch.inference_mode():
+        got = lin(x)
+        state = lin._kvrag_quant
+        expected = state.qweight.mm(x.to(torch.bfloat16)).float() + ref.bias
+    assert got.dtype == torch.float32 and torch.equal(got, expected)
