@@ -15,9 +15,10 @@ import torch
 
 from kvrag.config import GenerationConfig
 from kvrag.engine.engine import KVRAGEngine
+from kvrag.kv import quant
 from kvrag.prompting import RagTemplate, render_passage
 from kvrag.store.memory import MemoryStore
-from kvrag.testing.equivalence import bf16_kl_bound, kl
+from kvrag.testing.equivalence import assert_close_in_dtype, bf16_kl_bound, kl
 from kvrag.testing.fusion_suite import RECOMPUTE_ALL_SPECS
 
 PASSAGES = [
@@ -110,11 +111,22 @@ def test_recompute_everything_reproduces_full_in_bfloat16(engine_bf16, prompt, f
 
 @pytest.mark.parametrize("method", RECOMPUTE_ALL)
 def test_recompute_everything_reproduces_full_with_int4_weights(engine_int4, prompt, method: str) -> None:
-    """The contract on the quantized default: the same model object's ``full`` is the reference."""
+    """The contract on the quantized default: the same model object's ``full`` is the reference.
+
+    In float32 the int4 output head computes the 64 largest logits exactly and rounds the rest to bfloat16
+    (:mod:`kvrag.kv.quant`), so a hidden state a few float32 ulps off can move one of those by one bfloat16 step
+    (0.0625 at ~10): the largest (exact in both runs) are held to 2e-3, every logit to 2e-3 plus one bfloat16 step
+    of its size. In bfloat16, as two bfloat16 computations of one function through the whole model."""
     ref_logits, ref_tokens, _ = _run(engine_int4, prompt, "full")
     logits, tokens, stats = _run(engine_int4, prompt, method)
     _check_recomputed_everything(engine_int4, prompt, stats)
-    torch.testing.assert_close(logits, ref_logits, atol=2e-3, rtol=0)
+    if engine_int4.loaded.dtype != torch.float32:
+        assert_close_in_dtype(logits, ref_logits, engine_int4.loaded.dtype, fp32_atol=2e-3)
+    else:
+        top = ref_logits.topk(quant.REFINE_TOP // 4).indices
+        torch.testing.assert_close(logits[top], ref_logits[top], atol=2e-3, rtol=0)
+        step = torch.exp2(torch.floor(torch.log2(ref_logits.abs().clamp(min=1e-30))) - 7)  # a bfloat16 ulp of each
+        assert bool(((logits - ref_logits).abs() <= 2e-3 + step).all()), (logits - ref_logits).abs().max()
     assert tokens == ref_tokens and len(tokens) >= 1
 
 
