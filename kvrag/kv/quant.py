@@ -246,7 +246,7 @@ def _forward(module: torch.nn.Linear, state: _State, x: torch.Tensor) -> torch.T
         if y.dtype != x.dtype:
             y = y.to(x.dtype)
     bias = params.get("bias")
-    if isinstance(state.qweight, _Int8Groups):  # the output head: the likely next tokens' logits exactly
+    if isinstance(qweight, _Int8Groups):  # the output head: the likely next tokens' logits exactly
         y = _refine_top(y, flat, w, bias)
     elif bias is not None:
         y = y + bias

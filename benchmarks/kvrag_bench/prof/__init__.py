@@ -61,3 +61,22 @@ def interleaved_steps(sides: list[Any], rows: list[list[Any]], tokens: list[int]
         agree += int((a == k).sum())
         tokens = [int(t) for t in a]
     return [statistics.median(t) for t in times], agree
+
+
+def one_model_ab(lm: Any, sides: list[Any], names: tuple[str, str], contexts: list[int], batches: list[int],
+                 steps: int) -> None:
+    """Print, per (context, batch), the median decode step of two sides of one loaded model (``sides``: as
+    :func:`interleaved_steps` takes them; each its own rows over the same synthetic context, prefilled once), their
+    ratio and how often their greedy tokens agree."""
+    import torch
+
+    from kvrag.kv import hf_cache
+    from kvrag_bench.decode_bench import context_rows
+
+    for ctx in contexts:
+        kv = hf_cache.prefill_kv(lm.model, torch.tensor(list(range(1000, 1000 + ctx))))
+        for b in batches:
+            rows = [context_rows(*kv, b, ctx + steps + 4, lm.dtype) for _ in (0, 1)]
+            (ref, new), agree = interleaved_steps(sides, rows, [500 + i for i in range(b)], steps)
+            print(f"context {ctx:5d} batch {b}: {names[0]} {1e3 * ref:.1f} ms, {names[1]} {1e3 * new:.1f} ms "
+                  f"({new / ref:.3f}x); greedy tokens agree {agree}/{steps * b}", flush=True)

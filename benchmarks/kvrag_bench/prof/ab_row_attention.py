@@ -9,11 +9,8 @@ batch), and how often the two sides' greedy tokens agree (the kernels round diff
 """
 from unittest import mock
 
-import torch
-
-from kvrag.kv import batched, hf_cache, row_attention
-from kvrag_bench.decode_bench import context_rows
-from kvrag_bench.prof import interleaved_steps, step_args
+from kvrag.kv import batched, row_attention
+from kvrag_bench.prof import one_model_ab, step_args
 
 
 def _side(model, windows, kernel: bool):
@@ -31,14 +28,8 @@ def main():
     assert row_attention.why_not(lm.dtype) is None, row_attention.why_not(lm.dtype)
     print(f"{lm.name} {lm.dtype} {weights}, torch's SDPA vs kvrag's row attention, one thread", flush=True)
     win = batched.windows(lm.model)
-    sides = [_side(lm.model, win, False), _side(lm.model, win, True)]
-    for ctx in contexts:
-        kv = hf_cache.prefill_kv(lm.model, torch.tensor(list(range(1000, 1000 + ctx))))
-        for b in batches:
-            rows = [context_rows(*kv, b, ctx + steps + 4, lm.dtype) for _ in (0, 1)]
-            (ref, new), agree = interleaved_steps(sides, rows, [500 + i for i in range(b)], steps)
-            print(f"context {ctx:5d} batch {b}: sdpa {1e3 * ref:.1f} ms, kvrag {1e3 * new:.1f} ms ({new / ref:.3f}x); "
-                  f"greedy tokens agree {agree}/{steps * b}", flush=True)
+    one_model_ab(lm, [_side(lm.model, win, False), _side(lm.model, win, True)], ("sdpa", "kvrag"), contexts, batches,
+                 steps)
 
 
 if __name__ == "__main__":
