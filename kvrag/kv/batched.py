@@ -56,9 +56,9 @@ import torch
 from transformers.cache_utils import Cache
 
 from kvrag.kv import compiled as _compiled
-from kvrag.kv import direct, row_attention
+from kvrag.kv import direct, fused_step, row_attention
 from kvrag.kv.hf_cache import KVBuffer, model_lock
-from kvrag.kv.window import layer_windows
+from kvrag.kv.window import first_key, layer_windows
 
 
 @dataclasses.dataclass
@@ -96,7 +96,7 @@ class _Active:
         key = (i, kind, size)
         got = self.masks.get(key)
         if got is None:
-            s0 = _window_start(kind, size, n)
+            s0 = first_key(kind, size, n)
             qp = torch.arange(n, n + q, device=like.device).view(-1, 1)
             kp = torch.arange(s0, n + q, device=like.device).view(1, -1)
             allowed = kp <= qp
@@ -113,15 +113,6 @@ _local = threading.local()
 def active() -> bool:
     """True while a batched step runs in this thread (its attention calls belong to :func:`attention`)."""
     return getattr(_local, "step", None) is not None
-
-
-def _window_start(kind: str, size: int | None, pos: int) -> int:
-    """First key position a query at ``pos`` attends to (transformers' sliding / chunked mask overlays)."""
-    if size is None:
-        return 0
-    if kind == "chunked_attention":
-        return (pos // size) * size
-    return max(0, pos + 1 - size)
 
 
 def _write_fresh(row: Row, layer: int, key: torch.Tensor, value: torch.Tensor, o: int,
@@ -169,7 +160,7 @@ def _attend(layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     o = 0
     for row, q in zip(step.rows, counts, strict=True):
         kb, vb = _write_fresh(row, layer, key, value, o, q)
-        keys += [(kb, vb, _window_start(kind, size, p), p + 1) for p in range(row.length, row.length + q)]
+        keys += [(kb, vb, first_key(kind, size, p), p + 1) for p in range(row.length, row.length + q)]
         o += q
     if row_attention.serves(query):  # every query of the layer in one call of kvrag's kernel
         row_attention.attend(query, keys, out, scaling)
@@ -266,11 +257,21 @@ def _forward(model: Any, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tenso
     """:func:`_model_forward`'s result, computed by :func:`kvrag.kv.direct.forward` where that serves the model."""
     step: _Active = _local.step
 
-    def direct_() -> torch.Tensor:
-        logits = direct.forward(model, ids, pos, keep, attention)
+    def reference() -> torch.Tensor:
+        return _model_forward(model, ids, pos, mask, keep)
+
+    def last(logits: torch.Tensor) -> torch.Tensor:
         return logits[:, -1] if isinstance(keep, int) and keep == 1 else logits[0]
 
-    return direct.runner(model, lambda: _model_forward(model, ids, pos, mask, keep), step.rows, step.fed(), direct_)
+    def direct_() -> torch.Tensor:
+        return direct.runner(model, reference, step.rows, step.fed(),
+                             lambda: last(direct.forward(model, ids, pos, keep, attention)))
+
+    if step.prefill:
+        return direct_()
+    return fused_step.runner(model, reference, step.rows, step.fed(),
+                             lambda: last(fused_step.forward(model, ids, pos, keep, step.rows, step.fed(),
+                                                             step.windows)), direct_)
 
 
 @torch.inference_mode()
@@ -402,6 +403,9 @@ def prefill_rows(model: Any, rows: Sequence[Row], tokens: Sequence[Sequence[int]
     Returns:
         logits [B, V] (float32) of the next token after each row's last fed token.
     """
+    if len(rows) > 1 and direct.served(model) is None:  # the first row alone runs the direct loop's first check
+        return torch.cat([prefill_rows(model, rows[:1], tokens[:1], layer_windows_),
+                          prefill_rows(model, rows[1:], tokens[1:], layer_windows_)])
     if len(rows) > 1 and not direct.usable(model):
         return torch.cat([prefill_rows(model, [r], [t], layer_windows_) for r, t in zip(rows, tokens, strict=True)])
     counts, ids, pos, mask = _packed(model, rows, tokens, "prefill_rows")

@@ -67,7 +67,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kvrag.kv import direct, int4_kernel, quant
+from kvrag.kv import direct, fused_step, int4_kernel, quant
 
 log = logging.getLogger(__name__)
 
@@ -361,6 +361,16 @@ def why_not(model: Any, rows: int) -> str | None:
     return None
 
 
+def _loop_serves(model: Any) -> bool:
+    """Whether the layer loop the capture traces serves ``model``: no module has hooks, and the direct loop's first
+    step was checked equal to the model's forward -- or, where decode steps have run the fused step instead and the
+    direct loop is not checked yet, the fused step's first step was (the same layers, in the same order)."""
+    served = direct.served(model)
+    if served is None:
+        served = fused_step.served(model)
+    return bool(served) and not direct.hooked(model)
+
+
 def runner(model: Any, rows: Sequence[Any], eager: Callable[[], torch.Tensor], ids: torch.Tensor, pos: torch.Tensor,
            attend: Callable[..., torch.Tensor], rehearse: Callable[[int], None] | None = None) -> torch.Tensor:
     """Run a plain step captured where that serves ``model``, else ``eager`` (the step through
@@ -375,8 +385,7 @@ def runner(model: Any, rows: Sequence[Any], eager: Callable[[], torch.Tensor], i
         attend: the batched step's row attention, ``attend(layer, query, key, value, scaling)``
             (:func:`kvrag.kv.batched._attend`), called from the captured graph.
     """
-    # usable: the direct loop serves the model (why_not was None at its first step) and no module has hooks
-    if len(rows) > quant.MAX_ROWS or not direct.usable(model):
+    if len(rows) > quant.MAX_ROWS or not _loop_serves(model):
         return eager()
     with _lock:
         if model not in _state:

@@ -128,7 +128,13 @@ def forward(model: Any, ids: torch.Tensor, pos: torch.Tensor, keep: int | torch.
         gate = _segmented(mlp.gate_proj.forward, x, segments)
         up = _segmented(mlp.up_proj.forward, x, segments)
         h = residual + _segmented(mlp.down_proj.forward, mlp.act_fn(gate) * up, segments)
-    h = inner.norm.forward(h)
+    return head(model, h, keep)
+
+
+def head(model: Any, h: torch.Tensor, keep: int | torch.Tensor) -> torch.Tensor:
+    """The final norm and the LM head over the kept positions of the last layer's output ``h`` [B, S, hidden]
+    (``keep`` as :func:`forward` takes it)."""
+    h = model.model.norm.forward(h)
     if isinstance(keep, torch.Tensor):
         return model.lm_head.forward(h[:, keep, :])
     return model.lm_head.forward(h if keep == 0 else h[:, -keep:, :])
@@ -202,9 +208,14 @@ def served(model: Any) -> bool | None:
     return _checked.get(model)
 
 
+def hooked(model: Any) -> bool:
+    """Whether ``model`` or any of its modules has forward hooks now (a loop calling ``forward`` would skip them)."""
+    return _hooked(_modules(model))
+
+
 def usable(model: Any) -> bool:
     """Whether :func:`forward` serves ``model`` now: its first step was checked equal, and no module has hooks."""
     return bool(_checked.get(model)) and not _hooked(_modules(model))
 
 
-__all__ = ["FAMILIES", "forward", "runner", "same_as", "served", "usable", "why_not"]
+__all__ = ["FAMILIES", "forward", "head", "hooked", "runner", "same_as", "served", "usable", "why_not"]

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
@@ -303,6 +304,56 @@ def quantize_linears(model: Any, mode: str | None) -> int:
     return n
 
 
+class Fused:
+    """Linear layers that read the same input (q / k / v, gate / up) as one int4 product: their kvrag-kernel weights
+    side by side in one packed tensor, of which each layer's own weight becomes a view (no second copy). kvrag's
+    kernel computes every output from its own weight tile and the row alone, so the product's columns are the bits
+    of the layers' own products, and a bias is added as :func:`_forward` adds it."""
+
+    __slots__ = ("_checks", "bias", "n", "packed")
+
+    def __init__(self, packed: torch.Tensor, n: int, bias: torch.Tensor | None, checks: list[tuple[Any, ...]]) -> None:
+        self.packed, self.n, self.bias, self._checks = packed, n, bias, checks
+
+    def valid(self) -> bool:
+        """Whether each layer still has the quantized state, weight and bias (same objects, unchanged) it had when
+        fused; otherwise its own forward serves (:func:`_forward`'s checks)."""
+        for mod, state, w, wv, b, bv in self._checks:
+            if (mod.__dict__.get("_kvrag_quant") is not state or mod._parameters["weight"] is not w
+                    or w._version != wv or mod._parameters.get("bias") is not b or (b is not None and b._version != bv)):
+                return False
+        return True
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [M, K] contiguous (float32 or bfloat16, at most :data:`MAX_ROWS` rows): [M, n] in its dtype."""
+        y = int4_kernel.mm(x, self.packed, self.n)
+        return y if self.bias is None else y + self.bias
+
+
+def fuse_int4(modules: Sequence[torch.nn.Linear]) -> Fused | None:
+    """One :class:`Fused` product for ``modules`` (which read the same input), or None unless each has an int4
+    weight for kvrag's kernel of the same input width and all or none has a bias. The modules' packed weights
+    become views of the fused one."""
+    states = [getattr(m, "_kvrag_quant", None) for m in modules]
+    if not states or any(st is None or not isinstance(st.qweight, _Int4) or not st.qweight.takes_float32
+                         or not st.valid_for(m.weight) for st, m in zip(states, modules, strict=True)):
+        return None
+    ks = {m.weight.shape[1] for m in modules}
+    biases = [m.bias for m in modules]
+    if len(ks) != 1 or len({b is None for b in biases}) != 1:
+        return None
+    parts = [st.qweight.packed for st in states]  # type: ignore[union-attr]
+    packed = torch.cat(parts).contiguous()
+    o = 0
+    for st, part in zip(states, parts, strict=True):
+        st.qweight.packed = packed[o : o + part.shape[0]]  # type: ignore[union-attr]
+        o += part.shape[0]
+    bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])  # type: ignore[union-attr]
+    checks = [(m, st, m.weight, m.weight._version, m.bias, None if m.bias is None else m.bias._version)
+              for m, st in zip(modules, states, strict=True)]
+    return Fused(packed, sum(st.qweight.n for st in states), bias, checks)  # type: ignore[union-attr]
+
+
 def quant_tag(mode: str | None) -> str | None:
     """What a model fingerprint records of ``mode``: the mode and, when kvrag's own int4 kernel computes its int4
     products (the int4 body and the 8-bit output head of both modes), that kernel's path -- its outputs differ from
@@ -327,5 +378,5 @@ def quantized_bytes(model: Any) -> int:
     return sum(s.qweight.nbytes for mod in model.modules() if (s := getattr(mod, "_kvrag_quant", None)) is not None)
 
 
-__all__ = ["GROUP", "MAX_ROWS", "MODES", "REFINE_TOP", "int4_dequantize", "int4_groups", "kernels_available", "parse_mode",
+__all__ = ["GROUP", "MAX_ROWS", "MODES", "Fused", "fuse_int4", "REFINE_TOP", "int4_dequantize", "int4_groups", "kernels_available", "parse_mode",
            "quant_tag", "quantization_of", "quantize_linears", "quantized_bytes"]

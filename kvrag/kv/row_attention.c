@@ -353,4 +353,125 @@ int kvrag_row_attention(int bf16, const int64_t *entries, int64_t count, int64_t
     return failed ? -1 : 0;
 }
 
-int kvrag_row_attention_abi(void) { return 1; }
+/* ------------------------------------------------------------------------------- RoPE, K/V write, attention */
+
+/* Rounding to bfloat16 as torch does it (nearest even; a NaN stays a NaN). */
+static inline uint16_t round_bf16(float f) {
+    union { float f; uint32_t u; } b = {.f = f};
+    if ((b.u & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)((b.u >> 16) | 0x40u);
+    return (uint16_t)((b.u + 0x7fffu + ((b.u >> 16) & 1u)) >> 16);
+}
+
+static inline float widen_bf16(uint16_t h) {
+    union { uint32_t u; float f; } b = {.u = (uint32_t)h << 16};
+    return b.f;
+}
+
+/* transformers' `x * cos + rotate_half(x) * sin` (rotate_half(x) = cat(-x[d/2:], x[:d/2])) for `heads` heads of d
+ * elements, `x` heads `xs` elements apart, written d apart into `y`: every product and the sum rounded to the
+ * dtype, as torch's three element-wise operations round them. Not inlined, compiled without a target attribute and
+ * with contraction off (NO_CONTRACT): a product and a sum never become one fused multiply-add. */
+#if defined(__GNUC__) && !defined(__clang__)
+#define NO_CONTRACT __attribute__((noinline, optimize("fp-contract=off")))
+#else
+#define NO_CONTRACT __attribute__((noinline)) /* clang contracts within one expression only, and none has both */
+#endif
+NO_CONTRACT static void rope_f32(const float *x, int64_t xs, int64_t heads, int64_t d, const float *c,
+                                               const float *s, float *y, int64_t ys) {
+    const int64_t h2 = d / 2;
+    for (int64_t h = 0; h < heads; h++) {
+        const float *a = x + h * xs;
+        float *o = y + h * ys;
+        for (int64_t j = 0; j < h2; j++) {
+            float p = a[j] * c[j], r = -a[j + h2] * s[j];
+            o[j] = p + r;
+        }
+        for (int64_t j = h2; j < d; j++) {
+            float p = a[j] * c[j], r = a[j - h2] * s[j];
+            o[j] = p + r;
+        }
+    }
+}
+
+NO_CONTRACT static void rope_bf16(const uint16_t *x, int64_t xs, int64_t heads, int64_t d,
+                                                const uint16_t *c, const uint16_t *s, uint16_t *y, int64_t ys) {
+    const int64_t h2 = d / 2;
+    for (int64_t h = 0; h < heads; h++) {
+        const uint16_t *a = x + h * xs;
+        uint16_t *o = y + h * ys;
+        for (int64_t j = 0; j < d; j++) {
+            float rot = j < h2 ? -widen_bf16(a[j + h2]) : widen_bf16(a[j - h2]);
+            float p = widen_bf16(round_bf16(widen_bf16(a[j]) * widen_bf16(c[j])));
+            float r = widen_bf16(round_bf16(rot * widen_bf16(s[j])));
+            o[j] = round_bf16(p + r);
+        }
+    }
+}
+
+/* One layer's attention for the queries of a decode or verify step, from the layer's fused q/k/v products on:
+ * for each query i (row i of `qkv`: q [heads, d] | k [kv_heads, d] | v [kv_heads, d], `qkv_row` elements apart;
+ * its cos / sin rows `cs_row` apart), RoPE on q and k; k and v written at the query's position p of its buffer;
+ * then the query attends over positions start .. p of that buffer, as kvrag_row_attention computes it, into
+ * `out` [count, heads, d]. `qbuf` [count, heads, d] receives the rotated queries.
+ *
+ * Entries: int64 [count, 5] = (address of the layer's keys at head 0 position 0, of its values, elements between
+ * K/V heads, p, start). A verify step's queries of one row read the keys the row's earlier queries write, so all
+ * writes finish before any query attends. Returns 0, or -1 when out of memory. */
+int kvrag_rope_attend(int bf16, const int64_t *entries, int64_t count, const void *qkv, int64_t qkv_row,
+                      const void *cos, const void *sin, int64_t cs_row, int64_t heads, int64_t kv_heads, int64_t d,
+                      float scale, void *qbuf, void *out, int threads) {
+    const int64_t groups = heads / kv_heads, items = count * kv_heads;
+    const size_t el = bf16 ? 2 : 4;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1 && items > 1)
+    {
+#pragma omp for schedule(static)
+        for (int64_t it = 0; it < items; it++) {
+            const int64_t i = it / kv_heads, h = it % kv_heads, *e = entries + i * 5;
+            const char *row = (const char *)qkv + (size_t)(i * qkv_row) * el;
+            const char *c = (const char *)cos + (size_t)(i * cs_row) * el;
+            const char *s = (const char *)sin + (size_t)(i * cs_row) * el;
+            const char *qx = row + (size_t)(h * groups * d) * el;
+            const char *kx = row + (size_t)((heads + h) * d) * el;
+            const char *vx = row + (size_t)((heads + kv_heads + h) * d) * el;
+            char *qy = (char *)qbuf + (size_t)((i * heads + h * groups) * d) * el;
+            const size_t at = (size_t)(h * e[2] + e[3] * d) * el;
+            char *ky = (char *)(intptr_t)e[0] + at, *vy = (char *)(intptr_t)e[1] + at;
+            if (bf16) {
+                rope_bf16((const uint16_t *)qx, d, groups, d, (const uint16_t *)c, (const uint16_t *)s,
+                          (uint16_t *)qy, d);
+                rope_bf16((const uint16_t *)kx, d, 1, d, (const uint16_t *)c, (const uint16_t *)s, (uint16_t *)ky, d);
+            } else {
+                rope_f32((const float *)qx, d, groups, d, (const float *)c, (const float *)s, (float *)qy, d);
+                rope_f32((const float *)kx, d, 1, d, (const float *)c, (const float *)s, (float *)ky, d);
+            }
+            for (size_t b = 0; b < (size_t)d * el; b++)
+                vy[b] = vx[b];
+        }
+        /* the loop's closing barrier: every K/V is written before any query attends */
+#pragma omp for schedule(static)
+        for (int64_t it = 0; it < items; it++) {
+            const int64_t i = it / kv_heads, h = it % kv_heads, *e = entries + i * 5, n = e[3] - e[4] + 1;
+            float *sc = malloc(sizeof(float) * (size_t)(groups < GB ? groups : GB) * (size_t)n);
+            if (!sc) {
+                failed = 1;
+                continue;
+            }
+            const char *q = (const char *)qbuf + (size_t)((i * heads + h * groups) * d) * el;
+            const size_t at = (size_t)(h * e[2] + e[4] * d) * el;
+            const char *k = (const char *)(intptr_t)e[0] + at, *v = (const char *)(intptr_t)e[1] + at;
+            char *o = (char *)out + (size_t)((i * heads + h * groups) * d) * el;
+            if (bf16)
+                head_bf16((const uint16_t *)q, d, (const uint16_t *)k, (const uint16_t *)v, n, d, (int)groups, scale,
+                          (uint16_t *)o, sc);
+            else
+                head_f32((const float *)q, d, (const float *)k, (const float *)v, n, d, (int)groups, scale,
+                         (float *)o, sc);
+            free(sc);
+        }
+    }
+    return failed ? -1 : 0;
+}
+
+int kvrag_row_attention_abi(void) { return 2; }

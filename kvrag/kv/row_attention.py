@@ -39,7 +39,7 @@ from kvrag.kv import native
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("row_attention.c")
-_ABI = 1
+_ABI = 2
 _NEEDS = {torch.bfloat16: ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16"),
           torch.float32: ("avx2", "fma")}
 """The CPU flags each path is compiled for (row_attention.c's target attributes)."""
@@ -70,6 +70,11 @@ class _Lib:
         fn.argtypes = [ctypes.c_int, ctypes.c_void_p, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
         fn.restype = ctypes.c_int
         self.fn = fn
+        ra = lib.kvrag_rope_attend
+        vp = ctypes.c_void_p
+        ra.argtypes = [ctypes.c_int, vp, i64, vp, i64, vp, vp, i64, i64, i64, i64, ctypes.c_float, vp, vp, ctypes.c_int]
+        ra.restype = ctypes.c_int
+        self.rope_attend = ra
 
     def run(self, bf16: bool, entries: array.array, count: int, heads: int, kv_heads: int, d: int, q_head: int,
             scale: float, threads: int) -> None:
@@ -100,6 +105,15 @@ def _load(dtype: torch.dtype) -> tuple[_Lib | None, str | None]:
         return None, str(e)
     log.info("one-token attention (%s): kvrag's kernel", dtype)
     return lib, None
+
+
+def library(dtype: torch.dtype) -> _Lib:
+    """The loaded kernel library serving ``dtype`` (its ``rope_attend`` is :mod:`kvrag.kv.fused_step`'s call);
+    RuntimeError where it does not serve (:func:`why_not` says why)."""
+    lib, why = _load(dtype)
+    if lib is None:
+        raise RuntimeError(f"kvrag's row attention does not serve {dtype} here: {why}")
+    return lib
 
 
 def why_not(dtype: torch.dtype) -> str | None:
@@ -205,4 +219,4 @@ def _self_check(lib: _Lib, dtype: torch.dtype) -> None:
             raise AssertionError(msg)
 
 
-__all__ = ["SOURCE", "attend", "reference", "serves", "why_not", "window_start"]
+__all__ = ["SOURCE", "attend", "library", "reference", "serves", "why_not", "window_start"]

@@ -176,6 +176,16 @@ def context_limit(model: Any, limit: int) -> int:
     return int(limit)
 
 
+def first_key(kind: str, size: int | None, pos: int) -> int:
+    """The first key position a query at ``pos`` attends to in a layer of window ``size`` (None: every key) and
+    ``kind`` (transformers' sliding / chunked mask overlays)."""
+    if size is None:
+        return 0
+    if kind == "chunked_attention":
+        return (pos // size) * size
+    return max(0, pos + 1 - size)
+
+
 def window_mask(kind: str, size: int, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
     """[N, C] bool, True where a query at ``q_pos`` [N] may see a key at ``k_pos`` [C] under a layer's window of
     ``size`` tokens (the causal part is the caller's). Sliding: ``k > q - W`` (transformers'

@@ -12,12 +12,19 @@ import torch
 
 from kvrag.config import EngineConfig
 from kvrag.engine.engine import KVRAGEngine
-from kvrag.kv import batched, direct, hf_cache
+from kvrag.kv import batched, direct, fused_step, hf_cache
 from kvrag.prompting import RagTemplate, render_passage
 from kvrag.store import MemoryStore
 from kvrag.testing.tiny import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(autouse=True)
+def _direct_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode and verify steps through the direct loop (the fused step, which serves them where it can, is
+    tests/unit/test_fused_step.py's)."""
+    monkeypatch.setattr(fused_step, "runner", lambda model, reference, rows, counts, fused, fallback: fallback())
 
 DOCS = [
     render_passage("Paris is the capital of France. The city has many museums.", "Paris"),

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvrag.calibration import cpu_flags
-from kvrag.kv import attention, batched, row_attention
+from kvrag.kv import attention, batched, fused_step, row_attention
 from kvrag.kv.hf_cache import KVBuffer
 from kvrag.testing.tiny import tiny_model
 
@@ -135,12 +135,21 @@ def test_it_serves_the_models_own_one_token_forward_and_the_batched_step(monkeyp
         buf.keys.normal_()
         buf.values.normal_()
         bufs.append(batched.Row(buf, n))
-    batched.decode_step(lm.model, bufs, [4, 5], batched.windows(lm.model))  # the first also checks the direct loop
+    lib = row_attention.library(torch.float32)
+    real_fused = lib.rope_attend
+
+    def counting_fused(*args: object) -> int:
+        calls.append(int(args[2]))  # type: ignore[call-overload]
+        return int(real_fused(*args))
+
+    monkeypatch.setattr(lib, "rope_attend", counting_fused)
+    batched.decode_step(lm.model, bufs, [4, 5], batched.windows(lm.model))  # the first also checks the fused step
     calls.clear()
     for r in bufs:
         r.length += 1
     batched.decode_step(lm.model, bufs, [6, 7], batched.windows(lm.model))
-    assert calls == [2] * layers  # both rows of each layer in one call
+    assert calls == [2] * layers  # both rows of each layer in one call (the fused step's RoPE + attention)
+    assert fused_step.served(lm.model)
     assert gen.shape[1] == ids.shape[1] + 3
 
 

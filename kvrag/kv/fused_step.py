@@ -1,0 +1,217 @@
+"""A decode or verify step in fewer calls: each layer's q/k/v and gate/up products fused, and RoPE, the fresh K/V's
+write and every query's attention in one call of kvrag's kernel.
+
+A decode step of a small model is mostly calls: :mod:`kvrag.kv.direct` runs ~85 tensor operations a layer around
+its seven products and one attention call (norms, three projections, views and transposes, RoPE's slices,
+negations, concatenations, products and sums, each row's K/V written by two slice copies, the attention's entries
+built in Python), each a dispatch of 1-3 us on a 2-core VM. This step runs a layer as
+
+* the input norm (the model's module);
+* one product for q, k and v (:class:`kvrag.kv.quant.Fused`: kvrag's int4 weights side by side; without them,
+  the three modules' own products, concatenated);
+* one call of ``kvrag_rope_attend`` (``row_attention.c``): per query, transformers' ``q * cos + rotate_half(q) *
+  sin`` on q and k -- each product and the sum rounded as torch's operations round them, never contracted into a
+  fused multiply-add --, k and v written at the query's position of its row's buffer, then the query's attention
+  over its row's keys, computed as :func:`kvrag.kv.row_attention.attend` computes it (all writes first, so a verify
+  step's positions see the keys of the row's earlier positions);
+* ``o_proj``, the residual, the second norm, one product for gate and up, ``down(act(gate) * up)``, the residual;
+
+then the final norm and the output head as the direct loop runs them. The per-query addresses for every layer are
+built once a step.
+
+Which models: what :mod:`kvrag.kv.direct` writes out, minus Qwen3's q / k norms (the direct loop serves those), in
+float32 or bfloat16 where kvrag's row attention serves the dtype. The outputs are the bits of the model's forward:
+the first step of each model is checked against it (logits and written K/V, bit for bit), and on any difference,
+or if the step fails, kvrag logs it and keeps the direct loop for that model.
+"""
+
+from __future__ import annotations
+
+import array
+import logging
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from kvrag.kv import direct, quant, row_attention
+from kvrag.kv.window import first_key
+
+log = logging.getLogger(__name__)
+
+_checked: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+_plans: weakref.WeakKeyDictionary[Any, _Plan] = weakref.WeakKeyDictionary()
+_lock = threading.Lock()
+
+
+class _Layer:
+    __slots__ = ("act", "down", "gu", "gu_mods", "inter", "norm1", "norm2", "o_proj", "qkv", "qkv_mods", "scaling")
+
+    def __init__(self, layer: Any, d: int) -> None:
+        a, mlp = layer.self_attn, layer.mlp
+        self.norm1, self.norm2 = layer.input_layernorm, layer.post_attention_layernorm
+        self.qkv_mods = (a.q_proj, a.k_proj, a.v_proj)
+        self.gu_mods = (mlp.gate_proj, mlp.up_proj)
+        self.qkv, self.gu = quant.fuse_int4(self.qkv_mods), quant.fuse_int4(self.gu_mods)
+        self.o_proj, self.down, self.act = a.o_proj, mlp.down_proj, mlp.act_fn
+        self.inter = int(mlp.gate_proj.weight.shape[0])
+        self.scaling = float(a.scaling) if a.scaling is not None else d**-0.5
+
+
+class _Plan:
+    __slots__ = ("d", "dtype", "heads", "kv_heads", "layers", "lib")
+
+    def __init__(self, model: Any, lib: Any) -> None:
+        cfg = model.config
+        a = model.model.layers[0].self_attn
+        self.d = int(a.head_dim)
+        self.heads, self.kv_heads = int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
+        self.dtype = model.dtype
+        self.lib = lib
+        self.layers = [_Layer(layer, self.d) for layer in model.model.layers[: cfg.num_hidden_layers]]
+
+
+def why_not(model: Any) -> str | None:
+    """None when :func:`forward` can run ``model``'s decode and verify steps, else why not."""
+    why = direct.why_not(model)
+    if why is not None:
+        return why
+    cfg = model.config
+    if any(getattr(layer.self_attn, "q_norm", None) is not None for layer in model.model.layers):
+        return "q / k norms (Qwen3)"
+    if model.device.type != "cpu" or model.dtype not in (torch.float32, torch.bfloat16):
+        return f"{model.dtype} on {model.device.type} (it runs float32 or bfloat16 on the CPU)"
+    d = int(model.model.layers[0].self_attn.head_dim)
+    heads, kv_heads = int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
+    if heads % kv_heads or (getattr(cfg, "partial_rotary_factor", None) or 1.0) != 1.0 or d % 8:
+        return "a head layout kvrag's kernel does not take (partial RoPE, uneven KV groups or head dim)"
+    if not row_attention.serves(torch.empty(1, 1, 1, d, dtype=model.dtype)):
+        return f"kvrag's row attention does not serve {model.dtype} here: {row_attention.why_not(model.dtype)}"
+    return None
+
+
+def _plan(model: Any) -> _Plan:
+    plan = _plans.get(model)
+    if plan is None:
+        plan = _plans[model] = _Plan(model, row_attention.library(model.dtype))
+    return plan
+
+
+def _products(fused: quant.Fused | None, mods: Sequence[torch.nn.Linear], x: torch.Tensor, n_q: int) -> torch.Tensor:
+    """The products of ``mods`` on ``x`` [B, S, hidden] side by side: [B * S, sum of outputs], contiguous."""
+    if fused is not None and n_q <= quant.MAX_ROWS and fused.valid():
+        return fused.mm(x.view(n_q, -1))
+    return torch.cat([m.forward(x) for m in mods], -1).view(n_q, -1)
+
+
+def _entries(plan: _Plan, rows: Sequence[Any], counts: Sequence[int],
+             windows: Sequence[tuple[str, int | None]]) -> array.array:
+    """int64 [layers, queries, 5]: each query's keys / values address of the layer, K/V head stride, position and
+    first attended position (``kvrag_rope_attend``'s entries)."""
+    el = torch.empty((), dtype=plan.dtype).element_size()
+    per_query = []
+    for r, q in zip(rows, counts, strict=True):
+        k, v = r.buffer.keys, r.buffer.values
+        if k.dtype != plan.dtype or v.dtype != plan.dtype or k.stride() != v.stride() or k.stride()[2:] != (plan.d, 1):
+            msg = f"a row's K/V buffer ({k.dtype}, strides {k.stride()}) is not the model's dtype or layout"
+            raise ValueError(msg)
+        if r.length + q > k.shape[2]:
+            msg = f"a row of {r.length} positions has no room for {q} more (capacity {k.shape[2]})"
+            raise ValueError(msg)
+        kp, vp, ls, hs = k.data_ptr(), v.data_ptr(), k.stride(0) * el, k.stride(1)
+        per_query += [(kp, vp, ls, hs, p) for p in range(r.length, r.length + q)]
+    if len(windows) != len(plan.layers):
+        msg = f"{len(windows)} layer windows for {len(plan.layers)} layers"
+        raise ValueError(msg)
+    out = array.array("q")
+    for i, (kind, size) in enumerate(windows):
+        for kp, vp, ls, hs, p in per_query:
+            out.extend((kp + i * ls, vp + i * ls, hs, p, first_key(kind, size, p)))
+    return out
+
+
+@torch.inference_mode()
+def forward(model: Any, ids: torch.Tensor, pos: torch.Tensor, keep: int | torch.Tensor, rows: Sequence[Any],
+            counts: Sequence[int], windows: Sequence[tuple[str, int | None]]) -> torch.Tensor:
+    """A step feeding ``counts[i]`` tokens to row ``rows[i]`` (``ids`` / ``pos``: [B, 1] with one token per row, or
+    [1, T] packed row after row), writing their K/V into the rows' buffers: logits [B, keep, V] as
+    :func:`kvrag.kv.direct.forward` returns them."""
+    plan = _plan(model)
+    b, s = ids.shape
+    n_q, d, heads = b * s, plan.d, plan.heads
+    if n_q != sum(counts):
+        msg = f"{n_q} tokens for rows feeding {sum(counts)}"
+        raise ValueError(msg)
+    ent = _entries(plan, rows, counts, windows)
+    inner = model.model
+    h = inner.embed_tokens.forward(ids)
+    cos, sin = inner.rotary_emb.forward(h, position_ids=pos)
+    cos, sin = cos.reshape(n_q, -1).contiguous(), sin.reshape(n_q, -1).contiguous()
+    if cos.shape[-1] != d or cos.dtype != plan.dtype:
+        msg = f"RoPE tables of {cos.shape[-1]} {cos.dtype} for heads of {d} {plan.dtype}"
+        raise ValueError(msg)
+    qbuf = torch.empty((n_q, heads, d), dtype=plan.dtype)
+    o = torch.empty((b, s, heads * d), dtype=plan.dtype)
+    bf16, addr, stride = int(plan.dtype == torch.bfloat16), ent.buffer_info()[0], n_q * 5 * 8
+    cp, sp, qp, op = cos.data_ptr(), sin.data_ptr(), qbuf.data_ptr(), o.data_ptr()
+    threads = torch.get_num_threads()
+    fn = plan.lib.rope_attend
+    for i, layer in enumerate(plan.layers):
+        residual = h
+        x = layer.norm1.forward(h)
+        qkv = _products(layer.qkv, layer.qkv_mods, x, n_q)
+        if fn(bf16, addr + i * stride, n_q, qkv.data_ptr(), qkv.shape[1], cp, sp, d, heads, plan.kv_heads, d,
+              layer.scaling, qp, op, threads):
+            raise MemoryError("kvrag's row attention: no memory for the scores")
+        h = residual + layer.o_proj.forward(o)
+        residual = h
+        x = layer.norm2.forward(h)
+        gu = _products(layer.gu, layer.gu_mods, x, n_q).view(b, s, -1)
+        h = residual + layer.down.forward(layer.act(gu[..., : layer.inter]) * gu[..., layer.inter :])
+    return direct.head(model, h, keep)
+
+
+def runner(model: Any, reference: Callable[[], torch.Tensor], rows: Sequence[Any], counts: Sequence[int],
+           fused: Callable[[], torch.Tensor], fallback: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """Run a step with :func:`forward` (``fused``) where it serves ``model``, else with ``fallback``; the first
+    time, checked against ``reference`` (the model's own forward over the same rows; ``counts``: the positions
+    each row writes)."""
+    ok = _checked.get(model)
+    if ok is None:
+        with _lock:
+            ok = _checked.get(model)
+            if ok is None:
+                return _first(model, reference, rows, counts, fused, fallback)
+    return fused() if ok and not direct.hooked(model) else fallback()
+
+
+def _first(model: Any, reference: Callable[[], torch.Tensor], rows: Sequence[Any], counts: Sequence[int],
+           fused: Callable[[], torch.Tensor], fallback: Callable[[], torch.Tensor]) -> torch.Tensor:
+    why = why_not(model)
+    if why is not None:
+        log.debug("decode steps run the direct loop: %s", why)
+        _checked[model] = False
+        return fallback()
+    try:
+        got = fused()
+    except Exception:  # noqa: BLE001 -- any failure on this model: keep the direct loop
+        log.warning("%s: the fused decode step failed; decode steps keep the direct loop", type(model).__name__,
+                    exc_info=True)
+        _checked[model] = False
+        return fallback()
+    ref, same = direct.same_as(got, reference, rows, counts)
+    if not same:
+        log.warning("%s: the fused decode step differs from the model's forward; decode steps keep the direct loop",
+                    type(model).__name__)
+    _checked[model] = same
+    return ref
+
+
+def served(model: Any) -> bool | None:
+    """Whether decode and verify steps of ``model`` run :func:`forward` (None: not decided yet)."""
+    return _checked.get(model)
+
+
+__all__ = ["forward", "runner", "served", "why_not"]

@@ -1,0 +1,242 @@
+"""The fused decode / verify step (kvrag.kv.fused_step, with kvrag_rope_attend and quant.Fused): the bits of the
+model's own forward per family, dtype, weight format and attention window; fused products equal to the separate
+ones; models or steps it does not take keep the direct loop; a changed weight is never served from a fused copy."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+import torch
+
+from kvrag.calibration import cpu_flags
+from kvrag.config import EngineConfig
+from kvrag.engine.engine import KVRAGEngine
+from kvrag.kv import batched, direct, fused_step, hf_cache, int4_kernel, quant, row_attention
+from kvrag.prompting import RagTemplate, render_passage
+from kvrag.store import MemoryStore
+from kvrag.testing.tiny import tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+DOCS = [
+    render_passage("Paris is the capital of France. The city has many museums.", "Paris"),
+    render_passage("Berlin is the capital of Germany. It is a large city.", "Berlin"),
+    render_passage("The quick brown fox jumps over the lazy dog.", "Fox"),
+]
+REQUESTS = [([0, 1, 2], "What is the capital of France?"), ([2], "Who jumps?"), ([1, 0], "Where is Berlin?")]
+
+
+def _need(dtype: torch.dtype) -> None:
+    why = row_attention.why_not(dtype)
+    if why is not None:
+        pytest.skip(f"kvrag's row attention does not serve {dtype} here: {why}")
+
+
+def _rows(eng: KVRAGEngine, extra: int) -> tuple[list[batched.Row], list[batched.Row], list[int]]:
+    """The requests prepared (``stale`` and ``full``), each as two rows over separate copies of its KV."""
+    a, b, toks = [], [], []
+    for i, (idx, q) in enumerate(REQUESTS):
+        passages = [DOCS[j] for j in idx]
+        prep = eng.prepare(eng.plan(RagTemplate().render(eng.tokenizer, passages, q), passages),
+                           "stale" if i % 2 else "full")
+        buf, n = hf_cache.buffer_of(prep.cache)
+        buf.reserve(n + extra)
+        copy = hf_cache.KVBuffer.wrap(buf.keys.clone(), buf.values.clone())
+        a.append(batched.Row(buf, n))
+        b.append(batched.Row(copy, n))
+        toks.append(int(prep.last_logits.argmax()))
+    return a, b, toks
+
+
+def _set(model: Any, fused: bool) -> None:
+    """Steps through the fused step (``fused``) or through the model's own forward (neither loop)."""
+    fused_step._checked[model] = fused
+    direct._checked[model] = False
+
+
+def _same_kv(a: list[batched.Row], b: list[batched.Row], fed: list[int]) -> None:
+    for ra, rb, q in zip(a, b, fed, strict=True):
+        n = ra.length + q
+        assert torch.equal(ra.buffer.keys[:, :, :n], rb.buffer.keys[:, :, :n])
+        assert torch.equal(ra.buffer.values[:, :, :n], rb.buffer.values[:, :, :n])
+
+
+@pytest.mark.parametrize(("family", "dtype", "quantize", "window"), [
+    ("llama", torch.float32, None, None), ("llama", torch.float32, "int4", None), ("llama", torch.bfloat16, None, None),
+    ("llama", torch.bfloat16, "int4", None), ("llama", torch.float32, "int8", None),
+    ("qwen2", torch.float32, None, 40), ("qwen2", torch.bfloat16, "int4", None),
+    ("mistral", torch.float32, "int4", 40), ("mistral", torch.bfloat16, None, None),
+])
+def test_fused_steps_are_the_models_forward_bit_for_bit(family: str, dtype: torch.dtype, quantize: str | None,
+                                                        window: int | None) -> None:
+    """Plain steps (3 rows of different lengths and methods) and a verify step (1, 2 and 3 positions per row),
+    fused and through the model's own forward, over copies of the same KV: identical logits and written K/V."""
+    _need(dtype)
+    lm = tiny_model(family, init_std=0.1, dtype=dtype, quantize=quantize, sliding_window=window)
+    assert fused_step.why_not(lm.model) is None
+    eng = KVRAGEngine(lm, MemoryStore(), EngineConfig())
+    eng.ingest(DOCS)
+    a, b, toks = _rows(eng, 12)
+    wins = batched.windows(lm.model)
+    for _ in range(6):
+        _set(lm.model, True)
+        got = batched.decode_step(lm.model, a, toks, wins)
+        _set(lm.model, False)
+        ref = batched.decode_step(lm.model, b, toks, wins)
+        assert torch.equal(got, ref)
+        _same_kv(a, b, [1] * len(a))
+        for r in a + b:
+            r.length += 1
+        toks = [int(t) for t in ref.argmax(-1)]
+    feeds = [[t, 7, 9][: i + 1] for i, t in enumerate(toks)]
+    _set(lm.model, True)
+    got = batched.verify_step(lm.model, a, feeds, wins)
+    _set(lm.model, False)
+    ref = batched.verify_step(lm.model, b, feeds, wins)
+    assert torch.equal(got, ref)
+    _same_kv(a, b, [len(f) for f in feeds])
+    fused_step._checked.pop(lm.model)
+    direct._checked.pop(lm.model)
+
+
+def test_a_window_shorter_than_the_context_is_applied() -> None:
+    """Rows longer than a sliding window: the fused step attends to the window only, as the model does (the rows
+    of the bit-for-bit test above stay within 40 positions for some requests; these pass a window of 8)."""
+    _need(torch.float32)
+    lm = tiny_model("mistral", init_std=0.1, sliding_window=8)
+    eng = KVRAGEngine(lm, MemoryStore(), EngineConfig())
+    eng.ingest(DOCS)
+    a, b, toks = _rows(eng, 4)
+    assert min(r.length for r in a) > 8
+    wins = batched.windows(lm.model)
+    _set(lm.model, True)
+    got = batched.decode_step(lm.model, a, toks, wins)
+    _set(lm.model, False)
+    assert torch.equal(got, batched.decode_step(lm.model, b, toks, wins))
+    fused_step._checked.pop(lm.model)
+    direct._checked.pop(lm.model)
+
+
+def test_the_first_step_is_checked_and_served_after() -> None:
+    _need(torch.float32)
+    lm = tiny_model("llama", init_std=0.1)
+    eng = KVRAGEngine(lm, MemoryStore(), EngineConfig())
+    eng.ingest(DOCS)
+    a, _, toks = _rows(eng, 4)
+    fused_step._checked.pop(lm.model, None)
+    batched.decode_step(lm.model, a, toks, batched.windows(lm.model))
+    assert fused_step.served(lm.model) is True
+
+
+@pytest.mark.parametrize(("how", "said"), [("differs", "differs"), ("raises", "failed")])
+def test_a_fused_step_that_differs_is_not_used(how: str, said: str, monkeypatch: pytest.MonkeyPatch,
+                                               caplog: pytest.LogCaptureFixture) -> None:
+    """The first step returns the model's own result, warns, and later steps run the direct loop."""
+    _need(torch.float32)
+    lm = tiny_model("qwen2", init_std=0.1)
+    eng = KVRAGEngine(lm, MemoryStore(), EngineConfig())
+    eng.ingest(DOCS)
+    a, b, toks = _rows(eng, 4)
+    real = fused_step.forward
+
+    def wrong(*args: Any) -> torch.Tensor:
+        if how == "raises":
+            raise RuntimeError("boom")
+        return real(*args) + 1e-3
+
+    monkeypatch.setattr(fused_step, "forward", wrong)
+    fused_step._checked.pop(lm.model, None)
+    wins = batched.windows(lm.model)
+    with caplog.at_level(logging.WARNING, logger="kvrag.kv.fused_step"):
+        got = batched.decode_step(lm.model, a, toks, wins)
+    assert said in caplog.text and fused_step.served(lm.model) is False
+    _set(lm.model, False)
+    assert torch.equal(got, batched.decode_step(lm.model, b, toks, wins))
+    fused_step._checked.pop(lm.model)
+    direct._checked.pop(lm.model)
+
+
+def test_models_it_does_not_take_say_why() -> None:
+    assert "q / k norms" in str(fused_step.why_not(tiny_model("qwen3", init_std=0.1).model))
+    assert "GemmaForCausalLM" in str(fused_step.why_not(tiny_model("gemma", init_std=0.1).model))
+
+
+def test_hooks_keep_the_models_forward() -> None:
+    _need(torch.float32)
+    lm = tiny_model("llama", init_std=0.1)
+    eng = KVRAGEngine(lm, MemoryStore(), EngineConfig())
+    eng.ingest(DOCS)
+    a, _, toks = _rows(eng, 4)
+    batched.decode_step(lm.model, a, toks, batched.windows(lm.model))
+    assert fused_step.served(lm.model) is True
+    seen = []
+    handle = lm.model.model.layers[0].mlp.up_proj.register_forward_hook(lambda *_: seen.append(1))
+    try:
+        batched.decode_step(lm.model, a, toks, batched.windows(lm.model))
+    finally:
+        handle.remove()
+    assert seen == [1]
+
+
+def test_a_row_without_room_is_refused_before_anything_is_written() -> None:
+    _need(torch.float32)
+    lm = tiny_model("llama", init_std=0.1)
+    cfg = lm.model.config
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    buf = hf_cache.KVBuffer(cfg.num_hidden_layers, cfg.num_key_value_heads, d, 4, torch.float32, "cpu")
+    buf.keys.normal_()
+    before = buf.keys.clone()
+    row = batched.Row(buf, 4)  # full: no room for the step's position
+    with pytest.raises(ValueError, match="no room"):
+        fused_step.forward(lm.model, torch.tensor([[5]]), torch.tensor([[4]]), 1, [row], [1], batched.windows(lm.model))
+    assert torch.equal(buf.keys, before)
+
+
+def _kvrag_int4() -> None:
+    if int4_kernel.path() is None:
+        pytest.skip(f"kvrag's int4 kernel is not loaded here: {int4_kernel.why_not()}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_products_are_the_separate_products(dtype: torch.dtype) -> None:
+    """q / k / v (with Qwen2's biases) as one int4 product: its columns are each layer's own outputs, bit for bit,
+    for 1 and several rows, and the layers' weights became views of the fused one (no second copy)."""
+    _kvrag_int4()
+    lm = tiny_model("qwen2", init_std=0.1, dtype=dtype, quantize="int4")
+    a = lm.model.model.layers[1].self_attn
+    mods = (a.q_proj, a.k_proj, a.v_proj)
+    with torch.inference_mode():
+        xs = [torch.randn(m, a.q_proj.weight.shape[1]).to(dtype) for m in (1, 5, quant.MAX_ROWS)]
+        refs = [torch.cat([m(x) for m in mods], -1) for x in xs]
+        before = quant.quantized_bytes(lm.model)
+        fused = quant.fuse_int4(mods)
+        assert fused is not None and fused.valid() and fused.bias is not None
+        assert quant.quantized_bytes(lm.model) == before
+        assert mods[1]._kvrag_quant.qweight.packed.data_ptr() > fused.packed.data_ptr()  # a view into it
+        for x, ref in zip(xs, refs, strict=True):
+            assert torch.equal(fused.mm(x), ref)
+            assert torch.equal(torch.cat([m(x) for m in mods], -1), ref)  # the layers' own products, unchanged
+
+
+def test_a_changed_weight_is_not_served_from_the_fused_copy() -> None:
+    _kvrag_int4()
+    _need(torch.float32)
+    lm = tiny_model("llama", init_std=0.1, quantize="int4")
+    mlp = lm.model.model.layers[0].mlp
+    fused = quant.fuse_int4((mlp.gate_proj, mlp.up_proj))
+    assert fused is not None and fused.valid()
+    with torch.no_grad():
+        mlp.up_proj.weight.mul_(2)
+    assert not fused.valid()  # the step then runs each layer's own forward, which serves the new weight densely
+
+
+def test_layers_it_cannot_fuse() -> None:
+    lm = tiny_model("llama", init_std=0.1)  # dense weights
+    a = lm.model.model.layers[0].self_attn
+    assert quant.fuse_int4((a.q_proj, a.k_proj, a.v_proj)) is None
+    if "avx512_bf16" not in cpu_flags() and "amx_bf16" not in cpu_flags():
+        lm = tiny_model("llama", init_std=0.1, quantize="int4")  # torch's int4 kernel: not fused
+        a = lm.model.model.layers[0].self_attn
+        assert quant.fuse_int4((a.q_proj, a.k_proj, a.v_proj)) is None
