@@ -449,10 +449,11 @@ int kvrag_rope_attend(int bf16, const int64_t *entries, int64_t count, const voi
             for (size_t b = 0; b < (size_t)d * el; b++)
                 vy[b] = vx[b];
         }
-        /* the loop's closing barrier: every K/V is written before any query attends */
+        /* the loop's closing barrier: every K/V is written before any query attends. Head-major: a verify step's
+         * positions of one row attend over the same KV head one after the other, while it is in cache. */
 #pragma omp for schedule(static)
         for (int64_t it = 0; it < items; it++) {
-            const int64_t i = it / kv_heads, h = it % kv_heads, *e = entries + i * 5, n = e[3] - e[4] + 1;
+            const int64_t i = it % count, h = it / count, *e = entries + i * 5, n = e[3] - e[4] + 1;
             float *sc = malloc(sizeof(float) * (size_t)(groups < GB ? groups : GB) * (size_t)n);
             if (!sc) {
                 failed = 1;
