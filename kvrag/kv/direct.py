@@ -37,6 +37,7 @@ FAMILIES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3
 
 _checked: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 _all_modules: weakref.WeakKeyDictionary[Any, list[torch.nn.Module]] = weakref.WeakKeyDictionary()
+_hook_dicts: weakref.WeakKeyDictionary[Any, list[dict[int, Any]]] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
 
@@ -209,13 +210,23 @@ def served(model: Any) -> bool | None:
 
 
 def hooked(model: Any) -> bool:
-    """Whether ``model`` or any of its modules has forward hooks now (a loop calling ``forward`` would skip them)."""
-    return _hooked(_modules(model))
+    """Whether ``model`` or any of its modules has forward hooks now (a loop calling ``forward`` would skip them).
+
+    Asked every step: it reads the modules' hook dictionaries (registering a hook adds to a module's own one), kept
+    in a list per model, in one pass of C (~300 modules: ~10 us, against ~300 us for the attribute reads)."""
+    from torch.nn.modules import module as nn_module
+
+    if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
+        return True
+    dicts = _hook_dicts.get(model)
+    if dicts is None:
+        dicts = _hook_dicts[model] = [d for m in _modules(model) for d in (m._forward_hooks, m._forward_pre_hooks)]
+    return any(map(len, dicts))
 
 
 def usable(model: Any) -> bool:
     """Whether :func:`forward` serves ``model`` now: its first step was checked equal, and no module has hooks."""
-    return bool(_checked.get(model)) and not _hooked(_modules(model))
+    return bool(_checked.get(model)) and not hooked(model)
 
 
 __all__ = ["FAMILIES", "forward", "head", "hooked", "runner", "same_as", "served", "usable", "why_not"]

@@ -46,16 +46,40 @@ _plans: weakref.WeakKeyDictionary[Any, _Plan] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
 
+RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")
+"""Norm classes whose forward :func:`_rms_norm` computes (transformers' ``weight * (x * rsqrt(mean(x^2) + eps))``,
+in float32, the result cast back before the weight)."""
+
+
+def _rms_norm(module: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``module``'s forward in fewer dispatches (SmolLM2-135M's norm: 8 us instead of 15): torch's CPU ``mean`` is its
+    ``sum`` divided by the count (both kept here, the count and eps as float32 tensors, so no scalar is wrapped each
+    call) and the two no-op casts of a float32 model are skipped. Other norm classes: their own forward."""
+    if type(module).__name__ not in RMS_NORMS or not isinstance(getattr(module, "variance_epsilon", None), float):
+        return module.forward  # type: ignore[no-any-return]
+    w = module.weight
+    count = torch.tensor(float(w.shape[-1]))
+    eps = torch.tensor(module.variance_epsilon, dtype=torch.float32)
+
+    def forward(h: torch.Tensor) -> torch.Tensor:
+        f = h if h.dtype == torch.float32 else h.float()
+        y = f * f.pow(2).sum(-1, keepdim=True).div_(count).add_(eps).rsqrt_()
+        return module.weight * (y if h.dtype == torch.float32 else y.to(h.dtype))
+
+    return forward
+
+
 class _Layer:
     __slots__ = ("act", "down", "gu", "gu_mods", "inter", "norm1", "norm2", "o_proj", "qkv", "qkv_mods", "scaling")
 
     def __init__(self, layer: Any, d: int) -> None:
         a, mlp = layer.self_attn, layer.mlp
-        self.norm1, self.norm2 = layer.input_layernorm, layer.post_attention_layernorm
+        self.norm1, self.norm2 = _rms_norm(layer.input_layernorm), _rms_norm(layer.post_attention_layernorm)
         self.qkv_mods = (a.q_proj, a.k_proj, a.v_proj)
         self.gu_mods = (mlp.gate_proj, mlp.up_proj)
         self.qkv, self.gu = quant.fuse_int4(self.qkv_mods), quant.fuse_int4(self.gu_mods)
-        self.o_proj, self.down, self.act = a.o_proj, mlp.down_proj, mlp.act_fn
+        self.o_proj, self.down = a.o_proj, mlp.down_proj
+        self.act = mlp.act_fn.forward if isinstance(mlp.act_fn, torch.nn.Module) else mlp.act_fn
         self.inter = int(mlp.gate_proj.weight.shape[0])
         self.scaling = float(a.scaling) if a.scaling is not None else d**-0.5
 
@@ -160,14 +184,14 @@ def forward(model: Any, ids: torch.Tensor, pos: torch.Tensor, keep: int | torch.
     fn = plan.lib.rope_attend
     for i, layer in enumerate(plan.layers):
         residual = h
-        x = layer.norm1.forward(h)
+        x = layer.norm1(h)
         qkv = _products(layer.qkv, layer.qkv_mods, x, n_q)
         if fn(bf16, addr + i * stride, n_q, qkv.data_ptr(), qkv.shape[1], cp, sp, d, heads, plan.kv_heads, d,
               layer.scaling, qp, op, threads):
             raise MemoryError("kvrag's row attention: no memory for the scores")
         h = residual + layer.o_proj.forward(o)
         residual = h
-        x = layer.norm2.forward(h)
+        x = layer.norm2(h)
         gu = _products(layer.gu, layer.gu_mods, x, n_q).view(b, s, -1)
         h = residual + layer.down.forward(layer.act(gu[..., : layer.inter]) * gu[..., layer.inter :])
     return direct.head(model, h, keep)
