@@ -169,23 +169,34 @@ def _modules(model: Any) -> list[torch.nn.Module]:
 
 def _first(model: Any, reference: Callable[[], torch.Tensor], rows: Sequence[Any], counts: Sequence[int],
            direct: Callable[[], torch.Tensor]) -> torch.Tensor:
-    why = why_not(model)
+    return first_step(model, _checked, why_not(model), direct, reference, reference, rows, counts,
+                      "the direct decode step", "the model's forward", log)
+
+
+def first_step(model: Any, checked: weakref.WeakKeyDictionary[Any, bool], why: str | None,
+               step: Callable[[], torch.Tensor], reference: Callable[[], torch.Tensor],
+               fallback: Callable[[], torch.Tensor], rows: Sequence[Any], counts: Sequence[int], name: str, kept: str,
+               logger: logging.Logger) -> torch.Tensor:
+    """A model's first step through a loop of kvrag's own (``step``; this module's, or
+    :mod:`kvrag.kv.fused_step`'s): where ``why`` (the loop's ``why_not``) is None it runs and is compared with
+    ``reference`` bit for bit (:func:`same_as`), and ``checked[model]`` records whether later steps may run it.
+    Where it does not serve, fails or differs, ``fallback`` (named ``kept`` in the log) serves; a failure or a
+    difference is logged as a warning naming the loop (``name``)."""
     if why is not None:
-        log.debug("batched steps run the model's own forward: %s", why)
-        _checked[model] = False
-        return reference()
+        logger.debug("batched steps run %s: %s", kept, why)
+        checked[model] = False
+        return fallback()
     try:
-        got = direct()
-    except Exception:  # noqa: BLE001 -- any failure of the loop on this model: keep the model's forward
-        log.warning("%s: the direct decode step failed; batched steps keep the model's forward",
-                    type(model).__name__, exc_info=True)
-        _checked[model] = False
-        return reference()
+        got = step()
+    except Exception:  # noqa: BLE001 -- any failure of the loop on this model: keep the other route
+        logger.warning("%s: %s failed; batched steps keep %s", type(model).__name__, name, kept, exc_info=True)
+        checked[model] = False
+        return fallback()
     ref, same = same_as(got, reference, rows, counts)
     if not same:
-        log.warning("%s: the direct decode step differs from the model's forward with this transformers version; "
-                    "batched steps keep the model's forward", type(model).__name__)
-    _checked[model] = same
+        logger.warning("%s: %s differs from the model's forward with this torch / transformers version; batched "
+                       "steps keep %s", type(model).__name__, name, kept)
+    checked[model] = same
     return ref
 
 
@@ -229,4 +240,4 @@ def usable(model: Any) -> bool:
     return bool(_checked.get(model)) and not hooked(model)
 
 
-__all__ = ["FAMILIES", "forward", "head", "hooked", "runner", "same_as", "served", "usable", "why_not"]
+__all__ = ["FAMILIES", "forward", "first_step", "head", "hooked", "runner", "same_as", "served", "usable", "why_not"]

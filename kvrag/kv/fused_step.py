@@ -213,24 +213,8 @@ def runner(model: Any, reference: Callable[[], torch.Tensor], rows: Sequence[Any
 
 def _first(model: Any, reference: Callable[[], torch.Tensor], rows: Sequence[Any], counts: Sequence[int],
            fused: Callable[[], torch.Tensor], fallback: Callable[[], torch.Tensor]) -> torch.Tensor:
-    why = why_not(model)
-    if why is not None:
-        log.debug("decode steps run the direct loop: %s", why)
-        _checked[model] = False
-        return fallback()
-    try:
-        got = fused()
-    except Exception:  # noqa: BLE001 -- any failure on this model: keep the direct loop
-        log.warning("%s: the fused decode step failed; decode steps keep the direct loop", type(model).__name__,
-                    exc_info=True)
-        _checked[model] = False
-        return fallback()
-    ref, same = direct.same_as(got, reference, rows, counts)
-    if not same:
-        log.warning("%s: the fused decode step differs from the model's forward; decode steps keep the direct loop",
-                    type(model).__name__)
-    _checked[model] = same
-    return ref
+    return direct.first_step(model, _checked, why_not(model), fused, reference, fallback, rows, counts,
+                             "the fused decode step", "the direct loop", log)
 
 
 def served(model: Any) -> bool | None:

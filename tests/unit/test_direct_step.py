@@ -12,9 +12,9 @@ import torch
 
 from kvrag.config import EngineConfig
 from kvrag.engine.engine import KVRAGEngine
-from kvrag.kv import batched, direct, fused_step, hf_cache
-from kvrag.prompting import RagTemplate, render_passage
+from kvrag.kv import batched, direct, fused_step
 from kvrag.store import MemoryStore
+from kvrag.testing.rows import DOCS, paired_rows
 from kvrag.testing.tiny import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -25,29 +25,6 @@ def _direct_loop(monkeypatch: pytest.MonkeyPatch) -> None:
     """Decode and verify steps through the direct loop (the fused step, which serves them where it can, is
     tests/unit/test_fused_step.py's)."""
     monkeypatch.setattr(fused_step, "runner", lambda model, reference, rows, counts, fused, fallback: fallback())
-
-DOCS = [
-    render_passage("Paris is the capital of France. The city has many museums.", "Paris"),
-    render_passage("Berlin is the capital of Germany. It is a large city.", "Berlin"),
-    render_passage("The quick brown fox jumps over the lazy dog.", "Fox"),
-]
-REQUESTS = [([0, 1, 2], "What is the capital of France?"), ([2], "Who jumps?"), ([1, 0], "Where is Berlin?")]
-
-
-def _rows(eng: KVRAGEngine, extra: int) -> tuple[list[batched.Row], list[batched.Row], list[int]]:
-    """The requests prepared (``stale`` and ``full``), each as two rows over separate copies of its KV."""
-    a, b, toks = [], [], []
-    for i, (idx, q) in enumerate(REQUESTS):
-        passages = [DOCS[j] for j in idx]
-        prep = eng.prepare(eng.plan(RagTemplate().render(eng.tokenizer, passages, q), passages),
-                           "stale" if i % 2 else "full")
-        buf, n = hf_cache.buffer_of(prep.cache)
-        buf.reserve(n + extra)
-        copy = hf_cache.KVBuffer.wrap(buf.keys.clone(), buf.values.clone())
-        a.append(batched.Row(buf, n))
-        b.append(batched.Row(copy, n))
-        toks.append(int(prep.last_logits.argmax()))
-    return a, b, toks
 
 
 def _step(model: Any, rows: list[batched.Row], toks: list[int], served: bool) -> torch.Tensor:
@@ -68,7 +45,7 @@ def test_direct_steps_are_the_models_forward_bit_for_bit(family: str, dtype: tor
     eng = KVRAGEngine(lm, MemoryStore(), EngineConfig())
     eng.ingest(DOCS)
     assert direct.why_not(lm.model) is None
-    a, b, toks = _rows(eng, 12)
+    a, b, toks = paired_rows(eng, 12)
     for _ in range(6):
         got, ref = _step(lm.model, a, toks, True), _step(lm.model, b, toks, False)
         assert torch.equal(got, ref)
@@ -108,7 +85,7 @@ def test_the_first_step_decides_and_other_models_keep_their_forward(monkeypatch:
     lm = tiny_model("llama", init_std=0.1)
     eng = KVRAGEngine(lm, MemoryStore(), EngineConfig())
     eng.ingest(DOCS)
-    a, _, toks = _rows(eng, 4)
+    a, _, toks = paired_rows(eng, 4)
     assert direct.served(lm.model) is True  # decided by the prepares' suffix prefills (batched.prefill_rows)
     direct._checked.pop(lm.model)  # decide again, on a decode step
     calls.clear()
@@ -120,7 +97,7 @@ def test_the_first_step_decides_and_other_models_keep_their_forward(monkeypatch:
     assert "GemmaForCausalLM" in str(direct.why_not(other.model))
     eng2 = KVRAGEngine(other, MemoryStore(), EngineConfig())
     eng2.ingest(DOCS)
-    a2, _, toks2 = _rows(eng2, 4)
+    a2, _, toks2 = paired_rows(eng2, 4)
     batched.decode_step(other.model, a2, toks2, batched.windows(other.model))
     assert direct.served(other.model) is False and calls == ["LlamaForCausalLM"] * 2
 
@@ -133,7 +110,7 @@ def test_a_direct_forward_that_differs_is_not_used(how: str, said: str, monkeypa
     lm = tiny_model("qwen2", init_std=0.1)
     eng = KVRAGEngine(lm, MemoryStore(), EngineConfig())
     eng.ingest(DOCS)
-    a, b, toks = _rows(eng, 4)
+    a, b, toks = paired_rows(eng, 4)
     direct._checked.pop(lm.model)  # decided by the prepares' suffix prefills: decide again, on this step
     real = direct.forward
     calls = []
@@ -159,7 +136,7 @@ def test_hooks_keep_the_models_forward() -> None:
     lm = tiny_model("llama", init_std=0.1)
     eng = KVRAGEngine(lm, MemoryStore(), EngineConfig())
     eng.ingest(DOCS)
-    a, _, toks = _rows(eng, 4)
+    a, _, toks = paired_rows(eng, 4)
     batched.decode_step(lm.model, a, toks, batched.windows(lm.model))
     assert direct.served(lm.model) is True
     seen = []

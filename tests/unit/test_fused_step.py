@@ -14,40 +14,17 @@ from kvrag.calibration import cpu_flags
 from kvrag.config import EngineConfig
 from kvrag.engine.engine import KVRAGEngine
 from kvrag.kv import batched, direct, fused_step, hf_cache, int4_kernel, quant, row_attention
-from kvrag.prompting import RagTemplate, render_passage
 from kvrag.store import MemoryStore
+from kvrag.testing.rows import DOCS, paired_rows
 from kvrag.testing.tiny import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-DOCS = [
-    render_passage("Paris is the capital of France. The city has many museums.", "Paris"),
-    render_passage("Berlin is the capital of Germany. It is a large city.", "Berlin"),
-    render_passage("The quick brown fox jumps over the lazy dog.", "Fox"),
-]
-REQUESTS = [([0, 1, 2], "What is the capital of France?"), ([2], "Who jumps?"), ([1, 0], "Where is Berlin?")]
 
 
 def _need(dtype: torch.dtype) -> None:
     why = row_attention.why_not(dtype)
     if why is not None:
         pytest.skip(f"kvrag's row attention does not serve {dtype} here: {why}")
-
-
-def _rows(eng: KVRAGEngine, extra: int) -> tuple[list[batched.Row], list[batched.Row], list[int]]:
-    """The requests prepared (``stale`` and ``full``), each as two rows over separate copies of its KV."""
-    a, b, toks = [], [], []
-    for i, (idx, q) in enumerate(REQUESTS):
-        passages = [DOCS[j] for j in idx]
-        prep = eng.prepare(eng.plan(RagTemplate().render(eng.tokenizer, passages, q), passages),
-                           "stale" if i % 2 else "full")
-        buf, n = hf_cache.buffer_of(prep.cache)
-        buf.reserve(n + extra)
-        copy = hf_cache.KVBuffer.wrap(buf.keys.clone(), buf.values.clone())
-        a.append(batched.Row(buf, n))
-        b.append(batched.Row(copy, n))
-        toks.append(int(prep.last_logits.argmax()))
-    return a, b, toks
 
 
 def _set(model: Any, fused: bool) -> None:
@@ -78,7 +55,7 @@ def test_fused_steps_are_the_models_forward_bit_for_bit(family: str, dtype: torc
     assert fused_step.why_not(lm.model) is None
     eng = KVRAGEngine(lm, MemoryStore(), EngineConfig())
     eng.ingest(DOCS)
-    a, b, toks = _rows(eng, 12)
+    a, b, toks = paired_rows(eng, 12)
     wins = batched.windows(lm.model)
     for _ in range(6):
         _set(lm.model, True)
@@ -108,7 +85,7 @@ def test_a_window_shorter_than_the_context_is_applied() -> None:
     lm = tiny_model("mistral", init_std=0.1, sliding_window=8)
     eng = KVRAGEngine(lm, MemoryStore(), EngineConfig())
     eng.ingest(DOCS)
-    a, b, toks = _rows(eng, 4)
+    a, b, toks = paired_rows(eng, 4)
     assert min(r.length for r in a) > 8
     wins = batched.windows(lm.model)
     _set(lm.model, True)
@@ -124,7 +101,7 @@ def test_the_first_step_is_checked_and_served_after() -> None:
     lm = tiny_model("llama", init_std=0.1)
     eng = KVRAGEngine(lm, MemoryStore(), EngineConfig())
     eng.ingest(DOCS)
-    a, _, toks = _rows(eng, 4)
+    a, _, toks = paired_rows(eng, 4)
     fused_step._checked.pop(lm.model, None)
     batched.decode_step(lm.model, a, toks, batched.windows(lm.model))
     assert fused_step.served(lm.model) is True
@@ -138,7 +115,7 @@ def test_a_fused_step_that_differs_is_not_used(how: str, said: str, monkeypatch:
     lm = tiny_model("qwen2", init_std=0.1)
     eng = KVRAGEngine(lm, MemoryStore(), EngineConfig())
     eng.ingest(DOCS)
-    a, b, toks = _rows(eng, 4)
+    a, b, toks = paired_rows(eng, 4)
     real = fused_step.forward
 
     def wrong(*args: Any) -> torch.Tensor:
@@ -168,7 +145,7 @@ def test_hooks_keep_the_models_forward() -> None:
     lm = tiny_model("llama", init_std=0.1)
     eng = KVRAGEngine(lm, MemoryStore(), EngineConfig())
     eng.ingest(DOCS)
-    a, _, toks = _rows(eng, 4)
+    a, _, toks = paired_rows(eng, 4)
     batched.decode_step(lm.model, a, toks, batched.windows(lm.model))
     assert fused_step.served(lm.model) is True
     seen = []
