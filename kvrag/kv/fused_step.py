@@ -6,7 +6,7 @@ its seven products and one attention call (norms, three projections, views and t
 negations, concatenations, products and sums, each row's K/V written by two slice copies, the attention's entries
 built in Python), each a dispatch of 1-3 us on a 2-core VM. This step runs a layer as
 
-* the input norm (the model's module);
+* the input norm (transformers' RMS norm in fewer dispatches, :func:`_rms_norm`; other norms their own forward);
 * one product for q, k and v (:class:`kvrag.kv.quant.Fused`: kvrag's int4 weights side by side; without them,
   the three modules' own products, concatenated);
 * one call of ``kvrag_rope_attend`` (``row_attention.c``): per query, transformers' ``q * cos + rotate_half(q) *
@@ -95,6 +95,11 @@ class _Plan:
         self.dtype = model.dtype
         self.lib = lib
         self.layers = [_Layer(layer, self.d) for layer in model.model.layers[: cfg.num_hidden_layers]]
+        widths = (self.heads * self.d, self.kv_heads * self.d, self.kv_heads * self.d)
+        for layer in self.layers:  # kvrag_rope_attend reads each row of the q/k/v product at these offsets
+            if tuple(int(m.weight.shape[0]) for m in layer.qkv_mods) != widths:
+                msg = f"q / k / v projections of {[m.weight.shape[0] for m in layer.qkv_mods]} outputs, not {widths}"
+                raise ValueError(msg)
 
 
 def why_not(model: Any) -> str | None:
@@ -138,8 +143,11 @@ def _entries(plan: _Plan, rows: Sequence[Any], counts: Sequence[int],
     per_query = []
     for r, q in zip(rows, counts, strict=True):
         k, v = r.buffer.keys, r.buffer.values
-        if k.dtype != plan.dtype or v.dtype != plan.dtype or k.stride() != v.stride() or k.stride()[2:] != (plan.d, 1):
-            msg = f"a row's K/V buffer ({k.dtype}, strides {k.stride()}) is not the model's dtype or layout"
+        if (k.dtype != plan.dtype or v.dtype != plan.dtype or k.stride() != v.stride() or k.stride()[2:] != (plan.d, 1)
+                or k.shape != v.shape or k.shape[0] < len(plan.layers)
+                or k.shape[1] != plan.kv_heads or k.shape[3] != plan.d or not k.is_cpu):
+            msg = (f"a row's K/V buffer ({k.dtype}, {tuple(k.shape)}, strides {k.stride()}) is not the model's "
+                   f"dtype or layout ({plan.dtype}, [{len(plan.layers)}, {plan.kv_heads}, T, {plan.d}])")
             raise ValueError(msg)
         if r.length + q > k.shape[2]:
             msg = f"a row of {r.length} positions has no room for {q} more (capacity {k.shape[2]})"
