@@ -378,5 +378,5 @@ def quantized_bytes(model: Any) -> int:
     return sum(s.qweight.nbytes for mod in model.modules() if (s := getattr(mod, "_kvrag_quant", None)) is not None)
 
 
-__all__ = ["GROUP", "MAX_ROWS", "MODES", "Fused", "fuse_int4", "REFINE_TOP", "int4_dequantize", "int4_groups", "kernels_available", "parse_mode",
-           "quant_tag", "quantization_of", "quantize_linears", "quantized_bytes"]
+__all__ = ["GROUP", "MAX_ROWS", "MODES", "REFINE_TOP", "Fused", "fuse_int4", "int4_dequantize", "int4_groups",
+           "kernels_available", "parse_mode", "quant_tag", "quantization_of", "quantize_linears", "quantized_bytes"]
