@@ -4,6 +4,7 @@ ones; models or steps it does not take keep the direct loop; a changed weight is
 
 from __future__ import annotations
 
+import array
 import logging
 from typing import Any
 
@@ -233,3 +234,45 @@ def test_the_lean_norm_is_the_modules_forward(family: str, dtype: torch.dtype) -
         for rows, scale in ((1, 1e-3), (3, 1.0), (8, 40.0)):
             x = (torch.randn(rows, 1, norm.weight.shape[0], generator=gen) * scale).to(dtype)
             assert torch.equal(lean(x), norm.forward(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_attend_is_transformers_rope_then_the_row_attention(dtype: torch.dtype) -> None:
+    """kvrag_rope_attend alone on random rows of a q/k/v product (values up to 1e4: RoPE's products and sums
+    round differently if they were contracted into fused multiply-adds): the keys it writes are
+    ``apply_rotary_pos_emb``'s bit for bit, the values are copied, and each query's output is what
+    :func:`row_attention.attend` computes for the rotated query over the same keys."""
+    _need(dtype)
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    gen = torch.Generator().manual_seed(3)
+    heads, kv_heads, d, cap = 6, 2, 64, 40
+    positions = [(0, 17), (0, 18), (1, 5)]  # (row, position): two queries of row 0 (a verify step), one of row 1
+    qkv = (torch.randn(len(positions), (heads + 2 * kv_heads) * d, generator=gen) * 1e2).to(dtype)
+    qkv[0, :8] *= 100
+    angles = torch.tensor([p for _, p in positions], dtype=torch.float32)[:, None] * torch.rand(d // 2, generator=gen)
+    cos = torch.cat([angles.cos(), angles.cos()], -1).to(dtype)
+    sin = torch.cat([angles.sin(), angles.sin()], -1).to(dtype)
+    bufs = [(torch.randn(kv_heads, cap, d, generator=gen).to(dtype), torch.randn(kv_heads, cap, d, generator=gen)
+             .to(dtype)) for _ in range(2)]
+    ent = array.array("q")
+    for r, p in positions:
+        ent.extend((bufs[r][0].data_ptr(), bufs[r][1].data_ptr(), bufs[r][0].stride(0), p, 2))
+    qbuf = torch.empty(len(positions), heads, d, dtype=dtype)
+    out = torch.empty(len(positions), heads, d, dtype=dtype)
+    lib = row_attention.library(dtype)
+    assert lib.rope_attend(int(dtype == torch.bfloat16), ent.buffer_info()[0], len(positions), qkv.data_ptr(),
+                           qkv.shape[1], cos.data_ptr(), sin.data_ptr(), d, heads, kv_heads, d, 0.125,
+                           qbuf.data_ptr(), out.data_ptr(), 1) == 0
+    q = qkv[:, : heads * d].view(-1, heads, 1, d).transpose(0, 2)  # [1, H, Q, D]
+    k = qkv[:, heads * d : (heads + kv_heads) * d].view(-1, kv_heads, 1, d).transpose(0, 2)
+    v = qkv[:, (heads + kv_heads) * d :].view(-1, kv_heads, d)
+    for i, (r, p) in enumerate(positions):
+        qr, kr = apply_rotary_pos_emb(q[:, :, i : i + 1], k[:, :, i : i + 1], cos[i : i + 1][None], sin[i : i + 1][None])
+        assert torch.equal(qbuf[i], qr[0, :, 0])
+        assert torch.equal(bufs[r][0][:, p], kr[0, :, 0])
+        assert torch.equal(bufs[r][1][:, p], v[i])
+    ref = torch.empty(1, len(positions), heads, d, dtype=dtype)
+    row_attention.attend(qbuf.transpose(0, 1)[None], [(bufs[r][0], bufs[r][1], 2, p + 1) for r, p in positions], ref,
+                         0.125)
+    assert torch.equal(out, ref[0])
