@@ -19,10 +19,11 @@ built in Python), each a dispatch of 1-3 us on a 2-core VM. This step runs a lay
 then the final norm and the output head as the direct loop runs them. The per-query addresses for every layer are
 built once a step.
 
-Which models: what :mod:`kvrag.kv.direct` writes out, minus Qwen3's q / k norms (the direct loop serves those), in
-float32 or bfloat16 where kvrag's row attention serves the dtype. The outputs are the bits of the model's forward:
-the first step of each model is checked against it (logits and written K/V, bit for bit), and on any difference,
-or if the step fails, kvrag logs it and keeps the direct loop for that model.
+Which models: what :mod:`kvrag.kv.direct` writes out (Qwen3's per-head q / k norms run on the fused product's
+columns, in place, before the kernel call), in float32 or bfloat16 where kvrag's row attention serves the dtype. The
+outputs are the bits of the model's forward: the first step of each model is checked against it (logits and written
+K/V, bit for bit), and on any difference, or if the step fails, kvrag logs it and keeps the direct loop for that
+model.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ _plans: weakref.WeakKeyDictionary[Any, _Plan] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
 
-RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")
+RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
 """Norm classes whose forward :func:`_rms_norm` computes (transformers' ``weight * (x * rsqrt(mean(x^2) + eps))``,
 in float32, the result cast back before the weight)."""
 
@@ -70,7 +71,8 @@ def _rms_norm(module: Any) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 class _Layer:
-    __slots__ = ("act", "down", "gu", "gu_mods", "inter", "norm1", "norm2", "o_proj", "qkv", "qkv_mods", "scaling")
+    __slots__ = ("act", "down", "gu", "gu_mods", "inter", "k_norm", "norm1", "norm2", "o_proj", "q_norm", "qkv",
+                 "qkv_mods", "scaling")
 
     def __init__(self, layer: Any, d: int) -> None:
         a, mlp = layer.self_attn, layer.mlp
@@ -81,6 +83,9 @@ class _Layer:
         self.o_proj, self.down = a.o_proj, mlp.down_proj
         self.act = mlp.act_fn.forward if isinstance(mlp.act_fn, torch.nn.Module) else mlp.act_fn
         self.inter = int(mlp.gate_proj.weight.shape[0])
+        qn, kn = getattr(a, "q_norm", None), getattr(a, "k_norm", None)  # Qwen3: RMS norms over each head's q / k
+        self.q_norm = None if qn is None else _rms_norm(qn)
+        self.k_norm = None if kn is None else _rms_norm(kn)
         self.scaling = float(a.scaling) if a.scaling is not None else d**-0.5
 
 
@@ -108,8 +113,9 @@ def why_not(model: Any) -> str | None:
     if why is not None:
         return why
     cfg = model.config
-    if any(getattr(layer.self_attn, "q_norm", None) is not None for layer in model.model.layers):
-        return "q / k norms (Qwen3)"
+    if any((getattr(layer.self_attn, "q_norm", None) is None) != (getattr(layer.self_attn, "k_norm", None) is None)
+           for layer in model.model.layers):
+        return "a q norm without a k norm or the other way round"
     if model.device.type != "cpu" or model.dtype not in (torch.float32, torch.bfloat16):
         return f"{model.dtype} on {model.device.type} (it runs float32 or bfloat16 on the CPU)"
     d = int(model.model.layers[0].self_attn.head_dim)
@@ -164,6 +170,12 @@ def _entries(plan: _Plan, rows: Sequence[Any], counts: Sequence[int],
     return out
 
 
+def _norm_heads(norm: Callable[[torch.Tensor], torch.Tensor], part: torch.Tensor, n_q: int, d: int) -> None:
+    """``part`` [Q, heads * d] (columns of the q/k/v product) normed per head in place: ``norm`` runs on the heads
+    laid out contiguously, [Q, heads, d], as in the model's forward."""
+    part.copy_(norm(part.contiguous().view(n_q, -1, d)).view(n_q, -1))
+
+
 @torch.inference_mode()
 def forward(model: Any, ids: torch.Tensor, pos: torch.Tensor, keep: int | torch.Tensor, rows: Sequence[Any],
             counts: Sequence[int], windows: Sequence[tuple[str, int | None]]) -> torch.Tensor:
@@ -194,6 +206,9 @@ def forward(model: Any, ids: torch.Tensor, pos: torch.Tensor, keep: int | torch.
         residual = h
         x = layer.norm1(h)
         qkv = _products(layer.qkv, layer.qkv_mods, x, n_q)
+        if layer.q_norm is not None and layer.k_norm is not None:  # each head's q and k, normed in place
+            _norm_heads(layer.q_norm, qkv[:, : heads * d], n_q, d)
+            _norm_heads(layer.k_norm, qkv[:, heads * d : (heads + plan.kv_heads) * d], n_q, d)
         if fn(bf16, addr + i * stride, n_q, qkv.data_ptr(), qkv.shape[1], cp, sp, d, heads, plan.kv_heads, d,
               layer.scaling, qp, op, threads):
             raise MemoryError("kvrag's row attention: no memory for the scores")

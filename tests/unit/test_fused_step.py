@@ -46,6 +46,7 @@ def _same_kv(a: list[batched.Row], b: list[batched.Row], fed: list[int]) -> None
     ("llama", torch.bfloat16, "int4", None), ("llama", torch.float32, "int8", None),
     ("qwen2", torch.float32, None, 40), ("qwen2", torch.bfloat16, "int4", None),
     ("mistral", torch.float32, "int4", 40), ("mistral", torch.bfloat16, None, None),
+    ("qwen3", torch.float32, "int8", None), ("qwen3", torch.bfloat16, None, None), ("qwen3", torch.float32, "int4", 40),
 ])
 def test_fused_steps_are_the_models_forward_bit_for_bit(family: str, dtype: torch.dtype, quantize: str | None,
                                                         window: int | None) -> None:
@@ -137,8 +138,8 @@ def test_a_fused_step_that_differs_is_not_used(how: str, said: str, monkeypatch:
 
 
 def test_models_it_does_not_take_say_why() -> None:
-    assert "q / k norms" in str(fused_step.why_not(tiny_model("qwen3", init_std=0.1).model))
     assert "GemmaForCausalLM" in str(fused_step.why_not(tiny_model("gemma", init_std=0.1).model))
+    assert "float16" in str(fused_step.why_not(tiny_model("llama", init_std=0.1, dtype=torch.float16).model))
 
 
 def test_hooks_keep_the_models_forward() -> None:
@@ -220,11 +221,11 @@ def test_layers_it_cannot_fuse() -> None:
         assert quant.fuse_int4((a.q_proj, a.k_proj, a.v_proj)) is None
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "qwen3"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_lean_norm_is_the_modules_forward(family: str, dtype: torch.dtype) -> None:
     lm = tiny_model(family, init_std=0.1, dtype=dtype)
-    norm = lm.model.model.layers[0].input_layernorm
+    norm = lm.model.model.layers[0].input_layernorm if family != "qwen3" else lm.model.model.layers[0].self_attn.q_norm
     with torch.no_grad():
         norm.weight.uniform_(0.5, 1.5)
     lean = fused_step._rms_norm(norm)
