@@ -9,7 +9,9 @@
  * in float32 (scores, softmax, weighted sum), the output rounded to the inputs' dtype (round to nearest even for
  * bfloat16). The scores visit each key once for up to 4 query heads; the weighted sum walks the values
  * contiguously, 64 dimensions of every position a pass, for up to 4 query heads in bfloat16 (float32: one query head
- * a pass -- AVX2's 16 registers hold one head's 64 float32 sums -- the later passes reading the values from cache).
+ * a pass with AVX2's 16 registers, which hold one head's 64 float32 sums, the later passes reading the values from
+ * cache; up to 3 heads a pass where AVX512-VL gives 32 registers -- the same sums in the same order, so the same
+ * bits).
  *
  *   bfloat16 (AVX512-BF16): q . k by VDPBF16PS (exact products of bf16 pairs, float32 sums), values widened to
  *                           float32 and accumulated by FMA;
@@ -320,6 +322,73 @@ F32 static void head_f32(const float *q, int64_t qh, const float *k, const float
     }
 }
 
+/* float32 with AVX512-VL's 32 vector registers: the weighted sums of up to 3 query heads in one pass over the
+ * values (24 accumulators), each head's products and sums the ones values_f32 computes, in the same order -- the
+ * same bits, the values read once per KV head instead of once per query head. */
+#define F32W __attribute__((target("avx2,fma,avx512f,avx512vl")))
+
+F32W static inline __attribute__((always_inline)) void values_f32_wide(const float *p, const float *sums,
+                                                                       const float *v, int64_t n, int64_t d, int gb,
+                                                                       float *out) {
+    for (int g0 = 0; g0 < gb; g0 += 3) {
+        const int hb = gb - g0 < 3 ? gb - g0 : 3;
+        const float *p0 = p + g0 * n, *p1 = p0 + n, *p2 = p1 + n;
+        for (int64_t d0 = 0; d0 < d; d0 += 64) {
+            const int64_t w = d - d0 < 64 ? (d - d0) / 8 : 8;
+            __m256 a0[8], a1[8], a2[8];
+            for (int c = 0; c < 8; c++) a0[c] = a1[c] = a2[c] = _mm256_setzero_ps();
+            for (int64_t t = 0; t < n; t++) {
+                const float *vt = v + t * d + d0;
+                const __m256 b0 = _mm256_set1_ps(p0[t]);
+                const __m256 b1 = hb > 1 ? _mm256_set1_ps(p1[t]) : b0, b2 = hb > 2 ? _mm256_set1_ps(p2[t]) : b0;
+                for (int c = 0; c < 8; c++)
+                    if (c < w) {
+                        const __m256 x = _mm256_loadu_ps(vt + 8 * c);
+                        a0[c] = _mm256_fmadd_ps(b0, x, a0[c]);
+                        a1[c] = _mm256_fmadd_ps(b1, x, a1[c]);
+                        a2[c] = _mm256_fmadd_ps(b2, x, a2[c]);
+                    }
+            }
+            for (int h = 0; h < hb; h++) {
+                const __m256 l = _mm256_set1_ps(sums[g0 + h]);
+                const __m256 *a = h == 0 ? a0 : h == 1 ? a1 : a2;
+                for (int c = 0; c < 8; c++)
+                    if (c < w) _mm256_storeu_ps(out + (g0 + h) * d + d0 + 8 * c, _mm256_div_ps(a[c], l));
+            }
+        }
+    }
+}
+
+F32W static void head_f32_wide(const float *q, int64_t qh, const float *k, const float *v, int64_t n, int64_t d,
+                               int heads, float scale, float *out, float *s) {
+    float sums[GB];
+    for (int g0 = 0; g0 < heads; g0 += GB) {
+        int gb = heads - g0 < GB ? heads - g0 : GB;
+        const float *qg = q + g0 * qh;
+        if (d == 64) scores_f32(qg, qh, k, n, 64, gb, scale, s);
+        else scores_f32(qg, qh, k, n, d, gb, scale, s);
+        for (int g = 0; g < gb; g++) sums[g] = softmax256(s + g * n, n);
+        if (d == 64) values_f32_wide(s, sums, v, n, 64, gb, out + g0 * d);
+        else values_f32_wide(s, sums, v, n, d, gb, out + g0 * d);
+    }
+}
+
+/* head_f32_wide where the CPU has AVX512-F + VL (the same bits as head_f32), else head_f32 (also where
+ * KVRAG_ROW_ATTENTION_NARROW is set: for A/B runs) */
+static void head_f32_any(const float *q, int64_t qh, const float *k, const float *v, int64_t n, int64_t d, int heads,
+                         float scale, float *out, float *s) {
+    static int wide = -1; /* decided once (every thread decides alike) */
+    if (wide < 0) {
+        __builtin_cpu_init();
+        wide = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+               !getenv("KVRAG_ROW_ATTENTION_NARROW");
+    }
+    if (wide)
+        head_f32_wide(q, qh, k, v, n, d, heads, scale, out, s);
+    else
+        head_f32(q, qh, k, v, n, d, heads, scale, out, s);
+}
+
 /* ------------------------------------------------------------------------------------------------------ entry */
 
 /* bf16: 1 for bfloat16 (needs AVX512-BF16), 0 for float32 (needs AVX2 + FMA; d a multiple of 8; bfloat16 needs d
@@ -346,7 +415,7 @@ int kvrag_row_attention(int bf16, const int64_t *entries, int64_t count, int64_t
             head_bf16((const uint16_t *)q, q_head, (const uint16_t *)k, (const uint16_t *)v, n, d, (int)groups,
                       scale, (uint16_t *)out, s);
         else
-            head_f32((const float *)q, q_head, (const float *)k, (const float *)v, n, d, (int)groups, scale,
+            head_f32_any((const float *)q, q_head, (const float *)k, (const float *)v, n, d, (int)groups, scale,
                      (float *)out, s);
         free(s);
     }
@@ -467,7 +536,7 @@ int kvrag_rope_attend(int bf16, const int64_t *entries, int64_t count, const voi
                 head_bf16((const uint16_t *)q, d, (const uint16_t *)k, (const uint16_t *)v, n, d, (int)groups, scale,
                           (uint16_t *)o, sc);
             else
-                head_f32((const float *)q, d, (const float *)k, (const float *)v, n, d, (int)groups, scale,
+                head_f32_any((const float *)q, d, (const float *)k, (const float *)v, n, d, (int)groups, scale,
                          (float *)o, sc);
             free(sc);
         }

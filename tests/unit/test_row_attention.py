@@ -192,3 +192,40 @@ class _Module(torch.nn.Module):
         super().__init__()
         self.num_key_value_groups = groups
         self.is_causal = True
+
+
+_WIDE_SCRIPT = """
+import sys, torch
+from kvrag.kv import row_attention
+gen = torch.Generator().manual_seed(5)
+outs = []
+for heads, kv_heads, d in ((9, 3, 64), (8, 2, 128), (14, 2, 48), (5, 5, 40), (12, 1, 64)):
+    for n in (1, 7, 33, 300, 1100):
+        q = torch.randn(1, heads, 3, d, generator=gen)
+        keys = [(torch.randn(kv_heads, n + 4, d, generator=gen) * 3, torch.randn(kv_heads, n + 4, d, generator=gen),
+                 1, 1 + max(1, n - j)) for j in range(3)]
+        out = torch.empty(1, 3, heads, d)
+        outs.append(row_attention.attend(q, keys, out, 0.11).clone())
+torch.save(outs, sys.argv[1])
+"""
+
+
+def test_the_wide_float32_path_computes_the_narrow_paths_bits(tmp_path: object) -> None:
+    """On CPUs with AVX512-VL the float32 path sums up to 3 query heads per pass over the values; its outputs are the
+    bits of the one-head-a-pass path (KVRAG_ROW_ATTENTION_NARROW, read once per process: two processes here)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    _need(torch.float32)
+    if not {"avx512f", "avx512vl"} <= cpu_flags():
+        pytest.skip("no AVX512-VL here: only the one-head-a-pass path runs")
+    got = {}
+    for name, env in (("wide", {}), ("narrow", {"KVRAG_ROW_ATTENTION_NARROW": "1"})):
+        out = Path(str(tmp_path)) / f"{name}.pt"
+        subprocess.run([sys.executable, "-c", _WIDE_SCRIPT, str(out)], check=True, env={**os.environ, **env},
+                       timeout=120)
+        got[name] = torch.load(out)
+    assert len(got["wide"]) == 25
+    assert all(torch.equal(a, b) for a, b in zip(got["wide"], got["narrow"], strict=True))
