@@ -308,19 +308,24 @@ F32 static inline __attribute__((always_inline)) void values_f32(const float *p,
         }
 }
 
-F32 static void head_f32(const float *q, int64_t qh, const float *k, const float *v, int64_t n, int64_t d, int heads,
-                         float scale, float *out, float *s) {
-    float sums[GB];
-    for (int g0 = 0; g0 < heads; g0 += GB) {
-        int gb = heads - g0 < GB ? heads - g0 : GB;
-        const float *qg = q + g0 * qh;
-        if (d == 64) scores_f32(qg, qh, k, n, 64, gb, scale, s);
-        else scores_f32(qg, qh, k, n, d, gb, scale, s);
-        for (int g = 0; g < gb; g++) sums[g] = softmax256(s + g * n, n);
-        if (d == 64) values_f32(s, sums, v, n, 64, gb, out + g0 * d);
-        else values_f32(s, sums, v, n, d, gb, out + g0 * d);
+/* head_f32 (AVX2 + FMA) and head_f32_wide (below, with AVX512-VL): one KV head's query heads, GB at a time --
+ * their scores, softmax and weighted sums (VALUES: values_f32 or values_f32_wide) */
+#define HEAD_F32(NAME, TARGET, VALUES)                                                                             \
+    TARGET static void NAME(const float *q, int64_t qh, const float *k, const float *v, int64_t n, int64_t d,      \
+                            int heads, float scale, float *out, float *s) {                                        \
+        float sums[GB];                                                                                            \
+        for (int g0 = 0; g0 < heads; g0 += GB) {                                                                   \
+            int gb = heads - g0 < GB ? heads - g0 : GB;                                                            \
+            const float *qg = q + g0 * qh;                                                                         \
+            if (d == 64) scores_f32(qg, qh, k, n, 64, gb, scale, s);                                               \
+            else scores_f32(qg, qh, k, n, d, gb, scale, s);                                                        \
+            for (int g = 0; g < gb; g++) sums[g] = softmax256(s + g * n, n);                                       \
+            if (d == 64) VALUES(s, sums, v, n, 64, gb, out + g0 * d);                                              \
+            else VALUES(s, sums, v, n, d, gb, out + g0 * d);                                                       \
+        }                                                                                                          \
     }
-}
+
+HEAD_F32(head_f32, F32, values_f32)
 
 /* float32 with AVX512-VL's 32 vector registers: the weighted sums of up to 3 query heads in one pass over the
  * values (24 accumulators), each head's products and sums the ones values_f32 computes, in the same order -- the
@@ -359,19 +364,7 @@ F32W static inline __attribute__((always_inline)) void values_f32_wide(const flo
     }
 }
 
-F32W static void head_f32_wide(const float *q, int64_t qh, const float *k, const float *v, int64_t n, int64_t d,
-                               int heads, float scale, float *out, float *s) {
-    float sums[GB];
-    for (int g0 = 0; g0 < heads; g0 += GB) {
-        int gb = heads - g0 < GB ? heads - g0 : GB;
-        const float *qg = q + g0 * qh;
-        if (d == 64) scores_f32(qg, qh, k, n, 64, gb, scale, s);
-        else scores_f32(qg, qh, k, n, d, gb, scale, s);
-        for (int g = 0; g < gb; g++) sums[g] = softmax256(s + g * n, n);
-        if (d == 64) values_f32_wide(s, sums, v, n, 64, gb, out + g0 * d);
-        else values_f32_wide(s, sums, v, n, d, gb, out + g0 * d);
-    }
-}
+HEAD_F32(head_f32_wide, F32W, values_f32_wide)
 
 /* head_f32_wide where the CPU has AVX512-F + VL (the same bits as head_f32), else head_f32 (also where
  * KVRAG_ROW_ATTENTION_NARROW is set: for A/B runs) */
