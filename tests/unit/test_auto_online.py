@@ -157,7 +157,10 @@ def test_auto_moves_off_a_slowed_candidate_and_keeps_its_budget(tmp_path: Path,
     assert max(ratios[1:]) < ratios[0] / 2, ratios
     last = eng.prepare(plan, auto).stats.method_stats
     measured = statistics.median(ratios[1:])
-    assert last.auto_predicted_ttft_ratio == pytest.approx(measured, rel=0.5)  # the corrected prediction tracks it
+    # the corrected prediction tracks it: within 2x of the measured median, far from the 4x+ overrun it left (the
+    # correction is an average over a few-ms prefill's wall clock, which another test worker can move by 60%)
+    assert measured / 2 <= last.auto_predicted_ttft_ratio <= 2 * measured, (last.auto_predicted_ttft_ratio, ratios)
+    assert last.auto_predicted_ttft_ratio < ratios[0] / 4
     assert last.auto_correction == pytest.approx(last.auto_predicted_ttft_ratio / 0.1)
     fixed = get_method(f"auto:budget={budget},costs={tmp_path / 'c.json'},adapt=0")
     assert [eng.prepare(plan, fixed).stats.method_stats.auto_choice for _ in range(2)] == [slowed] * 2  # uncorrected
