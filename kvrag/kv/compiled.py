@@ -47,9 +47,9 @@ step stay kernel calls, as in the eager step. (With inductor's Python wrapper th
 after ~1 minute of compilation per shape.) ``compile_decode`` stays off by default: the first process on a
 machine spends ~5-6 minutes of a core per batch shape compiling, and the gain was ~15% a token against the direct
 loop. Decode and verify steps of Llama / Mistral / Qwen2 / Qwen3 models run the fused step
-(:mod:`kvrag.kv.fused_step`), which the capture does not trace: against it the captured step is slower (float32 + int4, AVX512-BF16 CPU, 1.5K
-tokens: 21.0 vs 18.3 ms at batch 1, 10.1 vs 9.5 ms a token at batch 8; ``kvrag bench decode --quantize int4
---contexts 1536 --batches 1,8 --steps 16 --rounds 3 --compile-decode``).
+(:mod:`kvrag.kv.fused_step`), which the capture does not trace: against it the captured step is slower (float32 +
+int4, AVX512-BF16 CPU, 1.5K tokens: 21.0 vs 18.3 ms at batch 1, 10.1 vs 9.5 ms a token at batch 8; ``kvrag bench
+decode --quantize int4 --contexts 1536 --batches 1,8 --steps 16 --rounds 3 --compile-decode``).
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -382,6 +383,22 @@ static void head_f32_any(const float *q, int64_t qh, const float *k, const float
         head_f32(q, qh, k, v, n, d, heads, scale, out, s);
 }
 
+/* One (query, KV head) item: the KV head's `groups` query heads (`q_head` elements apart) over n keys / values,
+ * into `out` [groups, d], in the inputs' dtype. Returns 0, or -1 when out of memory for the scores. */
+static int attend_head(int bf16, const void *q, int64_t q_head, const void *k, const void *v, int64_t n, int64_t d,
+                       int groups, float scale, void *out) {
+    float *s = malloc(sizeof(float) * (size_t)(groups < GB ? groups : GB) * (size_t)n);
+    if (!s) return -1;
+    if (bf16)
+        head_bf16((const uint16_t *)q, q_head, (const uint16_t *)k, (const uint16_t *)v, n, d, groups, scale,
+                  (uint16_t *)out, s);
+    else
+        head_f32_any((const float *)q, q_head, (const float *)k, (const float *)v, n, d, groups, scale, (float *)out,
+                     s);
+    free(s);
+    return 0;
+}
+
 /* ------------------------------------------------------------------------------------------------------ entry */
 
 /* bf16: 1 for bfloat16 (needs AVX512-BF16), 0 for float32 (needs AVX2 + FMA; d a multiple of 8; bfloat16 needs d
@@ -394,23 +411,13 @@ int kvrag_row_attention(int bf16, const int64_t *entries, int64_t count, int64_t
     int failed = 0;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && items > 1)
     for (int64_t it = 0; it < items; it++) {
-        const int64_t *e = entries + (it / kv_heads) * 6, h = it % kv_heads, n = e[4];
-        float *s = malloc(sizeof(float) * (size_t)(groups < GB ? groups : GB) * (size_t)n);
-        if (!s) {
-            failed = 1;
-            continue;
-        }
+        const int64_t *e = entries + (it / kv_heads) * 6, h = it % kv_heads;
         const char *q = (const char *)(intptr_t)e[0] + (size_t)(h * groups * q_head) * el;
         const char *k = (const char *)(intptr_t)e[1] + (size_t)(h * e[3]) * el;
         const char *v = (const char *)(intptr_t)e[2] + (size_t)(h * e[3]) * el;
         char *out = (char *)(intptr_t)e[5] + (size_t)(h * groups * d) * el;
-        if (bf16)
-            head_bf16((const uint16_t *)q, q_head, (const uint16_t *)k, (const uint16_t *)v, n, d, (int)groups,
-                      scale, (uint16_t *)out, s);
-        else
-            head_f32_any((const float *)q, q_head, (const float *)k, (const float *)v, n, d, (int)groups, scale,
-                     (float *)out, s);
-        free(s);
+        if (attend_head(bf16, q, q_head, k, v, e[4], d, (int)groups, scale, out))
+            failed = 1;
     }
     return failed ? -1 : 0;
 }
@@ -440,7 +447,7 @@ static inline float widen_bf16(uint16_t h) {
 #define NO_CONTRACT __attribute__((noinline)) /* clang contracts within one expression only, and none has both */
 #endif
 NO_CONTRACT static void rope_f32(const float *x, int64_t xs, int64_t heads, int64_t d, const float *c,
-                                               const float *s, float *y, int64_t ys) {
+                                 const float *s, float *y, int64_t ys) {
     const int64_t h2 = d / 2;
     for (int64_t h = 0; h < heads; h++) {
         const float *a = x + h * xs;
@@ -456,8 +463,8 @@ NO_CONTRACT static void rope_f32(const float *x, int64_t xs, int64_t heads, int6
     }
 }
 
-NO_CONTRACT static void rope_bf16(const uint16_t *x, int64_t xs, int64_t heads, int64_t d,
-                                                const uint16_t *c, const uint16_t *s, uint16_t *y, int64_t ys) {
+NO_CONTRACT static void rope_bf16(const uint16_t *x, int64_t xs, int64_t heads, int64_t d, const uint16_t *c,
+                                  const uint16_t *s, uint16_t *y, int64_t ys) {
     const int64_t h2 = d / 2;
     for (int64_t h = 0; h < heads; h++) {
         const uint16_t *a = x + h * xs;
@@ -508,30 +515,19 @@ int kvrag_rope_attend(int bf16, const int64_t *entries, int64_t count, const voi
                 rope_f32((const float *)qx, d, groups, d, (const float *)c, (const float *)s, (float *)qy, d);
                 rope_f32((const float *)kx, d, 1, d, (const float *)c, (const float *)s, (float *)ky, d);
             }
-            for (size_t b = 0; b < (size_t)d * el; b++)
-                vy[b] = vx[b];
+            memcpy(vy, vx, (size_t)d * el);
         }
         /* the loop's closing barrier: every K/V is written before any query attends. Head-major: a verify step's
          * positions of one row attend over the same KV head one after the other, while it is in cache. */
 #pragma omp for schedule(static)
         for (int64_t it = 0; it < items; it++) {
-            const int64_t i = it % count, h = it / count, *e = entries + i * 5, n = e[3] - e[4] + 1;
-            float *sc = malloc(sizeof(float) * (size_t)(groups < GB ? groups : GB) * (size_t)n);
-            if (!sc) {
-                failed = 1;
-                continue;
-            }
+            const int64_t i = it % count, h = it / count, *e = entries + i * 5;
             const char *q = (const char *)qbuf + (size_t)((i * heads + h * groups) * d) * el;
             const size_t at = (size_t)(h * e[2] + e[4] * d) * el;
             const char *k = (const char *)(intptr_t)e[0] + at, *v = (const char *)(intptr_t)e[1] + at;
             char *o = (char *)out + (size_t)((i * heads + h * groups) * d) * el;
-            if (bf16)
-                head_bf16((const uint16_t *)q, d, (const uint16_t *)k, (const uint16_t *)v, n, d, (int)groups, scale,
-                          (uint16_t *)o, sc);
-            else
-                head_f32_any((const float *)q, d, (const float *)k, (const float *)v, n, d, (int)groups, scale,
-                         (float *)o, sc);
-            free(sc);
+            if (attend_head(bf16, q, d, k, v, e[3] - e[4] + 1, d, (int)groups, scale, o))
+                failed = 1;
         }
     }
     return failed ? -1 : 0;
