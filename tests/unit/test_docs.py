@@ -1,6 +1,7 @@
 """The manual's references resolve: links between README.md / docs/*.md (files and heading anchors), every
 ``docs/...md#anchor`` cited in a docstring or comment, and every paper section (``RelaxKV §3.2``, ``Table 4``) cited in
-the code is explained in docs/methods.md's "Papers and section numbers"."""
+the code is explained in docs/methods.md's "Papers and section numbers". Every file under docs/results/ is linked
+from a document, so that no measurement sits where no reader finds it."""
 
 from __future__ import annotations
 
@@ -21,8 +22,10 @@ def slug(heading: str) -> str:
 
 
 def anchors(md: Path) -> set[str]:
+    """A Markdown file's link targets: its headings' anchors and explicit ``<a name="...">`` / ``<a id="...">``."""
     text = re.sub(r"^```.*?^```", "", md.read_text(encoding="utf-8"), flags=re.DOTALL | re.MULTILINE)
-    return {slug(m) for m in re.findall(r"^#{1,6} (.+)$", text, flags=re.MULTILINE)}
+    explicit = set(re.findall(r"<a (?:name|id)=\"([\w-]+)\"", text))
+    return {slug(m) for m in re.findall(r"^#{1,6} (.+)$", text, flags=re.MULTILINE)} | explicit
 
 
 def code_files() -> list[Path]:
@@ -36,15 +39,52 @@ def test_slug() -> None:
     assert slug("CPU with AMX / AVX512-BF16, bfloat16") == "cpu-with-amx--avx512-bf16-bfloat16"
 
 
-@pytest.mark.parametrize("md", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def local_links(md: Path) -> list[str]:
+    """The targets of a Markdown file's links and images outside fenced code, other sites' URLs left out."""
+    text = re.sub(r"^```.*?^```", "", md.read_text(encoding="utf-8"), flags=re.DOTALL | re.MULTILINE)
+    return [t for t in re.findall(r"\]\(([^)\s]+)\)", text) if not re.match(r"[a-z]+://", t)]
+
+
+RESULTS = ROOT / "docs" / "results"
+
+
+def linked_results() -> set[Path]:
+    """Every file under docs/results/ that a reader reaches by following links from README.md, CHANGELOG.md and
+    docs/*.md, through the result pages they link. A file also counts as reached when a reached file of the same
+    folder shares its stem: ``decode.md`` linked brings ``decode.json`` and ``decode.png`` (what ``kvrag bench``
+    writes side by side). A link to a folder reaches nothing by itself."""
+    seen: set[Path] = set()
+    todo = [p.resolve() for p in DOCS if p.exists()]
+    while todo:
+        md = todo.pop()
+        for target in local_links(md):
+            dest = (md.parent / target.partition("#")[0]).resolve()
+            if dest.is_file() and dest.is_relative_to(RESULTS.resolve()) and dest not in seen:
+                seen.add(dest)
+                if dest.suffix == ".md":
+                    todo.append(dest)
+    stems = {(p.parent, p.name.split(".")[0]) for p in seen}
+    return seen | {p.resolve() for p in RESULTS.rglob("*") if p.is_file()
+                   and (p.resolve().parent, p.name.split(".")[0]) in stems}
+
+
+def test_every_results_file_is_linked() -> None:
+    files = sorted(p for p in RESULTS.rglob("*") if p.is_file())
+    assert files, "docs/results/ holds no files"
+    unlinked = [str(p.relative_to(ROOT)) for p in files if p.resolve() not in linked_results()]
+    assert unlinked == [], (
+        "files under docs/results/ that no document links (directly, through a linked result page, or as the "
+        ".json/.png beside a linked .md of the same stem): " + ", ".join(unlinked) + ". Link each from the section of "
+        "docs/results.md (or of the result page) that quotes its figures, e.g. [decode](results/<topic>.md), or "
+        "`git rm` it if a newer run replaced it (git keeps it; say so in CHANGELOG.md).")
+
+
+@pytest.mark.parametrize("md", DOCS + sorted(RESULTS.rglob("*.md")), ids=lambda p: str(p.relative_to(ROOT)))
 def test_markdown_links_resolve(md: Path) -> None:
     if not md.exists():
         pytest.skip(f"{md.name} not written")
-    text = re.sub(r"^```.*?^```", "", md.read_text(encoding="utf-8"), flags=re.DOTALL | re.MULTILINE)
     bad = []
-    for target in re.findall(r"\]\(([^)\s]+)\)", text):
-        if re.match(r"[a-z]+://", target):
-            continue
+    for target in local_links(md):
         path, _, anchor = target.partition("#")
         dest = (md.parent / path).resolve() if path else md
         if not dest.exists():
