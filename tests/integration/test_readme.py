@@ -1,13 +1,19 @@
-"""README.md runs as printed: every fenced ``python`` block, and the cheap ``kvrag`` lines of its ``bash`` blocks.
+"""README.md and docs/usage.md run as printed: every fenced ``python`` block, and the cheap ``kvrag`` lines of their
+``bash`` blocks.
 
 Each Python block runs in its own interpreter (``HF_HUB_OFFLINE=1``, ``-W error``: any Python warning, e.g. a
 library's DeprecationWarning, is an error) in a scratch directory that holds an ``examples`` link to the
 repository's examples, i.e. as a user would run it from the repository root, and must exit 0, print something, and
 print no warning to stderr (a library's logged warning would reach the user just the same). The ``bash`` blocks'
-command lines run in README order in another scratch directory; lines that are too long or need outside services
-are listed in :data:`SKIPPED` with the reason, and a line that is neither run nor listed fails the test, so a new
-README command cannot go unchecked. ``path/to/model.gguf``, the README's placeholder for the reader's own model, is
-replaced in both kinds of block by a tiny random Llama the test writes as a GGUF file (kvrag.testing.tiny_gguf).
+command lines run in document order in another scratch directory (a line both documents show runs once); lines that
+are too long or need outside services are listed in :data:`SKIPPED` with the reason, and a line that is neither run
+nor listed fails the test, so a new command cannot go unchecked.
+
+A block whose info string is ``python template`` or ``bash template`` is a template: it stands for the reader's own
+model by the placeholder ``path/to/model.gguf`` (tests/unit/test_docs.py checks that templates, and only they, carry
+it, marked for the reader by a first line ``# template: ...``). Here the placeholder is replaced by a real GGUF file,
+the embedded default model's (:func:`kvrag.default_model.default_gguf_path`), so a template runs as the reader's
+copy with their own file would.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
+#: The documents whose code blocks are run, in order (the README's commands first).
+DOCUMENTS = (README, ROOT / "docs" / "usage.md")
 PY_TIMEOUT_S = 300
 CLI_TIMEOUT_S = 180
 
@@ -42,7 +50,7 @@ SKIPPED: list[tuple[str, str]] = [
     (r"^curl ", "queries a running kvrag serve (the Python block after it does the same against a server it starts)"),
 ]
 
-#: The README's placeholder for the reader's own model (a GGUF file); the test writes a tiny one in its place.
+#: The placeholder for the reader's own model (a GGUF file) in template blocks; a real GGUF file replaces it here.
 OWN_MODEL = "path/to/model.gguf"
 
 #: A warning line on stderr: Python's ``warnings`` format (``...: DeprecationWarning: ...``) or a logged warning.
@@ -52,20 +60,25 @@ WARNING = re.compile(r"\b\w*Warning\b|^WARNING\b|\bwarn(ing)?:", re.IGNORECASE |
 RUN_SUBCOMMANDS = ("pull", "ingest", "ask", "store")
 
 
-def fenced_blocks(lang: str) -> list[str]:
-    """The bodies of README.md's fenced code blocks of one language, in order."""
-    text = README.read_text(encoding="utf-8")
-    return re.findall(rf"^```{lang}\n(.*?)^```", text, flags=re.DOTALL | re.MULTILINE)
+def fenced_blocks(lang: str, doc: Path = README, *, template: bool = False) -> list[str]:
+    """The bodies of a document's fenced code blocks of one language, in order: plain blocks (info string ``lang``),
+    or with ``template=True`` the templates (info string ``lang template``)."""
+    text = doc.read_text(encoding="utf-8")
+    info = f"{lang} template" if template else lang
+    return re.findall(rf"^```{info}\n(.*?)^```", text, flags=re.DOTALL | re.MULTILINE)
 
 
 def command_lines() -> list[str]:
-    """Every command of the README's bash blocks: continuations joined, comments and blank lines dropped."""
-    out = []
-    for block in fenced_blocks("bash"):
-        for line in block.replace("\\\n", " ").splitlines():
-            words = shlex.split(line, comments=True)
-            if words:
-                out.append(shlex.join(words))
+    """Every command of the documents' bash blocks, templates included: continuations joined, comments and blank
+    lines dropped, a line shown twice kept once."""
+    out: list[str] = []
+    for doc in DOCUMENTS:
+        text = doc.read_text(encoding="utf-8")
+        for block in re.findall(r"^```bash(?: template)?\n(.*?)^```", text, flags=re.DOTALL | re.MULTILINE):
+            for line in block.replace("\\\n", " ").splitlines():
+                words = shlex.split(line, comments=True)
+                if words and shlex.join(words) not in out:
+                    out.append(shlex.join(words))
     return out
 
 
@@ -92,13 +105,12 @@ def _scratch(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def own_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A tiny random Llama written as a GGUF file: what the README's ``path/to/model.gguf`` stands for."""
+def own_model() -> str:
+    """A real GGUF file for the templates' ``path/to/model.gguf``: the embedded default model's."""
     pytest.importorskip("gguf", reason="gguf not installed (pip install 'kvrag[gguf]')")
-    from kvrag.testing.tiny import tiny_model
-    from kvrag.testing.tiny_gguf import write_tiny_gguf
+    from kvrag.default_model import default_gguf_path
 
-    return str(write_tiny_gguf(tmp_path_factory.mktemp("own-model") / "model.gguf", tiny_model("llama")))
+    return str(default_gguf_path())
 
 
 @pytest.fixture(scope="module")
@@ -107,11 +119,16 @@ def python_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _scratch(tmp_path_factory, "readme-python")
 
 
-PY_BLOCKS = fenced_blocks("python")
+#: (document, block body, is a template) for every Python block of the documents.
+PY_BLOCKS = [(doc, code, template) for doc in DOCUMENTS for template in (False, True)
+             for code in fenced_blocks("python", doc, template=template)]
+PY_IDS = [f"{doc.stem}-python-{i}{'-template' if template else ''}" for i, (doc, _, template) in enumerate(PY_BLOCKS)]
 
 
 def test_readme_has_code() -> None:
-    assert len(PY_BLOCKS) >= 3, "README.md should show the engine, LlamaIndex and LangChain snippets"
+    plain = fenced_blocks("python")
+    assert len(plain) >= 3, "README.md should show the engine, LlamaIndex and LangChain snippets"
+    assert fenced_blocks("python", template=True), "README.md should show how to load one's own model (a template)"
     assert any(runnable(line) for line in command_lines()), "README.md should show runnable kvrag CLI lines"
 
 
@@ -123,21 +140,23 @@ def test_every_command_line_is_run_or_skipped_with_a_reason() -> None:
     assert unused == [], f"SKIPPED entries that match no README line (remove them): {unused}"
 
 
-@pytest.mark.parametrize("index", range(len(PY_BLOCKS)), ids=[f"python-{i}" for i in range(len(PY_BLOCKS))])
+@pytest.mark.parametrize("index", range(len(PY_BLOCKS)), ids=PY_IDS)
 def test_python_block_runs(index: int, python_dir: Path, request: pytest.FixtureRequest) -> None:
-    code = PY_BLOCKS[index]
-    if OWN_MODEL in code:
+    doc, code, template = PY_BLOCKS[index]
+    if template:
         code = code.replace(OWN_MODEL, request.getfixturevalue("own_model"))
+    name = f"{doc.relative_to(ROOT)} python block {PY_IDS[index]}"
     proc = subprocess.run([sys.executable, "-W", "error", "-c", code], cwd=python_dir, env=_env(),
                           capture_output=True, text=True, timeout=PY_TIMEOUT_S)
-    assert proc.returncode == 0, f"README python block {index} failed:\n{PY_BLOCKS[index]}\n--- stderr ---\n{proc.stderr[-4000:]}"
-    assert proc.stdout.strip(), f"README python block {index} printed nothing"
+    assert proc.returncode == 0, f"{name} failed:\n{PY_BLOCKS[index][1]}\n--- stderr ---\n{proc.stderr[-4000:]}"
+    assert proc.stdout.strip(), f"{name} printed nothing"
     warned = [line for line in proc.stderr.splitlines() if WARNING.search(line)]
-    assert warned == [], f"README python block {index} printed warnings:\n" + "\n".join(warned)
+    assert warned == [], f"{name} printed warnings:\n" + "\n".join(warned)
 
 
 def test_cli_lines_run(tmp_path_factory: pytest.TempPathFactory, own_model: str) -> None:
-    """The runnable lines in README order (ingest before ask), each exiting 0 with output."""
+    """The runnable lines in document order (ingest before ask), each exiting 0 with output; in template lines the
+    placeholder stands for the real GGUF file."""
     work = _scratch(tmp_path_factory, "readme-cli")
     ran = []
     for line in filter(runnable, command_lines()):
@@ -147,4 +166,4 @@ def test_cli_lines_run(tmp_path_factory: pytest.TempPathFactory, own_model: str)
         assert (proc.stdout + proc.stderr).strip(), f"`{line}` printed nothing"
         ran.append(line)
     assert any(" ask " in f" {line} " for line in ran), "no `kvrag ask` line ran"
-    assert any(OWN_MODEL in line for line in ran), "no README line ran on the reader's own model (a GGUF file)"
+    assert any(OWN_MODEL in line for line in ran), "no template line ran on the reader's own model (a GGUF file)"

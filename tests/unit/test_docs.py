@@ -127,3 +127,25 @@ def test_cited_paper_sections_are_explained() -> None:
         cited |= set(re.findall(r"\b(?:RelaxKV|CacheRepair|CacheBlend|EPIC) (Table \d+)", text))
     explained = {c for c in cited if c in rows or any(r.startswith(f"{c} ") for r in rows)}
     assert cited - explained == set()
+
+
+#: The placeholder for the reader's own model that marks a code block as a template.
+PLACEHOLDER = "path/to/"
+
+
+@pytest.mark.parametrize("md", [ROOT / "README.md", ROOT / "docs" / "usage.md"], ids=lambda p: p.name)
+def test_templates_are_marked(md: Path) -> None:
+    """A block the reader cannot run as printed (it names ``path/to/...``, their own model) is a template: info string
+    ``<lang> template`` (so tests/integration/test_readme.py runs it on a real file) and a first line
+    ``# template: ...`` that tells the reader what to replace. Every other block runs as printed."""
+    bad = []
+    for info, body in re.findall(r"^```([^\n]*)\n(.*?)^```", md.read_text(encoding="utf-8"), flags=re.DOTALL | re.MULTILINE):
+        template = info.endswith(" template")
+        first = body.splitlines()[0] if body.strip() else ""
+        if template and not first.startswith("# template: "):
+            bad.append(f"```{info} block without a first line '# template: <what to replace>': {first!r}")
+        if template and "path/to/model.gguf" not in body:
+            bad.append(f"```{info} block without the placeholder path/to/model.gguf that the test replaces: {first!r}")
+        if not template and PLACEHOLDER in body:
+            bad.append(f"```{info} block names {PLACEHOLDER}... but is not marked '```{info} template': {first!r}")
+    assert bad == []
