@@ -40,15 +40,19 @@ def test_full_equals_model_generate_on_default_model(request, chunks, model_fixt
     prefix, ps, suffix = RagTemplate().parts(engine.tokenizer, chunks, "How tall is the Harrow Point Lighthouse?")
     plan = engine.plan_parts(prefix, ps, suffix)
     ids = [t for s in (*plan.context, plan.suffix) for t in s.token_ids]
-    n = 16
-    ref = engine.model.generate(
+    n = 48  # room for the whole answer: model.generate stops on EOS before the limit, so the stop is checked too
+    eos = engine._eos_ids()
+    out = engine.model.generate(
         torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), do_sample=False,
-        max_new_tokens=n, pad_token_id=engine.tokenizer.pad_token_id,
+        max_new_tokens=n, eos_token_id=eos, pad_token_id=engine.tokenizer.pad_token_id,
     )[0, len(ids):].tolist()
-    eos = set(engine._eos_ids())
-    ref = [t for t in ref if t not in eos][: n]
+    stop = next((i for i, t in enumerate(out) if t in eos), None)  # kvrag returns the tokens before the EOS
+    ref = out if stop is None else out[:stop]
+    assert stop is not None and len(ref) >= 4, (stop, out)  # the case covers an answer that ends on EOS
     got = engine.answer_plan(plan, "full", GenerationConfig(max_new_tokens=n)).token_ids
-    assert got == ref[: len(got)] and len(got) >= min(len(ref), 1)
+    assert got == ref, (got, ref)  # the same tokens, the same length, the same stop
+    short = engine.answer_plan(plan, "full", GenerationConfig(max_new_tokens=len(ref) - 2)).token_ids
+    assert short == ref[: len(ref) - 2]  # and at a max_new_tokens limit before the EOS, exactly that many
 
 
 @pytest.mark.parametrize("name", sorted(TEMPLATES))
