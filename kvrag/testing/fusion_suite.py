@@ -49,6 +49,13 @@ is almost exact, so a wrong repair could pass unnoticed; at 0.1 stale and full K
 a recompute-everything setting still equals ``full`` to ~3e-6 in fp32 (see kvrag.testing.tiny.INIT_STD)."""
 
 
+RECOMPUTE_ALL_ATOL = 1.5e-5
+"""Max |K - K_ref|, |V - V_ref| a recompute-everything setting may have against the suite's oracle (one eager
+transformers forward) in float32: measured up to 2.9e-6 for every method and variant on the four families, on the
+assembled and the zero-copy input (fp32 rounding of kvrag's attention and layer-by-layer recompute); ~5x that. A
+stale cache is off by O(1) here (:data:`SUITE_INIT_STD`)."""
+
+
 @dataclasses.dataclass
 class FusionCase:
     """A tiny model and a multi-chunk context to fuse.
@@ -184,7 +191,7 @@ class FusionMethodTests:
     num_layers: ClassVar[int] = SUITE_LAYERS
     init_std: ClassVar[float] = SUITE_INIT_STD
     decode_steps: ClassVar[int] = 4
-    atol: ClassVar[float] = 1e-4
+    atol: ClassVar[float] = RECOMPUTE_ALL_ATOL
 
     @pytest.fixture(params=FAMILIES, scope="class")
     def case(self, request: Any) -> FusionCase:
@@ -272,5 +279,5 @@ RECOMPUTE_ALL_SPECS = ("relaxkv:r=1.0", "relaxkv-fullctx:r=1.0", "prophetkv:r=1.
                        "epic:k=100000")
 """Every selective method at its recompute-everything setting (each must reproduce ``full``)."""
 
-__all__ = ["LAYOUT", "RECOMPUTE_ALL_SPECS", "SUITE_INIT_STD", "SUITE_LAYERS", "FusionCase", "FusionMethodTests",
+__all__ = ["LAYOUT", "RECOMPUTE_ALL_ATOL", "RECOMPUTE_ALL_SPECS", "SUITE_INIT_STD", "SUITE_LAYERS", "FusionCase", "FusionMethodTests",
            "FusionRun", "check_suffix_fold", "context_kv", "fusion_case", "greedy_tokens"]
