@@ -77,11 +77,14 @@ def test_stale_first_chunk_exact_and_later_chunks_stale(engine, chunks) -> None:
     ks, vs = hf_cache.cache_to_tensors(engine.prepare(plan, "stale").cache)
     n_pre = len(plan.context[0].token_ids)
     for got, ref in ((ks, kf), (vs, vf)):  # the exact preamble: rounding only (bf16: its own, shape-dependent)
+        # float32: measured max 2.0e-5 between the preamble alone and within the whole prompt; bound ~5x that
         assert_close_in_dtype(got[:, :, :n_pre], ref[:, :, :n_pre], engine.loaded.dtype, fp32_atol=1e-4)
     tc = plan.context_len
     rel_k = ((ks[:, :, n_pre:tc] - kf[:, :, n_pre:tc]).norm() / kf[:, :, n_pre:tc].norm()).item()
     rel_v = ((vs[:, :, n_pre:tc] - vf[:, :, n_pre:tc]).norm() / vf[:, :, n_pre:tc].norm()).item()
-    assert 0 < rel_k < 1 and 0 < rel_v < 1.5
+    # stale chunks are off, but not garbage: measured rel_k 0.174, rel_v 0.309 (float32 and bfloat16 alike); the
+    # bounds sit 3-5x from them, so an exact splice (0) or unrelated KV of the same size (~1.4) fails
+    assert 0.035 < rel_k < 0.87 and 0.06 < rel_v < 1.0, (rel_k, rel_v)
 
 
 def test_cli_ingest_and_ask(tmp_path, capsys) -> None:
