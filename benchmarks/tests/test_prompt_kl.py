@@ -10,6 +10,7 @@ import pytest
 from kvrag.config import EngineConfig
 from kvrag.engine.engine import KVRAGEngine
 from kvrag.store import MemoryStore
+from kvrag.testing.equivalence import hf_reference, kl
 from kvrag.testing.tiny import tiny_model
 from kvrag_bench.prompt_kl import PromptKLConfig, markdown, run_prompt_kl
 
@@ -27,10 +28,15 @@ ROWS = [
 ]
 
 
-def test_llamaindex_kl_tiny_model(tmp_path: Path) -> None:
+def test_llamaindex_kl_tiny_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from llama_index.embeddings.huggingface import HuggingFaceEmbedding
 
+    import kvrag_bench.prompt_kl as prompt_kl
     from kvrag.default_model import default_embedder_path
+
+    seen: list[dict] = []  # the recorded calls the benchmark compares on, to recompute its figures independently
+    compare = prompt_kl.compare
+    monkeypatch.setattr(prompt_kl, "compare", lambda engine, calls, *a, **k: seen.extend(calls) or compare(engine, calls, *a, **k))
 
     data = tmp_path / "qa.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
@@ -43,8 +49,22 @@ def test_llamaindex_kl_tiny_model(tmp_path: Path) -> None:
     assert {r["mode"] for r in rows} == {"compact", "refine"} and {r["row"] for r in rows} == {"q1", "q2"}
     assert all(r["chunks"] >= 1 and r["stale"]["hit_rate"] > 0 for r in rows)  # chunks were found and reused
     # the default prompts were sent: LlamaIndex's text-QA lead, not kvrag's template
-    assert all(r["full"]["kl"] == 0.0 and r["full"]["top1"] for r in rows)  # full vs full: the same prefill
-    assert all(r["stale"]["kl"] >= 0.0 for r in rows) and any(r["stale"]["kl"] > 0.0 for r in rows)
+    # the benchmark's reference is the exact prefill: each row's KL(full || stale) equals KL(p || stale) with p the
+    # next-token distribution of one plain transformers forward of the tokenized prompt (eager attention, no kvrag
+    # planning or prefill code), and its `full` row is that distribution (rounding only)
+    assert len(seen) == len(rows)
+    for call, r in zip(seen, rows, strict=True):
+        plan = engine.plan(call["prompt"], call["chunks"])
+        ids = engine.tokenizer(call["prompt"], add_special_tokens=False)["input_ids"]  # the prompt as HF sees it
+        p = hf_reference(engine.model, ids, 0).last_logits
+        stale = engine.prepare(plan, "stale", reserve=1).last_logits
+        full = engine.prepare(plan, "full", reserve=1).last_logits
+        # two fp32 computations of one prefill (kvrag's attention vs eager): KL(p || full) measured 1.3e-13 ..
+        # 1.8e-13 on these six prompts, bound 1e-12; the benchmark's stale KL (its own `full` as reference) and
+        # KL(p || stale) differ by a relative 8e-6 at most, bound 4e-5; stale's KL is 2.6e-3 .. 9.6e-3 here
+        assert kl(p, full) < 1e-12 and r["full"]["kl"] == 0.0 and r["full"]["top1"]
+        assert r["stale"]["kl"] == pytest.approx(kl(p, stale), rel=4e-5, abs=0), (r, kl(p, stale))
+    assert all(r["stale"]["kl"] >= 0.0 for r in rows) and any(r["stale"]["kl"] > 1e-3 for r in rows)
     s = result["summary"]["all"]["methods"]
     assert s["stale"]["kl_vs_stale"] == pytest.approx(1.0) and s["full"]["kl_mean"] == 0.0
     saved = json.loads((tmp_path / "out" / "llamaindex_kl.json").read_text())

@@ -18,6 +18,7 @@
  * are: a row's outputs do not depend on the batch it is in.
  */
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -256,8 +257,63 @@ int kvrag_int4_amx_init(void) {
     return (bitmask & (1UL << 18)) != 0;
 }
 
+/* ---- portable: the same product in plain C (path 2), for testing the callers on any x86 CPU ----
+ * Per output and group: acc = sum_k x (128 + q) in float32 (each bf16 x bf16 product exact), then
+ * tot = fma(acc, scale, tot), tot = fma(zero - 136 scale, sum_k x, tot), rounded to bfloat16 -- the SIMD paths'
+ * formula with the sums in k order, so its outputs differ from theirs in the last bit now and then. */
+static inline float p_widen(uint16_t h) {
+    union { uint32_t u; float f; } b = {.u = (uint32_t)h << 16};
+    return b.f;
+}
+
+static inline uint16_t p_round(float f) { /* torch's vectorized conversion: nearest even, NaN -> 0xFFFF */
+    union { float f; uint32_t u; } b = {.f = f};
+    if (f != f) return 0xFFFF;
+    return (uint16_t)((b.u + 0x7FFFu + ((b.u >> 16) & 1u)) >> 16);
+}
+
+static void portable_sums(const uint16_t *x, int64_t rows, int64_t k, float *sums) {
+    const int64_t groups = k / GROUP;
+    for (int64_t m = 0; m < rows; m++)
+        for (int64_t g = 0; g < groups; g++) {
+            float s = 0.0f;
+            for (int i = 0; i < GROUP; i++) s += p_widen(x[m * k + g * GROUP + i]);
+            sums[m * groups + g] = s;
+        }
+}
+
+static void portable_tiles(const uint16_t *x, int64_t rows, int64_t k, const uint8_t *w, int64_t n,
+                           const float *sums, uint16_t *out, int64_t t0, int64_t t1) {
+    const int64_t groups = k / GROUP, tile_bytes = groups * GROUP_BYTES;
+    for (int64_t t = t0; t < t1; t++)
+        for (int64_t m = 0; m < rows; m++)
+            for (int o = 0; o < TILE; o++) {
+                float tot = 0.0f;
+                for (int64_t g = 0; g < groups; g++) {
+                    const uint8_t *wg = w + t * tile_bytes + g * GROUP_BYTES;
+                    const uint16_t *xg = x + m * k + g * GROUP;
+                    float acc = 0.0f;
+                    for (int c = 0; c < CHUNKS; c++)
+                        for (int kk = 0; kk < 2; kk++) {
+                            uint8_t b = wg[c * 32 + 2 * o + kk];
+                            acc += p_widen(xg[4 * c + kk]) * (float)(128 + (b & 15));
+                            acc += p_widen(xg[4 * c + 2 + kk]) * (float)(128 + (b >> 4));
+                        }
+                    const uint16_t *sz = (const uint16_t *)(wg + CHUNKS * 32);
+                    float scale = p_widen(sz[o]), zero = p_widen(sz[TILE + o]);
+                    tot = fmaf(acc, scale, tot);
+                    tot = fmaf(fmaf(-136.0f, scale, zero), sums[m * groups + g], tot);
+                }
+                out[m * n + t * TILE + o] = p_round(tot);
+            }
+}
+
 static void run_tiles(const uint16_t *x, int64_t rows, int64_t k, const uint8_t *w, int64_t n, const float *sums,
                       uint16_t *out, int64_t t0, int64_t t1, int amx) {
+    if (amx == 2) {
+        portable_tiles(x, rows, k, w, n, sums, out, t0, t1);
+        return;
+    }
     if (amx) {
         for (int64_t m0 = 0; m0 < rows; m0 += 16)
             amx_rows(x, m0, rows - m0 < 16 ? rows - m0 : 16, k, w, n, sums, out, t0, t1);
@@ -269,7 +325,8 @@ static void run_tiles(const uint16_t *x, int64_t rows, int64_t k, const uint8_t 
     }
 }
 
-/* out [rows, n] = x [rows, k] @ w^T. amx: the tile unit's path (after kvrag_int4_amx_init), else VDPBF16PS.
+/* out [rows, n] = x [rows, k] @ w^T. amx: 1 the tile unit's path (after kvrag_int4_amx_init), 2 the portable one,
+ * 0 VDPBF16PS.
  * threads > 1 splits the output tiles between that many OpenMP threads (the runtime torch loaded, when built with
  * -fopenmp): each output is computed the same way whatever the split. Returns 0, or -1 when out of memory. */
 int kvrag_int4_mm(const uint16_t *x, int64_t rows, int64_t k, const uint8_t *w, int64_t n, uint16_t *out, int amx,
@@ -277,7 +334,8 @@ int kvrag_int4_mm(const uint16_t *x, int64_t rows, int64_t k, const uint8_t *w, 
     float stack_sums[16 * 64];
     float *sums = rows * (k / GROUP) <= 16 * 64 ? stack_sums : malloc(sizeof(float) * rows * (k / GROUP));
     if (!sums) return -1;
-    group_sums(x, rows, k, sums);
+    if (amx == 2) portable_sums(x, rows, k, sums);
+    else group_sums(x, rows, k, sums);
     int64_t tiles = n / TILE;
 #ifdef _OPENMP
     if (threads > 1 && tiles >= 6 * threads) {
@@ -322,11 +380,17 @@ int kvrag_int4_mm_f32(const float *xf, int64_t rows, int64_t k, const uint8_t *w
     uint16_t *x = malloc(sizeof(uint16_t) * (size_t)(rows * k + rows * n));
     if (!x) return -1;
     uint16_t *out = x + rows * k;
-    to_bf16(xf, rows * k, x);
+    if (amx == 2)
+        for (int64_t i = 0; i < rows * k; i++) x[i] = p_round(xf[i]);
+    else
+        to_bf16(xf, rows * k, x);
     int rc = kvrag_int4_mm(x, rows, k, w, n, out, amx, threads);
-    if (rc == 0) to_f32(out, rows * n, outf);
+    if (rc == 0 && amx == 2)
+        for (int64_t i = 0; i < rows * n; i++) outf[i] = p_widen(out[i]);
+    else if (rc == 0)
+        to_f32(out, rows * n, outf);
     free(x);
     return rc;
 }
 
-int kvrag_int4_abi(void) { return 5; }
+int kvrag_int4_abi(void) { return 6; }

@@ -43,7 +43,11 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("int4_gemm.c")
 PATHS = ("amx", "avx512bf16")
 """kvrag's kernel paths, best first; ``KVRAG_INT4_KERNEL`` picks one of these or ``torch``."""
-_ABI = 5
+PORTABLE = "portable"
+"""``KVRAG_INT4_KERNEL=portable``: the kernel's plain-C path on any x86 CPU (slow; never chosen by ``auto``), for
+testing the callers where neither SIMD path can run."""
+_ABI = 6
+_PATH_ARG = {"avx512bf16": 0, "amx": 1, PORTABLE: 2}
 TILE, GROUP = 16, 32
 
 
@@ -55,8 +59,8 @@ def _cpu_flags() -> frozenset[str]:
 
 def _wanted() -> str:
     v = os.environ.get("KVRAG_INT4_KERNEL", "auto").strip().lower() or "auto"
-    if v not in ("auto", "torch", *PATHS):
-        msg = f"KVRAG_INT4_KERNEL={v!r} is not a kernel; use auto, torch, {', or '.join(PATHS)}"
+    if v not in ("auto", "torch", *PATHS, PORTABLE):
+        msg = f"KVRAG_INT4_KERNEL={v!r} is not a kernel; use auto, torch, {', '.join(PATHS)} or {PORTABLE}"
         raise ConfigError(msg)
     return v
 
@@ -77,7 +81,7 @@ class _Lib:
             fn.argtypes = [vp, i64, i64, vp, i64, vp, ctypes.c_int, ctypes.c_int]
             fn.restype = ctypes.c_int
             self.fns[dtype] = fn
-        self.amx = int(path == "amx")
+        self.amx = _PATH_ARG[path]
 
     def mm(self, x: torch.Tensor, packed: torch.Tensor, n: int, threads: int) -> torch.Tensor:
         m, k = x.shape
@@ -97,13 +101,13 @@ def _load() -> tuple[str | None, _Lib | None, str | None]:
     if wanted == "torch":
         return None, None, "KVRAG_INT4_KERNEL=torch"
     flags = _cpu_flags()
-    have = [p for p in PATHS if ("amx_bf16" if p == "amx" else "avx512_bf16") in flags]
+    have = [p for p in PATHS if ("amx_bf16" if p == "amx" else "avx512_bf16") in flags] + [PORTABLE]
     if wanted == "auto":  # the best path this CPU has (PATHS is best first)
-        if not have:
+        if have == [PORTABLE]:
             return None, None, "this CPU has neither AMX nor AVX512-BF16, which kvrag's int4 kernel needs"
         path = have[0]
     elif wanted not in have:
-        return None, None, f"KVRAG_INT4_KERNEL={wanted} but this CPU lacks it (has: {sorted(have) or 'neither'})"
+        return None, None, f"KVRAG_INT4_KERNEL={wanted} but this CPU lacks it (has: {sorted(have[:-1]) or 'neither'})"
     else:
         path = wanted
     try:
@@ -117,7 +121,8 @@ def _load() -> tuple[str | None, _Lib | None, str | None]:
 
 
 def path() -> str | None:
-    """The kernel path int4 products take in this process ('amx' / 'avx512bf16'), None for torch's kernel."""
+    """The kernel path int4 products take in this process ('amx' / 'avx512bf16' / 'portable'), None for torch's
+    kernel."""
     return _load()[0]
 
 
@@ -187,4 +192,4 @@ def _self_check(lib: _Lib) -> None:
             raise AssertionError(msg)
 
 
-__all__ = ["PATHS", "SOURCE", "dequantize", "mm", "pack", "path", "tag", "why_not"]
+__all__ = ["PATHS", "PORTABLE", "SOURCE", "dequantize", "mm", "pack", "path", "tag", "why_not"]

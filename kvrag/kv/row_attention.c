@@ -383,13 +383,56 @@ static void head_f32_any(const float *q, int64_t qh, const float *k, const float
         head_f32(q, qh, k, v, n, d, heads, scale, out, s);
 }
 
+/* ------------------------------------------------------------------------------------------------- portable */
+static inline uint16_t round_bf16(float f);
+static inline float widen_bf16(uint16_t h);
+
+/* The same function in plain C, one query head at a time, its sums in double (in key / dimension order; libm's
+ * exp): any x86 CPU, for testing the bfloat16 and float32 callers where the SIMD paths cannot run
+ * (kvrag_row_attention_portable). Its results differ from the SIMD paths' in the last bits; like theirs, an item's
+ * never depend on the other items of a call. */
+static float load_el(int bf16, const void *p, int64_t i) {
+    return bf16 ? widen_bf16(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static void head_portable(int bf16, const void *q, int64_t qh, const void *k, const void *v, int64_t n, int64_t d,
+                          int heads, float scale, void *out, float *s) {
+    for (int g = 0; g < heads; g++) {
+        float mx = -INFINITY;
+        double l = 0.0;
+        for (int64_t t = 0; t < n; t++) {
+            double acc = 0.0;
+            for (int64_t j = 0; j < d; j++) acc += (double)load_el(bf16, q, g * qh + j) * load_el(bf16, k, t * d + j);
+            s[t] = (float)(acc * scale);
+            mx = s[t] > mx ? s[t] : mx;
+        }
+        for (int64_t t = 0; t < n; t++) {
+            s[t] = (float)exp((double)s[t] - mx);
+            l += s[t];
+        }
+        for (int64_t j = 0; j < d; j++) {
+            double acc = 0.0;
+            for (int64_t t = 0; t < n; t++) acc += (double)s[t] * load_el(bf16, v, t * d + j);
+            if (bf16) ((uint16_t *)out)[g * d + j] = round_bf16((float)(acc / l));
+            else ((float *)out)[g * d + j] = (float)(acc / l);
+        }
+    }
+}
+
+static int portable = 0; /* 1: every call takes head_portable (kvrag_row_attention_portable) */
+
+/* Force (1) or release (0) the portable path for every later call in the process. */
+void kvrag_row_attention_portable(int on) { portable = on; }
+
 /* One (query, KV head) item: the KV head's `groups` query heads (`q_head` elements apart) over n keys / values,
  * into `out` [groups, d], in the inputs' dtype. Returns 0, or -1 when out of memory for the scores. */
 static int attend_head(int bf16, const void *q, int64_t q_head, const void *k, const void *v, int64_t n, int64_t d,
                        int groups, float scale, void *out) {
     float *s = malloc(sizeof(float) * (size_t)(groups < GB ? groups : GB) * (size_t)n);
     if (!s) return -1;
-    if (bf16)
+    if (portable)
+        head_portable(bf16, q, q_head, k, v, n, d, groups, scale, out, s);
+    else if (bf16)
         head_bf16((const uint16_t *)q, q_head, (const uint16_t *)k, (const uint16_t *)v, n, d, groups, scale,
                   (uint16_t *)out, s);
     else

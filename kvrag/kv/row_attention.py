@@ -17,7 +17,9 @@ row's tokens do not depend on its batch).
 
 Paths: bfloat16 with AVX512-BF16 (head dim even), float32 with AVX2 + FMA (head dim a multiple of 8), CPU tensors
 only. Anything else, no C compiler, a failed self-check, or ``KVRAG_ROW_ATTENTION=torch`` leaves torch's SDPA in
-place for every call of that dtype, with the reason in :func:`why_not`.
+place for every call of that dtype, with the reason in :func:`why_not`. ``KVRAG_ROW_ATTENTION=portable`` serves
+both dtypes on any x86 CPU through the kernel's plain-C path (slower; for testing the callers where the SIMD paths
+cannot run).
 """
 
 from __future__ import annotations
@@ -53,18 +55,22 @@ def _cpu_flags() -> frozenset[str]:
 
 def _wanted() -> str:
     v = os.environ.get("KVRAG_ROW_ATTENTION", "auto").strip().lower() or "auto"
-    if v not in ("auto", "torch"):
-        msg = f"KVRAG_ROW_ATTENTION={v!r} is not a setting; use auto (kvrag's kernel where it serves) or torch"
+    if v not in ("auto", "torch", "portable"):
+        msg = (f"KVRAG_ROW_ATTENTION={v!r} is not a setting; use auto (kvrag's kernel where it serves), torch, or "
+               "portable (the kernel's plain-C path on any x86 CPU, for tests)")
         raise ConfigError(msg)
     return v
 
 
 class _Lib:
-    def __init__(self) -> None:
+    def __init__(self, portable: bool = False) -> None:
         lib = ctypes.CDLL(str(native.build(SOURCE)))
         if lib.kvrag_row_attention_abi() != _ABI:
             msg = f"{SOURCE.name} ABI {lib.kvrag_row_attention_abi()} != {_ABI}"
             raise RuntimeError(msg)
+        self.portable = lib.kvrag_row_attention_portable  # (1 / 0): the plain-C path for every call, or not
+        self.portable.argtypes = [ctypes.c_int]
+        self.portable(int(portable))
         fn = lib.kvrag_row_attention
         i64 = ctypes.c_int64
         fn.argtypes = [ctypes.c_int, ctypes.c_void_p, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
@@ -95,10 +101,10 @@ def _load(dtype: torch.dtype) -> tuple[_Lib | None, str | None]:
     if needs is None:
         return None, f"no kvrag row-attention path for {dtype}"
     missing = [f for f in needs if f not in _cpu_flags()]
-    if missing:
+    if missing and wanted != "portable":
         return None, f"this CPU lacks {', '.join(missing)} for the {dtype} path"
     try:
-        lib = _Lib()
+        lib = _Lib(portable=wanted == "portable")
         _self_check(lib, dtype)
     except (OSError, RuntimeError, AssertionError) as e:
         log.warning("kvrag's row attention is not used for %s (torch's SDPA is): %s", dtype, e)

@@ -26,7 +26,11 @@ pin float32 themselves; the bf16 equivalence subset runs in both dtypes on every
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -91,4 +95,60 @@ def assert_close_in_dtype(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dty
     assert rel <= BF16_STACK_REL, f"||got - ref|| / ||ref|| = {rel:.3g} exceeds {BF16_STACK_REL:.3g} ({dtype})"
 
 
-__all__ = ["BF16_REL", "BF16_STACK_REL", "ENV", "KL_SLACK", "assert_close_in_dtype", "bf16_kl_bound", "kl", "test_dtype"]
+@contextlib.contextmanager
+def eager_attention(model: Any) -> Iterator[None]:
+    """Run ``model`` with transformers' own ``eager`` attention (not kvrag's ``kvrag_sdpa`` nor its kernels) for the
+    duration: a reference none of kvrag's attention code computes. Restores every config's implementation."""
+    from transformers import PretrainedConfig
+
+    configs = {id(c): c for c in (getattr(m, "config", None) for m in model.modules())
+               if isinstance(c, PretrainedConfig)}
+    saved = {k: c._attn_implementation for k, c in configs.items()}
+    try:
+        for c in configs.values():
+            c._attn_implementation = "eager"
+        yield
+    finally:
+        for k, c in configs.items():
+            c._attn_implementation = saved[k]
+
+
+@dataclasses.dataclass
+class Reference:
+    """What transformers alone computes for a prompt: keys, values [L, H_kv, T, D] of every prompt position,
+    the last position's logits [V] (float32) and the greedy tokens decoded after it (EOS not special)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    last_logits: torch.Tensor
+    tokens: list[int]
+
+
+@torch.inference_mode()
+def hf_reference(model: Any, ids: list[int] | torch.Tensor, steps: int) -> Reference:
+    """The independent oracle of ``full``: one plain transformers forward of ``ids`` from position 0 into a
+    transformers ``DynamicCache`` under eager attention, then ``steps`` greedy one-token forwards -- no kvrag
+    prefill, cache, attention or decoding code on the path (what ``model.generate(do_sample=False)`` computes,
+    without its EOS stop)."""
+    from transformers import DynamicCache
+
+    dev = next(model.parameters()).device
+    x = torch.as_tensor(ids, dtype=torch.long, device=dev).view(1, -1)
+    cache = DynamicCache(config=model.config)
+    with eager_attention(model):
+        out = model(input_ids=x, cache=cache, use_cache=True)
+        layers: list[Any] = list(cache.layers)
+        keys = torch.stack([layer.keys[0] for layer in layers]).clone()
+        values = torch.stack([layer.values[0] for layer in layers]).clone()
+        last = out.logits[0, -1].float()
+        tokens: list[int] = []
+        logits = last
+        for _ in range(steps):
+            tokens.append(int(torch.argmax(logits)))
+            out = model(input_ids=torch.tensor([[tokens[-1]]], device=dev), cache=cache, use_cache=True)
+            logits = out.logits[0, -1].float()
+    return Reference(keys, values, last, tokens)
+
+
+__all__ = ["BF16_REL", "BF16_STACK_REL", "ENV", "KL_SLACK", "Reference", "assert_close_in_dtype", "bf16_kl_bound", "eager_attention",
+           "hf_reference", "kl", "test_dtype"]

@@ -40,15 +40,19 @@ def test_full_equals_model_generate_on_default_model(request, chunks, model_fixt
     prefix, ps, suffix = RagTemplate().parts(engine.tokenizer, chunks, "How tall is the Harrow Point Lighthouse?")
     plan = engine.plan_parts(prefix, ps, suffix)
     ids = [t for s in (*plan.context, plan.suffix) for t in s.token_ids]
-    n = 16
-    ref = engine.model.generate(
+    n = 48  # room for the whole answer: model.generate stops on EOS before the limit, so the stop is checked too
+    eos = engine._eos_ids()
+    out = engine.model.generate(
         torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), do_sample=False,
-        max_new_tokens=n, pad_token_id=engine.tokenizer.pad_token_id,
+        max_new_tokens=n, eos_token_id=eos, pad_token_id=engine.tokenizer.pad_token_id,
     )[0, len(ids):].tolist()
-    eos = set(engine._eos_ids())
-    ref = [t for t in ref if t not in eos][: n]
+    stop = next((i for i, t in enumerate(out) if t in eos), None)  # kvrag returns the tokens before the EOS
+    ref = out if stop is None else out[:stop]
+    assert stop is not None and len(ref) >= 4, (stop, out)  # the case covers an answer that ends on EOS
     got = engine.answer_plan(plan, "full", GenerationConfig(max_new_tokens=n)).token_ids
-    assert got == ref[: len(got)] and len(got) >= min(len(ref), 1)
+    assert got == ref, (got, ref)  # the same tokens, the same length, the same stop
+    short = engine.answer_plan(plan, "full", GenerationConfig(max_new_tokens=len(ref) - 2)).token_ids
+    assert short == ref[: len(ref) - 2]  # and at a max_new_tokens limit before the EOS, exactly that many
 
 
 @pytest.mark.parametrize("name", sorted(TEMPLATES))
@@ -73,11 +77,14 @@ def test_stale_first_chunk_exact_and_later_chunks_stale(engine, chunks) -> None:
     ks, vs = hf_cache.cache_to_tensors(engine.prepare(plan, "stale").cache)
     n_pre = len(plan.context[0].token_ids)
     for got, ref in ((ks, kf), (vs, vf)):  # the exact preamble: rounding only (bf16: its own, shape-dependent)
+        # float32: measured max 2.0e-5 between the preamble alone and within the whole prompt; bound ~5x that
         assert_close_in_dtype(got[:, :, :n_pre], ref[:, :, :n_pre], engine.loaded.dtype, fp32_atol=1e-4)
     tc = plan.context_len
     rel_k = ((ks[:, :, n_pre:tc] - kf[:, :, n_pre:tc]).norm() / kf[:, :, n_pre:tc].norm()).item()
     rel_v = ((vs[:, :, n_pre:tc] - vf[:, :, n_pre:tc]).norm() / vf[:, :, n_pre:tc].norm()).item()
-    assert 0 < rel_k < 1 and 0 < rel_v < 1.5
+    # stale chunks are off, but not garbage: measured rel_k 0.174, rel_v 0.309 (float32 and bfloat16 alike); the
+    # bounds sit 3-5x from them, so an exact splice (0) or unrelated KV of the same size (~1.4) fails
+    assert 0.035 < rel_k < 0.87 and 0.06 < rel_v < 1.0, (rel_k, rel_v)
 
 
 def test_cli_ingest_and_ask(tmp_path, capsys) -> None:

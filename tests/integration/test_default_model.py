@@ -74,10 +74,14 @@ def test_reload_gives_identical_logits(prepared: tuple[Path, float]) -> None:
     assert "Paris" in q4.tokenizer.decode(out[0, ids.shape[1] :])
 
 
-def test_second_prepare_reuses_the_checkpoint(prepared: tuple[Path, float]) -> None:
+def test_second_prepare_reuses_the_checkpoint(prepared: tuple[Path, float], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prepared checkpoint is returned as it is: no conversion runs (one would raise here) and no file changes."""
     path, _ = prepared
-    marker_mtime = (path / default_model._MARKER).stat().st_mtime_ns
-    t0 = time.perf_counter()
+    before = {f: f.stat().st_mtime_ns for f in path.rglob("*")}
+
+    def no_conversion(*args: object, **kwargs: object) -> Path:
+        raise AssertionError("prepare_default_model converted the GGUF again")
+
+    monkeypatch.setattr(default_model, "_prepare", no_conversion)
     assert default_model.prepare_default_model(progress=False) == path
-    assert time.perf_counter() - t0 < 2.0
-    assert (path / default_model._MARKER).stat().st_mtime_ns == marker_mtime
+    assert {f: f.stat().st_mtime_ns for f in path.rglob("*")} == before
