@@ -15,8 +15,8 @@ from kvrag.engine.assemble import assemble
 from kvrag.fusion import get_method
 from kvrag.kv.compute import compute_chunk_kv
 from kvrag.kv.rope import Rope
-from kvrag.testing.fusion_suite import RECOMPUTE_ALL_SPECS, fusion_case, greedy_tokens
-from kvrag.testing.tiny import FAMILIES
+from kvrag_testing.fusion_suite import RECOMPUTE_ALL_SPECS, fusion_case, greedy_tokens
+from kvrag_testing.tiny import FAMILIES
 
 RECOMPUTE_ALL = RECOMPUTE_ALL_SPECS
 STEPS = 3
