@@ -26,16 +26,16 @@ TIMING = re.compile(
 )
 
 # Modules other branches are rewriting at the moment this test landed; their figures move out with those changes.
-# The coordinator empties this set after merging them: every module of kvrag/ is then held to the rule.
-PENDING = frozenset({
-    "kvrag/calibrate.py", "kvrag/calibration.py", "kvrag/config.py", "kvrag/models.py", "kvrag/default_model.py",
-    "kvrag/gguf_reading.py", "kvrag/adapters.py",
-    *(str(p.relative_to(ROOT)) for d in ("engine", "fusion", "serve") for p in (PKG / d).rglob("*.py")
-      if p.name != "ingest_prefill.py"),
-    *(f"kvrag/kv/{n}" for n in ("quant.py", "compiled.py", "fused_step.py", "batched.py", "direct.py",
-                                "row_attention.py", "int4_kernel.py",
-                                "hf_cache.py", "window.py", "native.py")),
-})
+# The coordinator empties these after merging them: every module of kvrag/ is then held to the rule.
+# Already held to the rule inside those directories:
+MINE = frozenset({"kvrag/engine/ingest_prefill.py", "kvrag/kv/attention.py", "kvrag/kv/linear.py", "kvrag/kv/pieces.py"})
+PENDING_DIRS = ("kvrag/engine/", "kvrag/fusion/", "kvrag/kv/", "kvrag/serve/")
+PENDING = frozenset({"kvrag/adapters.py", "kvrag/calibrate.py", "kvrag/calibration.py", "kvrag/config.py",
+                     "kvrag/default_model.py", "kvrag/gguf_reading.py", "kvrag/models.py"})
+
+
+def pending(rel: str) -> bool:
+    return rel not in MINE and (rel in PENDING or rel.startswith(PENDING_DIRS))
 
 
 def figures(source: str) -> list[tuple[int, str]]:
@@ -53,7 +53,7 @@ def figures(source: str) -> list[tuple[int, str]]:
 
 def test_no_timing_figures_in_comments_or_docstrings() -> None:
     bad = [f"{rel}:{line}: {text!r}" for p in sorted(PKG.rglob("*.py"))
-           if (rel := str(p.relative_to(ROOT))) not in PENDING for line, text in figures(p.read_text())]
+           if not pending(rel := str(p.relative_to(ROOT))) for line, text in figures(p.read_text())]
     assert bad == [], "move these figures to docs/results/ with their command; say why in the code:\n" + "\n".join(bad)
 
 
