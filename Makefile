@@ -13,7 +13,7 @@ export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 INTEGRATIONS := integrations/llama-index-llms-kvrag integrations/llama-index-postprocessor-kvrag integrations/langchain-kvrag
 TEST_DIRS := tests benchmarks/tests $(foreach d,$(INTEGRATIONS),$(wildcard $(d)/tests))
-LINT_DIRS := kvrag tests integrations benchmarks examples
+LINT_DIRS := kvrag tests integrations benchmarks examples testing
 # make demo MODEL=...: a .gguf file or a Hugging Face checkpoint folder (default: the embedded SmolLM2-135M-Instruct)
 MODEL ?=
 # The dev QA set the published figures come from is not part of the repository: pass it as DATA=...
@@ -38,8 +38,10 @@ $(VENV)/.setup-stamp: pyproject.toml $(foreach d,$(INTEGRATIONS),$(d)/pyproject.
 	touch $@
 
 # kvrag-bench (benchmarks/): its own distribution; installing it mounts `kvrag bench` (entry point kvrag.cli_plugins).
-$(VENV)/.bench-stamp: $(VENV)/.setup-stamp benchmarks/pyproject.toml
+# kvrag-testing (testing/): the test helpers, not in the kvrag wheel; the tests and `make gpu-check` import them.
+$(VENV)/.bench-stamp: $(VENV)/.setup-stamp benchmarks/pyproject.toml testing/pyproject.toml
 	$(PIP) install -q -e "benchmarks[llama-index]"
+	$(PIP) install -q -e testing
 	touch $@
 
 $(VENV)/.dev-stamp: $(VENV)/.bench-stamp
@@ -57,7 +59,7 @@ demo: setup
 test: setup-dev
 	bash .ci/install-redis
 	$(VENV)/bin/ruff check $(LINT_DIRS)
-	$(VENV)/bin/mypy kvrag benchmarks/kvrag_bench
+	$(VENV)/bin/mypy kvrag benchmarks/kvrag_bench testing/kvrag_testing
 	$(VENV)/bin/kvrag pull
 	$(PYTEST) $(TEST_DIRS)
 
@@ -87,7 +89,7 @@ bench: bench-data setup-bench
 
 lint: setup-dev
 	$(VENV)/bin/ruff check $(LINT_DIRS)
-	$(VENV)/bin/mypy kvrag benchmarks/kvrag_bench
+	$(VENV)/bin/mypy kvrag benchmarks/kvrag_bench testing/kvrag_testing
 
 clean:
 	rm -rf $(VENV) .pytest_cache

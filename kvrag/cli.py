@@ -9,9 +9,12 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvrag.errors import KVRAGError
+
+if TYPE_CHECKING:
+    from kvrag.engine.engine import KVRAGEngine
 
 log = logging.getLogger("kvrag.cli")
 
@@ -37,7 +40,7 @@ def _store_url(args: argparse.Namespace) -> str:
 
 
 def _engine(model: str | None, store: str, chunk_prefix: str = "template", method: str = "stale",
-            on_store_error: str = "recompute", quantize: str | None = "default") -> Any:
+            on_store_error: str = "recompute", quantize: str | None = "default") -> KVRAGEngine:
     from kvrag.engine.engine import KVRAGEngine
 
     return KVRAGEngine.from_pretrained(model, store, chunk_prefix=chunk_prefix, method=method,
@@ -176,8 +179,10 @@ def cmd_ask(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(out, default=str))
     else:
-        print(f"[{resp.method}] TTFT {out['ttft_s'] * 1000:.0f} ms, hit rate {out['hit_rate']:.0%}, "
-              f"chunks: {', '.join(out['chunks'])}", file=sys.stderr)
+        ttft = resp.timings.ttft_s
+        ttft_text = f"{ttft * 1000:.0f} ms" if ttft is not None else "none (no token generated)"
+        print(f"[{resp.method}] TTFT {ttft_text}, hit rate {resp.stats.hit_rate:.0%}, "
+              f"chunks: {', '.join(c.id for c, _ in hits)}", file=sys.stderr)
     return 0
 
 
@@ -351,7 +356,8 @@ def build_parser() -> argparse.ArgumentParser:
         "calibrate", help="time the model on this machine for `auto`'s cost model and the dtype default",
         description="Times full and every candidate of auto's cost model on a built-in workload (synthetic RAG "
                     "prompts of ~1-2K tokens), plus prefill and decode speed, per dtype, and writes "
-                    "$KVRAG_HOME/calibration/<machine kind>.json. About a minute per dtype on a 2-core CPU.",
+                    "$KVRAG_HOME/calibration/<machine kind>.json. It takes about a minute per dtype on a small CPU "
+                    "(docs/results.md, \"Calibration and the dtype choice\").",
     )
     sp.add_argument("--model", default=None, help="model name or path (default: the embedded default)")
     sp.add_argument("--dtypes", default=None,

@@ -32,10 +32,13 @@ import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvrag.errors import ConfigError, KVRAGError
 from kvrag.extras import require
+
+if TYPE_CHECKING:
+    from kvrag.engine.engine import KVRAGEngine
 
 log = logging.getLogger(__name__)
 
@@ -205,7 +208,7 @@ class RayIngest:
         ImportError: Ray is not installed.
     """
 
-    def __init__(self, engine: Any, store: str, workers: int = 2, *, model: str | None = None, torch_threads: int = 1,
+    def __init__(self, engine: KVRAGEngine, store: str, workers: int = 2, *, model: str | None = None, torch_threads: int = 1,
                  max_retries: int = 3) -> None:
         for name, v, lo in (("workers", workers, 1), ("torch_threads", torch_threads, 1), ("max_retries", max_retries, 0)):
             if not isinstance(v, int) or v < lo:
@@ -306,7 +309,7 @@ class RayIngest:
         self.actors = []
 
 
-def plan_items(engine: Any, texts: Sequence[str]) -> tuple[list[str], list[tuple[str, list[int]]], dict[str, int]]:
+def plan_items(engine: KVRAGEngine, texts: Sequence[str]) -> tuple[list[str], list[tuple[str, list[int]]], dict[str, int]]:
     """Tokenize and key ``texts`` on the driver; returns (keys of non-empty texts, unique items to compute, counts).
 
     Raises:
@@ -333,7 +336,7 @@ def ingest(
     texts: Sequence[str],
     store: str,
     *,
-    engine: Any = None,
+    engine: KVRAGEngine | None = None,
     model: str | None = None,
     workers: int = 2,
     address: str | None = None,

@@ -17,12 +17,16 @@ import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kvrag.errors import ConfigError
 from kvrag.extras import require
+
+if TYPE_CHECKING:
+    import faiss
+    from sentence_transformers import SentenceTransformer
 
 log = logging.getLogger(__name__)
 INDEX_FORMAT = 1
@@ -110,18 +114,18 @@ def import_faiss() -> Any:
 class ChunkIndex:
     """FAISS vectors + chunk texts, persisted in one directory."""
 
-    def __init__(self, chunks: list[Chunk], vectors: Any, manifest: dict[str, Any]) -> None:
+    def __init__(self, chunks: list[Chunk], vectors: faiss.Index, manifest: dict[str, Any]) -> None:
         self.chunks = chunks
         self.vectors = vectors  # faiss.Index
         self.manifest = manifest
 
     @staticmethod
-    def embed(embedder: Any, texts: Sequence[str], progress: bool = False) -> np.ndarray:
+    def embed(embedder: SentenceTransformer, texts: Sequence[str], progress: bool = False) -> np.ndarray:
         vecs = embedder.encode(list(texts), batch_size=32, show_progress_bar=progress, normalize_embeddings=True)
         return np.asarray(vecs, dtype="float32")
 
     @classmethod
-    def build(cls, chunks: list[Chunk], embedder: Any, manifest: dict[str, Any], progress: bool = False) -> ChunkIndex:
+    def build(cls, chunks: list[Chunk], embedder: SentenceTransformer, manifest: dict[str, Any], progress: bool = False) -> ChunkIndex:
         faiss = import_faiss()
 
         vecs = cls.embed(embedder, [c.text for c in chunks], progress)
@@ -161,7 +165,7 @@ class ChunkIndex:
             raise ConfigError(f"index in {d} is inconsistent: {vectors.ntotal} vectors for {len(chunks)} chunks; re-ingest")
         return cls(chunks, vectors, manifest)
 
-    def search(self, embedder: Any, query: str, top_k: int) -> list[tuple[Chunk, float]]:
+    def search(self, embedder: SentenceTransformer, query: str, top_k: int) -> list[tuple[Chunk, float]]:
         if top_k < 1:
             raise ConfigError(f"top_k must be >= 1, got {top_k}")
         q = self.embed(embedder, [query])

@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kvrag.errors import ConfigError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 DEFAULT_INSTRUCTION = (
     "Answer the question using the documents below. Reply with a short answer of a few words, not a sentence."
@@ -33,7 +36,7 @@ ROLE_ALIASES = {"human": "user", "ai": "assistant", "model": "assistant", "chatb
 """Framework role names mapped to the chat-template roles (system / user / assistant)."""
 
 
-def render_chat(tokenizer: Any, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True) -> str:
+def render_chat(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True) -> str:
     """Render chat messages to the prompt string the model sees: the one chat-template renderer of kvrag.
 
     The engine, the framework adapters, :class:`RagTemplate` and the CacheRepair leads all render through this
@@ -54,7 +57,7 @@ def render_chat(tokenizer: Any, messages: Sequence[Mapping[str, str]], *, add_ge
     return (getattr(tokenizer, "bos_token", None) or "") + "\n".join(lines)
 
 
-def chat_preamble(tokenizer: Any) -> str:
+def chat_preamble(tokenizer: PreTrainedTokenizerBase) -> str:
     """The fixed text :func:`render_chat` puts before a user message's content (the chat template's system header).
 
     This is what chunk caches are conditioned on with ``chunk_prefix='template'`` (the engine and the CacheRepair
@@ -119,7 +122,7 @@ class RagTemplate:
             msgs += [{"role": "user", "content": u}, {"role": "assistant", "content": a}]
         return msgs + [{"role": "user", "content": user}]
 
-    def parts(self, tokenizer: Any, passages: Sequence[str], question: str) -> tuple[str, list[str], str]:
+    def parts(self, tokenizer: PreTrainedTokenizerBase, passages: Sequence[str], question: str) -> tuple[str, list[str], str]:
         """(prefix, passages, suffix) such that prefix + ''.join(passages) + suffix is the full prompt string."""
         marker = "\u2063KVRAG_BODY\u2063"
         user = self.instruction + marker + self.question.format(question=question.strip())
@@ -127,7 +130,7 @@ class RagTemplate:
         prefix, suffix = full.split(marker, 1)
         return prefix, list(passages), suffix + self.answer_prefix
 
-    def render(self, tokenizer: Any, passages: Sequence[str], question: str) -> str:
+    def render(self, tokenizer: PreTrainedTokenizerBase, passages: Sequence[str], question: str) -> str:
         prefix, ps, suffix = self.parts(tokenizer, passages, question)
         return prefix + "".join(ps) + suffix
 

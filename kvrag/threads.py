@@ -9,9 +9,9 @@ it falls back to ``torch.set_num_threads``.
 
 Why a thread would want its own count: GNU OpenMP gives every thread that runs parallel work its own team of
 workers, and once the teams hold more threads than the machine has cores it stops spinning between parallel
-regions, so each of a decode step's ~3,000 small operations pays a wake-up. On a 2-core machine (default model,
-bf16 + int4, 1.5K tokens of context) a decode step in a second thread took 38 ms with the main thread on two torch
-threads and 16-18 ms with the main thread on one (see ``EngineConfig.runner_threads``).
+regions, so each of a decode step's thousands of small operations pays a wake-up. Giving the runner the cores and
+every other thread one torch thread keeps the teams within the cores (``EngineConfig.runner_threads``; measured in
+docs/results.md, "One runner thread on the cores").
 """
 
 from __future__ import annotations

@@ -42,10 +42,10 @@ def _default_model_in(dtype: Any, quantize: str | None = "default") -> Any:
 @pytest.fixture(scope="session")
 def default_model():
     """The embedded default model as a user gets it here: the test dtype (float32, or ``$KVRAG_TEST_DTYPE``,
-    :func:`kvrag.testing.equivalence.test_dtype`) with this machine's default weights (int4 on CPUs with native
+    :func:`kvrag_testing.equivalence.test_dtype`) with this machine's default weights (int4 on CPUs with native
     bf16, dense elsewhere). Tests that assert float32-exact results use ``default_model_fp32``; the bf16 and int4
     equivalence subsets use the pinned fixtures."""
-    from kvrag.testing.equivalence import test_dtype
+    from kvrag_testing.equivalence import test_dtype
 
     return _default_model_in(test_dtype())
 
@@ -70,14 +70,14 @@ def default_model_bf16():
 @pytest.fixture(scope="session")
 def default_model_int4():
     """The embedded default model with int4 weights (kvrag.kv.quant) in the test dtype, on every machine."""
-    from kvrag.testing.equivalence import test_dtype
+    from kvrag_testing.equivalence import test_dtype
 
     return _default_model_in(test_dtype(), "int4")
 
 
 def _new_redis_server() -> Any:
     pytest.importorskip("redis", reason="redis-py not installed (pip install 'kvrag[redis]')")
-    from kvrag.testing.redis_server import RedisServer
+    from kvrag_testing.redis_server import RedisServer
 
     try:
         return RedisServer()
@@ -104,7 +104,7 @@ def redis_server() -> Iterator[Any]:
 def redis_cluster() -> Iterator[Any]:
     """A real 3-master Redis Cluster on loopback, running for the module (skips without redis-server/redis-cli)."""
     pytest.importorskip("redis", reason="redis-py not installed (pip install 'kvrag[redis]')")
-    from kvrag.testing.redis_server import RedisCluster
+    from kvrag_testing.redis_server import RedisCluster
 
     try:
         cluster = RedisCluster(masters=3)

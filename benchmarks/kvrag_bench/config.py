@@ -125,7 +125,7 @@ def resolve_methods(specs: Sequence[str]) -> tuple[dict[str, FusionMethod], list
     A spec whose method name is not registered (a method still being written) is skipped; a registered method
     with bad parameters raises ConfigError.
     """
-    from kvrag.fusion.ablations import register_ablations
+    from kvrag_bench.ablations import register_ablations
 
     register_ablations()  # the bench compares against the ablation controls (relaxkv-fullctx)
     registered = set(available_methods())

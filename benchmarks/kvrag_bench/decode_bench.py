@@ -31,6 +31,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvrag_bench.roofline import copy_bandwidth, step_bytes
+
 log = logging.getLogger(__name__)
 
 SAMPLE_DOCS = Path(__file__).resolve().parents[2] / "examples" / "data"
@@ -96,29 +98,6 @@ def _compile_steps(lm: Any, batches: list[int]) -> tuple[float, dict[str, bool]]
     return time.perf_counter() - t, got
 
 
-def step_bytes(model: Any, rows: int, context: int) -> int:
-    """Bytes one decode step reads: every linear weight once in its current format, one embedding row per row,
-    every other parameter (norms), and each row's KV over ``context`` positions."""
-    import torch
-
-    from kvrag.kv.quant import quantized_bytes
-
-    linear, other = 0, 0
-    quantized = {id(m.weight) for m in model.modules() if getattr(m, "_kvrag_quant", None) is not None}
-    emb = model.get_input_embeddings().weight
-    for mod in model.modules():
-        if isinstance(mod, torch.nn.Linear) and id(mod.weight) not in quantized:
-            linear += mod.weight.numel() * mod.weight.element_size()
-    seen = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear)} | {id(emb)}
-    for p in model.parameters():
-        if id(p) not in seen:
-            other += p.numel() * p.element_size()
-    cfg = model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * emb.element_size() * context
-    return linear + quantized_bytes(model) + other + rows * (emb.shape[1] * emb.element_size() + kv)
-
-
 class LlamaCppPeer:
     """llama.cpp (``llama-cpp-python``) on a GGUF file: prefill token ids, then greedy steps one token at a time."""
 
@@ -166,7 +145,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     from kvrag.kv import batched, hf_cache
     from kvrag.models import load_model
-    from kvrag_bench.load_sweep import copy_bandwidth
     from kvrag_bench.provenance import environment_info
 
     contexts = sorted(int(c) for c in args.contexts.split(",") if c.strip())
@@ -292,4 +270,4 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["LlamaCppPeer", "add_arguments", "main", "markdown", "plot", "run", "step_bytes"]
+__all__ = ["LlamaCppPeer", "add_arguments", "main", "markdown", "plot", "run"]

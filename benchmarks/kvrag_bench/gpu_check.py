@@ -29,8 +29,8 @@ BF16_TOKENS = 4
 def equivalence(device: str, dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)) -> list[dict[str, Any]]:
     """Token equality of every recompute-everything method vs ``full`` and of ``full`` vs ``model.generate``."""
     from kvrag.fusion import get_method
-    from kvrag.testing.fusion_suite import RECOMPUTE_ALL_SPECS, fusion_case, greedy_tokens
-    from kvrag.testing.tiny import FAMILIES
+    from kvrag_testing.fusion_suite import RECOMPUTE_ALL_SPECS, fusion_case, greedy_tokens
+    from kvrag_testing.tiny import FAMILIES
 
     rows = []
     for family in FAMILIES:

@@ -132,7 +132,7 @@ def run_ingest_bench(cfg: IngestBenchConfig) -> dict[str, Any]:
     try:
         base = cfg.store or ""
         if base == "redis-cluster":
-            from kvrag.testing.redis_server import RedisCluster
+            from kvrag_testing.redis_server import RedisCluster
 
             cluster = RedisCluster(masters=3).start()
             base = cluster.url

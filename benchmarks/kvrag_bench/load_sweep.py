@@ -40,6 +40,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from kvrag_bench.roofline import copy_bandwidth, step_bytes
+
 log = logging.getLogger(__name__)
 
 DATA = Path(__file__).resolve().parents[2] / "examples" / "data"
@@ -248,21 +250,6 @@ def one_by_one(ask: Ask, questions: Sequence[str]) -> float:
     return time.perf_counter() - t
 
 
-def copy_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
-    """Bytes per second of a large tensor copy (what streaming the weights once costs)."""
-    import torch
-
-    src = torch.ones(nbytes, dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - t)
-    return nbytes / best
-
-
 def decode_bound(engine: Any, docs_dir: Path, cfg: SweepConfig) -> dict[str, Any]:
     """ms/token of the engine's batched decode step at batch 1 and 8 over one real prompt's KV vs the weight-read
     bound (weight bytes / copy bandwidth)."""
@@ -281,8 +268,6 @@ def decode_bound(engine: Any, docs_dir: Path, cfg: SweepConfig) -> dict[str, Any
     engine.ingest(passages)
     prep = engine.prepare(engine.plan_parts(*RagTemplate().parts(engine.tokenizer, passages, QUESTIONS[0])), "stale")
     buf, length = hf_cache.buffer_of(prep.cache)
-    from kvrag_bench.decode_bench import step_bytes
-
     weights = step_bytes(engine.model, 1, 0)  # the weights one step reads, in their format (dense or quantized)
     bandwidth = copy_bandwidth()
     bound_ms = 1000 * weights / bandwidth

@@ -14,11 +14,11 @@ from kvrag.config import EngineConfig
 from kvrag.engine.engine import KVRAGEngine
 from kvrag.errors import ConfigError
 from kvrag.store.memory import MemoryStore
-from kvrag.testing.tiny import tiny_model
 from kvrag_bench import aggregate, plots, provenance
 from kvrag_bench.config import BenchConfig, method_labels, resolve_methods, split_method_specs
 from kvrag_bench.data import load_requests
 from kvrag_bench.runner import QABenchmark, region_masks
+from kvrag_testing.tiny import tiny_model
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "qa_tiny.jsonl"
 REQUIRED = {"n", "f1", "em", "kl", "ttft_p50_s", "ttft_p90_s", "ttft_ratio", "f1_gap_recovery", "kl_gap_recovery"}

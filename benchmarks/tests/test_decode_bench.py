@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvrag.testing.tiny import tiny_model
 from kvrag_bench.cli import main
+from kvrag_testing.tiny import tiny_model
 
 
 def _bench(tmp_path: Path, contexts: str, quantize: str, *extra: str) -> tuple[Path, dict]:

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from kvrag.errors import ConfigError
-from kvrag.testing.tiny import tiny_model
 from kvrag_bench.dtype_kl import DtypeKLConfig, markdown, run_dtype_kl
+from kvrag_testing.tiny import tiny_model
 
 ROW = {"id": "q1", "question": "Which city is the capital of France?", "answers": ["Paris"],
        "contexts": [{"title": "Paris", "text": "Paris is the capital and largest city of France."},

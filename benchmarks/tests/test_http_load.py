@@ -12,8 +12,8 @@ pytest.importorskip("fastapi", reason="kvrag serve needs the serve extra (pip in
 pytest.importorskip("httpx")
 
 from kvrag.serve import LiveServer, ServeConfig, create_app  # noqa: E402
-from kvrag.testing.tiny import tiny_engine  # noqa: E402
 from kvrag_bench import http_load  # noqa: E402
+from kvrag_testing.tiny import tiny_engine  # noqa: E402
 
 
 def test_retrieve_is_lexical_and_in_document_order() -> None:

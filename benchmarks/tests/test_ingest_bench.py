@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 from kvrag.store.factory import store_from_url
-from kvrag.testing.tiny import tiny_model
 from kvrag_bench.ingest_bench import IngestBenchConfig, ingest_markdown, run_ingest_bench
+from kvrag_testing.tiny import tiny_model
 
 GROUPS = [
     {"titles": ["Paris", "Lyon"], "passages": ["Paris is the capital of France.", "Lyon lies on the Rhone."]},

@@ -11,7 +11,7 @@ import pytest
 from kvrag.config import EngineConfig
 from kvrag.engine.engine import KVRAGEngine
 from kvrag.store import MemoryStore
-from kvrag.testing.tiny import tiny_model
+from kvrag_testing.tiny import tiny_model
 
 load_sweep = pytest.importorskip("kvrag_bench.load_sweep")
 

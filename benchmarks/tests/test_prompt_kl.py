@@ -10,9 +10,9 @@ import pytest
 from kvrag.config import EngineConfig
 from kvrag.engine.engine import KVRAGEngine
 from kvrag.store import MemoryStore
-from kvrag.testing.equivalence import hf_reference, kl
-from kvrag.testing.tiny import tiny_model
 from kvrag_bench.prompt_kl import PromptKLConfig, markdown, run_prompt_kl
+from kvrag_testing.equivalence import hf_reference, kl
+from kvrag_testing.tiny import tiny_model
 
 pytest.importorskip("llama_index.llms.kvrag", reason="needs the LlamaIndex integrations (make setup-dev)")
 pytest.importorskip("llama_index.embeddings.huggingface", reason="needs llama-index-embeddings-huggingface")

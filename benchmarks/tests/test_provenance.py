@@ -43,7 +43,7 @@ def test_summary_and_its_headline_name_machine_kind_and_dtype(tmp_path: Path, mo
     from kvrag.config import EngineConfig
     from kvrag.engine.engine import KVRAGEngine
     from kvrag.store import MemoryStore
-    from kvrag.testing.tiny import tiny_model
+    from kvrag_testing.tiny import tiny_model
 
     flags = frozenset({"avx2", "avx512f", "avx512_bf16"})  # as on an AVX512-BF16 machine (no AMX)
     monkeypatch.setattr(calibration, "cpu_flags", lambda: flags)

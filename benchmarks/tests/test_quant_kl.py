@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvrag.testing.tiny import tiny_model
 from kvrag_bench.cli import main
+from kvrag_testing.tiny import tiny_model
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "qa_tiny.jsonl"
 

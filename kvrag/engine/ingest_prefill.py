@@ -33,10 +33,8 @@ from kvrag.kv.spec import KVSpec
 log = logging.getLogger(__name__)
 
 DEFAULT_BATCH_SIZE = 8
-"""Chunks per forward, chosen by measurement (docs/results.md#ingest): SmolLM2-135M fp32, one torch thread, 400
-``corpus_train.jsonl`` passages (~72 tokens), batch sizes interleaved per 100-chunk slice on the shared 2-core AVX2
-CPU: 1 (prefix shared) -> 1.82, 4 -> 2.02, 8 -> 2.06, 16 -> 1.86 chunks/s. 8 was fastest; 16 lost (bigger activations, more
-cache misses on a loaded machine)."""
+"""Chunks per forward, chosen by measurement (docs/results.md, "Ingest": batch sizes 1, 4, 8 and 16 side by side on
+real passages): 8 was fastest; larger batches lose again (bigger activations, more cache misses)."""
 
 DEFAULT_MAX_BATCH_TOKENS = 4096
 """Upper bound on padded tokens per forward (B x longest chunk), so long chunks form smaller batches."""

@@ -299,7 +299,7 @@ def get_method(spec: str | FusionMethod, **overrides: Any) -> FusionMethod:
     valid = available_methods()
     if name not in _REGISTRY:
         msg = (f"unknown fusion method {name!r}; valid methods: {', '.join(valid)} (ablation controls such as "
-               "relaxkv-fullctx are registered by kvrag.fusion.ablations.register_ablations())")
+               "relaxkv-fullctx are registered by kvrag_bench.ablations.register_ablations())")
         raise ConfigError(msg)
     params.update(overrides)
     return _REGISTRY[name](**params)

@@ -91,7 +91,7 @@ class RelaxKV(FusionMethod):
     3. Active targets (§3.2, §A.1): a position is recomputed at layers 0..h(t), h(t) its deepest anchor layer.
     4. Context (§3.3): ``context='anchors'``: each target attends to the causally valid part of U = ∪ anchors
        (RelaxKV); ``context='full'``: its full causal prefix (the paper's full-prefix control, §A.4; the ablation
-       ``relaxkv-fullctx``, :mod:`kvrag.fusion.ablations`).
+       ``relaxkv-fullctx``, :mod:`kvrag_bench.ablations`).
     5. Update (§3.4): fresh K/V of active targets overwrite the cache; everything else stays stale. Targets read
        fresh K/V of positions active at the same layer and stale K/V for the rest.
 

@@ -4,8 +4,9 @@ With grouped-query attention and an explicit mask (every forward that continues 
 the reused chunks, RelaxKV's and CacheBlend's recomputation over a context, CacheRepair-hybrid anchors),
 transformers' ``sdpa`` implementation copies every layer's keys and values ``num_key_value_groups`` times
 (``repeat_kv``) before calling ``scaled_dot_product_attention``, because it enables SDPA's own GQA broadcasting
-only for mask-free calls. On the CPU that copy is a large share of a short forward over a long cache (SmolLM2-135M,
-28 suffix tokens over 1.7K cached tokens: ~2.4 ms of 6.7 ms per layer). ``kvrag_sdpa`` passes the mask and the
+only for mask-free calls. On the CPU that copy is a large share of a short forward over a long cache (a question
+suffix over thousands of cached tokens: the copy moves every cached K/V ``num_key_value_groups`` times, the
+attention reads it once). ``kvrag_sdpa`` passes the mask and the
 un-repeated K/V to ``scaled_dot_product_attention(..., enable_gqa=True)`` instead, which gives bit-identical
 outputs (tested) without the copy. A one-token query of batch 1 (a decode step: ``model.generate``, a single-token
 forward over a cache) over all keys or a suffix of them runs kvrag's one-token kernel where it serves

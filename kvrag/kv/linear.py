@@ -2,9 +2,8 @@
 
 On the CPU, ``F.linear`` in bfloat16 runs oneDNN's matmul and re-lays-out ("reorders") the weight into oneDNN's
 blocked format on **every call**. For a prefill (thousands of rows) that is noise; for a decode step or a short
-suffix (1-32 rows) it is most of the time: SmolLM2-135M, one thread, 2-core Xeon with AMX, a [1, 576] x [576, 1536]
-product takes 110 us through ``F.linear`` and 62 us with the weight packed once (the LM head: 3.8 ms -> 2.2 ms), and
-a whole decode step spends 68% of its time in these products. Packing the weight once (what PyTorch's own inductor
+suffix (1-32 rows) the reorder costs about as much as the product itself, and a decode step spends most of its time
+in these products (docs/results.md, "Decode, int4 and dense bfloat16"). Packing the weight once (what PyTorch's own inductor
 does for frozen CPU graphs) gives **bit-identical** outputs for such inputs -- the same oneDNN kernel, minus the
 reorder; larger inputs keep ``F.linear`` (:data:`MAX_ROWS`) -- so ``full`` still generates exactly what
 ``model.generate`` does, and the stored caches' keys and contents do not change.
@@ -33,7 +32,7 @@ ENV = "KVRAG_PACKED_LINEAR"
 """Set to 0 to keep transformers' plain ``F.linear`` (e.g. to save the packed copies' memory)."""
 MAX_ROWS = 64
 """Inputs of at most this many rows (tokens x batch) take the packed weight; larger ones take ``F.linear``. The
-reorder is noise for a prefill's thousands of rows (1.7K rows: 2.03 ms packed vs 2.02 ms plain), and with several
+reorder is noise for a prefill's thousands of rows (packed and plain take the same time there), and with several
 threads oneDNN partitions large products differently for a packed weight (a [300, 576] x [576, 576] product
 differed by 0.125 at 2 threads, never at 1), so prefill and ingest keep transformers' exact numerics on every
 thread count; decode steps, batched decode and question suffixes are the rows that gain."""

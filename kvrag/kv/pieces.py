@@ -35,7 +35,7 @@ from torch.overrides import TorchFunctionMode
 PIECE_OF_STEP = 0.5
 """A prepare piece's budget as a share of the recent decode step (:meth:`kvrag.engine.runner.Runner.piece_budget_s`):
 while a prepare runs in pieces, a running stream waits one step plus one piece per token, so its inter-token
-latency stays near 1.5x the steady step (a piece may pass its budget when a unit of work takes longer than it did
+latency stays near one and a half steady steps (a piece may pass its budget when a unit of work takes longer than it did
 in the previous decoder layer)."""
 
 Budget = Callable[[], "float | None"]
@@ -142,8 +142,8 @@ CHECKPOINTS = frozenset({"linear", "_linear_pointwise", "_weight_int4pack_mm_for
                          "scaled_dot_product_attention"})
 """The calls a forward in pieces may park before (by name): every linear layer -- ``F.linear``, and the packed
 bfloat16 and int4 / int8 products that :mod:`kvrag.kv.linear` and :mod:`kvrag.kv.quant` give small inputs -- and
-the attention kernel (SDPA): the units of a prefill's time (for a 1.5K-token prefill of SmolLM2-135M on one core:
-3-14 ms per linear, ~16 ms per attention)."""
+the attention kernel (SDPA): the units of a prefill's time, each short against a decode step, so a piece can end
+close to its budget."""
 
 
 class _Checkpoints(TorchFunctionMode):

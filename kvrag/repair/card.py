@@ -1,10 +1,13 @@
 """Publish a trained repairer: copy the deployable files, plot the learning curve and write a model card.
 
-    python -m kvrag.repair.card RUN_DIR [--dest DIR] [--command "kvrag train-repairer ..."]
+    python -m kvrag.repair.card RUN_DIR [--dest DIR] [--card-dest DIR] [--command "kvrag train-repairer ..."]
                                 [--bench SUMMARY_JSON --bench-command "kvrag bench ..."]
 
-``RUN_DIR`` is a ``kvrag train-repairer --out`` directory. ``--dest`` defaults to the shipped location for the
-target model (``kvrag/data/repairers/<model-name>/``), where ``method="cacherepair"`` finds it by fingerprint.
+``RUN_DIR`` is a ``kvrag train-repairer --out`` directory. ``--dest`` (the deployable files) defaults to the shipped
+location for the target model (``kvrag/data/repairers/<model-name>/``), where ``method="cacherepair"`` finds it by
+fingerprint. ``--card-dest`` (the card, ``curve.jsonl`` and the plot, which no runtime code reads) defaults to
+``--dest``; for the shipped location, to ``docs/repairers/<model-name>/`` of the source checkout, so the wheel
+ships only what ``cacherepair`` loads.
 Everything in the card is read from the run's ``repair_config.json`` and ``curve.jsonl`` (and, with ``--bench``,
 from a ``kvrag bench`` summary.json), never typed in by hand.
 """
@@ -25,9 +28,13 @@ from kvrag.repair.shipped import SHIPPED_DIR
 
 log = logging.getLogger(__name__)
 
-FILES = (CONFIG_NAME, "repair_model.safetensors", "stats.safetensors", "curve.jsonl")
+FILES = (CONFIG_NAME, "repair_model.safetensors", "stats.safetensors")
+"""What ``cacherepair`` loads: the files a published repairer ships with."""
+CURVE = "curve.jsonl"
 CARD = "MODEL_CARD.md"
 CURVE_PNG = "learning_curve.png"
+DOCS_DIR = SHIPPED_DIR.parents[2] / "docs" / "repairers"
+"""Where the cards of the shipped repairers live in a source checkout (beside the docs, not in the wheel)."""
 
 
 def read_curve(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -183,8 +190,11 @@ def render_card(meta: dict[str, Any], *, command: str | None, bench: dict[str, A
 
 
 def publish(run_dir: str | Path, dest: str | Path | None = None, *, command: str | None = None,
-            bench: str | Path | None = None, bench_command: str | None = None, replace: bool = False) -> Path:
-    """Copy a trained repairer into ``dest`` with its learning curve plot and model card; returns ``dest``.
+            bench: str | Path | None = None, bench_command: str | None = None, replace: bool = False,
+            card_dest: str | Path | None = None) -> Path:
+    """Copy a trained repairer into ``dest`` and its curve, learning curve plot and model card into ``card_dest``
+    (default: ``dest``; for the shipped location, ``docs/repairers/<model-name>/`` of the source checkout); returns
+    ``dest``.
 
     Args:
         replace: overwrite another repairer already in ``dest`` (by default that is refused: the default ``dest``
@@ -197,21 +207,27 @@ def publish(run_dir: str | Path, dest: str | Path | None = None, *, command: str
         raise FileNotFoundError(msg)
     meta = json.loads(cfg_path.read_text())
     if dest is None:
-        name = str(meta.get("target", {}).get("model_name") or "model")
-        dest = SHIPPED_DIR / name
+        dest = SHIPPED_DIR / str(meta.get("target", {}).get("model_name") or "model")
     out = Path(dest)
+    if card_dest is None:
+        shipped = out.resolve().parent == SHIPPED_DIR and DOCS_DIR.parent.is_dir()
+        card_dest = DOCS_DIR / out.name if shipped else out
+    cards = Path(card_dest)
     held = out / "repair_model.safetensors"
     if not replace and held.is_file() and held.read_bytes() != (run / "repair_model.safetensors").read_bytes():
         msg = (f"{out} already holds another repairer; pass replace=True (--replace) to overwrite it, or --dest "
                "another directory to publish a candidate without shipping it")
         raise ConfigError(msg)
     out.mkdir(parents=True, exist_ok=True)
+    cards.mkdir(parents=True, exist_ok=True)
     for f in FILES:
         if (run / f).is_file():
             shutil.copy2(run / f, out / f)
-    has_plot = plot_curve(run / "curve.jsonl", out / CURVE_PNG) is not None
+    if (run / CURVE).is_file():
+        shutil.copy2(run / CURVE, cards / CURVE)
+    has_plot = plot_curve(run / CURVE, cards / CURVE_PNG) is not None
     summary = json.loads(Path(bench).read_text()) if bench else None
-    (out / CARD).write_text(render_card(meta, command=command, bench=summary, bench_command=bench_command,
+    (cards / CARD).write_text(render_card(meta, command=command, bench=summary, bench_command=bench_command,
                                         has_plot=has_plot))
     return out
 
@@ -221,12 +237,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("run_dir", type=Path)
     ap.add_argument("--dest", type=Path, default=None)
     ap.add_argument("--command", default=None, help="the training command, shown verbatim in the card")
+    ap.add_argument("--card-dest", type=Path, default=None,
+                    help="where the card, curve.jsonl and plot go (default: --dest; docs/repairers/ for a shipped one)")
     ap.add_argument("--bench", type=Path, default=None, help="a kvrag bench summary.json to quote")
     ap.add_argument("--bench-command", default=None)
     ap.add_argument("--replace", action="store_true", help="overwrite another repairer already in the destination")
     args = ap.parse_args(argv)
     out = publish(args.run_dir, args.dest, command=args.command, bench=args.bench, bench_command=args.bench_command,
-                  replace=args.replace)
+                  replace=args.replace, card_dest=args.card_dest)
     print(f"published {args.run_dir} -> {out}")
     return 0
 

@@ -13,14 +13,12 @@ import random
 import shutil
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from kvrag.errors import ConfigError
-
-if TYPE_CHECKING:
-    from kvrag.repair.train import Trainer
+from kvrag.repair.run_state import TrainingRun
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +32,7 @@ RESUME_PINNED = ("data", "preset", "d_b", "num_blocks", "d_seg", "steps", "batch
                   "max_train_docs", "eval_modulus", "sources", "stats_docs", "lead_kinds", "exact_lead", "init_from")
 
 
-def save_state(trainer: Trainer) -> Path:
+def save_state(trainer: TrainingRun) -> Path:
     """Write OUT/train_state atomically: model, optimizer, scheduler, step counters, RNG (no pickle)."""
     from safetensors.torch import save_file
 
@@ -72,7 +70,7 @@ def save_state(trainer: Trainer) -> Path:
     os.replace(tmp, final)
     return final
 
-def check_resume(trainer: Trainer, state_dir: Path) -> None:
+def check_resume(trainer: TrainingRun, state_dir: Path) -> None:
     meta = json.loads((state_dir / "state.json").read_text())
     if meta.get("model_fingerprint") != trainer.spec.model_fingerprint:
         raise ConfigError(f"{state_dir} belongs to a run for another model; use another --out")
@@ -84,7 +82,7 @@ def check_resume(trainer: Trainer, state_dir: Path) -> None:
         raise ConfigError(f"cannot resume {state_dir} with changed settings ({detail}); "
                           "rerun with the original flags or start a fresh --out")
 
-def load_state(trainer: Trainer, state_dir: Path) -> None:
+def load_state(trainer: TrainingRun, state_dir: Path) -> None:
     """Restore everything :meth:`save_state` wrote; training continues bit-for-bit."""
     from safetensors.torch import load_file
 

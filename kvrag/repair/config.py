@@ -112,8 +112,9 @@ class RepairConfig:
 
     @classmethod
     def from_preset(cls, preset: str, *, num_layers: int, num_kv_heads: int, head_dim: int, embed_dim: int,
-                    **overrides: Any) -> RepairConfig:
-        """A config of a named preset for a target of the given shape (``overrides`` replace preset fields)."""
+                    **overrides: int) -> RepairConfig:
+        """A config of a named preset for a target of the given shape (``overrides`` replace its integer fields:
+        ``d_b``, ``num_blocks``, ``d_seg`` ...)."""
         if preset not in PRESETS:
             msg = f"unknown repairer preset {preset!r}; valid presets: {', '.join(PRESETS)}"
             raise ConfigError(msg)

@@ -10,10 +10,13 @@ prefix (:func:`template_prefix_ids`).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kvrag.errors import ConfigError
 from kvrag.prompting import chat_preamble
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 DEFAULT_CHUNK_FORMAT = "\n\nTitle: {title}\n{passage}"
 """How the benchmark renders one retrieved passage into the prompt."""
@@ -52,7 +55,7 @@ def renderer_identity(renderer: Renderer) -> str:
     return f"callable:{getattr(renderer, '__module__', '?')}.{getattr(renderer, '__qualname__', repr(renderer))}"
 
 
-def template_prefix_ids(tokenizer: Any, mode: str = "template") -> tuple[int, ...]:
+def template_prefix_ids(tokenizer: PreTrainedTokenizerBase, mode: str = "template") -> tuple[int, ...]:
     """The chunk-conditioning prefix the engine uses (``KVRAGEngine.chunk_prefix_ids``).
 
     Args:

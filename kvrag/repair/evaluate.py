@@ -3,19 +3,16 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 
+from kvrag.repair.dataset import PairDataset
 from kvrag.repair.pairs import region_masks
-
-if TYPE_CHECKING:
-    from kvrag.repair.dataset import PairDataset
-    from kvrag.repair.train import Trainer
+from kvrag.repair.run_state import TrainingRun
 
 
 @torch.no_grad()
-def evaluate(trainer: Trainer, dataset: PairDataset | None = None) -> dict[str, float]:
+def evaluate(trainer: TrainingRun, dataset: PairDataset | None = None) -> dict[str, float]:
     """Normalized KV MSE (repair vs stale) and K/V relative RMSE on first chunk / boundaries / interiors.
 
     Relative RMSE pools squared errors and squared joint magnitudes over the region's tokens, all layers and

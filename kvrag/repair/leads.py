@@ -28,11 +28,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvrag.errors import ConfigError
 from kvrag.prompting import TEMPLATES, render_chat
 from kvrag.repair.documents import DEFAULT_CHUNK_FORMAT
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 _MARK = "\u2063KVRAG_LEAD\u2063"
 
@@ -148,7 +151,7 @@ def style_identity() -> str:
     return "per-lead:" + "|".join(f"{k}={st['format']!r}+{st['separator']!r}" for k, st in table.items())
 
 
-def render_lead(tokenizer: Any, kind: str, question: str = "What is this about?") -> str:
+def render_lead(tokenizer: PreTrainedTokenizerBase, kind: str, question: str = "What is this about?") -> str:
     """The exact prompt text before the first chunk for one lead kind (rendered through the chat template)."""
     if kind.startswith("bench:"):
         name = kind.split(":", 1)[1]

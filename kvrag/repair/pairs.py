@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,6 +28,9 @@ from kvrag.kv.rope import Rope
 from kvrag.kv.spec import KVSpec
 from kvrag.repair.config import pack_kv
 from kvrag.repair.documents import ChunkRenderer, Renderer, build_document, renderer_identity
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 PAIR_FORMAT_VERSION = 2
 BOUNDARY_TOKENS = 8
@@ -153,7 +156,7 @@ class PairBuilder:
     lead_ids: tuple[int, ...] | None = None
     lead_kinds: tuple[str, ...] = ()
     exact_lead: bool = False
-    tokenizer: Any = None
+    tokenizer: PreTrainedTokenizerBase | None = None
     renderer: Renderer = dataclasses.field(default_factory=ChunkRenderer)
     per_lead_style: bool = False
     max_tokens: int = 1024
@@ -177,9 +180,11 @@ class PairBuilder:
             return "", self.lead_ids
         from kvrag.repair.leads import group_question, pick_lead, render_lead
 
+        tok = self.tokenizer
+        assert tok is not None  # __post_init__ refuses lead_kinds without a tokenizer
         kind = pick_lead(self.lead_kinds, str(group.get("id", "")))
-        text = render_lead(self.tokenizer, kind, group_question(group))
-        return kind, tuple(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        text = render_lead(tok, kind, group_question(group))
+        return kind, tuple(tok(text, add_special_tokens=False)["input_ids"])
 
     def chunks(self, group: dict[str, Any], lead_kind: str = "") -> list[list[int]] | None:
         """The document's spans (chunks, and separators between them in the per-lead style)."""

@@ -25,7 +25,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +45,9 @@ from kvrag.repair.model import RepairModel
 from kvrag.repair.pairs import PairBuilder, PairedExample, compute_stats
 from kvrag.repair.train_config import TrainConfig, lr_factor
 
+if TYPE_CHECKING:
+    from kvrag.models import LoadedModel
+
 log = logging.getLogger(__name__)
 
 STATS_FILE = "stats.safetensors"
@@ -62,7 +65,7 @@ class Datasets:
     eval_set: PairDataset | None
 
 
-def make_datasets(cfg: TrainConfig, loaded: Any) -> Datasets:
+def make_datasets(cfg: TrainConfig, loaded: LoadedModel) -> Datasets:
     """Build the pair datasets of a run for a loaded target model."""
     model, tok = loaded.model, loaded.tokenizer
     rope = Rope.from_model(model)
@@ -88,7 +91,7 @@ def make_datasets(cfg: TrainConfig, loaded: Any) -> Datasets:
     return Datasets(rope, spec, prefix_ids, builder, train_set, eval_set)
 
 
-def pregenerate(cfg: TrainConfig, loaded: Any, shard: int = 0, num_shards: int = 1) -> int:
+def pregenerate(cfg: TrainConfig, loaded: LoadedModel, shard: int = 0, num_shards: int = 1) -> int:
     """Fill the pair cache with this shard of the eval and training documents; returns how many were built.
 
     Shards can run in parallel processes (``i/n`` builds every n-th document from i); training then only reads.
@@ -118,7 +121,7 @@ class Trainer:
         resume: continue from ``OUT/train_state`` when it exists.
     """
 
-    def __init__(self, cfg: TrainConfig, loaded: Any, *, resume: bool = False) -> None:
+    def __init__(self, cfg: TrainConfig, loaded: LoadedModel, *, resume: bool = False) -> None:
         self.cfg = cfg
         self.loaded = loaded
         self.target = loaded.model
@@ -132,7 +135,9 @@ class Trainer:
             raise ConfigError(f"{cfg.data} has no training groups with >= 2 passages")
         overrides = {k: v for k, v in (("d_b", cfg.d_b), ("num_blocks", cfg.num_blocks), ("d_seg", cfg.d_seg))
                      if v is not None}
-        embed_dim = int(self.target.get_input_embeddings().weight.shape[1])
+        embedding = self.target.get_input_embeddings().weight
+        assert isinstance(embedding, torch.Tensor)
+        embed_dim = int(embedding.shape[1])
         self.rcfg = RepairConfig.from_preset(cfg.preset, num_layers=self.spec.num_layers,
                                              num_kv_heads=self.spec.num_kv_heads, head_dim=self.spec.head_dim,
                                              embed_dim=embed_dim, **overrides)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvrag.errors import ConfigError, StoreError
 from kvrag.extras import require
@@ -18,6 +18,9 @@ from kvrag.kv.chunk import ChunkKV
 from kvrag.kv.spec import KVSpec
 from kvrag.store import serde
 from kvrag.store.base import KVStore, redact_url
+
+if TYPE_CHECKING:
+    import redis
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +76,7 @@ class RedisStore(KVStore):
         *,
         expected_spec: KVSpec | None = None,
         socket_timeout: float = 5.0,
-        client: Any = None,
+        client: redis.Redis | redis.RedisCluster | None = None,
         check_connection: bool = True,
     ) -> None:
         super().__init__(expected_spec=expected_spec)
@@ -88,7 +91,7 @@ class RedisStore(KVStore):
         self.prefix = prefix
         self.codec = codec
         self._redis = _import_redis()
-        self._client = client if client is not None else self._connect(url, socket_timeout)
+        self._client: Any = client if client is not None else self._connect(url, socket_timeout)
         if check_connection:
             with self._errors("PING"):
                 self._client.ping()

@@ -15,13 +15,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvrag.kv.chunk import ChunkKV
 from kvrag.kv.spec import KVSpec
 from kvrag.store import serde
+
+if TYPE_CHECKING:
+    from kvrag.store.base import KVStore
 
 CODECS = ("float32", "float16", "bfloat16", "int8")
 FILE_BLOCK = 4096
@@ -76,7 +79,7 @@ def human(n: float) -> str:
     return f"{n:.2f} TB"
 
 
-def collection_size(store: Any, index_tokens: Sequence[int] | None = None, sample: int = 1) -> dict[str, Any]:
+def collection_size(store: KVStore, index_tokens: Sequence[int] | None = None, sample: int = 1) -> dict[str, Any]:
     """Size of what ``store`` holds (for ``kvrag store stats``).
 
     Args:

@@ -18,7 +18,7 @@ from kvrag.kv import batched, hf_cache
 from kvrag.models import cpu_native_bf16, load_model
 from kvrag.prompting import RagTemplate, render_passage
 from kvrag.store.memory import MemoryStore
-from kvrag.testing.batching import compare_batched_to_alone
+from kvrag_testing.batching import compare_batched_to_alone
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_torch_thread")]
 DOCS = Path(__file__).parent.parent / "data" / "docs"

@@ -15,7 +15,7 @@ from kvrag.index import make_chunks, read_documents
 from kvrag.kv import hf_cache
 from kvrag.prompting import TEMPLATES, RagTemplate, render_passage
 from kvrag.store.memory import MemoryStore
-from kvrag.testing.equivalence import assert_close_in_dtype
+from kvrag_testing.equivalence import assert_close_in_dtype
 
 pytestmark = pytest.mark.integration
 DOCS = Path(__file__).parent.parent / "data" / "docs"

@@ -93,8 +93,8 @@ def test_demo_main(example_dir, capsys):
 def test_demo_runs_on_a_gguf_file(tmp_path, capsys, monkeypatch):
     """`make demo MODEL=path/to/model.gguf`: the same demo on a GGUF the user brings (here a tiny random Llama)."""
     pytest.importorskip("gguf", reason="gguf not installed (pip install 'kvrag[gguf]')")
-    from kvrag.testing.tiny import tiny_model
-    from kvrag.testing.tiny_gguf import write_tiny_gguf
+    from kvrag_testing.tiny import tiny_model
+    from kvrag_testing.tiny_gguf import write_tiny_gguf
 
     gguf = write_tiny_gguf(tmp_path / "my-model.gguf", tiny_model("llama"))
     demo = load_example("demo")

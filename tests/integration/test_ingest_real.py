@@ -1,5 +1,5 @@
 """Batched ingest on the real default model: same keys and K/V as one chunk at a time (fp32: <= 1e-4; bf16: the
-documented bf16 bound of :mod:`kvrag.testing.equivalence`)."""
+documented bf16 bound of :mod:`kvrag_testing.equivalence`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from kvrag.engine.engine import KVRAGEngine
 from kvrag.prompting import render_passage
 from kvrag.store.memory import MemoryStore
-from kvrag.testing.equivalence import assert_close_in_dtype
+from kvrag_testing.equivalence import assert_close_in_dtype
 
 pytestmark = pytest.mark.integration
 

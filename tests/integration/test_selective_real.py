@@ -2,7 +2,7 @@
 dev-like RAG prompt (a few passages + a question through RagTemplate), in both compute dtypes kvrag may pick.
 
 float32 (the exact oracle): the same next-token logits within 2e-3 and the same greedy answer. bfloat16: the rule
-of :mod:`kvrag.testing.equivalence` -- KL(fp32 full || bf16 method) <= 2 x KL(fp32 full || bf16 full) + 1e-4 (the
+of :mod:`kvrag_testing.equivalence` -- KL(fp32 full || bf16 method) <= 2 x KL(fp32 full || bf16 full) + 1e-4 (the
 measured bf16 noise floor on this prompt) and the same greedy answer as ``full`` in bf16.
 """
 
@@ -18,8 +18,8 @@ from kvrag.engine.engine import KVRAGEngine
 from kvrag.kv import quant
 from kvrag.prompting import RagTemplate, render_passage
 from kvrag.store.memory import MemoryStore
-from kvrag.testing.equivalence import assert_close_in_dtype, bf16_kl_bound, kl
-from kvrag.testing.fusion_suite import RECOMPUTE_ALL_SPECS
+from kvrag_testing.equivalence import assert_close_in_dtype, bf16_kl_bound, kl
+from kvrag_testing.fusion_suite import RECOMPUTE_ALL_SPECS
 
 PASSAGES = [
     ("Harrow Point Lighthouse", "The Harrow Point Lighthouse was built in 1868 by the engineer Edith Crane."),

@@ -28,7 +28,7 @@ from kvrag.config import EngineConfig  # noqa: E402
 from kvrag.engine.engine import KVRAGEngine  # noqa: E402
 from kvrag.serve import LiveServer, ServeConfig, create_app  # noqa: E402
 from kvrag.store.memory import MemoryStore  # noqa: E402
-from kvrag.testing.redis_server import free_port  # noqa: E402
+from kvrag_testing.redis_server import free_port  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_torch_thread")]
 

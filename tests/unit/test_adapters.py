@@ -131,7 +131,7 @@ def test_aiter_in_thread_runs_the_generator_in_one_thread():
 def test_ensure_chunks_computes_once():
     from kvrag.engine.engine import KVRAGEngine
     from kvrag.store.memory import MemoryStore
-    from kvrag.testing.tiny import tiny_model
+    from kvrag_testing.tiny import tiny_model
 
     eng = KVRAGEngine(tiny_model("llama"), MemoryStore())
     first = adapters.ensure_chunks(eng, ["Paris is in France.", "  ", "Berlin is in Germany."])
@@ -155,7 +155,7 @@ def test_one_chat_renderer_and_its_fallback():
     from kvrag.engine.engine import KVRAGEngine
     from kvrag.prompting import RagTemplate, chat_preamble, render_chat
     from kvrag.store.memory import MemoryStore
-    from kvrag.testing.tiny import tiny_model, tiny_tokenizer
+    from kvrag_testing.tiny import tiny_model, tiny_tokenizer
 
     tok = tiny_tokenizer()
     msgs = [{"role": "system", "content": "S"}, {"role": "human", "content": "U"}]
@@ -177,7 +177,7 @@ def test_one_chat_renderer_and_its_fallback():
 def test_response_metadata_from_a_request():
     from kvrag.engine.engine import KVRAGEngine
     from kvrag.store.memory import MemoryStore
-    from kvrag.testing.tiny import tiny_model
+    from kvrag_testing.tiny import tiny_model
 
     eng = KVRAGEngine(tiny_model("qwen2"), MemoryStore())
     chunk = "\n\nParis is the capital of France."

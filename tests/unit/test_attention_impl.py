@@ -7,7 +7,7 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvrag.kv import attention, hf_cache, row_attention
-from kvrag.testing.tiny import NUM_HEADS, NUM_KV_HEADS, tiny_model
+from kvrag_testing.tiny import NUM_HEADS, NUM_KV_HEADS, tiny_model
 
 
 class _Module(torch.nn.Module):

@@ -11,7 +11,7 @@ import torch
 from kvrag.errors import ConfigError
 from kvrag.fusion import get_method
 from kvrag.fusion.auto import fit_cost_model
-from kvrag.testing.fusion_suite import context_kv, fusion_case
+from kvrag_testing.fusion_suite import context_kv, fusion_case
 
 
 def _summary() -> dict:

@@ -23,7 +23,7 @@ from kvrag.fusion.online import OnlineCosts, Smoothed, forget, length_bucket, on
 from kvrag.fusion.stats import MethodStats
 from kvrag.prompting import RagTemplate
 from kvrag.store.memory import MemoryStore
-from kvrag.testing.tiny import tiny_model
+from kvrag_testing.tiny import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -28,8 +28,8 @@ from kvrag.index import make_chunks, read_documents
 from kvrag.prompting import RagTemplate, render_passage
 from kvrag.store import DiskStore, MemoryStore, serde
 from kvrag.store.maintenance import gc_store
-from kvrag.testing.store_suite import chunk_key, make_spec, random_chunk, with_format_version
-from kvrag.testing.tiny import tiny_model
+from kvrag_testing.store_suite import chunk_key, make_spec, random_chunk, with_format_version
+from kvrag_testing.tiny import tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
 PASSAGES = [

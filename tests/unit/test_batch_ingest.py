@@ -15,8 +15,8 @@ from kvrag.errors import ConfigError, ContextLengthError
 from kvrag.kv.compute import compute_chunk_kv
 from kvrag.prompting import render_passage
 from kvrag.store.memory import MemoryStore
-from kvrag.testing.equivalence import BF16_REL  # docs/architecture.md#batched-ingest
-from kvrag.testing.tiny import FAMILIES, tiny_model
+from kvrag_testing.equivalence import BF16_REL  # docs/architecture.md#batched-ingest
+from kvrag_testing.tiny import FAMILIES, tiny_model
 
 FP32_ATOL = 1e-4  # the bound; measured ~1e-6 on these models
 

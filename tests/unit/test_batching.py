@@ -22,8 +22,8 @@ from kvrag.prompting import RagTemplate
 from kvrag.repair.config import RepairConfig
 from kvrag.repair.model import RepairModel
 from kvrag.store import MemoryStore
-from kvrag.testing.batching import PASSAGES, compare_batched_to_alone
-from kvrag.testing.tiny import tiny_model
+from kvrag_testing.batching import PASSAGES, compare_batched_to_alone
+from kvrag_testing.tiny import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -73,7 +73,7 @@ def repairer(tmp_path_factory: pytest.TempPathFactory) -> Callable[[KVRAGEngine]
 # ---- the step: batched logits == batch-1 logits --------------------------------------------------------------------
 def _step_diffs(eng: KVRAGEngine, steps: int) -> tuple[float, list[list[int]]]:
     """Requests of different lengths and methods decoded together vs each alone
-    (:func:`kvrag.testing.batching.compare_batched_to_alone`): the largest logit difference and the tokens."""
+    (:func:`kvrag_testing.batching.compare_batched_to_alone`): the largest logit difference and the tokens."""
     preps = [eng.prepare(_plan(eng, i), m) for i, m in enumerate(["stale", "full", "relaxkv:r=0.3", "stale", "full"])]
     got = compare_batched_to_alone(eng.model, preps, steps)
     return got.worst, got.tokens

@@ -1,7 +1,7 @@
 """The equivalence contract in bfloat16 on every tiny family, on every machine (bf16 is emulated where the CPU has
 no bf16 units: slow there, so the cases are small).
 
-Rule (:mod:`kvrag.testing.equivalence`): with ``floor = KL(fp32 full || bf16 full)`` measured on the same case,
+Rule (:mod:`kvrag_testing.equivalence`): with ``floor = KL(fp32 full || bf16 full)`` measured on the same case,
 every method at its recompute-everything setting in bf16 has ``KL(fp32 full || bf16 method) <= 2 floor + 1e-4`` and
 decodes the same greedy tokens as ``full`` in bf16. ``stale`` (no repair) is shown to violate the rule on the same
 cases, so the rule can fail.
@@ -20,9 +20,9 @@ from kvrag.fusion import FusionInput, get_method
 from kvrag.kv import hf_cache
 from kvrag.kv.compute import compute_chunk_kv
 from kvrag.kv.rope import Rope
-from kvrag.testing.equivalence import bf16_kl_bound, kl
-from kvrag.testing.fusion_suite import LAYOUT, RECOMPUTE_ALL_SPECS, SUFFIX_LEN, SUITE_INIT_STD, SUITE_LAYERS
-from kvrag.testing.tiny import FAMILIES, tiny_model
+from kvrag_testing.equivalence import bf16_kl_bound, kl
+from kvrag_testing.fusion_suite import LAYOUT, RECOMPUTE_ALL_SPECS, SUFFIX_LEN, SUITE_INIT_STD, SUITE_LAYERS
+from kvrag_testing.tiny import FAMILIES, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 DECODE_STEPS = 4

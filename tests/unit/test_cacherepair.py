@@ -26,8 +26,8 @@ from kvrag.repair.model import CONFIG_NAME, RepairModel, block_causal_mask
 from kvrag.repair.pairs import PairBuilder, make_pair, region_masks
 from kvrag.repair.train import Trainer
 from kvrag.repair.train_config import TrainConfig, lr_factor
-from kvrag.testing.fusion_suite import FusionCase, FusionMethodTests, check_suffix_fold, context_kv, fusion_case
-from kvrag.testing.tiny import FAMILIES, tiny_model
+from kvrag_testing.fusion_suite import FusionCase, FusionMethodTests, check_suffix_fold, context_kv, fusion_case
+from kvrag_testing.tiny import FAMILIES, tiny_model
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau".split()
 

@@ -16,7 +16,7 @@ from kvrag.fusion.auto import Auto, fit_cost_model
 from kvrag.fusion.cost import ModelCost
 from kvrag.fusion.cost_model import CostModel
 from kvrag.prompting import render_passage
-from kvrag.testing.tiny import tiny_model
+from kvrag_testing.tiny import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

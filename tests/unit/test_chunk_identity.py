@@ -23,7 +23,7 @@ from kvrag.engine.engine import KVRAGEngine
 from kvrag.kv.chunk import ChunkKV
 from kvrag.prompting import RagTemplate, render_passage
 from kvrag.store import MemoryStore
-from kvrag.testing.tiny import tiny_model
+from kvrag_testing.tiny import tiny_model
 
 PASSAGES = [
     render_passage("Paris is the capital of France. The city has many museums.", "Paris"),

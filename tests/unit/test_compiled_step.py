@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvrag.kv import batched, compiled, hf_cache
-from kvrag.testing.tiny import tiny_model
+from kvrag_testing.tiny import tiny_model
 
 pytestmark = pytest.mark.slow  # each batch shape compiles (~10-30 s on two cores)
 

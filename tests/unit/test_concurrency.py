@@ -19,8 +19,8 @@ from kvrag.config import EngineConfig, GenerationConfig
 from kvrag.engine.engine import KVRAGEngine
 from kvrag.prompting import RagTemplate, render_passage
 from kvrag.store import MemoryStore
-from kvrag.testing.store_suite import chunk_key, make_spec, random_chunk
-from kvrag.testing.tiny import tiny_model
+from kvrag_testing.store_suite import chunk_key, make_spec, random_chunk
+from kvrag_testing.tiny import tiny_model
 
 FORK: Any = multiprocessing.get_context("fork") if "fork" in multiprocessing.get_all_start_methods() else None
 

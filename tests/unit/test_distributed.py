@@ -18,7 +18,7 @@ from kvrag.errors import ConfigError
 from kvrag.prompting import render_passage
 from kvrag.store import DiskStore
 from kvrag.store.maintenance import verify_store
-from kvrag.testing.tiny import tiny_model
+from kvrag_testing.tiny import tiny_model
 
 N = 240
 TEXTS = [render_passage(f"Record {i}: " + "the ferry leaves the harbour at dawn and returns at dusk. " * (1 + i % 6))

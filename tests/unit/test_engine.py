@@ -12,7 +12,7 @@ from kvrag.fusion import get_method
 from kvrag.kv import hf_cache
 from kvrag.prompting import RagTemplate, render_passage
 from kvrag.store.memory import MemoryStore
-from kvrag.testing.tiny import FAMILIES, tiny_model
+from kvrag_testing.tiny import FAMILIES, tiny_model
 
 PASSAGES = [
     render_passage("Paris is the capital of France. The city has many museums.", "Paris"),

@@ -1,4 +1,4 @@
-"""The family matrix (:mod:`kvrag.testing.families`): every served family, as a tiny random model built offline from
+"""The family matrix (:mod:`kvrag_testing.families`): every served family, as a tiny random model built offline from
 its transformers config, through the equivalence oracle in float32 and bfloat16; the refusals; and the docs table
 rendered from the same data."""
 
@@ -21,11 +21,11 @@ from kvrag.kv.attention import IMPL
 from kvrag.kv.compute import compute_chunk_kv
 from kvrag.kv.rope import Rope, check_rope_support
 from kvrag.store import MemoryStore
-from kvrag.testing.batching import compare_batched_to_alone
-from kvrag.testing.equivalence import assert_close_in_dtype, bf16_kl_bound, kl
-from kvrag.testing.families import RECOMPUTE_ALL, REUSE, SERVED, render_table, table_in
-from kvrag.testing.fusion_suite import LAYOUT, SUFFIX_LEN
-from kvrag.testing.tiny import tiny_model
+from kvrag_testing.batching import compare_batched_to_alone
+from kvrag_testing.equivalence import assert_close_in_dtype, bf16_kl_bound, kl
+from kvrag_testing.families import RECOMPUTE_ALL, REUSE, SERVED, render_table, table_in
+from kvrag_testing.fusion_suite import LAYOUT, SUFFIX_LEN
+from kvrag_testing.tiny import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -262,7 +262,7 @@ def test_recompute_everything_equals_full_float32(family: str) -> None:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_recompute_everything_equals_full_bfloat16(family: str) -> None:
-    """bf16 (the rule of :mod:`kvrag.testing.equivalence`): as close to fp32 ``full`` as bf16 ``full`` is, twice
+    """bf16 (the rule of :mod:`kvrag_testing.equivalence`): as close to fp32 ``full`` as bf16 ``full`` is, twice
     over, and the same greedy tokens as bf16 ``full``; ``stale`` breaks the rule on the same case."""
     ref, _, _ = _full(family, torch.float32)
     full_bf16, full_tokens, _ = _full(family, torch.bfloat16)
@@ -343,7 +343,7 @@ def test_family_chat_templates_splice_exactly(family: str) -> None:
     ``full`` == ``model.generate`` and the reuse methods hit every chunk."""
     from kvrag.models import wrap_model
     from kvrag.prompting import RagTemplate, render_passage
-    from kvrag.testing.tiny import tiny_tokenizer
+    from kvrag_testing.tiny import tiny_tokenizer
 
     lm = _lm(family, torch.float32)
     lm = wrap_model(lm.model, tiny_tokenizer(chat_template=CHAT_TEMPLATES[family]), name=f"tiny-{family}-chat")
@@ -397,5 +397,5 @@ def test_multimodal_rope_is_refused_by_name() -> None:
 
 def test_docs_table_is_the_rendered_matrix() -> None:
     """docs/models.md holds exactly the table rendered from the matrix these tests check (regenerate it with
-    ``python -m kvrag.testing.families``)."""
+    ``python -m kvrag_testing.families``)."""
     assert table_in(DOCS_MODELS) == render_table()

@@ -28,8 +28,8 @@ from kvrag.errors import StoreError
 from kvrag.prompting import RagTemplate, render_passage
 from kvrag.store import DiskStore, FallbackStore, MemoryStore
 from kvrag.store.maintenance import verify_store
-from kvrag.testing.store_suite import assert_chunks_equal, chunk_key, make_spec, random_chunk
-from kvrag.testing.tiny import tiny_model
+from kvrag_testing.store_suite import assert_chunks_equal, chunk_key, make_spec, random_chunk
+from kvrag_testing.tiny import tiny_model
 
 PASSAGES = [
     render_passage("Paris is the capital of France. The city has many museums.", "Paris"),
@@ -206,7 +206,7 @@ CHILD = textwrap.dedent(
     from kvrag.config import EngineConfig
     from kvrag.engine.engine import KVRAGEngine
     from kvrag.store import DiskStore
-    from kvrag.testing.tiny import tiny_model
+    from kvrag_testing.tiny import tiny_model
 
     class SlowDisk(DiskStore):  # slows the run down so that the kill lands mid-way, deterministically
         def write_bytes(self, key, data):

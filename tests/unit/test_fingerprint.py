@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvrag.fingerprint import model_fingerprint, tokenizer_fingerprint, weights_fingerprint
-from kvrag.testing.tiny import CHAT_TEMPLATE, tiny_model, tiny_tokenizer
+from kvrag_testing.tiny import CHAT_TEMPLATE, tiny_model, tiny_tokenizer
 
 
 def test_model_fingerprint_stable_across_builds() -> None:

@@ -6,7 +6,7 @@ import pytest
 
 from kvrag.fusion.cost import ModelCost
 from kvrag.fusion.stats import MethodStats
-from kvrag.testing.tiny import FAMILIES, tiny_model
+from kvrag_testing.tiny import FAMILIES, tiny_model
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -16,8 +16,8 @@ from kvrag.config import EngineConfig
 from kvrag.engine.engine import KVRAGEngine
 from kvrag.kv import batched, direct, fused_step, hf_cache, int4_kernel, quant, row_attention
 from kvrag.store import MemoryStore
-from kvrag.testing.rows import DOCS, paired_rows
-from kvrag.testing.tiny import tiny_model
+from kvrag_testing.rows import DOCS, paired_rows
+from kvrag_testing.tiny import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -10,12 +10,12 @@ import torch
 
 from kvrag.errors import ConfigError
 from kvrag.fusion import get_method
-from kvrag.fusion.ablations import register_ablations
 from kvrag.fusion.recompute import budget, selective_recompute
 from kvrag.fusion.scoring import query_attention_scores
 from kvrag.kv import hf_cache
 from kvrag.kv.attention import IMPL as GQA_SDPA
-from kvrag.testing.fusion_suite import (
+from kvrag_bench.ablations import register_ablations
+from kvrag_testing.fusion_suite import (
     RECOMPUTE_ALL_ATOL,
     FusionCase,
     FusionMethodTests,
@@ -24,7 +24,7 @@ from kvrag.testing.fusion_suite import (
     fusion_case,
     greedy_tokens,
 )
-from kvrag.testing.tiny import FAMILIES
+from kvrag_testing.tiny import FAMILIES
 
 register_ablations()  # relaxkv-fullctx (the full-prefix control) is tested here
 
@@ -134,7 +134,7 @@ def test_ablations_are_not_user_methods() -> None:
             "from kvrag.errors import ConfigError\n"
             "assert 'relaxkv-fullctx' not in f.available_methods()\n"
             "try:\n    f.get_method('relaxkv-fullctx')\nexcept ConfigError as e:\n    print(e)\n"
-            "from kvrag.fusion.ablations import register_ablations\n"
+            "from kvrag_bench.ablations import register_ablations\n"
             "assert register_ablations() == ['relaxkv-fullctx']\n"
             "assert 'relaxkv-fullctx' in f.available_methods() and f.get_method('relaxkv-fullctx').context == 'full'\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -387,8 +387,8 @@ def test_bfloat16_model_keeps_dtype_and_recompute_all_is_close() -> None:
     from kvrag.engine.assemble import assemble
     from kvrag.kv.compute import compute_chunk_kv
     from kvrag.kv.rope import Rope
-    from kvrag.testing.fusion_suite import LAYOUT
-    from kvrag.testing.tiny import tiny_model
+    from kvrag_testing.fusion_suite import LAYOUT
+    from kvrag_testing.tiny import tiny_model
 
     lm = tiny_model("qwen3", dtype=torch.bfloat16)
     model, spec = lm.model, lm.kv_spec()

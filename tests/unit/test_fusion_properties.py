@@ -1,7 +1,7 @@
 """Property test over random chunkings of a prompt (issue 13): however a context is split into a leading exact
 prefix, stored chunks and text spans, ``full``, every method at its recompute-everything setting and ``stale`` with
 the whole context as one chunk give the context KV and next-token logits of one plain transformers forward of the
-prompt (:func:`kvrag.testing.equivalence.hf_reference`, an oracle independent of ``full``), within fp32 rounding
+prompt (:func:`kvrag_testing.equivalence.hf_reference`, an oracle independent of ``full``), within fp32 rounding
 (docs/architecture.md#tests: equivalences). 100 derandomized examples on the suite's cached 4-layer models; each
 compares KV and logits rather than decoding tokens, which keeps an example at a few forwards."""
 
@@ -19,9 +19,9 @@ from kvrag.fusion import get_method
 from kvrag.kv import hf_cache
 from kvrag.kv.compute import compute_chunk_kv
 from kvrag.kv.rope import Rope
-from kvrag.testing.equivalence import hf_reference
-from kvrag.testing.fusion_suite import RECOMPUTE_ALL_SPECS, context_kv, fusion_case
-from kvrag.testing.tiny import FAMILIES
+from kvrag_testing.equivalence import hf_reference
+from kvrag_testing.fusion_suite import RECOMPUTE_ALL_SPECS, context_kv, fusion_case
+from kvrag_testing.tiny import FAMILIES
 
 RECOMPUTE_ALL = RECOMPUTE_ALL_SPECS
 

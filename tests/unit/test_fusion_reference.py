@@ -21,7 +21,6 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from kvrag.fusion import FusionInput, get_method
-from kvrag.fusion.ablations import register_ablations
 from kvrag.fusion.cacheblend import CacheBlend
 from kvrag.fusion.epic import epic_positions
 from kvrag.fusion.prophetkv import prophet_select
@@ -29,8 +28,9 @@ from kvrag.fusion.recompute import budget, exact_mask
 from kvrag.fusion.relaxkv import RelaxKV
 from kvrag.fusion.scoring import query_attention_scores
 from kvrag.kv import hf_cache
-from kvrag.testing.fusion_suite import SUITE_LAYERS, FusionCase, context_kv, fusion_case
-from kvrag.testing.tiny import FAMILIES
+from kvrag_bench.ablations import register_ablations
+from kvrag_testing.fusion_suite import SUITE_LAYERS, FusionCase, context_kv, fusion_case
+from kvrag_testing.tiny import FAMILIES
 
 register_ablations()  # relaxkv-fullctx (the full-prefix control) is tested here
 

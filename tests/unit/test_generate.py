@@ -9,7 +9,7 @@ import torch
 
 from kvrag.config import GenerationConfig
 from kvrag.engine.generate import DecodeState, IncrementalDetokenizer
-from kvrag.testing.tiny import tiny_tokenizer
+from kvrag_testing.tiny import tiny_tokenizer
 
 EOS = 4  # <|im_end|> of the tiny tokenizer
 

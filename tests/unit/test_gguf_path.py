@@ -1,6 +1,6 @@
 """Bring your own model as a GGUF file: a tiny random Llama written with the ``gguf`` library loads by path.
 
-The file is written the way llama.cpp's converter lays a Llama out (kvrag.testing.tiny_gguf); loading it by path
+The file is written the way llama.cpp's converter lays a Llama out (kvrag_testing.tiny_gguf); loading it by path
 converts it once into KVRAG_HOME/models/<stem>-<sha256 prefix>/ and must reproduce the tiny model bit for bit. A
 GGUF of an unsupported architecture, RoPE or quantization type is refused by name before any conversion.
 """
@@ -17,8 +17,8 @@ import torch
 from kvrag import KVRAGEngine, default_model
 from kvrag.errors import ConfigError, UnsupportedModelError
 from kvrag.models import load_model
-from kvrag.testing.tiny import tiny_model
-from kvrag.testing.tiny_gguf import write_tiny_gguf, write_unsupported_gguf
+from kvrag_testing.tiny import tiny_model
+from kvrag_testing.tiny_gguf import write_tiny_gguf, write_unsupported_gguf
 
 pytest.importorskip("gguf", reason="gguf not installed (pip install 'kvrag[gguf]')")
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -3,7 +3,9 @@ concept per (short) module, and the core never imports its own framework adapter
 
 Imports are read from the AST of every module under ``kvrag/`` (``kvrag/cli.py`` included), including imports
 inside functions (a lazy import is still a dependency) and ``importlib.import_module("name")`` / ``__import__``
-calls with a literal name; only ``if TYPE_CHECKING:`` blocks are skipped (annotations, never executed).
+calls with a literal name. ``if TYPE_CHECKING:`` blocks (annotations, never executed) count for the cycle checks (a
+circle through annotations still ties the modules together) and are skipped for the layering rules. The benchmarks
+(``benchmarks/kvrag_bench``) are held to the same no-cycle rule.
 """
 
 from __future__ import annotations
@@ -14,19 +16,20 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "kvrag"
+BENCH = ROOT / "benchmarks" / "kvrag_bench"
 MAX_LINES = 500
 # The core wheel imports no adapter (LlamaIndex / LangChain distributions, nor the frameworks themselves) and no
 # benchmark: `kvrag bench` is mounted from the kvrag-bench distribution through an entry point (kvrag.cli_plugins).
 FORBIDDEN_TOP_LEVEL = ("llama_index", "langchain", "kvrag_bench", "benchmarks")
 
 
-def _module_name(path: Path) -> str:
-    parts = path.relative_to(ROOT).with_suffix("").parts
+def _module_name(path: Path, base: Path = ROOT) -> str:
+    parts = path.relative_to(base).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _is_module(name: str) -> bool:
-    p = ROOT.joinpath(*name.split("."))
+def _is_module(name: str, base: Path = ROOT) -> bool:
+    p = base.joinpath(*name.split("."))
     return p.with_suffix(".py").is_file() or (p / "__init__.py").is_file()
 
 
@@ -38,12 +41,13 @@ def _type_checking_nodes(tree: ast.AST) -> set[int]:
     return skip
 
 
-def _imports(path: Path, me: str | None = None) -> list[tuple[str, int]]:
-    """(imported module, line) for every runtime import in ``path`` (module ``me``, default: its name under the
-    repository root), relative imports resolved."""
+def _imports(path: Path, me: str | None = None, *, root: Path = ROOT,
+             annotations: bool = False) -> list[tuple[str, int]]:
+    """(imported module, line) for every runtime import in ``path`` (module ``me``, default: its name under
+    ``root``), relative imports resolved; with ``annotations``, also those under ``if TYPE_CHECKING:``."""
     tree = ast.parse(path.read_text())
-    skip = _type_checking_nodes(tree)
-    me = me or _module_name(path)
+    skip = set() if annotations else _type_checking_nodes(tree)
+    me = me or _module_name(path, root)
     package = me if path.name == "__init__.py" else me.rpartition(".")[0]
     out: list[tuple[str, int]] = []
     for node in ast.walk(tree):
@@ -61,21 +65,23 @@ def _imports(path: Path, me: str | None = None) -> list[tuple[str, int]]:
                 base = ".".join([*anchor, *([node.module] if node.module else [])])
             for a in node.names:  # `from kvrag.store import serde` imports the module kvrag.store.serde
                 sub = f"{base}.{a.name}"
-                out.append((sub if _is_module(sub) else base, node.lineno))
+                out.append((sub if _is_module(sub, root) else base, node.lineno))
     return out
 
 
-def _graph(unit: int | None) -> dict[str, set[str]]:
-    """kvrag-internal import edges between units: ``unit`` leading name parts (2 = subpackage), None = module."""
+def _graph(unit: int | None, pkg: Path = PKG, *, annotations: bool = False) -> dict[str, set[str]]:
+    """Import edges inside package ``pkg`` between units: ``unit`` leading name parts (2 = subpackage), None =
+    module; with ``annotations``, ``if TYPE_CHECKING:`` imports count too."""
 
     def cut(name: str) -> str:
         return name if unit is None else ".".join(name.split(".")[:unit])
 
+    root, top = pkg.parent, pkg.name
     edges: dict[str, set[str]] = defaultdict(set)
-    for path in PKG.rglob("*.py"):
-        src = cut(_module_name(path))
-        for name, _ in _imports(path):
-            if name.startswith("kvrag.") and cut(name) != src and src != "kvrag":
+    for path in pkg.rglob("*.py"):
+        src = cut(_module_name(path, root))
+        for name, _ in _imports(path, root=root, annotations=annotations):
+            if name.startswith(f"{top}.") and cut(name) != src and src != top:
                 edges[src].add(cut(name))
     return edges
 
@@ -116,11 +122,28 @@ def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_no_import_cycles_between_subpackages() -> None:
-    assert _cycles(_graph(2)) == []
+    assert _cycles(_graph(2, annotations=True)) == []
 
 
 def test_no_import_cycles_between_modules() -> None:
-    assert _cycles(_graph(None)) == []
+    """In-function and ``TYPE_CHECKING`` imports included (a protocol in a lower module breaks such a circle)."""
+    assert _cycles(_graph(None, annotations=True)) == []
+
+
+def test_no_import_cycles_in_the_benchmarks() -> None:
+    assert BENCH.is_dir()
+    assert _cycles(_graph(None, BENCH, annotations=True)) == []
+
+
+def test_the_cycle_check_sees_type_checking_and_in_function_imports(tmp_path: Path) -> None:
+    """The cycle rule would pass vacuously if the parser missed these forms; it must not."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from pkg.b import B\n")
+    (pkg / "b.py").write_text("def f():\n    from pkg import a\n    return a\n")
+    assert _cycles(_graph(None, pkg, annotations=True)) == [["pkg.a", "pkg.b"]]
+    assert _cycles(_graph(None, pkg)) == []
 
 
 def test_layers_point_down() -> None:

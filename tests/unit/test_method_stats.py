@@ -11,7 +11,7 @@ from kvrag.engine.results import Stats
 from kvrag.fusion import MethodStats
 from kvrag.prompting import RagTemplate, render_passage
 from kvrag.store.memory import MemoryStore
-from kvrag.testing.tiny import tiny_model
+from kvrag_testing.tiny import tiny_model
 
 
 def test_to_dict_writes_the_reported_fields_under_their_keys() -> None:

@@ -1,4 +1,4 @@
-"""kvrag.models, kvrag.default_model and kvrag.testing.tiny: tiny models, loading, default-model plumbing.
+"""kvrag.models, kvrag.default_model and kvrag_testing.tiny: tiny models, loading, default-model plumbing.
 
 Fingerprints are tested in test_fingerprint.py, the RoPE support matrix in test_rope.py."""
 
@@ -17,7 +17,7 @@ from kvrag.errors import ConfigError, UnsupportedModelError
 from kvrag.kv.attention import IMPL as GQA_SDPA
 from kvrag.models import load_model
 from kvrag.paths import kvrag_home
-from kvrag.testing.tiny import FAMILIES, SPECIAL_TOKENS, tiny_config, tiny_model, tiny_tokenizer
+from kvrag_testing.tiny import FAMILIES, SPECIAL_TOKENS, tiny_config, tiny_model, tiny_tokenizer
 
 TEXT = "The capital of France is Paris. The model reads the context, then the question."
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvrag.kv import linear
-from kvrag.testing.tiny import tiny_model
+from kvrag_testing.tiny import tiny_model
 
 pytestmark = pytest.mark.skipif(not linear.packing_available(), reason="this torch build has no oneDNN bf16 support")
 

@@ -22,7 +22,6 @@ from kvrag.engine.cancel import CancelToken, cancel_scope
 from kvrag.engine.engine import KVRAGEngine
 from kvrag.errors import RequestCancelledError
 from kvrag.fusion import FusionInput, get_method
-from kvrag.fusion.ablations import register_ablations
 from kvrag.kv import hf_cache, pieces
 from kvrag.kv.compute import compute_chunk_kv
 from kvrag.kv.rope import Rope
@@ -30,7 +29,8 @@ from kvrag.prompting import RagTemplate, render_passage
 from kvrag.repair.config import RepairConfig
 from kvrag.repair.model import RepairModel
 from kvrag.store import MemoryStore
-from kvrag.testing.tiny import ALL_FAMILIES, FAMILIES, tiny_model
+from kvrag_bench.ablations import register_ablations
+from kvrag_testing.tiny import ALL_FAMILIES, FAMILIES, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

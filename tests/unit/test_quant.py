@@ -12,7 +12,7 @@ from transformers import DynamicCache
 from kvrag.engine.engine import KVRAGEngine
 from kvrag.errors import ConfigError
 from kvrag.kv import quant
-from kvrag.testing.tiny import FAMILIES, tiny_model
+from kvrag_testing.tiny import FAMILIES, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -18,8 +18,8 @@ from kvrag.engine.engine import KVRAGEngine
 from kvrag.errors import StoreError
 from kvrag.prompting import RagTemplate, render_passage
 from kvrag.store.base import KVStore
-from kvrag.testing.store_suite import KVStoreTests
-from kvrag.testing.tiny import tiny_model
+from kvrag_testing.store_suite import KVStoreTests
+from kvrag_testing.tiny import tiny_model
 
 PASSAGES = [render_passage(f"Fact {i}: the {w} ferry leaves at {i + 5} o'clock from pier {i}.", f"Doc {i}")
             for i, w in enumerate(["red", "blue", "green", "white", "black", "grey"])]
@@ -48,7 +48,7 @@ def _ask(eng: KVRAGEngine) -> Any:
 def fresh_cluster() -> Iterator[Any]:
     """A cluster of its own (the test kills a node)."""
     pytest.importorskip("redis", reason="redis-py not installed (pip install 'kvrag[redis]')")
-    from kvrag.testing.redis_server import RedisCluster
+    from kvrag_testing.redis_server import RedisCluster
 
     try:
         cluster = RedisCluster(masters=3)

@@ -12,7 +12,7 @@ from kvrag.kv import hf_cache
 from kvrag.kv.rope import Rope, check_rope_support, find_rotary_module
 from kvrag.kv.spec import KVSpec
 from kvrag.models import wrap_model
-from kvrag.testing.tiny import FAMILIES, tiny_config, tiny_model, tiny_tokenizer
+from kvrag_testing.tiny import FAMILIES, tiny_config, tiny_model, tiny_tokenizer
 
 ROPES = {
     "default": None,

@@ -9,7 +9,7 @@ import torch
 from kvrag.calibration import cpu_flags
 from kvrag.kv import attention, batched, fused_step, row_attention
 from kvrag.kv.hf_cache import KVBuffer
-from kvrag.testing.tiny import tiny_model
+from kvrag_testing.tiny import tiny_model
 
 DTYPES = [torch.float32, torch.bfloat16]
 

@@ -25,7 +25,7 @@ from kvrag.errors import ConfigError, ContextLengthError, EngineBusyError, Engin
 from kvrag.kv import hf_cache
 from kvrag.prompting import RagTemplate, render_passage
 from kvrag.store import MemoryStore
-from kvrag.testing.tiny import tiny_model
+from kvrag_testing.tiny import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

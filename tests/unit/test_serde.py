@@ -16,7 +16,7 @@ from kvrag.kv.chunk import ChunkKV
 from kvrag.kv.keys import FORMAT_VERSION
 from kvrag.kv.spec import DTYPES
 from kvrag.store import serde
-from kvrag.testing.store_suite import assert_chunks_equal, make_spec, random_chunk, relative_rmse
+from kvrag_testing.store_suite import assert_chunks_equal, make_spec, random_chunk, relative_rmse
 
 
 def _rebuild(header: dict, payload: bytes, *, fix_payload_sums: bool = True) -> bytes:

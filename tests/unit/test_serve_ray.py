@@ -19,8 +19,8 @@ httpx = pytest.importorskip("httpx")
 
 from kvrag.adapters import render_chat  # noqa: E402
 from kvrag.serve import ServeConfig, ray_serve  # noqa: E402
-from kvrag.testing.redis_server import free_port  # noqa: E402
-from kvrag.testing.tiny import tiny_engine  # noqa: E402
+from kvrag_testing.redis_server import free_port  # noqa: E402
+from kvrag_testing.tiny import tiny_engine  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -15,17 +15,17 @@ from kvrag.engine.assemble import assemble
 from kvrag.engine.engine import KVRAGEngine
 from kvrag.errors import UnsupportedModelError
 from kvrag.fusion import get_method
-from kvrag.fusion.ablations import register_ablations
 from kvrag.kv import hf_cache
 from kvrag.kv.compute import compute_chunk_kv
 from kvrag.kv.rope import Rope
 from kvrag.kv.window import attention_window, layer_windows
 from kvrag.prompting import RagTemplate, render_passage
 from kvrag.store import MemoryStore
-from kvrag.testing.batching import compare_batched_to_alone
-from kvrag.testing.equivalence import kl
-from kvrag.testing.fusion_suite import context_kv, greedy_tokens
-from kvrag.testing.tiny import tiny_model
+from kvrag_bench.ablations import register_ablations
+from kvrag_testing.batching import compare_batched_to_alone
+from kvrag_testing.equivalence import kl
+from kvrag_testing.fusion_suite import context_kv, greedy_tokens
+from kvrag_testing.tiny import tiny_model
 
 register_ablations()  # relaxkv-fullctx (the full-prefix control) is tested here
 

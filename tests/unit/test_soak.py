@@ -28,8 +28,8 @@ from kvrag.engine.engine import KVRAGEngine
 from kvrag.errors import RequestCancelledError
 from kvrag.prompting import RagTemplate
 from kvrag.store import MemoryStore
-from kvrag.testing.batching import PASSAGES
-from kvrag.testing.tiny import tiny_model
+from kvrag_testing.batching import PASSAGES
+from kvrag_testing.tiny import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -17,8 +17,8 @@ from kvrag.kv import batched, hf_cache
 from kvrag.kv.attention import IMPL
 from kvrag.prompting import RagTemplate, render_passage
 from kvrag.store import MemoryStore
-from kvrag.testing.families import SERVED
-from kvrag.testing.tiny import FAMILIES, tiny_model
+from kvrag_testing.families import SERVED
+from kvrag_testing.tiny import FAMILIES, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -25,7 +25,7 @@ import pytest
 import kvrag.store.disk as disk_mod
 from kvrag.errors import ConfigError, StoreError
 from kvrag.store import DiskStore, KVStore, MemoryStore, TieredStore, store_from_url
-from kvrag.testing.store_suite import (
+from kvrag_testing.store_suite import (
     KVStoreTests,
     assert_chunks_equal,
     chunk_key,

@@ -14,7 +14,7 @@ from kvrag import cli
 from kvrag.errors import ConfigError
 from kvrag.store import DiskStore, KVStore, MemoryStore, TieredStore, serde
 from kvrag.store.maintenance import gc_store, inspect_entry, migrate_store, verify_store
-from kvrag.testing.store_suite import (
+from kvrag_testing.store_suite import (
     assert_chunks_equal,
     chunk_key,
     make_spec,

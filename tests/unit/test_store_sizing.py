@@ -12,8 +12,8 @@ from kvrag.engine.engine import KVRAGEngine
 from kvrag.kv.spec import KVSpec
 from kvrag.store import DiskStore, serde
 from kvrag.store.sizing import codec_table, collection_size, entry_bytes
-from kvrag.testing.store_suite import random_chunk
-from kvrag.testing.tiny import tiny_model
+from kvrag_testing.store_suite import random_chunk
+from kvrag_testing.tiny import tiny_model
 
 DEFAULT_SPEC = KVSpec(num_layers=30, num_kv_heads=3, head_dim=64, dtype="float32")  # SmolLM2-135M
 

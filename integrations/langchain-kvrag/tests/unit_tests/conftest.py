@@ -15,7 +15,7 @@ DOCS = [
 
 @pytest.fixture(scope="module")
 def engine():
-    from kvrag.testing.tiny import tiny_engine
+    from kvrag_testing.tiny import tiny_engine
 
     return tiny_engine("qwen2")
 

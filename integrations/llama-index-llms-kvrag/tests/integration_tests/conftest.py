@@ -6,21 +6,12 @@ import os
 
 import pytest
 
+from kvrag_testing import integrations
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-
-@pytest.fixture(scope="session")
-def engine():
-    """One engine per process (shared by every test directory of a run): default model + memory store."""
-    from kvrag.adapters import shared_engine
-
-    return shared_engine(None, "memory://")
-
-
-@pytest.fixture(scope="session")
-def loaded(engine):
-    return engine.loaded
-
+engine = integrations.engine  # the default model's engine and its loaded model, once per session
+loaded = integrations.loaded
 
 
 @pytest.fixture(scope="session")

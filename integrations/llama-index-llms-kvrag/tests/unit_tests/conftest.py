@@ -7,7 +7,7 @@ import pytest
 
 @pytest.fixture(scope="module")
 def engine():
-    from kvrag.testing.tiny import tiny_engine
+    from kvrag_testing.tiny import tiny_engine
 
     return tiny_engine("qwen2")
 

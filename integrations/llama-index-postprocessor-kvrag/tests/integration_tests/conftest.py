@@ -5,19 +5,10 @@ from __future__ import annotations
 import pytest
 from pp_testutil import read_docs, splitter
 
+from kvrag_testing import integrations
 
-@pytest.fixture(scope="session")
-def engine():
-    """One engine per process (shared by every test directory of a run): default model + memory store."""
-    from kvrag.adapters import shared_engine
-
-    return shared_engine(None, "memory://")
-
-
-@pytest.fixture(scope="session")
-def loaded(engine):
-    return engine.loaded
-
+engine = integrations.engine  # the default model's engine and its loaded model, once per session
+loaded = integrations.loaded
 
 
 @pytest.fixture(scope="session")

@@ -28,7 +28,7 @@ def splitter():
 
 @pytest.fixture(scope="module")
 def engine():
-    from kvrag.testing.tiny import tiny_engine
+    from kvrag_testing.tiny import tiny_engine
 
     return tiny_engine("qwen2")
 

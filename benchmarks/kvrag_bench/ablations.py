@@ -1,7 +1,8 @@
 """Ablation controls: methods that answer a research question about another method, not methods to serve with.
 
 They are not in the user registry (``kvrag.fusion.available_methods()`` does not list them and ``get_method``
-does not resolve them) until :func:`register_ablations` is called; the benchmark and the test suites call it.
+does not resolve them) until :func:`register_ablations` is called: the benchmark and the test suites call it. They
+live in kvrag-bench, not in the kvrag wheel.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Tiny GGUF files written in-process with the ``gguf`` library, for the tests of loading a model by GGUF path.
 
-:func:`write_tiny_gguf` exports a :func:`kvrag.testing.tiny.tiny_model` Llama as llama.cpp's converter would:
+:func:`write_tiny_gguf` exports a :func:`kvrag_testing.tiny.tiny_model` Llama as llama.cpp's converter would:
 tensors under llama.cpp's names with the query/key rows permuted the way llama.cpp stores them, the model shape
 under ``llama.*`` keys and the byte-level BPE tokenizer under ``tokenizer.ggml.*`` (vocabulary, token types,
 merges, special token ids, chat template). transformers' GGUF loader undoes all of it, so the file loads back into

@@ -4,7 +4,7 @@ Every model has the same shape (vocab 256, hidden 64, 4 attention heads, 2 KV he
 intermediate 128, 4096 positions, SDPA attention) and comes with a tiny byte-level BPE tokenizer trained
 deterministically in-process on a built-in corpus, with ChatML-style special tokens and chat template::
 
-    from kvrag.testing.tiny import tiny_model
+    from kvrag_testing.tiny import tiny_model
     lm = tiny_model("qwen3", rope={"rope_type": "linear", "factor": 2.0})
     ids = lm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
     logits = lm.model(input_ids=torch.tensor([ids])).logits      # [1, T, 256]

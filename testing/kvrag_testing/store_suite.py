@@ -2,7 +2,7 @@
 
 Usage::
 
-    from kvrag.testing.store_suite import KVStoreTests
+    from kvrag_testing.store_suite import KVStoreTests
 
     class TestMyStore(KVStoreTests):
         def make_store(self, tmp_path, **opts):

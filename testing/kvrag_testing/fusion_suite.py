@@ -6,13 +6,13 @@ Subclass it in a test module and set the method under test::
         method_spec = "relaxkv:r=0.3"
         recompute_all_spec = "relaxkv:r=1.0"   # None when the method has no recompute-everything setting
 
-Every test runs on a tiny random model of each family in :data:`kvrag.testing.tiny.FAMILIES` (:data:`SUITE_LAYERS`
+Every test runs on a tiny random model of each family in :data:`kvrag_testing.tiny.FAMILIES` (:data:`SUITE_LAYERS`
 layers, weights of std :data:`SUITE_INIT_STD`) with a context of a leading exact 'prefix' span, three stored chunks
 and one 'text' span, then a question suffix. Checked: registry
 round trip, output shapes / dtype / device, determinism, no mutation of the input KV nor of the stored chunk
 tensors, JSON-serializable stats, and (with ``recompute_all_spec``) equality with the exact prefill: KV allclose and
 the same greedy tokens over a few decode steps as one plain transformers forward of the whole prompt (eager
-attention, :func:`kvrag.testing.equivalence.hf_reference`) -- an oracle independent of kvrag's ``full``, so the
+attention, :func:`kvrag_testing.equivalence.hf_reference`) -- an oracle independent of kvrag's ``full``, so the
 suite of ``full`` itself (``recompute_all_spec = "full"``) compares it with transformers, not with itself. Requires pytest.
 """
 
@@ -28,14 +28,14 @@ import torch
 
 from kvrag.engine.assemble import assemble
 from kvrag.fusion import FusionInput, FusionOutput, MethodStats, get_method
-from kvrag.fusion.ablations import register_ablations
 from kvrag.kv import hf_cache
 from kvrag.kv.chunk import ChunkKV
 from kvrag.kv.compute import compute_chunk_kv
 from kvrag.kv.rope import Rope
 from kvrag.kv.spec import KVSpec
-from kvrag.testing.equivalence import hf_reference
-from kvrag.testing.tiny import FAMILIES, tiny_model
+from kvrag_bench.ablations import register_ablations
+from kvrag_testing.equivalence import hf_reference
+from kvrag_testing.tiny import FAMILIES, tiny_model
 
 #: lengths of the context pieces: (kind, length)
 LAYOUT: tuple[tuple[str, int], ...] = (("prefix", 6), ("chunk", 9), ("text", 4), ("chunk", 13), ("chunk", 11))
@@ -46,7 +46,7 @@ layer 1 and recomputes only the selected tokens at layers 2-3; RelaxKV's targets
 SUITE_INIT_STD = 0.1
 """Weight std of the suite's models: at transformers' default 0.02 attention is nearly uniform and a stale cache
 is almost exact, so a wrong repair could pass unnoticed; at 0.1 stale and full KV differ by O(1) at 4 layers, while
-a recompute-everything setting still equals ``full`` to ~3e-6 in fp32 (see kvrag.testing.tiny.INIT_STD)."""
+a recompute-everything setting still equals ``full`` to ~3e-6 in fp32 (see kvrag_testing.tiny.INIT_STD)."""
 
 
 RECOMPUTE_ALL_ATOL = 1.5e-5
@@ -66,7 +66,7 @@ class FusionCase:
         pieces: (kind, ChunkKV, key) as :func:`kvrag.engine.assemble.assemble` takes them.
         suffix_ids: [S] question suffix.
         full_keys, full_values: [L, H_kv, Tc, D] the exact context KV: one plain transformers forward of context +
-            suffix under eager attention (:func:`kvrag.testing.equivalence.hf_reference`), computed by none of
+            suffix under eager attention (:func:`kvrag_testing.equivalence.hf_reference`), computed by none of
             kvrag's prefill or attention code, so that ``full`` itself is checked against it too.
         full_tokens: the greedy tokens transformers decodes after that forward.
     """

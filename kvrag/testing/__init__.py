@@ -1,1 +1,0 @@
-"""Test helpers shipped with kvrag: tiny random models and reusable backend suites (need pytest)."""
