@@ -1,0 +1,213 @@
+"""``kvrag bench chat``: a multi-turn chat over dev passages, with the answered turns' KV reused
+(:mod:`kvrag.engine.conversation`) beside the same prompts with the whole history recomputed.
+
+A conversation of ``--turns`` dev questions (rows ``--offset`` ...) is asked one turn after another, each answer
+appended to the history, the prompt rendered with the model's chat template: a system message holding the
+passages, then the history, then the new question. Scenarios:
+
+* ``fixed``: the system message holds the first row's ``--passages`` passages on every turn (the chunks do not
+  change; the history sits behind the same prefix).
+* ``changing``: turn ``k``'s system message holds row ``offset + k``'s passages (what a chat engine that retrieves
+  again every turn sends; the history no longer sits behind the same prefix).
+
+Each turn's prompt is answered by two engines on one model and one chunk store, taking turns (their order
+alternates per turn, so a busy machine slows them alike): ``reuse`` (kvrag's defaults: the conversation cache on)
+and ``recompute`` (``conversation_cache_bytes=0``: the history prefilled again). Recorded per turn: TTFT of each,
+tokens reused from the conversation, tokens prefilled, and whether both answers are the same tokens. Chunk caches
+are ingested before the turns (cache-ready TTFT). ``--frameworks`` also runs the same fixed-chunk conversation
+through LlamaIndex's stock ``context`` chat engine (``KVCachedLLM``) and a LangChain ``RunnableWithMessageHistory``
+chain (``ChatKVCached``), reporting their TTFT per turn.
+
+``--kv-check`` measures where decode-written K/V differs from prefill-written K/V: after a ``full`` answer, the kept
+KV of (prompt + answer) against one prefill of the same ids, per part (prompt positions, answer positions).
+
+Writes ``chat.json`` and ``chat.md`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+SYSTEM = "Answer the user's questions from these passages. Be brief."
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data", required=True, help="QA JSONL (id, question, answers, contexts[{title, text}])")
+    p.add_argument("--offset", type=int, default=0, help="the conversation's first row")
+    p.add_argument("--turns", type=int, default=10, help="questions asked, one per turn")
+    p.add_argument("--passages", type=int, default=10, help="passages in the system message")
+    p.add_argument("--method", default=None, help="fusion method spec of every answer (default: the engine's)")
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--scenarios", default="fixed,changing", help="comma-separated: fixed, changing")
+    p.add_argument("--frameworks", default="none", help="comma-separated: llamaindex, langchain (or none)")
+    p.add_argument("--kv-check", action="store_true", help="measure decode-written vs prefill-written K/V (full)")
+    p.add_argument("--out", default="runs/chat")
+
+
+def _messages(system: str, history: list[dict[str, str]], question: str) -> list[dict[str, str]]:
+    return [{"role": "system", "content": system}, *history, {"role": "user", "content": question}]
+
+
+def converse(reuse: Any, recompute: Any, chunks_of: Callable[[int], list[str]], questions: list[str], method: str,
+             gen: Any) -> list[dict[str, Any]]:
+    """One conversation; both engines answer every turn's prompt (the history is the reusing engine's answers)."""
+    from kvrag.prompting import render_chat
+
+    history: list[dict[str, str]] = []
+    rows = []
+    for k, q in enumerate(questions):
+        chunks = chunks_of(k)
+        reuse.ingest(chunks, progress=False)
+        prompt = render_chat(reuse.tokenizer, _messages(SYSTEM + "\n" + "".join(chunks), history, q))
+        order = [("reuse", reuse), ("recompute", recompute)]
+        got = dict((name, eng.answer(prompt, chunks, method, gen)) for name, eng in (order if k % 2 == 0 else order[::-1]))
+        r, f = got["reuse"], got["recompute"]
+        total = r.stats.context_tokens + r.stats.suffix_tokens
+        rows.append({"turn": k + 1, "prompt_tokens": total, "reused_conversation": r.stats.conversation_tokens,
+                     "prefilled": total - r.stats.reused_tokens,
+                     "recompute_prefilled": total - f.stats.reused_tokens,
+                     "ttft_reuse_s": r.timings.ttft_s, "ttft_recompute_s": f.timings.ttft_s,
+                     "same_answer": r.token_ids == f.token_ids, "answer": r.text,
+                     "recompute_answer": f.text if r.token_ids != f.token_ids else None})
+        history += [{"role": "user", "content": q}, {"role": "assistant", "content": r.text}]
+        print(f"  turn {k + 1}: {total} prompt tokens, {r.stats.conversation_tokens} reused from the conversation; "
+              f"TTFT {r.timings.ttft_s:.3f} s (recompute {f.timings.ttft_s:.3f} s); same answer: "
+              f"{r.token_ids == f.token_ids}", flush=True)
+    return rows
+
+
+def kv_check(eng: Any, chunks: list[str], questions: list[str], gen: Any) -> dict[str, Any]:
+    """Decode-written vs prefill-written K/V: a ``full`` answer's kept KV against one prefill of the same ids."""
+    import torch
+
+    from kvrag.kv import hf_cache
+    from kvrag.prompting import render_chat
+
+    out: dict[str, Any] = {}
+    prompt = render_chat(eng.tokenizer, _messages(SYSTEM + "\n" + "".join(chunks), [], questions[0]))
+    eng.answer(prompt, chunks, "full", gen)
+    ids = tuple(eng.tokenize(prompt))
+    entry = next(e for e in eng.conversations._entries.values() if e.method == repr(eng.method("full"))
+                 and e.ids[: len(ids)] == ids)
+    with torch.inference_mode(), hf_cache.model_lock(eng.model):
+        k, v = hf_cache.prefill_kv(eng.model, torch.tensor(entry.ids))
+    n = entry.prompt_len
+    for part, sl in (("prompt", slice(0, n)), ("answer", slice(n, len(entry.ids)))):
+        for name, kept, ref in (("keys", entry.keys, k), ("values", entry.values, v)):
+            a, b = kept[:, :, sl].float(), ref[:, :, sl].float()
+            d = (a - b).abs()
+            out[f"{part}_{name}"] = {"positions": int(a.shape[2]), "max_abs_diff": float(d.max()),
+                                     "mean_abs_diff": float(d.mean()), "max_abs": float(b.abs().max()),
+                                     "bit_identical_fraction": float((a == b).float().mean()),
+                                     "layer0_max_abs_diff": float(d[0].max())}
+    return out
+
+
+def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    first = rows[0]
+    last = rows[-1]
+    return {"turns": len(rows),
+            "ttft_ratio_last_first_reuse": last["ttft_reuse_s"] / first["ttft_reuse_s"],
+            "ttft_ratio_last_first_recompute": last["ttft_recompute_s"] / first["ttft_recompute_s"],
+            "same_answers": sum(r["same_answer"] for r in rows),
+            "same_answers_after_first": sum(r["same_answer"] for r in rows[1:]),
+            "reused_tokens": sum(r["reused_conversation"] for r in rows)}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from kvrag.config import EngineConfig, GenerationConfig
+    from kvrag.engine.engine import KVRAGEngine
+    from kvrag.kv.quant import quantization_of
+    from kvrag.models import load_model
+    from kvrag.store import MemoryStore
+    from kvrag_bench.data import load_requests
+    from kvrag_bench.provenance import machine_info, run_git_sha
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    loaded = load_model(args.model, dtype=args.dtype, device=args.device, quantize=args.quantize)
+    store = MemoryStore()
+    cfg = {} if args.method is None else {"method": args.method}
+    reuse = KVRAGEngine(loaded, store, EngineConfig(**cfg))
+    recompute = KVRAGEngine(loaded, store, EngineConfig(**cfg, conversation_cache_bytes=0))
+    method = reuse.config.method
+    requests = load_requests(args.data, limit=args.turns + 1, offset=args.offset)
+    if len(requests) < args.turns + 1:
+        raise SystemExit(f"--turns {args.turns} needs {args.turns + 1} rows of {args.data} from --offset {args.offset}")
+    questions = [r.question for r in requests[1 : args.turns + 1]]
+    fixed = requests[0].passages()[: args.passages]
+    gen = GenerationConfig(max_new_tokens=args.max_new_tokens)
+    warm = requests[0].question  # untimed: the first request of a process pays one-time setup
+    for eng in (reuse, recompute):
+        converse(eng, eng, lambda k: fixed, [warm], method, gen)
+    reuse.conversations.clear()
+    result: dict[str, Any] = {"scenarios": {}}
+    for scenario in [s.strip() for s in args.scenarios.split(",") if s.strip()]:
+        if scenario not in ("fixed", "changing"):
+            raise SystemExit(f"unknown scenario {scenario!r}; choose from fixed, changing")
+        print(f"{scenario} chunks:", flush=True)
+        chunks_of = ((lambda k: fixed) if scenario == "fixed"
+                     else (lambda k: requests[1 + k].passages()[: args.passages]))
+        rows = converse(reuse, recompute, chunks_of, questions, method, gen)
+        result["scenarios"][scenario] = {"rows": rows, "summary": _summary(rows)}
+        reuse.conversations.clear()
+    for fw in [s.strip() for s in args.frameworks.split(",") if s.strip() and s.strip() != "none"]:
+        from kvrag_bench import chat_frameworks
+
+        print(f"{fw} stock chat engine, fixed chunks:", flush=True)
+        result["scenarios"][f"{fw}"] = chat_frameworks.run(fw, reuse, recompute, fixed, questions, gen)
+        reuse.conversations.clear()
+    if args.kv_check:
+        result["kv_check"] = kv_check(reuse, fixed, questions, gen)
+    dtype = next(loaded.model.parameters()).dtype
+    result.update({"model": loaded.name, "dtype": str(dtype).replace("torch.", ""), "quantize": args.quantize,
+                   "quantization": quantization_of(loaded.model) or "none", "method": method,
+                   "max_new_tokens": args.max_new_tokens, "turns": args.turns, "passages": args.passages,
+                   "data": str(args.data), "offset": args.offset, "torch_threads": torch.get_num_threads(),
+                   "machine": machine_info(loaded.device, dtype), "commit": run_git_sha(),
+                   "conversation_cache": reuse.conversations.stats()})
+    return result
+
+
+def markdown(result: dict[str, Any]) -> str:
+    lines = [f"{result['model']}, {result['machine']['kind']}, {result['dtype']}, weights {result['quantization']}, "
+             f"method {result['method']}, {result['turns']} turns of {result['data']} from row {result['offset']}, "
+             f"{result['passages']} passages, {result['max_new_tokens']} new tokens, {result['torch_threads']} "
+             f"thread(s), commit {result['commit'][:10]}", ""]
+    for name, sc in result["scenarios"].items():
+        rows, s = sc["rows"], sc["summary"]
+        lines += [f"### {name}", "",
+                  "| turn | prompt tokens | reused from the conversation | prefilled | TTFT reuse (s) | "
+                  "TTFT / turn 1 | TTFT recompute (s) | TTFT / turn 1 | same answer |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|:---:|"]
+        t1r, t1f = rows[0]["ttft_reuse_s"], rows[0]["ttft_recompute_s"]
+        for r in rows:
+            lines.append(f"| {r['turn']} | {r['prompt_tokens']} | {r['reused_conversation']} | {r['prefilled']} | "
+                         f"{r['ttft_reuse_s']:.3f} | {r['ttft_reuse_s'] / t1r:.2f} | {r['ttft_recompute_s']:.3f} | "
+                         f"{r['ttft_recompute_s'] / t1f:.2f} | {'yes' if r['same_answer'] else 'no'} |")
+        lines += ["", f"Last turn / turn 1 TTFT: reuse {s['ttft_ratio_last_first_reuse']:.2f}x, recompute "
+                      f"{s['ttft_ratio_last_first_recompute']:.2f}x; same answers {s['same_answers']}/{s['turns']} "
+                      f"({s['same_answers_after_first']}/{s['turns'] - 1} of the turns after the first).", ""]
+    if "kv_check" in result:
+        lines += ["### decode-written vs prefill-written K/V (`full`, one turn)", "",
+                  "| part | tensor | positions | bit-identical | max abs diff | mean abs diff | max abs value |",
+                  "|---|---|---:|---:|---:|---:|---:|"]
+        for key, c in result["kv_check"].items():
+            part, name = key.split("_", 1)
+            lines.append(f"| {part} | {name} | {c['positions']} | {c['bit_identical_fraction']:.1%} | "
+                         f"{c['max_abs_diff']:.3g} | {c['mean_abs_diff']:.3g} | {c['max_abs']:.3g} |")
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    from kvrag_bench.report import write_result
+
+    write_result(args.out, "chat", run(args), markdown)
+    return 0
+
+
+__all__ = ["add_arguments", "converse", "kv_check", "main", "markdown", "run"]
