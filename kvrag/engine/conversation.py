@@ -4,10 +4,12 @@ A chat sends its whole history every turn: turn ``k + 1``'s prompt is turn ``k``
 user message. After a request is answered its KV -- the prompt's (the method's repaired context and the suffix
 prefill) and the answer's (written by the decode steps) -- is kept in a :class:`ConversationCache` under the exact
 token ids it stands for. A later request of the same engine (so the same model) and the same method whose ids
-start with a kept request's whole prompt and at least one token of its answer reuses the longest common prefix of
-ids (at most all but its last id) and prefills only the rest (:func:`prepare_hit`), as llama.cpp's server does with
-a slot's ``cache_prompt`` and vLLM / SGLang with their prefix caches. A repeated prompt is not such a turn: it is
-computed afresh, so ``full`` on a prompt it has seen still equals ``model.generate`` on its ids.
+start with a kept conversation's first prompt and at least one token of its answer (the next turn, or a later turn
+edited or asked again) reuses the longest common prefix of ids (at most all but its last id) and prefills only the
+rest (:func:`prepare_hit`), as llama.cpp's server does with a slot's ``cache_prompt`` and vLLM / SGLang with their
+prefix caches. A repeated first prompt, or a new question over the same passages, is not a next turn: it is
+computed afresh, so ``full`` on a prompt it has seen still equals ``model.generate`` on its ids, and a method that
+repairs the context for the question repairs it for this one.
 
 Exactness: the reused positions are the same computation the model did on the same ids, by the same model and
 method, so a ``full`` request that reuses a prefix generates exactly what ``model.generate(ids,
@@ -45,10 +47,12 @@ from kvrag.kv.pieces import Pace, SuffixPrefill, forward_pieces
 @dataclasses.dataclass(eq=False)
 class Entry:
     """One answered request's KV: ``keys`` / ``values`` [L, H_kv, T, D] (RoPE applied, positions 0..T-1) of ``ids``
-    (T ids: the prompt's ``prompt_len``, then the answer's written by the decode steps), under ``method``."""
+    (T ids: the prompt's ``prompt_len``, then the answer's written by the decode steps), under ``method``;
+    ``first``: the prompt length of the conversation's first answered request (a next turn continues past it)."""
 
     ids: tuple[int, ...]
     prompt_len: int
+    first: int
     method: str
     keys: torch.Tensor
     values: torch.Tensor
@@ -114,8 +118,9 @@ class ConversationCache:
         return budget
 
     def match(self, ids: Sequence[int], method: str, min_length: int = 0) -> Hit | None:
-        """The kept request that ``ids`` continue (its whole prompt and at least one answer token) with the longest
-        common prefix, reused up to all ids but the last and at least ``min_length`` of them; None if there is none."""
+        """The kept conversation that ``ids`` continue (its first prompt and at least one token of its answer) with
+        the longest common prefix, reused up to all ids but the last and at least ``min_length`` of them; None if
+        there is none."""
         if not self.enabled:
             return None
         ids = tuple(ids)
@@ -123,7 +128,7 @@ class ConversationCache:
         with self._lock:
             self._budget()
             for key, e in self._entries.items():
-                if e.method != method or len(ids) <= e.prompt_len + 1 or ids[: e.prompt_len + 1] != e.ids[: e.prompt_len + 1]:
+                if e.method != method or len(ids) <= e.first + 1 or ids[: e.first + 1] != e.ids[: e.first + 1]:
                     continue
                 n = min(common_prefix(ids, e.ids), len(ids) - 1)
                 if n >= max(1, min_length) and (best is None or n > best.length):
@@ -154,9 +159,13 @@ class ConversationCache:
                 if e.method == method and e.ids[: len(ids)] == ids:
                     return True  # already kept as part of a longer one
         t = len(ids)
-        entry = Entry(ids, int(prompt_len), method, buf.keys[:, :, :t].clone(), buf.values[:, :, :t].clone(), nbytes)
+        entry = Entry(ids, int(prompt_len), int(prompt_len), method, buf.keys[:, :, :t].clone(),
+                      buf.values[:, :, :t].clone(), nbytes)
         with self._lock:
             budget = self._budget()
+            for e in self._entries.values():  # a later turn of a kept conversation belongs to it
+                if e.method == method and e.first < entry.first and common_prefix(ids, e.ids) > e.first:
+                    entry.first = e.first
             for key in [k for k, e in self._entries.items() if e.method == method and ids[: len(e.ids)] == e.ids]:
                 self._drop(key)  # the earlier turns of this conversation: the new entry covers them
             while self._entries and (self.nbytes + nbytes > self.max_bytes or len(self._entries) >= self.max_entries):

@@ -159,6 +159,10 @@ def test_the_next_turn_replaces_the_turn_before() -> None:
     assert cc.keep(t2, 12, "stale", _cache(13, budget))
     assert len(cc) == 1 and cc.nbytes == 130
     assert cc.match(t2 + (1,), "full") is None  # another method's KV is never reused
+    # a later turn asked differently (the conversation branches after turn 1's answer) still reuses turn 1
+    hit = cc.match(t1 + (50, 77, 78), "stale")
+    assert hit is not None and hit.length == 11
+    assert cc.match(t1[:6] + (99,), "stale") is None  # a new question after the same first prompt: computed afresh
 
 
 def test_kept_bytes_count_in_the_lease_accounting_and_give_way_to_requests() -> None:
