@@ -368,7 +368,8 @@ def _stats(prep: Any) -> dict[str, Any]:
 
 def response_summary(prep: Any) -> dict[str, Any]:
     """The per-response summary every adapter exposes (LlamaIndex ``additional_kwargs``, LangChain
-    ``response_metadata["kvrag"]``): method, TTFT, hit rate, chunk counts, reused tokens, method stats.
+    ``response_metadata["kvrag"]``): method, TTFT, hit rate, chunk counts, reused tokens (those of an earlier
+    turn of the conversation too), method stats.
 
     Args:
         prep: the engine's :class:`~kvrag.engine.engine.Prepared` request (after or while streaming).
@@ -383,6 +384,7 @@ def response_summary(prep: Any) -> dict[str, Any]:
         "chunk_hits": st.chunk_hits,
         "chunk_misses": st.chunk_misses,
         "reused_tokens": st.reused_tokens,
+        "conversation_tokens": st.conversation_tokens,
         "method_stats": st.method_stats.to_dict(),
     }
 

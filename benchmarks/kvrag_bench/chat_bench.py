@@ -156,10 +156,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result["scenarios"][scenario] = {"rows": rows, "summary": _summary(rows)}
         reuse.conversations.clear()
     for fw in [s.strip() for s in args.frameworks.split(",") if s.strip() and s.strip() != "none"]:
-        from kvrag_bench import chat_frameworks
+        from kvrag_bench.chat_frameworks import run as run_framework
 
         print(f"{fw} stock chat engine, fixed chunks:", flush=True)
-        result["scenarios"][f"{fw}"] = chat_frameworks.run(fw, reuse, recompute, fixed, questions, gen)
+        result["scenarios"][fw] = run_framework(fw, reuse, recompute, fixed, questions, gen)
         reuse.conversations.clear()
     if args.kv_check:
         result["kv_check"] = kv_check(reuse, fixed, questions, gen)
