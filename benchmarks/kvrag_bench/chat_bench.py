@@ -9,6 +9,10 @@ passages, then the history, then the new question. Scenarios:
   change; the history sits behind the same prefix).
 * ``changing``: turn ``k``'s system message holds row ``offset + k``'s passages (what a chat engine that retrieves
   again every turn sends; the history no longer sits behind the same prefix).
+* ``changing-history``: as ``changing``, the reusing engine also given the earlier user / assistant messages as
+  reusable segments (:func:`kvrag.adapters.history_segments`: cached like chunks, placed at their new position,
+  repaired by the method). With ``--kl``, each turn's next-token KL against ``full`` of the method with the
+  history prefilled and with the history as segments.
 
 Each turn's prompt is answered by two engines on one model and one chunk store, taking turns (their order
 alternates per turn, so a busy machine slows them alike): ``reuse`` (kvrag's defaults: the conversation cache on)
@@ -31,6 +35,7 @@ from collections.abc import Callable
 from typing import Any
 
 SYSTEM = "Answer the user's questions from these passages. Be brief."
+SCENARIOS = ("fixed", "changing", "changing-history")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -40,7 +45,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--passages", type=int, default=10, help="passages in the system message")
     p.add_argument("--method", default=None, help="fusion method spec of every answer (default: the engine's)")
     p.add_argument("--max-new-tokens", type=int, default=48)
-    p.add_argument("--scenarios", default="fixed,changing", help="comma-separated: fixed, changing")
+    p.add_argument("--scenarios", default="fixed,changing,changing-history",
+                   help="comma-separated: fixed, changing, changing-history")
+    p.add_argument("--kl", action="store_true",
+                   help="with changing chunks: next-token KL vs full with the history prefilled / as segments")
     p.add_argument("--frameworks", default="none", help="comma-separated: llamaindex, langchain (or none)")
     p.add_argument("--kv-check", action="store_true", help="measure decode-written vs prefill-written K/V (full)")
     p.add_argument("--out", default="runs/chat")
@@ -51,30 +59,47 @@ def _messages(system: str, history: list[dict[str, str]], question: str) -> list
 
 
 def converse(reuse: Any, recompute: Any, chunks_of: Callable[[int], list[str]], questions: list[str], method: str,
-             gen: Any) -> list[dict[str, Any]]:
-    """One conversation; both engines answer every turn's prompt (the history is the reusing engine's answers)."""
+             gen: Any, *, history_segments: bool = False, kl: bool = False) -> list[dict[str, Any]]:
+    """One conversation; both engines answer every turn's prompt (the history is the reusing engine's answers).
+
+    ``history_segments``: the reusing engine also gets the earlier messages as reusable segments
+    (:func:`kvrag.adapters.history_segments`). ``kl``: the next-token KL against ``full`` of the method with the
+    history prefilled and with it as segments (on the recomputing engine, no conversation kept)."""
+    from kvrag.adapters import chunk_texts, with_history
     from kvrag.prompting import render_chat
+    from kvrag.testing.equivalence import kl as kl_of
 
     history: list[dict[str, str]] = []
     rows = []
     for k, q in enumerate(questions):
         chunks = chunks_of(k)
         reuse.ingest(chunks, progress=False)
-        prompt = render_chat(reuse.tokenizer, _messages(SYSTEM + "\n" + "".join(chunks), history, q))
-        order = [("reuse", reuse), ("recompute", recompute)]
-        got = dict((name, eng.answer(prompt, chunks, method, gen)) for name, eng in (order if k % 2 == 0 else order[::-1]))
+        messages = _messages(SYSTEM + "\n" + "".join(chunks), history, q)
+        prompt = render_chat(reuse.tokenizer, messages)
+        segments = chunk_texts(with_history(chunks, messages)) if history_segments else chunks
+        order = [("reuse", reuse, segments), ("recompute", recompute, chunks)]
+        got = {name: eng.answer(prompt, c, method, gen) for name, eng, c in (order if k % 2 == 0 else order[::-1])}
         r, f = got["reuse"], got["recompute"]
         total = r.stats.context_tokens + r.stats.suffix_tokens
-        rows.append({"turn": k + 1, "prompt_tokens": total, "reused_conversation": r.stats.conversation_tokens,
-                     "prefilled": total - r.stats.reused_tokens,
-                     "recompute_prefilled": total - f.stats.reused_tokens,
-                     "ttft_reuse_s": r.timings.ttft_s, "ttft_recompute_s": f.timings.ttft_s,
-                     "same_answer": r.token_ids == f.token_ids, "answer": r.text,
-                     "recompute_answer": f.text if r.token_ids != f.token_ids else None})
+        row = {"turn": k + 1, "prompt_tokens": total, "reused_conversation": r.stats.conversation_tokens,
+               "prefilled": total - r.stats.reused_tokens, "recompute_prefilled": total - f.stats.reused_tokens,
+               "ttft_reuse_s": r.timings.ttft_s, "ttft_recompute_s": f.timings.ttft_s,
+               "same_answer": r.token_ids == f.token_ids, "answer": r.text,
+               "recompute_answer": f.text if r.token_ids != f.token_ids else None,
+               "reuse_timings": r.timings.to_dict(), "recompute_timings": f.timings.to_dict()}
+        if kl:
+            logits = {}
+            for name, m, c in (("full", "full", chunks), ("prefilled", method, chunks), ("segments", method, segments)):
+                prep = recompute.prepare(recompute.plan(prompt, c), m, reserve=1)
+                logits[name] = prep.last_logits
+                del prep  # gives its KV back
+            row["kl_history_prefilled"] = kl_of(logits["full"], logits["prefilled"])
+            row["kl_history_segments"] = kl_of(logits["full"], logits["segments"])
+        rows.append(row)
         history += [{"role": "user", "content": q}, {"role": "assistant", "content": r.text}]
-        print(f"  turn {k + 1}: {total} prompt tokens, {r.stats.conversation_tokens} reused from the conversation; "
-              f"TTFT {r.timings.ttft_s:.3f} s (recompute {f.timings.ttft_s:.3f} s); same answer: "
-              f"{r.token_ids == f.token_ids}", flush=True)
+        print(f"  turn {k + 1}: {total} prompt tokens, {r.stats.conversation_tokens} reused from the conversation, "
+              f"{row['prefilled']} prefilled; TTFT {r.timings.ttft_s:.3f} s (recompute {f.timings.ttft_s:.3f} s); "
+              f"same answer: {r.token_ids == f.token_ids}", flush=True)
     return rows
 
 
@@ -147,12 +172,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     reuse.conversations.clear()
     result: dict[str, Any] = {"scenarios": {}}
     for scenario in [s.strip() for s in args.scenarios.split(",") if s.strip()]:
-        if scenario not in ("fixed", "changing"):
-            raise SystemExit(f"unknown scenario {scenario!r}; choose from fixed, changing")
-        print(f"{scenario} chunks:", flush=True)
+        if scenario not in SCENARIOS:
+            raise SystemExit(f"unknown scenario {scenario!r}; choose from {', '.join(SCENARIOS)}")
+        print(f"{scenario}:", flush=True)
         chunks_of = ((lambda k: fixed) if scenario == "fixed"
                      else (lambda k: requests[1 + k].passages()[: args.passages]))
-        rows = converse(reuse, recompute, chunks_of, questions, method, gen)
+        rows = converse(reuse, recompute, chunks_of, questions, method, gen,
+                        history_segments=scenario == "changing-history", kl=scenario != "fixed" and args.kl)
         result["scenarios"][scenario] = {"rows": rows, "summary": _summary(rows)}
         reuse.conversations.clear()
     for fw in [s.strip() for s in args.frameworks.split(",") if s.strip() and s.strip() != "none"]:
@@ -189,6 +215,12 @@ def markdown(result: dict[str, Any]) -> str:
             lines.append(f"| {r['turn']} | {r['prompt_tokens']} | {r['reused_conversation']} | {r['prefilled']} | "
                          f"{r['ttft_reuse_s']:.3f} | {r['ttft_reuse_s'] / t1r:.2f} | {r['ttft_recompute_s']:.3f} | "
                          f"{r['ttft_recompute_s'] / t1f:.2f} | {'yes' if r['same_answer'] else 'no'} |")
+        if "kl_history_prefilled" in rows[0]:
+            kp = [r["kl_history_prefilled"] for r in rows]
+            ks = [r["kl_history_segments"] for r in rows]
+            lines += ["", "Next-token KL vs `full` per turn, method with the history prefilled / as segments: "
+                      + ", ".join(f"{a:.3g} / {b:.3g}" for a, b in zip(kp, ks, strict=True))
+                      + f" (mean {sum(kp) / len(kp):.3g} / {sum(ks) / len(ks):.3g})."]
         lines += ["", f"Last turn / turn 1 TTFT: reuse {s['ttft_ratio_last_first_reuse']:.2f}x, recompute "
                       f"{s['ttft_ratio_last_first_recompute']:.2f}x; same answers {s['same_answers']}/{s['turns']} "
                       f"({s['same_answers_after_first']}/{s['turns'] - 1} of the turns after the first).", ""]

@@ -225,3 +225,39 @@ def test_a_streamed_answer_is_kept_with_the_ids_its_kv_stands_for() -> None:
     n = len(prep.plan.token_ids)
     assert entry.ids[:n] == prep.plan.token_ids and entry.ids[n:] == tuple(prep.token_ids[: len(entry.ids) - n])
     assert entry.keys.shape[2] == len(entry.ids) == hf_cache.cache_length(prep.cache)
+
+
+def test_history_segments_are_the_earlier_turns() -> None:
+    from kvrag.adapters import history_segments
+
+    msgs = [{"role": "system", "content": "ctx"}, {"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"},
+            {"role": "human", "content": "q2"}, {"role": "ai", "content": " "}, {"role": "user", "content": "q3"}]
+    assert history_segments(msgs) == ["q1", "a1", "q2"]
+    assert history_segments(msgs[:2]) == [] and history_segments([]) == []
+
+
+def test_history_as_segments_when_the_chunks_change() -> None:
+    """Chunks that change every turn: the earlier messages are reused from the store (placed at their new position)
+    instead of prefilled again; with ``full`` (which reads no cache) the answer is the recomputed one."""
+    from kvrag.adapters import chunk_texts, with_history
+
+    eng = make(conversation_cache_bytes=0)
+    history: list[dict[str, str]] = []
+    prefilled = {}
+    for turn, q in enumerate(QUESTIONS[:3]):
+        chunks = [PASSAGES[turn % 2]]
+        msgs = [{"role": "system", "content": "Answer.\n" + chunks[0]}, *history, {"role": "user", "content": q}]
+        prompt = render_chat(eng.tokenizer, msgs)
+        seg = chunk_texts(with_history(chunks, msgs))
+        plain = eng.answer(prompt, chunks, "stale", max_new_tokens=8)
+        r = eng.answer(prompt, seg, "stale", max_new_tokens=8)
+        full_seg, full = (eng.answer(prompt, c, "full", max_new_tokens=8).token_ids for c in (seg, chunks))
+        assert full_seg == full
+        prefilled[turn] = (plain.stats.suffix_tokens, r.stats.suffix_tokens, r.stats.chunks_found,
+                           (r.stats.chunk_hits, r.stats.chunk_misses))
+        history += [{"role": "user", "content": q}, {"role": "assistant", "content": r.text}]
+    plain3, seg3, found3, hits3 = prefilled[2]
+    # the passage and four earlier messages: the passage and turn 1's messages read from the store, turn 2's
+    # question and answer (new) computed alone and stored
+    assert found3 == 1 + 4 and hits3 == (3, 2)
+    assert seg3 < plain3 // 2
