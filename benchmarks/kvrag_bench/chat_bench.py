@@ -31,6 +31,7 @@ Writes ``chat.json`` and ``chat.md`` to ``--out``.
 from __future__ import annotations
 
 import argparse
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -47,6 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--scenarios", default="fixed,changing,changing-history",
                    help="comma-separated: fixed, changing, changing-history")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="timed prepares per turn and engine before the answers; the fastest is reported (0: none)")
     p.add_argument("--kl", action="store_true",
                    help="with changing chunks: next-token KL vs full with the history prefilled / as segments")
     p.add_argument("--frameworks", default="none", help="comma-separated: llamaindex, langchain (or none)")
@@ -58,13 +61,32 @@ def _messages(system: str, history: list[dict[str, str]], question: str) -> list
     return [{"role": "system", "content": system}, *history, {"role": "user", "content": question}]
 
 
+def _prepare_s(eng: Any, prompt: str, chunks: list[str], method: str) -> float:
+    """Seconds of one prepare (fetch, assemble or copy the kept KV, repair, prefill: the TTFT less the first
+    token's choice), not streamed, so nothing is kept."""
+    t = time.perf_counter()
+    prep = eng.prepare(eng.plan(prompt, chunks), method, reserve=1)
+    dt = time.perf_counter() - t
+    del prep  # gives its KV back
+    return dt
+
+
+def _fastest(best: dict[str, float], order: list[tuple[str, Any, list[str]]], prompt: str, method: str,
+             repeats: int) -> None:
+    for _ in range(repeats):
+        for name, eng, c in order:
+            best[name] = min(best[name], _prepare_s(eng, prompt, c, method))
+
+
 def converse(reuse: Any, recompute: Any, chunks_of: Callable[[int], list[str]], questions: list[str], method: str,
-             gen: Any, *, history_segments: bool = False, kl: bool = False) -> list[dict[str, Any]]:
+             gen: Any, *, history_segments: bool = False, kl: bool = False, repeats: int = 0) -> list[dict[str, Any]]:
     """One conversation; both engines answer every turn's prompt (the history is the reusing engine's answers).
 
     ``history_segments``: the reusing engine also gets the earlier messages as reusable segments
     (:func:`kvrag.adapters.history_segments`). ``kl``: the next-token KL against ``full`` of the method with the
-    history prefilled and with it as segments (on the recomputing engine, no conversation kept)."""
+    history prefilled and with it as segments (on the recomputing engine, no conversation kept). ``repeats``: before
+    the answers, that many prepares of the turn's prompt per engine, taking turns; the fastest is recorded (a
+    shared machine's stalls only ever add time)."""
     from kvrag.adapters import chunk_texts, with_history
     from kvrag.prompting import render_chat
     from kvrag.testing.equivalence import kl as kl_of
@@ -78,7 +100,12 @@ def converse(reuse: Any, recompute: Any, chunks_of: Callable[[int], list[str]], 
         prompt = render_chat(reuse.tokenizer, messages)
         segments = chunk_texts(with_history(chunks, messages)) if history_segments else chunks
         order = [("reuse", reuse, segments), ("recompute", recompute, chunks)]
+        best = {"reuse": float("inf"), "recompute": float("inf")}
+        if not history_segments:  # before the answer, which replaces the kept turn with this one
+            _fastest(best, order, prompt, method, repeats)
         got = {name: eng.answer(prompt, c, method, gen) for name, eng, c in (order if k % 2 == 0 else order[::-1])}
+        if history_segments:  # after it: the answer's TTFT includes computing the newest turn's segments
+            _fastest(best, order, prompt, method, repeats)
         r, f = got["reuse"], got["recompute"]
         total = r.stats.context_tokens + r.stats.suffix_tokens
         row = {"turn": k + 1, "prompt_tokens": total, "reused_conversation": r.stats.conversation_tokens,
@@ -87,6 +114,8 @@ def converse(reuse: Any, recompute: Any, chunks_of: Callable[[int], list[str]], 
                "same_answer": r.token_ids == f.token_ids, "answer": r.text,
                "recompute_answer": f.text if r.token_ids != f.token_ids else None,
                "reuse_timings": r.timings.to_dict(), "recompute_timings": f.timings.to_dict()}
+        if repeats:
+            row.update(prepare_min_reuse_s=best["reuse"], prepare_min_recompute_s=best["recompute"])
         if kl:
             logits = {}
             for name, m, c in (("full", "full", chunks), ("prefilled", method, chunks), ("segments", method, segments)):
@@ -97,9 +126,10 @@ def converse(reuse: Any, recompute: Any, chunks_of: Callable[[int], list[str]], 
             row["kl_history_segments"] = kl_of(logits["full"], logits["segments"])
         rows.append(row)
         history += [{"role": "user", "content": q}, {"role": "assistant", "content": r.text}]
+        fastest = f"; fastest prepare {best['reuse']:.3f} s (recompute {best['recompute']:.3f} s)" if repeats else ""
         print(f"  turn {k + 1}: {total} prompt tokens, {r.stats.conversation_tokens} reused from the conversation, "
-              f"{row['prefilled']} prefilled; TTFT {r.timings.ttft_s:.3f} s (recompute {f.timings.ttft_s:.3f} s); "
-              f"same answer: {r.token_ids == f.token_ids}", flush=True)
+              f"{row['prefilled']} prefilled; TTFT {r.timings.ttft_s:.3f} s (recompute {f.timings.ttft_s:.3f} s)"
+              f"{fastest}; same answer: {r.token_ids == f.token_ids}", flush=True)
     return rows
 
 
@@ -138,7 +168,10 @@ def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "ttft_ratio_last_first_recompute": last["ttft_recompute_s"] / first["ttft_recompute_s"],
             "same_answers": sum(r["same_answer"] for r in rows),
             "same_answers_after_first": sum(r["same_answer"] for r in rows[1:]),
-            "reused_tokens": sum(r["reused_conversation"] for r in rows)}
+            "reused_tokens": sum(r["reused_conversation"] for r in rows),
+            **({"prepare_ratio_last_first_reuse": last["prepare_min_reuse_s"] / first["prepare_min_reuse_s"],
+                "prepare_ratio_last_first_recompute": last["prepare_min_recompute_s"] / first["prepare_min_recompute_s"]}
+               if "prepare_min_reuse_s" in first else {})}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -178,7 +211,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         chunks_of = ((lambda k: fixed) if scenario == "fixed"
                      else (lambda k: requests[1 + k].passages()[: args.passages]))
         rows = converse(reuse, recompute, chunks_of, questions, method, gen,
-                        history_segments=scenario == "changing-history", kl=scenario != "fixed" and args.kl)
+                        history_segments=scenario == "changing-history", kl=scenario != "fixed" and args.kl,
+                        repeats=args.repeats)
         result["scenarios"][scenario] = {"rows": rows, "summary": _summary(rows)}
         reuse.conversations.clear()
     for fw in [s.strip() for s in args.frameworks.split(",") if s.strip() and s.strip() != "none"]:
@@ -206,24 +240,35 @@ def markdown(result: dict[str, Any]) -> str:
              f"thread(s), commit {result['commit'][:10]}", ""]
     for name, sc in result["scenarios"].items():
         rows, s = sc["rows"], sc["summary"]
+        fast = "prepare_min_reuse_s" in rows[0]
         lines += [f"### {name}", "",
                   "| turn | prompt tokens | reused from the conversation | prefilled | TTFT reuse (s) | "
-                  "TTFT / turn 1 | TTFT recompute (s) | TTFT / turn 1 | same answer |",
-                  "|---:|---:|---:|---:|---:|---:|---:|---:|:---:|"]
+                  "TTFT / turn 1 | TTFT recompute (s) | TTFT / turn 1 |"
+                  + (" fastest prepare reuse (s) | / turn 1 | recompute (s) | / turn 1 |" if fast else "")
+                  + " same answer |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|---:|---:|" if fast else "") + ":---:|"]
         t1r, t1f = rows[0]["ttft_reuse_s"], rows[0]["ttft_recompute_s"]
         for r in rows:
-            lines.append(f"| {r['turn']} | {r['prompt_tokens']} | {r['reused_conversation']} | {r['prefilled']} | "
-                         f"{r['ttft_reuse_s']:.3f} | {r['ttft_reuse_s'] / t1r:.2f} | {r['ttft_recompute_s']:.3f} | "
-                         f"{r['ttft_recompute_s'] / t1f:.2f} | {'yes' if r['same_answer'] else 'no'} |")
+            cells = (f"| {r['turn']} | {r['prompt_tokens']} | {r['reused_conversation']} | {r['prefilled']} | "
+                     f"{r['ttft_reuse_s']:.3f} | {r['ttft_reuse_s'] / t1r:.2f} | {r['ttft_recompute_s']:.3f} | "
+                     f"{r['ttft_recompute_s'] / t1f:.2f} |")
+            if fast:
+                p1r, p1f = rows[0]["prepare_min_reuse_s"], rows[0]["prepare_min_recompute_s"]
+                cells += (f" {r['prepare_min_reuse_s']:.3f} | {r['prepare_min_reuse_s'] / p1r:.2f} | "
+                          f"{r['prepare_min_recompute_s']:.3f} | {r['prepare_min_recompute_s'] / p1f:.2f} |")
+            lines.append(cells + f" {'yes' if r['same_answer'] else 'no'} |")
         if "kl_history_prefilled" in rows[0]:
             kp = [r["kl_history_prefilled"] for r in rows]
             ks = [r["kl_history_segments"] for r in rows]
             lines += ["", "Next-token KL vs `full` per turn, method with the history prefilled / as segments: "
                       + ", ".join(f"{a:.3g} / {b:.3g}" for a, b in zip(kp, ks, strict=True))
                       + f" (mean {sum(kp) / len(kp):.3g} / {sum(ks) / len(ks):.3g})."]
+        fastest = (f" (fastest prepares: reuse {s['prepare_ratio_last_first_reuse']:.2f}x, recompute "
+                   f"{s['prepare_ratio_last_first_recompute']:.2f}x)" if "prepare_ratio_last_first_reuse" in s else "")
         lines += ["", f"Last turn / turn 1 TTFT: reuse {s['ttft_ratio_last_first_reuse']:.2f}x, recompute "
-                      f"{s['ttft_ratio_last_first_recompute']:.2f}x; same answers {s['same_answers']}/{s['turns']} "
-                      f"({s['same_answers_after_first']}/{s['turns'] - 1} of the turns after the first).", ""]
+                      f"{s['ttft_ratio_last_first_recompute']:.2f}x{fastest}; same answers "
+                      f"{s['same_answers']}/{s['turns']} ({s['same_answers_after_first']}/{s['turns'] - 1} of the turns "
+                      "after the first).", ""]
     if "kv_check" in result:
         lines += ["### decode-written vs prefill-written K/V (`full`, one turn)", "",
                   "| part | tensor | positions | bit-identical | max abs diff | mean abs diff | max abs value |",
