@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import threading
 import time
 from collections.abc import Generator, Sequence
@@ -42,6 +43,8 @@ from kvrag.fusion.base import FusionMethod
 from kvrag.fusion.stats import MethodStats
 from kvrag.kv import batched, hf_cache
 from kvrag.kv.pieces import Pace, SuffixPrefill, forward_pieces
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(eq=False)
@@ -213,14 +216,21 @@ class ConversationCache:
 
 
 def keep_answered(cache: ConversationCache, prepared: Prepared) -> bool:
-    """Keep a streamed request's KV (its prompt and the answer tokens the decode steps wrote)."""
-    plan_ids = prepared.plan.token_ids
-    length = hf_cache.cache_length(prepared.cache)
-    answered = length - len(plan_ids)
-    if answered <= 0 or answered > len(prepared.token_ids):
+    """Keep a streamed request's KV (its prompt and the answer tokens the decode steps wrote). Never raises: a
+    conversation that cannot be kept (e.g. no memory for the copy) is only not reused."""
+    if not cache.enabled:
         return False
-    return cache.keep(plan_ids + tuple(prepared.token_ids[:answered]), len(plan_ids), repr(prepared.method),
-                      prepared.cache)
+    try:
+        plan_ids = prepared.plan.token_ids
+        length = hf_cache.cache_length(prepared.cache)
+        answered = length - len(plan_ids)
+        if answered <= 0 or answered > len(prepared.token_ids):
+            return False
+        return cache.keep(plan_ids + tuple(prepared.token_ids[:answered]), len(plan_ids), repr(prepared.method),
+                          prepared.cache)
+    except Exception:  # noqa: BLE001 - the answer is complete; only its reuse is lost
+        log.warning("could not keep an answered request's KV for its next turn", exc_info=True)
+        return False
 
 
 def prepare_hit(engine: Any, plan: Plan, m: FusionMethod, reserve: int, lease: Lease,
