@@ -51,7 +51,7 @@ from kvrag.config import GenerationConfig
 from kvrag.engine.cancel import CancelToken, current_token, use_token
 from kvrag.engine.chunks import RegisteredChunk
 from kvrag.errors import ConfigError
-from kvrag.prompting import render_chat
+from kvrag.prompting import ROLE_ALIASES, render_chat
 
 T = TypeVar("T")
 
@@ -206,6 +206,27 @@ def resolve_chunks(
     if use_recent:
         out.extend(recent.found_in(prompt))
     return _normalize(out)
+
+
+def history_segments(messages: Sequence[Any]) -> list[str]:
+    """The earlier turns of a chat as reusable segments: the content of every user and assistant message before
+    the last user message (``messages``: ``{"role", "content"}`` dicts).
+
+    Offered to the planner with the request's chunks (:func:`with_history`), each is cached like a chunk
+    (content-addressed: computed once, then read from the store), placed at its position in this turn's prompt
+    and repaired by the request's method. A chat whose retrieved chunks change every turn then does not prefill
+    its whole history again; while the chunks stay the same, the kept conversation
+    (:mod:`kvrag.engine.conversation`) already covers the history exactly and these segments change nothing.
+    """
+    roles = [ROLE_ALIASES.get(str(m["role"]), str(m["role"])) for m in messages]
+    last = max((i for i, r in enumerate(roles) if r == "user"), default=0)
+    return [str(m["content"]) for m, r in zip(messages[:last], roles[:last], strict=False)
+            if r in ("user", "assistant") and isinstance(m["content"], str) and m["content"].strip()]
+
+
+def with_history(chunks: Iterable[ChunkLike], messages: Sequence[Any]) -> tuple[RegisteredChunk, ...]:
+    """``chunks`` and the chat's earlier turns (:func:`history_segments`) as the request's reusable segments."""
+    return _normalize([*chunks, *history_segments(messages)])
 
 
 # ------------------------------------------------------------------------------------------------- engine handles
@@ -368,7 +389,8 @@ def _stats(prep: Any) -> dict[str, Any]:
 
 def response_summary(prep: Any) -> dict[str, Any]:
     """The per-response summary every adapter exposes (LlamaIndex ``additional_kwargs``, LangChain
-    ``response_metadata["kvrag"]``): method, TTFT, hit rate, chunk counts, reused tokens, method stats.
+    ``response_metadata["kvrag"]``): method, TTFT, hit rate, chunk counts, reused tokens (those of an earlier
+    turn of the conversation too), method stats.
 
     Args:
         prep: the engine's :class:`~kvrag.engine.engine.Prepared` request (after or while streaming).
@@ -383,6 +405,7 @@ def response_summary(prep: Any) -> dict[str, Any]:
         "chunk_hits": st.chunk_hits,
         "chunk_misses": st.chunk_misses,
         "reused_tokens": st.reused_tokens,
+        "conversation_tokens": st.conversation_tokens,
         "method_stats": st.method_stats.to_dict(),
     }
 
@@ -415,12 +438,14 @@ __all__ = [
     "current_chunks",
     "ensure_chunks",
     "generation_config",
+    "history_segments",
     "recent",
     "register_chunks",
     "render_chat",
     "reset_chunks",
     "resolve_chunks",
     "to_thread",
+    "with_history",
     "response_details",
     "response_summary",
     "shared_engine",

@@ -107,6 +107,11 @@ class EngineConfig:
             boundary token merges with the text around it, e.g. after indentation) is prefilled as text (True), or
             spliced anyway and counted as ``inexact_chunks`` in the response stats (False, default). Either way
             every other id of the plan is the tokenized prompt's (see :mod:`kvrag.engine.planner`).
+        conversation_cache_bytes: most bytes of KV kept from answered requests, so that a later prompt extending
+            one's prompt and answer (the next turn of a chat) reuses it and prefills only the new text
+            (:mod:`kvrag.engine.conversation`); counted in ``kv_memory_bytes`` and given back when a request needs
+            the room. None (default): a quarter of the KV bound; 0: off.
+        conversation_cache_entries: most answered requests kept (least recently used leave first).
     """
 
     method: str = "stale"
@@ -125,6 +130,8 @@ class EngineConfig:
     speculative_ngram: int = 3
     speculative_min_ngram: int = 2
     pack_suffixes: bool = False
+    conversation_cache_bytes: int | None = None
+    conversation_cache_entries: int = 64
 
     def __post_init__(self) -> None:
         if self.chunk_prefix not in CHUNK_PREFIX_MODES:
@@ -156,3 +163,8 @@ class EngineConfig:
         if self.kv_memory_bytes is not None and (not isinstance(self.kv_memory_bytes, int) or self.kv_memory_bytes < 1):
             msg = f"kv_memory_bytes must be a positive number of bytes or None (automatic), got {self.kv_memory_bytes!r}"
             raise ConfigError(msg)
+        cb, ce = self.conversation_cache_bytes, self.conversation_cache_entries
+        if cb is not None and (not isinstance(cb, int) or cb < 0):
+            raise ConfigError(f"conversation_cache_bytes must be a number of bytes >= 0 (0: off) or None, got {cb!r}")
+        if not isinstance(ce, int) or ce < 1:
+            raise ConfigError(f"conversation_cache_entries must be an integer >= 1, got {ce!r}")

@@ -102,7 +102,7 @@ def add_bench_arguments(subparsers: Any) -> argparse.ArgumentParser:
     )
     _add_qa_args(p)
     p.set_defaults(func=_pinned(run_bench))
-    sub = p.add_subparsers(dest="bench_command", metavar="{sweep,store,load,decode,speculate,quant-kl,llamaindex-kl,dtype-kl,ingest,templates,plot}")
+    sub = p.add_subparsers(dest="bench_command", metavar="{sweep,store,load,chat,decode,speculate,quant-kl,llamaindex-kl,dtype-kl,ingest,templates,plot}")
 
     s = sub.add_parser("sweep", help="TTFT and memory vs context length and vs chunk count, every method")
     s.add_argument("--data", default=None, help="QA JSONL whose passages supply the text (default: built-in text)")
@@ -146,7 +146,12 @@ def add_bench_arguments(subparsers: Any) -> argparse.ArgumentParser:
     interleave.add_arguments(ld)
     ld.set_defaults(func=_pinned(run_load))
 
-    from kvrag_bench import decode_bench, quant_kl, spec_bench
+    from kvrag_bench import chat_bench, decode_bench, quant_kl, spec_bench
+
+    _module_command(sub, "chat", chat_bench, "a 10-turn chat over dev passages: TTFT per turn, reused vs recomputed history",
+                    "Ask dev questions one turn after another (fixed or changing passages in the system message), each "
+                    "prompt answered with the answered turns' KV reused and with the history recomputed: TTFT per "
+                    "turn, tokens reused, same answers.")
 
     _module_command(sub, "decode", decode_bench,
                     "ms per generated token vs context and batch: dense, int8, int4, llama.cpp",

@@ -15,6 +15,7 @@ from kvrag.engine.admission import default_kv_bytes
 from kvrag.engine.assemble import assemble, context_only_input
 from kvrag.engine.caching import ChunkCaching
 from kvrag.engine.chunks import RegisteredChunk
+from kvrag.engine.conversation import ConversationCache, keep_answered, prepare_hit
 from kvrag.engine.lease import KVBudget, Lease
 from kvrag.engine.planner import Plan, TextPiece, plan_pieces, plan_prompt
 from kvrag.engine.results import Prepared, Response, Stats, Timings
@@ -100,6 +101,9 @@ class KVRAGEngine(ChunkCaching):
                                                            min_ngram=min(self.config.speculative_min_ngram,
                                                                          self.config.speculative_ngram)))
         self.batcher = self.runner  # the earlier name
+        conv = self.config.conversation_cache_bytes
+        self.conversations = ConversationCache(lambda: self.runner.budget, kv_bytes // 4 if conv is None else conv,
+                                               self.config.conversation_cache_entries)
 
     @classmethod
     def from_pretrained(
@@ -276,6 +280,10 @@ class KVRAGEngine(ChunkCaching):
                    f"max_position_embeddings); retrieve fewer or shorter chunks or ask for at most "
                    f"{max(0, self.max_positions - plan.total_len)} new tokens")
             raise ContextLengthError(msg)
+        hit = self.conversations.match(plan.token_ids, repr(m), plan.context_len if m.reads_cache else 0)
+        if hit is not None:  # the next turn of a kept conversation: only the new text is prefilled
+            return self.runner.prepare(plan.total_len + reserve,
+                                       lambda lease: prepare_hit(self, plan, m, reserve, lease, hit))
         timings = Timings()
         fetched = None
         if m.reads_cache:  # store I/O before the request's turn: running requests keep decoding meanwhile
@@ -408,6 +416,7 @@ class KVRAGEngine(ChunkCaching):
         prepared.stats.decode_forwards = req.spec.decode_forwards
         prepared.stats.drafted_tokens = req.spec.drafted_tokens
         prepared.stats.accepted_tokens = req.spec.accepted_tokens
+        keep_answered(self.conversations, prepared)  # the next turn of this conversation reuses it
 
     def close(self, *, cancel: bool = False, timeout: float | None = None) -> None:
         """Stop taking requests; let those in flight finish (``cancel``: cancel them; ``timeout``: cancel what is

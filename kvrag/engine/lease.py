@@ -13,11 +13,15 @@ ends, the request is cancelled, it fails, or its :class:`~kvrag.engine.results.P
 without being streamed.
 
 :class:`KVBudget` is plain accounting with no lock and no waiting: the scheduler is its only writer and the runner
-(:mod:`kvrag.engine.runner`) calls the scheduler under its own lock.
+(:mod:`kvrag.engine.runner`) calls the scheduler under its own lock. The one other holder of bytes is the
+conversation cache (:mod:`kvrag.engine.conversation`): its KV is counted in :attr:`KVBudget.cached`, taken only when
+it fits beside the leases (:meth:`KVBudget.hold`), and given back on demand (:attr:`KVBudget.reclaimer`) when a
+request would not fit or an admission took the bound past its limit -- requests come first.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -60,35 +64,62 @@ class KVBudget:
         self.used = 0
         self.waiting = 0  # requests in line for admission (kept by the scheduler)
         self.leases: set[Lease] = set()
+        self.cached = 0  # bytes held by the conversation cache (hold / unhold)
+        self.reclaimer: Callable[[int], None] | None = None  # frees at least the given bytes of ``cached``
+        self._lock = threading.Lock()  # the arithmetic of used / cached (the cache writes from other threads)
 
     def bytes_for(self, tokens: int) -> int:
         return max(1, int(tokens)) * self.bytes_per_token
 
     def fits(self, nbytes: int) -> bool:
-        """Whether ``nbytes`` more may be held now: under the bound, or alone when larger than it."""
-        return not self.leases or self.used + nbytes <= self.limit
+        """Whether ``nbytes`` more may be held now: under the bound, or alone when larger than it (the conversation
+        cache gives back what it must first)."""
+        self._reclaim(nbytes)
+        return not self.leases or self.used + self.cached + nbytes <= self.limit
 
     def take(self, nbytes: int, on_release: Callable[[Lease], None] | None = None) -> Lease:
         lease = Lease(self, nbytes, on_release)
-        self.leases.add(lease)
-        self.used += lease.nbytes
+        with self._lock:
+            self.leases.add(lease)
+            self.used += lease.nbytes
+        self._reclaim(0)  # a conversation entry held meanwhile gives way
         return lease
+
+    def _reclaim(self, nbytes: int) -> None:
+        over = self.used + self.cached + nbytes - self.limit
+        if over > 0 and self.cached and self.reclaimer is not None:
+            self.reclaimer(over)
+
+    def hold(self, nbytes: int) -> bool:
+        """Count ``nbytes`` of conversation KV if they fit beside the leases now; returns whether they were."""
+        with self._lock:
+            if self.used + self.cached + nbytes > self.limit:
+                return False
+            self.cached += int(nbytes)
+            return True
+
+    def unhold(self, nbytes: int) -> None:
+        with self._lock:
+            self.cached -= int(nbytes)
 
     def give(self, lease: Lease) -> None:
         if lease.released:
             return
         lease.released = True
-        self.leases.discard(lease)
-        self.used -= lease.nbytes
+        with self._lock:
+            self.leases.discard(lease)
+            self.used -= lease.nbytes
 
     def snapshot(self) -> dict[str, Any]:
-        """Bytes in use, the bound, leases held and requests waiting for admission."""
-        return {"used": self.used, "limit": self.limit, "leases": len(self.leases), "waiting": self.waiting}
+        """Bytes in use, the bound, leases held, requests waiting for admission, conversation KV held."""
+        return {"used": self.used, "limit": self.limit, "leases": len(self.leases), "waiting": self.waiting,
+                "cached": self.cached}
 
     def describe(self) -> str:
         """The bound's state in words (for busy errors)."""
         return (f"{self.used / 2**20:.1f} MiB of the {self.limit / 2**20:.1f} MiB KV bound "
-                f"(EngineConfig.kv_memory_bytes={self.limit}) held by {len(self.leases)} requests")
+                f"(EngineConfig.kv_memory_bytes={self.limit}) held by {len(self.leases)} requests"
+                + (f" and {self.cached / 2**20:.1f} MiB by kept conversations" if self.cached else ""))
 
 
 __all__ = ["KVBudget", "Lease"]

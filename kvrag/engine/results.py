@@ -81,7 +81,10 @@ class Stats(_Fields):
             and how many of those were spliced with ids that differ at a boundary from the whole-prompt ids.
         chunk_hits / chunk_misses / other_hits / other_misses: store hits and misses of chunk and of other
             (prefix / in-between text) segments.
-        reused_tokens: tokens whose KV came from the store (0 for methods that read no cache).
+        reused_tokens: tokens whose KV was reused: from the store (0 for methods that read no cache) or from a
+            kept conversation.
+        conversation_tokens: tokens whose KV came from an earlier answered request that this prompt continues
+            (:mod:`kvrag.engine.conversation`; then only the rest of the prompt was prefilled).
         hit_rate: chunk hits / chunks registered.
         method_stats: the fusion method's own statistics (recomputed fractions, attention pairs, timings, ...;
             ``to_dict()`` gives the JSON form under the key ``method_stats``).
@@ -101,6 +104,7 @@ class Stats(_Fields):
     other_hits: int = 0
     other_misses: int = 0
     reused_tokens: int = 0
+    conversation_tokens: int = 0
     hit_rate: float = 0.0
     method_stats: MethodStats = dataclasses.field(default_factory=MethodStats)
     generated_tokens: int | None = None

@@ -93,6 +93,12 @@ class ChatKVCached(BaseChatModel):
     use_recent_chunks: bool = Field(
         default=True, description="Reuse recently registered chunks found verbatim in the prompt (LCEL needs it)."
     )
+    reuse_history: bool = Field(
+        default=False,
+        description="Offer the earlier user / assistant messages as reusable segments, cached and placed like chunks "
+                    "and repaired by the method (kvrag.adapters.history_segments): for chains whose retrieved chunks "
+                    "change every turn.",
+    )
 
     _engine: Any = PrivateAttr(default=None)
     _history: Any = PrivateAttr(default=None)
@@ -154,6 +160,8 @@ class ChatKVCached(BaseChatModel):
         use_recent = bool(kw.pop("use_recent_chunks", self.use_recent_chunks))
         # LCEL gives no request-scoped context: count only registered chunks that this prompt contains
         chunks = adapters.resolve_chunks(prompt, kw.pop("chunks", None), use_recent=use_recent, only_found=use_recent)
+        if kw.pop("reuse_history", self.reuse_history):
+            chunks = adapters.with_history(chunks, messages_to_dicts(messages))
         gen = adapters.generation_config(
             max_new_tokens=kw.pop("max_tokens", kw.pop("max_new_tokens", self.max_tokens)),
             temperature=kw.pop("temperature", self.temperature),

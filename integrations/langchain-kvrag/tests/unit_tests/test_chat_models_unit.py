@@ -60,3 +60,20 @@ def test_stream_equals_invoke_and_chunk_scope_registers(engine) -> None:
     with chunk_scope([]):  # nothing registered and no recent lookup: a plain prefill
         plain = llm.invoke(msgs)
     assert plain.response_metadata["kvrag"]["chunks_registered"] == 0
+
+
+def test_reuse_history_offers_the_earlier_messages_as_segments(engine) -> None:
+    from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
+    from langchain_kvrag import ChatKVCached
+
+    from kvrag.prompting import render_passage
+
+    passages = [render_passage("Tram line T3 runs every 7 minutes on weekdays.", "Trams")]
+
+    model = ChatKVCached(engine=engine, max_new_tokens=4, reuse_history=True)
+    msgs = [SystemMessage("Answer." + passages[0]), HumanMessage("How often does T3 run?"),
+            AIMessage("Every 7 minutes on weekdays."), HumanMessage("And on Sundays?")]
+    kv = model.invoke(msgs, chunks=[passages[0]]).response_metadata["kvrag"]
+    assert kv["chunks_registered"] == 3 and kv["chunks_found"] == 3
+    kv = model.invoke(msgs, chunks=[passages[0]], reuse_history=False).response_metadata["kvrag"]
+    assert kv["chunks_registered"] == 1

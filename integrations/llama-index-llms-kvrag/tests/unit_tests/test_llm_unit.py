@@ -64,3 +64,19 @@ def test_stream_and_async_equal_complete(engine, passages) -> None:
 def test_unknown_method_lists_the_valid_ones(engine) -> None:
     with pytest.raises(ConfigError, match="valid methods"):
         KVCachedLLM(engine=engine, method="nope")
+
+
+def test_reuse_history_offers_the_earlier_messages_as_segments(engine, passages) -> None:
+    from llama_index.core.base.llms.types import ChatMessage
+    from llama_index.llms.kvrag import KVCachedLLM
+
+    llm = KVCachedLLM(engine=engine, max_new_tokens=4, reuse_history=True)
+    msgs = [ChatMessage(role="system", content="Answer." + passages[0]),
+            ChatMessage(role="user", content="How often does T3 run?"),
+            ChatMessage(role="assistant", content="Every 7 minutes on weekdays."),
+            ChatMessage(role="user", content="And on Sundays?")]
+    llm.chat(msgs, chunks=[passages[0]])
+    kw = llm.last_info["additional_kwargs"]
+    assert kw["chunks_registered"] == 3 and kw["chunks_found"] == 3
+    llm.chat(msgs, chunks=[passages[0]], reuse_history=False)
+    assert llm.last_info["additional_kwargs"]["chunks_registered"] == 1

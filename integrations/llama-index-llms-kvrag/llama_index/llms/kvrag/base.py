@@ -81,6 +81,12 @@ class KVCachedLLM(CustomLLM):
         description="Also reuse recently registered chunks found verbatim in the prompt (see kvrag.adapters).",
     )
     history_size: int = Field(default=32, ge=0, description="How many per-request records to keep in .history.")
+    reuse_history: bool = Field(
+        default=False,
+        description="Offer a chat's earlier user / assistant messages as reusable segments, cached and placed like "
+                    "chunks and repaired by the method (kvrag.adapters.history_segments): for chat engines whose "
+                    "retrieved chunks change every turn.",
+    )
 
     _engine: Any = PrivateAttr(default=None)
     _history: Any = PrivateAttr(default=None)
@@ -167,6 +173,16 @@ class KVCachedLLM(CustomLLM):
             log.debug("KVCachedLLM ignores unknown keyword arguments %s", sorted(kw))
         return req
 
+    def _chat_request(self, messages: Sequence[ChatMessage], kw: dict[str, Any]) -> dict[str, Any]:
+        kw = dict(kw)
+        history = bool(kw.pop("reuse_history", self.reuse_history))
+        req = self._new_request(self.messages_to_prompt(messages), True, kw)
+        if history:
+            dicts = [{"role": m.role.value, "content": m.content or ""} for m in messages]
+            req["refs"] = adapters.with_history(req["refs"], dicts)
+            req["chunks"] = adapters.chunk_texts(req["refs"])
+        return req
+
     def _plan(self, req: dict[str, Any]) -> Any:
         if "parts" in req:
             prefix, chunks, suffix, sep = req["parts"]
@@ -242,12 +258,12 @@ class KVCachedLLM(CustomLLM):
 
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        req = self._new_request(self.messages_to_prompt(messages), True, kwargs)
+        req = self._chat_request(messages, kwargs)
         return completion_response_to_chat_response(self._run(req))
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
-        req = self._new_request(self.messages_to_prompt(messages), True, kwargs)
+        req = self._chat_request(messages, kwargs)
         return stream_completion_response_to_chat_response(self._run_stream(req))
 
     @llm_completion_callback()
@@ -262,12 +278,12 @@ class KVCachedLLM(CustomLLM):
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        req = self._new_request(self.messages_to_prompt(messages), True, kwargs)
+        req = self._chat_request(messages, kwargs)
         return completion_response_to_chat_response(await adapters.to_thread(self._run, req))
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
-        req = self._new_request(self.messages_to_prompt(messages), True, kwargs)
+        req = self._chat_request(messages, kwargs)
 
         async def gen() -> ChatResponseAsyncGen:
             text = ""

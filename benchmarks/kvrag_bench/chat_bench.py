@@ -1,0 +1,290 @@
+"""``kvrag bench chat``: a multi-turn chat over dev passages, with the answered turns' KV reused
+(:mod:`kvrag.engine.conversation`) beside the same prompts with the whole history recomputed.
+
+A conversation of ``--turns`` dev questions (rows ``--offset`` ...) is asked one turn after another, each answer
+appended to the history, the prompt rendered with the model's chat template: a system message holding the
+passages, then the history, then the new question. Scenarios:
+
+* ``fixed``: the system message holds the first row's ``--passages`` passages on every turn (the chunks do not
+  change; the history sits behind the same prefix).
+* ``changing``: turn ``k``'s system message holds row ``offset + k``'s passages (what a chat engine that retrieves
+  again every turn sends; the history no longer sits behind the same prefix).
+* ``changing-history``: as ``changing``, the reusing engine also given the earlier user / assistant messages as
+  reusable segments (:func:`kvrag.adapters.history_segments`: cached like chunks, placed at their new position,
+  repaired by the method). With ``--kl``, each turn's next-token KL against ``full`` of the method with the
+  history prefilled and with the history as segments.
+
+Each turn's prompt is answered by two engines on one model and one chunk store, taking turns (their order
+alternates per turn, so a busy machine slows them alike): ``reuse`` (kvrag's defaults: the conversation cache on)
+and ``recompute`` (``conversation_cache_bytes=0``: the history prefilled again). Recorded per turn: TTFT of each,
+tokens reused from the conversation, tokens prefilled, and whether both answers are the same tokens. Chunk caches
+are ingested before the turns (cache-ready TTFT). ``--frameworks`` also runs the same fixed-chunk conversation
+through LlamaIndex's stock ``context`` chat engine (``KVCachedLLM``) and a LangChain ``RunnableWithMessageHistory``
+chain (``ChatKVCached``), reporting their TTFT per turn.
+
+``--kv-check`` measures where decode-written K/V differs from prefill-written K/V: after a ``full`` answer, the kept
+KV of (prompt + answer) against one prefill of the same ids, per part (prompt positions, answer positions).
+
+Writes ``chat.json`` and ``chat.md`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from typing import Any
+
+SYSTEM = "Answer the user's questions from these passages. Be brief."
+SCENARIOS = ("fixed", "changing", "changing-history")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data", required=True, help="QA JSONL (id, question, answers, contexts[{title, text}])")
+    p.add_argument("--offset", type=int, default=0, help="the conversation's first row")
+    p.add_argument("--turns", type=int, default=10, help="questions asked, one per turn")
+    p.add_argument("--passages", type=int, default=10, help="passages in the system message")
+    p.add_argument("--method", default=None, help="fusion method spec of every answer (default: the engine's)")
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--scenarios", default="fixed,changing,changing-history",
+                   help="comma-separated: fixed, changing, changing-history")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="timed prepares per turn and engine before the answers; the fastest is reported (0: none)")
+    p.add_argument("--kl", action="store_true",
+                   help="with changing chunks: next-token KL vs full with the history prefilled / as segments")
+    p.add_argument("--frameworks", default="none", help="comma-separated: llamaindex, langchain (or none)")
+    p.add_argument("--kv-check", action="store_true", help="measure decode-written vs prefill-written K/V (full)")
+    p.add_argument("--out", default="runs/chat")
+
+
+def _messages(system: str, history: list[dict[str, str]], question: str) -> list[dict[str, str]]:
+    return [{"role": "system", "content": system}, *history, {"role": "user", "content": question}]
+
+
+def _prepare_s(eng: Any, prompt: str, chunks: list[str], method: str) -> float:
+    """Seconds of one prepare (fetch, assemble or copy the kept KV, repair, prefill: the TTFT less the first
+    token's choice), not streamed, so nothing is kept."""
+    t = time.perf_counter()
+    prep = eng.prepare(eng.plan(prompt, chunks), method, reserve=1)
+    dt = time.perf_counter() - t
+    del prep  # gives its KV back
+    return dt
+
+
+def _fastest(best: dict[str, float], order: list[tuple[str, Any, list[str]]], prompt: str, method: str,
+             repeats: int) -> None:
+    for _ in range(repeats):
+        for name, eng, c in order:
+            best[name] = min(best[name], _prepare_s(eng, prompt, c, method))
+
+
+def converse(reuse: Any, recompute: Any, chunks_of: Callable[[int], list[str]], questions: list[str], method: str,
+             gen: Any, *, history_segments: bool = False, kl: bool = False, repeats: int = 0) -> list[dict[str, Any]]:
+    """One conversation; both engines answer every turn's prompt (the history is the reusing engine's answers).
+
+    ``history_segments``: the reusing engine also gets the earlier messages as reusable segments
+    (:func:`kvrag.adapters.history_segments`). ``kl``: the next-token KL against ``full`` of the method with the
+    history prefilled and with it as segments (on the recomputing engine, no conversation kept). ``repeats``: before
+    the answers, that many prepares of the turn's prompt per engine, taking turns; the fastest is recorded (a
+    shared machine's stalls only ever add time)."""
+    from kvrag.adapters import chunk_texts, with_history
+    from kvrag.prompting import render_chat
+    from kvrag.testing.equivalence import kl as kl_of
+
+    history: list[dict[str, str]] = []
+    rows = []
+    for k, q in enumerate(questions):
+        chunks = chunks_of(k)
+        reuse.ingest(chunks, progress=False)
+        messages = _messages(SYSTEM + "\n" + "".join(chunks), history, q)
+        prompt = render_chat(reuse.tokenizer, messages)
+        segments = chunk_texts(with_history(chunks, messages)) if history_segments else chunks
+        order = [("reuse", reuse, segments), ("recompute", recompute, chunks)]
+        best = {"reuse": float("inf"), "recompute": float("inf")}
+        if not history_segments:  # before the answer, which replaces the kept turn with this one
+            _fastest(best, order, prompt, method, repeats)
+        got = {name: eng.answer(prompt, c, method, gen) for name, eng, c in (order if k % 2 == 0 else order[::-1])}
+        if history_segments:  # after it: the answer's TTFT includes computing the newest turn's segments
+            _fastest(best, order, prompt, method, repeats)
+        r, f = got["reuse"], got["recompute"]
+        total = r.stats.context_tokens + r.stats.suffix_tokens
+        row = {"turn": k + 1, "prompt_tokens": total, "reused_conversation": r.stats.conversation_tokens,
+               "prefilled": total - r.stats.reused_tokens, "recompute_prefilled": total - f.stats.reused_tokens,
+               "ttft_reuse_s": r.timings.ttft_s, "ttft_recompute_s": f.timings.ttft_s,
+               "same_answer": r.token_ids == f.token_ids, "answer": r.text,
+               "recompute_answer": f.text if r.token_ids != f.token_ids else None,
+               "reuse_timings": r.timings.to_dict(), "recompute_timings": f.timings.to_dict()}
+        if repeats:
+            row.update(prepare_min_reuse_s=best["reuse"], prepare_min_recompute_s=best["recompute"])
+        if kl:
+            logits = {}
+            for name, m, c in (("full", "full", chunks), ("prefilled", method, chunks), ("segments", method, segments)):
+                prep = recompute.prepare(recompute.plan(prompt, c), m, reserve=1)
+                logits[name] = prep.last_logits
+                del prep  # gives its KV back
+            row["kl_history_prefilled"] = kl_of(logits["full"], logits["prefilled"])
+            row["kl_history_segments"] = kl_of(logits["full"], logits["segments"])
+        rows.append(row)
+        history += [{"role": "user", "content": q}, {"role": "assistant", "content": r.text}]
+        fastest = f"; fastest prepare {best['reuse']:.3f} s (recompute {best['recompute']:.3f} s)" if repeats else ""
+        print(f"  turn {k + 1}: {total} prompt tokens, {r.stats.conversation_tokens} reused from the conversation, "
+              f"{row['prefilled']} prefilled; TTFT {r.timings.ttft_s:.3f} s (recompute {f.timings.ttft_s:.3f} s)"
+              f"{fastest}; same answer: {r.token_ids == f.token_ids}", flush=True)
+    return rows
+
+
+def kv_check(eng: Any, chunks: list[str], questions: list[str], gen: Any) -> dict[str, Any]:
+    """Decode-written vs prefill-written K/V: a ``full`` answer's kept KV against one prefill of the same ids."""
+    import torch
+
+    from kvrag.kv import hf_cache
+    from kvrag.prompting import render_chat
+
+    out: dict[str, Any] = {}
+    prompt = render_chat(eng.tokenizer, _messages(SYSTEM + "\n" + "".join(chunks), [], questions[0]))
+    eng.answer(prompt, chunks, "full", gen)
+    ids = tuple(eng.tokenize(prompt))
+    entry = next(e for e in eng.conversations._entries.values() if e.method == repr(eng.method("full"))
+                 and e.ids[: len(ids)] == ids)
+    with torch.inference_mode(), hf_cache.model_lock(eng.model):
+        k, v = hf_cache.prefill_kv(eng.model, torch.tensor(entry.ids))
+    n = entry.prompt_len
+    for part, sl in (("prompt", slice(0, n)), ("answer", slice(n, len(entry.ids)))):
+        for name, kept, ref in (("keys", entry.keys, k), ("values", entry.values, v)):
+            a, b = kept[:, :, sl].float(), ref[:, :, sl].float()
+            d = (a - b).abs()
+            out[f"{part}_{name}"] = {"positions": int(a.shape[2]), "max_abs_diff": float(d.max()),
+                                     "mean_abs_diff": float(d.mean()), "max_abs": float(b.abs().max()),
+                                     "bit_identical_fraction": float((a == b).float().mean()),
+                                     "layer0_max_abs_diff": float(d[0].max())}
+    return out
+
+
+def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    first = rows[0]
+    last = rows[-1]
+    return {"turns": len(rows),
+            "ttft_ratio_last_first_reuse": last["ttft_reuse_s"] / first["ttft_reuse_s"],
+            "ttft_ratio_last_first_recompute": last["ttft_recompute_s"] / first["ttft_recompute_s"],
+            "same_answers": sum(r["same_answer"] for r in rows),
+            "same_answers_after_first": sum(r["same_answer"] for r in rows[1:]),
+            "reused_tokens": sum(r["reused_conversation"] for r in rows),
+            **({"prepare_ratio_last_first_reuse": last["prepare_min_reuse_s"] / first["prepare_min_reuse_s"],
+                "prepare_ratio_last_first_recompute": last["prepare_min_recompute_s"] / first["prepare_min_recompute_s"]}
+               if "prepare_min_reuse_s" in first else {})}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from kvrag.config import EngineConfig, GenerationConfig
+    from kvrag.engine.engine import KVRAGEngine
+    from kvrag.kv.quant import quantization_of
+    from kvrag.models import load_model
+    from kvrag.store import MemoryStore
+    from kvrag_bench.data import load_requests
+    from kvrag_bench.provenance import machine_info, run_git_sha
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    loaded = load_model(args.model, dtype=args.dtype, device=args.device, quantize=args.quantize)
+    store = MemoryStore()
+    cfg = {} if args.method is None else {"method": args.method}
+    reuse = KVRAGEngine(loaded, store, EngineConfig(**cfg))
+    recompute = KVRAGEngine(loaded, store, EngineConfig(**cfg, conversation_cache_bytes=0))
+    method = reuse.config.method
+    requests = load_requests(args.data, limit=args.turns + 1, offset=args.offset)
+    if len(requests) < args.turns + 1:
+        raise SystemExit(f"--turns {args.turns} needs {args.turns + 1} rows of {args.data} from --offset {args.offset}")
+    questions = [r.question for r in requests[1 : args.turns + 1]]
+    fixed = requests[0].passages()[: args.passages]
+    gen = GenerationConfig(max_new_tokens=args.max_new_tokens)
+    warm = requests[0].question  # untimed: the first request of a process pays one-time setup
+    for eng in (reuse, recompute):
+        converse(eng, eng, lambda k: fixed, [warm], method, gen)
+    reuse.conversations.clear()
+    result: dict[str, Any] = {"scenarios": {}}
+    for scenario in [s.strip() for s in args.scenarios.split(",") if s.strip()]:
+        if scenario not in SCENARIOS:
+            raise SystemExit(f"unknown scenario {scenario!r}; choose from {', '.join(SCENARIOS)}")
+        print(f"{scenario}:", flush=True)
+        chunks_of = ((lambda k: fixed) if scenario == "fixed"
+                     else (lambda k: requests[1 + k].passages()[: args.passages]))
+        rows = converse(reuse, recompute, chunks_of, questions, method, gen,
+                        history_segments=scenario == "changing-history", kl=scenario != "fixed" and args.kl,
+                        repeats=args.repeats)
+        result["scenarios"][scenario] = {"rows": rows, "summary": _summary(rows)}
+        reuse.conversations.clear()
+    for fw in [s.strip() for s in args.frameworks.split(",") if s.strip() and s.strip() != "none"]:
+        from kvrag_bench.chat_frameworks import run as run_framework
+
+        print(f"{fw} stock chat engine, fixed chunks:", flush=True)
+        result["scenarios"][fw] = run_framework(fw, reuse, recompute, fixed, questions, gen)
+        reuse.conversations.clear()
+    if args.kv_check:
+        result["kv_check"] = kv_check(reuse, fixed, questions, gen)
+    dtype = next(loaded.model.parameters()).dtype
+    result.update({"model": loaded.name, "dtype": str(dtype).replace("torch.", ""), "quantize": args.quantize,
+                   "quantization": quantization_of(loaded.model) or "none", "method": method,
+                   "max_new_tokens": args.max_new_tokens, "turns": args.turns, "passages": args.passages,
+                   "data": str(args.data), "offset": args.offset, "torch_threads": torch.get_num_threads(),
+                   "machine": machine_info(loaded.device, dtype), "commit": run_git_sha(),
+                   "conversation_cache": reuse.conversations.stats()})
+    return result
+
+
+def markdown(result: dict[str, Any]) -> str:
+    lines = [f"{result['model']}, {result['machine']['kind']}, {result['dtype']}, weights {result['quantization']}, "
+             f"method {result['method']}, {result['turns']} turns of {result['data']} from row {result['offset']}, "
+             f"{result['passages']} passages, {result['max_new_tokens']} new tokens, {result['torch_threads']} "
+             f"thread(s), commit {result['commit'][:10]}", ""]
+    for name, sc in result["scenarios"].items():
+        rows, s = sc["rows"], sc["summary"]
+        fast = "prepare_min_reuse_s" in rows[0]
+        lines += [f"### {name}", "",
+                  "| turn | prompt tokens | reused from the conversation | prefilled | TTFT reuse (s) | "
+                  "TTFT / turn 1 | TTFT recompute (s) | TTFT / turn 1 |"
+                  + (" fastest prepare reuse (s) | / turn 1 | recompute (s) | / turn 1 |" if fast else "")
+                  + " same answer |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|---:|---:|" if fast else "") + ":---:|"]
+        t1r, t1f = rows[0]["ttft_reuse_s"], rows[0]["ttft_recompute_s"]
+        for r in rows:
+            cells = (f"| {r['turn']} | {r['prompt_tokens']} | {r['reused_conversation']} | {r['prefilled']} | "
+                     f"{r['ttft_reuse_s']:.3f} | {r['ttft_reuse_s'] / t1r:.2f} | {r['ttft_recompute_s']:.3f} | "
+                     f"{r['ttft_recompute_s'] / t1f:.2f} |")
+            if fast:
+                p1r, p1f = rows[0]["prepare_min_reuse_s"], rows[0]["prepare_min_recompute_s"]
+                cells += (f" {r['prepare_min_reuse_s']:.3f} | {r['prepare_min_reuse_s'] / p1r:.2f} | "
+                          f"{r['prepare_min_recompute_s']:.3f} | {r['prepare_min_recompute_s'] / p1f:.2f} |")
+            lines.append(cells + f" {'yes' if r['same_answer'] else 'no'} |")
+        if "kl_history_prefilled" in rows[0]:
+            kp = [r["kl_history_prefilled"] for r in rows]
+            ks = [r["kl_history_segments"] for r in rows]
+            lines += ["", "Next-token KL vs `full` per turn, method with the history prefilled / as segments: "
+                      + ", ".join(f"{a:.3g} / {b:.3g}" for a, b in zip(kp, ks, strict=True))
+                      + f" (mean {sum(kp) / len(kp):.3g} / {sum(ks) / len(ks):.3g})."]
+        fastest = (f" (fastest prepares: reuse {s['prepare_ratio_last_first_reuse']:.2f}x, recompute "
+                   f"{s['prepare_ratio_last_first_recompute']:.2f}x)" if "prepare_ratio_last_first_reuse" in s else "")
+        lines += ["", f"Last turn / turn 1 TTFT: reuse {s['ttft_ratio_last_first_reuse']:.2f}x, recompute "
+                      f"{s['ttft_ratio_last_first_recompute']:.2f}x{fastest}; same answers "
+                      f"{s['same_answers']}/{s['turns']} ({s['same_answers_after_first']}/{s['turns'] - 1} of the turns "
+                      "after the first).", ""]
+    if "kv_check" in result:
+        lines += ["### decode-written vs prefill-written K/V (`full`, one turn)", "",
+                  "| part | tensor | positions | bit-identical | max abs diff | mean abs diff | max abs value |",
+                  "|---|---|---:|---:|---:|---:|---:|"]
+        for key, c in result["kv_check"].items():
+            part, name = key.split("_", 1)
+            lines.append(f"| {part} | {name} | {c['positions']} | {c['bit_identical_fraction']:.1%} | "
+                         f"{c['max_abs_diff']:.3g} | {c['mean_abs_diff']:.3g} | {c['max_abs']:.3g} |")
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    from kvrag_bench.report import write_result
+
+    write_result(args.out, "chat", run(args), markdown)
+    return 0
+
+
+__all__ = ["add_arguments", "converse", "kv_check", "main", "markdown", "run"]

@@ -1,0 +1,276 @@
+"""Conversations: the KV of answered requests, kept so that the next turn of a chat prefills only its new text.
+
+A chat sends its whole history every turn: turn ``k + 1``'s prompt is turn ``k``'s prompt, its answer and a new
+user message. After a request is answered its KV -- the prompt's (the method's repaired context and the suffix
+prefill) and the answer's (written by the decode steps) -- is kept in a :class:`ConversationCache` under the exact
+token ids it stands for. A later request of the same engine (so the same model) and the same method whose ids
+start with a kept conversation's first prompt and at least one token of its answer (the next turn, or a later turn
+edited or asked again) reuses the longest common prefix of ids (at most all but its last id) and prefills only the
+rest (:func:`prepare_hit`), as llama.cpp's server does with a slot's ``cache_prompt`` and vLLM / SGLang with their
+prefix caches. A repeated first prompt, or a new question over the same passages, is not a next turn: it is
+computed afresh, so ``full`` on a prompt it has seen still equals ``model.generate`` on its ids, and a method that
+repairs the context for the question repairs it for this one.
+
+Exactness: the reused positions are the same computation the model did on the same ids, by the same model and
+method, so a ``full`` request that reuses a prefix generates exactly what ``model.generate(ids,
+past_key_values=<that prefix's KV>)`` does (tested). The answer's positions were written by decode steps (one token
+a forward, kvrag's batched / fused step) where a fresh request would prefill them (many tokens a forward); the
+two agree up to low bits, measured in docs/results/chat.md. For a reusing method the kept context is repaired for the
+earlier turn's question, as a chat server that keeps its slot would hold it.
+
+Bounds: at most ``max_entries`` kept requests and ``max_bytes`` of KV, least recently used leaving first; a request
+whose KV extends a kept one replaces it (one entry per conversation). The bytes are counted in the engine's KV
+bound (:attr:`kvrag.engine.lease.KVBudget.cached`): an entry is kept only when it fits beside the requests in
+flight, and entries are given back, least recently used first, as soon as a request needs the room.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Generator, Sequence
+from typing import Any
+
+import torch
+
+from kvrag.engine.lease import KVBudget, Lease
+from kvrag.engine.planner import Plan
+from kvrag.engine.results import Prepared, Stats, Timings
+from kvrag.fusion.base import FusionMethod
+from kvrag.fusion.stats import MethodStats
+from kvrag.kv import batched, hf_cache
+from kvrag.kv.pieces import Pace, SuffixPrefill, forward_pieces
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(eq=False)
+class Entry:
+    """One answered request's KV: ``keys`` / ``values`` [L, H_kv, T, D] (RoPE applied, positions 0..T-1) of ``ids``
+    (T ids: the prompt's ``prompt_len``, then the answer's written by the decode steps), under ``method``;
+    ``first``: the prompt length of the conversation's first answered request (a next turn continues past it)."""
+
+    ids: tuple[int, ...]
+    prompt_len: int
+    first: int
+    method: str
+    keys: torch.Tensor
+    values: torch.Tensor
+    nbytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Hit:
+    """A kept request whose first ``length`` positions a new request reuses."""
+
+    entry: Entry
+    length: int
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two id tuples (slice comparisons: C speed)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+class ConversationCache:
+    """The answered requests' KV of one engine (see the module docstring). Thread-safe.
+
+    Args:
+        budget: the engine's KV bound, or a callable returning it (the runner's, which a fork replaces).
+        max_bytes: most bytes kept (0: nothing is kept).
+        max_entries: most requests kept.
+    """
+
+    def __init__(self, budget: KVBudget | Any, max_bytes: int, max_entries: int) -> None:
+        self._budget_of = budget if callable(budget) else (lambda: budget)
+        self.max_bytes, self.max_entries = int(max_bytes), int(max_entries)
+        self._entries: collections.OrderedDict[int, Entry] = collections.OrderedDict()  # least recent first
+        self._lock = threading.RLock()
+        self._attached: KVBudget | None = None
+        self.nbytes = 0
+        self.counters: collections.Counter[str] = collections.Counter()
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_bytes > 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _budget(self) -> KVBudget:
+        """The bound the entries are counted in; a new one (after a fork) starts with no entries."""
+        budget = self._budget_of()
+        if budget is not self._attached:
+            self._entries.clear()
+            self.nbytes = 0
+            budget.reclaimer = self.reclaim
+            self._attached = budget
+        return budget
+
+    def match(self, ids: Sequence[int], method: str, min_length: int = 0) -> Hit | None:
+        """The kept conversation that ``ids`` continue (its first prompt and at least one token of its answer) with
+        the longest common prefix, reused up to all ids but the last and at least ``min_length`` of them; None if
+        there is none."""
+        if not self.enabled:
+            return None
+        ids = tuple(ids)
+        best: Hit | None = None
+        with self._lock:
+            self._budget()
+            for key, e in self._entries.items():
+                if e.method != method or len(ids) <= e.first + 1 or ids[: e.first + 1] != e.ids[: e.first + 1]:
+                    continue
+                n = min(common_prefix(ids, e.ids), len(ids) - 1)
+                if n >= max(1, min_length) and (best is None or n > best.length):
+                    best, best_key = Hit(e, n), key
+            self.counters["hits" if best is not None else "misses"] += 1
+            if best is not None:
+                self._entries.move_to_end(best_key)
+                self.counters["hit_tokens"] += best.length
+        return best
+
+    def keep(self, ids: Sequence[int], prompt_len: int, method: str, cache: Any) -> bool:
+        """Keep the KV of an answered request (``cache``: its transformers cache over ``ids``; the first
+        ``prompt_len`` ids are its prompt). Returns whether it was kept: not when there is no answer token, the
+        cache is off, the entry alone is over ``max_bytes``, or it does not fit beside the requests in flight."""
+        ids = tuple(ids)
+        if not self.enabled or len(ids) <= prompt_len:
+            return False
+        buf, length = hf_cache.buffer_of(cache)
+        if length < len(ids):
+            return False
+        budget = self._budget_of()
+        nbytes = len(ids) * budget.bytes_per_token
+        if nbytes > self.max_bytes:
+            self.counters["too_large"] += 1
+            return False
+        with self._lock:
+            for e in self._entries.values():
+                if e.method == method and e.ids[: len(ids)] == ids:
+                    return True  # already kept as part of a longer one
+        t = len(ids)
+        entry = Entry(ids, int(prompt_len), int(prompt_len), method, buf.keys[:, :, :t].clone(),
+                      buf.values[:, :, :t].clone(), nbytes)
+        with self._lock:
+            budget = self._budget()
+            for e in self._entries.values():  # a later turn of a kept conversation belongs to it
+                if e.method == method and e.first < entry.first and common_prefix(ids, e.ids) > e.first:
+                    entry.first = e.first
+            for key in [k for k, e in self._entries.items() if e.method == method and ids[: len(e.ids)] == e.ids]:
+                self._drop(key)  # the earlier turns of this conversation: the new entry covers them
+            while self._entries and (self.nbytes + nbytes > self.max_bytes or len(self._entries) >= self.max_entries):
+                self._drop(next(iter(self._entries)), "evicted")
+            while not budget.hold(nbytes):
+                if not self._entries:
+                    self.counters["no_room"] += 1
+                    return False
+                self._drop(next(iter(self._entries)), "evicted")
+            self._entries[id(entry)] = entry
+            self.nbytes += nbytes
+            self.counters["kept"] += 1
+        return True
+
+    def reclaim(self, nbytes: int) -> None:
+        """Give back at least ``nbytes`` (or everything), least recently used first: a request needs the room."""
+        with self._lock:
+            freed = 0
+            while self._entries and freed < nbytes:
+                freed += self._drop(next(iter(self._entries)), "reclaimed")
+
+    def clear(self) -> None:
+        with self._lock:
+            while self._entries:
+                self._drop(next(iter(self._entries)))
+
+    def _drop(self, key: int, why: str | None = None) -> int:
+        e = self._entries.pop(key)
+        self.nbytes -= e.nbytes
+        if self._attached is not None:
+            self._attached.unhold(e.nbytes)
+        if why:
+            self.counters[why] += 1
+        return e.nbytes
+
+    def stats(self) -> dict[str, Any]:
+        """Entries and bytes kept, the bound, and counters: ``hits`` / ``misses`` (lookups), ``hit_tokens``,
+        ``kept``, ``evicted`` (LRU / ``max_bytes`` / ``max_entries``), ``reclaimed`` (a request needed the room),
+        ``too_large`` / ``no_room`` (not kept)."""
+        with self._lock:
+            out: dict[str, Any] = {"entries": len(self._entries), "bytes": self.nbytes, "max_bytes": self.max_bytes,
+                                   "max_entries": self.max_entries}
+            out.update(self.counters)
+        return out
+
+
+def keep_answered(cache: ConversationCache, prepared: Prepared) -> bool:
+    """Keep a streamed request's KV (its prompt and the answer tokens the decode steps wrote). Never raises: a
+    conversation that cannot be kept (e.g. no memory for the copy) is only not reused."""
+    if not cache.enabled:
+        return False
+    try:
+        plan_ids = prepared.plan.token_ids
+        length = hf_cache.cache_length(prepared.cache)
+        answered = length - len(plan_ids)
+        if answered <= 0 or answered > len(prepared.token_ids):
+            return False
+        return cache.keep(plan_ids + tuple(prepared.token_ids[:answered]), len(plan_ids), repr(prepared.method),
+                          prepared.cache)
+    except Exception:  # noqa: BLE001 - the answer is complete; only its reuse is lost
+        log.warning("could not keep an answered request's KV for its next turn", exc_info=True)
+        return False
+
+
+def prepare_hit(engine: Any, plan: Plan, m: FusionMethod, reserve: int, lease: Lease,
+                hit: Hit) -> Generator[Any, Any, Prepared]:
+    """A request's prepare from a kept conversation (in the runner thread, in its turn): the kept KV's first
+    ``hit.length`` positions copied into the request's buffer, then the rest of its ids prefilled -- the model's
+    own forward for ``full`` (what ``model.generate`` runs after a given prefix cache), the runner's suffix prefill
+    for a reusing method (as after its repair). Nothing is fetched or repaired: the kept context was repaired by
+    the same method when it was first answered."""
+    t0 = time.perf_counter()
+    timings = Timings()
+    ids = plan.token_ids
+    n = hit.length
+    rest = ids[n:]
+    buf = hf_cache.KVBuffer(engine.spec.num_layers, engine.spec.num_kv_heads, engine.spec.head_dim,
+                            len(ids) + reserve, hit.entry.keys.dtype, engine.model.device)
+    buf.keys[:, :, :n].copy_(hit.entry.keys[:, :, :n])
+    buf.values[:, :, :n].copy_(hit.entry.values[:, :, :n])
+    timings.assemble_s = time.perf_counter() - t0
+    t = time.perf_counter()
+    if m.reads_cache and engine.runner.parks_at_suffix:
+        parked = time.perf_counter()
+        last, timings.suffix_prefill_s = yield SuffixPrefill(batched.Row(buf, n), tuple(rest))
+        t0 += time.perf_counter() - parked - timings.suffix_prefill_s  # waiting for other arrivals: like the turn
+        cache = buf.as_cache(len(ids))
+    else:
+        pace = Pace(engine.runner.piece_budget_s, engine.model.device)
+        logits, cache = yield from forward_pieces(engine.model, torch.tensor(rest, dtype=torch.long), buf.as_cache(n),
+                                                  start=n, pace=pace)
+        last = logits[-1]
+        timings.suffix_prefill_s = time.perf_counter() - t - pace.paused_s
+        t0 += pace.paused_s
+    chunks = sum(1 for s in plan.context if s.kind == "chunk" and s.end <= n)
+    stats = Stats(context_tokens=plan.context_len, suffix_tokens=len(plan.suffix.token_ids),
+                  chunk_tokens=plan.chunk_tokens, chunks_registered=plan.registered, chunks_found=plan.found,
+                  inexact_chunks=plan.inexact_chunks, chunk_hits=chunks, reused_tokens=n, conversation_tokens=n,
+                  hit_rate=(chunks / plan.registered) if plan.registered else 0.0,
+                  method_stats=MethodStats())
+    keys = [s.key for s in plan.context if s.kind == "chunk" and s.key]
+    return Prepared(plan, m, cache, last, timings, stats, keys, t0, kv_lease=lease)
+
+
+__all__ = ["ConversationCache", "Entry", "Hit", "common_prefix", "keep_answered", "prepare_hit"]

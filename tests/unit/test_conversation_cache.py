@@ -1,0 +1,264 @@
+"""The conversation cache (kvrag/engine/conversation.py): the next turn of a chat reuses the answered turn's KV.
+
+Exactness (``full`` with a reused prefix == ``model.generate`` given that prefix's KV), answers against
+recomputation, LRU / byte / entry bounds, the bytes counted in the KV bound the scheduler leases from, stats.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvrag.config import EngineConfig, GenerationConfig
+from kvrag.engine.conversation import ConversationCache, common_prefix
+from kvrag.engine.lease import KVBudget
+from kvrag.engine.scheduler import RequestState, Scheduler
+from kvrag.errors import ConfigError
+from kvrag.kv import hf_cache
+from kvrag.prompting import render_chat, render_passage
+from kvrag.testing.tiny import FAMILIES, tiny_engine
+
+PASSAGES = [render_passage("Paris is the capital of France. The city has many museums.", "Paris"),
+            render_passage("Berlin is the capital of Germany. It is a large city.", "Berlin")]
+QUESTIONS = ["What is the capital of France?", "And of Germany?", "Which city is larger?", "Name a museum."]
+
+
+def chat(eng, method: str, turns: int, n: int = 8, chunks=PASSAGES):
+    """Ask ``turns`` questions one after another, each answer appended to the history; returns the responses and
+    the prompts."""
+    msgs = [{"role": "system", "content": "Answer from these passages.\n" + "".join(chunks)}]
+    out, prompts = [], []
+    for q in QUESTIONS[:turns]:
+        msgs.append({"role": "user", "content": q})
+        prompt = render_chat(eng.tokenizer, msgs)
+        r = eng.answer(prompt, chunks, method, max_new_tokens=n)
+        out.append(r)
+        prompts.append(prompt)
+        msgs.append({"role": "assistant", "content": r.text})
+    return out, prompts
+
+
+def make(family: str = "llama", **cfg):
+    """A tiny engine whose greedy answers run to ``max_new_tokens`` (no early EOS) on these prompts."""
+    return tiny_engine(family, init_std=0.02, seed=0 if family == "qwen2" else 2, **cfg)
+
+
+def generate(eng, ids, n, cache=None) -> list[int]:
+    """``model.generate``'s greedy tokens up to its first EOS (``cache``: a prefix cache it continues from)."""
+    prefix = {} if cache is None else {"cache": cache}
+    out = eng.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             **prefix, do_sample=False, max_new_tokens=n,
+                             pad_token_id=eng.tokenizer.pad_token_id)[0, len(ids):].tolist()
+    eos = eng._eos_ids()
+    return out[: next((i for i, t in enumerate(out) if t in eos), len(out))]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_full_with_a_reused_prefix_is_model_generate_after_that_prefix(family: str) -> None:
+    """The reused positions are the KV the model computed on the same ids: ``full`` then generates exactly what
+    ``model.generate`` does when given that prefix cache (the only difference from a fresh request)."""
+    eng = make(family)
+    (r1, r2), prompts = chat(eng, "full", 2)
+    assert r1.stats.conversation_tokens == 0 and r2.stats.conversation_tokens > len(eng.tokenize(prompts[0])) + 4
+    prompt = prompts[1] + r2.text + "<|im_end|>\n<|im_start|>user\nWhich city is larger?<|im_end|>\n<|im_start|>assistant\n"
+    ids = tuple(eng.tokenize(prompt))
+    hit = eng.conversations.match(ids, repr(eng.method("full")), 0)  # what turn 3 reuses: turn 2's kept KV
+    assert hit is not None and hit.length > len(eng.tokenize(prompts[1]))
+    e = hit.entry
+    prefix = hf_cache.make_cache(e.keys[:, :, : hit.length].clone(), e.values[:, :, : hit.length].clone(),
+                                 eng.model.config)
+    r3 = eng.answer(prompt, PASSAGES, "full", max_new_tokens=8)
+    assert r3.stats.conversation_tokens == hit.length
+    assert r3.token_ids == generate(eng, list(ids), 8, prefix)
+    # and equal to recomputing the whole history here (decode-written K/V is within low bits of prefill-written)
+    assert r3.token_ids == generate(eng, list(ids), 8)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("method", ["stale", "full"])
+def test_answers_with_reused_history_equal_recomputed_ones(method: str, family: str) -> None:
+    reuse = make(family)
+    fresh = make(family, conversation_cache_bytes=0)
+    got, _ = chat(reuse, method, 4)
+    ref, _ = chat(fresh, method, 4)
+    assert [r.stats.conversation_tokens > 0 for r in got] == [False, True, True, True]
+    assert all(r.stats.conversation_tokens == 0 for r in ref)
+    assert [r.token_ids for r in got] == [r.token_ids for r in ref]
+    # the hit prefilled only the new text: its prompt is the turn before's prompt + answer + the new message
+    r = got[2]
+    assert r.stats.reused_tokens == r.stats.conversation_tokens > got[1].stats.context_tokens
+    assert r.stats.chunk_hits == 2 and r.stats.hit_rate == 1.0
+
+
+def test_a_repeated_prompt_is_computed_afresh() -> None:
+    """Not a next turn: the same prompt again is not served from the kept answer, so ``full`` on it still equals
+    ``model.generate`` on its ids."""
+    eng = make()
+    prompt = render_chat(eng.tokenizer, [{"role": "user", "content": QUESTIONS[0]}])
+    a = eng.answer(prompt, (), "full", max_new_tokens=8)
+    b = eng.answer(prompt, (), "full", max_new_tokens=8)
+    assert b.stats.conversation_tokens == 0 and a.token_ids == b.token_ids
+    assert b.token_ids == generate(eng, eng.tokenize(prompt), 8)
+
+
+def test_another_method_or_changed_chunks_do_not_reuse() -> None:
+    eng = make()
+    (r1,), prompts = chat(eng, "stale", 1)
+    msgs_next = prompts[0] + r1.text + "<|im_end|>\n<|im_start|>user\nMore?<|im_end|>\n<|im_start|>assistant\n"
+    assert eng.answer(msgs_next, PASSAGES, "full", max_new_tokens=2).stats.conversation_tokens == 0
+    other = [PASSAGES[1], PASSAGES[0]]  # the chunks changed: the history is no longer behind the same prefix
+    (r,), _ = chat(eng, "stale", 1, chunks=other)
+    assert r.stats.conversation_tokens == 0
+
+
+def _cache(T: int, budget: KVBudget, L: int = 2, H: int = 1, D: int = 4):
+    buf = hf_cache.KVBuffer(L, H, D, T + 3, torch.float32, "cpu")
+    buf.keys.normal_()
+    buf.values.normal_()
+    return buf.as_cache(T)
+
+
+def test_lru_entries_and_bytes_bounds() -> None:
+    budget = KVBudget(10_000, 10)
+    cc = ConversationCache(budget, max_bytes=300, max_entries=3)
+    ids = {k: tuple(range(100 * k, 100 * k + 8)) for k in range(6)}  # 8 tokens: 80 bytes each
+    for k in range(3):
+        assert cc.keep(ids[k], 4, "stale", _cache(8, budget))
+    assert len(cc) == 3 and cc.nbytes == budget.cached == 240
+    assert cc.match(ids[0] + (7,), "stale") is not None  # touched: now the most recent
+    assert cc.keep(ids[3], 4, "stale", _cache(8, budget))  # over max_entries: the least recent (1) leaves
+    assert cc.match(ids[1] + (7,), "stale") is None and cc.match(ids[0] + (7,), "stale") is not None
+    big = tuple(range(1000, 1025))  # 250 bytes: the others leave for it
+    assert cc.keep(big, 20, "stale", _cache(25, budget))
+    assert cc.nbytes == budget.cached == 250 and len(cc) == 1
+    assert not cc.keep(tuple(range(2000, 2031)), 20, "stale", _cache(31, budget))  # alone over max_bytes
+    assert cc.stats()["too_large"] == 1
+
+
+def test_a_hostile_client_cannot_grow_it() -> None:
+    """Many distinct conversations: never more than the bounds, whatever the order."""
+    budget = KVBudget(50_000, 16)
+    cc = ConversationCache(budget, max_bytes=4_000, max_entries=8)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        T = int(torch.randint(5, 120, (1,), generator=gen))
+        ids = tuple(torch.randint(0, 1000, (T,), generator=gen).tolist())
+        cc.keep(ids, T // 2, "stale", _cache(T, budget))
+        assert len(cc) <= 8 and cc.nbytes <= 4_000 and budget.cached == cc.nbytes
+        cc.match(ids + (1, 2), "stale")
+
+
+def test_the_next_turn_replaces_the_turn_before() -> None:
+    budget = KVBudget(10_000, 10)
+    cc = ConversationCache(budget, max_bytes=5_000, max_entries=8)
+    t1 = tuple(range(10))
+    assert cc.keep(t1, 6, "stale", _cache(10, budget))
+    hit = cc.match(t1 + (50, 51), "stale")
+    assert hit is not None and hit.length == 10
+    assert cc.match(t1[:6] + (99, 98), "stale") is None  # diverges inside the answer's first token: not a next turn
+    t2 = t1 + (50, 51, 52)
+    assert cc.keep(t2, 12, "stale", _cache(13, budget))
+    assert len(cc) == 1 and cc.nbytes == 130
+    assert cc.match(t2 + (1,), "full") is None  # another method's KV is never reused
+    # a later turn asked differently (the conversation branches after turn 1's answer) still reuses turn 1
+    hit = cc.match(t1 + (50, 77, 78), "stale")
+    assert hit is not None and hit.length == 11
+    assert cc.match(t1[:6] + (99,), "stale") is None  # a new question after the same first prompt: computed afresh
+
+
+def test_kept_bytes_count_in_the_lease_accounting_and_give_way_to_requests() -> None:
+    budget = KVBudget(1_000, 10)
+    cc = ConversationCache(budget, max_bytes=1_000, max_entries=8)
+    s = Scheduler(budget, max_batch_size=2)
+    for k in range(4):
+        assert cc.keep(tuple(range(100 * k, 100 * k + 20)), 10, "stale", _cache(20, budget))
+    assert budget.cached == 800 and budget.snapshot()["cached"] == 800
+    a = s.add(300)  # does not fit beside 800 kept bytes: the least recent entries are given back
+    plan = s.schedule()
+    assert plan.prepare == a and s.state(a) is RequestState.PREPARING
+    assert budget.used + budget.cached <= budget.limit and len(cc) == 3 and cc.stats()["reclaimed"] == 1
+    # an entry is only kept beside the leases: with 900 bytes leased, 200 more do not fit (the others leave)
+    b = s.add(600)
+    s.cancel(a)
+    s.schedule()
+    assert s.state(b) is RequestState.PREPARING and budget.used == 600 and budget.used + budget.cached <= 1_000
+    assert not cc.keep(tuple(range(900, 950)), 10, "stale", _cache(50, budget))
+    assert budget.used + budget.cached <= 1_000
+    s.cancel(b)
+    s.schedule()
+    assert budget.used == 0
+
+
+def test_engine_counts_kept_conversations_in_its_bound() -> None:
+    eng = make(kv_memory_bytes=2 * 2**20)
+    chat(eng, "stale", 2)
+    kv = eng.runner.stats()["kv"]
+    assert kv["used"] == 0 and 0 < kv["cached"] == eng.conversations.nbytes <= kv["limit"] // 4
+    off = make(conversation_cache_bytes=0)
+    chat(off, "stale", 2)
+    assert off.runner.stats()["kv"]["cached"] == 0 and len(off.conversations) == 0
+
+
+def test_config_is_validated() -> None:
+    with pytest.raises(ConfigError, match="conversation_cache_bytes"):
+        EngineConfig(conversation_cache_bytes=-1)
+    with pytest.raises(ConfigError, match="conversation_cache_entries"):
+        EngineConfig(conversation_cache_entries=0)
+
+
+def test_common_prefix() -> None:
+    assert common_prefix((1, 2, 3), (1, 2, 3, 4)) == 3
+    assert common_prefix((1, 2, 3), (1, 9, 3)) == 1
+    assert common_prefix((), (1,)) == 0
+    for n in range(12):
+        a = tuple(range(12))
+        b = a[:n] + (99,) + a[n + 1 :]
+        assert common_prefix(a, b) == n
+
+
+def test_a_streamed_answer_is_kept_with_the_ids_its_kv_stands_for() -> None:
+    eng = make()
+    prompt = render_chat(eng.tokenizer, [{"role": "user", "content": QUESTIONS[0]}])
+    prep = eng.prepare(eng.plan(prompt, ()), "stale", reserve=6)
+    text = "".join(eng.stream(prep, GenerationConfig(max_new_tokens=6)))
+    assert text is not None
+    (entry,) = eng.conversations._entries.values()
+    n = len(prep.plan.token_ids)
+    assert entry.ids[:n] == prep.plan.token_ids and entry.ids[n:] == tuple(prep.token_ids[: len(entry.ids) - n])
+    assert entry.keys.shape[2] == len(entry.ids) == hf_cache.cache_length(prep.cache)
+
+
+def test_history_segments_are_the_earlier_turns() -> None:
+    from kvrag.adapters import history_segments
+
+    msgs = [{"role": "system", "content": "ctx"}, {"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"},
+            {"role": "human", "content": "q2"}, {"role": "ai", "content": " "}, {"role": "user", "content": "q3"}]
+    assert history_segments(msgs) == ["q1", "a1", "q2"]
+    assert history_segments(msgs[:2]) == [] and history_segments([]) == []
+
+
+def test_history_as_segments_when_the_chunks_change() -> None:
+    """Chunks that change every turn: the earlier messages are reused from the store (placed at their new position)
+    instead of prefilled again; with ``full`` (which reads no cache) the answer is the recomputed one."""
+    from kvrag.adapters import chunk_texts, with_history
+
+    eng = make(conversation_cache_bytes=0)
+    history: list[dict[str, str]] = []
+    prefilled = {}
+    for turn, q in enumerate(QUESTIONS[:3]):
+        chunks = [PASSAGES[turn % 2]]
+        msgs = [{"role": "system", "content": "Answer.\n" + chunks[0]}, *history, {"role": "user", "content": q}]
+        prompt = render_chat(eng.tokenizer, msgs)
+        seg = chunk_texts(with_history(chunks, msgs))
+        plain = eng.answer(prompt, chunks, "stale", max_new_tokens=8)
+        r = eng.answer(prompt, seg, "stale", max_new_tokens=8)
+        full_seg, full = (eng.answer(prompt, c, "full", max_new_tokens=8).token_ids for c in (seg, chunks))
+        assert full_seg == full
+        prefilled[turn] = (plain.stats.suffix_tokens, r.stats.suffix_tokens, r.stats.chunks_found,
+                           (r.stats.chunk_hits, r.stats.chunk_misses))
+        history += [{"role": "user", "content": q}, {"role": "assistant", "content": r.text}]
+    plain3, seg3, found3, hits3 = prefilled[2]
+    # the passage and four earlier messages: the passage and turn 1's messages read from the store, turn 2's
+    # question and answer (new) computed alone and stored
+    assert found3 == 1 + 4 and hits3 == (3, 2)
+    assert seg3 < plain3 // 2
