@@ -89,7 +89,7 @@ def converse(reuse: Any, recompute: Any, chunks_of: Callable[[int], list[str]], 
     shared machine's stalls only ever add time)."""
     from kvrag.adapters import chunk_texts, with_history
     from kvrag.prompting import render_chat
-    from kvrag.testing.equivalence import kl as kl_of
+    from kvrag_testing.equivalence import kl as kl_of
 
     history: list[dict[str, str]] = []
     rows = []

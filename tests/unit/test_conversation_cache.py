@@ -16,7 +16,7 @@ from kvrag.engine.scheduler import RequestState, Scheduler
 from kvrag.errors import ConfigError
 from kvrag.kv import hf_cache
 from kvrag.prompting import render_chat, render_passage
-from kvrag.testing.tiny import FAMILIES, tiny_engine
+from kvrag_testing.tiny import FAMILIES, tiny_engine
 
 PASSAGES = [render_passage("Paris is the capital of France. The city has many museums.", "Paris"),
             render_passage("Berlin is the capital of Germany. It is a large city.", "Berlin")]
