@@ -228,7 +228,8 @@ class ChunksRequest(BaseModel):
 
 def validation_error_body(errors: list[dict[str, Any]]) -> dict[str, Any]:
     """A pydantic/FastAPI validation error list -> one OpenAI error naming the first offending field."""
-    first = errors[0] if errors else {}
+    # a union field reports one error per member: the one a validator raised names the problem best
+    first = next((e for e in errors if e.get("type") == "value_error"), errors[0] if errors else {})
     # a union's member ("str", "function-after[...]") is not a field: the param is the field's path
     loc = [str(p) for p in first.get("loc", ()) if p != "body" and not (isinstance(p, str) and ("[" in p or p in (
         "str", "int", "float", "bool", "list", "dict", "none")))]

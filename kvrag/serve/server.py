@@ -27,7 +27,7 @@ connections (time for their 503s and error events to go out)."""
 def _config(app: Any, drain_timeout_s: float, log_level: str = "warning") -> Any:
     uvicorn = require("uvicorn", "serve", "kvrag serve")
     return uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=max(0.0, float(drain_timeout_s)) +
-                          ABORT_GRACE_S, lifespan="on", access_log=False)
+                          ABORT_GRACE_S, lifespan="on", access_log=False, server_header=False)
 
 
 def _server(app: Any, cfg: Any, drain_timeout_s: float) -> Any:
