@@ -242,6 +242,8 @@ def validation_error_body(errors: list[dict[str, Any]]) -> dict[str, Any]:
     if kind == "extra_forbidden":
         message = (f"unsupported field {param!r}: kvrag serve does not implement it (tools, function calling, "
                    "response formats, logit bias and audio are not supported); remove it")
+    elif kind == "missing" and param is None:
+        message = "the request has no JSON body: send a JSON object with 'Content-Type: application/json'"
     elif kind == "missing":
         message = f"missing required field {param!r}"
     else:
