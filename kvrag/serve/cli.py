@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import sys
 from typing import Any
 
@@ -110,7 +111,19 @@ def run(args: argparse.Namespace, model: str | None, store: str, chunk_prefix: s
     print(f"kvrag serve: {app.state.kvrag.model_id} ({args.method}) on http://{args.host}:{args.port}/v1, "
           f"{len(app.state.kvrag.chunks)} chunks registered", file=sys.stderr)
     serve(app, args.host, args.port, drain_timeout_s=args.drain_timeout, log_level="debug" if args.verbose else "info")
+    if _forward_in_flight(app):
+        # a prepare that is one long forward cannot be interrupted, and a process that exits under it is aborted by
+        # the C++ runtime: every request has been answered and the store's writes are atomic, so leave now
+        print("kvrag serve: stopped with a forward in flight (not waited for)", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
+
+
+def _forward_in_flight(app: Any) -> bool:
+    runner = getattr(getattr(getattr(getattr(app, "state", None), "kvrag", None), "engine", None), "runner", None)
+    return runner is not None and bool(runner.stats().get("threads"))
 
 
 def serving_engine(threads: int | None, model: str | None, store: str, **config: Any) -> Any:

@@ -17,12 +17,15 @@ An exception that is not an :class:`~kvrag.serve.errors.HTTPProblem` leaves the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
+import threading
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from types import TracebackType
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from kvrag.engine.cancel import CancelToken
+from kvrag.engine.cancel import CancelToken, cancel_scope
 from kvrag.errors import ConfigError, ContextLengthError, EngineBusyError, EngineClosedError, RequestCancelledError
 from kvrag.serve.errors import ClientGone, HTTPProblem, ShuttingDown
 
@@ -140,6 +143,42 @@ class Outcome:
             if not task.done():
                 task.cancel()
                 await asyncio.wait({task})  # its to_thread cancels the engine request's token on the way out
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` in a thread of its own, guarded (:meth:`guard`); leaving early cancels the engine request it
+        made (its :class:`~kvrag.engine.cancel.CancelToken`).
+
+        The thread is a daemon, so a prepare that is one long forward neither holds up the process's exit at
+        shutdown (an executor's workers are joined at exit) nor anyone else's turn: the engine bounds the work."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[T] = loop.create_future()
+        token = CancelToken()
+        remove = self.token.on_cancel(token.cancel)
+
+        def deliver(ok: bool, value: Any) -> None:
+            def settle() -> None:
+                if not fut.done():
+                    (fut.set_result if ok else fut.set_exception)(value)
+
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+                loop.call_soon_threadsafe(settle)
+
+        def work() -> None:
+            try:
+                with cancel_scope(token):
+                    out = fn(*args)
+            except BaseException as e:  # noqa: BLE001 - raised in the awaiting task
+                deliver(False, e)
+            else:
+                deliver(True, out)
+
+        threading.Thread(target=contextvars.copy_context().run, args=(work,), name="kvrag-serve-request",
+                         daemon=True).start()
+        try:
+            return await self.guard(fut)
+        finally:
+            remove()
+            token.cancel()  # no-op for a request that ended; one still waiting or preparing is dropped
 
     # ------------------------------------------------------------------------------------------- errors
     def problem(self, exc: BaseException) -> HTTPProblem:

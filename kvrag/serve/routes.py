@@ -110,7 +110,7 @@ async def register_chunks(body: ChunksRequest, request: Request, svc: Service) -
     svc.check_texts(body.texts)
     async with svc.outcome("chunks", request) as out:
         out.admit()
-        data = await out.guard(adapters.to_thread(svc.register, body.texts))
+        data = await out.run(svc.register, body.texts)
         if svc.sync is not None:
             await out.guard(svc.sync.push([t for t, d in zip(body.texts, data, strict=True) if d["key"] is not None]))
         return {"object": "list", "data": data, "registered": len(svc.chunks)}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import math
 import os
 import statistics
@@ -216,7 +217,7 @@ class KVRAGService:
             self.chunks.add(await out.guard(self.sync.pull()))
         refs = adapters.resolve_chunks(prompt, explicit, use_context=False) if explicit is not None \
             else self.chunks.found_in(prompt)
-        plan = await out.guard(adapters.to_thread(eng.plan, prompt, refs))
+        plan = await out.run(eng.plan, prompt, refs)
         room = int(eng.max_context) - int(plan.total_len)
         where = "messages" if kind == "chat" else "prompt"
         if room < 1:
@@ -225,7 +226,7 @@ class KVRAGService:
                               code="context_length_exceeded")
         gen.max_new_tokens = min(gen.max_new_tokens, room)
         try:
-            prep = await out.guard(adapters.to_thread(eng.prepare, plan, method, reserve=gen.max_new_tokens))
+            prep = await out.run(functools.partial(eng.prepare, plan, method, reserve=gen.max_new_tokens))
         except ContextLengthError as e:
             raise HTTPProblem(400, str(e), param=where, code="context_length_exceeded") from e
         job = Job(kind, self.model_id, prep, gen, body.include_usage())
