@@ -196,6 +196,8 @@ class Outcome:
                                headers={"Retry-After": str(self.svc.retry_after())})
         if isinstance(exc, EngineClosedError):
             return HTTPProblem(503, str(exc), code="engine_closed")
+        if isinstance(exc, RequestCancelledError):  # by the engine's owner (engine.close(cancel=True)), not a client
+            return HTTPProblem(503, str(exc), code="request_cancelled")
         return HTTPProblem(500, f"internal error: {type(exc).__name__}: {exc}")
 
 

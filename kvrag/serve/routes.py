@@ -66,8 +66,9 @@ async def _streamed(svc: KVRAGService, request: Request, body: ChatCompletionReq
     async with svc.outcome("chat" if kind == "chat" else "completions", request) as out:
         job = await svc.start(out, body, prompt, kind)
         yield b""
-        async for event in svc.events(out, job):
-            yield event
+        async with contextlib.aclosing(svc.events(out, job)) as events:  # closed with this one: the decode stops
+            async for event in events:
+                yield event
 
 
 async def _complete(svc: KVRAGService, request: Request, body: ChatCompletionRequest | CompletionRequest,

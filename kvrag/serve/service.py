@@ -15,7 +15,7 @@ import math
 import os
 import statistics
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, Iterator
 from typing import TYPE_CHECKING, Protocol
 
 from kvrag import adapters
@@ -237,7 +237,7 @@ class KVRAGService:
     def store_degraded(self) -> bool:
         return bool(getattr(self.engine.serving_store, "degraded", False))
 
-    async def tokens(self, job: Job, arrived: float) -> AsyncIterator[str]:
+    async def tokens(self, job: Job, arrived: float) -> AsyncGenerator[str, None]:
         """The request's text deltas, decoded in the engine's batch (one worker thread drives the stream; closing
         this iterator takes the request out of the batch)."""
         last: float | None = None
@@ -272,7 +272,7 @@ class KVRAGService:
         self.metrics.completion_tokens.inc(len(job.prep.token_ids))
         return text
 
-    async def events(self, out: Outcome, job: Job) -> AsyncIterator[bytes]:
+    async def events(self, out: Outcome, job: Job) -> AsyncGenerator[bytes, None]:
         """The SSE events of a streamed response (OpenAI's chunk objects, then ``[DONE]``); a failure after the
         first byte ends the stream with an error event (OpenAI's error object) and sets the outcome's status."""
         try:
@@ -283,7 +283,7 @@ class KVRAGService:
                 async for delta in toks:
                     yield bodies.sse(bodies.chunk_body(job, delta))
             finally:
-                await toks.aclose()  # type: ignore[attr-defined]
+                await toks.aclose()
         except Exception as e:  # noqa: BLE001 - answered as an error event
             problem = out.problem(e)
             out.result = problem.status
