@@ -136,6 +136,26 @@ def test_failure_after_prepare_releases_the_lease_and_answers_openai_error(
     assert client.post("/v1/chat/completions", json=chat()).status_code == 200
 
 
+def test_engine_gives_the_lease_back_when_a_stream_cannot_start(engine: KVRAGEngine,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The runner's own part (any caller, not only the server): the Prepared is still referenced by its caller, yet
+    its KV goes back when its stream fails to start."""
+    from kvrag.config import GenerationConfig
+
+    prep = engine.prepare(engine.plan("Which city is the capital of France?", []), "full", reserve=4)
+    assert engine.batcher.stats()["kv"]["leases"] == 1
+
+    def refuse(self: Any, *a: Any, **kw: Any) -> None:
+        raise ValueError("Overflow when unpacking long long")
+
+    monkeypatch.setattr(generate.DecodeState, "__init__", refuse)
+    with pytest.raises(ValueError, match="Overflow"):
+        list(engine.stream(prep, GenerationConfig(max_new_tokens=4)))
+    monkeypatch.undo()
+    wait_until(lambda: idle(engine))
+    assert prep.kv_lease.released
+
+
 # ----------------------------------------------------------------------------------------------- 2: no files
 @pytest.mark.parametrize("kvrag", [
     {"method": "auto", "params": {"costs": "FILE"}},
