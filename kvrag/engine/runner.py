@@ -275,15 +275,12 @@ class Runner:
             ConfigError: the request was not prepared by this engine, is already streaming or streamed, or asks for
                 more new tokens than it was prepared (and its KV leased) for.
         """
-        lease = getattr(prepared, "kv_lease", None)
-        rid = getattr(lease, "rid", None)
+        rid = getattr(lease := getattr(prepared, "kv_lease", None), "rid", None)
         spec = self.speculation
-        drafter = (PromptLookup(prompt_ids, spec.max_ngram, spec.min_ngram)  # indexing the prompt: outside the lock
-                   if spec.enabled and prompt_ids is not None and not gen.do_sample and self.unbatchable is None
-                   else None)
+        drafter = (PromptLookup(prompt_ids, spec.max_ngram, spec.min_ngram) if spec.enabled and prompt_ids is not None
+                   and not gen.do_sample and self.unbatchable is None else None)  # indexing the prompt: outside the lock
         with self._cv:
-            h = self._handles.get(rid) if rid is not None else None
-            state = self.scheduler.state(rid) if rid is not None else None
+            h, state = (self._handles.get(rid), self.scheduler.state(rid)) if rid is not None else (None, None)
             if h is None or state is not RequestState.READY:
                 what = {RequestState.QUEUED: "is already streaming", RequestState.RUNNING: "is already streaming",
                         }.get(state, "was already streamed or dropped")  # type: ignore[arg-type]
@@ -302,9 +299,12 @@ class Runner:
                 raise ConfigError(msg)
             assert rid is not None
             h.prepared = prepared
-            h.state = DecodeState(self.tokenizer, gen, eos_ids)
             try:
+                h.state = DecodeState(self.tokenizer, gen, eos_ids)
                 items = h.state.advance(prepared.last_logits)
+            except BaseException:  # e.g. a seed the generator cannot take: the request ends and its lease goes back
+                self.cancel(rid)
+                raise
             finally:
                 if on_first_token is not None:
                     on_first_token()

@@ -4,8 +4,12 @@ Any OpenAI client (the ``openai`` SDK, LlamaIndex ``OpenAILike``, LangChain ``Ch
 unchanged; the passages registered with the server (``POST /v1/kvrag/chunks``, or the chunks of a ``kvrag ingest``
 index) are found verbatim in each rendered prompt and their caches reused. Endpoints and options: docs/serve.md.
 
-* :mod:`kvrag.serve.app`: the FastAPI app (:func:`create_app`, :class:`ServeConfig`).
-* :mod:`kvrag.serve.protocol`: the accepted request bodies and OpenAI-style errors.
+* :mod:`kvrag.serve.app`: the FastAPI app (:func:`create_app`).
+* :mod:`kvrag.serve.config`: :class:`ServeConfig` (limits, keys, drain timeout).
+* :mod:`kvrag.serve.routes`: the endpoints; :mod:`kvrag.serve.service`: what they call (:class:`KVRAGService`).
+* :mod:`kvrag.serve.outcome`: the one owner of a request's outcome (lease, queue place, status, metrics).
+* :mod:`kvrag.serve.middleware`: API keys and the body limit; :mod:`kvrag.serve.errors`: OpenAI's error object.
+* :mod:`kvrag.serve.protocol`: the accepted request bodies; :mod:`kvrag.serve.bodies`: the response bodies.
 * :mod:`kvrag.serve.metrics`: the Prometheus metrics of ``/metrics``.
 * :mod:`kvrag.serve.server`: running it with uvicorn (:func:`serve`, :class:`LiveServer`).
 
@@ -22,10 +26,13 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvrag.serve.app import STORE_WARNING, KVRAGService, ServeConfig, create_app
+    from kvrag.serve.app import create_app
+    from kvrag.serve.config import ServeConfig
+    from kvrag.serve.routes import STORE_WARNING
     from kvrag.serve.server import LiveServer, serve
+    from kvrag.serve.service import KVRAGService
 
-_WHERE = {"STORE_WARNING": "app", "KVRAGService": "app", "ServeConfig": "app", "create_app": "app",
+_WHERE = {"STORE_WARNING": "routes", "KVRAGService": "service", "ServeConfig": "config", "create_app": "app",
           "LiveServer": "server", "serve": "server"}
 
 

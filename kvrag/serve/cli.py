@@ -5,10 +5,15 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import sys
 from typing import Any
 
+from kvrag.errors import ConfigError
 from kvrag.extras import require
+from kvrag.serve.config import ServeConfig, keys_from_env
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,6 +44,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="chat completions without max_tokens generate at most this many tokens")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="on shutdown, seconds to let requests in flight finish")
+    parser.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                        help="a key clients must send as 'Authorization: Bearer KEY' (repeat for several; default: "
+                             "$KVRAG_API_KEY, keys separated by commas); every endpoint but /health answers 401 "
+                             "without one")
+    limits = ServeConfig()
+    for name, what in (("max_body_bytes", "bytes of a request body (413)"),
+                       ("max_messages", "messages of a chat completion (400)"),
+                       ("max_texts", "texts of one POST /v1/kvrag/chunks (413)"),
+                       ("max_text_bytes", "bytes of one registered text (413)"),
+                       ("max_registered_bytes", "text bytes registered over the server's life (413)"),
+                       ("max_store_bytes", "store bytes above which nothing more is registered (413; default: none)")):
+        parser.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(limits, name),
+                            help=f"most {what}")
+    parser.add_argument("--docs", action="store_true", help="serve the API's /docs and /openapi.json pages")
+    parser.add_argument("--server-header", action="store_true",
+                        help="add X-Kvrag-Server: host:pid to every response (which replica answered)")
+    parser.add_argument("--stall-timeout", type=float, default=limits.stall_timeout_s,
+                        help="/health answers 503 when the engine made no progress this many seconds with requests "
+                             "waiting")
     parser.add_argument("--on-store-error", choices=["recompute", "raise"], default="recompute",
                         help="when the KV store fails: recompute caches (responses carry a Warning header), or fail")
     parser.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
@@ -57,7 +81,7 @@ def run(args: argparse.Namespace, model: str | None, store: str, chunk_prefix: s
     and the ``--persist`` manifest)."""
     require("fastapi", "serve", "kvrag serve")  # before loading a model for nothing
     require("uvicorn", "serve", "kvrag serve")
-    from kvrag.serve import ServeConfig, create_app, serve
+    from kvrag.serve import create_app, serve
 
     if args.threads is not None and args.threads < 1:
         print(f"kvrag serve: --threads must be >= 1, got {args.threads}", file=sys.stderr)
@@ -66,15 +90,40 @@ def run(args: argparse.Namespace, model: str | None, store: str, chunk_prefix: s
                                 method=args.method, on_store_error=args.on_store_error,
                                 max_batch_size=args.max_batch_size, speculative_tokens=args.speculative_tokens,
                                 pack_suffixes=args.pack_suffixes, compile_decode=args.compile_decode)
-    cfg = ServeConfig(model_id=args.model_id, max_queue=args.max_queue, default_max_tokens=args.default_max_tokens,
-                      drain_timeout_s=args.drain_timeout)
+    keys = tuple(args.api_key) if args.api_key else keys_from_env()
+    try:
+        cfg = ServeConfig(model_id=args.model_id, max_queue=args.max_queue, default_max_tokens=args.default_max_tokens,
+                          drain_timeout_s=args.drain_timeout, api_keys=keys, max_body_bytes=args.max_body_bytes,
+                          max_messages=args.max_messages, max_texts=args.max_texts,
+                          max_text_bytes=args.max_text_bytes, max_registered_bytes=args.max_registered_bytes,
+                          max_store_bytes=args.max_store_bytes, docs=args.docs, server_header=args.server_header,
+                          stall_timeout_s=args.stall_timeout)
+    except ConfigError as e:
+        print(f"kvrag serve: {e}", file=sys.stderr)
+        return 2
+    if not keys and args.host not in LOOPBACK:
+        print(f"kvrag serve: WARNING: serving on {args.host} without an API key: anyone who reaches this port can "
+              "use the model and write to the store; set --api-key or $KVRAG_API_KEY (and TLS in front: "
+              "docs/serve.md#deploying)", file=sys.stderr)
     if args.ray is not None:
         return _serve_on_ray(args, factory, cfg, store)
     app = create_app(factory(), cfg, persist=args.persist, close_engine=True)
     print(f"kvrag serve: {app.state.kvrag.model_id} ({args.method}) on http://{args.host}:{args.port}/v1, "
           f"{len(app.state.kvrag.chunks)} chunks registered", file=sys.stderr)
     serve(app, args.host, args.port, drain_timeout_s=args.drain_timeout, log_level="debug" if args.verbose else "info")
+    if _forward_in_flight(app):
+        # a prepare that is one long forward cannot be interrupted, and a process that exits under it is aborted by
+        # the C++ runtime: every request has been answered and the store's writes are atomic, so leave now
+        print("kvrag serve: stopped with a forward in flight (not waited for)", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
+
+
+def _forward_in_flight(app: Any) -> bool:
+    runner = getattr(getattr(getattr(getattr(app, "state", None), "kvrag", None), "engine", None), "runner", None)
+    return runner is not None and bool(runner.stats().get("threads"))
 
 
 def serving_engine(threads: int | None, model: str | None, store: str, **config: Any) -> Any:

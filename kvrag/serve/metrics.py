@@ -11,9 +11,13 @@ kvrag_chunks_registered_total``, and a per-request histogram), and the method ea
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvrag.extras import require
+
+if TYPE_CHECKING:
+    from kvrag.engine.engine import KVRAGEngine
+    from kvrag.engine.results import Prepared
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0, 30.0, 60.0)
 HIT_RATE_BUCKETS = (0.0, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0)
@@ -22,7 +26,7 @@ HIT_RATE_BUCKETS = (0.0, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0)
 class _BatcherCollector:
     """Reads the engine's scheduler counters (:meth:`kvrag.engine.runner.Runner.stats`) at scrape time."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: KVRAGEngine) -> None:
         self.engine = engine
 
     def collect(self) -> Iterator[Any]:
@@ -45,7 +49,7 @@ class _BatcherCollector:
 class Metrics:
     """The app's metrics; :meth:`render` gives the Prometheus text format."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: KVRAGEngine) -> None:
         prom = require("prometheus_client", "serve", "kvrag serve's /metrics")
         self.registry = prom.CollectorRegistry()
         r = self.registry
@@ -81,7 +85,7 @@ class Metrics:
         self._content_type = prom.CONTENT_TYPE_LATEST
         self._generate = prom.generate_latest
 
-    def observe_prepared(self, prep: Any, arrived: float) -> None:
+    def observe_prepared(self, prep: Prepared, arrived: float) -> None:
         """A request's prepare finished (``arrived``: its ``perf_counter`` arrival time)."""
         st = prep.stats
         self.queue_wait.observe(max(0.0, prep.t0 - arrived))

@@ -8,15 +8,33 @@ extra body field ``kvrag`` (:class:`KvragOptions`; ``extra_body={"kvrag": {...}}
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 """Roles a chat message may have (``developer`` is rendered as ``system``); tool and function messages are refused."""
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 """``/v1/completions`` without ``max_tokens``: OpenAI's documented default."""
+
+SEED_RANGE = (-(2**63), 2**63 - 1)
+"""The seeds accepted (a signed 64-bit integer, what the sampler's generator takes)."""
+
+
+def _encodable(v: str) -> str:
+    """Text that UTF-8 can encode: a lone surrogate (``"\\ud800"`` in JSON) is refused, not passed to the tokenizer."""
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError as e:
+        msg = (f"the text holds a character UTF-8 cannot encode ({v[e.start]!r} at position {e.start}: a lone "
+               "surrogate); send valid Unicode")
+        raise ValueError(msg) from None
+    return v
+
+
+Text = Annotated[str, AfterValidator(_encodable)]
+"""A string field of a request: valid Unicode (encodable as UTF-8)."""
 
 
 def openai_error(message: str, *, param: str | None = None, type_: str = "invalid_request_error",
@@ -46,9 +64,9 @@ class KvragOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    method: str | None = None
-    params: dict[str, Any] = Field(default_factory=dict)
-    chunks: list[str] | None = None
+    method: Text | None = None
+    params: dict[Text, Any] = Field(default_factory=dict)
+    chunks: list[Text] | None = None
 
 
 class StreamOptions(BaseModel):
@@ -62,15 +80,15 @@ class _Sampling(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str
+    model: Text
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    stop: str | list[str] | None = None
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
+    stop: Text | list[Text] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    seed: int | None = None
-    user: str | None = None
+    seed: int | None = Field(default=None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
+    user: Text | None = None
     n: int | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
@@ -105,7 +123,7 @@ class TextPart(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
@@ -115,8 +133,8 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     role: str
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    content: Text | list[TextPart] | None = None
+    name: Text | None = None
 
     @field_validator("role")
     @classmethod
@@ -160,9 +178,9 @@ class ChatCompletionRequest(_Sampling):
 class CompletionRequest(_Sampling):
     """``POST /v1/completions``: one prompt string (a list of one string is accepted)."""
 
-    prompt: str | list[str]
+    prompt: Text | list[Text]
     echo: bool | None = None
-    suffix: str | None = None
+    suffix: Text | None = None
     logprobs: int | None = None
     best_of: int | None = None
 
@@ -205,18 +223,27 @@ class ChunksRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    texts: list[str] = Field(min_length=1)
+    texts: list[Text] = Field(min_length=1)
 
 
 def validation_error_body(errors: list[dict[str, Any]]) -> dict[str, Any]:
     """A pydantic/FastAPI validation error list -> one OpenAI error naming the first offending field."""
-    first = errors[0] if errors else {}
-    loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
+    # a union field reports one error per member: the one a validator raised names the problem best
+    first = next((e for e in errors if e.get("type") == "value_error"), errors[0] if errors else {})
+    # a union's member ("str", "function-after[...]") is not a field: the param is the field's path
+    loc = [str(p) for p in first.get("loc", ()) if p != "body" and not (isinstance(p, str) and ("[" in p or p in (
+        "str", "int", "float", "bool", "list", "dict", "none")))]
     param = ".".join(loc) or None
     kind = first.get("type", "")
+    if kind == "json_invalid":
+        where = first.get("loc", ("body", None))[-1]
+        return openai_error(f"the request body is not valid JSON ({first.get('msg', 'invalid')}"
+                            + (f", at byte {where})" if isinstance(where, int) else ")"), code="invalid_json")
     if kind == "extra_forbidden":
         message = (f"unsupported field {param!r}: kvrag serve does not implement it (tools, function calling, "
                    "response formats, logit bias and audio are not supported); remove it")
+    elif kind == "missing" and param is None:
+        message = "the request has no JSON body: send a JSON object with 'Content-Type: application/json'"
     elif kind == "missing":
         message = f"missing required field {param!r}"
     else:
@@ -228,12 +255,14 @@ def validation_error_body(errors: list[dict[str, Any]]) -> dict[str, Any]:
 __all__ = [
     "CHAT_ROLES",
     "DEFAULT_COMPLETION_MAX_TOKENS",
+    "SEED_RANGE",
     "ChatCompletionRequest",
     "ChatMessage",
     "ChunksRequest",
     "CompletionRequest",
     "KvragOptions",
     "StreamOptions",
+    "Text",
     "openai_error",
     "validation_error_body",
 ]

@@ -10,7 +10,8 @@ Each replica builds its own engine (``engine_factory``, called in the replica) a
   actor call; only the new texts travel).
 
 Serve's own settings pass through: ``max_ongoing_requests`` (per replica) and ``autoscaling_config`` (instead of a
-fixed ``num_replicas``). ``/metrics`` and ``/health`` describe the replica that answered (``X-Kvrag-Server``).
+fixed ``num_replicas``). ``/metrics`` and ``/health`` describe the replica that answered (``X-Kvrag-Server``, with
+``ServeConfig(server_header=True)`` / ``kvrag serve --server-header``).
 Needs ``pip install 'kvrag[ray-serve]'``.
 """
 

@@ -1,14 +1,16 @@
 """Running the app with uvicorn: in the foreground (``kvrag serve``) or in a background thread (:class:`LiveServer`,
 what tests and notebooks use).
 
-Shutdown drains: on SIGINT/SIGTERM (or :meth:`LiveServer.stop`) uvicorn stops accepting connections, lets the
-requests in flight finish for up to ``ServeConfig.drain_timeout_s`` seconds, then closes what is left (their
-streams are closed, which cancels them in the engine) and runs the app's shutdown (``engine.close()`` when the
-engine has one).
+Shutdown drains: on SIGINT/SIGTERM (or :meth:`LiveServer.stop`) uvicorn stops accepting connections and lets the
+requests in flight finish for up to ``drain_timeout_s`` seconds. Then the app's service cancels what is left (a
+prepare at its next piece, a decode before its next step) and answers each client ``503`` or, mid-stream, an error
+event; uvicorn closes what is still open a second later and runs the app's shutdown (``engine.close()`` when the
+app owns the engine).
 """
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import socket
 import threading
@@ -17,24 +19,49 @@ from typing import Any
 
 from kvrag.extras import require
 
+ABORT_GRACE_S = 1.0
+"""Seconds between the service cancelling the requests left at the drain timeout and uvicorn closing their
+connections (time for their 503s and error events to go out)."""
+
 
 def _config(app: Any, drain_timeout_s: float, log_level: str = "warning") -> Any:
     uvicorn = require("uvicorn", "serve", "kvrag serve")
-    return uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=max(0.0, float(drain_timeout_s)) or None,
-                          lifespan="on", access_log=False)
+    return uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=max(0.0, float(drain_timeout_s)) +
+                          ABORT_GRACE_S, lifespan="on", access_log=False, server_header=False)
+
+
+def _server(app: Any, cfg: Any, drain_timeout_s: float) -> Any:
+    """A uvicorn server that tells the app's service (``app.state.kvrag``) when shutdown starts and when its drain
+    timeout has passed."""
+    uvicorn = require("uvicorn", "serve", "kvrag serve")
+    state = getattr(app, "state", None)
+    svc = getattr(state, "kvrag", None) if state is not None else None
+
+    class DrainingServer(uvicorn.Server):  # type: ignore[misc,name-defined]
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            timer = None
+            if svc is not None:
+                svc.drain()
+                timer = asyncio.get_running_loop().call_later(max(0.0, float(drain_timeout_s)), svc.abort)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                if timer is not None:
+                    timer.cancel()
+
+    return DrainingServer(cfg)
 
 
 def serve(app: Any, host: str = "127.0.0.1", port: int = 8000, *, drain_timeout_s: float = 30.0,
           log_level: str = "info") -> None:
     """Serve ``app`` until SIGINT/SIGTERM (blocking); returns normally once the requests in flight are drained."""
-    uvicorn = require("uvicorn", "serve", "kvrag serve")
     cfg = _config(app, drain_timeout_s, log_level)
     cfg.host, cfg.port = host, int(port)
     # uvicorn handles the signal itself, drains, then raises it again for the handler it found: with the default
     # ones the process would die of it (SIGTERM) or print a KeyboardInterrupt (SIGINT) after a clean shutdown
     saved = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        uvicorn.Server(cfg).run()
+        _server(app, cfg, drain_timeout_s).run()
     finally:
         for s, h in saved.items():
             signal.signal(s, h)
@@ -49,13 +76,12 @@ class LiveServer:
     """
 
     def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, *, drain_timeout_s: float = 30.0) -> None:
-        uvicorn = require("uvicorn", "serve", "kvrag serve")
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
         self.host, self.port = self.sock.getsockname()[:2]
         self.url = f"http://{self.host}:{self.port}"
-        self.server = uvicorn.Server(_config(app, drain_timeout_s))
+        self.server = _server(app, _config(app, drain_timeout_s), drain_timeout_s)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                        name="kvrag-serve", daemon=True)
 

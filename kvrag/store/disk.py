@@ -88,7 +88,7 @@ class DiskStore(KVStore):
         self.fsync = fsync
         self.stale_tmp_s = stale_tmp_s
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
         except OSError as e:
             msg = f"cannot create KV store directory {self.root}: {e}; pick a writable path"
             raise StoreError(msg) from e
@@ -184,8 +184,8 @@ class DiskStore(KVStore):
         final = self.path_for(check_key(key))
         tmp = final.parent / f".{final.stem}.{_HOST}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}"
         try:
-            final.parent.mkdir(exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o644)
+            final.parent.mkdir(exist_ok=True, mode=0o700)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o600)
             try:
                 _write_all(fd, data)
                 if self.fsync:

@@ -9,6 +9,7 @@ The passages registered with the server (``POST /v1/kvrag/chunks``) are all hits
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
 import signal
 import subprocess
@@ -170,3 +171,51 @@ def test_kvrag_serve_command_answers_and_stops_on_sigterm(tmp_path: Path) -> Non
             proc.kill()
             raise
     assert rc == 0
+
+
+def test_sigterm_during_a_long_prepare_exits_within_the_drain_timeout(tmp_path: Path) -> None:
+    """SIGTERM while a 6K-token prompt is being prepared (one forward: nothing else decodes, so it is not in pieces):
+    the client gets a 503 naming the shutdown at the drain timeout, and the process exits 0 within 2 s after it,
+    without waiting for the forward."""
+    drain = 2.0
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-m", "kvrag.cli", "serve", "--port", str(port), "--model-id", MODEL,
+                             "--threads", "1", "--drain-timeout", str(drain)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "kvrag serve did not start"
+            time.sleep(0.5)
+        body = {"model": MODEL, "prompt": "word " * 6000 + "\nQ: how many words?\nA:", "max_tokens": 4,
+                "kvrag": {"method": "full"}}
+        fut = pool.submit(lambda: httpx.post(url + "/v1/completions", json=body, timeout=120))
+
+        def leases() -> float:
+            text = httpx.get(url + "/metrics", timeout=10).text
+            return float(next(ln for ln in text.splitlines() if ln.startswith("kvrag_kv_leases ")).split()[1])
+
+        while leases() < 1:  # admitted: its prepare is running
+            assert not fut.done(), fut.result().text
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(60)
+        took = time.monotonic() - t0
+        r = fut.result(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        pool.shutdown()
+    assert r.status_code == 503 and r.json()["error"]["code"] == "server_shutting_down", r.text
+    assert rc == 0, proc.stdout.read() if proc.stdout else ""
+    assert took < drain + 2.0, took

@@ -197,7 +197,6 @@ def test_disconnect_cancels_and_others_are_unchanged(engine: KVRAGEngine, server
     """8 streaming clients, 4 of which go away mid-stream: no reservation is left and the other 4 answer unchanged."""
     ref = local(engine, n=24).text
     before = metric(client, "kvrag_cancelled_requests_total")
-    rows_before = engine.batcher.stats().get("rows_stepped", 0)
     pool = concurrent.futures.ThreadPoolExecutor(4)
     lock = engine.batcher.lock
 
@@ -215,14 +214,16 @@ def test_disconnect_cancels_and_others_are_unchanged(engine: KVRAGEngine, server
             for _ in range(4):
                 next(lines)
         lock.acquire()  # (decoding paused, so that their answers cannot end first)
-    try:  # ...and went away mid-stream; four others stream meanwhile
+        rows_before = engine.batcher.stats().get("rows_stepped", 0)  # what they decoded so far is not counted
+    try:  # ...and went away mid-stream (the server has noticed); four others stream meanwhile
         futs = [pool.submit(streamed) for _ in range(4)]
+        wait_until(lambda: metric(client, "kvrag_cancelled_requests_total") == before + 4)
     finally:
         lock.release()
     assert [f.result(timeout=60) for f in futs] == [ref] * 4
     wait_until(lambda: idle(engine) and server_held(client) == 0)  # no reservation left behind
     assert metric(client, "kvrag_cancelled_requests_total") == before + 4
-    # the abandoned answers stopped decoding: far fewer rows stepped than their 4 x 400 tokens
+    # the abandoned answers stopped decoding: far fewer rows stepped after they left than their 4 x 400 tokens
     assert engine.batcher.stats()["rows_stepped"] - rows_before < 4 * 24 + 4 * 50
     pool.shutdown()
 

@@ -37,7 +37,7 @@ def deployment(redis_cluster: Any) -> Iterator[str]:
     ray.init(num_cpus=4, namespace="kvrag-test", include_dashboard=False, log_to_driver=False)
     try:
         url = ray_serve.run(functools.partial(tiny_engine, "qwen2", store=redis_cluster.url, method="stale"),
-                            ServeConfig(model_id=MODEL), port=free_port(), replicas=2,
+                            ServeConfig(model_id=MODEL, server_header=True), port=free_port(), replicas=2,
                             ray_actor_options={"num_cpus": 1})
         yield url
     finally:

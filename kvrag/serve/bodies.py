@@ -1,0 +1,93 @@
+"""The response bodies of a completion: OpenAI's ``chat.completion`` / ``text_completion`` objects, their streamed
+chunks (SSE events), usage, and kvrag's per-response summary."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+import uuid
+from typing import TYPE_CHECKING, Literal
+
+from kvrag import adapters
+
+if TYPE_CHECKING:
+    from kvrag.config import GenerationConfig
+    from kvrag.engine.results import Prepared
+
+JSONObject = dict[str, object]
+Kind = Literal["chat", "text"]
+
+
+@dataclasses.dataclass
+class Job:
+    """One prepared completion request, from its prepare to its last byte."""
+
+    kind: Kind
+    model: str
+    prep: Prepared
+    gen: GenerationConfig
+    include_usage: bool
+    id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
+    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+
+    @property
+    def prefix(self) -> str:
+        return "chatcmpl-" if self.kind == "chat" else "cmpl-"
+
+
+def usage(job: Job) -> JSONObject:
+    prompt, generated = adapters.token_usage(job.prep)
+    generated = generated or 0
+    return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated,
+            "prompt_tokens_details": {"cached_tokens": int(job.prep.stats.reused_tokens)}}
+
+
+def finish_reason(job: Job) -> str:
+    """``"length"`` when the answer used all of its ``max_tokens``, else ``"stop"`` (EOS or a stop string)."""
+    generated = job.prep.stats.generated_tokens or len(job.prep.token_ids)
+    return "length" if generated >= job.gen.max_new_tokens else "stop"
+
+
+def full_body(job: Job, text: str) -> JSONObject:
+    """The non-streamed response."""
+    choice: JSONObject
+    if job.kind == "chat":
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                  "finish_reason": finish_reason(job)}
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason(job)}
+    return {"id": job.prefix + job.id, "object": "chat.completion" if job.kind == "chat" else "text_completion",
+            "created": job.created, "model": job.model, "choices": [choice], "usage": usage(job),
+            "kvrag": adapters.response_summary(job.prep)}
+
+
+def chunk_body(job: Job, delta: str | None, finish: str | None = None, *, role: bool = False,
+               with_usage: bool = False) -> JSONObject:
+    """One streamed chunk: a text delta, the role (first chat chunk), the finish, or the usage (``choices`` [])."""
+    choices: list[JSONObject] = []
+    if not with_usage:
+        if job.kind == "chat":
+            d: JSONObject = {"role": "assistant", "content": ""} if role else \
+                ({} if delta is None else {"content": delta})
+            choices = [{"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}]
+        else:
+            choices = [{"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}]
+    out: JSONObject = {"id": job.prefix + job.id,
+                       "object": "chat.completion.chunk" if job.kind == "chat" else "text_completion",
+                       "created": job.created, "model": job.model, "choices": choices}
+    if with_usage:
+        out["usage"] = usage(job)
+    if finish is not None:
+        out["kvrag"] = adapters.response_summary(job.prep)
+    return out
+
+
+def sse(obj: JSONObject) -> bytes:
+    """One server-sent event."""
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+DONE = b"data: [DONE]\n\n"
+
+__all__ = ["DONE", "Job", "JSONObject", "Kind", "chunk_body", "finish_reason", "full_body", "sse", "usage"]

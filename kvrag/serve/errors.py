@@ -1,0 +1,90 @@
+"""OpenAI's error object on every error path of the app: validation, unknown routes and methods, limits, keys and
+unexpected failures alike (``{"error": {"message", "type", "param", "code"}}``, what the ``openai`` SDK raises from).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvrag.serve.protocol import openai_error, validation_error_body
+
+log = logging.getLogger(__name__)
+
+_TYPES = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error", 503: "server_error"}
+
+
+class HTTPProblem(Exception):
+    """An error answered as an OpenAI error body."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type_: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        kind = type_ or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+        self.body = openai_error(message, param=param, code=code, type_=kind)
+        self.headers = headers or {}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body, status_code=self.status, headers=self.headers)
+
+
+class ClientGone(Exception):
+    """The client closed its connection before its answer (counted as status 499)."""
+
+
+class ShuttingDown(HTTPProblem):
+    """The server is shutting down and its drain timeout has passed: the request was cancelled."""
+
+    def __init__(self, drain_timeout_s: float) -> None:
+        super().__init__(503, f"the server is shutting down: requests still in flight after its drain timeout "
+                              f"({drain_timeout_s:g} s, --drain-timeout) are cancelled; retry on another replica",
+                         code="server_shutting_down")
+
+
+def _problem(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, HTTPProblem)
+    return exc.response()
+
+
+def _invalid(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    return JSONResponse(validation_error_body(list(exc.errors())), status_code=400)
+
+
+def _http(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    status = exc.status_code
+    if status == 404:
+        message = f"no such endpoint: {request.method} {request.url.path} (see docs/serve.md for the endpoints)"
+    elif status == 405:
+        message = f"method {request.method} is not allowed on {request.url.path}"
+    else:
+        message = str(exc.detail)
+    return HTTPProblem(status, message, code={404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}.get(status),
+                       headers=dict(exc.headers or {})).response()
+
+
+def _gone(request: Request, exc: Exception) -> Response:
+    return Response(status_code=499)
+
+
+def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    log.error("unexpected failure answering %s %s", request.method, request.url.path, exc_info=exc)
+    return HTTPProblem(500, f"internal error: {type(exc).__name__}: {exc}").response()
+
+
+def install(app: FastAPI) -> None:
+    """Answer every error of ``app`` with OpenAI's error object."""
+    app.add_exception_handler(HTTPProblem, _problem)
+    app.add_exception_handler(RequestValidationError, _invalid)
+    app.add_exception_handler(StarletteHTTPException, _http)
+    app.add_exception_handler(ClientGone, _gone)
+    app.add_exception_handler(Exception, _unexpected)
+
+
+__all__ = ["ClientGone", "HTTPProblem", "ShuttingDown", "install"]

@@ -1,0 +1,115 @@
+"""The app's outer layer (plain ASGI, so streamed responses and disconnects pass through untouched): API keys, the
+request body limit, and the optional ``X-Kvrag-Server`` header."""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from starlette.exceptions import HTTPException
+
+from kvrag.serve.errors import HTTPProblem
+
+Message = MutableMapping[str, Any]
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+OPEN_PATHS = frozenset({"/health", "/health/ready"})
+"""Paths answered without an API key (load balancers' health checks)."""
+
+
+class _TooLarge(HTTPException):
+    """The body passed the limit while it was read (inside the app: answered by its 413 handler)."""
+
+    def __init__(self, limit: int, seen: int) -> None:
+        super().__init__(413, _too_large(limit, seen).body["error"]["message"])  # type: ignore[index]
+
+
+class Guard:
+    """Refuses, before the app sees the request: a missing or wrong key (401, when the server has keys) and a body
+    over ``max_body_bytes`` (413, by its ``Content-Length`` at once, else as soon as the bytes read pass it).
+
+    Args:
+        app: the ASGI app.
+        api_keys: accepted ``Authorization: Bearer`` keys (empty: none needed).
+        max_body_bytes: the most bytes of a request body.
+        server_header: value of an ``X-Kvrag-Server`` header added to every response (None: no header).
+    """
+
+    def __init__(self, app: ASGIApp, *, api_keys: tuple[str, ...], max_body_bytes: int,
+                 server_header: str | None = None) -> None:
+        self.app = app
+        self.keys = [k.encode() for k in api_keys]
+        self.max_body_bytes = max_body_bytes
+        self.header = None if server_header is None else (b"x-kvrag-server", server_header.encode())
+
+    def authorized(self, scope: Scope) -> bool:
+        if not self.keys or scope.get("path") in OPEN_PATHS:
+            return True
+        got = dict(scope.get("headers") or []).get(b"authorization", b"")
+        scheme, _, key = got.partition(b" ")
+        key = key.strip()
+        ok = False
+        for k in self.keys:  # every key compared, in constant time
+            ok |= hmac.compare_digest(key, k)
+        return scheme.lower() == b"bearer" and ok
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if self.header is not None:
+            inner_send, header = send, self.header
+
+            async def send(message: Message) -> None:
+                if message["type"] == "http.response.start":
+                    message["headers"] = [*message.get("headers", []), header]
+                await inner_send(message)
+
+        if not self.authorized(scope):
+            await _answer(HTTPProblem(401, "a valid API key is needed: send it as 'Authorization: Bearer KEY' "
+                                           "(the openai SDK's api_key)", code="invalid_api_key",
+                                      headers={"WWW-Authenticate": "Bearer"}), scope, receive, send)
+            return
+        limit = self.max_body_bytes
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            await _answer(_too_large(limit, int(length)), scope, receive, send)
+            return
+        seen = 0
+        started = False
+
+        async def limited_receive() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    raise _TooLarge(limit, seen)
+            return message
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, tracking_send)
+        except _TooLarge:
+            if not started:
+                await _answer(_too_large(limit, seen), scope, receive, send)
+
+
+def _too_large(limit: int, got: int) -> HTTPProblem:
+    return HTTPProblem(413, f"the request body has {got} bytes or more; the limit is {limit} (--max-body-bytes)",
+                       code="body_too_large")
+
+
+async def _answer(problem: HTTPProblem, scope: Scope, receive: Receive, send: Send) -> None:
+    await problem.response()(scope, receive, send)
+
+
+__all__ = ["OPEN_PATHS", "Guard"]

@@ -1,0 +1,204 @@
+"""The one owner of a request's outcome.
+
+:class:`Outcome` is an async context manager around everything a request does after it is validated: admission
+(its place in ``--max-queue``), the engine's work, the answer. Whatever ends the block -- the answer given, an
+error, the client gone, the server shutting down, an exception nobody expected -- its exit does all of this, once:
+
+* the request's KV lease is given back (idempotent: a finished answer gave it already) and its engine work is
+  cancelled (a prepare at its next piece, a decode before the next step);
+* its place in the queue is given back;
+* its status is set and counted in ``kvrag_requests_total`` (499 for a client gone, ``kvrag_cancelled_requests``
+  too), and the duration of an answered request observed.
+
+An exception that is not an :class:`~kvrag.serve.errors.HTTPProblem` leaves the block as one (OpenAI's error object,
+500 or 503), so no path answers a bare error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from kvrag.engine.cancel import CancelToken, cancel_scope
+from kvrag.errors import ConfigError, ContextLengthError, EngineBusyError, EngineClosedError, RequestCancelledError
+from kvrag.serve.errors import ClientGone, HTTPProblem, ShuttingDown
+
+if TYPE_CHECKING:
+    from starlette.requests import Request
+
+    from kvrag.serve.bodies import Job
+    from kvrag.serve.service import KVRAGService
+
+T = TypeVar("T")
+
+POLL_S = 0.1
+"""How often a request waiting on the engine checks that its client is still connected."""
+
+
+class Outcome:
+    """A request's outcome (``async with service.outcome(endpoint, request) as out``).
+
+    Attributes:
+        status: the HTTP status once the request ended (None before).
+        result: the status a block that ends without an exception gets (a stream that sent an error event sets it).
+        job: the prepared request, once there is one (its lease is released at the end).
+        token: cancelled at the end, and by a shutdown past its drain timeout; the engine work registers on it.
+    """
+
+    def __init__(self, svc: KVRAGService, endpoint: str, request: Request | None = None) -> None:
+        self.svc, self.endpoint, self.request = svc, endpoint, request
+        self.arrived = time.perf_counter()
+        self.status: int | None = None
+        self.result = 200
+        self.job: Job | None = None
+        self.token = CancelToken()
+        self._admitted = False
+
+    # ------------------------------------------------------------------------------------------- lifetime
+    async def __aenter__(self) -> Outcome:
+        return self
+
+    async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        if exc is None:
+            self.finish(self.result)
+            return
+        if isinstance(exc, ClientGone | asyncio.CancelledError | GeneratorExit):
+            self.finish(499)
+            return
+        problem = self.problem(exc)
+        self.finish(problem.status)
+        if problem is not exc:
+            raise problem from exc
+
+    def finish(self, status: int) -> None:
+        """End the request with ``status`` (idempotent; see the module docstring)."""
+        if self.status is not None:
+            return
+        self.status = status
+        svc = self.svc
+        try:
+            self.token.cancel()
+            if self.job is not None and self.job.prep.kv_lease is not None:
+                self.job.prep.kv_lease.release()
+        finally:
+            svc.outcomes.discard(self)
+            if self._admitted:
+                svc.held -= 1
+                svc.metrics.in_flight.set(svc.held)
+            svc.metrics.requests.labels(endpoint=self.endpoint, status=str(status)).inc()
+            if status == 499:
+                svc.metrics.cancelled.inc()
+            elif status == 200 and self._admitted:
+                d = time.perf_counter() - self.arrived
+                svc.durations.append(d)
+                svc.metrics.duration.observe(d)
+
+    def admit(self) -> None:
+        """Take a place in the server's queue (429 with ``Retry-After`` when it is full)."""
+        svc = self.svc
+        if svc.draining:
+            raise ShuttingDown(svc.config.drain_timeout_s)
+        if svc.held >= svc.config.max_queue:
+            raise HTTPProblem(429, f"the server holds {svc.held} requests, its limit (--max-queue "
+                                   f"{svc.config.max_queue}); retry later", code="queue_full",
+                              headers={"Retry-After": str(svc.retry_after())})
+        svc.held += 1
+        self._admitted = True
+        svc.outcomes.add(self)
+        svc.metrics.in_flight.set(svc.held)
+
+    def hold(self, job: Job) -> None:
+        """The request was prepared: its lease is this outcome's to give back; cancelling stops its decoding."""
+        self.job = job
+        lease = job.prep.kv_lease
+        rid = getattr(lease, "rid", None)
+        if rid is not None:
+            runner = self.svc.engine.runner
+            self.token.on_cancel(lambda: runner.cancel(rid))
+
+    # ------------------------------------------------------------------------------------------- waiting
+    async def guard(self, work: Awaitable[T]) -> T:
+        """Await ``work`` unless the client leaves (:class:`ClientGone`) or the server's drain timeout passes
+        (:class:`ShuttingDown`) first; then ``work`` is cancelled (the engine drops its request)."""
+        task = asyncio.ensure_future(work)
+        abort = asyncio.ensure_future(self.svc.aborted.wait())
+        try:
+            while True:
+                done, _ = await asyncio.wait({task, abort}, timeout=POLL_S, return_when=asyncio.FIRST_COMPLETED)
+                if task in done:
+                    return task.result()
+                if abort in done:
+                    raise ShuttingDown(self.svc.config.drain_timeout_s)
+                if self.request is not None and await self.request.is_disconnected():
+                    raise ClientGone
+        finally:
+            abort.cancel()
+            if not task.done():
+                task.cancel()
+                await asyncio.wait({task})  # its to_thread cancels the engine request's token on the way out
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` in a thread of its own, guarded (:meth:`guard`); leaving early cancels the engine request it
+        made (its :class:`~kvrag.engine.cancel.CancelToken`).
+
+        The thread is a daemon, so a prepare that is one long forward neither holds up the process's exit at
+        shutdown (an executor's workers are joined at exit) nor anyone else's turn: the engine bounds the work."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[T] = loop.create_future()
+        token = CancelToken()
+        remove = self.token.on_cancel(token.cancel)
+
+        def deliver(ok: bool, value: Any) -> None:
+            def settle() -> None:
+                if not fut.done():
+                    (fut.set_result if ok else fut.set_exception)(value)
+
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+                loop.call_soon_threadsafe(settle)
+
+        def work() -> None:
+            try:
+                with cancel_scope(token):
+                    out = fn(*args)
+            except BaseException as e:  # noqa: BLE001 - raised in the awaiting task
+                deliver(False, e)
+            else:
+                deliver(True, out)
+
+        threading.Thread(target=contextvars.copy_context().run, args=(work,), name="kvrag-serve-request",
+                         daemon=True).start()
+        try:
+            return await self.guard(fut)
+        finally:
+            remove()
+            token.cancel()  # no-op for a request that ended; one still waiting or preparing is dropped
+
+    # ------------------------------------------------------------------------------------------- errors
+    def problem(self, exc: BaseException) -> HTTPProblem:
+        """The OpenAI error answering ``exc``."""
+        if isinstance(exc, HTTPProblem):
+            return exc
+        if self.svc.aborted.is_set() and isinstance(exc, RequestCancelledError | EngineClosedError):
+            return ShuttingDown(self.svc.config.drain_timeout_s)
+        if isinstance(exc, ContextLengthError):
+            return HTTPProblem(400, str(exc), code="context_length_exceeded")
+        if isinstance(exc, ConfigError):
+            return HTTPProblem(400, str(exc))
+        if isinstance(exc, EngineBusyError):
+            return HTTPProblem(503, str(exc), code="engine_busy",
+                               headers={"Retry-After": str(self.svc.retry_after())})
+        if isinstance(exc, EngineClosedError):
+            return HTTPProblem(503, str(exc), code="engine_closed")
+        if isinstance(exc, RequestCancelledError):  # by the engine's owner (engine.close(cancel=True)), not a client
+            return HTTPProblem(503, str(exc), code="request_cancelled")
+        return HTTPProblem(500, f"internal error: {type(exc).__name__}: {exc}")
+
+
+__all__ = ["POLL_S", "Outcome"]

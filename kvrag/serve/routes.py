@@ -1,0 +1,148 @@
+"""The endpoints of ``kvrag serve``, at module level; each gets the app's :class:`~kvrag.serve.service.KVRAGService`
+through the :func:`service` dependency."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
+from starlette.types import Receive, Scope, Send
+
+from kvrag import adapters
+from kvrag.serve import bodies
+from kvrag.serve.bodies import JSONObject, Kind
+from kvrag.serve.protocol import ChatCompletionRequest, ChunksRequest, CompletionRequest
+from kvrag.serve.service import KVRAGService
+
+STORE_WARNING = '199 kvrag "the KV store is unavailable: chunk caches were recomputed for this request"'
+"""The ``Warning`` header of a response answered while the store was down."""
+
+router = APIRouter()
+
+
+def service(request: Request) -> KVRAGService:
+    """The app's service (``app.state.kvrag``)."""
+    svc = request.app.state.kvrag
+    assert isinstance(svc, KVRAGService)
+    return svc
+
+
+Service = Annotated[KVRAGService, Depends(service)]
+
+
+class EventStream(StreamingResponse):
+    """A stream whose body iterator is closed however the response ends (the client gone included), so that the
+    request's :class:`~kvrag.serve.outcome.Outcome` ends with it."""
+
+    def __init__(self, events: AsyncIterator[bytes], headers: dict[str, str]) -> None:
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache", **headers})
+        self.events = events
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        except (ClientDisconnect, OSError):
+            pass
+        finally:
+            with contextlib.suppress(Exception):
+                await self.events.aclose()  # type: ignore[attr-defined]
+
+
+def _headers(svc: KVRAGService) -> dict[str, str]:
+    if svc.store_degraded():
+        svc.metrics.store_degraded.inc()
+        return {"Warning": STORE_WARNING}
+    return {}
+
+
+async def _streamed(svc: KVRAGService, request: Request, body: ChatCompletionRequest | CompletionRequest,
+                    prompt: str, kind: Kind) -> AsyncIterator[bytes]:
+    """A streamed completion, whole: its first item (``b""``) comes once it is prepared, so that an error before
+    then is answered as a plain error response."""
+    async with svc.outcome("chat" if kind == "chat" else "completions", request) as out:
+        job = await svc.start(out, body, prompt, kind)
+        yield b""
+        async with contextlib.aclosing(svc.events(out, job)) as events:  # closed with this one: the decode stops
+            async for event in events:
+                yield event
+
+
+async def _complete(svc: KVRAGService, request: Request, body: ChatCompletionRequest | CompletionRequest,
+                    prompt: str, kind: Kind) -> Response:
+    if body.stream:
+        events = _streamed(svc, request, body, prompt, kind)
+        await anext(events)  # admitted and prepared, or the error is raised here
+        return EventStream(events, _headers(svc))
+    async with svc.outcome("chat" if kind == "chat" else "completions", request) as out:
+        job = await svc.start(out, body, prompt, kind)
+        text = await svc.collect(out, job)
+        return JSONResponse(bodies.full_body(job, text), headers=_headers(svc))
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request, svc: Service) -> Response:
+    """OpenAI chat completions; the messages are rendered with the model's chat template."""
+    svc.check(body)
+    msgs = [{"role": m.role, "content": m.text()} for m in body.messages]
+    prompt = adapters.render_chat(svc.engine.tokenizer, msgs)
+    return await _complete(svc, request, body, prompt, "chat")
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request, svc: Service) -> Response:
+    """OpenAI (legacy) completions: the prompt is used as it is, no chat template."""
+    return await _complete(svc, request, body, body.text(), "text")
+
+
+@router.get("/v1/models")
+async def models(svc: Service) -> JSONObject:
+    return {"object": "list", "data": [{"id": svc.model_id, "object": "model", "created": 0,
+                                        "owned_by": "kvrag", "max_model_len": int(svc.engine.max_context)}]}
+
+
+@router.post("/v1/kvrag/chunks")
+async def register_chunks(body: ChunksRequest, request: Request, svc: Service) -> JSONObject:
+    """Register passages and cache the missing ones; one ``{"key", "cached", "tokens"}`` per text, in order. The
+    registration holds a place in the queue and stops when its client leaves."""
+    svc.check_texts(body.texts)
+    async with svc.outcome("chunks", request) as out:
+        out.admit()
+        data = await out.run(svc.register, body.texts)
+        if svc.sync is not None:
+            await out.guard(svc.sync.push([t for t, d in zip(body.texts, data, strict=True) if d["key"] is not None]))
+        return {"object": "list", "data": data, "registered": len(svc.chunks)}
+
+
+@router.get("/health")
+async def health(svc: Service) -> JSONResponse:
+    """200 while the engine makes progress; 503 when it is stalled or wedged (``problems`` says which)."""
+    problems, body = svc.health()
+    return JSONResponse(body, status_code=503 if problems else 200)
+
+
+@router.get("/health/ready")
+async def ready(svc: Service) -> JSONResponse:
+    """For load balancers: 200 when a request sent now would be taken (healthy, not draining, queue not full)."""
+    problems, body = svc.health()
+    if svc.held >= svc.config.max_queue:
+        problems = [*problems, "the queue is full"]
+    if svc.draining:
+        problems = [*problems, "the server is shutting down"]
+    body["ready"] = not problems
+    if problems:
+        body["problems"] = problems
+    return JSONResponse(body, status_code=503 if problems else 200)
+
+
+@router.get("/metrics")
+async def metrics(svc: Service) -> Response:
+    data, content_type = svc.metrics.render()
+    return Response(content=data, media_type=content_type)
+
+
+__all__ = ["STORE_WARNING", "EventStream", "Service", "router", "service"]
+

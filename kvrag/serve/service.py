@@ -1,0 +1,329 @@
+"""What the endpoints call (:class:`KVRAGService`): the engine, the registered chunks, admission, limits, metrics.
+
+A completion's path: the body validated (pydantic, :mod:`kvrag.serve.protocol`), the limits and the kvrag options
+checked (:meth:`KVRAGService.check`), then, inside the request's :class:`~kvrag.serve.outcome.Outcome`: admission,
+the plan and the prepare in worker threads (raced against the client leaving and the drain timeout), the decode in
+the engine's batch. Nothing is reserved for a request that fails a check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import functools
+import math
+import os
+import statistics
+import time
+from collections.abc import AsyncGenerator, Iterator
+from typing import TYPE_CHECKING, Protocol
+
+from kvrag import adapters
+from kvrag.config import GenerationConfig
+from kvrag.engine.cancel import current_token
+from kvrag.errors import ConfigError, ContextLengthError, RequestCancelledError
+from kvrag.fusion.base import parse_method_spec
+from kvrag.serve import bodies
+from kvrag.serve.bodies import Job, JSONObject, Kind
+from kvrag.serve.config import ServeConfig
+from kvrag.serve.errors import HTTPProblem
+from kvrag.serve.metrics import Metrics
+from kvrag.serve.outcome import Outcome
+from kvrag.serve.protocol import ChatCompletionRequest, CompletionRequest
+
+if TYPE_CHECKING:
+    from starlette.requests import Request
+
+    from kvrag.engine.engine import KVRAGEngine
+    from kvrag.fusion.base import FusionMethod
+
+PATH_PARAMS = frozenset({"costs", "checkpoint", "calibration", "path", "file", "dir", "root"})
+"""Method parameters that name files (``auto``'s cost model, ``cacherepair``'s and ``hybrid``'s checkpoint):
+server-side configuration (``kvrag serve --method``), refused from clients."""
+
+REGISTER_BATCH = 8
+"""Texts cached per step of a registration (a client that leaves stops it at the next step)."""
+
+
+class ChunkSync(Protocol):
+    """A chunk table shared with other replicas (:class:`kvrag.serve.ray_serve.RayChunkSync`)."""
+
+    async def push(self, texts: list[str]) -> None: ...
+
+    async def pull(self) -> list[str]: ...
+
+
+def refuse_paths(spec: str | None, params: dict[str, object]) -> None:
+    """400 when a client's method spec or params name a file (a parameter of :data:`PATH_PARAMS`, or a value that
+    looks like a path): no request makes the server open one."""
+    named = dict(params)
+    if spec:
+        try:
+            named.update(parse_method_spec(spec)[1])
+        except ConfigError as e:
+            raise HTTPProblem(400, f"kvrag.method: {e}", param="kvrag.method") from e
+    for key, value in named.items():
+        pathlike = isinstance(value, str) and (os.sep in value or value.startswith(("~", ".")) or "\\" in value)
+        if key.lower() in PATH_PARAMS or pathlike:
+            where = "kvrag.params" if key in params else "kvrag.method"
+            raise HTTPProblem(400, f"{where}: the method parameter {key!r} names a file; files are the server's "
+                                   "configuration (kvrag serve --method ...), not a request's", param=where,
+                              code="path_not_allowed")
+
+
+class KVRAGService:
+    """The endpoints' state and work.
+
+    Args:
+        engine: a :class:`~kvrag.engine.engine.KVRAGEngine` (one per process; it batches the requests itself).
+        config: server settings.
+    """
+
+    def __init__(self, engine: KVRAGEngine, config: ServeConfig | None = None) -> None:
+        self.engine = engine
+        self.config = config or ServeConfig()
+        self.model_id = self.config.model_id or str(getattr(engine.loaded, "name", "kvrag"))
+        self.chunks = adapters.RecentChunks(self.config.max_registered_chunks, self.config.max_registered_chars)
+        self.metrics = Metrics(engine)
+        self.held = 0
+        self.outcomes: set[Outcome] = set()
+        self.durations: collections.deque[float] = collections.deque(maxlen=64)
+        self.sync: ChunkSync | None = None
+        """Optional table shared with other replicas: ``push(texts)`` after a registration, ``pull()`` before a
+        plan (texts registered elsewhere since the last pull)."""
+        self.registered_bytes = 0
+        self._known: set[int] = set()
+        self.draining = False
+        self.aborted = asyncio.Event()
+        self._progress: tuple[int, float] = (-1, time.monotonic())
+        self.default_method = engine.method(self.config.method) if self.config.method else None
+
+    def outcome(self, endpoint: str, request: Request | None = None) -> Outcome:
+        return Outcome(self, endpoint, request)
+
+    def retry_after(self) -> int:
+        return max(1, math.ceil(statistics.median(self.durations))) if self.durations else 1
+
+    # ------------------------------------------------------------------------------------------- shutdown
+    def drain(self) -> None:
+        """Shutdown began: new requests are refused (503)."""
+        self.draining = True
+
+    def abort(self) -> None:
+        """The drain timeout passed: every request in flight is cancelled and answered 503 / an error event."""
+        self.draining = True
+        self.aborted.set()
+        for out in list(self.outcomes):
+            out.token.cancel()
+
+    # ------------------------------------------------------------------------------------------- chunks
+    def check_texts(self, texts: list[str]) -> list[bytes]:
+        cfg = self.config
+        if len(texts) > cfg.max_texts:
+            raise HTTPProblem(413, f"{len(texts)} texts in one registration; the limit is {cfg.max_texts} "
+                                   "(--max-texts): send them in several requests", param="texts",
+                              code="too_many_texts")
+        encoded = [t.encode() for t in texts]
+        for i, b in enumerate(encoded):
+            if len(b) > cfg.max_text_bytes:
+                raise HTTPProblem(413, f"texts[{i}] has {len(b)} bytes; the limit is {cfg.max_text_bytes} "
+                                       "(--max-text-bytes): register passages, not documents", param=f"texts.{i}",
+                                  code="text_too_large")
+        new = sum(len(b) for t, b in zip(texts, encoded, strict=True) if hash(t) not in self._known)
+        if self.registered_bytes + new > cfg.max_registered_bytes:
+            raise HTTPProblem(413, f"registering {new} new bytes would pass the server's quota of "
+                                   f"{cfg.max_registered_bytes} registered bytes ({self.registered_bytes} used; "
+                                   "--max-registered-bytes)", param="texts", code="registered_bytes_quota")
+        return encoded
+
+    def _check_store(self) -> None:
+        limit = self.config.max_store_bytes
+        if limit is None:
+            return
+        used = int(self.engine.serving_store.stats().get("bytes", 0))
+        if used >= limit:
+            raise HTTPProblem(413, f"the KV store holds {used} bytes, its quota is {limit} (--max-store-bytes): "
+                                   "nothing more is registered", param="texts", code="store_quota_exceeded")
+
+    def register(self, texts: list[str]) -> list[JSONObject]:
+        """Cache (when missing) and register passages, :data:`REGISTER_BATCH` at a time, stopping when the request's
+        cancel token is cancelled; one ``{"key", "cached", "tokens"}`` per text (key None for whitespace-only texts,
+        which are neither cached nor registered)."""
+        self._check_store()
+        token = current_token()
+        out: list[JSONObject] = []
+        for i in range(0, len(texts), REGISTER_BATCH):
+            if token is not None and token.cancelled:
+                raise RequestCancelledError("the registration was cancelled (its client left)")
+            part = texts[i:i + REGISTER_BATCH]
+            got = adapters.ensure_chunks(self.engine, part)
+            self.chunks.add([c for c, _ in got if c is not None])
+            for t, (c, _) in zip(part, got, strict=True):
+                if c is not None and hash(t) not in self._known:
+                    self._known.add(hash(t))
+                    self.registered_bytes += len(t.encode())
+            out += [{"key": None if c is None else c.key, "cached": bool(was),
+                     "tokens": 0 if c is None or c.token_ids is None else len(c.token_ids)} for c, was in got]
+        return out
+
+    def register_index(self, persist: str) -> int:
+        """Register the chunks of a ``kvrag ingest`` index as ``kvrag ask`` renders them into prompts
+        (:func:`kvrag.prompting.render_passage`); their caches are the ones ingest stored. Returns the count."""
+        from kvrag.index import ChunkIndex
+        from kvrag.prompting import render_passage
+
+        index = ChunkIndex.load(persist)
+        texts = [render_passage(c.text) for c in index.chunks]
+        self.chunks.add(texts)
+        return len(texts)
+
+    # ------------------------------------------------------------------------------------------- completions
+    def check(self, body: ChatCompletionRequest | CompletionRequest) -> tuple[FusionMethod | None, GenerationConfig]:
+        """Everything about a completion that can be checked before anything is reserved: the model, the limits,
+        the method and its parameters, the sampling fields. Returns the method and a provisional generation config
+        (its ``max_new_tokens`` is cut to the room left once the prompt is planned)."""
+        if body.model != self.model_id:
+            raise HTTPProblem(404, f"model {body.model!r} is not served here; this server serves {self.model_id!r} "
+                                   "(GET /v1/models)", param="model", code="model_not_found")
+        if isinstance(body, ChatCompletionRequest) and len(body.messages) > self.config.max_messages:
+            raise HTTPProblem(400, f"{len(body.messages)} messages; the limit is {self.config.max_messages} "
+                                   "(--max-messages)", param="messages", code="too_many_messages")
+        opts = body.kvrag
+        method = self.default_method
+        if opts is not None and (opts.method is not None or opts.params):
+            refuse_paths(opts.method, opts.params)
+            try:
+                method = self.engine.method(opts.method or self.config.method, **opts.params)
+            except (ConfigError, TypeError, ValueError) as e:
+                raise HTTPProblem(400, f"kvrag.method: {e}", param="kvrag.method") from e
+        requested = body.requested_tokens()
+        try:
+            gen = adapters.generation_config(
+                max_new_tokens=requested if requested is not None else self.config.default_max_tokens,
+                temperature=body.temperature if body.temperature is not None else 0.0,
+                top_p=body.top_p if body.top_p is not None else 1.0, seed=body.seed, stop=body.stops())
+        except ConfigError as e:
+            raise HTTPProblem(400, str(e)) from e
+        return method, gen
+
+    async def start(self, out: Outcome, body: ChatCompletionRequest | CompletionRequest, prompt: str,
+                    kind: Kind) -> Job:
+        """Admit, plan and prepare a checked request (400 for a prompt over the context window)."""
+        method, gen = self.check(body)
+        out.admit()
+        eng = self.engine
+        explicit = body.kvrag.chunks if body.kvrag is not None else None
+        if self.sync is not None:
+            self.chunks.add(await out.guard(self.sync.pull()))
+        refs = adapters.resolve_chunks(prompt, explicit, use_context=False) if explicit is not None \
+            else self.chunks.found_in(prompt)
+        plan = await out.run(eng.plan, prompt, refs)
+        room = int(eng.max_context) - int(plan.total_len)
+        where = "messages" if kind == "chat" else "prompt"
+        if room < 1:
+            raise HTTPProblem(400, f"the prompt has {plan.total_len} tokens but the model's context window is "
+                                   f"{eng.max_context}; send fewer or shorter passages", param=where,
+                              code="context_length_exceeded")
+        gen.max_new_tokens = min(gen.max_new_tokens, room)
+        try:
+            prep = await out.run(functools.partial(eng.prepare, plan, method, reserve=gen.max_new_tokens))
+        except ContextLengthError as e:
+            raise HTTPProblem(400, str(e), param=where, code="context_length_exceeded") from e
+        job = Job(kind, self.model_id, prep, gen, body.include_usage())
+        out.hold(job)
+        self.metrics.observe_prepared(prep, out.arrived)
+        return job
+
+    def store_degraded(self) -> bool:
+        return bool(getattr(self.engine.serving_store, "degraded", False))
+
+    async def tokens(self, job: Job, arrived: float) -> AsyncGenerator[str, None]:
+        """The request's text deltas, decoded in the engine's batch (one worker thread drives the stream; closing
+        this iterator takes the request out of the batch)."""
+        last: float | None = None
+        prep, gen = job.prep, job.gen
+
+        def stream() -> Iterator[str]:
+            return self.engine.stream(prep, gen)
+
+        it: AsyncGenerator[str, None] = adapters.aiter_in_thread(stream)  # type: ignore[assignment]
+        try:
+            async for delta in it:
+                now = time.perf_counter()
+                if last is None:
+                    self.metrics.ttft.observe(now - arrived)
+                else:
+                    self.metrics.itl.observe(now - last)
+                last = now
+                yield delta
+        finally:
+            await it.aclose()
+
+    async def collect(self, out: Outcome, job: Job) -> str:
+        """The whole answer (guarded: a client that leaves cancels it)."""
+
+        async def gather() -> str:
+            parts = []
+            async for delta in self.tokens(job, out.arrived):
+                parts.append(delta)
+            return "".join(parts)
+
+        text = await out.guard(gather())
+        self.metrics.completion_tokens.inc(len(job.prep.token_ids))
+        return text
+
+    async def events(self, out: Outcome, job: Job) -> AsyncGenerator[bytes, None]:
+        """The SSE events of a streamed response (OpenAI's chunk objects, then ``[DONE]``); a failure after the
+        first byte ends the stream with an error event (OpenAI's error object) and sets the outcome's status."""
+        try:
+            if job.kind == "chat":
+                yield bodies.sse(bodies.chunk_body(job, None, role=True))
+            toks = self.tokens(job, out.arrived)
+            try:
+                async for delta in toks:
+                    yield bodies.sse(bodies.chunk_body(job, delta))
+            finally:
+                await toks.aclose()
+        except Exception as e:  # noqa: BLE001 - answered as an error event
+            problem = out.problem(e)
+            out.result = problem.status
+            yield bodies.sse(problem.body)
+            return
+        self.metrics.completion_tokens.inc(len(job.prep.token_ids))
+        yield bodies.sse(bodies.chunk_body(job, None, bodies.finish_reason(job)))
+        if job.include_usage:
+            yield bodies.sse(bodies.chunk_body(job, None, with_usage=True))
+        yield bodies.DONE
+
+    # ------------------------------------------------------------------------------------------- health
+    def health(self) -> tuple[list[str], JSONObject]:
+        """(problems, the ``/health`` body): a problem when the engine made no progress for ``stall_timeout_s``
+        while requests wait, or when KV memory is held with nothing running while requests wait for it."""
+        st = self.engine.runner.stats()
+        kv = st.get("kv", {})
+        now = time.monotonic()
+        progress = int(st.get("steps", 0)) + int(st.get("prepare_pieces", 0)) + int(st.get("suffix_prefills", 0))
+        if progress != self._progress[0]:
+            self._progress = (progress, now)
+        states = st.get("states", {})
+        waiting = int(kv.get("waiting", 0))
+        work = self.held > 0 or waiting > 0
+        stalled = work and now - self._progress[1] > self.config.stall_timeout_s
+        running = int(st.get("decoding", 0)) + int(st.get("joining", 0)) + int(states.get("preparing", 0))
+        wedged = waiting > 0 and running == 0 and int(kv.get("leases", 0)) > 0 and \
+            now - self._progress[1] > min(1.0, self.config.stall_timeout_s)
+        problems = (["the engine made no progress for "
+                     f"{now - self._progress[1]:.0f} s with requests waiting (stall_timeout_s "
+                     f"{self.config.stall_timeout_s:g})"] if stalled else []) + \
+            (["KV memory is held by requests that are not running while others wait for it"] if wedged else [])
+        body: JSONObject = {
+            "status": "unhealthy" if problems else ("draining" if self.draining else "ok"), "model": self.model_id,
+            "in_flight": self.held, "max_queue": self.config.max_queue,
+            "store": "degraded" if self.store_degraded() else "ok", "registered_chunks": len(self.chunks),
+            "kv_bytes_used": int(kv.get("used", 0)), "kv_bytes_limit": int(kv.get("limit", 0))}
+        if problems:
+            body["problems"] = problems
+        return problems, body
+
+
+__all__ = ["PATH_PARAMS", "REGISTER_BATCH", "ChunkSync", "KVRAGService", "refuse_paths"]

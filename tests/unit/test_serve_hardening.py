@@ -1,0 +1,392 @@
+"""kvrag serve against bad and hostile clients, over real HTTP (uvicorn on 127.0.0.1, a tiny engine).
+
+Each test reproduces one way a client could hurt the server -- a request whose stream cannot start after its KV was
+reserved, a method parameter naming a file, text UTF-8 cannot encode, unbounded bodies and registrations, no key,
+a wedged engine behind a health check that says ok, a shutdown that outlasts its drain timeout, errors that are not
+OpenAI's object -- and checks the server's answer and that nothing is left held afterwards.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("fastapi", reason="kvrag serve needs the serve extra (pip install 'kvrag[serve]')")
+pytest.importorskip("uvicorn", reason="kvrag serve needs the serve extra (pip install 'kvrag[serve]')")
+httpx = pytest.importorskip("httpx")
+
+from kvrag.config import EngineConfig  # noqa: E402
+from kvrag.engine import generate  # noqa: E402
+from kvrag.engine.engine import KVRAGEngine  # noqa: E402
+from kvrag.serve import LiveServer, ServeConfig, create_app  # noqa: E402
+from kvrag.store.memory import MemoryStore  # noqa: E402
+from kvrag.testing.tiny import tiny_model  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+MODEL = "tiny-qwen2"
+PASSAGES = ["\n\nParis is the capital of France. The city has many museums.",
+            "\n\nBerlin is the capital of Germany. It is a large city."]
+SEED_OVERFLOW = 1180591620717411303424
+
+
+@pytest.fixture(scope="module")
+def lm() -> Any:
+    return tiny_model("qwen2", init_std=0.1)
+
+
+@pytest.fixture(scope="module")
+def engine(lm: Any) -> KVRAGEngine:
+    return KVRAGEngine(lm, MemoryStore(), EngineConfig(method="stale", max_context=512))
+
+
+@contextlib.contextmanager
+def served(engine: KVRAGEngine, drain_timeout_s: float = 5, **cfg: Any) -> Iterator[tuple[LiveServer, Any]]:
+    app = create_app(engine, ServeConfig(model_id=MODEL, **cfg))
+    with LiveServer(app, drain_timeout_s=drain_timeout_s) as srv, \
+            httpx.Client(base_url=srv.url, timeout=60) as c:
+        yield srv, c
+
+
+@pytest.fixture(scope="module")
+def client(engine: KVRAGEngine) -> Iterator[Any]:
+    with served(engine) as (_, c):
+        yield c
+
+
+def chat(content: str = "Which city is the capital of France?", **kw: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 4, **kw}
+
+
+def metric(c: Any, name: str) -> float:
+    for ln in c.get("/metrics").text.splitlines():
+        if ln.startswith(name + " "):
+            return float(ln.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def wait_until(cond: Any, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def idle(engine: KVRAGEngine) -> bool:
+    st = engine.batcher.stats()
+    return st["decoding"] == 0 and st["joining"] == 0 and st["kv"]["leases"] == 0 and st["kv"]["used"] == 0
+
+
+def is_openai_error(r: Any, status: int, code: str | None = None, param: str | None = None) -> dict[str, Any]:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if code is not None:
+        assert err["code"] == code, err
+    if param is not None:
+        assert err["param"] == param, err
+    return dict(err)
+
+
+# ----------------------------------------------------------------------------------------------- 1: the lease
+def test_seed_overflow_repeated_leaves_no_kv_and_chat_still_answers(engine: KVRAGEngine, client: Any) -> None:
+    for _ in range(20):
+        r = client.post("/v1/chat/completions", json=chat(max_tokens=1_000_000_000, temperature=1, seed=SEED_OVERFLOW))
+        is_openai_error(r, 400, param="seed")
+    wait_until(lambda: idle(engine))
+    assert metric(client, "kvrag_kv_bytes_used") == 0 and metric(client, "kvrag_kv_leases") == 0
+    ok = client.post("/v1/chat/completions", json=chat())
+    assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"]
+    assert client.get("/health").json()["in_flight"] == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_failure_after_prepare_releases_the_lease_and_answers_openai_error(
+        engine: KVRAGEngine, client: Any, monkeypatch: pytest.MonkeyPatch, stream: bool) -> None:
+    """The stream cannot start after prepare reserved KV (the sampler's generator refuses its seed, as a seed past
+    64 bits did): the lease goes back, the answer is OpenAI's error object (a 500, or an error event)."""
+    before = metric(client, 'kvrag_requests_total{endpoint="chat",status="500"}')
+
+    def refuse(self: Any, *a: Any, **kw: Any) -> None:
+        raise ValueError("Overflow when unpacking long long")
+
+    monkeypatch.setattr(generate.DecodeState, "__init__", refuse)
+    if stream:
+        with client.stream("POST", "/v1/chat/completions", json=chat(stream=True)) as r:
+            assert r.status_code == 200
+            events = [json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: {")]
+        err = events[-1]["error"]
+        assert err["type"] == "server_error" and "ValueError" in err["message"]
+    else:
+        r = client.post("/v1/chat/completions", json=chat())
+        assert "ValueError" in is_openai_error(r, 500)["message"]
+        assert metric(client, 'kvrag_requests_total{endpoint="chat",status="500"}') == before + 1
+    monkeypatch.undo()
+    wait_until(lambda: idle(engine))
+    assert client.get("/health").json()["in_flight"] == 0
+    assert client.post("/v1/chat/completions", json=chat()).status_code == 200
+
+
+def test_engine_gives_the_lease_back_when_a_stream_cannot_start(engine: KVRAGEngine,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The runner's own part (any caller, not only the server): the Prepared is still referenced by its caller, yet
+    its KV goes back when its stream fails to start."""
+    from kvrag.config import GenerationConfig
+
+    prep = engine.prepare(engine.plan("Which city is the capital of France?", []), "full", reserve=4)
+    assert engine.batcher.stats()["kv"]["leases"] == 1
+
+    def refuse(self: Any, *a: Any, **kw: Any) -> None:
+        raise ValueError("Overflow when unpacking long long")
+
+    monkeypatch.setattr(generate.DecodeState, "__init__", refuse)
+    with pytest.raises(ValueError, match="Overflow"):
+        list(engine.stream(prep, GenerationConfig(max_new_tokens=4)))
+    monkeypatch.undo()
+    wait_until(lambda: idle(engine))
+    assert prep.kv_lease.released
+
+
+# ----------------------------------------------------------------------------------------------- 2: no files
+@pytest.mark.parametrize("kvrag", [
+    {"method": "auto", "params": {"costs": "FILE"}},
+    {"method": "auto:costs=FILE"},
+    {"method": "cacherepair", "params": {"checkpoint": "FILE"}},
+    {"method": "hybrid:checkpoint=FILE"},
+    {"method": "auto", "params": {"Costs": "FILE"}},
+])
+def test_no_request_names_a_file(client: Any, tmp_path: Path, kvrag: dict[str, Any]) -> None:
+    """A FIFO would block whoever opens it: the request is refused by the parameter's name before any open()."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    body = json.loads(json.dumps(kvrag).replace("FILE", str(fifo)))
+    r = client.post("/v1/chat/completions", json=chat(kvrag=body), timeout=20)
+    err = is_openai_error(r, 400, code="path_not_allowed")
+    assert err["param"] in ("kvrag.params", "kvrag.method") and "file" in err["message"]
+    assert client.post("/v1/chat/completions", json=chat(), timeout=20).status_code == 200
+
+
+# ----------------------------------------------------------------------------------------------- 3: text
+@pytest.mark.parametrize(("path", "raw", "param"), [
+    ("/v1/chat/completions", '{"model":"M","messages":[{"role":"user","content":"a\\ud800b"}]}', "messages.0.content"),
+    ("/v1/chat/completions", '{"model":"M","messages":[{"role":"user","content":[{"type":"text","text":"\\udfff"}]}]}',
+     "messages.0.content.0.text"),
+    ("/v1/chat/completions", '{"model":"M","messages":[{"role":"user","content":"hi"}],"stop":["\\ud800"]}', "stop"),
+    ("/v1/completions", '{"model":"M","prompt":"x\\ud800"}', "prompt"),
+    ("/v1/kvrag/chunks", '{"texts":["ok","\\udc00"]}', "texts.1"),
+])
+def test_lone_surrogates_are_400_naming_the_field(client: Any, path: str, raw: str, param: str) -> None:
+    r = client.post(path, content=raw.replace("M", MODEL).encode(), headers={"content-type": "application/json"})
+    err = is_openai_error(r, 400)
+    assert err["param"].startswith(param) and "surrogate" in err["message"]
+
+
+# ----------------------------------------------------------------------------------------------- 4: limits
+def test_ten_thousand_texts_and_a_10mb_body_are_refused_before_work(engine: KVRAGEngine, client: Any) -> None:
+    steps = engine.batcher.stats()["prepares"]
+    r = client.post("/v1/kvrag/chunks", json={"texts": [f"text {i}" for i in range(10_000)]})
+    assert "--max-texts" in is_openai_error(r, 413, code="too_many_texts", param="texts")["message"]
+    big = json.dumps({"texts": ["x" * 1000] * 10_000}).encode()
+    assert len(big) > 10 * 10**6
+    r = client.post("/v1/kvrag/chunks", content=big, headers={"content-type": "application/json"})
+    assert "--max-body-bytes" in is_openai_error(r, 413, code="body_too_large")["message"]
+
+    def chunked() -> Iterator[bytes]:  # no Content-Length: refused once the bytes read pass the limit
+        yield b'{"model":"' + MODEL.encode() + b'","messages":[{"role":"user","content":"'
+        for _ in range(6):
+            yield b"y" * 2**20
+        yield b'"}]}'
+
+    r = client.post("/v1/chat/completions", content=chunked(), headers={"content-type": "application/json"})
+    is_openai_error(r, 413, code="body_too_large")
+    assert engine.batcher.stats()["prepares"] == steps  # nothing was prepared
+
+
+def test_limits_on_messages_text_bytes_and_quotas(engine: KVRAGEngine, lm: Any) -> None:
+    with served(engine, max_messages=3, max_text_bytes=100, max_registered_bytes=100) as (_, c):
+        r = c.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 1,
+                                                 "messages": [{"role": "user", "content": "hi"}] * 4})
+        is_openai_error(r, 400, code="too_many_messages", param="messages")
+        r = c.post("/v1/kvrag/chunks", json={"texts": ["short", "é" * 51]})
+        assert "--max-text-bytes" in is_openai_error(r, 413, code="text_too_large", param="texts.1")["message"]
+        assert c.post("/v1/kvrag/chunks", json={"texts": [PASSAGES[0]]}).status_code == 200
+        assert c.post("/v1/kvrag/chunks", json={"texts": [PASSAGES[0]]}).status_code == 200  # known: no new bytes
+        r = c.post("/v1/kvrag/chunks", json={"texts": [PASSAGES[1]]})
+        is_openai_error(r, 413, code="registered_bytes_quota", param="texts")
+    fresh = KVRAGEngine(lm, MemoryStore(), EngineConfig(method="stale", max_context=512))  # an empty store
+    with served(fresh, max_store_bytes=1) as (_, c):
+        assert c.post("/v1/kvrag/chunks", json={"texts": ["\n\nA first passage about trains."]}).status_code == 200
+        r = c.post("/v1/kvrag/chunks", json={"texts": ["\n\nA second passage about boats."]})
+        is_openai_error(r, 413, code="store_quota_exceeded")
+
+
+def test_registration_counts_against_the_queue_and_stops_when_its_client_leaves(engine: KVRAGEngine) -> None:
+    from kvrag.serve.service import REGISTER_BATCH
+
+    texts = [f"\n\nPassage number {i} is about the river {i}." for i in range(8 * REGISTER_BATCH)]
+    lock = engine.batcher.lock
+    with served(engine, max_queue=1) as (srv, c):
+        lock.acquire()  # the model is busy: the registration waits in its first step
+        try:
+            pool = concurrent.futures.ThreadPoolExecutor(1)
+            fut = pool.submit(lambda: httpx.post(srv.url + "/v1/kvrag/chunks", json={"texts": texts}, timeout=2))
+            wait_until(lambda: c.get("/health").json()["in_flight"] == 1)
+            r = c.post("/v1/chat/completions", json=chat())
+            is_openai_error(r, 429, code="queue_full")
+            with pytest.raises(httpx.ReadTimeout):
+                fut.result(30)  # the client leaves
+            wait_until(lambda: metric(c, "kvrag_cancelled_requests_total") == 1)
+        finally:
+            lock.release()
+        wait_until(lambda: idle(engine) and c.get("/health").json()["in_flight"] == 0)
+        with lock:  # the step in flight ended: no later step starts
+            registered = c.get("/health").json()["registered_chunks"]
+        assert registered <= REGISTER_BATCH < len(texts)
+        assert 'kvrag_requests_total{endpoint="chunks",status="499"} 1.0' in c.get("/metrics").text
+        pool.shutdown()
+
+
+# ----------------------------------------------------------------------------------------------- 5: keys
+def test_api_keys(engine: KVRAGEngine) -> None:
+    with served(engine, api_keys=("key-one", "key-two")) as (_, c):
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "key-one"},
+                        {"Authorization": "Basic key-one"}):
+            for method, path in (("POST", "/v1/chat/completions"), ("GET", "/v1/models"), ("GET", "/metrics"),
+                                 ("POST", "/v1/kvrag/chunks")):
+                r = c.request(method, path, json=chat(), headers=headers)
+                is_openai_error(r, 401, code="invalid_api_key")
+                assert r.headers["WWW-Authenticate"] == "Bearer"
+        assert c.get("/health").status_code == 200 and c.get("/health/ready").status_code == 200
+        for key in ("key-one", "key-two"):
+            r = c.post("/v1/chat/completions", json=chat(), headers={"Authorization": f"Bearer {key}"})
+            assert r.status_code == 200
+
+
+def test_cli_keys_from_option_and_environment_and_warning(monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    import argparse
+    import types
+
+    import kvrag.serve
+    from kvrag.serve import cli as serve_cli
+
+    parser = argparse.ArgumentParser()
+    serve_cli.add_arguments(parser)
+    seen: dict[str, Any] = {}
+    monkeypatch.setattr(KVRAGEngine, "from_pretrained", lambda *a, **kw: None)
+    app = types.SimpleNamespace(state=types.SimpleNamespace(kvrag=types.SimpleNamespace(model_id="m", chunks=[])))
+
+    def create(engine: Any, cfg: ServeConfig, **kw: Any) -> Any:
+        seen["cfg"] = cfg
+        return app
+
+    monkeypatch.setattr(kvrag.serve, "create_app", create)
+    monkeypatch.setattr(kvrag.serve, "serve", lambda *a, **kw: None)
+    monkeypatch.delenv("KVRAG_API_KEY", raising=False)
+    cases = [(["--host", "0.0.0.0"], None, (), True), (["--host", "0.0.0.0", "--api-key", "a", "--api-key", "b"],
+                                                        None, ("a", "b"), False),
+             (["--host", "0.0.0.0"], "c, d", ("c", "d"), False), (["--host", "127.0.0.1"], None, (), False)]
+    for argv, env, keys, warned in cases:
+        if env is None:
+            monkeypatch.delenv("KVRAG_API_KEY", raising=False)
+        else:
+            monkeypatch.setenv("KVRAG_API_KEY", env)
+        args = parser.parse_args([*argv, "--max-body-bytes", "1000", "--max-texts", "7"])
+        args.verbose = False
+        assert serve_cli.run(args, None, "memory://", "template") == 0
+        cfg = seen["cfg"]
+        assert cfg.api_keys == keys and cfg.max_body_bytes == 1000 and cfg.max_texts == 7
+        assert ("without an API key" in capsys.readouterr().err) is warned
+
+
+# ----------------------------------------------------------------------------------------------- 6: health
+def test_health_is_503_when_the_engine_is_stalled_or_wedged(engine: KVRAGEngine, lm: Any) -> None:
+    lock = engine.batcher.lock
+    with served(engine, stall_timeout_s=0.2) as (srv, c):
+        assert c.get("/health").status_code == 200
+        pool = concurrent.futures.ThreadPoolExecutor(1)
+        lock.acquire()  # the runner cannot run a step while a request waits
+        try:
+            fut = pool.submit(lambda: httpx.post(srv.url + "/v1/chat/completions", json=chat(), timeout=60))
+            wait_until(lambda: c.get("/health").status_code == 503)
+            body = c.get("/health").json()
+            assert body["status"] == "unhealthy" and "no progress" in body["problems"][0]
+            assert c.get("/health/ready").status_code == 503
+        finally:
+            lock.release()
+        assert fut.result(60).status_code == 200
+        wait_until(lambda: c.get("/health").status_code == 200)
+        pool.shutdown()
+    # KV held by a request nobody streams, while another waits for it: wedged
+    per_token = engine.batcher.budget.bytes_per_token
+    small = KVRAGEngine(lm, MemoryStore(), EngineConfig(method="stale", max_context=512, kv_memory_bytes=300 * per_token))
+    with served(small, stall_timeout_s=0.2) as (srv, c):
+        pool = concurrent.futures.ThreadPoolExecutor(1)
+        plan = small.plan("x " * 20, [])
+        held = small.prepare(plan, "full", reserve=300 - plan.total_len)
+        try:
+            fut = pool.submit(lambda: httpx.post(srv.url + "/v1/chat/completions", json=chat(), timeout=60))
+            wait_until(lambda: c.get("/health").status_code == 503)
+            assert any("KV memory is held" in p for p in c.get("/health").json()["problems"])
+        finally:
+            del held
+        assert fut.result(60).status_code == 200
+        wait_until(lambda: c.get("/health").status_code == 200)
+        pool.shutdown()
+
+
+# ----------------------------------------------------------------------------------------------- 7: shutdown
+def test_shutdown_past_the_drain_timeout_answers_503_and_an_error_event(engine: KVRAGEngine) -> None:
+    """One request waits for its prepare, one streams, when the server stops with a 0.5 s drain timeout and the
+    model stays busy: at the timeout the waiting one gets a 503 and the stream an error event (no [DONE]), before
+    the model is free again; nothing is left held."""
+    lock = engine.batcher.lock
+    srv = LiveServer(create_app(engine, ServeConfig(model_id=MODEL)), drain_timeout_s=0.5).start()
+    pool = concurrent.futures.ThreadPoolExecutor(2)
+    stream_events: list[dict[str, Any]] = []
+    with httpx.Client(base_url=srv.url, timeout=60) as c, \
+            c.stream("POST", "/v1/chat/completions", json=chat(max_tokens=400, stream=True)) as s:
+        lines = s.iter_lines()
+        first = [next(lines) for _ in range(4)]
+        lock.acquire()
+        try:
+            waiting = pool.submit(lambda: httpx.post(srv.url + "/v1/chat/completions", json=chat(), timeout=60))
+            wait_until(lambda: c.get("/health").json()["in_flight"] == 2)
+            stopper = threading.Thread(target=srv.stop)
+            stopper.start()
+            r = waiting.result(30)  # answered while the model is still busy
+            err = is_openai_error(r, 503, code="server_shutting_down")
+            assert "--drain-timeout" in err["message"]
+        finally:
+            lock.release()
+        stream_events = [json.loads(ln[6:]) for ln in [*first, *lines] if ln.startswith("data: {")]
+    stopper.join(30)
+    assert not srv.thread.is_alive()
+    assert stream_events[-1]["error"]["code"] == "server_shutting_down"
+    wait_until(lambda: idle(engine))
+    pool.shutdown()
+
+
+# ----------------------------------------------------------------------------------------------- 8: errors, exposure
+def test_every_error_is_openai_error_and_nothing_is_exposed(engine: KVRAGEngine, client: Any) -> None:
+    is_openai_error(client.post("/v1/chat/completions", content=b"{not json",
+                                headers={"content-type": "application/json"}), 400, code="invalid_json", param=None)
+    is_openai_error(client.get("/v1/nothing"), 404, code="not_found")
+    is_openai_error(client.post("/v1/models"), 405, code="method_not_allowed")
+    is_openai_error(client.get("/v1/chat/completions"), 405)
+    for path in ("/docs", "/openapi.json", "/redoc"):
+        assert client.get(path).status_code == 404
+    r = client.get("/health")
+    assert not any(h.lower().startswith("x-kvrag") for h in r.headers) and "server" not in r.headers
+    with served(engine, docs=True, server_header=True) as (_, c):
+        assert c.get("/openapi.json").status_code == 200 and c.get("/docs").status_code == 200
+        assert c.get("/health").headers["X-Kvrag-Server"].endswith(f":{os.getpid()}")

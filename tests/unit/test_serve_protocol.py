@@ -1,0 +1,151 @@
+"""kvrag serve's protocol pinned over HTTP: every field bound of the OpenAI bodies, sampling that a greedy server
+would fail, and both finish reasons.
+
+Each bound is checked on both sides (the value just past it is a 400 naming the field, the value on it is answered),
+so a server that refuses too much fails as well as one that accepts too much.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("fastapi", reason="kvrag serve needs the serve extra (pip install 'kvrag[serve]')")
+pytest.importorskip("uvicorn", reason="kvrag serve needs the serve extra (pip install 'kvrag[serve]')")
+httpx = pytest.importorskip("httpx")
+
+from kvrag.config import EngineConfig  # noqa: E402
+from kvrag.engine.engine import KVRAGEngine  # noqa: E402
+from kvrag.serve import LiveServer, ServeConfig, create_app  # noqa: E402
+from kvrag.store.memory import MemoryStore  # noqa: E402
+from kvrag.testing.tiny import tiny_model  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+MODEL = "tiny-qwen2"
+SEEDS = 24
+
+
+@pytest.fixture(scope="module")
+def engine() -> KVRAGEngine:
+    return KVRAGEngine(tiny_model("qwen2", init_std=0.1), MemoryStore(), EngineConfig(method="stale", max_context=512))
+
+
+@pytest.fixture(scope="module")
+def client(engine: KVRAGEngine) -> Iterator[Any]:
+    with LiveServer(create_app(engine, ServeConfig(model_id=MODEL)), drain_timeout_s=5) as srv, \
+            httpx.Client(base_url=srv.url, timeout=60) as c:
+        yield c
+
+
+def chat(**kw: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "Name a city."}], "max_tokens": 1, **kw}
+
+
+def text(**kw: Any) -> dict[str, Any]:
+    return {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 1, **kw}
+
+
+# (endpoint body, a value past the bound -> 400 naming param, a value on the bound -> answered)
+BOUNDS = [
+    ("chat", "max_tokens", 0, 1),
+    ("chat", "max_completion_tokens", 0, 1),
+    ("text", "max_tokens", 0, 1),
+    ("chat", "temperature", -0.01, 0.0),
+    ("chat", "temperature", 2.01, 2.0),
+    ("text", "temperature", 2.5, 2.0),
+    ("chat", "top_p", 0.0, 1e-6),
+    ("chat", "top_p", 1.01, 1.0),
+    ("chat", "stop", ["a", "b", "c", "d", "e"], ["a", "b", "c", "d"]),
+    ("text", "stop", ["a", "b", "c", "d", "e"], "a"),
+    ("chat", "frequency_penalty", 0.5, 0.0),
+    ("chat", "presence_penalty", -1.0, 0),
+    ("text", "frequency_penalty", 1.0, 0),
+    ("chat", "n", 2, 1),
+    ("text", "n", 3, 1),
+    ("text", "best_of", 2, 1),
+    ("text", "echo", True, False),
+    ("text", "suffix", "tail", ""),
+    ("text", "logprobs", 1, 0),
+    ("chat", "logprobs", True, False),
+    ("chat", "top_logprobs", 2, 0),
+    ("text", "prompt", ["one", "two"], ["one"]),
+    ("chat", "messages", [], [{"role": "user", "content": "hi"}]),
+    ("chat", "seed", 2**63, 2**63 - 1),
+    ("chat", "seed", -(2**63) - 1, -(2**63)),
+    ("chat", "temperature", float("nan"), 1.0),
+]
+
+
+@pytest.mark.parametrize(("kind", "field", "bad", "good"), BOUNDS,
+                         ids=[f"{k}-{f}-{b!r}" for k, f, b, _ in BOUNDS])
+def test_each_field_bound_over_http(client: Any, kind: str, field: str, bad: Any, good: Any) -> None:
+    path, body = ("/v1/chat/completions", chat) if kind == "chat" else ("/v1/completions", text)
+    extra = {"temperature": 1.0} if field == "seed" else {}
+    if isinstance(bad, float) and bad != bad:  # NaN is not JSON: sent as the token clients' encoders write
+        raw = body(**extra).copy()
+        r = client.post(path, content=_json_with(raw, field, "NaN"), headers={"content-type": "application/json"})
+    else:
+        r = client.post(path, json=body(**extra, **{field: bad}))
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == field and err["type"] == "invalid_request_error"
+    ok = client.post(path, json=body(**extra, **{field: good}))
+    assert ok.status_code == 200, ok.text
+    assert ok.json()["usage"]["completion_tokens"] >= 1
+
+
+def _json_with(body: dict[str, Any], field: str, literal: str) -> bytes:
+    import json
+
+    return (json.dumps(body)[:-1] + f', "{field}": {literal}}}').encode()
+
+
+def first_token_text(client: Any, **kw: Any) -> str:
+    r = client.post("/v1/completions", json=text(**kw))
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["usage"]["completion_tokens"] == 1
+    return str(out["choices"][0]["text"])
+
+
+def test_sampling_at_temperature_one_is_not_greedy(client: Any) -> None:
+    """Over seeds, the first token at temperature 1 takes several values, most of them not greedy's (the tiny
+    model's next-token distribution is nearly flat); a greedy server gives greedy's token every time. The same seed
+    gives the same token."""
+    greedy = first_token_text(client, temperature=0)
+    assert first_token_text(client) == greedy  # temperature omitted: greedy
+    sampled = Counter(first_token_text(client, temperature=1.0, seed=s) for s in range(SEEDS))
+    assert len(sampled) >= SEEDS // 3, sampled
+    assert sampled[greedy] <= SEEDS // 2, sampled
+    assert first_token_text(client, temperature=1.0, seed=5) == first_token_text(client, temperature=1.0, seed=5)
+    # top_p at its smallest keeps only the most likely token: greedy's, whatever the seed
+    assert {first_token_text(client, temperature=1.0, top_p=1e-6, seed=s) for s in range(4)} == {greedy}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_finish_reason_length_and_stop(client: Any, stream: bool) -> None:
+    def answer(**kw: Any) -> tuple[str, str, int]:
+        body = chat(max_tokens=12, **kw)
+        if not stream:
+            out = client.post("/v1/chat/completions", json=body).json()
+            return (out["choices"][0]["message"]["content"], out["choices"][0]["finish_reason"],
+                    out["usage"]["completion_tokens"])
+        import json
+
+        with client.stream("POST", "/v1/chat/completions",
+                           json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+            events = [json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: {")]
+        content = "".join(e["choices"][0]["delta"].get("content", "") for e in events if e["choices"])
+        finish = [e["choices"][0]["finish_reason"] for e in events if e["choices"] and e["choices"][0]["finish_reason"]]
+        assert len(finish) == 1
+        return content, finish[0], events[-1]["usage"]["completion_tokens"]
+
+    full, reason, n = answer()
+    assert (reason, n) == ("length", 12) and full  # the tiny model does not stop by itself within 12 tokens
+    cut = full[4:7]
+    stopped, reason, n = answer(stop=cut)
+    assert reason == "stop" and stopped == full.split(cut)[0] and n < 12
