@@ -28,7 +28,7 @@ from kvrag.config import EngineConfig  # noqa: E402
 from kvrag.engine.engine import KVRAGEngine  # noqa: E402
 from kvrag.serve import LiveServer, ServeConfig, create_app  # noqa: E402
 from kvrag.store.memory import MemoryStore  # noqa: E402
-from kvrag.testing.tiny import tiny_model  # noqa: E402
+from kvrag_testing.tiny import tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
