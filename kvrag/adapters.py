@@ -288,7 +288,7 @@ async def to_thread(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
     """``asyncio.to_thread`` on kvrag's own thread pool (in a copy of the caller's context, request chunks
     included).
 
-    asyncio's default executor has ``min(32, cpu_count + 4)`` workers (6 on a 2-core machine), so an 8-way
+    asyncio's default executor has ``min(32, cpu_count + 4)`` workers (cpu_count + 4 on small machines), so an 8-way
     ``asyncio.gather`` of blocking requests would run at most 6 at once; the engine batches whatever is in flight,
     and the requests wait in the engine's scheduler (batch size and KV memory bounds), not in a thread pool.
     """

@@ -8,13 +8,13 @@ A request's path:
    is reserved for a request that fails one.
 3. **Admission**: the server holds at most ``ServeConfig.max_queue`` requests (decoding or waiting, and chunk
    registrations); one more is answered ``429`` at once, with ``Retry-After`` (the median duration of recent
-   requests, at least 1 s).
+   requests, at least one second).
 4. **Prompt**: chat messages are rendered with the model's chat template (:func:`kvrag.prompting.render_chat`), a
    completion's prompt is taken as it is.
 5. **Chunks**: the chunks offered to the planner are the registered ones (``POST /v1/kvrag/chunks`` and the
    ``--persist`` index) that occur verbatim in the prompt (:class:`kvrag.adapters.RecentChunks`), or the request's
    explicit ``kvrag.chunks``. No kvrag code is needed on the client.
-6. **Prepare** (fetch, assemble, repair, suffix prefill) in a worker thread; errors become 400s before any byte is
+6. **Prepare** (fetch, assemble, repair, suffix prefill) in a worker thread; errors become HTTP 400 responses before any byte is
    sent (prompt over the context window: ``code="context_length_exceeded"``), also for ``stream=true``. A store that
    is down is answered by recomputing and flagged with a ``Warning: 199 kvrag "..."`` header.
 7. **Decode** in the engine's shared batch. The response streams by SSE or is collected.

@@ -21,7 +21,7 @@ from kvrag.extras import require
 
 ABORT_GRACE_S = 1.0
 """Seconds between the service cancelling the requests left at the drain timeout and uvicorn closing their
-connections (time for their 503s and error events to go out)."""
+connections (time for their 503 responses and error events to go out)."""
 
 
 def _config(app: Any, drain_timeout_s: float, log_level: str = "warning") -> Any:
