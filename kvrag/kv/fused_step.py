@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from kvrag.kv import direct, quant, row_attention
+from kvrag.kv import direct, quant, row_attention, step_layout
 from kvrag.kv.window import first_key
 
 log = logging.getLogger(__name__)
@@ -71,26 +71,38 @@ def _rms_norm(module: Any) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 class _Layer:
-    __slots__ = ("act", "down", "gu", "gu_mods", "inter", "k_norm", "norm1", "norm2", "o_proj", "q_norm", "qkv",
-                 "qkv_mods", "scaling")
+    __slots__ = ("act", "down", "gu", "gu_mods", "inter", "k_norm", "mlp", "norm1", "norm2", "norm3", "norm4",
+                 "o_proj", "q_norm", "qkv", "qkv_mods", "rope", "scaling")
 
-    def __init__(self, layer: Any, d: int) -> None:
+    def __init__(self, model: Any, i: int, fam: step_layout.Family, d: int) -> None:
+        layer = model.model.layers[i]
         a, mlp = layer.self_attn, layer.mlp
-        self.norm1, self.norm2 = _rms_norm(layer.input_layernorm), _rms_norm(layer.post_attention_layernorm)
-        self.qkv_mods = (a.q_proj, a.k_proj, a.v_proj)
-        self.gu_mods = (mlp.gate_proj, mlp.up_proj)
-        self.qkv, self.gu = quant.fuse_int4(self.qkv_mods), quant.fuse_int4(self.gu_mods)
-        self.o_proj, self.down = a.o_proj, mlp.down_proj
-        self.act = mlp.act_fn.forward if isinstance(mlp.act_fn, torch.nn.Module) else mlp.act_fn
-        self.inter = int(mlp.gate_proj.weight.shape[0])
-        qn, kn = getattr(a, "q_norm", None), getattr(a, "k_norm", None)  # Qwen3: RMS norms over each head's q / k
+        norms = {"pre": ("input_layernorm", "post_attention_layernorm", None, None),
+                 "sandwich": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                              "post_feedforward_layernorm"),
+                 "post": (None, "post_attention_layernorm", None, "post_feedforward_layernorm")}[fam.order]
+        self.norm1, self.norm2, self.norm3, self.norm4 = (None if n is None else _rms_norm(getattr(layer, n))
+                                                          for n in norms)
+        self.qkv_mods = (a.qkv_proj,) if hasattr(a, "qkv_proj") else (a.q_proj, a.k_proj, a.v_proj)
+        self.qkv = quant.fuse_int4(self.qkv_mods) if len(self.qkv_mods) > 1 else None
+        self.o_proj, self.down, self.mlp = a.o_proj, mlp.down_proj, mlp
+        if hasattr(mlp, "gate_up_proj"):  # Phi-3: gate and up as one module; its forward runs the MLP
+            self.gu_mods: tuple[Any, ...] = ()
+            self.gu, self.act, self.inter = None, None, 0
+        else:
+            self.gu_mods = (mlp.gate_proj, mlp.up_proj)
+            self.gu = quant.fuse_int4(self.gu_mods)
+            self.act = mlp.act_fn.forward if isinstance(mlp.act_fn, torch.nn.Module) else mlp.act_fn
+            self.inter = int(mlp.gate_proj.weight.shape[0])
+        qn, kn = getattr(a, "q_norm", None), getattr(a, "k_norm", None)  # q / k norms (per head or whole)
         self.q_norm = None if qn is None else _rms_norm(qn)
         self.k_norm = None if kn is None else _rms_norm(kn)
         self.scaling = float(a.scaling) if a.scaling is not None else d**-0.5
+        self.rope = step_layout.rope_key(model, i)
 
 
 class _Plan:
-    __slots__ = ("d", "dtype", "heads", "kv_heads", "layers", "lib")
+    __slots__ = ("d", "dtype", "fam", "head_norm", "heads", "kv_heads", "layers", "lib", "residual", "ropes")
 
     def __init__(self, model: Any, lib: Any) -> None:
         cfg = model.config
@@ -99,31 +111,43 @@ class _Plan:
         self.heads, self.kv_heads = int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
         self.dtype = model.dtype
         self.lib = lib
-        self.layers = [_Layer(layer, self.d) for layer in model.model.layers[: cfg.num_hidden_layers]]
+        self.fam = step_layout.FAMILIES[type(model).__name__]
+        self.head_norm = self.fam.qk_norm == "head"
+        self.layers = [_Layer(model, i, self.fam, self.d) for i in range(cfg.num_hidden_layers)]
+        self.ropes = {layer.rope for layer in self.layers}
+        self.residual = float(model.model.layers[0].residual_multiplier) if self.fam.multipliers else None
         widths = (self.heads * self.d, self.kv_heads * self.d, self.kv_heads * self.d)
         for layer in self.layers:  # kvrag_rope_attend reads each row of the q/k/v product at these offsets
-            if tuple(int(m.weight.shape[0]) for m in layer.qkv_mods) != widths:
-                msg = f"q / k / v projections of {[m.weight.shape[0] for m in layer.qkv_mods]} outputs, not {widths}"
+            outs = tuple(int(m.weight.shape[0]) for m in layer.qkv_mods)
+            if outs != widths and outs != (sum(widths),):
+                msg = f"q / k / v projections of {list(outs)} outputs, not {widths}"
                 raise ValueError(msg)
 
 
 def why_not(model: Any) -> str | None:
     """None when :func:`forward` can run ``model``'s decode and verify steps, else why not."""
-    why = direct.why_not(model)
+    why = step_layout.why_not(model)
     if why is not None:
         return why
     cfg = model.config
-    if any((getattr(layer.self_attn, "q_norm", None) is None) != (getattr(layer.self_attn, "k_norm", None) is None)
-           for layer in model.model.layers):
-        return "a q norm without a k norm or the other way round"
     if model.device.type != "cpu" or model.dtype not in (torch.float32, torch.bfloat16):
         return f"{model.dtype} on {model.device.type} (it runs float32 or bfloat16 on the CPU)"
     d = int(model.model.layers[0].self_attn.head_dim)
     heads, kv_heads = int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
-    if heads % kv_heads or (getattr(cfg, "partial_rotary_factor", None) or 1.0) != 1.0 or d % 8:
+    rp = getattr(cfg, "rope_parameters", None)
+    partial = getattr(cfg, "partial_rotary_factor", None) or (rp.get("partial_rotary_factor") if isinstance(
+        rp, dict) else None) or 1.0
+    if heads % kv_heads or partial != 1.0 or d % 8:
         return "a head layout kvrag's kernel does not take (partial RoPE, uneven KV groups or head dim)"
     if not row_attention.serves(torch.empty(1, 1, 1, d, dtype=model.dtype)):
         return f"kvrag's row attention does not serve {model.dtype} here: {row_attention.why_not(model.dtype)}"
+    keys = {step_layout.rope_key(model, i) for i in range(cfg.num_hidden_layers)}
+    with torch.inference_mode():
+        h = torch.zeros(1, 1, int(cfg.hidden_size), dtype=model.dtype)
+        for k, t in step_layout.rope_tables(model, keys, h, torch.zeros(1, 1, dtype=torch.long)).items():
+            if t is not None and (t[0].dtype != model.dtype or t[0].shape[-1] != d):
+                return (f"RoPE tables of {t[0].shape[-1]} {t[0].dtype} for heads of {d} {model.dtype} (the model "
+                        f"rotates in another dtype{'' if not k else ' in ' + k + ' layers'})")
     return None
 
 
@@ -138,6 +162,8 @@ def _products(fused: quant.Fused | None, mods: Sequence[torch.nn.Linear], x: tor
     """The products of ``mods`` on ``x`` [B, S, hidden] side by side: [B * S, sum of outputs], contiguous."""
     if fused is not None and n_q <= quant.MAX_ROWS and fused.valid():
         return fused.mm(x.view(n_q, -1))
+    if len(mods) == 1:
+        return mods[0].forward(x).reshape(n_q, -1).contiguous()
     return torch.cat([m.forward(x) for m in mods], -1).view(n_q, -1)
 
 
@@ -180,8 +206,8 @@ def _norm_heads(norm: Callable[[torch.Tensor], torch.Tensor], part: torch.Tensor
 def forward(model: Any, ids: torch.Tensor, pos: torch.Tensor, keep: int | torch.Tensor, rows: Sequence[Any],
             counts: Sequence[int], windows: Sequence[tuple[str, int | None]]) -> torch.Tensor:
     """A step feeding ``counts[i]`` tokens to row ``rows[i]`` (``ids`` / ``pos``: [B, 1] with one token per row, or
-    [1, T] packed row after row), writing their K/V into the rows' buffers: logits [B, keep, V] as
-    :func:`kvrag.kv.direct.forward` returns them."""
+    [1, T] packed row after row), writing their K/V into the rows' buffers: logits [B, keep, V] as the model's
+    forward returns them."""
     plan = _plan(model)
     b, s = ids.shape
     n_q, d, heads = b * s, plan.d, plan.heads
@@ -189,35 +215,50 @@ def forward(model: Any, ids: torch.Tensor, pos: torch.Tensor, keep: int | torch.
         msg = f"{n_q} tokens for rows feeding {sum(counts)}"
         raise ValueError(msg)
     ent = _entries(plan, rows, counts, windows)
-    inner = model.model
-    h = inner.embed_tokens.forward(ids)
-    cos, sin = inner.rotary_emb.forward(h, position_ids=pos)
-    cos, sin = cos.reshape(n_q, -1).contiguous(), sin.reshape(n_q, -1).contiguous()
-    if cos.shape[-1] != d or cos.dtype != plan.dtype:
-        msg = f"RoPE tables of {cos.shape[-1]} {cos.dtype} for heads of {d} {plan.dtype}"
-        raise ValueError(msg)
+    h = step_layout.embed(model, ids)
+    tables = step_layout.rope_tables(model, plan.ropes, h, pos)
+    for t in tables.values():
+        if t is not None and (t[0].shape[-1] != d or t[0].dtype != plan.dtype):
+            msg = f"RoPE tables of {t[0].shape[-1]} {t[0].dtype} for heads of {d} {plan.dtype}"
+            raise ValueError(msg)
     qbuf = torch.empty((n_q, heads, d), dtype=plan.dtype)
     o = torch.empty((b, s, heads * d), dtype=plan.dtype)
     bf16, addr, stride = int(plan.dtype == torch.bfloat16), ent.buffer_info()[0], n_q * 5 * 8
-    cp, sp, qp, op = cos.data_ptr(), sin.data_ptr(), qbuf.data_ptr(), o.data_ptr()
+    qp, op = qbuf.data_ptr(), o.data_ptr()
+    ptrs = {k: (0, 0) if t is None else (t[0].data_ptr(), t[1].data_ptr()) for k, t in tables.items()}
     threads = torch.get_num_threads()
-    fn = plan.lib.rope_attend
+    fn, rm = plan.lib.rope_attend, plan.residual
     for i, layer in enumerate(plan.layers):
         residual = h
-        x = layer.norm1(h)
+        x = h if layer.norm1 is None else layer.norm1(h)
         qkv = _products(layer.qkv, layer.qkv_mods, x, n_q)
-        if layer.q_norm is not None and layer.k_norm is not None:  # each head's q and k, normed in place
-            _norm_heads(layer.q_norm, qkv[:, : heads * d], n_q, d)
-            _norm_heads(layer.k_norm, qkv[:, heads * d : (heads + plan.kv_heads) * d], n_q, d)
+        if layer.q_norm is not None and layer.k_norm is not None:  # q and k normed in place
+            qs, ks = qkv[:, : heads * d], qkv[:, heads * d : (heads + plan.kv_heads) * d]
+            if plan.head_norm:
+                _norm_heads(layer.q_norm, qs, n_q, d)
+                _norm_heads(layer.k_norm, ks, n_q, d)
+            else:
+                qs.copy_(layer.q_norm(qs.contiguous()))
+                ks.copy_(layer.k_norm(ks.contiguous()))
+        cp, sp = ptrs[layer.rope]
         if fn(bf16, addr + i * stride, n_q, qkv.data_ptr(), qkv.shape[1], cp, sp, d, heads, plan.kv_heads, d,
               layer.scaling, qp, op, threads):
             raise MemoryError("kvrag's row attention: no memory for the scores")
-        h = residual + layer.o_proj.forward(o)
+        a = layer.o_proj.forward(o)
+        if plan.fam.order != "pre":
+            a = layer.norm2(a)  # type: ignore[misc]
+        h = residual + (a if rm is None else a * rm)
         residual = h
-        x = layer.norm2(h)
-        gu = _products(layer.gu, layer.gu_mods, x, n_q).view(b, s, -1)
-        h = residual + layer.down.forward(layer.act(gu[..., : layer.inter]) * gu[..., layer.inter :])
-    return direct.head(model, h, keep)
+        x = layer.norm2(h) if plan.fam.order == "pre" else h if layer.norm3 is None else layer.norm3(h)  # type: ignore[misc]
+        if layer.act is None:
+            m = layer.mlp.forward(x)
+        else:
+            gu = _products(layer.gu, layer.gu_mods, x, n_q).view(b, s, -1)
+            m = layer.down.forward(layer.act(gu[..., : layer.inter]) * gu[..., layer.inter :])
+        if layer.norm4 is not None:
+            m = layer.norm4(m)
+        h = residual + (m if rm is None else m * rm)
+    return step_layout.head(model, h, keep)
 
 
 def runner(model: Any, reference: Callable[[], torch.Tensor], rows: Sequence[Any], counts: Sequence[int],

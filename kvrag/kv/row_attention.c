@@ -482,7 +482,8 @@ NO_CONTRACT static void rope_bf16(const uint16_t *x, int64_t xs, int64_t heads, 
  * for each query i (row i of `qkv`: q [heads, d] | k [kv_heads, d] | v [kv_heads, d], `qkv_row` elements apart;
  * its cos / sin rows `cs_row` apart), RoPE on q and k; k and v written at the query's position p of its buffer;
  * then the query attends over positions start .. p of that buffer, as kvrag_row_attention computes it, into
- * `out` [count, heads, d]. `qbuf` [count, heads, d] receives the rotated queries.
+ * `out` [count, heads, d]. `qbuf` [count, heads, d] receives the rotated queries. `cos` NULL: a layer without RoPE
+ * (q and k used as they are).
  *
  * Entries: int64 [count, 5] = (address of the layer's keys at head 0 position 0, of its values, elements between
  * K/V heads, p, start). A verify step's queries of one row read the keys the row's earlier queries write, so all
@@ -499,15 +500,18 @@ int kvrag_rope_attend(int bf16, const int64_t *entries, int64_t count, const voi
         for (int64_t it = 0; it < items; it++) {
             const int64_t i = it / kv_heads, h = it % kv_heads, *e = entries + i * 5;
             const char *row = (const char *)qkv + (size_t)(i * qkv_row) * el;
-            const char *c = (const char *)cos + (size_t)(i * cs_row) * el;
-            const char *s = (const char *)sin + (size_t)(i * cs_row) * el;
+            const char *c = cos ? (const char *)cos + (size_t)(i * cs_row) * el : NULL;
+            const char *s = sin ? (const char *)sin + (size_t)(i * cs_row) * el : NULL;
             const char *qx = row + (size_t)(h * groups * d) * el;
             const char *kx = row + (size_t)((heads + h) * d) * el;
             const char *vx = row + (size_t)((heads + kv_heads + h) * d) * el;
             char *qy = (char *)qbuf + (size_t)((i * heads + h * groups) * d) * el;
             const size_t at = (size_t)(h * e[2] + e[3] * d) * el;
             char *ky = (char *)(intptr_t)e[0] + at, *vy = (char *)(intptr_t)e[1] + at;
-            if (bf16) {
+            if (!cos) { /* a layer without RoPE: q and k as they are */
+                memcpy(qy, qx, (size_t)(groups * d) * el);
+                memcpy(ky, kx, (size_t)d * el);
+            } else if (bf16) {
                 rope_bf16((const uint16_t *)qx, d, groups, d, (const uint16_t *)c, (const uint16_t *)s,
                           (uint16_t *)qy, d);
                 rope_bf16((const uint16_t *)kx, d, 1, d, (const uint16_t *)c, (const uint16_t *)s, (uint16_t *)ky, d);
@@ -533,4 +537,4 @@ int kvrag_rope_attend(int bf16, const int64_t *entries, int64_t count, const voi
     return failed ? -1 : 0;
 }
 
-int kvrag_row_attention_abi(void) { return 2; }
+int kvrag_row_attention_abi(void) { return 3; }

@@ -47,13 +47,23 @@ def _same_kv(a: list[batched.Row], b: list[batched.Row], fed: list[int]) -> None
     ("qwen2", torch.float32, None, 40), ("qwen2", torch.bfloat16, "int4", None),
     ("mistral", torch.float32, "int4", 40), ("mistral", torch.bfloat16, None, None),
     ("qwen3", torch.float32, "int8", None), ("qwen3", torch.bfloat16, None, None), ("qwen3", torch.float32, "int4", 40),
+    ("gemma3", torch.float32, None, None), ("gemma3", torch.bfloat16, None, None), ("gemma3", torch.float32, "int4", 8),
+    ("gemma3", torch.bfloat16, "int4", 8), ("gemma", torch.float32, None, None), ("gemma", torch.bfloat16, "int4", None),
+    ("granite", torch.float32, None, None), ("granite", torch.bfloat16, None, None),
+    ("smollm3", torch.float32, None, None), ("smollm3", torch.bfloat16, "int4", None),
+    ("phi3", torch.float32, None, None), ("phi3", torch.bfloat16, "int4", None),
+    ("olmo2", torch.float32, None, None), ("olmo2", torch.float32, "int4", None),
 ])
 def test_fused_steps_are_the_models_forward_bit_for_bit(family: str, dtype: torch.dtype, quantize: str | None,
                                                         window: int | None) -> None:
     """Plain steps (3 rows of different lengths and methods) and a verify step (1, 2 and 3 positions per row),
-    fused and through the model's own forward, over copies of the same KV: identical logits and written K/V."""
+    fused and through the model's own forward, over copies of the same KV: identical logits and written K/V.
+    (SmolLM3 with 4 layers: its last one has no RoPE; Gemma 3's first layer is a sliding one, its second global.)"""
     _need(dtype)
-    lm = tiny_model(family, init_std=0.1, dtype=dtype, quantize=quantize, sliding_window=window)
+    lm = tiny_model(family, init_std=0.1, dtype=dtype, quantize=quantize, sliding_window=window,
+                    num_layers=4 if family == "smollm3" else 2)
+    if family == "gemma3" and quantize == "int4":  # the released Gemma 3 configs leave it unset
+        lm.model.config.final_logit_softcapping = 2.0
     assert fused_step.why_not(lm.model) is None
     eng = KVRAGEngine(lm, MemoryStore(), EngineConfig())
     eng.ingest(DOCS)
@@ -138,7 +148,9 @@ def test_a_fused_step_that_differs_is_not_used(how: str, said: str, monkeypatch:
 
 
 def test_models_it_does_not_take_say_why() -> None:
-    assert "GemmaForCausalLM" in str(fused_step.why_not(tiny_model("gemma", init_std=0.1).model))
+    assert "soft-capping" in str(fused_step.why_not(tiny_model("gemma2", init_std=0.1).model))
+    assert "interleaved" in str(fused_step.why_not(tiny_model("cohere", init_std=0.1).model))
+    assert "float32" in str(fused_step.why_not(tiny_model("olmo2", init_std=0.1, dtype=torch.bfloat16).model))
     assert "float16" in str(fused_step.why_not(tiny_model("llama", init_std=0.1, dtype=torch.float16).model))
 
 

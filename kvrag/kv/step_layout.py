@@ -1,0 +1,154 @@
+"""What the fused decode step (:mod:`kvrag.kv.fused_step`) follows of each model family's decoder: where the norms
+sit around attention and the MLP, the q / k norms, the multipliers, the RoPE tables of each layer and what the
+output head does to the logits -- each as the family's transformers forward computes it, named by model class.
+
+A family missing here is refused by name (:data:`REFUSED` says why, else "not a layout it writes out"), and the
+model's own forward serves its steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One decoder layout.
+
+    Attributes:
+        order: ``pre`` (Llama: ``h + attn(norm1(h))``, ``h + mlp(norm2(h))``), ``sandwich`` (Gemma 2/3: a norm before
+            and after each of attention and the MLP, ``post_attention_layernorm`` on the attention's output and
+            ``pre_`` / ``post_feedforward_layernorm`` around the MLP) or ``post`` (OLMo 2: no norm before, one after
+            each of attention and the MLP).
+        qk_norm: ``head`` (a norm over each head's q / k: Qwen3, Gemma 3), ``full`` (over the whole q / k
+            projection: OLMo 2) or None.
+        per_type_rope: RoPE tables per layer type (Gemma 3: ``rotary_emb(h, pos, layer_type)``).
+        multipliers: Granite's ``embedding_multiplier``, ``residual_multiplier`` and ``logits_scaling``.
+        final_softcap: the logits soft-capped by ``config.final_logit_softcapping`` where it is set (Gemma 2/3).
+    """
+
+    order: str = "pre"
+    qk_norm: str | None = None
+    per_type_rope: bool = False
+    multipliers: bool = False
+    final_softcap: bool = False
+
+
+FAMILIES: dict[str, Family] = {
+    "LlamaForCausalLM": Family(),
+    "MistralForCausalLM": Family(),
+    "Qwen2ForCausalLM": Family(),
+    "Qwen3ForCausalLM": Family(qk_norm="head"),
+    "GemmaForCausalLM": Family(),
+    "Gemma3ForCausalLM": Family("sandwich", "head", per_type_rope=True, final_softcap=True),
+    "GraniteForCausalLM": Family(multipliers=True),
+    "SmolLM3ForCausalLM": Family(),
+    "Phi3ForCausalLM": Family(),
+    "Olmo2ForCausalLM": Family("post", "full"),
+}
+"""Model classes the fused step runs (by class name, as transformers names them)."""
+
+REFUSED: dict[str, str] = {
+    "Gemma2ForCausalLM": "attention logit soft-capping: transformers runs it with eager attention, so its requests "
+                         "decode one per step through the model's forward",
+    "GptOssForCausalLM": "attention sinks: transformers runs it with eager attention, so its requests decode one per "
+                         "step through the model's forward",
+    "CohereForCausalLM": "interleaved RoPE pairs and a parallel attention + MLP block (kvrag's kernel rotates "
+                         "half-split pairs)",
+    "PhiForCausalLM": "partial rotary and a parallel attention + MLP block",
+    "GPTNeoXForCausalLM": "partial rotary and a parallel residual",
+    "StableLmForCausalLM": "partial rotary",
+    "Exaone4ForCausalLM": "not a layout it writes out (norms after attention and the MLP with RoPE-free global "
+                          "layers)",
+}
+"""Families the fused step does not run, with why (the model's forward serves them)."""
+
+
+def why_not(model: Any) -> str | None:
+    """None when ``model``'s class and modules are a layout of :data:`FAMILIES`, else why not."""
+    name = type(model).__name__
+    fam = FAMILIES.get(name)
+    if fam is None:
+        return f"{name}: {REFUSED.get(name, 'not one of the layouts it writes out')}"
+    inner = getattr(model, "model", None)
+    if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "rotary_emb", "layers", "norm")):
+        return f"{name} lacks the expected submodules"
+    cfg = model.config
+    if getattr(cfg, "attn_logit_softcapping", None) or getattr(cfg, "use_bidirectional_attention", False):
+        return f"{name}: attention logit soft-capping or bidirectional attention"
+    norms = {"pre": ("input_layernorm", "post_attention_layernorm"),
+             "sandwich": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                          "post_feedforward_layernorm"),
+             "post": ("post_attention_layernorm", "post_feedforward_layernorm")}[fam.order]
+    for layer in inner.layers[: cfg.num_hidden_layers]:
+        a, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        if a is None or mlp is None or not all(hasattr(layer, n) for n in norms):
+            return f"{name}'s decoder layer lacks the expected norms / attention / MLP"
+        if not (hasattr(a, "qkv_proj") or all(hasattr(a, p) for p in ("q_proj", "k_proj", "v_proj"))) or not all(
+                hasattr(a, p) for p in ("o_proj", "scaling", "head_dim")):
+            return f"{name}'s attention lacks the expected projections"
+        if not (hasattr(mlp, "gate_up_proj") or all(hasattr(mlp, p) for p in ("gate_proj", "up_proj", "act_fn"))) \
+                or not hasattr(mlp, "down_proj"):
+            return f"{name}'s MLP is not a gated MLP"
+        has_q, has_k = getattr(a, "q_norm", None) is not None, getattr(a, "k_norm", None) is not None
+        if has_q != has_k or has_q != (fam.qk_norm is not None):
+            return f"{name}: q / k norms other than the family's ({fam.qk_norm or 'none'})"
+    return None
+
+
+def rope_key(model: Any, i: int) -> str | None:
+    """Which RoPE table layer ``i`` uses: '' (the model's one table), a layer type (Gemma 3) or None (no RoPE:
+    SmolLM3's ``use_rope`` False layers)."""
+    a = model.model.layers[i].self_attn
+    if not getattr(a, "use_rope", True):
+        return None
+    if FAMILIES[type(model).__name__].per_type_rope:
+        return str(model.config.layer_types[i])
+    return ""
+
+
+def rope_tables(model: Any, keys: set[str | None], h: torch.Tensor,
+                pos: torch.Tensor) -> dict[str | None, tuple[torch.Tensor, torch.Tensor] | None]:
+    """The RoPE tables ([Q, D] cos, sin, contiguous) of each key of :func:`rope_key` for positions ``pos``, as the
+    model's forward computes them (None for None)."""
+    rot = model.model.rotary_emb
+    out: dict[str | None, tuple[torch.Tensor, torch.Tensor] | None] = {}
+    n = pos.numel()
+    for k in keys:
+        if k is None:
+            out[k] = None
+            continue
+        cos, sin = rot.forward(h, pos, k) if k else rot.forward(h, position_ids=pos)
+        out[k] = (cos.reshape(n, -1).contiguous(), sin.reshape(n, -1).contiguous())
+    return out
+
+
+def embed(model: Any, ids: torch.Tensor) -> torch.Tensor:
+    """The model forward's input embeddings of ``ids``."""
+    h = model.model.embed_tokens.forward(ids)
+    if FAMILIES[type(model).__name__].multipliers:
+        h = h * model.model.embedding_multiplier
+    return h
+
+
+def head(model: Any, h: torch.Tensor, keep: int | torch.Tensor) -> torch.Tensor:
+    """The final norm, the LM head over the kept positions (``keep``: 0 all, n the last n, a 1D tensor those) and
+    the family's logit scaling or soft-capping, as its forward computes them."""
+    h = model.model.norm.forward(h)
+    if isinstance(keep, torch.Tensor):
+        logits = model.lm_head.forward(h[:, keep, :])
+    else:
+        logits = model.lm_head.forward(h if keep == 0 else h[:, -keep:, :])
+    fam = FAMILIES[type(model).__name__]
+    if fam.multipliers:
+        logits = logits / model.config.logits_scaling
+    cap = getattr(model.config, "final_logit_softcapping", None) if fam.final_softcap else None
+    if cap is not None:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
+__all__ = ["FAMILIES", "REFUSED", "Family", "embed", "head", "rope_key", "rope_tables", "why_not"]
