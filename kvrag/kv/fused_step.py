@@ -16,20 +16,21 @@ built in Python), each a dispatch of 1-3 us on a 2-core VM. This step runs a lay
   step's positions see the keys of the row's earlier positions);
 * ``o_proj``, the residual, the second norm, one product for gate and up, ``down(act(gate) * up)``, the residual;
 
-then the final norm and the output head as the direct loop runs them. The per-query addresses for every layer are
-built once a step.
+then the final norm and the output head. The per-query addresses for every layer are built once a step.
 
-Which models: what :mod:`kvrag.kv.direct` writes out (Qwen3's per-head q / k norms run on the fused product's
-columns, in place, before the kernel call), in float32 or bfloat16 where kvrag's row attention serves the dtype. The
-outputs are the bits of the model's forward: the first step of each model is checked against it (logits and written
-K/V, bit for bit), and on any difference, or if the step fails, kvrag logs it and keeps the direct loop for that
-model.
+Which models: the decoder layouts of :mod:`kvrag.kv.step_layout` -- Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 3,
+Granite, SmolLM3, Phi-3 and OLMo 2: their norms where the family puts them (Gemma 3's four per layer, OLMo 2's
+after attention and the MLP), q / k norms per head or over the whole projection run on the fused product's
+columns in place before the kernel call, each layer's RoPE tables (Gemma 3's per layer type; none for SmolLM3's
+RoPE-free layers, whose q and k the kernel takes as they are), Granite's multipliers and Gemma's logit
+soft-capping -- in float32 or bfloat16 where kvrag's row attention serves the dtype and the model's RoPE tables are
+in its dtype. It is one backend of :mod:`kvrag.kv.step_backend`, which checks its first step of each model against
+the model's forward (logits and written K/V, bit for bit) before it serves that model.
 """
 
 from __future__ import annotations
 
 import array
-import logging
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -37,12 +38,9 @@ from typing import Any
 
 import torch
 
-from kvrag.kv import direct, quant, row_attention, step_layout
+from kvrag.kv import quant, row_attention, step_layout
 from kvrag.kv.window import first_key
 
-log = logging.getLogger(__name__)
-
-_checked: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 _plans: weakref.WeakKeyDictionary[Any, _Plan] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
@@ -261,29 +259,4 @@ def forward(model: Any, ids: torch.Tensor, pos: torch.Tensor, keep: int | torch.
     return step_layout.head(model, h, keep)
 
 
-def runner(model: Any, reference: Callable[[], torch.Tensor], rows: Sequence[Any], counts: Sequence[int],
-           fused: Callable[[], torch.Tensor], fallback: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """Run a step with :func:`forward` (``fused``) where it serves ``model``, else with ``fallback``; the first
-    time, checked against ``reference`` (the model's own forward over the same rows; ``counts``: the positions
-    each row writes)."""
-    ok = _checked.get(model)
-    if ok is None:
-        with _lock:
-            ok = _checked.get(model)
-            if ok is None:
-                return _first(model, reference, rows, counts, fused, fallback)
-    return fused() if ok and not direct.hooked(model) else fallback()
-
-
-def _first(model: Any, reference: Callable[[], torch.Tensor], rows: Sequence[Any], counts: Sequence[int],
-           fused: Callable[[], torch.Tensor], fallback: Callable[[], torch.Tensor]) -> torch.Tensor:
-    return direct.first_step(model, _checked, why_not(model), fused, reference, fallback, rows, counts,
-                             "the fused decode step", "the direct loop", log)
-
-
-def served(model: Any) -> bool | None:
-    """Whether decode and verify steps of ``model`` run :func:`forward` (None: not decided yet)."""
-    return _checked.get(model)
-
-
-__all__ = ["forward", "runner", "served", "why_not"]
+__all__ = ["forward", "why_not"]

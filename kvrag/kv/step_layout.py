@@ -28,6 +28,7 @@ class Family:
         per_type_rope: RoPE tables per layer type (Gemma 3: ``rotary_emb(h, pos, layer_type)``).
         multipliers: Granite's ``embedding_multiplier``, ``residual_multiplier`` and ``logits_scaling``.
         final_softcap: the logits soft-capped by ``config.final_logit_softcapping`` where it is set (Gemma 2/3).
+        global_without_rope: global layers of a model with a window take no RoPE (EXAONE 4).
     """
 
     order: str = "pre"
@@ -35,6 +36,7 @@ class Family:
     per_type_rope: bool = False
     multipliers: bool = False
     final_softcap: bool = False
+    global_without_rope: bool = False
 
 
 FAMILIES: dict[str, Family] = {
@@ -48,6 +50,7 @@ FAMILIES: dict[str, Family] = {
     "SmolLM3ForCausalLM": Family(),
     "Phi3ForCausalLM": Family(),
     "Olmo2ForCausalLM": Family("post", "full"),
+    "Exaone4ForCausalLM": Family("post", "head", global_without_rope=True),
 }
 """Model classes the fused step runs (by class name, as transformers names them)."""
 
@@ -61,8 +64,6 @@ REFUSED: dict[str, str] = {
     "PhiForCausalLM": "partial rotary and a parallel attention + MLP block",
     "GPTNeoXForCausalLM": "partial rotary and a parallel residual",
     "StableLmForCausalLM": "partial rotary",
-    "Exaone4ForCausalLM": "not a layout it writes out (norms after attention and the MLP with RoPE-free global "
-                          "layers)",
 }
 """Families the fused step does not run, with why (the model's forward serves them)."""
 
@@ -101,11 +102,13 @@ def why_not(model: Any) -> str | None:
 
 def rope_key(model: Any, i: int) -> str | None:
     """Which RoPE table layer ``i`` uses: '' (the model's one table), a layer type (Gemma 3) or None (no RoPE:
-    SmolLM3's ``use_rope`` False layers)."""
+    SmolLM3's ``use_rope`` False layers, EXAONE 4's global layers where it has a window)."""
     a = model.model.layers[i].self_attn
-    if not getattr(a, "use_rope", True):
+    fam = FAMILIES[type(model).__name__]
+    if not getattr(a, "use_rope", True) or (fam.global_without_rope and a.sliding_window is not None
+                                               and not a.is_sliding):
         return None
-    if FAMILIES[type(model).__name__].per_type_rope:
+    if fam.per_type_rope:
         return str(model.config.layer_types[i])
     return ""
 

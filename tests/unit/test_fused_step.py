@@ -14,7 +14,7 @@ import torch
 from kvrag.calibration import cpu_flags
 from kvrag.config import EngineConfig
 from kvrag.engine.engine import KVRAGEngine
-from kvrag.kv import batched, direct, fused_step, hf_cache, int4_kernel, quant, row_attention
+from kvrag.kv import batched, fused_step, hf_cache, int4_kernel, quant, row_attention, step_backend
 from kvrag.store import MemoryStore
 from kvrag.testing.rows import DOCS, paired_rows
 from kvrag.testing.tiny import tiny_model
@@ -29,9 +29,8 @@ def _need(dtype: torch.dtype) -> None:
 
 
 def _set(model: Any, fused: bool) -> None:
-    """Steps through the fused step (``fused``) or through the model's own forward (neither loop)."""
-    fused_step._checked[model] = fused
-    direct._checked[model] = False
+    """Steps through the fused step (``fused``) or through the model's own forward (the oracle)."""
+    step_backend.choose(model, "decode", "fused" if fused else "hf")
 
 
 def _same_kv(a: list[batched.Row], b: list[batched.Row], fed: list[int]) -> None:
@@ -53,15 +52,17 @@ def _same_kv(a: list[batched.Row], b: list[batched.Row], fed: list[int]) -> None
     ("smollm3", torch.float32, None, None), ("smollm3", torch.bfloat16, "int4", None),
     ("phi3", torch.float32, None, None), ("phi3", torch.bfloat16, "int4", None),
     ("olmo2", torch.float32, None, None), ("olmo2", torch.float32, "int4", None),
+    ("exaone4", torch.float32, None, 8), ("exaone4", torch.bfloat16, "int4", None),
 ])
 def test_fused_steps_are_the_models_forward_bit_for_bit(family: str, dtype: torch.dtype, quantize: str | None,
                                                         window: int | None) -> None:
     """Plain steps (3 rows of different lengths and methods) and a verify step (1, 2 and 3 positions per row),
     fused and through the model's own forward, over copies of the same KV: identical logits and written K/V.
-    (SmolLM3 with 4 layers: its last one has no RoPE; Gemma 3's first layer is a sliding one, its second global.)"""
+    (SmolLM3 and EXAONE 4 with 4 layers: their last one has no RoPE; Gemma 3's first layer is a sliding one, its
+    second global.)"""
     _need(dtype)
     lm = tiny_model(family, init_std=0.1, dtype=dtype, quantize=quantize, sliding_window=window,
-                    num_layers=4 if family == "smollm3" else 2)
+                    num_layers=4 if family in ("smollm3", "exaone4") else 2)
     if family == "gemma3" and quantize == "int4":  # the released Gemma 3 configs leave it unset
         lm.model.config.final_logit_softcapping = 2.0
     assert fused_step.why_not(lm.model) is None
@@ -86,8 +87,7 @@ def test_fused_steps_are_the_models_forward_bit_for_bit(family: str, dtype: torc
     ref = batched.verify_step(lm.model, b, feeds, wins)
     assert torch.equal(got, ref)
     _same_kv(a, b, [len(f) for f in feeds])
-    fused_step._checked.pop(lm.model)
-    direct._checked.pop(lm.model)
+    step_backend.choose(lm.model, "decode", None)
 
 
 def test_a_window_shorter_than_the_context_is_applied() -> None:
@@ -104,8 +104,7 @@ def test_a_window_shorter_than_the_context_is_applied() -> None:
     got = batched.decode_step(lm.model, a, toks, wins)
     _set(lm.model, False)
     assert torch.equal(got, batched.decode_step(lm.model, b, toks, wins))
-    fused_step._checked.pop(lm.model)
-    direct._checked.pop(lm.model)
+    step_backend.choose(lm.model, "decode", None)
 
 
 def test_the_first_step_is_checked_and_served_after() -> None:
@@ -114,15 +113,16 @@ def test_the_first_step_is_checked_and_served_after() -> None:
     eng = KVRAGEngine(lm, MemoryStore(), EngineConfig())
     eng.ingest(DOCS)
     a, _, toks = paired_rows(eng, 4)
-    fused_step._checked.pop(lm.model, None)
+    step_backend.choose(lm.model, "decode", None)
     batched.decode_step(lm.model, a, toks, batched.windows(lm.model))
-    assert fused_step.served(lm.model) is True
+    assert step_backend.chosen(lm.model, "decode") == "fused"
 
 
 @pytest.mark.parametrize(("how", "said"), [("differs", "differs"), ("raises", "failed")])
 def test_a_fused_step_that_differs_is_not_used(how: str, said: str, monkeypatch: pytest.MonkeyPatch,
                                                caplog: pytest.LogCaptureFixture) -> None:
-    """The first step returns the model's own result, warns, and later steps run the direct loop."""
+    """The first step returns the model's own result, warns, and later steps run the next backend that computes
+    the model's bits (the direct loop)."""
     _need(torch.float32)
     lm = tiny_model("qwen2", init_std=0.1)
     eng = KVRAGEngine(lm, MemoryStore(), EngineConfig())
@@ -136,15 +136,14 @@ def test_a_fused_step_that_differs_is_not_used(how: str, said: str, monkeypatch:
         return real(*args) + 1e-3
 
     monkeypatch.setattr(fused_step, "forward", wrong)
-    fused_step._checked.pop(lm.model, None)
+    step_backend.choose(lm.model, "decode", None)
     wins = batched.windows(lm.model)
-    with caplog.at_level(logging.WARNING, logger="kvrag.kv.fused_step"):
+    with caplog.at_level(logging.WARNING, logger="kvrag.kv.step_backend"):
         got = batched.decode_step(lm.model, a, toks, wins)
-    assert said in caplog.text and fused_step.served(lm.model) is False
+    assert said in caplog.text and "fused" in caplog.text and step_backend.chosen(lm.model, "decode") == "direct"
     _set(lm.model, False)
     assert torch.equal(got, batched.decode_step(lm.model, b, toks, wins))
-    fused_step._checked.pop(lm.model)
-    direct._checked.pop(lm.model)
+    step_backend.choose(lm.model, "decode", None)
 
 
 def test_models_it_does_not_take_say_why() -> None:
@@ -161,7 +160,7 @@ def test_hooks_keep_the_models_forward() -> None:
     eng.ingest(DOCS)
     a, _, toks = paired_rows(eng, 4)
     batched.decode_step(lm.model, a, toks, batched.windows(lm.model))
-    assert fused_step.served(lm.model) is True
+    assert step_backend.chosen(lm.model, "decode") == "fused"
     seen = []
     handle = lm.model.model.layers[0].mlp.up_proj.register_forward_hook(lambda *_: seen.append(1))
     try:
