@@ -232,13 +232,15 @@ def test_layers_it_cannot_fuse() -> None:
         assert quant.fuse_int4((a.q_proj, a.k_proj, a.v_proj)) is None
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "qwen3", "gemma", "gemma3", "granite", "smollm3",
+                                    "phi3", "exaone4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_lean_norm_is_the_modules_forward(family: str, dtype: torch.dtype) -> None:
     lm = tiny_model(family, init_std=0.1, dtype=dtype)
-    norm = lm.model.model.layers[0].input_layernorm if family != "qwen3" else lm.model.model.layers[0].self_attn.q_norm
+    a = lm.model.model.layers[0].self_attn
+    norm = a.q_norm if family in ("qwen3", "gemma3", "exaone4") else lm.model.model.layers[0].input_layernorm
     with torch.no_grad():
-        norm.weight.uniform_(0.5, 1.5)
+        norm.weight.uniform_(-0.5, 1.5)
     lean = fused_step._rms_norm(norm)
     assert lean is not norm.forward  # the family's norm is one it computes
     gen = torch.Generator().manual_seed(0)
@@ -246,6 +248,10 @@ def test_the_lean_norm_is_the_modules_forward(family: str, dtype: torch.dtype) -
         for rows, scale in ((1, 1e-3), (3, 1.0), (8, 40.0)):
             x = (torch.randn(rows, 1, norm.weight.shape[0], generator=gen) * scale).to(dtype)
             assert torch.equal(lean(x), norm.forward(x))
+    with torch.no_grad():
+        norm.weight.mul_(2)  # a changed weight is read again
+    with torch.inference_mode():
+        assert torch.equal(lean(x), norm.forward(x))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
