@@ -19,12 +19,13 @@ built in Python), each a dispatch of 1-3 us on a 2-core VM. This step runs a lay
 then the final norm and the output head. The per-query addresses for every layer are built once a step.
 
 Which models: the decoder layouts of :mod:`kvrag.kv.step_layout` -- Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 3,
-Granite, SmolLM3, Phi-3 and OLMo 2: their norms where the family puts them (Gemma 3's four per layer, OLMo 2's
-after attention and the MLP), q / k norms per head or over the whole projection run on the fused product's
-columns in place before the kernel call, each layer's RoPE tables (Gemma 3's per layer type; none for SmolLM3's
-RoPE-free layers, whose q and k the kernel takes as they are), Granite's multipliers and Gemma's logit
-soft-capping -- in float32 or bfloat16 where kvrag's row attention serves the dtype and the model's RoPE tables are
-in its dtype. It is one backend of :mod:`kvrag.kv.step_backend`, which checks its first step of each model against
+Granite, SmolLM3, Phi-3, OLMo 2, EXAONE 4 and Cohere: their norms where the family puts them (Gemma 3's four per
+layer, OLMo 2's after attention and the MLP, Cohere's one before both in parallel), q / k norms per head or over
+the whole projection run on the fused product's columns in place before the kernel call, each layer's RoPE tables
+(Gemma 3's per layer type; none for the RoPE-free layers of SmolLM3 and EXAONE 4, whose q and k the kernel takes as
+they are; Cohere's interleaved pairs; Cohere's and OLMo 2's bfloat16 heads rotated in float32, :func:`rope_mode`),
+Granite's multipliers and the logit scaling or soft-capping -- in float32 or bfloat16 where kvrag's row attention
+serves the dtype. It is one backend of :mod:`kvrag.kv.step_backend`, which checks its first step of each model against
 the model's forward (logits and written K/V, bit for bit) before it serves that model.
 """
 
@@ -100,7 +101,8 @@ class _Layer:
         norms = {"pre": ("input_layernorm", "post_attention_layernorm", None, None),
                  "sandwich": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                               "post_feedforward_layernorm"),
-                 "post": (None, "post_attention_layernorm", None, "post_feedforward_layernorm")}[fam.order]
+                 "post": (None, "post_attention_layernorm", None, "post_feedforward_layernorm"),
+                 "parallel": ("input_layernorm", None, None, None)}[fam.order]
         self.norm1, self.norm2, self.norm3, self.norm4 = (None if n is None else _rms_norm(getattr(layer, n))
                                                           for n in norms)
         self.qkv_mods = (a.qkv_proj,) if hasattr(a, "qkv_proj") else (a.q_proj, a.k_proj, a.v_proj)
@@ -122,7 +124,8 @@ class _Layer:
 
 
 class _Plan:
-    __slots__ = ("d", "dtype", "fam", "head_norm", "heads", "kv_heads", "layers", "lib", "residual", "ropes")
+    __slots__ = ("d", "dtype", "fam", "head_norm", "heads", "kv_heads", "layers", "lib", "residual", "rope_mode",
+                 "ropes")
 
     def __init__(self, model: Any, lib: Any) -> None:
         cfg = model.config
@@ -132,7 +135,8 @@ class _Plan:
         self.dtype = model.dtype
         self.lib = lib
         self.fam = step_layout.FAMILIES[type(model).__name__]
-        self.head_norm = self.fam.qk_norm == "head"
+        self.head_norm = self.fam.qk_norm != "full"
+        self.rope_mode = rope_mode(self.fam, self.dtype)
         self.layers = [_Layer(model, i, self.fam, self.d) for i in range(cfg.num_hidden_layers)]
         self.ropes = {layer.rope for layer in self.layers}
         self.residual = float(model.model.layers[0].residual_multiplier) if self.fam.multipliers else None
@@ -142,6 +146,19 @@ class _Plan:
             if outs != widths and outs != (sum(widths),):
                 msg = f"q / k / v projections of {list(outs)} outputs, not {widths}"
                 raise ValueError(msg)
+
+
+ROPE_PAIRS, ROPE_WIDE = 1, 2
+"""``kvrag_rope_attend``'s RoPE mode bits (``row_attention.c``): interleaved pairs; rotated in float32."""
+
+
+def rope_mode(fam: step_layout.Family, dtype: torch.dtype) -> int:
+    """``kvrag_rope_attend``'s RoPE mode for a family's heads in ``dtype`` (float32 heads: rotated in float32 anyway)."""
+    return (ROPE_PAIRS if fam.rope_pairs else 0) | (ROPE_WIDE if fam.rope_wide and dtype != torch.float32 else 0)
+
+
+def _table_dtype(fam: step_layout.Family, dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if rope_mode(fam, dtype) & ROPE_WIDE else dtype
 
 
 def why_not(model: Any) -> str | None:
@@ -162,10 +179,12 @@ def why_not(model: Any) -> str | None:
     if not row_attention.serves(torch.empty(1, 1, 1, d, dtype=model.dtype)):
         return f"kvrag's row attention does not serve {model.dtype} here: {row_attention.why_not(model.dtype)}"
     keys = {step_layout.rope_key(model, i) for i in range(cfg.num_hidden_layers)}
+    fam = step_layout.FAMILIES[type(model).__name__]
     with torch.inference_mode():
         h = torch.zeros(1, 1, int(cfg.hidden_size), dtype=model.dtype)
         for k, t in step_layout.rope_tables(model, keys, h, torch.zeros(1, 1, dtype=torch.long)).items():
-            if t is not None and (t[0].dtype != model.dtype or t[0].shape[-1] != d):
+            if t is not None and ((t[0].dtype != model.dtype and _table_dtype(fam, model.dtype) == model.dtype)
+                                  or t[0].shape[-1] != d):
                 return (f"RoPE tables of {t[0].shape[-1]} {t[0].dtype} for heads of {d} {model.dtype} (the model "
                         f"rotates in another dtype{'' if not k else ' in ' + k + ' layers'})")
     return None
@@ -185,6 +204,15 @@ def _products(fused: quant.Fused | None, mods: Sequence[torch.nn.Linear], x: tor
     if len(mods) == 1:
         return mods[0].forward(x).reshape(n_q, -1).contiguous()
     return torch.cat([m.forward(x) for m in mods], -1).view(n_q, -1)
+
+
+def _mlp(layer: _Layer, x: torch.Tensor, b: int, s: int, n_q: int) -> torch.Tensor:
+    """The layer's MLP on ``x`` [B, S, hidden]: one product for gate and up, ``down(act(gate) * up)`` (Phi-3's
+    fused gate / up: the module's own forward)."""
+    if layer.act is None:
+        return layer.mlp.forward(x)  # type: ignore[no-any-return]
+    gu = _products(layer.gu, layer.gu_mods, x, n_q).view(b, s, -1)
+    return layer.down.forward(layer.act(gu[..., : layer.inter]) * gu[..., layer.inter :])  # type: ignore[no-any-return]
 
 
 def _entries(plan: _Plan, rows: Sequence[Any], counts: Sequence[int],
@@ -237,8 +265,11 @@ def forward(model: Any, ids: torch.Tensor, pos: torch.Tensor, keep: int | torch.
     ent = _entries(plan, rows, counts, windows)
     h = step_layout.embed(model, ids)
     tables = step_layout.rope_tables(model, plan.ropes, h, pos)
-    for t in tables.values():
-        if t is not None and (t[0].shape[-1] != d or t[0].dtype != plan.dtype):
+    tdt = torch.float32 if plan.rope_mode & ROPE_WIDE else plan.dtype
+    for k, t in tables.items():
+        if t is not None and plan.rope_mode & ROPE_WIDE:
+            t = tables[k] = (t[0].float(), t[1].float())  # widened exactly, as the model's float32 products read them
+        if t is not None and (t[0].shape[-1] != d or t[0].dtype != tdt):
             msg = f"RoPE tables of {t[0].shape[-1]} {t[0].dtype} for heads of {d} {plan.dtype}"
             raise ValueError(msg)
     qbuf = torch.empty((n_q, heads, d), dtype=plan.dtype)
@@ -247,7 +278,7 @@ def forward(model: Any, ids: torch.Tensor, pos: torch.Tensor, keep: int | torch.
     qp, op = qbuf.data_ptr(), o.data_ptr()
     ptrs = {k: (0, 0) if t is None else (t[0].data_ptr(), t[1].data_ptr()) for k, t in tables.items()}
     threads = torch.get_num_threads()
-    fn, rm = plan.lib.rope_attend, plan.residual
+    fn, rm, mode = plan.lib.rope_attend, plan.residual, plan.rope_mode
     for i, layer in enumerate(plan.layers):
         residual = h
         x = h if layer.norm1 is None else layer.norm1(h)
@@ -262,19 +293,18 @@ def forward(model: Any, ids: torch.Tensor, pos: torch.Tensor, keep: int | torch.
                 ks.copy_(layer.k_norm(ks.contiguous()))
         cp, sp = ptrs[layer.rope]
         if fn(bf16, addr + i * stride, n_q, qkv.data_ptr(), qkv.shape[1], cp, sp, d, heads, plan.kv_heads, d,
-              layer.scaling, qp, op, threads):
+              layer.scaling, qp, op, threads, mode):
             raise MemoryError("kvrag's row attention: no memory for the scores")
         a = layer.o_proj.forward(o)
+        if plan.fam.order == "parallel":  # Cohere: h + attn(x) + mlp(x), both from the one norm's x
+            h = residual + a + _mlp(layer, x, b, s, n_q)
+            continue
         if plan.fam.order != "pre":
             a = layer.norm2(a)  # type: ignore[misc]
         h = residual + (a if rm is None else a * rm)
         residual = h
         x = layer.norm2(h) if plan.fam.order == "pre" else h if layer.norm3 is None else layer.norm3(h)  # type: ignore[misc]
-        if layer.act is None:
-            m = layer.mlp.forward(x)
-        else:
-            gu = _products(layer.gu, layer.gu_mods, x, n_q).view(b, s, -1)
-            m = layer.down.forward(layer.act(gu[..., : layer.inter]) * gu[..., layer.inter :])
+        m = _mlp(layer, x, b, s, n_q)
         if layer.norm4 is not None:
             m = layer.norm4(m)
         h = residual + (m if rm is None else m * rm)

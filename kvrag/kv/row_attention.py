@@ -38,7 +38,7 @@ from kvrag.kv import native
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("row_attention.c")
-_ABI = 3
+_ABI = 4
 _NEEDS = {torch.bfloat16: ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16"),
           torch.float32: ("avx2", "fma")}
 """The CPU flags each path is compiled for (row_attention.c's target attributes)."""
@@ -54,7 +54,8 @@ class _Lib:
         self.fn = fn
         ra = lib.kvrag_rope_attend
         vp = ctypes.c_void_p
-        ra.argtypes = [ctypes.c_int, vp, i64, vp, i64, vp, vp, i64, i64, i64, i64, ctypes.c_float, vp, vp, ctypes.c_int]
+        ra.argtypes = [ctypes.c_int, vp, i64, vp, i64, vp, vp, i64, i64, i64, i64, ctypes.c_float, vp, vp, ctypes.c_int,
+                       ctypes.c_int]
         ra.restype = ctypes.c_int
         self.rope_attend = ra
 

@@ -21,14 +21,17 @@ class Family:
     Attributes:
         order: ``pre`` (Llama: ``h + attn(norm1(h))``, ``h + mlp(norm2(h))``), ``sandwich`` (Gemma 2/3: a norm before
             and after each of attention and the MLP, ``post_attention_layernorm`` on the attention's output and
-            ``pre_`` / ``post_feedforward_layernorm`` around the MLP) or ``post`` (OLMo 2: no norm before, one after
-            each of attention and the MLP).
-        qk_norm: ``head`` (a norm over each head's q / k: Qwen3, Gemma 3), ``full`` (over the whole q / k
-            projection: OLMo 2) or None.
+            ``pre_`` / ``post_feedforward_layernorm`` around the MLP), ``post`` (OLMo 2: no norm before, one after
+            each of attention and the MLP) or ``parallel`` (Cohere: ``h + attn(x) + mlp(x)``, ``x = norm1(h)``).
+        qk_norm: ``head`` (a norm over each head's q / k: Qwen3, Gemma 3, Cohere with ``use_qk_norm``), ``full``
+            (over the whole q / k projection: OLMo 2) or None.
         per_type_rope: RoPE tables per layer type (Gemma 3: ``rotary_emb(h, pos, layer_type)``).
         multipliers: Granite's ``embedding_multiplier``, ``residual_multiplier`` and ``logits_scaling``.
         final_softcap: the logits soft-capped by ``config.final_logit_softcapping`` where it is set (Gemma 2/3).
         global_without_rope: global layers of a model with a window take no RoPE (EXAONE 4).
+        rope_pairs: RoPE rotates interleaved pairs (2i, 2i + 1) (Cohere) instead of the halves (i, i + D/2).
+        rope_wide: q / k are rotated in float32 and rounded once (Cohere: ``q.float()``; OLMo 2: float32 tables).
+        logit_scale: the logits multiplied by ``config.logit_scale`` (Cohere).
     """
 
     order: str = "pre"
@@ -37,6 +40,9 @@ class Family:
     multipliers: bool = False
     final_softcap: bool = False
     global_without_rope: bool = False
+    rope_pairs: bool = False
+    rope_wide: bool = False
+    logit_scale: bool = False
 
 
 FAMILIES: dict[str, Family] = {
@@ -49,7 +55,8 @@ FAMILIES: dict[str, Family] = {
     "GraniteForCausalLM": Family(multipliers=True),
     "SmolLM3ForCausalLM": Family(),
     "Phi3ForCausalLM": Family(),
-    "Olmo2ForCausalLM": Family("post", "full"),
+    "Olmo2ForCausalLM": Family("post", "full", rope_wide=True),
+    "CohereForCausalLM": Family("parallel", rope_pairs=True, rope_wide=True, logit_scale=True),
     "Exaone4ForCausalLM": Family("post", "head", global_without_rope=True),
 }
 """Model classes the fused step runs (by class name, as transformers names them)."""
@@ -59,8 +66,6 @@ REFUSED: dict[str, str] = {
                          "decode one per step through the model's forward",
     "GptOssForCausalLM": "attention sinks: transformers runs it with eager attention, so its requests decode one per "
                          "step through the model's forward",
-    "CohereForCausalLM": "interleaved RoPE pairs and a parallel attention + MLP block (kvrag's kernel rotates "
-                         "half-split pairs)",
     "PhiForCausalLM": "partial rotary and a parallel attention + MLP block",
     "GPTNeoXForCausalLM": "partial rotary and a parallel residual",
     "StableLmForCausalLM": "partial rotary",
@@ -83,7 +88,8 @@ def why_not(model: Any) -> str | None:
     norms = {"pre": ("input_layernorm", "post_attention_layernorm"),
              "sandwich": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                           "post_feedforward_layernorm"),
-             "post": ("post_attention_layernorm", "post_feedforward_layernorm")}[fam.order]
+             "post": ("post_attention_layernorm", "post_feedforward_layernorm"),
+             "parallel": ("input_layernorm",)}[fam.order]
     for layer in inner.layers[: cfg.num_hidden_layers]:
         a, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         if a is None or mlp is None or not all(hasattr(layer, n) for n in norms):
@@ -95,7 +101,7 @@ def why_not(model: Any) -> str | None:
                 or not hasattr(mlp, "down_proj"):
             return f"{name}'s MLP is not a gated MLP"
         has_q, has_k = getattr(a, "q_norm", None) is not None, getattr(a, "k_norm", None) is not None
-        if has_q != has_k or has_q != (fam.qk_norm is not None):
+        if has_q != has_k or has_q != (fam.qk_norm is not None) and not (fam.order == "parallel" and has_q):
             return f"{name}: q / k norms other than the family's ({fam.qk_norm or 'none'})"
     return None
 
@@ -148,6 +154,8 @@ def head(model: Any, h: torch.Tensor, keep: int | torch.Tensor) -> torch.Tensor:
     fam = FAMILIES[type(model).__name__]
     if fam.multipliers:
         logits = logits / model.config.logits_scaling
+    if fam.logit_scale:
+        logits = logits * model.logit_scale
     cap = getattr(model.config, "final_logit_softcapping", None) if fam.final_softcap else None
     if cap is not None:
         logits = torch.tanh(logits / cap) * cap
