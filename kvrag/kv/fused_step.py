@@ -19,11 +19,12 @@ built in Python), each a dispatch of 1-3 us on a 2-core VM. This step runs a lay
 then the final norm and the output head. The per-query addresses for every layer are built once a step.
 
 Which models: the decoder layouts of :mod:`kvrag.kv.step_layout` -- Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 3,
-Granite, SmolLM3, Phi-3, OLMo 2, EXAONE 4 and Cohere: their norms where the family puts them (Gemma 3's four per
-layer, OLMo 2's after attention and the MLP, Cohere's one before both in parallel), q / k norms per head or over
+Granite, SmolLM3, Phi-3, OLMo 2, EXAONE 4, Cohere and StableLM: their norms where the family puts them (Gemma 3's
+four per layer, OLMo 2's after attention and the MLP, Cohere's one before both in parallel), q / k norms per head or over
 the whole projection run on the fused product's columns in place before the kernel call, each layer's RoPE tables
 (Gemma 3's per layer type; none for the RoPE-free layers of SmolLM3 and EXAONE 4, whose q and k the kernel takes as
-they are; Cohere's interleaved pairs; Cohere's and OLMo 2's bfloat16 heads rotated in float32, :func:`rope_mode`),
+they are; Cohere's interleaved pairs; Cohere's and OLMo 2's bfloat16 heads rotated in float32; partial rotary,
+the rest of each head passed as it is: StableLM, Phi-4-mini; :func:`rope_mode`),
 Granite's multipliers and the logit scaling or soft-capping -- in float32 or bfloat16 where kvrag's row attention
 serves the dtype. It is one backend of :mod:`kvrag.kv.step_backend`, which checks its first step of each model against
 the model's forward (logits and written K/V, bit for bit) before it serves that model.
@@ -95,14 +96,14 @@ class _Layer:
     __slots__ = ("act", "down", "gu", "gu_mods", "inter", "k_norm", "mlp", "norm1", "norm2", "norm3", "norm4",
                  "o_proj", "q_norm", "qkv", "qkv_mods", "rope", "scaling")
 
-    def __init__(self, model: Any, i: int, fam: step_layout.Family, d: int) -> None:
+    def __init__(self, model: Any, i: int, order: str, d: int) -> None:
         layer = model.model.layers[i]
         a, mlp = layer.self_attn, layer.mlp
         norms = {"pre": ("input_layernorm", "post_attention_layernorm", None, None),
                  "sandwich": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                               "post_feedforward_layernorm"),
                  "post": (None, "post_attention_layernorm", None, "post_feedforward_layernorm"),
-                 "parallel": ("input_layernorm", None, None, None)}[fam.order]
+                 "parallel": ("input_layernorm", None, None, None)}[order]
         self.norm1, self.norm2, self.norm3, self.norm4 = (None if n is None else _rms_norm(getattr(layer, n))
                                                           for n in norms)
         self.qkv_mods = (a.qkv_proj,) if hasattr(a, "qkv_proj") else (a.q_proj, a.k_proj, a.v_proj)
@@ -124,8 +125,8 @@ class _Layer:
 
 
 class _Plan:
-    __slots__ = ("d", "dtype", "fam", "head_norm", "heads", "kv_heads", "layers", "lib", "residual", "rope_mode",
-                 "ropes")
+    __slots__ = ("d", "dtype", "fam", "head_norm", "heads", "kv_heads", "layers", "lib", "order", "residual",
+                 "rope_mode", "ropes")
 
     def __init__(self, model: Any, lib: Any) -> None:
         cfg = model.config
@@ -136,8 +137,9 @@ class _Plan:
         self.lib = lib
         self.fam = step_layout.FAMILIES[type(model).__name__]
         self.head_norm = self.fam.qk_norm != "full"
-        self.rope_mode = rope_mode(self.fam, self.dtype)
-        self.layers = [_Layer(model, i, self.fam, self.d) for i in range(cfg.num_hidden_layers)]
+        self.rope_mode = rope_mode(self.fam, self.dtype, step_layout.rotary_dim(model), self.d)
+        self.order = step_layout.order(model)
+        self.layers = [_Layer(model, i, self.order, self.d) for i in range(cfg.num_hidden_layers)]
         self.ropes = {layer.rope for layer in self.layers}
         self.residual = float(model.model.layers[0].residual_multiplier) if self.fam.multipliers else None
         widths = (self.heads * self.d, self.kv_heads * self.d, self.kv_heads * self.d)
@@ -148,17 +150,20 @@ class _Plan:
                 raise ValueError(msg)
 
 
-ROPE_PAIRS, ROPE_WIDE = 1, 2
-"""``kvrag_rope_attend``'s RoPE mode bits (``row_attention.c``): interleaved pairs; rotated in float32."""
+ROPE_PAIRS, ROPE_WIDE, ROPE_DIMS = 1, 2, 256
+"""``kvrag_rope_attend``'s RoPE mode bits (``row_attention.c``): interleaved pairs; rotated in float32; the rotated
+dimensions (partial rotary) times ``ROPE_DIMS`` (0: the whole head)."""
 
 
-def rope_mode(fam: step_layout.Family, dtype: torch.dtype) -> int:
-    """``kvrag_rope_attend``'s RoPE mode for a family's heads in ``dtype`` (float32 heads: rotated in float32 anyway)."""
-    return (ROPE_PAIRS if fam.rope_pairs else 0) | (ROPE_WIDE if fam.rope_wide and dtype != torch.float32 else 0)
+def rope_mode(fam: step_layout.Family, dtype: torch.dtype, rot: int, d: int) -> int:
+    """``kvrag_rope_attend``'s RoPE mode for a family's heads of ``d`` in ``dtype``, ``rot`` of them rotated (float32
+    heads: rotated in float32 anyway)."""
+    return ((ROPE_PAIRS if fam.rope_pairs else 0) | (ROPE_WIDE if fam.rope_wide and dtype != torch.float32 else 0)
+            | (rot * ROPE_DIMS if rot != d else 0))
 
 
 def _table_dtype(fam: step_layout.Family, dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if rope_mode(fam, dtype) & ROPE_WIDE else dtype
+    return torch.float32 if fam.rope_wide and dtype != torch.float32 else dtype
 
 
 def why_not(model: Any) -> str | None:
@@ -171,11 +176,9 @@ def why_not(model: Any) -> str | None:
         return f"{model.dtype} on {model.device.type} (it runs float32 or bfloat16 on the CPU)"
     d = int(model.model.layers[0].self_attn.head_dim)
     heads, kv_heads = int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
-    rp = getattr(cfg, "rope_parameters", None)
-    partial = getattr(cfg, "partial_rotary_factor", None) or (rp.get("partial_rotary_factor") if isinstance(
-        rp, dict) else None) or 1.0
-    if heads % kv_heads or partial != 1.0 or d % 8:
-        return "a head layout kvrag's kernel does not take (partial RoPE, uneven KV groups or head dim)"
+    rot = step_layout.rotary_dim(model)
+    if heads % kv_heads or d % 8 or rot % 2 or not 0 < rot <= d:
+        return f"a head layout kvrag's kernel does not take ({heads} / {kv_heads} heads of {d}, {rot} rotated)"
     if not row_attention.serves(torch.empty(1, 1, 1, d, dtype=model.dtype)):
         return f"kvrag's row attention does not serve {model.dtype} here: {row_attention.why_not(model.dtype)}"
     keys = {step_layout.rope_key(model, i) for i in range(cfg.num_hidden_layers)}
@@ -184,7 +187,7 @@ def why_not(model: Any) -> str | None:
         h = torch.zeros(1, 1, int(cfg.hidden_size), dtype=model.dtype)
         for k, t in step_layout.rope_tables(model, keys, h, torch.zeros(1, 1, dtype=torch.long)).items():
             if t is not None and ((t[0].dtype != model.dtype and _table_dtype(fam, model.dtype) == model.dtype)
-                                  or t[0].shape[-1] != d):
+                                  or t[0].shape[-1] != rot):
                 return (f"RoPE tables of {t[0].shape[-1]} {t[0].dtype} for heads of {d} {model.dtype} (the model "
                         f"rotates in another dtype{'' if not k else ' in ' + k + ' layers'})")
     return None
@@ -269,7 +272,7 @@ def forward(model: Any, ids: torch.Tensor, pos: torch.Tensor, keep: int | torch.
     for k, t in tables.items():
         if t is not None and plan.rope_mode & ROPE_WIDE:
             t = tables[k] = (t[0].float(), t[1].float())  # widened exactly, as the model's float32 products read them
-        if t is not None and (t[0].shape[-1] != d or t[0].dtype != tdt):
+        if t is not None and (t[0].shape[-1] != (plan.rope_mode // ROPE_DIMS or d) or t[0].dtype != tdt):
             msg = f"RoPE tables of {t[0].shape[-1]} {t[0].dtype} for heads of {d} {plan.dtype}"
             raise ValueError(msg)
     qbuf = torch.empty((n_q, heads, d), dtype=plan.dtype)
@@ -278,7 +281,7 @@ def forward(model: Any, ids: torch.Tensor, pos: torch.Tensor, keep: int | torch.
     qp, op = qbuf.data_ptr(), o.data_ptr()
     ptrs = {k: (0, 0) if t is None else (t[0].data_ptr(), t[1].data_ptr()) for k, t in tables.items()}
     threads = torch.get_num_threads()
-    fn, rm, mode = plan.lib.rope_attend, plan.residual, plan.rope_mode
+    fn, rm, mode, cw = plan.lib.rope_attend, plan.residual, plan.rope_mode, plan.rope_mode // ROPE_DIMS or d
     for i, layer in enumerate(plan.layers):
         residual = h
         x = h if layer.norm1 is None else layer.norm1(h)
@@ -292,18 +295,18 @@ def forward(model: Any, ids: torch.Tensor, pos: torch.Tensor, keep: int | torch.
                 qs.copy_(layer.q_norm(qs.contiguous()))
                 ks.copy_(layer.k_norm(ks.contiguous()))
         cp, sp = ptrs[layer.rope]
-        if fn(bf16, addr + i * stride, n_q, qkv.data_ptr(), qkv.shape[1], cp, sp, d, heads, plan.kv_heads, d,
+        if fn(bf16, addr + i * stride, n_q, qkv.data_ptr(), qkv.shape[1], cp, sp, cw, heads, plan.kv_heads, d,
               layer.scaling, qp, op, threads, mode):
             raise MemoryError("kvrag's row attention: no memory for the scores")
         a = layer.o_proj.forward(o)
-        if plan.fam.order == "parallel":  # Cohere: h + attn(x) + mlp(x), both from the one norm's x
+        if plan.order == "parallel":  # Cohere, StableLM: h + attn(x) + mlp(x), both from the one norm's x
             h = residual + a + _mlp(layer, x, b, s, n_q)
             continue
-        if plan.fam.order != "pre":
+        if plan.order != "pre":
             a = layer.norm2(a)  # type: ignore[misc]
         h = residual + (a if rm is None else a * rm)
         residual = h
-        x = layer.norm2(h) if plan.fam.order == "pre" else h if layer.norm3 is None else layer.norm3(h)  # type: ignore[misc]
+        x = layer.norm2(h) if plan.order == "pre" else h if layer.norm3 is None else layer.norm3(h)  # type: ignore[misc]
         m = _mlp(layer, x, b, s, n_q)
         if layer.norm4 is not None:
             m = layer.norm4(m)

@@ -480,16 +480,22 @@ NO_CONTRACT static void rope_bf16(const uint16_t *x, int64_t xs, int64_t heads, 
 
 /* The other RoPE layouts, `mode` bits: ROPE_PAIRS -- interleaved pairs (Cohere: rotate_half(x) = (-x[2i+1], x[2i])
  * at (2i, 2i+1)); ROPE_WIDE -- bfloat16 heads rotated in float32 with float32 tables, rounded once at the end (the
- * model's `q.float() * cos + rotate_half(q.float()) * sin`, or bf16 heads times float32 tables). Each product and the
- * sum rounded to float32 as torch's operations round them (contraction off), then to the heads' dtype. */
+ * model's `q.float() * cos + rotate_half(q.float()) * sin`, or bf16 heads times float32 tables); mode >> 8 -- partial
+ * rotary: only the first (mode >> 8) dimensions rotated (tables of that width), the rest passed as they are (0: all
+ * d). Each product and the sum rounded to float32 as torch's operations round them (contraction off), then to the
+ * heads' dtype (bfloat16 without ROPE_WIDE: each product and the sum rounded to bfloat16, as rope_bf16). */
 #define ROPE_PAIRS 1
 #define ROPE_WIDE 2
 NO_CONTRACT static void rope_other(const void *x, int64_t xs, int64_t heads, int64_t d, const void *c, const void *s,
                                    void *y, int64_t ys, int bf16, int mode) {
-    const int64_t h2 = d / 2;
+    const int64_t rd = (mode >> 8) ? (mode >> 8) : d, h2 = rd / 2;
     const int pairs = mode & ROPE_PAIRS, wide = (mode & ROPE_WIDE) || !bf16;
+    const size_t el = bf16 ? 2 : 4;
     for (int64_t h = 0; h < heads; h++) {
-        for (int64_t j = 0; j < d; j++) {
+        if (rd < d) /* the pass-through dimensions */
+            memcpy((char *)y + (size_t)(h * ys + rd) * el, (const char *)x + (size_t)(h * xs + rd) * el,
+                   (size_t)(d - rd) * el);
+        for (int64_t j = 0; j < rd; j++) {
             int64_t src = pairs ? ((j & 1) ? j - 1 : j + 1) : (j < h2 ? j + h2 : j - h2);
             int neg = pairs ? !(j & 1) : j < h2;
             float a, b, cj, sj;
@@ -585,4 +591,4 @@ int kvrag_rope_attend(int bf16, const int64_t *entries, int64_t count, const voi
     return failed ? -1 : 0;
 }
 
-int kvrag_row_attention_abi(void) { return 4; }
+int kvrag_row_attention_abi(void) { return 5; }

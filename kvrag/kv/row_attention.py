@@ -38,7 +38,7 @@ from kvrag.kv import native
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("row_attention.c")
-_ABI = 4
+_ABI = 5
 _NEEDS = {torch.bfloat16: ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16"),
           torch.float32: ("avx2", "fma")}
 """The CPU flags each path is compiled for (row_attention.c's target attributes)."""

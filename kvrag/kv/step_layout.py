@@ -57,6 +57,7 @@ FAMILIES: dict[str, Family] = {
     "Phi3ForCausalLM": Family(),
     "Olmo2ForCausalLM": Family("post", "full", rope_wide=True),
     "CohereForCausalLM": Family("parallel", rope_pairs=True, rope_wide=True, logit_scale=True),
+    "StableLmForCausalLM": Family(),
     "Exaone4ForCausalLM": Family("post", "head", global_without_rope=True),
 }
 """Model classes the fused step runs (by class name, as transformers names them)."""
@@ -66,11 +67,26 @@ REFUSED: dict[str, str] = {
                          "decode one per step through the model's forward",
     "GptOssForCausalLM": "attention sinks: transformers runs it with eager attention, so its requests decode one per "
                          "step through the model's forward",
-    "PhiForCausalLM": "partial rotary and a parallel attention + MLP block",
+    "PhiForCausalLM": "a parallel block with a dense (ungated) MLP",
     "GPTNeoXForCausalLM": "partial rotary and a parallel residual",
-    "StableLmForCausalLM": "partial rotary",
 }
 """Families the fused step does not run, with why (the model's forward serves them)."""
+
+
+def order(model: Any) -> str:
+    """``model``'s :attr:`Family.order` (StableLM with ``use_parallel_residual``: ``parallel``)."""
+    fam = FAMILIES[type(model).__name__]
+    return "parallel" if fam.order == "pre" and getattr(model.config, "use_parallel_residual", False) else fam.order
+
+
+def rotary_dim(model: Any) -> int:
+    """How many dimensions of each head RoPE rotates (``partial_rotary_factor`` of the head; the rest pass)."""
+    cfg = model.config
+    d = int(model.model.layers[0].self_attn.head_dim)
+    rp = getattr(cfg, "rope_parameters", None)
+    factor = (rp.get("partial_rotary_factor") if isinstance(rp, dict) else None) or getattr(
+        cfg, "partial_rotary_factor", None) or 1.0
+    return int(d * float(factor))
 
 
 def why_not(model: Any) -> str | None:
@@ -89,7 +105,7 @@ def why_not(model: Any) -> str | None:
              "sandwich": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                           "post_feedforward_layernorm"),
              "post": ("post_attention_layernorm", "post_feedforward_layernorm"),
-             "parallel": ("input_layernorm",)}[fam.order]
+             "parallel": ("input_layernorm",)}[order(model)]
     for layer in inner.layers[: cfg.num_hidden_layers]:
         a, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         if a is None or mlp is None or not all(hasattr(layer, n) for n in norms):
@@ -101,7 +117,8 @@ def why_not(model: Any) -> str | None:
                 or not hasattr(mlp, "down_proj"):
             return f"{name}'s MLP is not a gated MLP"
         has_q, has_k = getattr(a, "q_norm", None) is not None, getattr(a, "k_norm", None) is not None
-        if has_q != has_k or has_q != (fam.qk_norm is not None) and not (fam.order == "parallel" and has_q):
+        if has_q != has_k or has_q != (fam.qk_norm is not None) and not (fam.rope_pairs and has_q) \
+                or hasattr(a, "q_layernorm"):
             return f"{name}: q / k norms other than the family's ({fam.qk_norm or 'none'})"
     return None
 
@@ -162,4 +179,5 @@ def head(model: Any, h: torch.Tensor, keep: int | torch.Tensor) -> torch.Tensor:
     return logits
 
 
-__all__ = ["FAMILIES", "REFUSED", "Family", "embed", "head", "rope_key", "rope_tables", "why_not"]
+__all__ = ["FAMILIES", "REFUSED", "Family", "embed", "head", "order", "rope_key", "rope_tables", "rotary_dim",
+           "why_not"]

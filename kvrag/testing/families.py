@@ -78,8 +78,7 @@ SERVED: tuple[FamilySupport, ...] = (
     FamilySupport("gpt_neox", "GPT-NeoX, Pythia", "partial rotary (a quarter of each head)",
                   "parallel residual, LayerNorm, no GQA", step="the model's forward (partial rotary, parallel residual)",
                   fused_in=()),
-    FamilySupport("stablelm", "StableLM 2, StableLM-3B", "partial rotary (a quarter of each head)", "LayerNorm",
-                  step="the model's forward (partial rotary)", fused_in=()),
+    FamilySupport("stablelm", "StableLM 2, StableLM-3B", "partial rotary (a quarter of each head)", "LayerNorm"),
     FamilySupport("gpt_oss", "GPT-OSS", "one RoPE (yarn in the released models)",
                   "mixture of experts, attention sinks, alternating sliding / global layers; eager attention",
                   decode="one request per step (eager attention: transformers refuses SDPA with attention sinks)",
@@ -87,8 +86,7 @@ SERVED: tuple[FamilySupport, ...] = (
     FamilySupport("exaone4", "EXAONE 4.0", "RoPE in the local layers, none in the global ones (keys used as they are)",
                   "3 local : 1 global layers, q/k RMSNorm, post norms"),
     FamilySupport("phi3", "Phi-3, Phi-3.5, Phi-4-mini", "one RoPE (Phi-4-mini: partial, 0.75); LongRoPE in its "
-                  "short regime", "fused qkv and gate/up projections",
-                  step="fused step (Phi-4-mini's partial rotary: the model's forward)"),
+                  "short regime", "fused qkv and gate/up projections"),
 )
 """Families served exactly in both dtypes (each proven by ``tests/unit/test_families.py``)."""
 
