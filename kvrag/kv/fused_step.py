@@ -33,7 +33,6 @@ the model's forward (logits and written K/V, bit for bit) before it serves that 
 from __future__ import annotations
 
 import array
-import threading
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -44,7 +43,6 @@ from kvrag.kv import quant, row_attention, step_layout
 from kvrag.kv.window import first_key
 
 _plans: weakref.WeakKeyDictionary[Any, _Plan] = weakref.WeakKeyDictionary()
-_lock = threading.Lock()
 
 
 RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "GraniteRMSNorm", "SmolLM3RMSNorm",
