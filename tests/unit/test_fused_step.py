@@ -40,6 +40,27 @@ def _same_kv(a: list[batched.Row], b: list[batched.Row], fed: list[int]) -> None
         assert torch.equal(ra.buffer.values[:, :, :n], rb.buffer.values[:, :, :n])
 
 
+def _with_config(family: str, dtype: torch.dtype, quantize: str | None, **overrides: Any) -> Any:
+    """A tiny random model of ``family`` with config fields ``overrides`` (which :func:`tiny_model` does not set)."""
+    from transformers import AutoModelForCausalLM
+
+    from kvrag.models import wrap_model
+    from kvrag.testing.tiny import attn_implementation, tiny_config, tiny_tokenizer
+
+    cfg = tiny_config(family, init_std=0.1)
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn_implementation(family))
+    with torch.no_grad():  # LayerNorm weights start at one: make the q / k norms' weights matter
+        for m in model.modules():
+            if type(m).__name__.endswith("LayerNorm") and getattr(m, "weight", None) is not None:
+                m.weight.uniform_(0.5, 1.5)
+    model = model.to(dtype=dtype).eval()
+    return wrap_model(model, tiny_tokenizer(), name=f"tiny-{family}-custom", dtype=dtype, quantize=quantize)
+
+
 @pytest.mark.parametrize(("family", "dtype", "quantize", "window"), [
     ("llama", torch.float32, None, None), ("llama", torch.float32, "int4", None), ("llama", torch.bfloat16, None, None),
     ("llama", torch.bfloat16, "int4", None), ("llama", torch.float32, "int8", None),
@@ -57,6 +78,7 @@ def _same_kv(a: list[batched.Row], b: list[batched.Row], fed: list[int]) -> None
     ("exaone4", torch.float32, None, 8), ("exaone4", torch.bfloat16, "int4", None),
     ("stablelm", torch.float32, None, None), ("stablelm", torch.bfloat16, "int4", None),
     ("stablelm-parallel", torch.float32, None, None), ("stablelm-parallel", torch.bfloat16, None, None),
+    ("cohere-qknorm", torch.float32, None, None), ("cohere-qknorm", torch.bfloat16, "int4", None),
     ("phi3-partial", torch.float32, None, None), ("phi3-partial", torch.bfloat16, "int4", None),
 ])
 def test_fused_steps_are_the_models_forward_bit_for_bit(family: str, dtype: torch.dtype, quantize: str | None,
@@ -67,9 +89,12 @@ def test_fused_steps_are_the_models_forward_bit_for_bit(family: str, dtype: torc
     second global.)"""
     _need(dtype)
     family, _, variant = family.partition("-")  # partial: Phi-4-mini's 3/4 of each head rotated
-    lm = tiny_model(family, init_std=0.1, dtype=dtype, quantize=quantize, sliding_window=window,
-                    num_layers=4 if family in ("smollm3", "exaone4") else 2,
-                    rope={"partial_rotary_factor": 0.75} if variant == "partial" else None)
+    if variant == "qknorm":  # Command-R+'s per-head q / k LayerNorms
+        lm = _with_config(family, dtype, quantize, use_qk_norm=True)
+    else:
+        lm = tiny_model(family, init_std=0.1, dtype=dtype, quantize=quantize, sliding_window=window,
+                        num_layers=4 if family in ("smollm3", "exaone4") else 2,
+                        rope={"partial_rotary_factor": 0.75} if variant == "partial" else None)
     if variant == "parallel":  # StableLM's parallel residual (StableLM-3B-4E1T's is off, some configs have it)
         lm.model.config.use_parallel_residual = True
         for layer in lm.model.model.layers:
