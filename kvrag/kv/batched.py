@@ -297,13 +297,13 @@ def prefill_rows(model: Any, rows: Sequence[Row], tokens: Sequence[Sequence[int]
     context in row ``i``'s buffer (its repaired cache), each row's tokens attending causally to its own buffer in
     one masked call.
 
-    Where the direct loop serves the model's prefills (:func:`kvrag.kv.step_backend.serves`) the rows go in one forward, packed along
-    one sequence, every linear layer running one row's tokens at a time (``segments``): each row computes exactly
-    what it computes alone -- the same bits, the same weight route (quantized for short suffixes) -- while the
-    per-call overhead of the forward is paid once and each weight is read from memory once for all rows. Only the
-    output head runs over the rows' last positions together, as in a decode step (a dense float32 head sums a
-    B-row product in another order than a 1-row one, ~1e-6, as batched decoding's does). Other models run one
-    forward per row. The caller holds the model's lock and advances each row's length.
+    Where the direct loop serves the model's prefills (:func:`kvrag.kv.step_backend.serves`) the rows go in one
+    forward, packed along one sequence, every linear layer running one row's tokens at a time (``segments``): each
+    row computes exactly what it computes alone -- the same bits, the same weight route (quantized for short
+    suffixes) -- while the per-call overhead of the forward is paid once and each weight is read from memory once
+    for all rows. Only the output head runs over the rows' last positions together, as in a decode step (a dense
+    float32 head sums a B-row product in another order than a 1-row one, ~1e-6, as batched decoding's does). Other
+    models run one forward per row. The caller holds the model's lock and advances each row's length.
 
     Returns:
         logits [B, V] (float32) of the next token after each row's last fed token.

@@ -20,14 +20,14 @@ then the final norm and the output head. The per-query addresses for every layer
 
 Which models: the decoder layouts of :mod:`kvrag.kv.step_layout` -- Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 3,
 Granite, SmolLM3, Phi-3, OLMo 2, EXAONE 4, Cohere and StableLM: their norms where the family puts them (Gemma 3's
-four per layer, OLMo 2's after attention and the MLP, Cohere's one before both in parallel), q / k norms per head or over
-the whole projection run on the fused product's columns in place before the kernel call, each layer's RoPE tables
-(Gemma 3's per layer type; none for the RoPE-free layers of SmolLM3 and EXAONE 4, whose q and k the kernel takes as
-they are; Cohere's interleaved pairs; Cohere's and OLMo 2's bfloat16 heads rotated in float32; partial rotary,
-the rest of each head passed as it is: StableLM, Phi-4-mini; :func:`rope_mode`),
-Granite's multipliers and the logit scaling or soft-capping -- in float32 or bfloat16 where kvrag's row attention
-serves the dtype. It is one backend of :mod:`kvrag.kv.step_backend`, which checks its first step of each model against
-the model's forward (logits and written K/V, bit for bit) before it serves that model.
+four per layer, OLMo 2's after attention and the MLP, Cohere's one before both in parallel), q / k norms per head
+or over the whole projection run on the fused product's columns in place before the kernel call, each layer's RoPE
+tables (Gemma 3's per layer type; none for the RoPE-free layers of SmolLM3 and EXAONE 4, whose q and k the kernel
+takes as they are; Cohere's interleaved pairs; Cohere's and OLMo 2's bfloat16 heads rotated in float32; partial
+rotary, the rest of each head passed as it is: StableLM, Phi-4-mini; :func:`rope_mode`), Granite's multipliers and
+the logit scaling or soft-capping -- in float32 or bfloat16 where kvrag's row attention serves the dtype. It is one
+backend of :mod:`kvrag.kv.step_backend`, which checks its first step of each model against the model's forward
+(logits and written K/V, bit for bit) before it serves that model.
 """
 
 from __future__ import annotations
@@ -304,7 +304,10 @@ def forward(model: Any, ids: torch.Tensor, pos: torch.Tensor, keep: int | torch.
             a = layer.norm2(a)  # type: ignore[misc]
         h = residual + (a if rm is None else a * rm)
         residual = h
-        x = layer.norm2(h) if plan.order == "pre" else h if layer.norm3 is None else layer.norm3(h)  # type: ignore[misc]
+        if plan.order == "pre":
+            x = layer.norm2(h)  # type: ignore[misc]
+        else:
+            x = h if layer.norm3 is None else layer.norm3(h)
         m = _mlp(layer, x, b, s, n_q)
         if layer.norm4 is not None:
             m = layer.norm4(m)

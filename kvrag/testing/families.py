@@ -76,8 +76,8 @@ SERVED: tuple[FamilySupport, ...] = (
                   "parallel attention + MLP, LayerNorm with bias, dense biases",
                   step="the model's forward (partial rotary, parallel attention + MLP)", fused_in=()),
     FamilySupport("gpt_neox", "GPT-NeoX, Pythia", "partial rotary (a quarter of each head)",
-                  "parallel residual, LayerNorm, no GQA", step="the model's forward (partial rotary, parallel residual)",
-                  fused_in=()),
+                  "parallel residual, LayerNorm, no GQA",
+                  step="the model's forward (partial rotary, parallel residual)", fused_in=()),
     FamilySupport("stablelm", "StableLM 2, StableLM-3B", "partial rotary (a quarter of each head)", "LayerNorm"),
     FamilySupport("gpt_oss", "GPT-OSS", "one RoPE (yarn in the released models)",
                   "mixture of experts, attention sinks, alternating sliding / global layers; eager attention",
@@ -142,5 +142,5 @@ if __name__ == "__main__":  # pragma: no cover - a maintenance entry point
     print(("updated " if write_table(target) else "unchanged ") + str(target))  # noqa: T201
 
 
-__all__ = ["DTYPES", "FUSED", "RECOMPUTE_ALL", "REFUSED", "REUSE", "SERVED", "FamilySupport", "render_table", "table_in",
-           "write_table"]
+__all__ = ["DTYPES", "FUSED", "RECOMPUTE_ALL", "REFUSED", "REUSE", "SERVED", "FamilySupport", "render_table",
+           "table_in", "write_table"]
