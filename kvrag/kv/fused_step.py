@@ -19,7 +19,7 @@ built in Python), each a dispatch of 1-3 us on a 2-core VM. This step runs a lay
 then the final norm and the output head. The per-query addresses for every layer are built once a step.
 
 Which models: the decoder layouts of :mod:`kvrag.kv.step_layout` -- Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 3,
-Granite, SmolLM3, Phi-3, OLMo 2, EXAONE 4, Cohere and StableLM: their norms where the family puts them (Gemma 3's
+Granite, SmolLM3, Phi-3, OLMo 2, EXAONE 4, Cohere, StableLM and Phi: their norms where the family puts them (Gemma 3's
 four per layer, OLMo 2's after attention and the MLP, Cohere's one before both in parallel), q / k norms per head
 or over the whole projection run on the fused product's columns in place before the kernel call, each layer's RoPE
 tables (Gemma 3's per layer type; none for the RoPE-free layers of SmolLM3 and EXAONE 4, whose q and k the kernel
@@ -106,8 +106,9 @@ class _Layer:
                                                           for n in norms)
         self.qkv_mods = (a.qkv_proj,) if hasattr(a, "qkv_proj") else (a.q_proj, a.k_proj, a.v_proj)
         self.qkv = quant.fuse_int4(self.qkv_mods) if len(self.qkv_mods) > 1 else None
-        self.o_proj, self.down, self.mlp = a.o_proj, mlp.down_proj, mlp
-        if hasattr(mlp, "gate_up_proj"):  # Phi-3: gate and up as one module; its forward runs the MLP
+        self.o_proj, self.mlp = a.o_proj if hasattr(a, "o_proj") else a.dense, mlp
+        self.down = getattr(mlp, "down_proj", None)
+        if not hasattr(mlp, "gate_proj"):  # Phi-3's gate and up as one module, Phi's fc1 / fc2: the MLP's forward
             self.gu_mods: tuple[Any, ...] = ()
             self.gu, self.act, self.inter = None, None, 0
         else:
@@ -209,11 +210,11 @@ def _products(fused: quant.Fused | None, mods: Sequence[torch.nn.Linear], x: tor
 
 def _mlp(layer: _Layer, x: torch.Tensor, b: int, s: int, n_q: int) -> torch.Tensor:
     """The layer's MLP on ``x`` [B, S, hidden]: one product for gate and up, ``down(act(gate) * up)`` (Phi-3's
-    fused gate / up: the module's own forward)."""
+    fused gate / up and Phi's fc1 / fc2: the module's own forward)."""
     if layer.act is None:
         return layer.mlp.forward(x)  # type: ignore[no-any-return]
     gu = _products(layer.gu, layer.gu_mods, x, n_q).view(b, s, -1)
-    return layer.down.forward(layer.act(gu[..., : layer.inter]) * gu[..., layer.inter :])  # type: ignore[no-any-return]
+    return layer.down.forward(layer.act(gu[..., : layer.inter]) * gu[..., layer.inter :])  # type: ignore[union-attr]
 
 
 def _entries(plan: _Plan, rows: Sequence[Any], counts: Sequence[int],
@@ -298,7 +299,8 @@ def forward(model: Any, ids: torch.Tensor, pos: torch.Tensor, keep: int | torch.
             raise MemoryError("kvrag's row attention: no memory for the scores")
         a = layer.o_proj.forward(o)
         if plan.order == "parallel":  # Cohere, StableLM: h + attn(x) + mlp(x), both from the one norm's x
-            h = residual + a + _mlp(layer, x, b, s, n_q)
+            m = _mlp(layer, x, b, s, n_q)
+            h = a + m + residual if plan.fam.residual_last else residual + a + m  # Phi: attn + mlp + h
             continue
         if plan.order != "pre":
             a = layer.norm2(a)  # type: ignore[misc]

@@ -32,6 +32,8 @@ class Family:
         rope_pairs: RoPE rotates interleaved pairs (2i, 2i + 1) (Cohere) instead of the halves (i, i + D/2).
         rope_wide: q / k are rotated in float32 and rounded once (Cohere: ``q.float()``; OLMo 2: float32 tables).
         logit_scale: the logits multiplied by ``config.logit_scale`` (Cohere).
+        residual_last: a parallel block sums ``attn + mlp + residual`` in that order (Phi), not ``residual + attn +
+            mlp``.
     """
 
     order: str = "pre"
@@ -43,6 +45,7 @@ class Family:
     rope_pairs: bool = False
     rope_wide: bool = False
     logit_scale: bool = False
+    residual_last: bool = False
 
 
 FAMILIES: dict[str, Family] = {
@@ -58,6 +61,7 @@ FAMILIES: dict[str, Family] = {
     "Olmo2ForCausalLM": Family("post", "full", rope_wide=True),
     "CohereForCausalLM": Family("parallel", rope_pairs=True, rope_wide=True, logit_scale=True),
     "StableLmForCausalLM": Family(),
+    "PhiForCausalLM": Family("parallel", residual_last=True),
     "Exaone4ForCausalLM": Family("post", "head", global_without_rope=True),
 }
 """Model classes the fused step runs (by class name, as transformers names them)."""
@@ -67,7 +71,6 @@ REFUSED: dict[str, str] = {
                          "decode one per step through the model's forward",
     "GptOssForCausalLM": "attention sinks: transformers runs it with eager attention, so its requests decode one per "
                          "step through the model's forward",
-    "PhiForCausalLM": "a parallel block with a dense (ungated) MLP",
     "GPTNeoXForCausalLM": "partial rotary and a parallel residual",
 }
 """Families the fused step does not run, with why (the model's forward serves them)."""
@@ -96,7 +99,8 @@ def why_not(model: Any) -> str | None:
     if fam is None:
         return f"{name}: {REFUSED.get(name, 'not one of the layouts it writes out')}"
     inner = getattr(model, "model", None)
-    if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "rotary_emb", "layers", "norm")):
+    if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "rotary_emb", "layers")) or not (
+            hasattr(inner, "norm") or hasattr(inner, "final_layernorm")):
         return f"{name} lacks the expected submodules"
     cfg = model.config
     if getattr(cfg, "attn_logit_softcapping", None) or getattr(cfg, "use_bidirectional_attention", False):
@@ -111,11 +115,12 @@ def why_not(model: Any) -> str | None:
         if a is None or mlp is None or not all(hasattr(layer, n) for n in norms):
             return f"{name}'s decoder layer lacks the expected norms / attention / MLP"
         if not (hasattr(a, "qkv_proj") or all(hasattr(a, p) for p in ("q_proj", "k_proj", "v_proj"))) or not all(
-                hasattr(a, p) for p in ("o_proj", "scaling", "head_dim")):
+                hasattr(a, p) for p in ("scaling", "head_dim")) or not (hasattr(a, "o_proj") or hasattr(a, "dense")):
             return f"{name}'s attention lacks the expected projections"
-        if not (hasattr(mlp, "gate_up_proj") or all(hasattr(mlp, p) for p in ("gate_proj", "up_proj", "act_fn"))) \
-                or not hasattr(mlp, "down_proj"):
-            return f"{name}'s MLP is not a gated MLP"
+        gated = hasattr(mlp, "down_proj") and (hasattr(mlp, "gate_up_proj") or all(
+            hasattr(mlp, p) for p in ("gate_proj", "up_proj", "act_fn")))
+        if not (gated or (hasattr(mlp, "fc1") and hasattr(mlp, "fc2"))):  # Phi: fc2(act(fc1(x))), its own forward
+            return f"{name}'s MLP is neither a gated MLP nor fc1 / fc2"
         has_q, has_k = getattr(a, "q_norm", None) is not None, getattr(a, "k_norm", None) is not None
         if has_q != has_k or has_q != (fam.qk_norm is not None) and not (fam.rope_pairs and has_q) \
                 or hasattr(a, "q_layernorm"):
@@ -163,7 +168,8 @@ def embed(model: Any, ids: torch.Tensor) -> torch.Tensor:
 def head(model: Any, h: torch.Tensor, keep: int | torch.Tensor) -> torch.Tensor:
     """The final norm, the LM head over the kept positions (``keep``: 0 all, n the last n, a 1D tensor those) and
     the family's logit scaling or soft-capping, as its forward computes them."""
-    h = model.model.norm.forward(h)
+    inner = model.model
+    h = (inner.norm if hasattr(inner, "norm") else inner.final_layernorm).forward(h)
     if isinstance(keep, torch.Tensor):
         logits = model.lm_head.forward(h[:, keep, :])
     else:

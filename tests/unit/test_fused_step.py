@@ -79,6 +79,7 @@ def _with_config(family: str, dtype: torch.dtype, quantize: str | None, **overri
     ("stablelm", torch.float32, None, None), ("stablelm", torch.bfloat16, "int4", None),
     ("stablelm-parallel", torch.float32, None, None), ("stablelm-parallel", torch.bfloat16, None, None),
     ("cohere-qknorm", torch.float32, None, None), ("cohere-qknorm", torch.bfloat16, "int4", None),
+    ("phi", torch.float32, None, None), ("phi", torch.bfloat16, "int4", None),
     ("phi3-partial", torch.float32, None, None), ("phi3-partial", torch.bfloat16, "int4", None),
 ])
 def test_fused_steps_are_the_models_forward_bit_for_bit(family: str, dtype: torch.dtype, quantize: str | None,
@@ -184,7 +185,7 @@ def test_a_fused_step_that_differs_is_not_used(how: str, said: str, monkeypatch:
 
 def test_models_it_does_not_take_say_why() -> None:
     assert "soft-capping" in str(fused_step.why_not(tiny_model("gemma2", init_std=0.1).model))
-    assert "PhiForCausalLM" in str(fused_step.why_not(tiny_model("phi", init_std=0.1).model))
+    assert "GPTNeoXForCausalLM" in str(fused_step.why_not(tiny_model("gpt_neox", init_std=0.1).model))
     assert "float16" in str(fused_step.why_not(tiny_model("llama", init_std=0.1, dtype=torch.float16).model))
 
 
