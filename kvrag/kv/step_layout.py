@@ -71,7 +71,8 @@ REFUSED: dict[str, str] = {
                          "decode one per step through the model's forward",
     "GptOssForCausalLM": "attention sinks: transformers runs it with eager attention, so its requests decode one per "
                          "step through the model's forward",
-    "GPTNeoXForCausalLM": "partial rotary and a parallel residual",
+    "GPTNeoXForCausalLM": "its fused query_key_value lays q, k and v out head by head (kvrag's kernel reads the q, "
+                          "k and v blocks side by side)",
 }
 """Families the fused step does not run, with why (the model's forward serves them)."""
 

@@ -76,7 +76,7 @@ SERVED: tuple[FamilySupport, ...] = (
                   "parallel attention + MLP, LayerNorm with bias, dense biases"),
     FamilySupport("gpt_neox", "GPT-NeoX, Pythia", "partial rotary (a quarter of each head)",
                   "parallel residual, LayerNorm, no GQA",
-                  step="the model's forward (partial rotary, parallel residual)", fused_in=()),
+                  step="the model's forward (its fused q / k / v lay out head by head)", fused_in=()),
     FamilySupport("stablelm", "StableLM 2, StableLM-3B", "partial rotary (a quarter of each head)", "LayerNorm"),
     FamilySupport("gpt_oss", "GPT-OSS", "one RoPE (yarn in the released models)",
                   "mixture of experts, attention sinks, alternating sliding / global layers; eager attention",
