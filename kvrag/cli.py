@@ -61,22 +61,9 @@ def cmd_pull(args: argparse.Namespace) -> int:
     if default:
         path = prepare_default_model(progress=True)
         print(f"default model ready at {path}")
-        if not args.compile_decode:
-            return 0
+        return 0
     lm = load_model(args.model)
-    if not default:
-        print(f"{lm.name} loads fine ({lm.dtype}, {lm.device}); fingerprint {lm.fingerprint[:16]}")
-    if args.compile_decode:
-        import time
-
-        from kvrag.kv import batched
-
-        print("compiling the decode step (compile_decode), one batch shape at a time: minutes the first time on a "
-              "machine, then cached for later processes at this torch thread count ...", flush=True)
-        t = time.perf_counter()
-        got = batched.precompile(lm.model)
-        shapes = ", ".join(f"{k}: {'compiled' if v else 'not captured'}" for k, v in got.items()) or "not captured"
-        print(f"{lm.name} ({lm.dtype}, quantize={lm.quantize}): {shapes} in {time.perf_counter() - t:.0f} s")
+    print(f"{lm.name} loads fine ({lm.dtype}, {lm.device}); fingerprint {lm.fingerprint[:16]}")
     return 0
 
 
@@ -314,9 +301,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("pull", help="prepare the default (or given) model")
     sp.add_argument("model", nargs="?", default=None)
-    sp.add_argument("--compile-decode", action="store_true",
-                    help="also compile the decode step that EngineConfig.compile_decode runs (minutes, once per "
-                         "machine and torch thread count: torch's inductor cache keeps it for later processes)")
     sp.set_defaults(func=cmd_pull)
 
     sp = sub.add_parser("ingest", help="split documents, cache their chunks and build a FAISS index")

@@ -68,16 +68,6 @@ class EngineConfig:
             request buffer); a request that does not fit waits, in arrival order, until others finish (:mod:`kvrag.engine.lease`).
             None (default): ``max_batch_size`` requests of the full context window, capped at half the memory
             available on the model's device when the engine starts.
-        compile_decode: run plain decode steps captured by ``torch.compile`` around the same weight kernels and
-            row attention, computing the eager step's bits (checked for each batch shape; see
-            :mod:`kvrag.kv.compiled`; models with kvrag's packed bf16 weights keep the eager step). Each batch shape
-            (one row, several rows) compiles on a helper thread while steps run eagerly, and stays in torch's
-            inductor cache for later processes. Off by default, by measurement: the capture traces the direct loop
-            (:mod:`kvrag.kv.direct`), and the fused eager step (:mod:`kvrag.kv.fused_step`) is faster than it
-            (SmolLM2-135M, float32 + int4, AVX512-BF16 CPU, one thread, 1.5K tokens: compiled 1.15x the fused eager
-            step's time at batch 1, 1.06x at batch 8); against the direct loop it was 0.83-0.94x (bf16, AMX), after
-            5-6 minutes of one core per batch shape the first time on a machine (``kvrag pull --compile-decode``
-            compiles ahead).
         speculative_tokens: most tokens drafted per greedy request and decode step by prompt lookup
             (:mod:`kvrag.engine.speculate`: the answer's last n-gram found in the prompt, the tokens after it
             verified in one forward); 0 turns speculative decoding off. Greedy answers are token-identical either way.
@@ -123,7 +113,6 @@ class EngineConfig:
     strict_tokenization: bool = False
     max_batch_size: int = 8
     kv_memory_bytes: int | None = None
-    compile_decode: bool = False
     runner_threads: int | None = None
     admission_timeout_s: float | None = 300.0
     speculative_tokens: int = 3

@@ -11,10 +11,9 @@ What it runs, on one model loaded once per weight format (``--quantize``, e.g. `
   median ms per step and per token;
 * the bytes-read bound of each format: the bytes one step must read (the linear weights in the format's encoding,
   one embedding row per token, the norms, and the rows' KV) divided by the copy bandwidth measured in the same run;
-* with ``--compile-decode``, each format also as ``<format> compiled``: the same model's step captured by
-  ``torch.compile`` (:mod:`kvrag.kv.compiled`, what ``EngineConfig.compile_decode`` runs), its batch shapes
-  compiled before timing (the wait is recorded as ``compile_s``: minutes the first time on a machine, seconds from
-  torch's inductor cache after that);
+* with ``--step-backends`` (e.g. ``fused,direct,hf``), each format also as ``<format> <backend>``: the same model's
+  steps through that backend of :mod:`kvrag.kv.step_backend` (each computes the same bits), where it serves the
+  model;
 * with ``llama-cpp-python`` installed (kvrag-bench's ``peers`` extra) and a GGUF model (the embedded default),
   llama.cpp on the same file: the same token ids prefilled, then greedy steps one token at a time (``n_threads`` =
   torch's threads), interleaved with kvrag's formats at batch 1.
@@ -47,9 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=2, help="times the formats take turns in each cell")
     p.add_argument("--peer", default="auto", choices=("auto", "llama.cpp", "none"),
                    help="llama.cpp on the same GGUF (auto: when llama-cpp-python is installed and the model is one)")
-    p.add_argument("--compile-decode", action="store_true",
-                   help="also time each format's step captured by torch.compile (EngineConfig.compile_decode, the "
-                        "same logits), compiled before timing")
+    p.add_argument("--step-backends", default="",
+                   help="also time each format's steps through these step backends (fused, direct, hf: the same "
+                        "logits), where they serve the model")
     p.add_argument("--out", default="runs/decode")
 
 
@@ -85,17 +84,22 @@ def context_rows(keys: Any, values: Any, batch: int, capacity: int, dtype: Any) 
     return rows
 
 
-def _compile_steps(lm: Any, batches: list[int]) -> tuple[float, dict[str, bool]]:
-    """Compile the captured step's batch shapes that ``batches`` use (one row, several rows) before timing
-    (:func:`kvrag.kv.batched.precompile`). Returns the seconds it took and which shapes run captured."""
-    from kvrag.kv import batched
+def _backend_variants(models: dict[str, Any], names: list[str]) -> list[tuple[str, str | None]]:
+    """(format, step backend) per timed column: each format as the engine runs it (None: the backend its first step
+    chose), then as each of ``names`` (:mod:`kvrag.kv.step_backend`) that serves its model."""
+    from kvrag.kv import step_backend
 
-    t = time.perf_counter()
-    shapes = sorted({min(b, 2) for b in batches})
-    got = batched.precompile(lm.model, shapes)
-    if got != {("several rows" if b > 1 else "one row"): True for b in shapes}:
-        log.warning("%s: the captured step is not served (%s): its column times the eager step", lm.name, got)
-    return time.perf_counter() - t, got
+    out: list[tuple[str, str | None]] = [(f, None) for f in models]
+    for name in names:
+        if name not in step_backend.BY_NAME:
+            raise SystemExit(f"--step-backends: no backend {name!r} ({', '.join(step_backend.BY_NAME)})")
+        for f, lm in models.items():
+            why = step_backend.BY_NAME[name].why_not(lm.model)
+            if why is None:
+                out.append((f, name))
+            else:
+                log.warning("%s: no %s column: %s", lm.name, name, why)
+    return out
 
 
 class LlamaCppPeer:
@@ -166,12 +170,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if args.peer == "llama.cpp":
                 raise
             log.warning("llama-cpp-python is not installed: no llama.cpp column (pip install 'kvrag-bench[peers]')")
-    variants = [(f, False) for f in formats] + [(f, True) for f in formats if args.compile_decode]
-    names = {v: f"{v[0]} compiled" if v[1] else v[0] for v in variants}
-    compile_s, captured = {}, {}
-    if args.compile_decode:
-        for f, lm in models.items():
-            compile_s[f], captured[f] = _compile_steps(lm, batches)
+    from kvrag.kv import step_backend
+
+    variants = _backend_variants(models, [n for n in args.step_backends.split(",") if n])
+    names = {v: f"{v[0]} {v[1]}" if v[1] else v[0] for v in variants}
+    chosen: dict[tuple[str, str | None], str | None] = {}
     bandwidth = copy_bandwidth()
     cells: list[dict[str, Any]] = []
     for ctx in contexts:
@@ -180,15 +183,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if peer is not None:
             peer_prefill_s, tok = peer.prefill(ids[:ctx])
         for b in batches:
-            times: dict[tuple[str, bool], list[float]] = {v: [] for v in variants}
+            times: dict[tuple[str, str | None], list[float]] = {v: [] for v in variants}
             for _ in range(args.rounds):
                 for f, comp in variants:
                     lm = models[f]
                     rows = context_rows(keys, values, b, ctx + args.steps + 2, lm.dtype)
                     win = batched.windows(lm.model)
+                    if comp is not None or (f, None) in chosen:  # a backend of its own, or the engine's choice
+                        step_backend.choose(lm.model, "decode", comp or chosen[f, None])
                     for i in range(args.steps + 1):
                         t = time.perf_counter()
-                        batched.decode_step(lm.model, rows, [ids[ctx - 1]] * b, win, compiled=comp)
+                        batched.decode_step(lm.model, rows, [ids[ctx - 1]] * b, win)
+                        if comp is None:
+                            chosen[f, None] = step_backend.chosen(lm.model, "decode")
                         hf_cache.sync(lm.device)
                         if i:  # the first step warms up
                             times[f, comp].append(time.perf_counter() - t)
@@ -210,19 +217,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                               "ms_per_token": statistics.median(peer_ms), "prefill_s": peer_prefill_s})
     return {"bench": "decode", "model": first.name, "dtype": str(first.dtype).removeprefix("torch."),
             "torch_threads": torch.get_num_threads(), "copy_bytes_per_s": bandwidth,
-            "formats": [names[v] for v in variants], "compile_s": compile_s, "captured": captured,
+            "formats": [names[v] for v in variants],
+            "backends": {names[v]: v[1] or chosen.get(v) for v in variants},
             "peer": None if peer is None else {"name": "llama.cpp", "llama_cpp_python": peer.version, "gguf": gguf},
             "cells": cells, "environment": environment_info(),
             "command": "kvrag bench decode " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
                                                        if k in ("contexts", "batches", "quantize", "steps", "rounds",
                                                                 "dtype", "threads", "data") and v is not None)
-                       + (" --compile-decode" if args.compile_decode else "")}
+                       + (f" --step-backends {args.step_backends}" if args.step_backends else "")}
 
 
 def markdown(result: dict[str, Any]) -> str:
     lines = [f"`{result['command']}` -- {result['model']}, {result['dtype']}, {result['torch_threads']} thread(s), "
-             f"copy bandwidth {result['copy_bytes_per_s'] / 1e9:.1f} GB/s"
-             + "".join(f"; {f} compiled: {s:.0f} s to compile" for f, s in result.get("compile_s", {}).items()),
+             f"copy bandwidth {result['copy_bytes_per_s'] / 1e9:.1f} GB/s; step backends: "
+             + ", ".join(f"{f}: {b}" for f, b in result.get("backends", {}).items()),
              "", "| context | batch | format | ms / token | ms / step | bytes-read bound (ms / step) | x bound |",
              "|---:|---:|---|---:|---:|---:|---:|"]
     for c in result["cells"]:
@@ -249,7 +257,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
                 ax.plot(*zip(*pts, strict=True), marker="o", label=f)
         for f in result["formats"]:
             pts = sorted((c["context"], c["bound_ms_per_step"] / b) for c in result["cells"] if c["batch"] == b
-                         and c["format"] == f and not f.endswith(" compiled"))
+                         and c["format"] == f)
             if pts:
                 ax.plot(*zip(*pts, strict=True), ls=":", color="gray")
         ax.set_title(f"batch {b}")

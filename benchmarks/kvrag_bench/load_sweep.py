@@ -286,8 +286,7 @@ def decode_bound(engine: Any, docs_dir: Path, cfg: SweepConfig) -> dict[str, Any
         for i in range(cfg.step_repeats + 1):
             with hf_cache.model_lock(engine.model):
                 t = time.perf_counter()
-                batched.decode_step(engine.model, rows, toks, batched.windows(engine.model),
-                                    compiled=engine.config.compile_decode)
+                batched.decode_step(engine.model, rows, toks, batched.windows(engine.model))
                 hf_cache.sync(engine.model.device)
                 if i:  # the first step warms up
                     times.append(time.perf_counter() - t)

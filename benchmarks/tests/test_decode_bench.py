@@ -35,15 +35,3 @@ def test_decode_bench_on_a_tiny_model(tmp_path: Path) -> None:
     assert cells[(48, 2, "none")]["bytes_per_step"] > cells[(48, 1, "none")]["bytes_per_step"]
     assert (out / "decode.png").stat().st_size > 0 and "| 96 | 2 | int4 |" in (out / "decode.md").read_text()
     assert res["peer"] is None and res["formats"] == ["none", "int4"]
-
-
-def test_decode_bench_times_the_compiled_step_too(tmp_path: Path) -> None:
-    """``--compile-decode`` adds each format's captured step as a column of its own, compiled before timing."""
-    out, res = _bench(tmp_path, "80", "int4", "--compile-decode")
-    assert res["formats"] == ["int4", "int4 compiled"] and res["compile_s"]["int4"] > 0
-    assert res["captured"]["int4"] == {"one row": True, "several rows": True}  # its column is the captured step's
-    cells = {(c["batch"], c["format"]): c for c in res["cells"]}
-    assert set(cells) == {(b, f) for b in (1, 2) for f in ("int4", "int4 compiled")}
-    for b in (1, 2):  # the same model and weights: the same bytes and bound
-        assert cells[b, "int4 compiled"]["bytes_per_step"] == cells[b, "int4"]["bytes_per_step"]
-    assert "--compile-decode" in res["command"] and "compiled: " in (out / "decode.md").read_text()

@@ -93,7 +93,7 @@ class KVRAGEngine(ChunkCaching):
         kv_bytes = self.config.kv_memory_bytes or default_kv_bytes(per_token, int(self.max_context),
                                                                    self.config.max_batch_size, self.model.device)
         self.runner = Runner(self.model, self.tokenizer, KVBudget(kv_bytes, per_token),
-                             max_batch_size=self.config.max_batch_size, compile_decode=self.config.compile_decode,
+                             max_batch_size=self.config.max_batch_size,
                              admission_timeout_s=self.config.admission_timeout_s,
                              pack_suffixes=self.config.pack_suffixes, threads=self.config.runner_threads,
                              speculation=SpeculationConfig(max_draft=self.config.speculative_tokens,

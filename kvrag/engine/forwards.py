@@ -28,16 +28,13 @@ class Forwards:
         model: the engine's model; lock: its lock (held for each forward).
         unbatchable: why the model cannot run a batched step (then each row is stepped alone), or None.
         speculation: prompt-lookup drafting (:mod:`kvrag.engine.speculate`).
-        compiled: run plain steps captured by ``torch.compile`` where that serves the model (:mod:`kvrag.kv.compiled`).
     """
 
-    def __init__(self, model: Any, lock: Any, unbatchable: str | None, speculation: SpeculationConfig,
-                 compiled: bool) -> None:
+    def __init__(self, model: Any, lock: Any, unbatchable: str | None, speculation: SpeculationConfig) -> None:
         self.model = model
         self.lock = lock
         self.unbatchable = unbatchable
         self.speculation = speculation
-        self.compiled = compiled
         self.windows = batched.windows(model)
 
     def step(self, rows: Sequence[Handle], stats: collections.Counter[str]) -> None:
@@ -52,7 +49,7 @@ class Forwards:
                     logits = torch.stack([self._single(h) for h in rows])
                 elif drafts is None:
                     logits = batched.decode_step(self.model, [h.row for h in rows],  # type: ignore[misc]
-                                                 [f[0] for f in feeds], self.windows, compiled=self.compiled)
+                                                 [f[0] for f in feeds], self.windows)
                 else:
                     logits = batched.verify_step(self.model, [h.row for h in rows], feeds,  # type: ignore[misc]
                                                  self.windows)

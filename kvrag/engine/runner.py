@@ -67,7 +67,6 @@ class Runner:
         tokenizer: for the requests' incremental text.
         budget: the engine's KV memory bound.
         max_batch_size: most requests in one step.
-        compile_decode: run plain steps captured by ``torch.compile`` (see :mod:`kvrag.kv.compiled`).
         admission_timeout_s: longest wait for admission (None: no limit).
         speculation: prompt-lookup drafting for greedy requests (:mod:`kvrag.engine.speculate`; None: off).
         pack_suffixes: arrivals' question suffixes in one forward (``EngineConfig.pack_suffixes``).
@@ -77,17 +76,17 @@ class Runner:
     _exit_hook: Callable[[], None] | None = None  # called right after the thread decided to exit (tests hold it)
 
     def __init__(self, model: Any, tokenizer: Any, budget: KVBudget, *, max_batch_size: int,
-                 compile_decode: bool = False, admission_timeout_s: float | None = None,
+                 admission_timeout_s: float | None = None,
                  speculation: SpeculationConfig | None = None, pack_suffixes: bool = False,
                  threads: int | None = None) -> None:
         self.model, self.tokenizer, self.pack_suffixes, self.threads = model, tokenizer, bool(pack_suffixes), threads
         self.speculation = speculation or SpeculationConfig(max_draft=0)
-        self.max_batch_size, self.compile_decode = int(max_batch_size), bool(compile_decode)
+        self.max_batch_size = int(max_batch_size)
         self.admission_timeout_s, self.lock = admission_timeout_s, hf_cache.model_lock(model)
         self.unbatchable = batched.batchable(model, IMPL)
         if self.unbatchable:
             log.info("decoding one request per step: %s", self.unbatchable)
-        self.forwards = Forwards(model, self.lock, self.unbatchable, self.speculation, self.compile_decode)
+        self.forwards = Forwards(model, self.lock, self.unbatchable, self.speculation)
         self._fresh(budget)
         forking.track(self)
 

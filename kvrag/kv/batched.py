@@ -17,27 +17,22 @@ within 1.5x the bf16 noise floor -- the largest |bf16 - fp32| logit of the same 
 greedy answers of the test prompts are unchanged; SmolLM2-135M on a CPU with AMX, 4 requests x 6 steps: identical
 logits, the floor being 0.62. Both are tested).
 
-How it hooks in: :func:`decode_step` runs the model's forward with
+How it runs (:mod:`kvrag.kv.step_backend`): through the backend chosen per model and step kind on its first step,
+checked bit for bit against the model's own forward (the oracle) -- the fused step (:mod:`kvrag.kv.fused_step`:
+fused products and one kernel call per layer for RoPE, the K/V write and the attention; every family of
+``docs/models.md`` it lays out), the direct loop (:mod:`kvrag.kv.direct`: the model's modules in a loop of kvrag's;
+Llama, Mistral, Qwen2, Qwen3), or the model's own forward with
 
 * a pass-through cache (``update`` hands the fresh K/V back unchanged) and an explicit 4D attention mask, which
   transformers' mask builders return as it is (no [B, 1, 1, T] masks are built for the ragged rows);
 * a thread-local "batched step is active" record of the rows, which ``gqa_sdpa_attention`` (the registered
   ``kvrag_sdpa`` implementation, :mod:`kvrag.kv.attention`) checks first and hands to :func:`attention`.
 
-For the decoder layouts it writes out (Llama, Mistral, Qwen2, Qwen3), :mod:`kvrag.kv.direct` runs that forward as a
-loop of its own over the model's modules -- the same bits, checked against the model's forward on each model's first
-step -- without transformers' per-call machinery (SmolLM2-135M, int4, one thread: 0.88-0.90x the step time at batch
-1, 0.93-0.96x at batch 4-8, together with the leaner quantized / packed linear forwards).
-
 Attention windows (:mod:`kvrag.kv.window`): a sliding layer attends to the last ``W`` keys (``k > q - W``), a
 chunked layer to its own aligned chunk of ``W`` keys, as transformers' mask overlays define them.
 
 :func:`batchable` says when a model can run this step (the ``kvrag_sdpa`` implementation, no logit soft-capping or
 attention sinks); other models are decoded one row at a time by the caller.
-
-Compiled step (``EngineConfig.compile_decode``, ``compiled=True``): the plain step captured by ``torch.compile``
-around the same row attention, computing the eager step's bits (:mod:`kvrag.kv.compiled`). Each batch shape
-compiles on a helper thread over throwaway rows (:func:`_rehearse`) while the served steps run eagerly.
 
 Where a step's time goes (same setting, bf16, eager): at batch 1 the GEMMs dominate (weight reads); at batch 8 the
 per-row attention over 1.5K keys each is the largest part (8 rows x 30 layers), which kvrag's one-token kernel
@@ -47,17 +42,14 @@ takes in 30 calls.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import threading
 from collections.abc import Sequence
 from typing import Any
 
 import torch
-from transformers.cache_utils import Cache
 
-from kvrag.kv import compiled as _compiled
-from kvrag.kv import direct, fused_step, row_attention
-from kvrag.kv.hf_cache import KVBuffer, model_lock
+from kvrag.kv import direct, row_attention, step_backend
+from kvrag.kv.hf_cache import KVBuffer
 from kvrag.kv.window import first_key, layer_windows
 
 
@@ -208,21 +200,6 @@ def attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.
     return _attend(int(module.layer_idx), query, key, value, scaling), None
 
 
-class _PassThroughCache(Cache):
-    """The cache a batched step hands the model: ``update`` returns the fresh K/V unchanged (the attention writes
-    them into each row's buffer)."""
-
-    def __init__(self) -> None:
-        super().__init__(layers=[])
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
-               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        return key_states, value_states
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0
-
-
 def batchable(model: Any, impl: str) -> str | None:
     """None when :func:`decode_step` can serve ``model``, else why not (it runs attention implementation
     ``impl``, the registered ``kvrag_sdpa``, with no logit soft-capping or sinks)."""
@@ -243,45 +220,24 @@ def windows(model: Any) -> list[tuple[str, int | None]]:
     return layer_windows(model.config)
 
 
-def _model_forward(model: Any, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
-                   keep: int | torch.Tensor = 1) -> torch.Tensor:
-    """The step through the model's own forward: logits [B, V] (``keep`` 1) or, for one packed row, [T, V] (``keep``
-    0) or the rows of the positions in a 1D tensor ``keep``."""
-    out = model(input_ids=ids, position_ids=pos, attention_mask=mask, cache=_PassThroughCache(), use_cache=True,
-                logits_to_keep=keep)
-    return out.logits[:, -1] if isinstance(keep, int) and keep == 1 else out.logits[0]
-
-
 def _forward(model: Any, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
              keep: int | torch.Tensor = 1) -> torch.Tensor:
-    """:func:`_model_forward`'s result, computed by :func:`kvrag.kv.direct.forward` where that serves the model."""
+    """The step of the rows active in this thread through the backend :mod:`kvrag.kv.step_backend` chose for the
+    model: logits [B, V] (``keep`` 1) or, for one packed row, [T, V] (``keep`` 0) or the rows of the positions in a
+    1D tensor ``keep``."""
     step: _Active = _local.step
-
-    def reference() -> torch.Tensor:
-        return _model_forward(model, ids, pos, mask, keep)
-
-    def last(logits: torch.Tensor) -> torch.Tensor:
-        return logits[:, -1] if isinstance(keep, int) and keep == 1 else logits[0]
-
-    def direct_() -> torch.Tensor:
-        return direct.runner(model, reference, step.rows, step.fed(),
-                             lambda: last(direct.forward(model, ids, pos, keep, attention)))
-
-    if step.prefill:
-        return direct_()
-    return fused_step.runner(model, reference, step.rows, step.fed(),
-                             lambda: last(fused_step.forward(model, ids, pos, keep, step.rows, step.fed(),
-                                                             step.windows)), direct_)
+    logits = step_backend.run(step_backend.Step(model, ids, pos, mask, keep, step.rows, step.fed(), step.windows,
+                                                attention), "prefill" if step.prefill else "decode")
+    return logits[:, -1] if isinstance(keep, int) and keep == 1 else logits[0]
 
 
 @torch.inference_mode()
 def decode_step(model: Any, rows: Sequence[Row], tokens: Sequence[int],
-                layer_windows_: Sequence[tuple[str, int | None]], *, compiled: bool = False) -> torch.Tensor:
+                layer_windows_: Sequence[tuple[str, int | None]]) -> torch.Tensor:
     """Feed ``tokens[i]`` to request ``rows[i]`` at position ``rows[i].length``, all rows in one forward.
 
     Each row's buffer must have room for one more position (the caller reserves it); its fresh K/V are written
-    there, and the caller advances ``length``. The caller holds the model's lock. ``compiled``: run the
-    step captured where :mod:`kvrag.kv.compiled` serves the model (the same logits and K/V).
+    there, and the caller advances ``length``. The caller holds the model's lock.
 
     Returns:
         logits [B, V] (float32) of the next token of each row (the last position only).
@@ -292,60 +248,9 @@ def decode_step(model: Any, rows: Sequence[Row], tokens: Sequence[int],
     mask = torch.ones((len(rows), 1, 1, 1), dtype=torch.bool, device=dev)  # 4D: the mask builders pass it through
     _local.step = _Active(rows, layer_windows_)
     try:
-        if not compiled:
-            return _forward(model, ids, pos, mask).float()
-        return _compiled.runner(model, rows, lambda: _forward(model, ids, pos, mask), ids, pos, _attend,
-                                functools.partial(_rehearse, model, rows[0].buffer.keys, layer_windows_)).float()
+        return _forward(model, ids, pos, mask).float()
     finally:
         _local.step = None
-
-
-@torch.inference_mode()
-def _rehearse(model: Any, like: torch.Tensor, layer_windows_: Sequence[tuple[str, int | None]], n: int) -> None:
-    """A plain step of ``n`` rows over throwaway buffers shaped like ``like`` (a request's keys), run captured
-    without a helper (:func:`kvrag.kv.compiled.runner` compiles it here and checks it against the eager step, which
-    runs under the model's lock): what the capture's helper thread compiles a batch shape with."""
-    gen = torch.Generator().manual_seed(n)
-    rows = [Row(KVBuffer.wrap(*(torch.randn(like.shape[0], like.shape[1], 16, like.shape[3], generator=gen)
-                                .to(like) for _ in range(2))), 8 + i) for i in range(n)]
-    dev = model.device
-    ids = torch.tensor([[11 + i] for i in range(n)], dtype=torch.long, device=dev)
-    pos = torch.tensor([[r.length] for r in rows], dtype=torch.long, device=dev)
-    mask = torch.ones((n, 1, 1, 1), dtype=torch.bool, device=dev)
-
-    def eager() -> torch.Tensor:
-        with model_lock(model):
-            return _forward(model, ids, pos, mask)
-
-    _local.step = _Active(rows, layer_windows_)
-    try:
-        _compiled.runner(model, rows, eager, ids, pos, _attend)
-    finally:
-        _local.step = None
-
-
-@torch.inference_mode()
-def precompile(model: Any, batches: Sequence[int] = (1, 2)) -> dict[str, bool]:
-    """Compile the captured plain step's batch shapes now, in this thread, as ``compile_decode``'s helper thread
-    would on first use: minutes the first time on a machine, after which torch's inductor cache serves them to later
-    processes (``kvrag pull --compile-decode``, for a deploy step; ``kvrag bench decode --compile-decode``).
-
-    Args:
-        batches: a batch size per shape to compile (1: the one-row shape; 2 or more: the several-rows shape).
-
-    Returns:
-        :func:`kvrag.kv.compiled.captured` (a shape the capture does not serve stays eager, with a logged reason).
-    """
-    from kvrag.kv.hf_cache import prefill_kv
-
-    wins = windows(model)
-    with model_lock(model):
-        keys, values = prefill_kv(model, torch.arange(8, device=model.device) + 10)
-        rows = [Row(KVBuffer.wrap(keys.clone(), values.clone()), 7)]  # a step over its last position (rewritten)
-        decode_step(model, rows, [17], wins)  # the direct loop's own first-step check, which the capture needs
-    for n in sorted({min(b, 2) for b in batches}):
-        _rehearse(model, keys, wins, n)
-    return _compiled.captured(model)
 
 
 def _packed(model: Any, rows: Sequence[Row], tokens: Sequence[Sequence[int]],
@@ -392,21 +297,21 @@ def prefill_rows(model: Any, rows: Sequence[Row], tokens: Sequence[Sequence[int]
     context in row ``i``'s buffer (its repaired cache), each row's tokens attending causally to its own buffer in
     one masked call.
 
-    Where the direct loop serves the model (:func:`kvrag.kv.direct.usable`) the rows go in one forward, packed along
-    one sequence, every linear layer running one row's tokens at a time (``segments``): each row computes exactly
-    what it computes alone -- the same bits, the same weight route (quantized for short suffixes) -- while the
-    per-call overhead of the forward is paid once and each weight is read from memory once for all rows. Only the
-    output head runs over the rows' last positions together, as in a decode step (a dense float32 head sums a
-    B-row product in another order than a 1-row one, ~1e-6, as batched decoding's does). Other models run one
-    forward per row. The caller holds the model's lock and advances each row's length.
+    Where the direct loop serves the model's prefills (:func:`kvrag.kv.step_backend.serves`) the rows go in one
+    forward, packed along one sequence, every linear layer running one row's tokens at a time (``segments``): each
+    row computes exactly what it computes alone -- the same bits, the same weight route (quantized for short
+    suffixes) -- while the per-call overhead of the forward is paid once and each weight is read from memory once
+    for all rows. Only the output head runs over the rows' last positions together, as in a decode step (a dense
+    float32 head sums a B-row product in another order than a 1-row one, ~1e-6, as batched decoding's does). Other
+    models run one forward per row. The caller holds the model's lock and advances each row's length.
 
     Returns:
         logits [B, V] (float32) of the next token after each row's last fed token.
     """
-    if len(rows) > 1 and direct.served(model) is None:  # the first row alone runs the direct loop's first check
+    if len(rows) > 1 and step_backend.chosen(model, "prefill") is None:  # the first row alone: the first check
         return torch.cat([prefill_rows(model, rows[:1], tokens[:1], layer_windows_),
                           prefill_rows(model, rows[1:], tokens[1:], layer_windows_)])
-    if len(rows) > 1 and not direct.usable(model):
+    if len(rows) > 1 and not step_backend.serves(model, "prefill", "direct"):
         return torch.cat([prefill_rows(model, [r], [t], layer_windows_) for r, t in zip(rows, tokens, strict=True)])
     counts, ids, pos, mask = _packed(model, rows, tokens, "prefill_rows")
     for r, q in zip(rows, counts, strict=True):

@@ -13,32 +13,24 @@ the gated MLP's ``down(act(gate(x)) * up(x))``, the residual; then the final nor
 positions. The outputs are the same bits as the model's forward (tested per family and dtype).
 
 Which models: the decoder layouts written out above -- Llama, Mistral, Qwen2 and Qwen3 (SmolLM2 is a Llama) -- with
-no forward hooks on any of their modules (the loop calls each module's ``forward`` itself, so hooks would not run);
-every other model runs transformers' forward. Because a later transformers could change a layer's arithmetic, the
-first direct step of each model is checked against the model's forward on the same inputs (logits and written K/V,
-bit for bit); on any difference, or if the loop fails, kvrag logs it and keeps the model's forward for that model.
+no forward hooks on any of their modules (the loop calls each module's ``forward`` itself, so hooks would not run).
+It is one backend of :mod:`kvrag.kv.step_backend`, which checks its first step of each model against the model's
+forward (logits and written K/V, bit for bit) before it serves that model.
 """
 
 from __future__ import annotations
 
-import logging
 import sys
-import threading
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-log = logging.getLogger(__name__)
-
 FAMILIES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 """Model classes whose decoder layers :func:`forward` runs (by class name, as transformers names them)."""
 
-_checked: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 _all_modules: weakref.WeakKeyDictionary[Any, list[torch.nn.Module]] = weakref.WeakKeyDictionary()
-_hook_dicts: weakref.WeakKeyDictionary[Any, list[dict[int, Any]]] = weakref.WeakKeyDictionary()
-_lock = threading.Lock()
 
 
 def _hooked(modules: Sequence[torch.nn.Module]) -> bool:
@@ -103,7 +95,7 @@ def forward(model: Any, ids: torch.Tensor, pos: torch.Tensor, keep: int | torch.
     """
     inner = model.model
     rope = sys.modules[type(inner.layers[0].self_attn).__module__].apply_rotary_pos_emb
-    # each module's ``forward`` straight away: :func:`runner` checked that no module of the model has hooks, so
+    # each module's ``forward`` straight away: :mod:`kvrag.kv.step_backend` runs it only while no module has hooks, so
     # this is what ``module(...)`` runs, minus nn.Module's call dispatch (~4 us a call, ~300 calls a step)
     h = inner.embed_tokens.forward(ids)
     cos, sin = inner.rotary_emb.forward(h, position_ids=pos)
@@ -141,24 +133,6 @@ def head(model: Any, h: torch.Tensor, keep: int | torch.Tensor) -> torch.Tensor:
     return model.lm_head.forward(h if keep == 0 else h[:, -keep:, :])
 
 
-def runner(model: Any, reference: Callable[[], torch.Tensor], rows: Sequence[Any], counts: Sequence[int],
-           direct: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """Run a step with :func:`forward` where it serves ``model`` (checked against ``reference`` the first time).
-
-    Args:
-        reference: the step through the model's own forward.
-        rows, counts: the step's rows and how many positions each writes (for the first step's K/V comparison).
-        direct: the step through :func:`forward`.
-    """
-    ok = _checked.get(model)
-    if ok is None:
-        with _lock:
-            ok = _checked.get(model)
-            if ok is None:
-                return _first(model, reference, rows, counts, direct)
-    return direct() if ok and usable(model) else reference()
-
-
 def _modules(model: Any) -> list[torch.nn.Module]:
     """Every module of ``model`` (the loop calls their ``forward`` directly, so none may have hooks)."""
     mods = _all_modules.get(model)
@@ -167,77 +141,4 @@ def _modules(model: Any) -> list[torch.nn.Module]:
     return mods
 
 
-def _first(model: Any, reference: Callable[[], torch.Tensor], rows: Sequence[Any], counts: Sequence[int],
-           direct: Callable[[], torch.Tensor]) -> torch.Tensor:
-    return first_step(model, _checked, why_not(model), direct, reference, reference, rows, counts,
-                      "the direct decode step", "the model's forward", log)
-
-
-def first_step(model: Any, checked: weakref.WeakKeyDictionary[Any, bool], why: str | None,
-               step: Callable[[], torch.Tensor], reference: Callable[[], torch.Tensor],
-               fallback: Callable[[], torch.Tensor], rows: Sequence[Any], counts: Sequence[int], name: str, kept: str,
-               logger: logging.Logger) -> torch.Tensor:
-    """A model's first step through a loop of kvrag's own (``step``; this module's, or
-    :mod:`kvrag.kv.fused_step`'s): where ``why`` (the loop's ``why_not``) is None it runs and is compared with
-    ``reference`` bit for bit (:func:`same_as`), and ``checked[model]`` records whether later steps may run it.
-    Where it does not serve, fails or differs, ``fallback`` (named ``kept`` in the log) serves; a failure or a
-    difference is logged as a warning naming the loop (``name``)."""
-    if why is not None:
-        logger.debug("batched steps run %s: %s", kept, why)
-        checked[model] = False
-        return fallback()
-    try:
-        got = step()
-    except Exception:  # noqa: BLE001 -- any failure of the loop on this model: keep the other route
-        logger.warning("%s: %s failed; batched steps keep %s", type(model).__name__, name, kept, exc_info=True)
-        checked[model] = False
-        return fallback()
-    ref, same = same_as(got, reference, rows, counts)
-    if not same:
-        logger.warning("%s: %s differs from the model's forward with this torch / transformers version; batched "
-                       "steps keep %s", type(model).__name__, name, kept)
-    checked[model] = same
-    return ref
-
-
-def same_as(got: torch.Tensor, reference: Callable[[], torch.Tensor], rows: Sequence[Any],
-            counts: Sequence[int]) -> tuple[torch.Tensor, bool]:
-    """Check a step that returned ``got`` against ``reference``, a step over the same rows: run ``reference`` (it
-    writes the same positions again, so what stays is its K/V) and return its logits and whether ``got`` and the
-    K/V the first step wrote (``counts[i]`` positions of row ``i`` from its ``length``) are the same bits."""
-    written = [(r.buffer.keys[:, :, r.length : r.length + n].clone(), r.buffer.values[:, :, r.length : r.length + n]
-                .clone()) for r, n in zip(rows, counts, strict=True)]
-    ref = reference()
-    same = torch.equal(got, ref) and all(
-        torch.equal(k, r.buffer.keys[:, :, r.length : r.length + n])
-        and torch.equal(v, r.buffer.values[:, :, r.length : r.length + n])
-        for (k, v), r, n in zip(written, rows, counts, strict=True))
-    return ref, same
-
-
-def served(model: Any) -> bool | None:
-    """Whether batched steps of ``model`` run :func:`forward` (None: not decided yet, no step has run)."""
-    return _checked.get(model)
-
-
-def hooked(model: Any) -> bool:
-    """Whether ``model`` or any of its modules has forward hooks now (a loop calling ``forward`` would skip them).
-
-    Asked every step: it reads the modules' hook dictionaries (registering a hook adds to a module's own one), kept
-    in a list per model, in one pass of C (~300 modules: ~10 us, against ~300 us for the attribute reads)."""
-    from torch.nn.modules import module as nn_module
-
-    if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
-        return True
-    dicts = _hook_dicts.get(model)
-    if dicts is None:
-        dicts = _hook_dicts[model] = [d for m in _modules(model) for d in (m._forward_hooks, m._forward_pre_hooks)]
-    return any(map(len, dicts))
-
-
-def usable(model: Any) -> bool:
-    """Whether :func:`forward` serves ``model`` now: its first step was checked equal, and no module has hooks."""
-    return bool(_checked.get(model)) and not hooked(model)
-
-
-__all__ = ["FAMILIES", "forward", "first_step", "head", "hooked", "runner", "same_as", "served", "usable", "why_not"]
+__all__ = ["FAMILIES", "forward", "head", "why_not"]

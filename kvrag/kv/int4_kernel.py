@@ -29,7 +29,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
@@ -51,26 +50,9 @@ _PATH_ARG = {"avx512bf16": 0, "amx": 1, PORTABLE: 2}
 TILE, GROUP = 16, 32
 
 
-def _cpu_flags() -> frozenset[str]:
-    from kvrag.calibration import cpu_flags
-
-    return cpu_flags()
-
-
-def _wanted() -> str:
-    v = os.environ.get("KVRAG_INT4_KERNEL", "auto").strip().lower() or "auto"
-    if v not in ("auto", "torch", *PATHS, PORTABLE):
-        msg = f"KVRAG_INT4_KERNEL={v!r} is not a kernel; use auto, torch, {', '.join(PATHS)} or {PORTABLE}"
-        raise ConfigError(msg)
-    return v
-
-
 class _Lib:
     def __init__(self, path: str) -> None:
-        lib = ctypes.CDLL(str(native.build(SOURCE)))
-        if lib.kvrag_int4_abi() != _ABI:
-            msg = f"{SOURCE.name} ABI {lib.kvrag_int4_abi()} != {_ABI}"
-            raise RuntimeError(msg)
+        lib = native.open_library(SOURCE, "kvrag_int4_abi", _ABI)
         if path == "amx" and not lib.kvrag_int4_amx_init():
             msg = "the kernel refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)"
             raise RuntimeError(msg)
@@ -95,12 +77,12 @@ class _Lib:
 def _load() -> tuple[str | None, _Lib | None, str | None]:
     """(path, library, why not): the kernel this process uses, chosen once."""
     try:
-        wanted = _wanted()
+        wanted = native.setting("KVRAG_INT4_KERNEL", ("torch", *PATHS, PORTABLE))
     except ConfigError as e:
         return None, None, str(e)
     if wanted == "torch":
         return None, None, "KVRAG_INT4_KERNEL=torch"
-    flags = _cpu_flags()
+    flags = native.cpu_flags()
     have = [p for p in PATHS if ("amx_bf16" if p == "amx" else "avx512_bf16") in flags] + [PORTABLE]
     if wanted == "auto":  # the best path this CPU has (PATHS is best first)
         if have == [PORTABLE]:
@@ -110,12 +92,15 @@ def _load() -> tuple[str | None, _Lib | None, str | None]:
         return None, None, f"KVRAG_INT4_KERNEL={wanted} but this CPU lacks it (has: {sorted(have[:-1]) or 'neither'})"
     else:
         path = wanted
-    try:
+
+    def load() -> _Lib:
         lib = _Lib(path)
         _self_check(lib)
-    except (OSError, RuntimeError, AssertionError) as e:
-        log.warning("kvrag's int4 kernel is not used (torch's is): %s", e)
-        return None, None, str(e)
+        return lib
+
+    lib, why = native.attempt(f"kvrag's {path} int4 kernel", load)
+    if lib is None:
+        return None, None, why
     log.info("int4 products: kvrag's %s kernel", path)
     return path, lib, None
 

@@ -3,18 +3,30 @@
 The shared library lands in ``$KVRAG_HOME/kernels/<stem>-<hash>.so``, the hash covering the source, the compiler and
 the machine, so an edited source or another compiler builds anew; concurrent processes each build and the last
 atomic rename wins. Built with OpenMP where the compiler has it (the kernels then share the runtime torch loaded).
+
+Every kernel module (:mod:`kvrag.kv.row_attention`, :mod:`kvrag.kv.int4_kernel`) loads through here: its environment
+setting read (:func:`setting`), the library built, opened and its ABI checked (:func:`open_library`), and the
+module's own self-check run, any failure leaving torch's kernel in place with the reason (:func:`attempt`).
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
+from kvrag.errors import ConfigError
 from kvrag.paths import kvrag_home
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def build(source: Path) -> Path:
@@ -43,4 +55,42 @@ def build(source: Path) -> Path:
     return out
 
 
-__all__ = ["build"]
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags (``/proc/cpuinfo``'s names: avx2, avx512_bf16, amx_bf16, ...)."""
+    from kvrag.calibration import cpu_flags as flags
+
+    return flags()
+
+
+def setting(var: str, choices: tuple[str, ...]) -> str:
+    """Environment variable ``var`` (default ``auto``), lower-cased: one of ``auto`` or ``choices``; ConfigError
+    naming the choices otherwise."""
+    v = os.environ.get(var, "auto").strip().lower() or "auto"
+    if v not in ("auto", *choices):
+        msg = f"{var}={v!r} is not a setting; use auto (kvrag's kernel where it serves) or {', '.join(choices)}"
+        raise ConfigError(msg)
+    return v
+
+
+def open_library(source: Path, abi_symbol: str, abi: int) -> ctypes.CDLL:
+    """The library built from ``source`` (:func:`build`), opened; RuntimeError when its ``abi_symbol()`` is not
+    ``abi`` (a stale build) or it cannot be built."""
+    lib = ctypes.CDLL(str(build(source)))
+    got = getattr(lib, abi_symbol)()
+    if got != abi:
+        msg = f"{source.name} ABI {got} != {abi}"
+        raise RuntimeError(msg)
+    return lib
+
+
+def attempt(what: str, load: Callable[[], T]) -> tuple[T | None, str | None]:
+    """(``load()``, None), or (None, why) where loading or its self-check failed (OSError, RuntimeError,
+    AssertionError), logged as a warning naming ``what``: torch's kernel then serves."""
+    try:
+        return load(), None
+    except (OSError, RuntimeError, AssertionError) as e:
+        log.warning("%s is not used (torch's kernel is): %s", what, e)
+        return None, str(e)
+
+
+__all__ = ["attempt", "build", "cpu_flags", "open_library", "setting"]

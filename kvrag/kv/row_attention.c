@@ -521,20 +521,72 @@ NO_CONTRACT static void rope_bf16(const uint16_t *x, int64_t xs, int64_t heads, 
     }
 }
 
+/* The other RoPE layouts, `mode` bits: ROPE_PAIRS -- interleaved pairs (Cohere: rotate_half(x) = (-x[2i+1], x[2i])
+ * at (2i, 2i+1)); ROPE_WIDE -- bfloat16 heads rotated in float32 with float32 tables, rounded once at the end (the
+ * model's `q.float() * cos + rotate_half(q.float()) * sin`, or bf16 heads times float32 tables); mode >> 8 -- partial
+ * rotary: only the first (mode >> 8) dimensions rotated (tables of that width), the rest passed as they are (0: all
+ * d). Each product and the sum rounded to float32 as torch's operations round them (contraction off), then to the
+ * heads' dtype (bfloat16 without ROPE_WIDE: each product and the sum rounded to bfloat16, as rope_bf16). */
+#define ROPE_PAIRS 1
+#define ROPE_WIDE 2
+NO_CONTRACT static void rope_other(const void *x, int64_t xs, int64_t heads, int64_t d, const void *c, const void *s,
+                                   void *y, int64_t ys, int bf16, int mode) {
+    const int64_t rd = (mode >> 8) ? (mode >> 8) : d, h2 = rd / 2;
+    const int pairs = mode & ROPE_PAIRS, wide = (mode & ROPE_WIDE) || !bf16;
+    const size_t el = bf16 ? 2 : 4;
+    for (int64_t h = 0; h < heads; h++) {
+        if (rd < d) /* the pass-through dimensions */
+            memcpy((char *)y + (size_t)(h * ys + rd) * el, (const char *)x + (size_t)(h * xs + rd) * el,
+                   (size_t)(d - rd) * el);
+        for (int64_t j = 0; j < rd; j++) {
+            int64_t src = pairs ? ((j & 1) ? j - 1 : j + 1) : (j < h2 ? j + h2 : j - h2);
+            int neg = pairs ? !(j & 1) : j < h2;
+            float a, b, cj, sj;
+            if (bf16) {
+                a = widen_bf16(((const uint16_t *)x)[h * xs + j]);
+                b = widen_bf16(((const uint16_t *)x)[h * xs + src]);
+            } else {
+                a = ((const float *)x)[h * xs + j];
+                b = ((const float *)x)[h * xs + src];
+            }
+            if (wide) {
+                cj = ((const float *)c)[j];
+                sj = ((const float *)s)[j];
+            } else {
+                cj = widen_bf16(((const uint16_t *)c)[j]);
+                sj = widen_bf16(((const uint16_t *)s)[j]);
+            }
+            float rot = neg ? -b : b;
+            float p = a * cj, r = rot * sj;
+            if (bf16 && !wide) {
+                p = widen_bf16(round_bf16(p));
+                r = widen_bf16(round_bf16(r));
+            }
+            float o = p + r;
+            if (bf16)
+                ((uint16_t *)y)[h * ys + j] = round_bf16(o);
+            else
+                ((float *)y)[h * ys + j] = o;
+        }
+    }
+}
+
 /* One layer's attention for the queries of a decode or verify step, from the layer's fused q/k/v products on:
  * for each query i (row i of `qkv`: q [heads, d] | k [kv_heads, d] | v [kv_heads, d], `qkv_row` elements apart;
  * its cos / sin rows `cs_row` apart), RoPE on q and k; k and v written at the query's position p of its buffer;
  * then the query attends over positions start .. p of that buffer, as kvrag_row_attention computes it, into
- * `out` [count, heads, d]. `qbuf` [count, heads, d] receives the rotated queries.
+ * `out` [count, heads, d]. `qbuf` [count, heads, d] receives the rotated queries. `cos` NULL: a layer without RoPE
+ * (q and k used as they are). `rope`: 0, or ROPE_PAIRS / ROPE_WIDE bits (rope_other; with ROPE_WIDE the tables
+ * are float32 whatever the heads' dtype).
  *
  * Entries: int64 [count, 5] = (address of the layer's keys at head 0 position 0, of its values, elements between
  * K/V heads, p, start). A verify step's queries of one row read the keys the row's earlier queries write, so all
  * writes finish before any query attends. Returns 0, or -1 when out of memory. */
 int kvrag_rope_attend(int bf16, const int64_t *entries, int64_t count, const void *qkv, int64_t qkv_row,
                       const void *cos, const void *sin, int64_t cs_row, int64_t heads, int64_t kv_heads, int64_t d,
-                      float scale, void *qbuf, void *out, int threads) {
+                      float scale, void *qbuf, void *out, int threads, int rope) {
     const int64_t groups = heads / kv_heads, items = count * kv_heads;
-    const size_t el = bf16 ? 2 : 4;
+    const size_t el = bf16 ? 2 : 4, cel = (rope & ROPE_WIDE) ? 4 : el;
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1 && items > 1)
     {
@@ -542,15 +594,21 @@ int kvrag_rope_attend(int bf16, const int64_t *entries, int64_t count, const voi
         for (int64_t it = 0; it < items; it++) {
             const int64_t i = it / kv_heads, h = it % kv_heads, *e = entries + i * 5;
             const char *row = (const char *)qkv + (size_t)(i * qkv_row) * el;
-            const char *c = (const char *)cos + (size_t)(i * cs_row) * el;
-            const char *s = (const char *)sin + (size_t)(i * cs_row) * el;
+            const char *c = cos ? (const char *)cos + (size_t)(i * cs_row) * cel : NULL;
+            const char *s = sin ? (const char *)sin + (size_t)(i * cs_row) * cel : NULL;
             const char *qx = row + (size_t)(h * groups * d) * el;
             const char *kx = row + (size_t)((heads + h) * d) * el;
             const char *vx = row + (size_t)((heads + kv_heads + h) * d) * el;
             char *qy = (char *)qbuf + (size_t)((i * heads + h * groups) * d) * el;
             const size_t at = (size_t)(h * e[2] + e[3] * d) * el;
             char *ky = (char *)(intptr_t)e[0] + at, *vy = (char *)(intptr_t)e[1] + at;
-            if (bf16) {
+            if (!cos) { /* a layer without RoPE: q and k as they are */
+                memcpy(qy, qx, (size_t)(groups * d) * el);
+                memcpy(ky, kx, (size_t)d * el);
+            } else if (rope) {
+                rope_other(qx, d, groups, d, c, s, qy, d, bf16, rope);
+                rope_other(kx, d, 1, d, c, s, ky, d, bf16, rope);
+            } else if (bf16) {
                 rope_bf16((const uint16_t *)qx, d, groups, d, (const uint16_t *)c, (const uint16_t *)s,
                           (uint16_t *)qy, d);
                 rope_bf16((const uint16_t *)kx, d, 1, d, (const uint16_t *)c, (const uint16_t *)s, (uint16_t *)ky, d);
@@ -576,4 +634,4 @@ int kvrag_rope_attend(int bf16, const int64_t *entries, int64_t count, const voi
     return failed ? -1 : 0;
 }
 
-int kvrag_row_attention_abi(void) { return 2; }
+int kvrag_row_attention_abi(void) { return 5; }

@@ -29,7 +29,6 @@ import ctypes
 import functools
 import logging
 import math
-import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -41,33 +40,15 @@ from kvrag.kv import native
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("row_attention.c")
-_ABI = 2
+_ABI = 5
 _NEEDS = {torch.bfloat16: ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16"),
           torch.float32: ("avx2", "fma")}
 """The CPU flags each path is compiled for (row_attention.c's target attributes)."""
 
 
-def _cpu_flags() -> frozenset[str]:
-    from kvrag.calibration import cpu_flags
-
-    return cpu_flags()
-
-
-def _wanted() -> str:
-    v = os.environ.get("KVRAG_ROW_ATTENTION", "auto").strip().lower() or "auto"
-    if v not in ("auto", "torch", "portable"):
-        msg = (f"KVRAG_ROW_ATTENTION={v!r} is not a setting; use auto (kvrag's kernel where it serves), torch, or "
-               "portable (the kernel's plain-C path on any x86 CPU, for tests)")
-        raise ConfigError(msg)
-    return v
-
-
 class _Lib:
     def __init__(self, portable: bool = False) -> None:
-        lib = ctypes.CDLL(str(native.build(SOURCE)))
-        if lib.kvrag_row_attention_abi() != _ABI:
-            msg = f"{SOURCE.name} ABI {lib.kvrag_row_attention_abi()} != {_ABI}"
-            raise RuntimeError(msg)
+        lib = native.open_library(SOURCE, "kvrag_row_attention_abi", _ABI)
         self.portable = lib.kvrag_row_attention_portable  # (1 / 0): the plain-C path for every call, or not
         self.portable.argtypes = [ctypes.c_int]
         self.portable(int(portable))
@@ -78,7 +59,8 @@ class _Lib:
         self.fn = fn
         ra = lib.kvrag_rope_attend
         vp = ctypes.c_void_p
-        ra.argtypes = [ctypes.c_int, vp, i64, vp, i64, vp, vp, i64, i64, i64, i64, ctypes.c_float, vp, vp, ctypes.c_int]
+        ra.argtypes = [ctypes.c_int, vp, i64, vp, i64, vp, vp, i64, i64, i64, i64, ctypes.c_float, vp, vp, ctypes.c_int,
+                       ctypes.c_int]
         ra.restype = ctypes.c_int
         self.rope_attend = ra
 
@@ -92,7 +74,7 @@ class _Lib:
 def _load(dtype: torch.dtype) -> tuple[_Lib | None, str | None]:
     """(library, why not) for one-token attention in ``dtype``: chosen once per dtype and process."""
     try:
-        wanted = _wanted()
+        wanted = native.setting("KVRAG_ROW_ATTENTION", ("torch", "portable"))
     except ConfigError as e:
         return None, str(e)
     if wanted == "torch":
@@ -100,17 +82,19 @@ def _load(dtype: torch.dtype) -> tuple[_Lib | None, str | None]:
     needs = _NEEDS.get(dtype)
     if needs is None:
         return None, f"no kvrag row-attention path for {dtype}"
-    missing = [f for f in needs if f not in _cpu_flags()]
+    missing = [f for f in needs if f not in native.cpu_flags()]
     if missing and wanted != "portable":
         return None, f"this CPU lacks {', '.join(missing)} for the {dtype} path"
-    try:
+
+    def load() -> _Lib:
         lib = _Lib(portable=wanted == "portable")
         _self_check(lib, dtype)
-    except (OSError, RuntimeError, AssertionError) as e:
-        log.warning("kvrag's row attention is not used for %s (torch's SDPA is): %s", dtype, e)
-        return None, str(e)
-    log.info("one-token attention (%s): kvrag's kernel", dtype)
-    return lib, None
+        return lib
+
+    lib, why = native.attempt(f"kvrag's row attention for {dtype}", load)
+    if lib is not None:
+        log.info("one-token attention (%s): kvrag's kernel", dtype)
+    return lib, why
 
 
 def library(dtype: torch.dtype) -> _Lib:

@@ -34,9 +34,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pack-suffixes", action="store_true",
                         help="prefill the question suffixes of requests arriving together in one forward: a burst's "
                              "first tokens come together (TTFT p99 down, p50 up; answers are the same)")
-    parser.add_argument("--compile-decode", action="store_true",
-                        help="run plain decode steps compiled (torch.compile, the same bits), compiled on a helper "
-                             "thread while steps run eagerly; minutes the first time on a machine, then cached")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads of the engine's runner, which runs every forward (default: torch's, the "
                              "machine's cores); the server's other threads run torch work on one thread")
@@ -89,7 +86,7 @@ def run(args: argparse.Namespace, model: str | None, store: str, chunk_prefix: s
     factory = functools.partial(serving_engine, args.threads, model, store, chunk_prefix=chunk_prefix,
                                 method=args.method, on_store_error=args.on_store_error,
                                 max_batch_size=args.max_batch_size, speculative_tokens=args.speculative_tokens,
-                                pack_suffixes=args.pack_suffixes, compile_decode=args.compile_decode)
+                                pack_suffixes=args.pack_suffixes)
     keys = tuple(args.api_key) if args.api_key else keys_from_env()
     try:
         cfg = ServeConfig(model_id=args.model_id, max_queue=args.max_queue, default_max_tokens=args.default_max_tokens,

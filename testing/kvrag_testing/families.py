@@ -20,6 +20,9 @@ from pathlib import Path
 
 DTYPES = ("float32", "bfloat16")
 
+FUSED = "fused step"
+""":attr:`FamilySupport.step` of a family whose batched steps run the fused step (:mod:`kvrag.kv.fused_step`)."""
+
 RECOMPUTE_ALL = ("relaxkv:r=1.0", "cacheblend:r=1.0", "epic:k=100000", "prophetkv:r=1.0")
 """The selective methods at their recompute-everything setting (each must equal ``full``)."""
 
@@ -37,6 +40,9 @@ class FamilySupport:
         positions: how kvrag re-positions its cached keys.
         layer: what its decoder layer adds over Llama's (kvrag runs the model's own layers, so each is followed).
         decode: 'batched' or why it decodes one request per step.
+        step: which backend runs its batched steps (:mod:`kvrag.kv.step_backend`): ``FUSED`` (the fused step), or
+            what runs them and why the fused step does not (its ``why_not``, by name).
+        fused_in: the dtypes of :data:`DTYPES` in which the fused step serves the tiny model (tested).
     """
 
     family: str
@@ -44,6 +50,8 @@ class FamilySupport:
     positions: str
     layer: str
     decode: str = "batched"
+    step: str = "fused step"
+    fused_in: tuple[str, ...] = DTYPES
 
 
 SERVED: tuple[FamilySupport, ...] = (
@@ -55,7 +63,8 @@ SERVED: tuple[FamilySupport, ...] = (
     FamilySupport("gemma2", "Gemma 2", "one RoPE",
                   "alternating sliding / global layers, attention and final logit soft-capping, query "
                   "pre-attention scale, post-attention / post-MLP norms; eager attention",
-                  decode="one request per step (eager attention: transformers refuses SDPA with soft-capping)"),
+                  decode="one request per step (eager attention: transformers refuses SDPA with soft-capping)",
+                  step="the model's forward (attention logit soft-capping runs in eager attention only)", fused_in=()),
     FamilySupport("gemma3", "Gemma 3 (text)", "per-layer RoPE: local base 10K, global base 1M",
                   "5 local : 1 global layers, q/k norms, post norms, scaled embeddings"),
     FamilySupport("olmo2", "OLMo 2", "one RoPE", "norms after attention and MLP, q/k RMSNorm"),
@@ -66,11 +75,13 @@ SERVED: tuple[FamilySupport, ...] = (
     FamilySupport("phi", "Phi-1.5, Phi-2", "partial rotary (half of each head)",
                   "parallel attention + MLP, LayerNorm with bias, dense biases"),
     FamilySupport("gpt_neox", "GPT-NeoX, Pythia", "partial rotary (a quarter of each head)",
-                  "parallel residual, LayerNorm, no GQA"),
+                  "parallel residual, LayerNorm, no GQA",
+                  step="the model's forward (its fused q / k / v lay out head by head)", fused_in=()),
     FamilySupport("stablelm", "StableLM 2, StableLM-3B", "partial rotary (a quarter of each head)", "LayerNorm"),
     FamilySupport("gpt_oss", "GPT-OSS", "one RoPE (yarn in the released models)",
                   "mixture of experts, attention sinks, alternating sliding / global layers; eager attention",
-                  decode="one request per step (eager attention: transformers refuses SDPA with attention sinks)"),
+                  decode="one request per step (eager attention: transformers refuses SDPA with attention sinks)",
+                  step="the model's forward (attention sinks run in eager attention only)", fused_in=()),
     FamilySupport("exaone4", "EXAONE 4.0", "RoPE in the local layers, none in the global ones (keys used as they are)",
                   "3 local : 1 global layers, q/k RMSNorm, post norms"),
     FamilySupport("phi3", "Phi-3, Phi-3.5, Phi-4-mini", "one RoPE (Phi-4-mini: partial, 0.75); LongRoPE in its "
@@ -102,7 +113,7 @@ def render_table() -> str:
     for f in SERVED:
         lines.append(f"| `{f.family}` | {f.models} | {f.positions} | {f.layer} | "
                      + " | ".join("exact" for _ in DTYPES)
-                     + f" | exact ({', '.join(DTYPES)}) | run, approximate | {f.decode} |")
+                     + f" | exact ({', '.join(DTYPES)}) | run, approximate | {f.decode}; {f.step} |")
     lines += ["", "| refused | e.g. | how and why |", "|---|---|---|"]
     lines += [f"| {what} | {models} | {why} |" for what, models, why in REFUSED]
     lines += ["", TABLE_END]
@@ -130,5 +141,5 @@ if __name__ == "__main__":  # pragma: no cover - a maintenance entry point
     print(("updated " if write_table(target) else "unchanged ") + str(target))  # noqa: T201
 
 
-__all__ = ["DTYPES", "RECOMPUTE_ALL", "REFUSED", "REUSE", "SERVED", "FamilySupport", "render_table", "table_in",
-           "write_table"]
+__all__ = ["DTYPES", "FUSED", "RECOMPUTE_ALL", "REFUSED", "REUSE", "SERVED", "FamilySupport", "render_table",
+           "table_in", "write_table"]

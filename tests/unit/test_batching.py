@@ -17,7 +17,7 @@ import torch
 from kvrag.config import EngineConfig, GenerationConfig
 from kvrag.engine.engine import KVRAGEngine
 from kvrag.errors import EngineBusyError
-from kvrag.kv import batched, compiled, hf_cache
+from kvrag.kv import batched, hf_cache
 from kvrag.prompting import RagTemplate
 from kvrag.repair.config import RepairConfig
 from kvrag.repair.model import RepairModel
@@ -267,13 +267,3 @@ def test_consumers_that_stop_free_their_slot_and_memory() -> None:
     gc.collect()
     assert kv()["used"] == 0 and kv()["leases"] == 0
     assert _answer(eng, 2, "stale", GEN) == seq  # the single slot is free again
-
-
-@pytest.mark.slow
-def test_compiled_step_gives_the_same_answers() -> None:
-    eng, comp = _engine(), _engine(compile_decode=True, speculative_tokens=0)
-    first = _answer(comp, 0, "stale", GEN)  # served eagerly while the one-row step compiles on the helper thread
-    compiled.wait(comp.model, timeout=900)
-    assert [first] + [_answer(comp, i, "stale", GEN) for i in range(3)] == [_answer(eng, i, "stale", GEN)
-                                                                          for i in (0, 0, 1, 2)]
-    assert compiled.captured(comp.model) == {"one row": True}  # the steps ran captured, checked equal

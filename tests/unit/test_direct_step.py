@@ -12,7 +12,7 @@ import torch
 
 from kvrag.config import EngineConfig
 from kvrag.engine.engine import KVRAGEngine
-from kvrag.kv import batched, direct, fused_step
+from kvrag.kv import batched, direct, step_backend
 from kvrag.store import MemoryStore
 from kvrag_testing.rows import DOCS, paired_rows
 from kvrag_testing.tiny import tiny_model
@@ -22,13 +22,17 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture(autouse=True)
 def _direct_loop(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Decode and verify steps through the direct loop (the fused step, which serves them where it can, is
-    tests/unit/test_fused_step.py's)."""
-    monkeypatch.setattr(fused_step, "runner", lambda model, reference, rows, counts, fused, fallback: fallback())
+    """Decode and verify steps through the direct loop where it serves (the fused step, which serves them first
+    where it can, is tests/unit/test_fused_step.py's)."""
+    monkeypatch.setattr(step_backend, "REGISTRY", tuple(b for b in step_backend.REGISTRY if b.name != "fused"))
+
+
+def _use(model: Any, served: bool, kind: str = "decode") -> None:
+    step_backend.choose(model, kind, "direct" if served else "hf")
 
 
 def _step(model: Any, rows: list[batched.Row], toks: list[int], served: bool) -> torch.Tensor:
-    direct._checked[model] = served
+    _use(model, served)
     return batched.decode_step(model, rows, toks, batched.windows(model))
 
 
@@ -53,9 +57,9 @@ def test_direct_steps_are_the_models_forward_bit_for_bit(family: str, dtype: tor
             r.length += 1
         toks = [int(t) for t in ref.argmax(-1)]
     feeds = [[t, 7, 9][: i + 1] for i, t in enumerate(toks)]  # 1, 2 and 3 tokens
-    direct._checked[lm.model] = True
+    _use(lm.model, True)
     got = batched.verify_step(lm.model, a, feeds, batched.windows(lm.model))
-    direct._checked[lm.model] = False
+    _use(lm.model, False)
     ref = batched.verify_step(lm.model, b, feeds, batched.windows(lm.model))
     assert torch.equal(got, ref)
     for ra, rb, f in zip(a, b, feeds, strict=True):
@@ -64,9 +68,9 @@ def test_direct_steps_are_the_models_forward_bit_for_bit(family: str, dtype: tor
         assert torch.equal(ra.buffer.values[:, :, :n], rb.buffer.values[:, :, :n])
     suffixes = [[5, 6, 7, 8, 9][: 2 * i + 1] for i in range(len(a))]  # suffix prefills: 1, 3 and 5 tokens
     for ra, rb, f in zip(a, b, suffixes, strict=True):
-        direct._checked[lm.model] = True
+        _use(lm.model, True, "prefill")
         got = batched.prefill_rows(lm.model, [ra], [f], batched.windows(lm.model))
-        direct._checked[lm.model] = False
+        _use(lm.model, False, "prefill")
         assert torch.equal(got, batched.prefill_rows(lm.model, [rb], [f], batched.windows(lm.model)))
         n = ra.length + len(f)
         assert torch.equal(ra.buffer.keys[:, :, :n], rb.buffer.keys[:, :, :n])
@@ -86,12 +90,11 @@ def test_the_first_step_decides_and_other_models_keep_their_forward(monkeypatch:
     eng = KVRAGEngine(lm, MemoryStore(), EngineConfig())
     eng.ingest(DOCS)
     a, _, toks = paired_rows(eng, 4)
-    assert direct.served(lm.model) is True  # decided by the prepares' suffix prefills (batched.prefill_rows)
-    direct._checked.pop(lm.model)  # decide again, on a decode step
+    assert step_backend.chosen(lm.model, "prefill") == "direct"  # decided by the prepares' suffix prefills
     calls.clear()
     for _ in range(2):
         batched.decode_step(lm.model, a, toks, batched.windows(lm.model))
-    assert direct.served(lm.model) is True and calls == ["LlamaForCausalLM"] * 2  # checked once, then served
+    assert step_backend.chosen(lm.model, "decode") == "direct" and calls == ["LlamaForCausalLM"] * 2  # checked once
 
     other = tiny_model("gemma", init_std=0.1)  # scaled embeddings: a layout the loop does not write out
     assert "GemmaForCausalLM" in str(direct.why_not(other.model))
@@ -99,7 +102,7 @@ def test_the_first_step_decides_and_other_models_keep_their_forward(monkeypatch:
     eng2.ingest(DOCS)
     a2, _, toks2 = paired_rows(eng2, 4)
     batched.decode_step(other.model, a2, toks2, batched.windows(other.model))
-    assert direct.served(other.model) is False and calls == ["LlamaForCausalLM"] * 2
+    assert step_backend.chosen(other.model, "decode") == "hf" and calls == ["LlamaForCausalLM"] * 2
 
 
 @pytest.mark.parametrize(("how", "said"), [("differs", "differs"), ("raises", "failed")])
@@ -111,7 +114,6 @@ def test_a_direct_forward_that_differs_is_not_used(how: str, said: str, monkeypa
     eng = KVRAGEngine(lm, MemoryStore(), EngineConfig())
     eng.ingest(DOCS)
     a, b, toks = paired_rows(eng, 4)
-    direct._checked.pop(lm.model)  # decided by the prepares' suffix prefills: decide again, on this step
     real = direct.forward
     calls = []
 
@@ -122,9 +124,9 @@ def test_a_direct_forward_that_differs_is_not_used(how: str, said: str, monkeypa
         return real(*args) + 1e-3
 
     monkeypatch.setattr(direct, "forward", off)
-    with caplog.at_level(logging.WARNING, logger="kvrag.kv.direct"):
+    with caplog.at_level(logging.WARNING, logger="kvrag.kv.step_backend"):
         got = batched.decode_step(lm.model, a, toks, batched.windows(lm.model))
-    assert direct.served(lm.model) is False and len(calls) == 1
+    assert step_backend.chosen(lm.model, "decode") == "hf" and len(calls) == 1
     assert any(said in r.getMessage() for r in caplog.records)
     assert torch.equal(got, _step(lm.model, b, toks, False))  # the model's own result was returned
     batched.decode_step(lm.model, a, toks, batched.windows(lm.model))
@@ -138,7 +140,7 @@ def test_hooks_keep_the_models_forward() -> None:
     eng.ingest(DOCS)
     a, _, toks = paired_rows(eng, 4)
     batched.decode_step(lm.model, a, toks, batched.windows(lm.model))
-    assert direct.served(lm.model) is True
+    assert step_backend.chosen(lm.model, "decode") == "direct"
     seen = []
     handle = lm.model.model.layers[0].mlp.down_proj.register_forward_hook(lambda *_: seen.append(1))
     try:

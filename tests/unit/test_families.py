@@ -16,14 +16,14 @@ from kvrag.engine.assemble import assemble
 from kvrag.engine.engine import KVRAGEngine
 from kvrag.errors import ContextLengthError, UnsupportedModelError
 from kvrag.fusion import get_method
-from kvrag.kv import batched, hf_cache
+from kvrag.kv import batched, fused_step, hf_cache, row_attention, step_backend
 from kvrag.kv.attention import IMPL
 from kvrag.kv.compute import compute_chunk_kv
 from kvrag.kv.rope import Rope, check_rope_support
 from kvrag.store import MemoryStore
 from kvrag_testing.batching import compare_batched_to_alone
 from kvrag_testing.equivalence import assert_close_in_dtype, bf16_kl_bound, kl
-from kvrag_testing.families import RECOMPUTE_ALL, REUSE, SERVED, render_table, table_in
+from kvrag_testing.families import FUSED, RECOMPUTE_ALL, REUSE, SERVED, render_table, table_in
 from kvrag_testing.fusion_suite import LAYOUT, SUFFIX_LEN
 from kvrag_testing.tiny import tiny_model
 
@@ -304,6 +304,22 @@ def test_batched_decode_equals_batch_one(family: str) -> None:
              for k, m in ((1, "stale"), (3, "full"), (2, "relaxkv:r=0.3"))]
     got = compare_batched_to_alone(eng.model, preps, 6)
     assert got.worst < 1e-4
+    fused_in = next(f.fused_in for f in SERVED if f.family == family)  # the backend the table names served them
+    if row_attention.why_not(torch.float32) is None:  # the fused step's kernel serves float32 on this CPU
+        assert (step_backend.chosen(eng.model, "decode") == "fused") is ("float32" in fused_in)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_fused_step_serves_the_families_the_table_says(family: str) -> None:
+    """The fused step serves the family in the dtypes the table says (its bits are tests/unit/test_fused_step.py's)
+    and refuses it, naming why, in the others."""
+    f = next(f for f in SERVED if f.family == family)
+    assert f.step.startswith(FUSED) is bool(f.fused_in)
+    for dtype in DTYPES:
+        if row_attention.why_not(dtype) is not None:  # the fused step's kernel does not serve it on this CPU
+            continue
+        why = fused_step.why_not(_lm(family, dtype).model)
+        assert (why is None) is (str(dtype).removeprefix("torch.") in f.fused_in), (dtype, why)
 
 
 @pytest.mark.parametrize(("family", "impl"), [("gemma2", "eager"), ("gpt_oss", "eager"), ("gemma3", IMPL)])

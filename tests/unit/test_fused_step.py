@@ -14,7 +14,7 @@ import torch
 from kvrag.calibration import cpu_flags
 from kvrag.config import EngineConfig
 from kvrag.engine.engine import KVRAGEngine
-from kvrag.kv import batched, direct, fused_step, hf_cache, int4_kernel, quant, row_attention
+from kvrag.kv import batched, fused_step, hf_cache, int4_kernel, quant, row_attention, step_backend
 from kvrag.store import MemoryStore
 from kvrag_testing.rows import DOCS, paired_rows
 from kvrag_testing.tiny import tiny_model
@@ -29,9 +29,8 @@ def _need(dtype: torch.dtype) -> None:
 
 
 def _set(model: Any, fused: bool) -> None:
-    """Steps through the fused step (``fused``) or through the model's own forward (neither loop)."""
-    fused_step._checked[model] = fused
-    direct._checked[model] = False
+    """Steps through the fused step (``fused``) or through the model's own forward (the oracle)."""
+    step_backend.choose(model, "decode", "fused" if fused else "hf")
 
 
 def _same_kv(a: list[batched.Row], b: list[batched.Row], fed: list[int]) -> None:
@@ -41,19 +40,68 @@ def _same_kv(a: list[batched.Row], b: list[batched.Row], fed: list[int]) -> None
         assert torch.equal(ra.buffer.values[:, :, :n], rb.buffer.values[:, :, :n])
 
 
+def _with_config(family: str, dtype: torch.dtype, quantize: str | None, **overrides: Any) -> Any:
+    """A tiny random model of ``family`` with config fields ``overrides`` (which :func:`tiny_model` does not set)."""
+    from transformers import AutoModelForCausalLM
+
+    from kvrag.models import wrap_model
+    from kvrag_testing.tiny import attn_implementation, tiny_config, tiny_tokenizer
+
+    cfg = tiny_config(family, init_std=0.1)
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn_implementation(family))
+    with torch.no_grad():  # LayerNorm weights start at one: make the q / k norms' weights matter
+        for m in model.modules():
+            if type(m).__name__.endswith("LayerNorm") and getattr(m, "weight", None) is not None:
+                m.weight.uniform_(0.5, 1.5)
+    model = model.to(dtype=dtype).eval()
+    return wrap_model(model, tiny_tokenizer(), name=f"tiny-{family}-custom", dtype=dtype, quantize=quantize)
+
+
 @pytest.mark.parametrize(("family", "dtype", "quantize", "window"), [
     ("llama", torch.float32, None, None), ("llama", torch.float32, "int4", None), ("llama", torch.bfloat16, None, None),
     ("llama", torch.bfloat16, "int4", None), ("llama", torch.float32, "int8", None),
     ("qwen2", torch.float32, None, 40), ("qwen2", torch.bfloat16, "int4", None),
     ("mistral", torch.float32, "int4", 40), ("mistral", torch.bfloat16, None, None),
     ("qwen3", torch.float32, "int8", None), ("qwen3", torch.bfloat16, None, None), ("qwen3", torch.float32, "int4", 40),
+    ("gemma3", torch.float32, None, None), ("gemma3", torch.bfloat16, None, None), ("gemma3", torch.float32, "int4", 8),
+    ("gemma3", torch.bfloat16, "int4", 8), ("gemma", torch.float32, None, None), ("gemma", torch.bfloat16, "int4", None),
+    ("granite", torch.float32, None, None), ("granite", torch.bfloat16, None, None),
+    ("smollm3", torch.float32, None, None), ("smollm3", torch.bfloat16, "int4", None),
+    ("phi3", torch.float32, None, None), ("phi3", torch.bfloat16, "int4", None),
+    ("olmo2", torch.float32, None, None), ("olmo2", torch.float32, "int4", None), ("olmo2", torch.bfloat16, None, None),
+    ("olmo2", torch.bfloat16, "int4", None), ("cohere", torch.float32, None, None), ("cohere", torch.bfloat16, None, None),
+    ("cohere", torch.float32, "int4", None), ("cohere", torch.bfloat16, "int4", None),
+    ("exaone4", torch.float32, None, 8), ("exaone4", torch.bfloat16, "int4", None),
+    ("stablelm", torch.float32, None, None), ("stablelm", torch.bfloat16, "int4", None),
+    ("stablelm-parallel", torch.float32, None, None), ("stablelm-parallel", torch.bfloat16, None, None),
+    ("cohere-qknorm", torch.float32, None, None), ("cohere-qknorm", torch.bfloat16, "int4", None),
+    ("phi", torch.float32, None, None), ("phi", torch.bfloat16, "int4", None),
+    ("phi3-partial", torch.float32, None, None), ("phi3-partial", torch.bfloat16, "int4", None),
 ])
 def test_fused_steps_are_the_models_forward_bit_for_bit(family: str, dtype: torch.dtype, quantize: str | None,
                                                         window: int | None) -> None:
     """Plain steps (3 rows of different lengths and methods) and a verify step (1, 2 and 3 positions per row),
-    fused and through the model's own forward, over copies of the same KV: identical logits and written K/V."""
+    fused and through the model's own forward, over copies of the same KV: identical logits and written K/V.
+    (SmolLM3 and EXAONE 4 with 4 layers: their last one has no RoPE; Gemma 3's first layer is a sliding one, its
+    second global.)"""
     _need(dtype)
-    lm = tiny_model(family, init_std=0.1, dtype=dtype, quantize=quantize, sliding_window=window)
+    family, _, variant = family.partition("-")  # partial: Phi-4-mini's 3/4 of each head rotated
+    if variant == "qknorm":  # Command-R+'s per-head q / k LayerNorms
+        lm = _with_config(family, dtype, quantize, use_qk_norm=True)
+    else:
+        lm = tiny_model(family, init_std=0.1, dtype=dtype, quantize=quantize, sliding_window=window,
+                        num_layers=4 if family in ("smollm3", "exaone4") else 2,
+                        rope={"partial_rotary_factor": 0.75} if variant == "partial" else None)
+    if variant == "parallel":  # StableLM's parallel residual (StableLM-3B-4E1T's is off, some configs have it)
+        lm.model.config.use_parallel_residual = True
+        for layer in lm.model.model.layers:
+            layer.use_parallel_residual = True
+    if family == "gemma3" and quantize == "int4":  # the released Gemma 3 configs leave it unset
+        lm.model.config.final_logit_softcapping = 2.0
     assert fused_step.why_not(lm.model) is None
     eng = KVRAGEngine(lm, MemoryStore(), EngineConfig())
     eng.ingest(DOCS)
@@ -76,8 +124,7 @@ def test_fused_steps_are_the_models_forward_bit_for_bit(family: str, dtype: torc
     ref = batched.verify_step(lm.model, b, feeds, wins)
     assert torch.equal(got, ref)
     _same_kv(a, b, [len(f) for f in feeds])
-    fused_step._checked.pop(lm.model)
-    direct._checked.pop(lm.model)
+    step_backend.choose(lm.model, "decode", None)
 
 
 def test_a_window_shorter_than_the_context_is_applied() -> None:
@@ -94,8 +141,7 @@ def test_a_window_shorter_than_the_context_is_applied() -> None:
     got = batched.decode_step(lm.model, a, toks, wins)
     _set(lm.model, False)
     assert torch.equal(got, batched.decode_step(lm.model, b, toks, wins))
-    fused_step._checked.pop(lm.model)
-    direct._checked.pop(lm.model)
+    step_backend.choose(lm.model, "decode", None)
 
 
 def test_the_first_step_is_checked_and_served_after() -> None:
@@ -104,15 +150,16 @@ def test_the_first_step_is_checked_and_served_after() -> None:
     eng = KVRAGEngine(lm, MemoryStore(), EngineConfig())
     eng.ingest(DOCS)
     a, _, toks = paired_rows(eng, 4)
-    fused_step._checked.pop(lm.model, None)
+    step_backend.choose(lm.model, "decode", None)
     batched.decode_step(lm.model, a, toks, batched.windows(lm.model))
-    assert fused_step.served(lm.model) is True
+    assert step_backend.chosen(lm.model, "decode") == "fused"
 
 
 @pytest.mark.parametrize(("how", "said"), [("differs", "differs"), ("raises", "failed")])
 def test_a_fused_step_that_differs_is_not_used(how: str, said: str, monkeypatch: pytest.MonkeyPatch,
                                                caplog: pytest.LogCaptureFixture) -> None:
-    """The first step returns the model's own result, warns, and later steps run the direct loop."""
+    """The first step returns the model's own result, warns, and later steps run the next backend that computes
+    the model's bits (the direct loop)."""
     _need(torch.float32)
     lm = tiny_model("qwen2", init_std=0.1)
     eng = KVRAGEngine(lm, MemoryStore(), EngineConfig())
@@ -126,19 +173,19 @@ def test_a_fused_step_that_differs_is_not_used(how: str, said: str, monkeypatch:
         return real(*args) + 1e-3
 
     monkeypatch.setattr(fused_step, "forward", wrong)
-    fused_step._checked.pop(lm.model, None)
+    step_backend.choose(lm.model, "decode", None)
     wins = batched.windows(lm.model)
-    with caplog.at_level(logging.WARNING, logger="kvrag.kv.fused_step"):
+    with caplog.at_level(logging.WARNING, logger="kvrag.kv.step_backend"):
         got = batched.decode_step(lm.model, a, toks, wins)
-    assert said in caplog.text and fused_step.served(lm.model) is False
+    assert said in caplog.text and "fused" in caplog.text and step_backend.chosen(lm.model, "decode") == "direct"
     _set(lm.model, False)
     assert torch.equal(got, batched.decode_step(lm.model, b, toks, wins))
-    fused_step._checked.pop(lm.model)
-    direct._checked.pop(lm.model)
+    step_backend.choose(lm.model, "decode", None)
 
 
 def test_models_it_does_not_take_say_why() -> None:
-    assert "GemmaForCausalLM" in str(fused_step.why_not(tiny_model("gemma", init_std=0.1).model))
+    assert "soft-capping" in str(fused_step.why_not(tiny_model("gemma2", init_std=0.1).model))
+    assert "GPTNeoXForCausalLM" in str(fused_step.why_not(tiny_model("gpt_neox", init_std=0.1).model))
     assert "float16" in str(fused_step.why_not(tiny_model("llama", init_std=0.1, dtype=torch.float16).model))
 
 
@@ -149,7 +196,7 @@ def test_hooks_keep_the_models_forward() -> None:
     eng.ingest(DOCS)
     a, _, toks = paired_rows(eng, 4)
     batched.decode_step(lm.model, a, toks, batched.windows(lm.model))
-    assert fused_step.served(lm.model) is True
+    assert step_backend.chosen(lm.model, "decode") == "fused"
     seen = []
     handle = lm.model.model.layers[0].mlp.up_proj.register_forward_hook(lambda *_: seen.append(1))
     try:
@@ -221,13 +268,15 @@ def test_layers_it_cannot_fuse() -> None:
         assert quant.fuse_int4((a.q_proj, a.k_proj, a.v_proj)) is None
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "qwen3", "gemma", "gemma3", "granite", "smollm3",
+                                    "phi3", "exaone4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_lean_norm_is_the_modules_forward(family: str, dtype: torch.dtype) -> None:
     lm = tiny_model(family, init_std=0.1, dtype=dtype)
-    norm = lm.model.model.layers[0].input_layernorm if family != "qwen3" else lm.model.model.layers[0].self_attn.q_norm
+    a = lm.model.model.layers[0].self_attn
+    norm = a.q_norm if family in ("qwen3", "gemma3", "exaone4") else lm.model.model.layers[0].input_layernorm
     with torch.no_grad():
-        norm.weight.uniform_(0.5, 1.5)
+        norm.weight.uniform_(-0.5, 1.5)
     lean = fused_step._rms_norm(norm)
     assert lean is not norm.forward  # the family's norm is one it computes
     gen = torch.Generator().manual_seed(0)
@@ -235,6 +284,10 @@ def test_the_lean_norm_is_the_modules_forward(family: str, dtype: torch.dtype) -
         for rows, scale in ((1, 1e-3), (3, 1.0), (8, 40.0)):
             x = (torch.randn(rows, 1, norm.weight.shape[0], generator=gen) * scale).to(dtype)
             assert torch.equal(lean(x), norm.forward(x))
+    with torch.no_grad():
+        norm.weight.mul_(2)  # a changed weight is read again
+    with torch.inference_mode():
+        assert torch.equal(lean(x), norm.forward(x))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -264,7 +317,7 @@ def test_rope_attend_is_transformers_rope_then_the_row_attention(dtype: torch.dt
     lib = row_attention.library(dtype)
     assert lib.rope_attend(int(dtype == torch.bfloat16), ent.buffer_info()[0], len(positions), qkv.data_ptr(),
                            qkv.shape[1], cos.data_ptr(), sin.data_ptr(), d, heads, kv_heads, d, 0.125,
-                           qbuf.data_ptr(), out.data_ptr(), 1) == 0
+                           qbuf.data_ptr(), out.data_ptr(), 1, 0) == 0
     q = qkv[:, : heads * d].view(-1, heads, 1, d).transpose(0, 2)  # [1, H, Q, D]
     k = qkv[:, heads * d : (heads + kv_heads) * d].view(-1, kv_heads, 1, d).transpose(0, 2)
     v = qkv[:, (heads + kv_heads) * d :].view(-1, kv_heads, d)

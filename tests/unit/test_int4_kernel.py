@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvrag.calibration import cpu_flags
-from kvrag.kv import int4_kernel, quant
+from kvrag.kv import int4_kernel, native, quant
 
 FLAG = {"amx": "amx_bf16", "avx512bf16": "avx512_bf16"}
 
@@ -102,16 +102,16 @@ def test_a_bad_setting_or_a_missing_path_falls_back_with_the_reason(monkeypatch:
     int4_kernel._load.cache_clear()
     try:
         assert int4_kernel.path() is None
-        assert "KVRAG_INT4_KERNEL='fast' is not a kernel" in int4_kernel.why_not()
+        assert "KVRAG_INT4_KERNEL='fast' is not a setting" in int4_kernel.why_not()
         monkeypatch.setenv("KVRAG_INT4_KERNEL", "amx")
-        monkeypatch.setattr(int4_kernel, "_cpu_flags", lambda: frozenset({"avx2"}))
+        monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx2"}))
         int4_kernel._load.cache_clear()
         assert int4_kernel.path() is None and "lacks it" in int4_kernel.why_not()
         monkeypatch.setenv("KVRAG_INT4_KERNEL", "auto")
         int4_kernel._load.cache_clear()
         assert int4_kernel.path() is None and "neither AMX nor AVX512-BF16" in int4_kernel.why_not()
         if "avx512_bf16" in cpu_flags():  # auto takes the best path the CPU has
-            monkeypatch.setattr(int4_kernel, "_cpu_flags", lambda: frozenset({"avx2", "avx512_bf16"}))
+            monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx2", "avx512_bf16"}))
             int4_kernel._load.cache_clear()
             assert int4_kernel.path() == "avx512bf16", int4_kernel.why_not()
     finally:

@@ -13,7 +13,7 @@ import torch
 
 from kvrag.config import EngineConfig, GenerationConfig
 from kvrag.engine.engine import KVRAGEngine
-from kvrag.kv import batched, direct, hf_cache
+from kvrag.kv import batched, hf_cache, step_backend
 from kvrag.prompting import RagTemplate
 from kvrag.store import MemoryStore
 from kvrag_testing.batching import PASSAGES
@@ -74,7 +74,7 @@ def test_a_packed_row_is_bit_identical_to_the_row_alone(family: str, dtype: torc
     alone_rows = _rows(model, dtype, extra=24)
     alone = torch.stack([batched.prefill_rows(model, [r], [t], win)[0] for r, t in zip(alone_rows, suffixes,
                                                                                        strict=True)])
-    assert direct.usable(model) is (family != "gemma")
+    assert step_backend.serves(model, "prefill", "direct") is (family != "gemma")
     rows = _rows(model, dtype, extra=24)
     packed = batched.prefill_rows(model, rows, suffixes, win)
     if dtype == torch.float32 and quantize is None and family != "gemma":

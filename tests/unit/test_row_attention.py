@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvrag.calibration import cpu_flags
-from kvrag.kv import attention, batched, fused_step, row_attention
+from kvrag.kv import attention, batched, native, row_attention, step_backend
 from kvrag.kv.hf_cache import KVBuffer
 from kvrag_testing.tiny import tiny_model
 
@@ -149,7 +149,7 @@ def test_it_serves_the_models_own_one_token_forward_and_the_batched_step(monkeyp
         r.length += 1
     batched.decode_step(lm.model, bufs, [6, 7], batched.windows(lm.model))
     assert calls == [2] * layers  # both rows of each layer in one call (the fused step's RoPE + attention)
-    assert fused_step.served(lm.model)
+    assert step_backend.chosen(lm.model, "decode") == "fused"
     assert gen.shape[1] == ids.shape[1] + 3
 
 
@@ -170,13 +170,13 @@ def test_torch_asked_or_a_bad_setting_leaves_sdpa(monkeypatch: pytest.MonkeyPatc
 
 
 def test_a_cpu_without_the_instructions_or_a_compiler_falls_back(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
-    monkeypatch.setattr(row_attention, "_cpu_flags", lambda: frozenset({"sse4_2"}))
+    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"sse4_2"}))
     row_attention._load.cache_clear()
     try:
         assert "lacks avx2, fma" in row_attention.why_not(torch.float32)
         assert "avx512_bf16" in row_attention.why_not(torch.bfloat16)
         assert "no kvrag row-attention path" in row_attention.why_not(torch.float16)
-        monkeypatch.setattr(row_attention, "_cpu_flags", cpu_flags)
+        monkeypatch.setattr(native, "cpu_flags", cpu_flags)
         monkeypatch.setenv("KVRAG_HOME", str(tmp_path))  # nothing built there yet
         monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
         row_attention._load.cache_clear()

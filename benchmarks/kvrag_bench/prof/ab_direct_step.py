@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from kvrag.kv import batched, direct, hf_cache
+from kvrag.kv import batched, direct, hf_cache, step_backend
 from kvrag_bench.decode_bench import context_rows
 from kvrag_bench.prof import step_args
 
@@ -28,7 +28,7 @@ def main():
             for _ in range(steps):
                 out = []
                 for side, served in enumerate((False, True)):
-                    direct._checked[model] = served
+                    step_backend.choose(model, "decode", "direct" if served else "hf")
                     t = time.perf_counter()
                     out.append(batched.decode_step(model, sides[side], toks, win))
                     times[side].append(time.perf_counter() - t)
