@@ -23,23 +23,42 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from kvrag.engine.cancel import CancelToken, cancel_scope
 from kvrag.errors import ConfigError, ContextLengthError, EngineBusyError, EngineClosedError, RequestCancelledError
 from kvrag.serve.errors import ClientGone, HTTPProblem, ShuttingDown
 
 if TYPE_CHECKING:
+    import collections
+
     from starlette.requests import Request
 
+    from kvrag.engine.engine import KVRAGEngine
     from kvrag.serve.bodies import Job
-    from kvrag.serve.service import KVRAGService
+    from kvrag.serve.config import ServeConfig
+    from kvrag.serve.metrics import Metrics
 
 T = TypeVar("T")
 
 POLL_S = 0.1
 """How often a request waiting on the engine checks that its client is still connected."""
 
+
+
+class Host(Protocol):
+    """What an :class:`Outcome` reads and counts on its service (:class:`kvrag.serve.service.KVRAGService`)."""
+
+    engine: KVRAGEngine
+    config: ServeConfig
+    metrics: Metrics
+    held: int
+    outcomes: set[Outcome]
+    durations: collections.deque[float]
+    draining: bool
+    aborted: asyncio.Event
+
+    def retry_after(self) -> int: ...
 
 class Outcome:
     """A request's outcome (``async with service.outcome(endpoint, request) as out``).
@@ -51,7 +70,7 @@ class Outcome:
         token: cancelled at the end, and by a shutdown past its drain timeout; the engine work registers on it.
     """
 
-    def __init__(self, svc: KVRAGService, endpoint: str, request: Request | None = None) -> None:
+    def __init__(self, svc: Host, endpoint: str, request: Request | None = None) -> None:
         self.svc, self.endpoint, self.request = svc, endpoint, request
         self.arrived = time.perf_counter()
         self.status: int | None = None
