@@ -179,3 +179,23 @@ def test_for_decode_keeps_the_prompt_and_makes_room() -> None:
     assert torch.equal(low.values[:, :, :4], buf.values[:, :, :4].bfloat16())
     back, _ = hf_cache.cache_to_tensors(batched.Row(low, 4).cache(torch.float32))
     assert back.dtype == torch.float32 and torch.equal(back, low.keys[:, :, :4].float())
+
+
+def test_torch_attention_reads_bf16_rows_widened(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where kvrag's kernel does not serve, torch's SDPA reads the bfloat16 rows widened to the queries' dtype:
+    the same logits as the kernel's up to float32 summation order."""
+    _need()
+    lm = tiny_model("llama", init_std=0.1)
+    eng = KVRAGEngine(lm, MemoryStore(), EngineConfig())
+    eng.ingest(DOCS)
+    a, b, toks = paired_rows(eng, 4)
+    a, b = _bf16_rows(a), _bf16_rows(b)
+    wins = batched.windows(lm.model)
+    step_backend.choose(lm.model, "decode", "hf")
+    try:
+        ref = batched.decode_step(lm.model, a, toks, wins)
+        monkeypatch.setattr(row_attention, "serves", lambda *_: False)
+        got = batched.decode_step(lm.model, b, toks, wins)
+    finally:
+        step_backend.choose(lm.model, "decode", None)
+    assert (got - ref).abs().max().item() < 1e-4
