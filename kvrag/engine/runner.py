@@ -301,8 +301,7 @@ class Runner:
                        f"reserve={gen.max_new_tokens} to engine.prepare()")
                 raise ConfigError(msg)
             assert rid is not None
-            h.prepared = prepared
-            h.state = DecodeState(self.tokenizer, gen, eos_ids)
+            h.prepared, h.state = prepared, DecodeState(self.tokenizer, gen, eos_ids)
             try:
                 items = h.state.advance(prepared.last_logits)
             finally:
@@ -314,6 +313,7 @@ class Runner:
                 h.drafter = drafter
                 drafter.push(int(h.state.last))  # type: ignore[arg-type]
             h.row = batched.Row.for_decode(buf, length, length + gen.max_new_tokens, self.kv_dtype)  # room for all
+            prepared.cache = prepared.cache if h.row.buffer is buf else None  # let a prompt buffer of another dtype go
             self.scheduler.stream(rid)
             if h.state.finished:
                 self.scheduler.cancel(rid, "done")
