@@ -15,7 +15,9 @@
  *
  *   bfloat16 (AVX512-BF16): q . k by VDPBF16PS (exact products of bf16 pairs, float32 sums), values widened to
  *                           float32 and accumulated by FMA;
- *   float32  (AVX2 + FMA):  FMA throughout.
+ *   float32  (AVX2 + FMA):  FMA throughout; also for float32 queries over bfloat16 keys and values (MODE_F32_BF16KV:
+ *                           each element widened to float32 as it is loaded, exactly, then the same arithmetic --
+ *                           the bits the float32 path computes over the widened K/V).
  *
  * Each entry's result depends on its own query, keys and values only -- never on the other entries of the call or
  * on how the work is split between threads -- and every sum runs in a fixed order, so a row decoded in a batch gets
