@@ -285,8 +285,9 @@ class KVRAGEngine(ChunkCaching):
             keys, got, timings.fetch_s = self._fetch_stored(plan)
             fetched = (keys, got)
         computed: list[tuple[str, ChunkKV]] = []
+        room = reserve if self.runner.kv_dtype in (None, self.model.dtype) else 0  # else decode gets its own buffer
         prep = self.runner.prepare(plan.total_len + reserve,
-                                   lambda lease: self._prepare(plan, m, reserve, lease, timings, fetched, computed))
+                                   lambda lease: self._prepare(plan, m, room, lease, timings, fetched, computed))
         for k, ch in computed:  # misses computed in the turn are stored after it
             self.serving_store.put(k, ch)
         return prep

@@ -148,7 +148,9 @@ def test_engine_decodes_over_bf16_kv_and_accounts_for_its_bytes() -> None:
     for eng in (wide, narrow):
         eng.ingest(DOCS)
         plan = eng.plan(RagTemplate().render(eng.tokenizer, DOCS, "What is the capital of France?"), DOCS)
-        prep = eng.prepare(plan, "stale")
+        prep = eng.prepare(plan, "stale", reserve=gen.max_new_tokens)
+        # the prompt's float32 buffer holds the answer's room only where decode writes into it
+        assert hf_cache.buffer_of(prep.cache)[0].capacity == plan.total_len + (0 if eng is narrow else 6)
         text = "".join(eng.stream(prep, gen))
         keys, _ = hf_cache.cache_to_tensors(prep.cache)
         assert keys.dtype == torch.float32
