@@ -14,7 +14,11 @@ with one torch thread by default. Per dtype it records:
   measuring it needs the benchmark's held-out data and many requests, which a one-minute calibration cannot;
 * the model's prefill speed (tokens/s of a full prefill at ~1.5K tokens) and decode speed (ms per token at ~1.5K
   tokens of context);
-* every method's median TTFT and its end-to-end time TTFT + 32 decode steps (:data:`kvrag.calibration.ANSWER_TOKENS`).
+* every method's median TTFT and its end-to-end time TTFT + 32 decode steps (:data:`kvrag.calibration.ANSWER_TOKENS`);
+* in float32, where kvrag's row attention reads bfloat16 K/V: each K/V dtype's decode speed with
+  :data:`kvrag.calibration.KV_BATCH` rows at once (the dtypes interleaved), and bfloat16 K/V's next-token KL against
+  float32 K/V along a greedy answer, which name the K/V dtype to set (``EngineConfig.kv_dtype``; the report prints
+  it, :meth:`kvrag.calibration.DtypeCalibration.preferred_kv_dtype`).
 
 About a minute on a 2-core CPU for one dtype with the default model.
 """
@@ -37,6 +41,7 @@ import torch
 
 from kvrag.calibration import (
     ANSWER_TOKENS,
+    KV_BATCH,
     Calibration,
     DtypeCalibration,
     cpu_flags,
@@ -170,13 +175,59 @@ def measure_dtype(
     near = min(range(len(plans)), key=lambda i: abs(plans[i].total_len - TARGET_TOKENS))
     prefill_tps = plans[near].total_len / runs["full"].ttft_s[near]
     decode_ms = _decode_ms(engine, plans[near], decode_steps)
+    kv_ms, kv_kl = _kv_precision(engine, plans[near], decode_steps)
     cost_model = _fit(loaded, base, runs, plans)
     ttft = {s: statistics.median(r.ttft_s) for s, r in runs.items()}
     return DtypeCalibration(
         dtype=dtype_label(loaded.dtype), prefill_tokens_per_s=prefill_tps, decode_ms_per_token=decode_ms,
         ttft_s=ttft, e2e_s={s: t + ANSWER_TOKENS * decode_ms / 1000 for s, t in ttft.items()},
-        cost_model=cost_model.to_dict(),
+        cost_model=cost_model.to_dict(), kv_decode_ms_per_token=kv_ms, kv_kl=kv_kl,
     )
+
+
+def _kv_precision(engine: Any, plan: Any, steps: int, rounds: int = 3) -> tuple[dict[str, float], dict[str, float]]:
+    """({K/V dtype: ms per token of KV_BATCH rows}, {narrower K/V dtype: mean next-token KL}) after ``plan``'s
+    prompt, for the K/V dtypes the engine's decode reads in the model's dtype (empty where only its own serves)."""
+    from kvrag.kv import batched, row_attention
+    from kvrag.kv.attention import IMPL
+
+    model = engine.model
+    if (model.dtype != torch.float32 or row_attention.why_not(torch.float32, torch.bfloat16) is not None
+            or batched.batchable(model, IMPL) is not None):
+        return {}, {}
+    kvs = (torch.float32, torch.bfloat16)
+    prep = engine.prepare(plan, "stale", reserve=steps + 2)
+    buf, n = hf_cache.buffer_of(prep.cache)
+    tokens, wins = [int(prep.last_logits.argmax())], batched.windows(model)
+
+    def rows(k: torch.dtype, count: int) -> list[batched.Row]:  # copies: the prompt's K/V stay as prepared
+        return [batched.Row.for_decode(hf_cache.KVBuffer.wrap(buf.keys[:, :, :n], buf.values[:, :, :n]), n,
+                                       n + steps + 2, k) if k != model.dtype else
+                batched.Row(hf_cache.KVBuffer.wrap(buf.keys.clone(), buf.values.clone()), n) for _ in range(count)]
+
+    with hf_cache.model_lock(model), torch.inference_mode():
+        one = {k: rows(k, 1)[0] for k in kvs}
+        logs: dict[torch.dtype, list[torch.Tensor]] = {k: [] for k in kvs}
+        for _ in range(steps):  # every K/V dtype fed the float32 K/V's greedy tokens
+            for k in kvs:
+                logs[k].append(batched.decode_step(model, [one[k]], [tokens[-1]], wins)[0].log_softmax(-1))
+                one[k].length += 1
+            tokens.append(int(logs[model.dtype][-1].argmax()))
+        kl = {dtype_label(k): statistics.fmean(float((p.exp() * (p - q)).sum()) for p, q in zip(
+            logs[model.dtype], logs[k], strict=True)) for k in kvs if k != model.dtype}
+        times: dict[torch.dtype, list[float]] = {k: [] for k in kvs}
+        for _ in range(rounds):  # interleaved: a drift of the machine's load hits each dtype alike
+            for k in kvs:
+                batch = rows(k, KV_BATCH)
+                for i in range(steps + 1):
+                    t0 = time.perf_counter()
+                    batched.decode_step(model, batch, tokens[:1] * KV_BATCH, wins)
+                    if i:  # the first step warms up
+                        times[k].append(time.perf_counter() - t0)
+                    for r in batch:
+                        r.length += 1
+    del prep
+    return {dtype_label(k): 1000 * statistics.median(t) / KV_BATCH for k, t in times.items()}, kl
 
 
 def _decode_ms(engine: Any, plan: Any, steps: int) -> float:
@@ -305,6 +356,11 @@ def format_report(cal: Calibration, path: Path) -> str:
             ratio = f"{cm.candidates[spec].ttft_ratio:.3f}x full" if cm and spec in cm.candidates else ""
             lines.append(f"    {spec:18s} TTFT {t * 1000:8.1f} ms  {ratio:>12s}  TTFT + {ANSWER_TOKENS} tokens "
                          f"{d.e2e_s[spec]:.2f} s")
+        for kv, ms in d.kv_decode_ms_per_token.items():
+            kl = f", next-token KL {d.kv_kl[kv]:.1e} vs {d.dtype} K/V" if kv in d.kv_kl else ""
+            lines.append(f"    K/V {kv}: decode {ms:.1f} ms/token with {KV_BATCH} rows{kl}")
+        if d.preferred_kv_dtype() is not None:
+            lines.append(f"    preferred K/V in {key}: kv_dtype={d.preferred_kv_dtype()!r}")
     if cal.preferred_dtype:
         lines.append(f"preferred dtype (stale, TTFT + {ANSWER_TOKENS} tokens): {cal.preferred_dtype}")
         quant = cal.preferred_quantize(cal.preferred_dtype)

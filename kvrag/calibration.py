@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import json
 import logging
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,11 @@ ANSWER_TOKENS = 32
 """Tokens of the typical answer in the end-to-end time (TTFT + ANSWER_TOKENS x decode time per token)."""
 DEFAULT_METHOD = "stale"
 """The method whose end-to-end time decides :attr:`Calibration.preferred_dtype` (the engine's default method)."""
+KV_BATCH = 8
+"""Rows decoding at once when calibrate times each K/V dtype (the engine's default ``max_batch_size``): K/V
+precision matters where many rows read their own K/V in one step."""
+KV_KL_BUDGET = 1e-3
+"""Most mean next-token KL (nats) a narrower K/V dtype may cost against the compute dtype's K/V to be preferred."""
 
 
 @functools.lru_cache(maxsize=1)
@@ -96,6 +102,10 @@ class DtypeCalibration:
             every method: the cache has the same shape).
         cost_model: ``auto``'s cost model for this machine kind and dtype (the JSON form of
             :class:`kvrag.fusion.cost_model.CostModel`), or None.
+        kv_decode_ms_per_token: per K/V dtype decode may read in this compute dtype (``EngineConfig.kv_dtype``:
+            the compute dtype, and bfloat16 under float32), ms per token of :data:`KV_BATCH` rows decoding at once at
+            ~1.5K tokens of context, interleaved (empty: only the compute dtype serves).
+        kv_kl: per narrower K/V dtype, the mean next-token KL against the compute dtype's K/V along a greedy answer.
     """
 
     dtype: str
@@ -104,6 +114,15 @@ class DtypeCalibration:
     ttft_s: dict[str, float] = dataclasses.field(default_factory=dict)
     e2e_s: dict[str, float] = dataclasses.field(default_factory=dict)
     cost_model: dict[str, Any] | None = None
+    kv_decode_ms_per_token: dict[str, float] = dataclasses.field(default_factory=dict)
+    kv_kl: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def preferred_kv_dtype(self) -> str | None:
+        """The K/V dtype to decode over in this compute dtype: the fastest of those within :data:`KV_KL_BUDGET`
+        of the compute dtype's K/V at :data:`KV_BATCH` rows; None when calibrate did not compare any."""
+        ok = {k: t for k, t in self.kv_decode_ms_per_token.items()
+              if k == self.dtype or self.kv_kl.get(k, math.inf) <= KV_KL_BUDGET}
+        return min(ok, key=ok.__getitem__) if len(self.kv_decode_ms_per_token) > 1 and ok else None
 
     def end_to_end(self, method: str = DEFAULT_METHOD) -> float | None:
         """TTFT + :data:`ANSWER_TOKENS` decode steps of ``method`` (None: not measured)."""
@@ -228,6 +247,8 @@ def save_calibration(cal: Calibration, path: str | Path | None = None) -> Calibr
 
 __all__ = [
     "ANSWER_TOKENS",
+    "KV_BATCH",
+    "KV_KL_BUDGET",
     "Calibration",
     "DtypeCalibration",
     "calibration_dir",

@@ -8,6 +8,7 @@ from kvrag.errors import ConfigError
 
 CHUNK_PREFIX_MODES = ("none", "template")
 ON_STORE_ERROR = ("recompute", "raise")
+KV_DTYPES = ("auto", "float32", "bfloat16")
 
 
 @dataclasses.dataclass
@@ -93,6 +94,12 @@ class EngineConfig:
             measurement (8 dev questions at once, SmolLM2-135M, bf16 + int4, one thread, AMX): the burst's wall
             time is the same (7.00 vs 7.11 s), TTFT p99 falls (2.24 -> 1.40 s) but p50 rises (0.80 -> 1.38 s).
             The answers are the same either way.
+        kv_dtype: the precision of the K/V a request decodes over: "auto" (default: the model's compute dtype, so
+            ``full`` generates exactly what ``model.generate`` does), the compute dtype's name, or "bfloat16" under a
+            float32 model (half the bytes each decode step reads per row and each request holds; the prompt's K/V
+            are still computed, and chunk caches repaired, in the compute dtype, then rounded once when decoding
+            starts). Stored chunk caches keep ``store_dtype``. The next-token cost of bfloat16 K/V against float32
+            K/V is measured in docs/results/kv_precision.md.
         strict_tokenization: a registered chunk whose own token ids do not occur in the tokenized prompt (its
             boundary token merges with the text around it, e.g. after indentation) is prefilled as text (True), or
             spliced anyway and counted as ``inexact_chunks`` in the response stats (False, default). Either way
@@ -121,8 +128,12 @@ class EngineConfig:
     pack_suffixes: bool = False
     conversation_cache_bytes: int | None = None
     conversation_cache_entries: int = 64
+    kv_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_dtype not in KV_DTYPES:
+            msg = f"kv_dtype must be one of {list(KV_DTYPES)}, got {self.kv_dtype!r}"
+            raise ConfigError(msg)
         if self.chunk_prefix not in CHUNK_PREFIX_MODES:
             msg = f"chunk_prefix must be one of {CHUNK_PREFIX_MODES}, got {self.chunk_prefix!r}"
             raise ConfigError(msg)

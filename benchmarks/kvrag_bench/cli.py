@@ -102,7 +102,7 @@ def add_bench_arguments(subparsers: Any) -> argparse.ArgumentParser:
     )
     _add_qa_args(p)
     p.set_defaults(func=_pinned(run_bench))
-    sub = p.add_subparsers(dest="bench_command", metavar="{sweep,store,load,chat,decode,speculate,quant-kl,llamaindex-kl,dtype-kl,ingest,templates,plot}")
+    sub = p.add_subparsers(dest="bench_command", metavar="{sweep,store,load,chat,decode,speculate,quant-kl,kv-kl,llamaindex-kl,dtype-kl,ingest,templates,plot}")
 
     s = sub.add_parser("sweep", help="TTFT and memory vs context length and vs chunk count, every method")
     s.add_argument("--data", default=None, help="QA JSONL whose passages supply the text (default: built-in text)")
@@ -146,7 +146,7 @@ def add_bench_arguments(subparsers: Any) -> argparse.ArgumentParser:
     interleave.add_arguments(ld)
     ld.set_defaults(func=_pinned(run_load))
 
-    from kvrag_bench import chat_bench, decode_bench, quant_kl, spec_bench
+    from kvrag_bench import chat_bench, decode_bench, kv_kl, quant_kl, spec_bench
 
     _module_command(sub, "chat", chat_bench, "a 10-turn chat over dev passages: TTFT per turn, reused vs recomputed history",
                     "Ask dev questions one turn after another (fixed or changing passages in the system message), each "
@@ -164,6 +164,11 @@ def add_bench_arguments(subparsers: Any) -> argparse.ArgumentParser:
                     "Prefill and greedily decode each request with dense weights, then teacher-force each variant "
                     "(int4, int8, or another dtype) along that answer: next-token KL at every answer position and "
                     "whether the variant's own greedy answer is the same.")
+    _module_command(sub, "kv-kl", kv_kl,
+                    "KL(compute-dtype K/V || narrower K/V) of the next token along the answer, on dev data",
+                    "Prefill each request once, decode it greedily over K/V in the compute dtype, and teacher-force "
+                    "rows over each narrower K/V dtype (EngineConfig.kv_dtype) along that answer: next-token KL at "
+                    "every answer position and whether the narrower row's own greedy answer is the same.")
     _module_command(sub, "speculate", spec_bench,
                     "speculative decoding from the prompt on QA answers vs plain and llama.cpp",
                     "Answer QA requests with each speculative_tokens setting in turn (0: plain decoding): decode "

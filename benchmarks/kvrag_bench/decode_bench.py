@@ -11,6 +11,8 @@ What it runs, on one model loaded once per weight format (``--quantize``, e.g. `
   median ms per step and per token;
 * the bytes-read bound of each format: the bytes one step must read (the linear weights in the format's encoding,
   one embedding row per token, the norms, and the rows' KV) divided by the copy bandwidth measured in the same run;
+* with ``--kv-dtypes`` (e.g. ``float32,bfloat16``), each format also decoding over rows of that K/V dtype
+  (``EngineConfig.kv_dtype``: bfloat16 K/V under a float32 model), named ``<format> kv=<dtype>``;
 * with ``--step-backends`` (e.g. ``fused,direct,hf``), each format also as ``<format> <backend>``: the same model's
   steps through that backend of :mod:`kvrag.kv.step_backend` (each computes the same bits), where it serves the
   model;
@@ -49,6 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step-backends", default="",
                    help="also time each format's steps through these step backends (fused, direct, hf: the same "
                         "logits), where they serve the model")
+    p.add_argument("--kv-dtypes", default="",
+                   help="also time each format over rows of these K/V dtypes (e.g. float32,bfloat16: "
+                        "EngineConfig.kv_dtype), interleaved with the others")
     p.add_argument("--out", default="runs/decode")
 
 
@@ -172,8 +177,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             log.warning("llama-cpp-python is not installed: no llama.cpp column (pip install 'kvrag-bench[peers]')")
     from kvrag.kv import step_backend
 
-    variants = _backend_variants(models, [n for n in args.step_backends.split(",") if n])
-    names = {v: f"{v[0]} {v[1]}" if v[1] else v[0] for v in variants}
+    base = _backend_variants(models, [n for n in args.step_backends.split(",") if n])
+    kv_dtypes = [getattr(torch, k) for k in args.kv_dtypes.split(",") if k]
+    variants = [(f, comp, None) for f, comp in base] + [(f, comp, kv) for kv in kv_dtypes for f, comp in base
+                                                         if kv != models[f].dtype]
+    names = {v: " ".join([v[0]] + ([v[1]] if v[1] else []) + ([f"kv={str(v[2]).removeprefix('torch.')}"] if v[2]
+                                                                 else [])) for v in variants}
     chosen: dict[tuple[str, str | None], str | None] = {}
     bandwidth = copy_bandwidth()
     cells: list[dict[str, Any]] = []
@@ -183,11 +192,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if peer is not None:
             peer_prefill_s, tok = peer.prefill(ids[:ctx])
         for b in batches:
-            times: dict[tuple[str, str | None], list[float]] = {v: [] for v in variants}
+            times: dict[tuple[str, str | None, Any], list[float]] = {v: [] for v in variants}
             for _ in range(args.rounds):
-                for f, comp in variants:
+                for f, comp, kv in variants:
                     lm = models[f]
-                    rows = context_rows(keys, values, b, ctx + args.steps + 2, lm.dtype)
+                    rows = context_rows(keys, values, b, ctx + args.steps + 2, kv or lm.dtype)
                     win = batched.windows(lm.model)
                     if comp is not None or (f, None) in chosen:  # a backend of its own, or the engine's choice
                         step_backend.choose(lm.model, "decode", comp or chosen[f, None])
@@ -198,18 +207,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             chosen[f, None] = step_backend.chosen(lm.model, "decode")
                         hf_cache.sync(lm.device)
                         if i:  # the first step warms up
-                            times[f, comp].append(time.perf_counter() - t)
+                            times[f, comp, kv].append(time.perf_counter() - t)
                         for r in rows:
                             r.length += 1
                 if peer is not None and b == 1:
                     peer_ms += [1000 * t for t in peer.steps(tok, args.steps)]
                     peer.llm.n_tokens = ctx  # roll back to the prefilled context for the next round
-            for f, comp in variants:
+            for f, comp, kv in variants:
                 lm = models[f]
-                step_ms = 1000 * statistics.median(times[f, comp])
-                nbytes = step_bytes(lm.model, b, ctx)
+                step_ms = 1000 * statistics.median(times[f, comp, kv])
+                nbytes = step_bytes(lm.model, b, ctx, None if kv is None else kv.itemsize)
                 bound_ms = 1000 * nbytes / bandwidth
-                cells.append({"context": ctx, "batch": b, "format": names[f, comp], "step_ms": step_ms,
+                cells.append({"context": ctx, "batch": b, "format": names[f, comp, kv], "step_ms": step_ms,
                               "ms_per_token": step_ms / b,
                               "bytes_per_step": nbytes, "bound_ms_per_step": bound_ms, "x_bound": step_ms / bound_ms})
             if peer is not None and b == 1 and peer_ms:
@@ -218,13 +227,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {"bench": "decode", "model": first.name, "dtype": str(first.dtype).removeprefix("torch."),
             "torch_threads": torch.get_num_threads(), "copy_bytes_per_s": bandwidth,
             "formats": [names[v] for v in variants],
-            "backends": {names[v]: v[1] or chosen.get(v) for v in variants},
+            "backends": {names[v]: v[1] or chosen.get(v[:2]) for v in variants},
             "peer": None if peer is None else {"name": "llama.cpp", "llama_cpp_python": peer.version, "gguf": gguf},
             "cells": cells, "environment": environment_info(),
             "command": "kvrag bench decode " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
                                                        if k in ("contexts", "batches", "quantize", "steps", "rounds",
                                                                 "dtype", "threads", "data") and v is not None)
-                       + (f" --step-backends {args.step_backends}" if args.step_backends else "")}
+                       + (f" --step-backends {args.step_backends}" if args.step_backends else "")
+                       + (f" --kv-dtypes {args.kv_dtypes}" if args.kv_dtypes else "")}
 
 
 def markdown(result: dict[str, Any]) -> str:

@@ -7,9 +7,10 @@ import time
 from typing import Any
 
 
-def step_bytes(model: Any, rows: int, context: int) -> int:
+def step_bytes(model: Any, rows: int, context: int, kv_bytes: int | None = None) -> int:
     """Bytes one decode step reads: every linear weight once in its current format, one embedding row per row,
-    every other parameter (norms), and each row's KV over ``context`` positions."""
+    every other parameter (norms), and each row's KV over ``context`` positions (``kv_bytes`` per element; None:
+    the model dtype's)."""
     import torch
 
     from kvrag.kv.quant import quantized_bytes
@@ -26,7 +27,7 @@ def step_bytes(model: Any, rows: int, context: int) -> int:
             other += p.numel() * p.element_size()
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * emb.element_size() * context
+    kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * (kv_bytes or emb.element_size()) * context
     return linear + quantized_bytes(model) + other + rows * (emb.shape[1] * emb.element_size() + kv)
 
 

@@ -24,6 +24,7 @@ from kvrag.engine.speculate import SpeculationConfig
 from kvrag.errors import ConfigError, ContextLengthError
 from kvrag.fusion import FusionMethod, Observation, shared_method
 from kvrag.kv import batched, hf_cache
+from kvrag.kv.attention import IMPL
 from kvrag.kv.chunk import ChunkKV
 from kvrag.kv.pieces import Pace, SuffixPrefill, forward_pieces
 from kvrag.kv.rope import Rope
@@ -89,13 +90,15 @@ class KVRAGEngine(ChunkCaching):
         self._spaces = {kind: self.chunk_key((), kind) for kind in ("chunk", "prefix")}
         self._lock = hf_cache.model_lock(self.model)  # shared by every engine on this model (forwards, probe)
         self.default_method = shared_method(self.config.method)
-        per_token = self.spec.with_dtype(dtype_name(mdtype)).bytes_per_token  # request buffers hold the model dtype
+        kv_dtype = batched.decode_kv_dtype(self.model, self.config.kv_dtype, batched.batchable(self.model, IMPL))
+        per_token = self.spec.with_dtype(dtype_name(kv_dtype)).bytes_per_token  # what a request decodes over
         kv_bytes = self.config.kv_memory_bytes or default_kv_bytes(per_token, int(self.max_context),
                                                                    self.config.max_batch_size, self.model.device)
         self.runner = Runner(self.model, self.tokenizer, KVBudget(kv_bytes, per_token),
                              max_batch_size=self.config.max_batch_size,
                              admission_timeout_s=self.config.admission_timeout_s,
                              pack_suffixes=self.config.pack_suffixes, threads=self.config.runner_threads,
+                             kv_dtype=kv_dtype,
                              speculation=SpeculationConfig(max_draft=self.config.speculative_tokens,
                                                            max_ngram=self.config.speculative_ngram,
                                                            min_ngram=min(self.config.speculative_min_ngram,
@@ -290,8 +293,9 @@ class KVRAGEngine(ChunkCaching):
             keys, got, timings.fetch_s = self._fetch_stored(plan)
             fetched = (keys, got)
         computed: list[tuple[str, ChunkKV]] = []
+        room = reserve if self.runner.kv_dtype in (None, self.model.dtype) else 0  # else decode gets its own buffer
         prep = self.runner.prepare(plan.total_len + reserve,
-                                   lambda lease: self._prepare(plan, m, reserve, lease, timings, fetched, computed))
+                                   lambda lease: self._prepare(plan, m, room, lease, timings, fetched, computed))
         for k, ch in computed:  # misses computed in the turn are stored after it
             self.serving_store.put(k, ch)
         return prep

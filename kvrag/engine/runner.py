@@ -71,6 +71,7 @@ class Runner:
         speculation: prompt-lookup drafting for greedy requests (:mod:`kvrag.engine.speculate`; None: off).
         pack_suffixes: arrivals' question suffixes in one forward (``EngineConfig.pack_suffixes``).
         threads: torch intra-op threads of the runner thread (``EngineConfig.runner_threads``; None: the process's).
+        kv_dtype: the dtype of the K/V requests decode over (:func:`kvrag.kv.batched.decode_kv_dtype`).
     """
 
     _exit_hook: Callable[[], None] | None = None  # called right after the thread decided to exit (tests hold it)
@@ -78,9 +79,9 @@ class Runner:
     def __init__(self, model: Any, tokenizer: Any, budget: KVBudget, *, max_batch_size: int,
                  admission_timeout_s: float | None = None,
                  speculation: SpeculationConfig | None = None, pack_suffixes: bool = False,
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, kv_dtype: torch.dtype | None = None) -> None:
         self.model, self.tokenizer, self.pack_suffixes, self.threads = model, tokenizer, bool(pack_suffixes), threads
-        self.speculation = speculation or SpeculationConfig(max_draft=0)
+        self.speculation, self.kv_dtype = speculation or SpeculationConfig(max_draft=0), kv_dtype
         self.max_batch_size = int(max_batch_size)
         self.admission_timeout_s, self.lock = admission_timeout_s, hf_cache.model_lock(model)
         self.unbatchable = batched.batchable(model, IMPL)
@@ -312,8 +313,8 @@ class Runner:
             if drafter is not None and not h.state.finished:
                 h.drafter = drafter
                 drafter.push(int(h.state.last))  # type: ignore[arg-type]
-            buf.reserve(length + gen.max_new_tokens)  # every step's K/V fits: no allocation while decoding
-            h.row = batched.Row(buf, length)
+            h.row = batched.Row.for_decode(buf, length, length + gen.max_new_tokens, self.kv_dtype)  # room for all
+            prepared.cache = prepared.cache if h.row.buffer is buf else None  # let a prompt buffer of another dtype go
             self.scheduler.stream(rid)
             if h.state.finished:
                 self.scheduler.cancel(rid, "done")
@@ -426,7 +427,7 @@ class Runner:
                 pieces, h.pieces = h.pieces, None
                 pieces.close()
             if h.row is not None and h.prepared is not None:  # the cache now covers what was decoded
-                h.prepared.cache = h.row.buffer.as_cache(h.row.length)
+                h.prepared.cache = h.row.cache(self.model.dtype)
         except BaseException:  # noqa: BLE001 - the consumer still gets its end below
             log.exception("could not hand a request's decoded cache back")
         finally:

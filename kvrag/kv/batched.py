@@ -47,6 +47,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from transformers.cache_utils import Cache
 
 from kvrag.kv import direct, row_attention, step_backend
 from kvrag.kv.hf_cache import KVBuffer
@@ -60,6 +61,26 @@ class Row:
 
     buffer: KVBuffer
     length: int
+
+    @classmethod
+    def for_decode(cls, buf: KVBuffer, length: int, capacity: int, dtype: torch.dtype | None = None) -> Row:
+        """The row a request decodes in: room for ``capacity`` positions, the first ``length`` those of ``buf``, its
+        K/V in ``dtype`` (None: ``buf``'s) -- ``buf`` itself (grown where short) in its own dtype, else a new buffer
+        holding those positions rounded to ``dtype``: the prompt's K/V are computed (and chunk caches repaired) in the
+        model's dtype, and only decode reads the narrower copy."""
+        if dtype is None or dtype == buf.keys.dtype:
+            buf.reserve(capacity)
+            return cls(buf, length)
+        layers, heads, _, d = buf.keys.shape
+        new = KVBuffer(layers, heads, d, max(capacity, length), dtype, buf.keys.device)
+        new.keys[:, :, :length].copy_(buf.keys[:, :, :length])
+        new.values[:, :, :length].copy_(buf.values[:, :, :length])
+        return cls(new, length)
+
+    def cache(self, dtype: torch.dtype) -> Cache:
+        """The row's K/V as a transformers cache in ``dtype`` (the row's buffer itself in its own dtype, else a
+        copy)."""
+        return Row.for_decode(self.buffer, self.length, self.length, dtype).buffer.as_cache(self.length)
 
 
 class _Active:
@@ -154,12 +175,14 @@ def _attend(layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Ten
         kb, vb = _write_fresh(row, layer, key, value, o, q)
         keys += [(kb, vb, first_key(kind, size, p), p + 1) for p in range(row.length, row.length + q)]
         o += q
-    if row_attention.serves(query):  # every query of the layer in one call of kvrag's kernel
+    kv_dtype = keys[0][0].dtype  # the rows' buffers: the model's dtype, or narrower (KVBuffer.for_decode)
+    if row_attention.serves(query, kv_dtype):  # every query of the layer in one call of kvrag's kernel
         row_attention.attend(query, keys, out, scaling)
-    else:
+    else:  # K/V narrower than the query widened to its dtype first
         for i, (kb, vb, s0, end) in enumerate(keys):
             a = torch.nn.functional.scaled_dot_product_attention(
-                query[:, :, i : i + 1], kb[None, :, s0:end], vb[None, :, s0:end], scale=scaling, enable_gqa=True)
+                query[:, :, i : i + 1], kb[None, :, s0:end].to(query.dtype), vb[None, :, s0:end].to(query.dtype),
+                scale=scaling, enable_gqa=True)
             out[0, i].copy_(a[0, :, 0])
     return out.view(len(step.rows), 1, *out.shape[2:]) if plain else out
 
@@ -213,6 +236,28 @@ def batchable(model: Any, impl: str) -> str | None:
         if getattr(c, "attn_logit_softcapping", None) or getattr(c, "use_sink", False):
             return "attention logit soft-capping / sinks"
     return None
+
+
+def decode_kv_dtype(model: Any, setting: str, unbatchable: str | None) -> torch.dtype:
+    """The dtype of the K/V buffer a request of ``model`` decodes over, for ``EngineConfig.kv_dtype`` ``setting``
+    ("auto": the model's dtype); ConfigError where the steps cannot read it: batched steps read float32 or bfloat16
+    K/V under a float32 model and the model's dtype otherwise (``unbatchable``: why rows are stepped alone, through
+    the model's own forward, which reads its own dtype)."""
+    from kvrag.errors import ConfigError
+
+    mdtype = model.dtype
+    want: torch.dtype = mdtype if setting == "auto" else getattr(torch, setting)
+    if want == mdtype:
+        return want
+    if (mdtype, want) != (torch.float32, torch.bfloat16):
+        msg = (f"kv_dtype={setting!r} under a {mdtype} model: decode K/V are the model's dtype, or bfloat16 under a "
+               "float32 model; use kv_dtype='auto'")
+        raise ConfigError(msg)
+    if unbatchable is not None:
+        msg = (f"kv_dtype={setting!r}: this model's rows decode through its own forward ({unbatchable}), which reads "
+               "K/V in its own dtype; use kv_dtype='auto'")
+        raise ConfigError(msg)
+    return want
 
 
 def windows(model: Any) -> list[tuple[str, int | None]]:
@@ -328,5 +373,5 @@ def prefill_rows(model: Any, rows: Sequence[Row], tokens: Sequence[Sequence[int]
         _local.step = None
 
 
-__all__ = ["Row", "active", "attention", "batchable", "decode_step", "prefill_rows", "verify_step",
-           "windows"]
+__all__ = ["Row", "active", "attention", "batchable", "decode_kv_dtype", "decode_step", "prefill_rows",
+           "verify_step", "windows"]

@@ -25,8 +25,8 @@ or over the whole projection run on the fused product's columns in place before 
 tables (Gemma 3's per layer type; none for the RoPE-free layers of SmolLM3 and EXAONE 4, whose q and k the kernel
 takes as they are; Cohere's interleaved pairs; Cohere's and OLMo 2's bfloat16 heads rotated in float32; partial
 rotary, the rest of each head passed as it is: StableLM, Phi-4-mini; :func:`rope_mode`), Granite's multipliers and
-the logit scaling or soft-capping -- in float32 or bfloat16 where kvrag's row attention serves the dtype. It is one
-backend of :mod:`kvrag.kv.step_backend`, which checks its first step of each model against the model's forward
+the logit scaling or soft-capping -- in float32 or bfloat16 where kvrag's row attention serves the dtype; a float32
+model's rows may hold bfloat16 K/V (the fresh k and v rounded as they are written). It is one backend of :mod:`kvrag.kv.step_backend`, which checks its first step of each model against the model's forward
 (logits and written K/V, bit for bit) before it serves that model.
 """
 
@@ -199,6 +199,18 @@ def _plan(model: Any) -> _Plan:
     return plan
 
 
+def _kv_dtype(plan: _Plan, rows: Sequence[Any]) -> torch.dtype:
+    """The K/V dtype of a step's rows: the model's, or bfloat16 under a float32 model (every row alike)."""
+    kinds = {r.buffer.keys.dtype for r in rows}
+    kv = kinds.pop() if len(kinds) == 1 else None
+    if kv is None or (kv != plan.dtype and (plan.dtype, kv) != (torch.float32, torch.bfloat16)):
+        msg = f"rows' K/V buffers of {sorted(map(str, kinds | {kv}))} under a {plan.dtype} model"
+        raise ValueError(msg)
+    if kv != plan.dtype:
+        row_attention.library(plan.dtype, kv)  # RuntimeError where that path does not serve here
+    return kv
+
+
 def _products(fused: quant.Fused | None, mods: Sequence[torch.nn.Linear], x: torch.Tensor, n_q: int) -> torch.Tensor:
     """The products of ``mods`` on ``x`` [B, S, hidden] side by side: [B * S, sum of outputs], contiguous."""
     if fused is not None and n_q <= quant.MAX_ROWS and fused.valid():
@@ -218,18 +230,18 @@ def _mlp(layer: _Layer, x: torch.Tensor, b: int, s: int, n_q: int) -> torch.Tens
 
 
 def _entries(plan: _Plan, rows: Sequence[Any], counts: Sequence[int],
-             windows: Sequence[tuple[str, int | None]]) -> array.array:
+             windows: Sequence[tuple[str, int | None]], kv_dtype: torch.dtype) -> array.array:
     """int64 [layers, queries, 5]: each query's keys / values address of the layer, K/V head stride, position and
     first attended position (``kvrag_rope_attend``'s entries)."""
-    el = torch.empty((), dtype=plan.dtype).element_size()
+    el = torch.empty((), dtype=kv_dtype).element_size()
     per_query = []
     for r, q in zip(rows, counts, strict=True):
         k, v = r.buffer.keys, r.buffer.values
-        if (k.dtype != plan.dtype or v.dtype != plan.dtype or k.stride() != v.stride() or k.stride()[2:] != (plan.d, 1)
+        if (k.dtype != kv_dtype or v.dtype != kv_dtype or k.stride() != v.stride() or k.stride()[2:] != (plan.d, 1)
                 or k.shape != v.shape or k.shape[0] < len(plan.layers)
                 or k.shape[1] != plan.kv_heads or k.shape[3] != plan.d or not k.is_cpu):
-            msg = (f"a row's K/V buffer ({k.dtype}, {tuple(k.shape)}, strides {k.stride()}) is not the model's "
-                   f"dtype or layout ({plan.dtype}, [{len(plan.layers)}, {plan.kv_heads}, T, {plan.d}])")
+            msg = (f"a row's K/V buffer ({k.dtype}, {tuple(k.shape)}, strides {k.stride()}) is not the step's "
+                   f"dtype or layout ({kv_dtype}, [{len(plan.layers)}, {plan.kv_heads}, T, {plan.d}])")
             raise ValueError(msg)
         if r.length + q > k.shape[2]:
             msg = f"a row of {r.length} positions has no room for {q} more (capacity {k.shape[2]})"
@@ -264,7 +276,8 @@ def forward(model: Any, ids: torch.Tensor, pos: torch.Tensor, keep: int | torch.
     if n_q != sum(counts):
         msg = f"{n_q} tokens for rows feeding {sum(counts)}"
         raise ValueError(msg)
-    ent = _entries(plan, rows, counts, windows)
+    kv_dtype = _kv_dtype(plan, rows)
+    ent = _entries(plan, rows, counts, windows, kv_dtype)
     h = step_layout.embed(model, ids)
     tables = step_layout.rope_tables(model, plan.ropes, h, pos)
     tdt = torch.float32 if plan.rope_mode & ROPE_WIDE else plan.dtype
@@ -276,7 +289,7 @@ def forward(model: Any, ids: torch.Tensor, pos: torch.Tensor, keep: int | torch.
             raise ValueError(msg)
     qbuf = torch.empty((n_q, heads, d), dtype=plan.dtype)
     o = torch.empty((b, s, heads * d), dtype=plan.dtype)
-    bf16, addr, stride = int(plan.dtype == torch.bfloat16), ent.buffer_info()[0], n_q * 5 * 8
+    kv_mode, addr, stride = row_attention.mode(plan.dtype, kv_dtype), ent.buffer_info()[0], n_q * 5 * 8
     qp, op = qbuf.data_ptr(), o.data_ptr()
     ptrs = {k: (0, 0) if t is None else (t[0].data_ptr(), t[1].data_ptr()) for k, t in tables.items()}
     threads = torch.get_num_threads()
@@ -294,7 +307,7 @@ def forward(model: Any, ids: torch.Tensor, pos: torch.Tensor, keep: int | torch.
                 qs.copy_(layer.q_norm(qs.contiguous()))
                 ks.copy_(layer.k_norm(ks.contiguous()))
         cp, sp = ptrs[layer.rope]
-        if fn(bf16, addr + i * stride, n_q, qkv.data_ptr(), qkv.shape[1], cp, sp, cw, heads, plan.kv_heads, d,
+        if fn(kv_mode, addr + i * stride, n_q, qkv.data_ptr(), qkv.shape[1], cp, sp, cw, heads, plan.kv_heads, d,
               layer.scaling, qp, op, threads, mode):
             raise MemoryError("kvrag's row attention: no memory for the scores")
         a = layer.o_proj.forward(o)

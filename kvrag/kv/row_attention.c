@@ -15,7 +15,9 @@
  *
  *   bfloat16 (AVX512-BF16): q . k by VDPBF16PS (exact products of bf16 pairs, float32 sums), values widened to
  *                           float32 and accumulated by FMA;
- *   float32  (AVX2 + FMA):  FMA throughout.
+ *   float32  (AVX2 + FMA):  FMA throughout; also for float32 queries over bfloat16 keys and values (MODE_F32_BF16KV:
+ *                           each element widened to float32 as it is loaded, exactly, then the same arithmetic --
+ *                           the bits the float32 path computes over the widened K/V).
  *
  * Each entry's result depends on its own query, keys and values only -- never on the other entries of the call or
  * on how the work is split between threads -- and every sum runs in a fixed order, so a row decoded in a batch gets
@@ -197,6 +199,15 @@ BF static void head_bf16(const uint16_t *q, int64_t qh, const uint16_t *k, const
 /* --------------------------------------------------------------------------------------------------- float32 */
 #define F32 __attribute__((target("avx2,fma")))
 
+/* 8 keys' / values' elements from `p` (element i on): float32 as they are, or bfloat16 K/V (`half`) widened to
+ * float32 exactly -- so float32 queries over bfloat16 K/V run the float32 path's arithmetic on the widened values. */
+F32 static inline __attribute__((always_inline)) __m256 load8(const void *p, int64_t i, int half) {
+    if (half)
+        return _mm256_castsi256_ps(
+            _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i))), 16));
+    return _mm256_loadu_ps((const float *)p + i);
+}
+
 F32 static inline __m256 exp256(__m256 x) { /* x <= 0 */
     x = _mm256_max_ps(x, _mm256_set1_ps(EXP_MIN));
     __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(EXP_LOG2E)),
@@ -256,8 +267,8 @@ F32 static inline __m128 sum4_256(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
     return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
-F32 static inline __attribute__((always_inline)) void scores_f32(const float *q, int64_t qh, const float *k, int64_t n,
-                                                                 int64_t d, int gb, float scale, float *s) {
+F32 static inline __attribute__((always_inline)) void scores_f32(const float *q, int64_t qh, const void *k, int64_t n,
+                                                                 int64_t d, int gb, float scale, float *s, int half) {
     const __m128 sc = _mm_set1_ps(scale);
     const __m256 z = _mm256_setzero_ps();
     int64_t t = 0;
@@ -270,7 +281,7 @@ F32 static inline __attribute__((always_inline)) void scores_f32(const float *q,
                 __m256 q0 = _mm256_loadu_ps(q + g0 * qh + c);
                 __m256 q1 = g0 + 1 < gb ? _mm256_loadu_ps(q + (g0 + 1) * qh + c) : z;
                 for (int j = 0; j < 4; j++) {
-                    __m256 kv = _mm256_loadu_ps(k + (t + j) * d + c);
+                    __m256 kv = load8(k, (t + j) * d + c, half);
                     acc[0][j] = _mm256_fmadd_ps(q0, kv, acc[0][j]);
                     acc[1][j] = _mm256_fmadd_ps(q1, kv, acc[1][j]);
                 }
@@ -284,24 +295,24 @@ F32 static inline __attribute__((always_inline)) void scores_f32(const float *q,
         for (int g = 0; g < gb; g++) {
             __m256 acc = z;
             for (int64_t c = 0; c < d; c += 8)
-                acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * qh + c), _mm256_loadu_ps(k + t * d + c), acc);
+                acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * qh + c), load8(k, t * d + c, half), acc);
             s[g * n + t] = _mm_cvtss_f32(sum4_256(acc, z, z, z)) * scale; /* the same sums as sum4_256's lane 0 */
         }
     }
 }
 
-F32 static inline __attribute__((always_inline)) void values_f32(const float *p, const float *sums, const float *v,
-                                                                 int64_t n, int64_t d, int gb, float *out) {
+F32 static inline __attribute__((always_inline)) void values_f32(const float *p, const float *sums, const void *v,
+                                                                 int64_t n, int64_t d, int gb, float *out, int half) {
     for (int g = 0; g < gb; g++) /* one query head per pass: its 64-dim accumulators fill the registers */
         for (int64_t d0 = 0; d0 < d; d0 += 64) {
             const int64_t w = d - d0 < 64 ? (d - d0) / 8 : 8;
             __m256 acc[8];
             for (int c = 0; c < 8; c++) acc[c] = _mm256_setzero_ps();
             for (int64_t t = 0; t < n; t++) {
-                const float *vt = v + t * d + d0;
+                const int64_t vt = t * d + d0;
                 __m256 pb = _mm256_set1_ps(p[g * n + t]);
                 for (int c = 0; c < 8; c++)
-                    if (c < w) acc[c] = _mm256_fmadd_ps(pb, _mm256_loadu_ps(vt + 8 * c), acc[c]);
+                    if (c < w) acc[c] = _mm256_fmadd_ps(pb, load8(v, vt + 8 * c, half), acc[c]);
             }
             __m256 l = _mm256_set1_ps(sums[g]);
             for (int c = 0; c < 8; c++)
@@ -310,19 +321,26 @@ F32 static inline __attribute__((always_inline)) void values_f32(const float *p,
 }
 
 /* head_f32 (AVX2 + FMA) and head_f32_wide (below, with AVX512-VL): one KV head's query heads, GB at a time --
- * their scores, softmax and weighted sums (VALUES: values_f32 or values_f32_wide) */
+ * their scores, softmax and weighted sums (VALUES: values_f32 or values_f32_wide), over float32 K/V or (HALF 1)
+ * bfloat16 K/V */
+#define HEAD_F32_PASS(VALUES, HALF)                                                                                \
+    for (int g0 = 0; g0 < heads; g0 += GB) {                                                                       \
+        int gb = heads - g0 < GB ? heads - g0 : GB;                                                                \
+        const float *qg = q + g0 * qh;                                                                             \
+        if (d == 64) scores_f32(qg, qh, k, n, 64, gb, scale, s, HALF);                                             \
+        else scores_f32(qg, qh, k, n, d, gb, scale, s, HALF);                                                      \
+        for (int g = 0; g < gb; g++) sums[g] = softmax256(s + g * n, n);                                           \
+        if (d == 64) VALUES(s, sums, v, n, 64, gb, out + g0 * d, HALF);                                            \
+        else VALUES(s, sums, v, n, d, gb, out + g0 * d, HALF);                                                     \
+    }
 #define HEAD_F32(NAME, TARGET, VALUES)                                                                             \
-    TARGET static void NAME(const float *q, int64_t qh, const float *k, const float *v, int64_t n, int64_t d,      \
-                            int heads, float scale, float *out, float *s) {                                        \
+    TARGET static void NAME(const float *q, int64_t qh, const void *k, const void *v, int64_t n, int64_t d,        \
+                            int heads, float scale, float *out, float *s, int half) {                              \
         float sums[GB];                                                                                            \
-        for (int g0 = 0; g0 < heads; g0 += GB) {                                                                   \
-            int gb = heads - g0 < GB ? heads - g0 : GB;                                                            \
-            const float *qg = q + g0 * qh;                                                                         \
-            if (d == 64) scores_f32(qg, qh, k, n, 64, gb, scale, s);                                               \
-            else scores_f32(qg, qh, k, n, d, gb, scale, s);                                                        \
-            for (int g = 0; g < gb; g++) sums[g] = softmax256(s + g * n, n);                                       \
-            if (d == 64) VALUES(s, sums, v, n, 64, gb, out + g0 * d);                                              \
-            else VALUES(s, sums, v, n, d, gb, out + g0 * d);                                                       \
+        if (half) {                                                                                                \
+            HEAD_F32_PASS(VALUES, 1)                                                                               \
+        } else {                                                                                                   \
+            HEAD_F32_PASS(VALUES, 0)                                                                               \
         }                                                                                                          \
     }
 
@@ -334,8 +352,8 @@ HEAD_F32(head_f32, F32, values_f32)
 #define F32W __attribute__((target("avx2,fma,avx512f,avx512vl")))
 
 F32W static inline __attribute__((always_inline)) void values_f32_wide(const float *p, const float *sums,
-                                                                       const float *v, int64_t n, int64_t d, int gb,
-                                                                       float *out) {
+                                                                       const void *v, int64_t n, int64_t d, int gb,
+                                                                       float *out, int half) {
     for (int g0 = 0; g0 < gb; g0 += 3) {
         const int hb = gb - g0 < 3 ? gb - g0 : 3;
         const float *p0 = p + g0 * n, *p1 = p0 + n, *p2 = p1 + n;
@@ -344,12 +362,12 @@ F32W static inline __attribute__((always_inline)) void values_f32_wide(const flo
             __m256 a0[8], a1[8], a2[8];
             for (int c = 0; c < 8; c++) a0[c] = a1[c] = a2[c] = _mm256_setzero_ps();
             for (int64_t t = 0; t < n; t++) {
-                const float *vt = v + t * d + d0;
+                const int64_t vt = t * d + d0;
                 const __m256 b0 = _mm256_set1_ps(p0[t]);
                 const __m256 b1 = hb > 1 ? _mm256_set1_ps(p1[t]) : b0, b2 = hb > 2 ? _mm256_set1_ps(p2[t]) : b0;
                 for (int c = 0; c < 8; c++)
                     if (c < w) {
-                        const __m256 x = _mm256_loadu_ps(vt + 8 * c);
+                        const __m256 x = load8(v, vt + 8 * c, half);
                         a0[c] = _mm256_fmadd_ps(b0, x, a0[c]);
                         a1[c] = _mm256_fmadd_ps(b1, x, a1[c]);
                         a2[c] = _mm256_fmadd_ps(b2, x, a2[c]);
@@ -369,8 +387,8 @@ HEAD_F32(head_f32_wide, F32W, values_f32_wide)
 
 /* head_f32_wide where the CPU has AVX512-F + VL (the same bits as head_f32), else head_f32 (also where
  * KVRAG_ROW_ATTENTION_NARROW is set: for A/B runs) */
-static void head_f32_any(const float *q, int64_t qh, const float *k, const float *v, int64_t n, int64_t d, int heads,
-                         float scale, float *out, float *s) {
+static void head_f32_any(const float *q, int64_t qh, const void *k, const void *v, int64_t n, int64_t d, int heads,
+                         float scale, float *out, float *s, int half) {
     static int wide = -1; /* decided once (every thread decides alike) */
     if (wide < 0) {
         __builtin_cpu_init();
@@ -378,31 +396,37 @@ static void head_f32_any(const float *q, int64_t qh, const float *k, const float
                !getenv("KVRAG_ROW_ATTENTION_NARROW");
     }
     if (wide)
-        head_f32_wide(q, qh, k, v, n, d, heads, scale, out, s);
+        head_f32_wide(q, qh, k, v, n, d, heads, scale, out, s, half);
     else
-        head_f32(q, qh, k, v, n, d, heads, scale, out, s);
+        head_f32(q, qh, k, v, n, d, heads, scale, out, s, half);
 }
+
+/* The dtypes of a call (`mode`): float32 throughout, bfloat16 throughout, or float32 queries and outputs over
+ * bfloat16 keys and values (a decode buffer narrower than the model's dtype). */
+#define MODE_F32 0
+#define MODE_BF16 1
+#define MODE_F32_BF16KV 2
 
 /* ------------------------------------------------------------------------------------------------- portable */
 static inline uint16_t round_bf16(float f);
 static inline float widen_bf16(uint16_t h);
 
 /* The same function in plain C, one query head at a time, its sums in double (in key / dimension order; libm's
- * exp): any x86 CPU, for testing the bfloat16 and float32 callers where the SIMD paths cannot run
+ * exp; `kv16`: bfloat16 keys and values): any x86 CPU, for testing the bfloat16 and float32 callers where the SIMD paths cannot run
  * (kvrag_row_attention_portable). Its results differ from the SIMD paths' in the last bits; like theirs, an item's
  * never depend on the other items of a call. */
 static float load_el(int bf16, const void *p, int64_t i) {
     return bf16 ? widen_bf16(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
-static void head_portable(int bf16, const void *q, int64_t qh, const void *k, const void *v, int64_t n, int64_t d,
+static void head_portable(int bf16, int kv16, const void *q, int64_t qh, const void *k, const void *v, int64_t n, int64_t d,
                           int heads, float scale, void *out, float *s) {
     for (int g = 0; g < heads; g++) {
         float mx = -INFINITY;
         double l = 0.0;
         for (int64_t t = 0; t < n; t++) {
             double acc = 0.0;
-            for (int64_t j = 0; j < d; j++) acc += (double)load_el(bf16, q, g * qh + j) * load_el(bf16, k, t * d + j);
+            for (int64_t j = 0; j < d; j++) acc += (double)load_el(bf16, q, g * qh + j) * load_el(kv16, k, t * d + j);
             s[t] = (float)(acc * scale);
             mx = s[t] > mx ? s[t] : mx;
         }
@@ -412,7 +436,7 @@ static void head_portable(int bf16, const void *q, int64_t qh, const void *k, co
         }
         for (int64_t j = 0; j < d; j++) {
             double acc = 0.0;
-            for (int64_t t = 0; t < n; t++) acc += (double)s[t] * load_el(bf16, v, t * d + j);
+            for (int64_t t = 0; t < n; t++) acc += (double)s[t] * load_el(kv16, v, t * d + j);
             if (bf16) ((uint16_t *)out)[g * d + j] = round_bf16((float)(acc / l));
             else ((float *)out)[g * d + j] = (float)(acc / l);
         }
@@ -425,41 +449,39 @@ static int portable = 0; /* 1: every call takes head_portable (kvrag_row_attenti
 void kvrag_row_attention_portable(int on) { portable = on; }
 
 /* One (query, KV head) item: the KV head's `groups` query heads (`q_head` elements apart) over n keys / values,
- * into `out` [groups, d], in the inputs' dtype. Returns 0, or -1 when out of memory for the scores. */
-static int attend_head(int bf16, const void *q, int64_t q_head, const void *k, const void *v, int64_t n, int64_t d,
+ * into `out` [groups, d], in the queries' dtype. Returns 0, or -1 when out of memory for the scores. */
+static int attend_head(int mode, const void *q, int64_t q_head, const void *k, const void *v, int64_t n, int64_t d,
                        int groups, float scale, void *out) {
     float *s = malloc(sizeof(float) * (size_t)(groups < GB ? groups : GB) * (size_t)n);
     if (!s) return -1;
     if (portable)
-        head_portable(bf16, q, q_head, k, v, n, d, groups, scale, out, s);
-    else if (bf16)
+        head_portable(mode == MODE_BF16, mode != MODE_F32, q, q_head, k, v, n, d, groups, scale, out, s);
+    else if (mode == MODE_BF16)
         head_bf16((const uint16_t *)q, q_head, (const uint16_t *)k, (const uint16_t *)v, n, d, groups, scale,
                   (uint16_t *)out, s);
     else
-        head_f32_any((const float *)q, q_head, (const float *)k, (const float *)v, n, d, groups, scale, (float *)out,
-                     s);
+        head_f32_any((const float *)q, q_head, k, v, n, d, groups, scale, (float *)out, s, mode == MODE_F32_BF16KV);
     free(s);
     return 0;
 }
 
 /* ------------------------------------------------------------------------------------------------------ entry */
 
-/* bf16: 1 for bfloat16 (needs AVX512-BF16), 0 for float32 (needs AVX2 + FMA; d a multiple of 8; bfloat16 needs d
- * even). Work items (entry, KV head) are split between `threads` OpenMP threads. Returns 0, or -1 when out of
- * memory. */
-int kvrag_row_attention(int bf16, const int64_t *entries, int64_t count, int64_t heads, int64_t kv_heads, int64_t d,
+/* mode: MODE_BF16 (needs AVX512-BF16; d even), MODE_F32 or MODE_F32_BF16KV (need AVX2 + FMA; d a multiple of 8).
+ * Work items (entry, KV head) are split between `threads` OpenMP threads. Returns 0, or -1 when out of memory. */
+int kvrag_row_attention(int mode, const int64_t *entries, int64_t count, int64_t heads, int64_t kv_heads, int64_t d,
                         int64_t q_head, float scale, int threads) {
     const int64_t groups = heads / kv_heads, items = count * kv_heads;
-    const size_t el = bf16 ? 2 : 4;
+    const size_t el = mode == MODE_BF16 ? 2 : 4, kvel = mode == MODE_F32 ? 4 : 2;
     int failed = 0;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && items > 1)
     for (int64_t it = 0; it < items; it++) {
         const int64_t *e = entries + (it / kv_heads) * 6, h = it % kv_heads;
         const char *q = (const char *)(intptr_t)e[0] + (size_t)(h * groups * q_head) * el;
-        const char *k = (const char *)(intptr_t)e[1] + (size_t)(h * e[3]) * el;
-        const char *v = (const char *)(intptr_t)e[2] + (size_t)(h * e[3]) * el;
+        const char *k = (const char *)(intptr_t)e[1] + (size_t)(h * e[3]) * kvel;
+        const char *v = (const char *)(intptr_t)e[2] + (size_t)(h * e[3]) * kvel;
         char *out = (char *)(intptr_t)e[5] + (size_t)(h * groups * d) * el;
-        if (attend_head(bf16, q, q_head, k, v, e[4], d, (int)groups, scale, out))
+        if (attend_head(mode, q, q_head, k, v, e[4], d, (int)groups, scale, out))
             failed = 1;
     }
     return failed ? -1 : 0;
@@ -582,11 +604,12 @@ NO_CONTRACT static void rope_other(const void *x, int64_t xs, int64_t heads, int
  * Entries: int64 [count, 5] = (address of the layer's keys at head 0 position 0, of its values, elements between
  * K/V heads, p, start). A verify step's queries of one row read the keys the row's earlier queries write, so all
  * writes finish before any query attends. Returns 0, or -1 when out of memory. */
-int kvrag_rope_attend(int bf16, const int64_t *entries, int64_t count, const void *qkv, int64_t qkv_row,
+int kvrag_rope_attend(int mode, const int64_t *entries, int64_t count, const void *qkv, int64_t qkv_row,
                       const void *cos, const void *sin, int64_t cs_row, int64_t heads, int64_t kv_heads, int64_t d,
                       float scale, void *qbuf, void *out, int threads, int rope) {
     const int64_t groups = heads / kv_heads, items = count * kv_heads;
-    const size_t el = bf16 ? 2 : 4, cel = (rope & ROPE_WIDE) ? 4 : el;
+    const int bf16 = mode == MODE_BF16;
+    const size_t el = bf16 ? 2 : 4, kvel = mode == MODE_F32 ? 4 : 2, cel = (rope & ROPE_WIDE) ? 4 : el;
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1 && items > 1)
     {
@@ -600,8 +623,26 @@ int kvrag_rope_attend(int bf16, const int64_t *entries, int64_t count, const voi
             const char *kx = row + (size_t)((heads + h) * d) * el;
             const char *vx = row + (size_t)((heads + kv_heads + h) * d) * el;
             char *qy = (char *)qbuf + (size_t)((i * heads + h * groups) * d) * el;
-            const size_t at = (size_t)(h * e[2] + e[3] * d) * el;
+            const size_t at = (size_t)(h * e[2] + e[3] * d) * kvel;
             char *ky = (char *)(intptr_t)e[0] + at, *vy = (char *)(intptr_t)e[1] + at;
+            if (mode == MODE_F32_BF16KV) { /* float32 q and k, rounded to bfloat16 as they are written */
+                float kr[d];
+                if (!cos) {
+                    memcpy(qy, qx, (size_t)(groups * d) * el);
+                    memcpy(kr, kx, (size_t)d * el);
+                } else if (rope) {
+                    rope_other(qx, d, groups, d, c, s, qy, d, 0, rope);
+                    rope_other(kx, d, 1, d, c, s, kr, d, 0, rope);
+                } else {
+                    rope_f32((const float *)qx, d, groups, d, (const float *)c, (const float *)s, (float *)qy, d);
+                    rope_f32((const float *)kx, d, 1, d, (const float *)c, (const float *)s, kr, d);
+                }
+                for (int64_t j = 0; j < d; j++) {
+                    ((uint16_t *)ky)[j] = round_bf16(kr[j]);
+                    ((uint16_t *)vy)[j] = round_bf16(((const float *)vx)[j]);
+                }
+                continue;
+            }
             if (!cos) { /* a layer without RoPE: q and k as they are */
                 memcpy(qy, qx, (size_t)(groups * d) * el);
                 memcpy(ky, kx, (size_t)d * el);
@@ -624,14 +665,14 @@ int kvrag_rope_attend(int bf16, const int64_t *entries, int64_t count, const voi
         for (int64_t it = 0; it < items; it++) {
             const int64_t i = it % count, h = it / count, *e = entries + i * 5;
             const char *q = (const char *)qbuf + (size_t)((i * heads + h * groups) * d) * el;
-            const size_t at = (size_t)(h * e[2] + e[4] * d) * el;
+            const size_t at = (size_t)(h * e[2] + e[4] * d) * kvel;
             const char *k = (const char *)(intptr_t)e[0] + at, *v = (const char *)(intptr_t)e[1] + at;
             char *o = (char *)out + (size_t)((i * heads + h * groups) * d) * el;
-            if (attend_head(bf16, q, d, k, v, e[3] - e[4] + 1, d, (int)groups, scale, o))
+            if (attend_head(mode, q, d, k, v, e[3] - e[4] + 1, d, (int)groups, scale, o))
                 failed = 1;
         }
     }
     return failed ? -1 : 0;
 }
 
-int kvrag_row_attention_abi(void) { return 5; }
+int kvrag_row_attention_abi(void) { return 6; }

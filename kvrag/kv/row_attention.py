@@ -15,11 +15,13 @@ single-token forwards over a cache) alike -- so ``full`` still generates what ``
 model object, and each entry's result never depends on the other entries of its call or on the thread split (a
 row's tokens do not depend on its batch).
 
-Paths: bfloat16 with AVX512-BF16 (head dim even), float32 with AVX2 + FMA (head dim a multiple of 8), CPU tensors
-only. Anything else, no C compiler, a failed self-check, or ``KVRAG_ROW_ATTENTION=torch`` leaves torch's SDPA in
-place for every call of that dtype, with the reason in :func:`why_not`. ``KVRAG_ROW_ATTENTION=portable`` serves
-both dtypes on any x86 CPU through the kernel's plain-C path (slower; for testing the callers where the SIMD paths
-cannot run).
+Paths: bfloat16 with AVX512-BF16 (head dim even), float32 with AVX2 + FMA (head dim a multiple of 8), and float32
+queries over bfloat16 keys and values (a decode buffer narrower than a float32 model, :mod:`kvrag.kv.hf_cache`'s
+``KVBuffer.for_decode``) with AVX2 + FMA: each bfloat16 element widened to float32 exactly as it is loaded, then the
+float32 path's arithmetic -- the same bits as the float32 path over the widened K/V. CPU tensors only. Anything else, no C compiler, a failed self-check, or
+``KVRAG_ROW_ATTENTION=torch`` leaves torch's SDPA in place for every call of that dtype, with the reason in
+:func:`why_not`. ``KVRAG_ROW_ATTENTION=portable`` serves every path on any x86 CPU through the kernel's plain-C
+code (slower; for testing the callers where the SIMD paths cannot run).
 """
 
 from __future__ import annotations
@@ -40,10 +42,18 @@ from kvrag.kv import native
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("row_attention.c")
-_ABI = 5
-_NEEDS = {torch.bfloat16: ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16"),
-          torch.float32: ("avx2", "fma")}
-"""The CPU flags each path is compiled for (row_attention.c's target attributes)."""
+_ABI = 6
+_NEEDS = {(torch.bfloat16, torch.bfloat16): ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16"),
+          (torch.float32, torch.float32): ("avx2", "fma"),
+          (torch.float32, torch.bfloat16): ("avx2", "fma")}
+"""The CPU flags each path -- (query dtype, K/V dtype) -- is compiled for (row_attention.c's target attributes)."""
+_MODES = {(torch.float32, torch.float32): 0, (torch.bfloat16, torch.bfloat16): 1, (torch.float32, torch.bfloat16): 2}
+"""row_attention.c's ``mode`` of each path."""
+
+
+def mode(dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> int:
+    """row_attention.c's ``mode`` for queries in ``dtype`` over K/V in ``kv_dtype`` (None: the same)."""
+    return _MODES[(dtype, dtype if kv_dtype is None else kv_dtype)]
 
 
 class _Lib:
@@ -64,62 +74,67 @@ class _Lib:
         ra.restype = ctypes.c_int
         self.rope_attend = ra
 
-    def run(self, bf16: bool, entries: array.array, count: int, heads: int, kv_heads: int, d: int, q_head: int,
+    def run(self, mode: int, entries: array.array, count: int, heads: int, kv_heads: int, d: int, q_head: int,
             scale: float, threads: int) -> None:
-        if self.fn(int(bf16), entries.buffer_info()[0], count, heads, kv_heads, d, q_head, scale, threads):
+        if self.fn(mode, entries.buffer_info()[0], count, heads, kv_heads, d, q_head, scale, threads):
             raise MemoryError("kvrag's row attention: no memory for the scores")
 
 
 @functools.cache
-def _load(dtype: torch.dtype) -> tuple[_Lib | None, str | None]:
-    """(library, why not) for one-token attention in ``dtype``: chosen once per dtype and process."""
+def _load(dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> tuple[_Lib | None, str | None]:
+    """(library, why not) for one-token attention of ``dtype`` queries over ``kv_dtype`` K/V (None: the same):
+    chosen once per pair and process."""
+    kv_dtype = dtype if kv_dtype is None else kv_dtype
+    what = str(dtype) if kv_dtype == dtype else f"{dtype} queries over {kv_dtype} K/V"
     try:
         wanted = native.setting("KVRAG_ROW_ATTENTION", ("torch", "portable"))
     except ConfigError as e:
         return None, str(e)
     if wanted == "torch":
         return None, "KVRAG_ROW_ATTENTION=torch"
-    needs = _NEEDS.get(dtype)
+    needs = _NEEDS.get((dtype, kv_dtype))
     if needs is None:
-        return None, f"no kvrag row-attention path for {dtype}"
+        return None, f"no kvrag row-attention path for {what}"
     missing = [f for f in needs if f not in native.cpu_flags()]
     if missing and wanted != "portable":
-        return None, f"this CPU lacks {', '.join(missing)} for the {dtype} path"
+        return None, f"this CPU lacks {', '.join(missing)} for the {what} path"
 
     def load() -> _Lib:
         lib = _Lib(portable=wanted == "portable")
-        _self_check(lib, dtype)
+        _self_check(lib, dtype, kv_dtype)
         return lib
 
-    lib, why = native.attempt(f"kvrag's row attention for {dtype}", load)
+    lib, why = native.attempt(f"kvrag's row attention for {what}", load)
     if lib is not None:
-        log.info("one-token attention (%s): kvrag's kernel", dtype)
+        log.info("one-token attention (%s): kvrag's kernel", what)
     return lib, why
 
 
-def library(dtype: torch.dtype) -> _Lib:
-    """The loaded kernel library serving ``dtype`` (its ``rope_attend`` is :mod:`kvrag.kv.fused_step`'s call);
-    RuntimeError where it does not serve (:func:`why_not` says why)."""
-    lib, why = _load(dtype)
+def library(dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> _Lib:
+    """The loaded kernel library serving ``dtype`` queries over ``kv_dtype`` K/V (None: the same; its
+    ``rope_attend`` is :mod:`kvrag.kv.fused_step`'s call); RuntimeError where it does not serve (:func:`why_not`
+    says why)."""
+    lib, why = _load(dtype, kv_dtype)
     if lib is None:
-        raise RuntimeError(f"kvrag's row attention does not serve {dtype} here: {why}")
+        raise RuntimeError(f"kvrag's row attention does not serve {dtype} over {kv_dtype or dtype} K/V here: {why}")
     return lib
 
 
-def why_not(dtype: torch.dtype) -> str | None:
-    """Why torch's SDPA serves one-token attention in ``dtype`` here (None when kvrag's kernel does)."""
-    return _load(dtype)[1]
+def why_not(dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> str | None:
+    """Why torch's SDPA serves one-token attention of ``dtype`` queries over ``kv_dtype`` K/V (None: the same) here
+    (None when kvrag's kernel does)."""
+    return _load(dtype, kv_dtype)[1]
 
 
-def serves(query: torch.Tensor) -> bool:
-    """Whether one-token attention over ``query``'s dtype and head dim runs kvrag's kernel: decided by the device,
-    dtype and head dim only, so every call of a model decides alike."""
+def serves(query: torch.Tensor, kv_dtype: torch.dtype | None = None) -> bool:
+    """Whether one-token attention of ``query`` over K/V in ``kv_dtype`` (None: the query's dtype) runs kvrag's
+    kernel: decided by the device, dtypes and head dim only, so every call of a model decides alike."""
     if query.device.type != "cpu":
         return False
     d = query.shape[-1]
     if (query.dtype == torch.bfloat16 and d % 2) or (query.dtype == torch.float32 and d % 8):
         return False
-    return _load(query.dtype)[0] is not None
+    return _load(query.dtype, kv_dtype)[0] is not None
 
 
 def window_start(mask: torch.Tensor | None, keys: int) -> int | None:
@@ -143,10 +158,12 @@ def attend(query: torch.Tensor, keys: Sequence[tuple[torch.Tensor, torch.Tensor,
             contiguous, positions D apart) and the query attending to positions ``start .. stop - 1``.
         out: [1, Q, H, D] contiguous, the query's dtype.
 
+    K / V are in the query's dtype, or bfloat16 under float32 queries.
+
     Returns:
         ``out``.
     """
-    lib = _load(query.dtype)[0]
+    lib = _load(query.dtype, keys[0][0].dtype)[0]
     assert lib is not None, "kvrag's row attention does not serve this dtype here"
     return _call(lib, query, keys, out, 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale),
                  torch.get_num_threads())
@@ -162,17 +179,22 @@ def _call(lib: _Lib, query: torch.Tensor, keys: Sequence[tuple[torch.Tensor, tor
     if query.stride(-1) != 1:
         query = query.contiguous()
     el = query.element_size()
+    kv_dtype = keys[0][0].dtype
+    kvel = torch.empty((), dtype=kv_dtype).element_size()
     q0, qs, o0, os_ = query.data_ptr(), query.stride(2) * el, out.data_ptr(), out.stride(1) * el
     flat, keep = array.array("q"), []
     for i, (k, v, start, stop) in enumerate(keys):
         ks = k.stride()
+        if k.dtype != kv_dtype or v.dtype != kv_dtype:
+            msg = f"keys / values of {k.dtype} / {v.dtype} beside {kv_dtype} in one call"
+            raise ValueError(msg)
         if ks[1:] != (d, 1) or v.stride() != ks:
             k, v = k.contiguous(), v.contiguous()
             keep.append((k, v))  # alive until the call returns
             ks = k.stride()
-        flat.extend((q0 + i * qs, k.data_ptr() + start * d * el, v.data_ptr() + start * d * el, ks[0], stop - start,
-                     o0 + i * os_))
-    lib.run(query.dtype == torch.bfloat16, flat, len(keys), heads, kv_heads, d, query.stride(1), scale, threads)
+        flat.extend((q0 + i * qs, k.data_ptr() + start * d * kvel, v.data_ptr() + start * d * kvel, ks[0],
+                     stop - start, o0 + i * os_))
+    lib.run(mode(query.dtype, kv_dtype), flat, len(keys), heads, kv_heads, d, query.stride(1), scale, threads)
     return out
 
 
@@ -185,16 +207,23 @@ def reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale
     return torch.einsum("ht,htd->hd", w, v)
 
 
-def _self_check(lib: _Lib, dtype: torch.dtype) -> None:
-    """The kernel against float64 arithmetic for several key counts, each query alone and in one call."""
+def _self_check(lib: _Lib, dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
+    """The kernel against float64 arithmetic for several key counts, each query alone and in one call; float32
+    queries over bfloat16 K/V also bit for bit against the float32 path over the same K/V widened."""
     gen = torch.Generator().manual_seed(0)
     heads, kv_heads, d = 6, 2, 64
     lengths = (1, 7, 33, 300)
     q = torch.randn(1, heads, len(lengths), d, generator=gen).to(dtype)
-    kv = [(torch.randn(kv_heads, n + 3, d, generator=gen).to(dtype),
-           torch.randn(kv_heads, n + 3, d, generator=gen).to(dtype), 2, n + 2) for n in lengths]
+    kv = [(torch.randn(kv_heads, n + 3, d, generator=gen).to(kv_dtype),
+           torch.randn(kv_heads, n + 3, d, generator=gen).to(kv_dtype), 2, n + 2) for n in lengths]
     out = torch.empty(1, len(lengths), heads, d, dtype=dtype)
     _call(lib, q, kv, out, 0.125, 2)
+    if kv_dtype != dtype:
+        wide = torch.empty_like(out)
+        _call(lib, q, [(k.to(dtype), v.to(dtype), a, b) for k, v, a, b in kv], wide, 0.125, 2)
+        if not torch.equal(wide, out):
+            msg = f"self-check ({dtype} over {kv_dtype} K/V): differs from the {dtype} path over the widened K/V"
+            raise AssertionError(msg)
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
     for i, (k, v, a, b) in enumerate(kv):
         ref = reference(q[0, :, i], k[:, a:b], v[:, a:b], 0.125)
@@ -209,4 +238,4 @@ def _self_check(lib: _Lib, dtype: torch.dtype) -> None:
             raise AssertionError(msg)
 
 
-__all__ = ["SOURCE", "attend", "library", "reference", "serves", "why_not", "window_start"]
+__all__ = ["SOURCE", "attend", "library", "mode", "reference", "serves", "why_not", "window_start"]

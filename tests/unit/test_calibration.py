@@ -15,6 +15,7 @@ from kvrag.calibration import Calibration, DtypeCalibration, load_calibration, m
 from kvrag.fusion.auto import Auto, fit_cost_model
 from kvrag.fusion.cost import ModelCost
 from kvrag.fusion.cost_model import CostModel
+from kvrag.kv import row_attention
 from kvrag.prompting import render_passage
 from kvrag_testing.tiny import tiny_model
 
@@ -101,6 +102,10 @@ def test_calibrate_writes_a_loadable_cost_model_that_auto_prefers(tmp_path: Path
     assert set(d.ttft_s) == {"full", "stale", "relaxkv:r=0.3"}
     assert all(d.e2e_s[m] == pytest.approx(d.ttft_s[m] + 32 * d.decode_ms_per_token / 1000) for m in d.ttft_s)
     assert d.cost_model is not None
+    if row_attention.why_not(torch.float32, torch.bfloat16) is None:  # K/V precision measured in float32
+        assert set(d.kv_decode_ms_per_token) == {"float32", "bfloat16"} and min(d.kv_decode_ms_per_token.values()) > 0
+        assert 0 < d.kv_kl["bfloat16"] < 1e-3
+        assert d.preferred_kv_dtype() in ("float32", "bfloat16")
     cm = CostModel.from_dict(d.cost_model)
     assert (cm.machine_kind, cm.dtype) == (kind, "float32")
     assert cm.candidates["relaxkv:r=0.3"].kl == 0.12 and cm.candidates["stale"].kl == 0.5  # KL from the base
@@ -143,3 +148,18 @@ def test_a_calibration_file_is_a_cost_model_for_its_dtype(tmp_path: Path) -> Non
     assert Auto(costs=str(path)).cost_model("cpu-x", "float32").source == "fp32"
     with pytest.raises(ConfigError, match="not for bfloat16"):
         load_cost_model(path, "bfloat16")
+
+
+@pytest.mark.parametrize(("ms", "kl", "want"), [
+    ({"float32": 40.0, "bfloat16": 30.0}, {"bfloat16": 2e-4}, "bfloat16"),  # faster and within the KL budget
+    ({"float32": 40.0, "bfloat16": 30.0}, {"bfloat16": 5e-3}, "float32"),  # faster but over the KL budget
+    ({"float32": 30.0, "bfloat16": 31.0}, {"bfloat16": 2e-4}, "float32"),  # not faster
+    ({}, {}, None),  # not compared
+])
+def test_preferred_kv_dtype_is_the_fastest_within_the_kl_budget(ms: dict[str, float], kl: dict[str, float],
+                                                                  want: str | None, tmp_path: Path) -> None:
+    d = DtypeCalibration("float32", 100.0, 50.0, kv_decode_ms_per_token=ms, kv_kl=kl)
+    assert d.preferred_kv_dtype() == want
+    cal = save_calibration(Calibration("cpu-amx", "m", 1, {"float32": d}), tmp_path / "c.json")
+    back = Calibration.from_dict(json.loads(Path(str(cal.path)).read_text()))
+    assert back.dtypes["float32"].preferred_kv_dtype() == want

@@ -74,7 +74,7 @@ ATTENTION = [(dt, mode) for dt in (torch.float32, torch.bfloat16) for mode in ("
 @pytest.fixture
 def attention_lib(request: pytest.FixtureRequest) -> Iterator[tuple[row_attention._Lib, torch.dtype]]:
     dtype, mode = request.param
-    missing = [f for f in row_attention._NEEDS[dtype] if f not in cpu_flags()]
+    missing = [f for f in row_attention._NEEDS[(dtype, dtype)] if f not in cpu_flags()]
     if mode == "simd" and missing:
         pytest.skip(f"this CPU lacks {', '.join(missing)} for the {dtype} SIMD path")
     lib = row_attention._Lib(portable=mode == "portable")
