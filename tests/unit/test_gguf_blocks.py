@@ -1,6 +1,6 @@
 """GGUF blocks resident in the model: kvrag's de-quantization against the ``gguf`` package's, bit for bit.
 
-Tiny GGUF files are written with the ``gguf`` package: Q4_0 / Q4_1 / Q8_0 / BF16 by its own quantizers, Q4_K /
+Tiny GGUF files are written with the ``gguf`` package: Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / BF16 by its own quantizers, Q4_K /
 Q5_K / Q6_K as random valid blocks (it has no quantizer for them: random bytes with finite float16 scales). kvrag
 reads them back from a memory map of the file (:mod:`kvrag.gguf_load`) and de-quantizes them
 (:mod:`kvrag.kv.gguf_quant`); the float32 bits must equal ``gguf.quants.dequantize``'s. A tiny Llama written in
@@ -26,7 +26,7 @@ from kvrag.testing.tiny_gguf import write_tiny_gguf
 gguf = pytest.importorskip("gguf", reason="gguf not installed (pip install 'kvrag[gguf]')")
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-QUANTIZED = ("Q4_0", "Q4_1", "Q8_0", "BF16")
+QUANTIZED = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "BF16")
 RANDOM_BLOCKS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}  # byte offsets of each block's float16 scales
 ROWS, COLS = 48, 512
 
