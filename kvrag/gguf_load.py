@@ -46,7 +46,8 @@ def tensor_table(reader: Any) -> list[dict[str, Any]]:
 
 
 def check_resident(architecture: str, table: list[dict[str, Any]]) -> None:
-    """Refuse by name a file whose tensors kvrag cannot keep resident (type or architecture)."""
+    """Refuse by name an architecture whose quantized tensors kvrag cannot keep resident (tensor types it does not
+    keep are de-quantized at load instead, with a warning)."""
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS
 
     proc = TENSOR_PROCESSORS.get(architecture)
@@ -54,11 +55,10 @@ def check_resident(architecture: str, table: list[dict[str, Any]]) -> None:
         msg = (f"GGUF architecture {architecture!r}: transformers re-lays its tensors ({proc.__name__}) in a way "
                "kvrag does not apply to quantized blocks; use the model's Hugging Face checkpoint folder")
         raise UnsupportedModelError(msg)
-    bad = sorted({t["type"] for t in table} - set(TYPES))
-    if bad:
-        msg = (f"GGUF tensor type {', '.join(bad)} is not supported: kvrag keeps {', '.join(TYPES)} resident. Use a "
-               "GGUF of another quantization (e.g. Q4_K_M, Q8_0, F16)")
-        raise UnsupportedModelError(msg)
+    other = sorted({t["type"] for t in table} - set(TYPES))
+    if other:
+        log.warning("GGUF tensor type(s) %s are not kept resident (kvrag keeps %s): those tensors are de-quantized "
+                    "into the compute dtype at load", ", ".join(other), ", ".join(TYPES))
 
 
 def _set_module(model: torch.nn.Module, dotted: str, new: torch.nn.Module) -> None:
@@ -111,8 +111,14 @@ def load_resident(gguf: Path, table: list[dict[str, Any]], config: PretrainedCon
         dims, qtype = t["dims"], t["type"]
         rows = int(np.prod(dims[1:])) if len(dims) > 1 else 1
         raw = data[t["offset"] : t["offset"] + t["bytes"]].view(rows, -1)
-        if qtype in FLOAT_TYPES or not hf.endswith(".weight") or len(dims) != 2:
-            w = dequantize(raw, qtype, dims[0]).reshape(*reversed(dims)).numpy()
+        if qtype in FLOAT_TYPES or qtype not in TYPES or not hf.endswith(".weight") or len(dims) != 2:
+            if qtype in TYPES:
+                w = dequantize(raw, qtype, dims[0]).reshape(*reversed(dims)).numpy()
+            else:  # a type kvrag does not keep resident: the gguf package de-quantizes it
+                from gguf import GGMLQuantizationType
+                from gguf.quants import dequantize as gguf_dequantize
+
+                w = gguf_dequantize(raw.numpy(), GGMLQuantizationType[qtype]).reshape(*reversed(dims))
             w = processor.process(weights=w, name=t["name"]).weights
             dense[hf] = torch.from_numpy(np.array(w, dtype=np.float32)).to(dtype)
             continue
