@@ -153,3 +153,30 @@ def test_quantized_gguf_loads_resident_and_matches_transformers(quantization: st
     p_ids = torch.tensor([eng.loaded.tokenizer(prompt, add_special_tokens=False)["input_ids"]])
     out = model.generate(p_ids, max_new_tokens=6, do_sample=False, attention_mask=torch.ones_like(p_ids))
     assert resp.token_ids == out[0, p_ids.shape[1]:].tolist()
+
+
+def test_int4_decode_route_on_the_files_blocks_fuses_and_full_equals_generate(tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """``quantize="int4"`` on a Q4_0 file: the layers' int4 weights come from the blocks, fuse (q/k/v, gate/up) into
+    one product with the same bits, are keyed apart from the dense route, and ``full`` equals ``model.generate``."""
+    from kvrag.kv import quant
+
+    monkeypatch.setenv("KVRAG_HOME", str(tmp_path / "home"))
+    tiny = tiny_model("llama", init_std=0.1)
+    path = write_tiny_gguf(tmp_path / "tiny-Q4_0.gguf", tiny, quantization="Q4_0")
+    eng = KVRAGEngine.from_pretrained(str(path), dtype="float32", device="cpu", quantize="int4")
+    dense = KVRAGEngine.from_pretrained(str(path), dtype="float32", device="cpu", quantize=None)
+    assert eng.loaded.fingerprint != dense.loaded.fingerprint
+    attn = eng.loaded.model.model.layers[0].self_attn
+    mods = (attn.q_proj, attn.k_proj, attn.v_proj)
+    assert all(m.int4 is not None for m in mods)
+    if int4_kernel.path() is not None:
+        fused = quant.fuse_int4(mods)
+        assert fused is not None and fused.valid()
+        x = torch.randn(3, 64)
+        assert torch.equal(fused.mm(x), torch.cat([m(x) for m in mods], -1))
+    prompt = "Question: what is the capital of France? Answer:"
+    resp = eng.answer(prompt, method="full", max_new_tokens=6)
+    p_ids = torch.tensor([eng.loaded.tokenizer(prompt, add_special_tokens=False)["input_ids"]])
+    out = eng.loaded.model.generate(p_ids, max_new_tokens=6, do_sample=False, attention_mask=torch.ones_like(p_ids))
+    assert resp.token_ids == out[0, p_ids.shape[1]:].tolist()
