@@ -113,7 +113,7 @@ def child_kvrag(gguf: str, data: str | None, context: int, new_tokens: int, thre
     tokens = len(prep.token_ids)
     peak = _peak_rss_mb()
     eng.ingest(passages, progress=False)
-    stale = eng.prepare(plan, "stale", reserve=new_tokens)
+    stale = eng.prepare(eng.plan_parts(prefix, passages, suffix), "stale", reserve=new_tokens)  # chunks now cached
     "".join(eng.stream(stale, GenerationConfig(max_new_tokens=1)))
     return {"system": "kvrag", "model": DEFAULT_MODEL if default else gguf, "load_s": load_s,
             "peak_rss_mb": peak, "disk_mb": _dir_bytes(folder) / 2**20, "prompt_ids": list(plan.token_ids),
