@@ -8,7 +8,7 @@ Q4_1 / Q8_0 / Q4_K_M / Q5_K_M / Q6_K files (a K-quant file keeps Q5_0 / Q8_0 for
 
 :class:`GGUFLinear` keeps a linear layer's blocks and computes its products two ways:
 
-* inputs of at most :data:`INT4_ROWS` rows (decode steps, question suffixes), when the model was loaded
+* inputs of at most :data:`kvrag.kv.quant.MAX_ROWS` rows (decode steps, short suffixes), when the model was loaded
   with ``quantize="int4"``: the int4 kernels of :mod:`kvrag.kv.quant` on the blocks re-laid out once at load. A
   Q4_0 / Q4_1 block and each 32-weight sub-block of a Q4_K super-block is exactly one of those kernels' groups
   (``w = (q - 8) scale + zero``: Q4_0 ``scale = d``; Q4_1 ``zero = m + 8 d``; Q4_K ``scale = d sc``, ``zero =
@@ -175,11 +175,6 @@ def int4_parts(raw: torch.Tensor, qtype: str) -> list[tuple[torch.Tensor, torch.
     raise ValueError(msg)
 
 
-INT4_ROWS = 64
-"""Inputs of at most this many rows take the int4 route (decode steps, verify steps and question suffixes); larger
-ones the file's exact weights. Past the decode-sized :data:`kvrag.kv.quant.MAX_ROWS` because de-quantizing a layer
-costs about what a bfloat16 product of ~1.5K rows does: a question suffix of a few dozen tokens on the dense route
-would de-quantize the whole model for it."""
 TILE_WEIGHTS = 1 << 24
 """Weights de-quantized at a time by a dense product (64 MB of float32): a layer larger than this (an output head
 of a large vocabulary) is multiplied tile by tile."""
@@ -305,7 +300,7 @@ class GGUFLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         k = x.shape[-1]
         int4 = self.int4
-        if int4 is not None and x.is_cpu and x.numel() <= INT4_ROWS * k:
+        if int4 is not None and x.is_cpu and x.numel() <= quant.MAX_ROWS * k:
             flat = x.reshape(-1, k)
             if flat.dtype == torch.float32 and int4.takes_float32:
                 y = int4.mm(flat.contiguous())
