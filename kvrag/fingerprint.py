@@ -8,9 +8,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
 import weakref
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -47,7 +50,7 @@ _FINGERPRINT_IGNORED_CONFIG_KEYS = frozenset(
     }
 )
 _SAMPLE_ELEMENTS = 4096  # strided sample of raw bytes hashed per tensor
-_SUM_CHUNK = 1 << 31  # elements per chunk of the exact integer checksum (keeps the int64 sum exact)
+_SUM_CHUNK = 1 << 24  # elements per chunk of the exact integer checksum (bounds the int64 temporary of a uint8 sum)
 
 
 def _config_for_fingerprint(config: PretrainedConfig) -> dict[str, Any]:
@@ -77,17 +80,83 @@ def _tensor_digest(h: Any, name: str, tensor: torch.Tensor) -> None:
     h.update(sample.view(torch.uint8).numpy().tobytes() if sample.element_size() else b"")
 
 
+_DIGEST_ROWS = 1 << 22  # weights de-quantized at a time when digesting a GGUF-resident weight
+
+
+def _resident_digest(h: Any, name: str, module: Any, dtype: torch.dtype) -> None:
+    """:func:`_tensor_digest` of a GGUF-resident weight (:mod:`kvrag.kv.gguf_quant`) as the float tensor it stands
+    for, in ``dtype``, de-quantized a few rows at a time: the digest of the same weights held as floats."""
+    rows, cols = int(module.blocks.shape[0]), int(module.weight.shape[1])
+    numel = rows * cols
+    h.update(f"{name}|{(rows, cols)}|{dtype}|".encode())
+    step = max(1, numel // _SAMPLE_ELEMENTS)
+    per = max(1, _DIGEST_ROWS // cols)
+    checksum, samples, last = 0, [], None
+    int_view = _INT_VIEW[torch.empty((), dtype=dtype).element_size()]
+    for r0 in range(0, rows, per):
+        t = module.rows(torch.arange(r0, min(r0 + per, rows))).to(dtype).reshape(-1)
+        bits = t.view(int_view)
+        checksum += int(bits.sum(dtype=torch.int64).item())
+        o = r0 * cols
+        samples.append(t[(-o) % step :: step])
+        last = t[-1:]
+    sample = torch.cat([*samples, last]) if last is not None else torch.empty(0, dtype=dtype)
+    h.update(str(checksum).encode())
+    h.update(sample.contiguous().view(torch.uint8).numpy().tobytes())
+
+
 def _state_digest(h: Any, model: PreTrainedModel, cast: torch.dtype | None = None) -> None:
-    """Feed every parameter and persistent buffer into ``h`` in name order (floating ones cast to ``cast``)."""
+    """Feed every parameter and persistent buffer into ``h`` in name order (floating ones cast to ``cast``).
+
+    A GGUF-resident weight (a module holding a file's ``blocks``, :mod:`kvrag.kv.gguf_quant`) is digested as the
+    float weight it stands for, in the compute dtype, under the parameter's name: the same weights held as floats
+    (a de-quantized checkpoint of the same file) have the same digest."""
+    resident = {n: m for n, m in model.named_modules() if hasattr(m, "qtype") and hasattr(m, "blocks")}
+    state: dict[str, Any] = {}
+    for name, tensor in model.state_dict().items():
+        prefix, _, leaf = name.rpartition(".")
+        if prefix in resident and leaf in ("blocks", "ggml_type"):
+            if leaf == "blocks":
+                state[f"{prefix}.weight"] = resident[prefix]
+            continue
+        state[name] = tensor
     seen: dict[tuple[Any, ...], str] = {}
-    for name, tensor in sorted(model.state_dict().items()):
+    for name, item in sorted(state.items()):
+        tensor = item if isinstance(item, torch.Tensor) else item.blocks
         # Tied weights (e.g. lm_head = embed_tokens) share storage: digest once, record the alias.
         ident = (tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()))
         if tensor.numel() and ident in seen:
             h.update(f"{name}|alias-of|{seen[ident]}|".encode())
             continue
         seen[ident] = name
+        if not isinstance(item, torch.Tensor):
+            _resident_digest(h, name, item, cast or item.dtype)
+            continue
         _tensor_digest(h, name, tensor.to(cast) if cast is not None and tensor.is_floating_point() else tensor)
+
+
+def _memo(model: Any, h: Any, compute: Any) -> str:
+    """``compute(h)``'s digest, memoized in the file ``model._kvrag_digest_memo`` names (a GGUF model's prepared
+    folder: its weights are fixed by the file) under the digest of what ``h`` holds so far."""
+    path = getattr(model, "_kvrag_digest_memo", None)
+    if path is None:
+        compute(h)
+        return str(h.hexdigest())
+    key = h.copy().hexdigest()
+    try:
+        memo = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        memo = {}
+    if isinstance(memo, dict) and isinstance(memo.get(key), str):
+        return str(memo[key])
+    compute(h)
+    memo = memo if isinstance(memo, dict) else {}
+    memo[key] = h.hexdigest()
+    tmp = Path(f"{path}.tmp-{os.getpid()}")
+    with contextlib.suppress(OSError):
+        tmp.write_text(json.dumps(memo))
+        os.replace(tmp, path)
+    return str(memo[key])
 
 
 @torch.no_grad()
@@ -121,8 +190,7 @@ def model_fingerprint(model: PreTrainedModel, dtype: torch.dtype | str | None = 
     h.update(f"\x00compute_dtype={dtype}\x00".encode())
     if quantize is not None:
         h.update(f"quantize={quantize}\x00".encode())
-    _state_digest(h, model)
-    return h.hexdigest()
+    return _memo(model, h, lambda hh: _state_digest(hh, model))
 
 
 _WEIGHTS_FP: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
@@ -142,8 +210,7 @@ def weights_fingerprint(model: PreTrainedModel) -> str:
     h = hashlib.sha256()
     h.update(b"kvrag-weights-fp-v1\x00")
     h.update(json.dumps(_config_for_fingerprint(model.config), sort_keys=True, default=str).encode())
-    _state_digest(h, model, cast=torch.bfloat16)
-    fp = h.hexdigest()
+    fp = _memo(model, h, lambda hh: _state_digest(hh, model, cast=torch.bfloat16))
     _WEIGHTS_FP[model] = fp
     return fp
 

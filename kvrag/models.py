@@ -21,13 +21,16 @@ from kvrag.calibration import cpu_flags, load_calibration, machine_kind
 from kvrag.default_model import (
     DEFAULT_MODEL,
     default_embedder_path,
+    default_gguf_path,
     is_gguf_path,
+    load_prepared_gguf,
     prepare_default_model,
     prepare_gguf,
 )
 from kvrag.errors import ConfigError
 from kvrag.extras import require
 from kvrag.fingerprint import model_fingerprint, tokenizer_fingerprint
+from kvrag.gguf_load import use_int4
 from kvrag.kv.attention import use_gqa_sdpa
 from kvrag.kv.compute import check_rerotation
 from kvrag.kv.linear import pack_linears
@@ -239,13 +242,16 @@ def wrap_model(
     use_gqa_sdpa(model)  # SDPA without repeated K/V heads for masked grouped-query calls (kvrag.kv.attention)
     pack_linears(model)  # bf16 on the CPU: weights packed once for oneDNN, bit-identical outputs (kvrag.kv.linear)
     quantize_linears(model, mode)  # after packing: longer inputs fall back to the packed / dense forward
+    tag = quant_tag(mode)
+    if mode == "int4" and use_int4(model):  # GGUF-resident layers: the file's own blocks for decode-sized products
+        tag = f"{tag}+gguf-blocks"  # int4 groups taken from the file, not re-quantized from its floats
     param = next(model.parameters())
     dtype = dtype or param.dtype
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
         name=name,
-        fingerprint=model_fingerprint(model, dtype, quant_tag(mode)),
+        fingerprint=model_fingerprint(model, dtype, tag),
         tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
         device=param.device,
         dtype=dtype,
@@ -263,8 +269,9 @@ def load_model(
     """Load a causal LM for kvrag.
 
     Args:
-        model: None or :data:`DEFAULT_MODEL` for the embedded default (converted once, see
-            :func:`prepare_default_model`); a path to a ``.gguf`` file (converted once into ``kvrag_home()/models``,
+        model: None or :data:`DEFAULT_MODEL` for the embedded default (prepared once, see
+            :func:`prepare_default_model`; weights resident in the file's blocks, :mod:`kvrag.gguf_load`); a path to
+            a ``.gguf`` file (prepared once into ``kvrag_home()/models``,
             see :func:`kvrag.default_model.prepare_gguf`); otherwise a Hugging Face model id or a local checkpoint
             directory. Hub ids resolve only from the local HF cache when ``HF_HUB_OFFLINE=1``.
         dtype: compute dtype; default :func:`default_dtype` (``$KVRAG_DTYPE``, else bfloat16 on CUDA and on CPUs
@@ -291,9 +298,12 @@ def load_model(
     is_default = model is None or str(model) == DEFAULT_MODEL
     mode = (default_quantize(dev, dt, gguf=is_default or gguf_file) if quantize == DEFAULT_QUANTIZE
             else parse_mode(quantize))
+    gguf: Path | None = None
     if model is None or is_default:
         name, source, local = DEFAULT_MODEL, str(prepare_default_model()), True
+        gguf = default_gguf_path()
     elif gguf_file:
+        gguf = Path(model).expanduser().resolve()
         name, source, local = str(model), str(prepare_gguf(model)), True
     else:
         name, source = str(model), str(model)
@@ -316,10 +326,14 @@ def load_model(
             raise ConfigError(msg) from e
         check_rope_support(config, name=name)  # fail before reading any weights
         tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=offline)
-        lm = AutoModelForCausalLM.from_pretrained(
-            source, config=config, dtype=dt, attn_implementation=attention_implementation(config),
-            local_files_only=offline,
-        )
+        if gguf is not None:  # the file's own blocks, resident (kvrag.gguf_load)
+            lm = load_prepared_gguf(gguf, Path(source), config, dtype=dt,
+                                    attn_implementation=attention_implementation(config))
+        else:
+            lm = AutoModelForCausalLM.from_pretrained(
+                source, config=config, dtype=dt, attn_implementation=attention_implementation(config),
+                local_files_only=offline,
+            )
     lm.to(dev)  # type: ignore[arg-type]  # transformers wraps nn.Module.to; mypy misreads the wrapper
     loaded = wrap_model(lm, tokenizer, name=name, dtype=dt, quantize=mode)
     logger.info("loaded %s on %s (%s%s) in %.1f s", name, dev, dtype_name(dt), f", {mode} weights" if mode else "",

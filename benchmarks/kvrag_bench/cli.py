@@ -102,7 +102,7 @@ def add_bench_arguments(subparsers: Any) -> argparse.ArgumentParser:
     )
     _add_qa_args(p)
     p.set_defaults(func=_pinned(run_bench))
-    sub = p.add_subparsers(dest="bench_command", metavar="{sweep,store,load,chat,decode,speculate,quant-kl,kv-kl,llamaindex-kl,dtype-kl,ingest,templates,plot}")
+    sub = p.add_subparsers(dest="bench_command", metavar="{sweep,store,load,chat,decode,memory,speculate,quant-kl,kv-kl,llamaindex-kl,dtype-kl,ingest,templates,plot}")
 
     s = sub.add_parser("sweep", help="TTFT and memory vs context length and vs chunk count, every method")
     s.add_argument("--data", default=None, help="QA JSONL whose passages supply the text (default: built-in text)")
@@ -146,7 +146,7 @@ def add_bench_arguments(subparsers: Any) -> argparse.ArgumentParser:
     interleave.add_arguments(ld)
     ld.set_defaults(func=_pinned(run_load))
 
-    from kvrag_bench import chat_bench, decode_bench, kv_kl, quant_kl, spec_bench
+    from kvrag_bench import chat_bench, decode_bench, kv_kl, memory_bench, quant_kl, spec_bench
 
     _module_command(sub, "chat", chat_bench, "a 10-turn chat over dev passages: TTFT per turn, reused vs recomputed history",
                     "Ask dev questions one turn after another (fixed or changing passages in the system message), each "
@@ -159,6 +159,12 @@ def add_bench_arguments(subparsers: Any) -> argparse.ArgumentParser:
                     "(interleaved), beside the bytes-read bound (bytes one step reads / copy bandwidth, measured in "
                     "the same run) and llama.cpp on the same GGUF file and token ids when llama-cpp-python is "
                     "installed (the `peers` extra).")
+    _module_command(sub, "memory", memory_bench,
+                    "peak RSS, disk besides the file, TTFT and decode of a GGUF file: kvrag vs llama.cpp",
+                    "Each system in fresh processes taking turns: load the GGUF file and answer one QA prompt "
+                    "(peak RSS then), kvrag with its defaults (weights resident in the file's blocks) and llama.cpp "
+                    "on the same token ids when llama-cpp-python is installed; plus the bytes kvrag keeps beside "
+                    "the file and `stale`'s TTFT.")
     _module_command(sub, "quant-kl", quant_kl,
                     "KL(dense || quantized) of the next token along the dense answer, on dev data",
                     "Prefill and greedily decode each request with dense weights, then teacher-force each variant "

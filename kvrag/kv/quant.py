@@ -316,11 +316,12 @@ class Fused:
         self.packed, self.n, self.bias, self._checks = packed, n, bias, checks
 
     def valid(self) -> bool:
-        """Whether each layer still has the quantized state, weight and bias (same objects, unchanged) it had when
-        fused; otherwise its own forward serves (:func:`_forward`'s checks)."""
-        for mod, state, w, wv, b, bv in self._checks:
-            if (mod.__dict__.get("_kvrag_quant") is not state or mod._parameters["weight"] is not w
-                    or w._version != wv or mod._parameters.get("bias") is not b or (b is not None and b._version != bv)):
+        """Whether each layer still has the quantized state, int4 weight, weight and bias (same objects, unchanged)
+        it had when fused; otherwise its own forward serves (:func:`_forward`'s checks)."""
+        for mod, state, int4, w, wv, b, bv in self._checks:
+            if (mod.__dict__.get("_kvrag_quant") is not state or _int4_of(mod) is not int4
+                    or mod._parameters.get("weight") is not w or (w is not None and w._version != wv)
+                    or mod._parameters.get("bias") is not b or (b is not None and b._version != bv)):
                 return False
         return True
 
@@ -330,28 +331,44 @@ class Fused:
         return y if self.bias is None else y + self.bias
 
 
-def fuse_int4(modules: Sequence[torch.nn.Linear]) -> Fused | None:
+def _int4_of(m: Any) -> _Int4 | None:
+    """The kvrag-kernel int4 weight a module's decode-sized products use: its :func:`quantize_linears` state's (while
+    valid for its weight), or a GGUF-resident layer's own (:class:`kvrag.kv.gguf_quant.GGUFLinear`); else None."""
+    st = m.__dict__.get("_kvrag_quant")
+    if st is not None:
+        w = st.qweight
+        ok = isinstance(w, _Int4) and w.takes_float32 and st.valid_for(m.weight)
+        return w if ok else None
+    w = m.__dict__.get("int4")
+    return w if isinstance(w, _Int4) and w.takes_float32 else None
+
+
+def fuse_int4(modules: Sequence[torch.nn.Module]) -> Fused | None:
     """One :class:`Fused` product for ``modules`` (which read the same input), or None unless each has an int4
-    weight for kvrag's kernel of the same input width and all or none has a bias. The modules' packed weights
-    become views of the fused one."""
-    states = [getattr(m, "_kvrag_quant", None) for m in modules]
-    if not states or any(st is None or not isinstance(st.qweight, _Int4) or not st.qweight.takes_float32
-                         or not st.valid_for(m.weight) for st, m in zip(states, modules, strict=True)):
+    weight for kvrag's kernel (:func:`_int4_of`) of the same input width and all or none has a bias. The modules'
+    packed weights become views of the fused one."""
+    found = [_int4_of(m) for m in modules]
+    weights = [w for w in found if w is not None]
+    if not weights or len(weights) != len(found):
         return None
-    ks = {m.weight.shape[1] for m in modules}
+    ks = {int(m.weight.shape[1]) for m in modules}  # type: ignore[index]
     biases = [m.bias for m in modules]
     if len(ks) != 1 or len({b is None for b in biases}) != 1:
         return None
-    parts = [st.qweight.packed for st in states]  # type: ignore[union-attr]
+    parts = [w.packed for w in weights]
     packed = torch.cat(parts).contiguous()
     o = 0
-    for st, part in zip(states, parts, strict=True):
-        st.qweight.packed = packed[o : o + part.shape[0]]  # type: ignore[union-attr]
+    for w, part in zip(weights, parts, strict=True):
+        w.packed = packed[o : o + part.shape[0]]
         o += part.shape[0]
-    bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])  # type: ignore[union-attr]
-    checks = [(m, st, m.weight, m.weight._version, m.bias, None if m.bias is None else m.bias._version)
-              for m, st in zip(modules, states, strict=True)]
-    return Fused(packed, sum(st.qweight.n for st in states), bias, checks)  # type: ignore[union-attr]
+    bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])  # type: ignore[union-attr, operator]
+    checks = []
+    for m, w in zip(modules, weights, strict=True):
+        p = m._parameters.get("weight")
+        b = m._parameters.get("bias")
+        checks.append((m, m.__dict__.get("_kvrag_quant"), w, p, None if p is None else p._version, b,
+                       None if b is None else b._version))
+    return Fused(packed, sum(w.n for w in weights), bias, checks)
 
 
 def quant_tag(mode: str | None) -> str | None:

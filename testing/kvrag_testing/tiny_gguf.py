@@ -60,13 +60,16 @@ def _add_tokenizer(writer: Any, tokenizer: Any) -> None:
         writer.add_chat_template(tokenizer.chat_template)
 
 
-def write_tiny_gguf(path: str | os.PathLike[str], lm: LoadedModel, *, name: str = "tiny-llama") -> Path:
-    """Write a Llama :class:`~kvrag.models.LoadedModel` (e.g. ``tiny_model("llama")``) as a float32 GGUF file.
+def write_tiny_gguf(path: str | os.PathLike[str], lm: LoadedModel, *, name: str = "tiny-llama",
+                    quantization: str = "F32") -> Path:
+    """Write a Llama :class:`~kvrag.models.LoadedModel` (e.g. ``tiny_model("llama")``) as a GGUF file.
 
     Args:
         path: the ``.gguf`` file to write.
         lm: a Llama-architecture model with a byte-level BPE tokenizer.
         name: ``general.name`` (transformers reads a name containing "mistral" as a Mistral model).
+        quantization: the type of its 2D weights, quantized by the ``gguf`` package's own quantizer (``F32``,
+            ``F16``, ``BF16``, ``Q4_0``, ``Q4_1``, ``Q8_0``); norms stay F32.
 
     Returns:
         ``path``.
@@ -81,7 +84,9 @@ def write_tiny_gguf(path: str | os.PathLike[str], lm: LoadedModel, *, name: str 
     name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, n_layers)
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_name(name)
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    qtype = gguf.GGMLQuantizationType[quantization]
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32 if quantization == "F32" else gguf.LlamaFileType[
+        f"MOSTLY_{quantization}"])
     writer.add_context_length(config.max_position_embeddings)
     writer.add_block_count(n_layers)
     writer.add_embedding_length(config.hidden_size)
@@ -104,7 +109,10 @@ def write_tiny_gguf(path: str | os.PathLike[str], lm: LoadedModel, *, name: str 
             data = _llama_cpp_permute(data, n_head)
         elif base.endswith("k_proj"):
             data = _llama_cpp_permute(data, n_kv)
-        writer.add_tensor(f"{gguf_name}.{suffix}", data)
+        if data.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(f"{gguf_name}.{suffix}", gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(f"{gguf_name}.{suffix}", data)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -1,4 +1,4 @@
-"""The real default model: one GGUF -> safetensors conversion into a fresh KVRAG_HOME (~40 s on CPU), then reuse.
+"""The real default model: one preparation of its GGUF (config, tokenizer) into a fresh KVRAG_HOME, then reuse.
 
 The conversion runs once per module (module-scoped fixture); every test below shares it.
 """
@@ -35,7 +35,8 @@ def test_conversion_writes_a_plain_checkpoint(prepared: tuple[Path, float]) -> N
     print(f"default-model conversion: {seconds:.1f} s")
     assert path == kvrag_home() / "models" / default_model.DEFAULT_MODEL
     names = {p.name for p in path.iterdir()}
-    assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"} <= names
+    assert {"config.json", "tokenizer.json", "generation_config.json"} <= names
+    assert not any(n.endswith(".safetensors") for n in names)  # the weights stay in the GGUF file
     assert not any(n.startswith(".") and n != default_model._MARKER for n in names)
     assert not any(p.name.startswith(f".{default_model.DEFAULT_MODEL}.tmp") for p in path.parent.iterdir())
     config = json.loads((path / "config.json").read_text())

@@ -59,7 +59,8 @@ def test_gguf_file_loads_by_path_and_matches_the_model(tiny, home: Path, tmp_pat
     # converted once into models/<stem>-<sha256[:12]>, with the marker written last
     sha = default_model._sha256_file(gguf)
     target = home / "models" / f"tiny-llama.F32-{sha[:12]}"
-    assert target == default_model.gguf_checkpoint_dir(gguf, sha) and (target / "model.safetensors").is_file()
+    assert target == default_model.gguf_checkpoint_dir(gguf, sha)
+    assert not list(target.glob("*.safetensors"))  # only what the file lacks: config, tokenizer, tensor table
     marker = json.loads((target / default_model._MARKER).read_text())
     assert marker["gguf_sha256"] == sha and marker["gguf_path"] == str(gguf.resolve())
     assert marker["gguf_architecture"] == "llama" and marker["gguf_quantizations"] == ["F32"]

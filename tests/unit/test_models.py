@@ -176,7 +176,7 @@ def test_prepare_default_model_uses_marker(monkeypatch: pytest.MonkeyPatch, tmp_
         target.mkdir(parents=True, exist_ok=True)
         st = src.stat()
         marker = {
-            "format": 1,
+            "format": default_model._CONVERSION_FORMAT,
             "gguf_sha256": default_model._sha256_file(src),
             "gguf_size": st.st_size,
             "gguf_mtime_ns": st.st_mtime_ns,

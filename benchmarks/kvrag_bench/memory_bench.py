@@ -1,0 +1,274 @@
+"""``kvrag bench memory``: peak memory and disk of a GGUF model in kvrag beside llama.cpp on the same file and ids.
+
+For each ``--gguf`` file (default: the embedded SmolLM2 Q4_1), each system runs in a fresh process of its own, the
+two taking turns ``--rounds`` times (a busy machine slows them alike):
+
+* kvrag: ``load_model(file)`` with kvrag's defaults (weights resident in the file's blocks, :mod:`kvrag.gguf_load`),
+  then one answer of ``--new-tokens`` greedy tokens with ``full`` on a QA prompt of the passages of ``--data``'s first
+  row (or the sample documents), cut to about ``--context`` tokens. Peak RSS (the kernel's high-water mark,
+  ``VmHWM``) is read right after that answer; then the passages are ingested and the same prompt answered with
+  ``stale`` (its TTFT reported; ingest is not part of the peak);
+* llama.cpp (llama-cpp-python, when installed): the same file, the prompt's token ids from kvrag's plan prefilled
+  (its TTFT), then greedy steps one token at a time; peak RSS the same way.
+
+Disk besides the file: the bytes kvrag keeps in its prepared folder for the file (config, tokenizer, tensor table);
+llama.cpp keeps none. Writes ``memory.json`` and ``memory.md`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+SAMPLE_DOCS = Path(__file__).resolve().parents[2] / "examples" / "data"
+QUESTION = "Which ticket should a visitor buy for three days of trams and ferries?"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--gguf", default="default",
+                   help="comma-separated GGUF files ('default': the embedded SmolLM2-135M-Instruct Q4_1)")
+    p.add_argument("--data", default=None, help="QA JSONL whose first row's passages make the prompt (default: the "
+                                                "sample documents)")
+    p.add_argument("--context", type=int, default=1536, help="prompt tokens, about (passages cut to fit)")
+    p.add_argument("--new-tokens", type=int, default=32, help="greedy tokens of the answer")
+    p.add_argument("--rounds", type=int, default=2, help="fresh processes per system, taking turns")
+    p.add_argument("--peer", default="auto", choices=("auto", "llama.cpp", "none"),
+                   help="llama.cpp on the same file (auto: when llama-cpp-python is installed)")
+    p.add_argument("--out", default="runs/memory")
+
+
+def _peak_rss_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _passages(data: str | None, tokenizer: Any, budget: int) -> tuple[list[str], str]:
+    if data:
+        from kvrag_bench.data import load_requests
+
+        req = load_requests(data, limit=1)[0]
+        texts, question = req.passages(), req.question
+    else:
+        texts = [p.read_text(encoding="utf-8") + "\n\n" for p in sorted(SAMPLE_DOCS.glob("0*.md"))]
+        question = QUESTION
+    out: list[str] = []
+    used = 0
+    while used < budget and texts:
+        for t in texts:
+            ids = tokenizer(t, add_special_tokens=False)["input_ids"]
+            if used + len(ids) > budget:
+                t = tokenizer.decode(ids[: max(0, budget - used)])
+            out.append(t)
+            used += len(ids)
+            if used >= budget:
+                break
+    return out, question
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def child_kvrag(gguf: str, data: str | None, context: int, new_tokens: int, threads: int) -> dict[str, Any]:
+    """One process: load, one ``full`` answer (peak RSS then), then ``stale`` after ingesting the passages."""
+    import torch
+
+    from kvrag.config import GenerationConfig
+    from kvrag.default_model import DEFAULT_MODEL, prepare_default_model, prepare_gguf
+    from kvrag.engine.engine import KVRAGEngine
+    from kvrag.kv.gguf_quant import resident_bytes
+    from kvrag.models import load_model
+    from kvrag.prompting import get_template
+    from kvrag.store import MemoryStore
+
+    torch.set_num_threads(threads)
+    t = time.perf_counter()
+    default = gguf == "default"
+    lm = load_model(None if default else gguf)
+    load_s = time.perf_counter() - t
+    folder = prepare_default_model(progress=False) if default else prepare_gguf(gguf, progress=False)
+    eng = KVRAGEngine(lm, MemoryStore())
+    passages, question = _passages(data, lm.tokenizer, context)
+    prefix, passages, suffix = get_template(None).parts(lm.tokenizer, passages, question)
+    plan = eng.plan_parts(prefix, passages, suffix)
+    gen = GenerationConfig(max_new_tokens=new_tokens)
+    prep = eng.prepare(plan, "full", reserve=new_tokens)
+    t = time.perf_counter()
+    text = "".join(eng.stream(prep, gen))
+    decode_s = time.perf_counter() - t
+    tokens = len(prep.token_ids)
+    peak = _peak_rss_mb()
+    eng.ingest(passages, progress=False)
+    stale = eng.prepare(eng.plan_parts(prefix, passages, suffix), "stale", reserve=new_tokens)  # chunks now cached
+    "".join(eng.stream(stale, GenerationConfig(max_new_tokens=1)))
+    return {"system": "kvrag", "model": DEFAULT_MODEL if default else gguf, "load_s": load_s,
+            "peak_rss_mb": peak, "disk_mb": _dir_bytes(folder) / 2**20, "prompt_ids": list(plan.token_ids),
+            "ttft_s": prep.timings.ttft_s, "decode_ms": 1000 * decode_s / max(1, tokens - 1), "tokens": tokens,
+            "stale_ttft_s": stale.timings.ttft_s, "text": text, "dtype": str(lm.dtype).replace("torch.", ""),
+            "quantize": lm.quantize, "resident_mb": resident_bytes(lm.model) / 2**20}
+
+
+def child_llama(gguf: str, ids: list[int], new_tokens: int, threads: int, batch: int = 512) -> dict[str, Any]:
+    """One process: llama.cpp loads the file, prefills ``ids`` ``batch`` tokens per call (TTFT) and decodes greedily
+    one token at a time."""
+    import llama_cpp
+    import numpy as np
+
+    t = time.perf_counter()
+    llm = llama_cpp.Llama(model_path=gguf, n_threads=threads, n_threads_batch=threads, n_batch=batch,
+                          n_ubatch=batch, n_ctx=len(ids) + new_tokens + 16, verbose=False)
+    load_s = time.perf_counter() - t
+
+    def greedy() -> int:
+        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1), shape=(llm.n_vocab(),))
+        return int(np.argmax(logits))
+
+    t = time.perf_counter()
+    llm.eval(ids)
+    token = greedy()
+    ttft = time.perf_counter() - t
+    times = []
+    for _ in range(new_tokens - 1):
+        t = time.perf_counter()
+        llm.eval([token])
+        token = greedy()
+        times.append(time.perf_counter() - t)
+    return {"system": "llama.cpp", "llama_cpp_python": getattr(llama_cpp, "__version__", "?"), "load_s": load_s,
+            "peak_rss_mb": _peak_rss_mb(), "disk_mb": 0.0, "ttft_s": ttft, "prefill_batch": batch,
+            "decode_ms": 1000 * statistics.median(times), "tokens": new_tokens}
+
+
+def _llama(payload: dict[str, Any]) -> dict[str, Any]:
+    """llama.cpp's run; where its batched prefill crashes (a llama-cpp-python build whose batched CPU kernels
+    fault), the prefill one token per call instead, flagged: its TTFT is then not comparable, its memory and decode
+    still are."""
+    try:
+        return _spawn("llama", payload)
+    except RuntimeError as e:
+        log.warning("llama.cpp's batched prefill failed (%s); prefilling one token per call", str(e)[:200])
+        got = _spawn("llama", {**payload, "batch": 1})
+        got["ttft_s_note"] = "prefill one token per call: its batched prefill crashed in this build"
+        return got
+
+
+def _spawn(kind: str, payload: dict[str, Any]) -> dict[str, Any]:
+    """Run ``child_<kind>(**payload)`` in a fresh interpreter; its JSON result."""
+    here = Path(__file__).resolve().parents[1]
+    code = (f"import json, sys; from kvrag_bench.memory_bench import child_{kind} as f; "
+            "r = f(**json.loads(sys.argv[1])); print('\\nRESULT ' + json.dumps(r))")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", code, json.dumps(payload)], capture_output=True, text=True, env=env,
+                          check=False, timeout=3600)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        msg = f"the {kind} process failed ({proc.returncode}): {proc.stderr[-2000:]}"
+        raise RuntimeError(msg)
+    return json.loads(lines[-1][len("RESULT "):])  # type: ignore[no-any-return]
+
+
+def _gguf_path(name: str) -> str:
+    if name != "default":
+        return str(Path(name).expanduser().resolve())
+    from kvrag.default_model import default_gguf_path
+
+    return str(default_gguf_path())
+
+
+def _llama_available(peer: str) -> bool:
+    if peer == "none":
+        return False
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        if peer == "llama.cpp":
+            raise SystemExit("--peer llama.cpp needs llama-cpp-python: pip install 'kvrag-bench[peers]'") from None
+        return False
+    return True
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from kvrag_bench.provenance import machine_info
+
+    threads = args.threads or 1
+    peer = _llama_available(args.peer)
+    files: list[dict[str, Any]] = []
+    for name in [g.strip() for g in str(args.gguf).split(",") if g.strip()]:
+        path = _gguf_path(name)
+        runs: dict[str, list[dict[str, Any]]] = {"kvrag": [], "llama.cpp": []}
+        for r in range(args.rounds):
+            got = _spawn("kvrag", {"gguf": name, "data": args.data, "context": args.context,
+                                   "new_tokens": args.new_tokens, "threads": threads})
+            runs["kvrag"].append(got)
+            if peer:
+                runs["llama.cpp"].append(_llama({"gguf": path, "ids": got["prompt_ids"],
+                                                 "new_tokens": args.new_tokens, "threads": threads}))
+            print(f"{Path(path).name} round {r + 1}: " + "; ".join(
+                f"{k} {v[-1]['peak_rss_mb']:.0f} MB, TTFT {v[-1]['ttft_s']:.2f} s, {v[-1]['decode_ms']:.1f} ms/tok"
+                for k, v in runs.items() if v), flush=True)
+        summary = {k: _summarize(v) for k, v in runs.items() if v}
+        for v in runs["kvrag"]:
+            v.pop("prompt_ids", None)
+        files.append({"file": path, "file_mb": Path(path).stat().st_size / 2**20,
+                      "prompt_tokens": summary["kvrag"]["prompt_tokens"], "summary": summary, "runs": runs})
+    return {"threads": threads, "context": args.context, "new_tokens": args.new_tokens, "rounds": args.rounds,
+            "data": args.data, "files": files,
+            "machine": machine_info("cpu", files[0]["runs"]["kvrag"][0]["dtype"] if files else "float32")}
+
+
+def _summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    def med(key: str) -> float | None:
+        vals = [r[key] for r in runs if r.get(key) is not None]
+        return statistics.median(vals) if vals else None
+
+    out = {k: med(k) for k in ("peak_rss_mb", "disk_mb", "ttft_s", "decode_ms", "stale_ttft_s", "load_s")}
+    out["prompt_tokens"] = len(runs[0].get("prompt_ids", [])) or None
+    return out
+
+
+def markdown(result: dict[str, Any]) -> str:
+    lines = [f"## Memory, disk and speed of a GGUF file: kvrag vs llama.cpp ({result['threads']} thread(s), "
+             f"{result['rounds']} fresh processes each, medians)", "",
+             "| file | system | peak RSS MB | disk besides the file MB | `full` TTFT s | decode ms/token | "
+             "`stale` TTFT s |", "|---|---|---:|---:|---:|---:|---:|"]
+    for f in result["files"]:
+        s = f["summary"]
+        for system, v in s.items():
+            def cell(key: str, fmt: str, v: dict[str, Any] = v) -> str:
+                return "-" if v.get(key) is None else format(v[key], fmt)
+
+            lines.append(f"| {Path(f['file']).name} ({f['file_mb']:.0f} MB, {f['prompt_tokens']} prompt tokens) | "
+                         f"{system} | {cell('peak_rss_mb', '.0f')} | {cell('disk_mb', '.1f')} | {cell('ttft_s', '.2f')}"
+                         f" | {cell('decode_ms', '.1f')} | {cell('stale_ttft_s', '.2f')} |")
+        if "llama.cpp" in s:
+            k, p = s["kvrag"], s["llama.cpp"]
+            if any(r.get("prefill_batch") == 1 for r in f["runs"]["llama.cpp"]):
+                lines.append("| | | llama.cpp's TTFT: prefill one token per call (its batched prefill crashed in "
+                             "this llama-cpp-python build); not comparable | | | | |")
+            lines.append(f"| | kvrag / llama.cpp | {k['peak_rss_mb'] / p['peak_rss_mb']:.2f}x | "
+                         f"{k['disk_mb'] / f['file_mb']:.1%} of the file | {k['ttft_s'] / p['ttft_s']:.2f}x | "
+                         f"{k['decode_ms'] / p['decode_ms']:.2f}x | {k['stale_ttft_s'] / p['ttft_s']:.2f}x |")
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    from kvrag_bench.report import write_result
+
+    write_result(args.out, "memory", run(args), markdown)
+    return 0
+
+
+__all__ = ["add_arguments", "child_kvrag", "child_llama", "main", "markdown", "run"]

@@ -1,0 +1,373 @@
+"""A GGUF file's own quantized blocks as model weights: de-quantization in torch and the modules that hold them.
+
+:func:`dequantize` turns the raw blocks of a GGUF tensor (uint8 ``[rows, row bytes]``, e.g. a view of the file's
+memory map) into float32, with the arithmetic of ``gguf.quants.dequantize`` -- the same float32 products and sums
+in the same order, so the result is the same bit for bit (tested on files written by the ``gguf`` package). Types:
+F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K, which are the types inside llama.cpp's Q4_0 /
+Q4_1 / Q8_0 / Q4_K_M / Q5_K_M / Q6_K files (a K-quant file keeps Q5_0 / Q8_0 for rows not a multiple of 256 wide).
+
+:class:`GGUFLinear` keeps a linear layer's blocks and computes its products two ways:
+
+* inputs of at most :data:`kvrag.kv.quant.MAX_ROWS` rows (decode steps, short suffixes), when the model was loaded
+  with ``quantize="int4"``: the int4 kernels of :mod:`kvrag.kv.quant` on the blocks re-laid out once at load. A
+  Q4_0 / Q4_1 block and each 32-weight sub-block of a Q4_K super-block is exactly one of those kernels' groups
+  (``w = (q - 8) scale + zero``: Q4_0 ``scale = d``; Q4_1 ``zero = m + 8 d``; Q4_K ``scale = d sc``, ``zero =
+  8 d sc - dmin m``), the file's own 4-bit ``q`` unchanged and the scale and zero rounded to bfloat16, the kernels'
+  format. Q5_0, Q5_1, Q8_0 and Q5_K weights are two such products (``q = 16 hi + lo``) whose outputs add up. Q6_K (groups of 16
+  weights) has no such form and takes the dense route;
+* larger inputs (prefill, ingest), other types, ``quantize=None``: the layer's weight de-quantized into one scratch
+  buffer shared by every layer of the model (reused, never kept), then the dense product in the compute dtype.
+  A prefill's product costs hundreds of multiply-adds per weight, the de-quantization a handful of operations.
+
+:class:`GGUFEmbedding` de-quantizes only the rows its ids look up; a tied output head is a :class:`GGUFLinear` on
+the same blocks.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+from kvrag.kv import int4_kernel, quant
+
+QK_K = 256
+TYPES: dict[str, tuple[int, int]] = {  # name: (weights per block, bytes per block)
+    "F32": (1, 4), "F16": (1, 2), "BF16": (1, 2),
+    "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34),
+    "Q4_K": (QK_K, 144), "Q5_K": (QK_K, 176), "Q6_K": (QK_K, 210),
+}
+"""The GGUF tensor types kvrag keeps resident, by ``gguf.GGMLQuantizationType`` name."""
+FLOAT_TYPES = ("F32", "F16", "BF16")
+INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+"""Types whose blocks are exactly kvrag's int4 groups (one kernel product)."""
+SPLIT_TYPES = ("Q5_0", "Q5_1", "Q8_0", "Q5_K")
+"""Types whose blocks are two int4 products (``q = 16 hi + lo``)."""
+
+
+def _f16(b: torch.Tensor) -> torch.Tensor:
+    """Two bytes per row (little-endian float16) -> float32 [rows, 1]."""
+    return b.contiguous().view(torch.float16).float()
+
+
+def _nibbles(qs: torch.Tensor, width: int) -> torch.Tensor:
+    """``qs`` [n, c * width] -> [n, c, 2, width]: each chunk of ``width`` bytes' low nibbles, then its high ones."""
+    qs = qs.reshape(qs.shape[0], -1, 1, width)
+    return torch.cat([qs & 15, qs >> 4], dim=2)
+
+
+def _scale_min(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K / Q5_K: the 12 packed bytes of a super-block -> the 8 six-bit scales and mins (uint8 [n, 8] each)."""
+    s = scales.reshape(-1, 3, 4)
+    d, m, md = s[:, 0], s[:, 1], s[:, 2]
+    sc = torch.cat([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], -1)
+    mn = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], -1)
+    return sc, mn
+
+
+def _k_parts(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K / Q5_K super-blocks [n, bytes]: each 32-weight sub-block's scale ``d * sc`` and offset ``dmin * m``
+    (float32 [n, 8, 1]), as gguf computes them."""
+    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+    sc, mn = _scale_min(b[:, 4:16])
+    return (d * sc.float()).reshape(-1, 8, 1), (dmin * mn.float()).reshape(-1, 8, 1)
+
+
+def _q5(b: torch.Tensor) -> torch.Tensor:
+    """Q5_K super-blocks -> their 5-bit ``q`` (uint8 [n, 8, 32])."""
+    qh, qs = b[:, 16:48], b[:, 48:176]
+    ql = _nibbles(qs, 32).reshape(-1, 8, 32)
+    shifts = torch.arange(8, dtype=torch.uint8).view(1, 8, 1)
+    hi = (qh.reshape(-1, 1, 32) >> shifts) & 1
+    return ql | (hi << 4)
+
+
+def _q5_32(b: torch.Tensor, qh_at: int) -> torch.Tensor:
+    """Q5_0 / Q5_1 blocks -> their 5-bit ``q`` (uint8 [n, 32]): the low nibbles after the 4 bytes of high bits
+    (bit i of the little-endian word is weight i's)."""
+    ql = _nibbles(b[:, qh_at + 4 :], 16).reshape(-1, 32)
+    shifts = torch.arange(8, dtype=torch.uint8).view(1, 1, 8)
+    hi = ((b[:, qh_at : qh_at + 4].reshape(-1, 4, 1) >> shifts) & 1).reshape(-1, 32)
+    return ql | (hi << 4)
+
+
+def _blocks(qtype: str, b: torch.Tensor) -> torch.Tensor:
+    """float32 [n, block] of ``n`` blocks of ``qtype`` (uint8 [n, bytes])."""
+    n = b.shape[0]
+    if qtype == "Q4_0":
+        q = _nibbles(b[:, 2:], 16).reshape(n, 32).to(torch.int8) - 8
+        return _f16(b[:, :2]) * q.float()
+    if qtype == "Q4_1":
+        return _f16(b[:, :2]) * _nibbles(b[:, 4:], 16).reshape(n, 32).float() + _f16(b[:, 2:4])
+    if qtype == "Q5_0":
+        return _f16(b[:, :2]) * (_q5_32(b, 2).to(torch.int8) - 16).float()
+    if qtype == "Q5_1":
+        return _f16(b[:, :2]) * _q5_32(b, 4).float() + _f16(b[:, 2:4])
+    if qtype == "Q8_0":
+        return b[:, 2:].contiguous().view(torch.int8).float() * _f16(b[:, :2])
+    if qtype == "Q4_K":
+        d, dm = _k_parts(b)
+        q = _nibbles(b[:, 16:], 32).reshape(n, 8, 32).float()
+        return (d * q - dm).reshape(n, QK_K)
+    if qtype == "Q5_K":
+        d, dm = _k_parts(b)
+        return (d * _q5(b).float() - dm).reshape(n, QK_K)
+    if qtype == "Q6_K":
+        ql, qh, sc = b[:, :128], b[:, 128:192], b[:, 192:208]
+        d = (_f16(b[:, 208:210]) * sc.contiguous().view(torch.int8).float()).reshape(n, 16, 1)
+        low = _nibbles(ql, 64).reshape(n, 8, 32)
+        shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)
+        high = ((qh.reshape(n, 2, 1, 32) >> shifts) & 3).reshape(n, 8, 32)
+        q = ((low | (high << 4)).to(torch.int8) - 32).reshape(n, 16, 16).float()
+        return (d * q).reshape(n, QK_K)
+    msg = f"GGUF tensor type {qtype} is not one kvrag keeps resident ({', '.join(TYPES)})"
+    raise ValueError(msg)
+
+
+def dequantize(raw: torch.Tensor, qtype: str, columns: int) -> torch.Tensor:
+    """float32 ``[rows, columns]`` of a GGUF tensor's raw bytes ``raw`` (uint8 ``[rows, row bytes]``, any leading
+    shape), bit for bit ``gguf.quants.dequantize``."""
+    lead = raw.shape[:-1]
+    if qtype == "F32":
+        return raw.contiguous().view(torch.float32).reshape(*lead, columns)
+    if qtype == "F16":
+        return raw.contiguous().view(torch.float16).float().reshape(*lead, columns)
+    if qtype == "BF16":
+        return (raw.contiguous().view(torch.int16).to(torch.int32) << 16).view(torch.float32).reshape(*lead, columns)
+    size = TYPES[qtype][1] if qtype in TYPES else 0
+    return _blocks(qtype, raw.reshape(-1, size)).reshape(*lead, columns)
+
+
+def int4_parts(raw: torch.Tensor, qtype: str) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The int4 products (``q`` [N, K] in 0..15, bfloat16 ``scale`` / ``zero`` [N, K/32]) whose sum is the weight of
+    ``raw`` (uint8 [N, row bytes]): one for :data:`INT4_TYPES`, two (high and low bits) for :data:`SPLIT_TYPES`."""
+    n = raw.shape[0]
+    b = raw.reshape(-1, TYPES[qtype][1])
+
+    def pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (q.reshape(n, -1).to(torch.int32), scale.reshape(n, -1).to(torch.bfloat16),
+                zero.reshape(n, -1).to(torch.bfloat16))
+
+    if qtype in ("Q4_0", "Q4_1"):
+        d = _f16(b[:, :2])
+        q = _nibbles(b[:, 2:] if qtype == "Q4_0" else b[:, 4:], 16)
+        zero = torch.zeros_like(d) if qtype == "Q4_0" else _f16(b[:, 2:4]) + 8 * d
+        return [pack(q, d, zero)]  # type: ignore[list-item]
+    if qtype == "Q4_K":
+        s, dm = _k_parts(b)
+        return [pack(_nibbles(b[:, 16:], 32), s, 8 * s - dm)]  # type: ignore[list-item]
+    if qtype == "Q5_K":
+        s, dm = _k_parts(b)
+        q = _q5(b)
+        return [pack((q >> 4) + 8, 16 * s, torch.zeros_like(s)), pack(q & 15, s, 8 * s - dm)]  # type: ignore[list-item]
+    if qtype in ("Q5_0", "Q5_1"):  # w = d q - 16 d (Q5_0) or d q + m (Q5_1), q = 16 hi + lo
+        d = _f16(b[:, :2])
+        q = _q5_32(b, 2 if qtype == "Q5_0" else 4)
+        zero = -8 * d if qtype == "Q5_0" else 8 * d + _f16(b[:, 2:4])
+        return [pack((q >> 4) + 8, 16 * d, torch.zeros_like(d)), pack(q & 15, d, zero)]  # type: ignore[list-item]
+    if qtype == "Q8_0":
+        d = _f16(b[:, :2])
+        q = b[:, 2:].contiguous().view(torch.int8).to(torch.int32)
+        hi, lo = torch.div(q, 16, rounding_mode="floor"), torch.remainder(q, 16)
+        return [pack(hi + 8, 16 * d, torch.zeros_like(d)), pack(lo, d, 8 * d)]  # type: ignore[list-item]
+    msg = f"GGUF type {qtype} has no int4 form"
+    raise ValueError(msg)
+
+
+TILE_WEIGHTS = 1 << 24
+"""Weights de-quantized at a time by a dense product (64 MB of float32): a layer larger than this (an output head
+of a large vocabulary) is multiplied tile by tile."""
+_PACK_ROWS = 4096
+"""Rows re-laid out at a time (bounds the int32 temporaries of a large embedding / head)."""
+
+
+def _int4_weights(blocks: torch.Tensor, qtype: str) -> list[Any]:
+    """The int4 kernel weights (:class:`kvrag.kv.quant._Int4`) of :func:`int4_parts`, built ``_PACK_ROWS`` rows at a
+    time for kvrag's kernel (whose layout is whole tiles of 16 rows, so the pieces concatenate)."""
+    if int4_kernel.path() is None:
+        return [quant._Int4.from_parts(*p) for p in int4_parts(blocks, qtype)]
+    out: list[Any] = []
+    for r in range(0, blocks.shape[0], _PACK_ROWS):
+        for i, p in enumerate(int4_parts(blocks[r : r + _PACK_ROWS], qtype)):
+            piece = int4_kernel.pack(*p)
+            if i == len(out):
+                w = quant._Int4.__new__(quant._Int4)
+                w.n, w.scales_zeros = blocks.shape[0], None
+                w.packed = piece.new_empty(blocks.shape[0] // int4_kernel.TILE, *piece.shape[1:])
+                out.append(w)
+            t = r // int4_kernel.TILE
+            out[i].packed[t : t + piece.shape[0]] = piece
+    return out
+
+
+class Scratch:
+    """One buffer a model's GGUF layers de-quantize their weights into for dense products (grown to the largest
+    layer, reused). Guarded by a lock; a thread that finds it taken de-quantizes into a buffer of its own."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.buf: dict[torch.dtype, torch.Tensor] = {}
+
+    def take(self, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        buf = self.buf.get(dtype)
+        if buf is None or buf.numel() < n or buf.device != device:
+            with torch.inference_mode(False):  # a normal tensor: written inside and outside inference mode
+                buf = self.buf[dtype] = torch.empty(n, dtype=dtype, device=device)
+        return buf[:n]
+
+
+class _Split:
+    """Two int4 products whose outputs add up to the weight's product (Q8_0, Q5_K)."""
+
+    __slots__ = ("hi", "lo", "n")
+
+    def __init__(self, hi: Any, lo: Any) -> None:
+        self.hi, self.lo, self.n = hi, lo, hi.n
+
+    takes_float32 = False
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.hi.mm(x).float() + self.lo.mm(x).float()).to(x.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.hi.nbytes + self.lo.nbytes)
+
+
+class GGUFLinear(torch.nn.Module):
+    """A linear layer whose weight is a GGUF tensor's raw blocks (``blocks``: uint8 [out, row bytes]), see the
+    module docstring. ``weight`` is a meta tensor of the weight's shape and compute dtype (for code that reads
+    shapes); nothing of float size is kept."""
+
+    blocks: torch.Tensor
+
+    def __init__(self, blocks: torch.Tensor, qtype: str, in_features: int, dtype: torch.dtype, scratch: Scratch,
+                 bias: torch.Tensor | None = None, *, head: bool = False) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, int(blocks.shape[0])
+        self.qtype, self.dtype, self.scratch, self.head = qtype, dtype, scratch, head
+        self.register_buffer("blocks", blocks)
+        self.register_buffer("ggml_type", torch.tensor(list(TYPES).index(qtype)))
+        self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
+        self.int4: Any = None
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return torch.empty(self.out_features, self.in_features, dtype=self.dtype, device="meta")
+
+    def use_int4(self) -> bool:
+        """Give the layer its int4 kernel weights (:data:`INT4_TYPES`, :data:`SPLIT_TYPES`), when its shape fits
+        the kernel's tiles; returns whether it did."""
+        if (self.qtype not in INT4_TYPES + SPLIT_TYPES or self.out_features % 16 or self.in_features % quant.GROUP
+                or not self.blocks.is_cpu):
+            return False
+        parts = _int4_weights(self.blocks, self.qtype)
+        self.int4 = parts[0] if len(parts) == 1 else _Split(*parts)
+        return True
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        """float32 weight rows ``index`` (any shape): [..., in_features]."""
+        return dequantize(self.blocks[index], self.qtype, self.in_features)
+
+    def dense_tile(self, r0: int, r1: int, dtype: torch.dtype, scratch: bool) -> torch.Tensor:
+        """Weight rows ``r0:r1`` in ``dtype``: in the model's scratch buffer when ``scratch`` (the caller holds its
+        lock; valid until the next tile), else in a buffer of their own."""
+        w = dequantize(self.blocks[r0:r1], self.qtype, self.in_features)
+        if w.dtype == dtype:
+            return w
+        if not scratch:
+            return w.to(dtype)
+        return self.scratch.take(w.numel(), dtype, w.device).view(w.shape).copy_(w)
+
+    def dense(self, x: torch.Tensor) -> torch.Tensor:
+        """The product on the file's exact weights, :data:`TILE_WEIGHTS` weights de-quantized at a time."""
+        step = max(16, TILE_WEIGHTS // self.in_features)
+        own = self.scratch.lock.acquire(blocking=False)
+        try:
+            if step >= self.out_features:
+                return torch.nn.functional.linear(x, self.dense_tile(0, self.out_features, x.dtype, own), self.bias)
+            y = x.new_empty(*x.shape[:-1], self.out_features)
+            for r0 in range(0, self.out_features, step):
+                r1 = min(r0 + step, self.out_features)
+                bias = None if self.bias is None else self.bias[r0:r1]
+                y[..., r0:r1] = torch.nn.functional.linear(x, self.dense_tile(r0, r1, x.dtype, own), bias)
+            return y
+        finally:
+            if own:
+                self.scratch.lock.release()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        k = x.shape[-1]
+        int4 = self.int4
+        if int4 is not None and x.is_cpu and x.numel() <= quant.MAX_ROWS * k:
+            flat = x.reshape(-1, k)
+            if flat.dtype == torch.float32 and int4.takes_float32:
+                y = int4.mm(flat.contiguous())
+            else:
+                y = int4.mm(flat.to(torch.bfloat16).contiguous()).to(x.dtype)
+            if self.head:  # the likely next tokens' logits from the file's exact weights
+                idx = y.topk(min(quant.REFINE_TOP, y.shape[-1]), dim=-1).indices
+                exact = torch.einsum("rd,rkd->rk", flat, self.rows(idx).to(flat.dtype))
+                if self.bias is not None:
+                    exact = exact + self.bias[idx]
+                y.scatter_(-1, idx, exact.to(y.dtype))
+            elif self.bias is not None:
+                y = y + self.bias
+            return y.view(*x.shape[:-1], self.out_features)
+        return self.dense(x)
+
+    def extra_repr(self) -> str:
+        kernel = "" if self.int4 is None else ", int4 decode"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.qtype}{kernel}"
+
+
+class GGUFEmbedding(torch.nn.Module):
+    """Token embeddings kept as a GGUF tensor's raw blocks (uint8 [vocab, row bytes]): a lookup de-quantizes only
+    its rows. ``embed_scale`` (Gemma) multiplies the rows as the model's own embedding does."""
+
+    blocks: torch.Tensor
+
+    def __init__(self, blocks: torch.Tensor, qtype: str, dim: int, dtype: torch.dtype,
+                 embed_scale: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = int(blocks.shape[0]), dim
+        self.qtype, self.dtype = qtype, dtype
+        self.register_buffer("blocks", blocks)
+        self.register_buffer("ggml_type", torch.tensor(list(TYPES).index(qtype)))
+        self.embed_scale = embed_scale
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return torch.empty(self.num_embeddings, self.embedding_dim, dtype=self.dtype, device="meta")
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        """float32 rows ``index`` (any shape): [..., embedding_dim]."""
+        return dequantize(self.blocks[index], self.qtype, self.embedding_dim)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.rows(ids).to(self.dtype)
+        return rows if self.embed_scale is None else rows * self.embed_scale.to(self.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, {self.qtype}"
+
+
+def resident_bytes(model: Any) -> int:
+    """Bytes of the GGUF blocks and int4 kernel weights ``model``'s GGUF modules hold (the blocks counted once
+    when shared by a tied head)."""
+    seen: set[int] = set()
+    total = 0
+    for mod in model.modules():
+        if isinstance(mod, GGUFLinear | GGUFEmbedding):
+            blocks: torch.Tensor = mod.blocks
+            if blocks.data_ptr() not in seen:
+                seen.add(blocks.data_ptr())
+                total += blocks.numel()
+            if isinstance(mod, GGUFLinear) and mod.int4 is not None:
+                total += mod.int4.nbytes
+    return total
+
+
+__all__ = ["FLOAT_TYPES", "INT4_TYPES", "SPLIT_TYPES", "TYPES", "GGUFEmbedding", "GGUFLinear", "Scratch",
+           "dequantize", "int4_parts", "resident_bytes"]

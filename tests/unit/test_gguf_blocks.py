@@ -1,0 +1,182 @@
+"""GGUF blocks resident in the model: kvrag's de-quantization against the ``gguf`` package's, bit for bit.
+
+Tiny GGUF files are written with the ``gguf`` package: Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / BF16 by its own quantizers, Q4_K /
+Q5_K / Q6_K as random valid blocks (it has no quantizer for them: random bytes with finite float16 scales). kvrag
+reads them back from a memory map of the file (:mod:`kvrag.gguf_load`) and de-quantizes them
+(:mod:`kvrag.kv.gguf_quant`); the float32 bits must equal ``gguf.quants.dequantize``'s. A tiny Llama written in
+Q4_0 / Q4_1 / Q8_0 then loads resident and must give the logits of transformers' own GGUF loader (which de-quantizes
+with ``gguf``) bit for bit, and ``full`` must generate what ``model.generate`` does on the resident model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kvrag import KVRAGEngine
+from kvrag.gguf_load import _file_bytes, tensor_table
+from kvrag.kv import gguf_quant, int4_kernel
+from kvrag.kv.gguf_quant import GGUFEmbedding, GGUFLinear
+from kvrag_testing.tiny import tiny_model
+from kvrag_testing.tiny_gguf import write_tiny_gguf
+
+gguf = pytest.importorskip("gguf", reason="gguf not installed (pip install 'kvrag[gguf]')")
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+QUANTIZED = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "BF16")
+RANDOM_BLOCKS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}  # byte offsets of each block's float16 scales
+ROWS, COLS = 48, 512
+
+
+def _random_blocks(qtype: str, rng: np.random.Generator) -> np.ndarray:
+    """Random bytes of ROWS x COLS weights of ``qtype`` whose float16 scales are finite (within 2^-10..2^-4)."""
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
+    raw = rng.integers(0, 256, size=(ROWS, COLS // block, size), dtype=np.uint8)
+    for off in RANDOM_BLOCKS[qtype]:
+        scales = (rng.uniform(2.0**-10, 2.0**-4, size=raw.shape[:2]) * rng.choice([-1, 1], size=raw.shape[:2]))
+        raw[..., off : off + 2] = scales.astype(np.float16)[..., None].view(np.uint8)
+    return raw.reshape(ROWS, -1)
+
+
+@pytest.fixture(scope="module")
+def blocks_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One GGUF of each type: the gguf quantizer's output, or random valid blocks."""
+    rng = np.random.default_rng(0)
+    path = tmp_path_factory.mktemp("gguf") / "blocks.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for name in QUANTIZED:
+        qtype = gguf.GGMLQuantizationType[name]
+        w = (rng.standard_normal((ROWS, COLS)) * rng.uniform(0.01, 2.0, size=(ROWS, 1))).astype(np.float32)
+        writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+    for name in RANDOM_BLOCKS:
+        writer.add_tensor(name, _random_blocks(name, rng), raw_dtype=gguf.GGMLQuantizationType[name])
+    writer.add_tensor("F16", rng.standard_normal((ROWS, COLS)).astype(np.float16))
+    writer.add_tensor("F32", rng.standard_normal((ROWS, COLS)).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _resident(path: Path) -> dict[str, tuple[torch.Tensor, str]]:
+    """Each tensor as kvrag keeps it: rows of raw bytes over the file's memory map, and its type."""
+    data = _file_bytes(path)
+    out = {}
+    for t in tensor_table(gguf.GGUFReader(path)):
+        rows = int(np.prod(t["dims"][1:]))
+        out[t["name"]] = (data[t["offset"] : t["offset"] + t["bytes"]].view(rows, -1), t["type"])
+    return out
+
+
+@pytest.mark.parametrize("qtype", [*QUANTIZED, *RANDOM_BLOCKS, "F16", "F32"])
+def test_dequantized_blocks_equal_gguf_bit_for_bit(blocks_file: Path, qtype: str) -> None:
+    reader = gguf.GGUFReader(blocks_file)
+    tensor = next(t for t in reader.tensors if t.name == qtype)
+    expected = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    assert expected.shape == (ROWS, COLS) and np.isfinite(expected).all()
+    raw, got_type = _resident(blocks_file)[qtype]
+    assert got_type == qtype
+    got = gguf_quant.dequantize(raw, qtype, COLS)
+    assert got.dtype == torch.float32 and tuple(got.shape) == (ROWS, COLS)
+    assert np.array_equal(got.numpy().view(np.int32), expected.view(np.int32))  # the float32 bits
+    # rows looked up alone (embeddings, the output head's refined logits) are the same bits
+    idx = torch.tensor([[5, 0], [ROWS - 1, 5]])
+    assert np.array_equal(gguf_quant.dequantize(raw[idx], qtype, COLS).numpy(), expected[idx.numpy()])
+
+
+@pytest.mark.parametrize("qtype", [*gguf_quant.INT4_TYPES, *gguf_quant.SPLIT_TYPES])
+def test_int4_form_keeps_the_files_q_and_rounds_only_the_scales(blocks_file: Path, qtype: str) -> None:
+    """The kernel's groups (``(q - 8) scale + zero``) of a block type: summed, they give the file's weight up to the
+    bfloat16 rounding of each group's scale and zero; with float32 scales they give it to float32 rounding."""
+    raw, _ = _resident(blocks_file)[qtype]
+    exact = gguf_quant.dequantize(raw, qtype, COLS)
+    parts = gguf_quant.int4_parts(raw, qtype)
+    assert len(parts) == (1 if qtype in gguf_quant.INT4_TYPES else 2)
+    for q, scale, zero in parts:
+        assert q.shape == (ROWS, COLS) and int(q.min()) >= 0 and int(q.max()) <= 15
+        assert scale.dtype == zero.dtype == torch.bfloat16 and scale.shape == (ROWS, COLS // 32)
+    approx = sum(int4_kernel.dequantize(q, s, z) for q, s, z in parts)
+    scale_mag = sum(s.float().abs().repeat_interleave(32, -1) for _, s, _ in parts)
+    err = (approx - exact).abs()
+    # each group's value moves by at most bf16's half-ulp of |scale| * 8 + |zero| (2^-8 relative, generously x2)
+    bound = (scale_mag * 16 + exact.abs()) * 2.0**-8 + 1e-6
+    assert bool((err <= bound).all()), float((err - bound).max())
+
+
+def test_resident_linear_decode_route_is_close_and_the_dense_route_exact(blocks_file: Path) -> None:
+    """A Q4_K layer: its dense route multiplies by the file's exact weight; its int4 route (decode-sized rows)
+    stays within bfloat16 error of it, and a tied head's refined top logits are the dense route's values."""
+    raw, _ = _resident(blocks_file)["Q4_K"]
+    scratch = gguf_quant.Scratch()
+    lin = GGUFLinear(raw, "Q4_K", COLS, torch.float32, scratch)
+    x = torch.randn(3, COLS, generator=torch.Generator().manual_seed(0))
+    exact = x @ gguf_quant.dequantize(raw, "Q4_K", COLS).T
+    assert torch.equal(lin(x), torch.nn.functional.linear(x, gguf_quant.dequantize(raw, "Q4_K", COLS)))
+    if not lin.use_int4():
+        pytest.skip("the int4 kernel does not take this shape here")
+    y = lin(x)
+    assert (y - exact).abs().max() <= 0.02 * exact.abs().max()
+    head = GGUFLinear(raw, "Q4_K", COLS, torch.float32, scratch, head=True)
+    head.use_int4()
+    top = head(x).topk(5, -1)
+    assert torch.allclose(top.values, exact.gather(-1, top.indices), rtol=1e-5, atol=1e-5)
+    emb = GGUFEmbedding(raw, "Q4_K", COLS, torch.float32)
+    ids = torch.tensor([[3, 1, 3]])
+    assert torch.equal(emb(ids), gguf_quant.dequantize(raw, "Q4_K", COLS)[ids])
+
+
+@pytest.mark.parametrize("quantization", ["Q4_0", "Q4_1", "Q8_0"])
+def test_quantized_gguf_loads_resident_and_matches_transformers(quantization: str, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("KVRAG_HOME", str(tmp_path / "home"))
+    tiny = tiny_model("llama", init_std=0.1)
+    path = write_tiny_gguf(tmp_path / f"tiny-{quantization}.gguf", tiny, quantization=quantization)
+    eng = KVRAGEngine.from_pretrained(str(path), dtype="float32", device="cpu", quantize=None)
+    model = eng.loaded.model
+    layer = model.model.layers[0]
+    assert isinstance(model.model.embed_tokens, GGUFEmbedding) and isinstance(layer.self_attn.q_proj, GGUFLinear)
+    assert layer.self_attn.q_proj.qtype == quantization and isinstance(model.lm_head, GGUFLinear)
+    assert not any(p.dtype == torch.float32 and p.dim() == 2 for p in model.parameters())  # no float weight
+    assert not list((tmp_path / "home" / "models").glob("*/*.safetensors"))
+    reference = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    ids = torch.tensor([eng.loaded.tokenizer("The capital of France is Paris. The capital of")["input_ids"]])
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, reference(input_ids=ids).logits)
+    prompt = "Question: what is the capital of France? Answer:"
+    resp = eng.answer(prompt, method="full", max_new_tokens=6)
+    p_ids = torch.tensor([eng.loaded.tokenizer(prompt, add_special_tokens=False)["input_ids"]])
+    out = model.generate(p_ids, max_new_tokens=6, do_sample=False, attention_mask=torch.ones_like(p_ids))
+    assert resp.token_ids == out[0, p_ids.shape[1]:].tolist()
+
+
+def test_int4_decode_route_on_the_files_blocks_fuses_and_full_equals_generate(tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """``quantize="int4"`` on a Q4_0 file: the layers' int4 weights come from the blocks, fuse (q/k/v, gate/up) into
+    one product with the same bits, are keyed apart from the dense route, and ``full`` equals ``model.generate``."""
+    from kvrag.kv import quant
+
+    monkeypatch.setenv("KVRAG_HOME", str(tmp_path / "home"))
+    tiny = tiny_model("llama", init_std=0.1)
+    path = write_tiny_gguf(tmp_path / "tiny-Q4_0.gguf", tiny, quantization="Q4_0")
+    eng = KVRAGEngine.from_pretrained(str(path), dtype="float32", device="cpu", quantize="int4")
+    dense = KVRAGEngine.from_pretrained(str(path), dtype="float32", device="cpu", quantize=None)
+    assert eng.loaded.fingerprint != dense.loaded.fingerprint
+    attn = eng.loaded.model.model.layers[0].self_attn
+    mods = (attn.q_proj, attn.k_proj, attn.v_proj)
+    assert all(m.int4 is not None for m in mods)
+    if int4_kernel.path() is not None:
+        fused = quant.fuse_int4(mods)
+        assert fused is not None and fused.valid()
+        x = torch.randn(3, 64)
+        assert torch.equal(fused.mm(x), torch.cat([m(x) for m in mods], -1))
+    prompt = "Question: what is the capital of France? Answer:"
+    resp = eng.answer(prompt, method="full", max_new_tokens=6)
+    p_ids = torch.tensor([eng.loaded.tokenizer(prompt, add_special_tokens=False)["input_ids"]])
+    out = eng.loaded.model.generate(p_ids, max_new_tokens=6, do_sample=False, attention_mask=torch.ones_like(p_ids))
+    assert resp.token_ids == out[0, p_ids.shape[1]:].tolist()
