@@ -27,6 +27,7 @@ from kvrag.gguf_reading import parsed_once
 from kvrag.kv.gguf_quant import FLOAT_TYPES, TYPES, GGUFEmbedding, GGUFLinear, Scratch, dequantize
 
 if TYPE_CHECKING:
+    from gguf import GGUFReader
     from transformers import PretrainedConfig, PreTrainedModel
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,7 @@ _ROW_PROCESSORS = ("TensorProcessor", "LlamaTensorProcessor", "Gemma2TensorProce
 """transformers' tensor processors whose change to a quantized weight is a reordering of whole rows (or none)."""
 
 
-def tensor_table(reader: Any) -> list[dict[str, Any]]:
+def tensor_table(reader: GGUFReader) -> list[dict[str, Any]]:
     """Each tensor of a ``gguf.GGUFReader``: name, type name, GGUF dims, absolute byte offset and byte size."""
     from gguf import GGMLQuantizationType
 
