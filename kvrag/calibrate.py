@@ -20,7 +20,7 @@ with one torch thread by default. Per dtype it records:
   float32 K/V along a greedy answer, which name the K/V dtype to set (``EngineConfig.kv_dtype``; the report prints
   it, :meth:`kvrag.calibration.DtypeCalibration.preferred_kv_dtype`).
 
-About a minute on a 2-core CPU for one dtype with the default model.
+It runs the default model for real, so it takes a while; run it once per machine kind.
 """
 
 from __future__ import annotations

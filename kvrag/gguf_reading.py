@@ -2,8 +2,8 @@
 
 Converting a GGUF file takes four transformers calls (config, tokenizer, model, the quantizer's state dict), and
 each builds its own ``gguf.GGUFReader`` of the file; the reader parses every header field into numpy views, which
-for a 49K-token vocabulary is ~9 s per parse on a 2-core CPU. transformers also builds ``gguf``'s tensor-name map
-once per module of the model (SmolLM2-135M: 397 maps, ~10 s). Inside :func:`parsed_once` every reader of the same
+for a 49K-token vocabulary dominates a conversion. transformers also builds ``gguf``'s tensor-name map once per
+module of the model (SmolLM2-135M: 397 maps). Inside :func:`parsed_once` every reader of the same
 file is the same (read-only) object and the name map of an (architecture, layer count) is built once, so a
 conversion parses the file once; outside it both are what the ``gguf`` package gives.
 """

@@ -53,9 +53,8 @@ def cpu_native_bf16() -> str | None:
     """The CPU feature that gives native bfloat16 matrix math ('amx_bf16' or 'avx512_bf16'), or None.
 
     Read from the kernel's CPU flags (:func:`kvrag.calibration.cpu_flags`, Linux ``/proc/cpuinfo``); elsewhere None.
-    Without such units torch runs bfloat16 matmuls through conversions, which is slower than float32 (measured on a
-    2-core AVX2-only AMD EPYC: a 1.7K-token prefill of SmolLM2-135M takes 38 s in bfloat16 vs 6.4 s in float32,
-    one thread).
+    Without such units torch runs bfloat16 matmuls through conversions, which is several times slower than float32
+    (docs/dtype.md).
     """
     flags = cpu_flags()
     return next((f for f in _NATIVE_BF16_FLAGS if f in flags), None)
@@ -76,14 +75,10 @@ def default_dtype(device: torch.device) -> torch.dtype:
     2. What ``kvrag calibrate`` measured on this machine kind, when it timed both dtypes: the one with the lower
        time to first token + 32 decode steps of the default method (:func:`kvrag.calibration.load_calibration`).
     3. CUDA: bfloat16.
-    4. CPU with AMX (``amx_bf16``): bfloat16 -- faster in both phases. SmolLM2-135M, one thread, 2-core Xeon with
-       AMX: a 1.7K-token prefill takes 0.95 s in bf16 vs 3.84 s in fp32, a decode step at 1.7K context 63 ms vs
-       73 ms.
-    5. Any other CPU: float32. Without AVX512-BF16 torch emulates bf16 matmuls (a 1.7K-token prefill takes 38 s in
-       bf16 vs 6.4 s in fp32 on a 2-core AVX2-only EPYC). With AVX512-BF16 but no AMX, bf16 halves prefill
-       (10.4 s -> 5.0 s at 1.7K tokens on a 2-core EPYC) but slows decode (110 -> 200 ms/token); kvrag's reuse
-       methods make prefill a small share of a request, so fp32 answers sooner end to end (``stale``: 1.97 s vs
-       3.15 s for TTFT + ~14 tokens on that machine).
+    4. CPU with AMX (``amx_bf16``): bfloat16 -- faster in both prefill and decode.
+    5. Any other CPU: float32. Without AVX512-BF16 torch emulates bf16 matmuls, far slower than fp32. With
+       AVX512-BF16 but no AMX, bf16 sped up prefill but slowed decode when measured; kvrag's reuse methods make
+       prefill a small share of a request, so fp32 answered sooner end to end (docs/dtype.md).
 
     The other dtype is one argument away (``load_model(dtype=...)``, ``KVRAGEngine.from_pretrained(dtype=...)``,
     ``--dtype`` on the CLI).

@@ -13,7 +13,8 @@ own decode step (tested) and a row's attention output is the one it would get al
 the batched GEMMs may reorder sums
 (float32: logits within 1e-4 of a batch-1 step, ~3e-6 on the tiny test models; bfloat16: a batched GEMM rounds its
 bf16 outputs after summing in another order, an error of the kind and size of bf16's own rounding, so logits stay
-within 1.5x the bf16 noise floor -- the largest |bf16 - fp32| logit of the same requests decoded alone -- and the
+within one and a half times the bf16 noise floor -- the largest |bf16 - fp32| logit of the same requests decoded
+alone -- and the
 greedy answers of the test prompts are unchanged; SmolLM2-135M on a CPU with AMX, 4 requests x 6 steps: identical
 logits, the floor being 0.62. Both are tested).
 
@@ -105,7 +106,7 @@ class _Active:
     def mask(self, i: int, kind: str, size: int | None, n: int, q: int, like: torch.Tensor) -> tuple[int, torch.Tensor]:
         """Row ``i``'s first key position and [q, keys] additive mask (``like``'s dtype and device) for its ``q``
         tokens at ``n ..``, built once per window kind and step: causal, within the layer's window. (An additive
-        mask: SDPA on the CPU converts a boolean one on every call, ~0.14 of ~0.8 ms per call here.)"""
+        mask: SDPA on the CPU converts a boolean one on every call.)"""
         key = (i, kind, size)
         got = self.masks.get(key)
         if got is None:

@@ -2,8 +2,8 @@
 
 A decode step of a small model is many small operations, and on the CPU the Python around them costs about as much
 as some of the operations: transformers' model forward checks and routes its keyword arguments, builds masks,
-collects outputs and goes through a decorated call per layer and per attention (SmolLM2-135M, int4, one thread, 1.5K
-tokens of context: ~3 ms of a ~54 ms step at batch 1, measured by switching this loop on and off). gpt-fast avoids
+collects outputs and goes through a decorated call per layer and per attention (a measurable share of a
+step at batch 1, found by switching this loop on and off). gpt-fast avoids
 this by writing the model itself; kvrag keeps transformers' modules -- the embeddings, rotary embedding, norms,
 projections (with kvrag's quantized or packed forwards), MLP and LM head are the model's own, called in the order
 and with the arguments the model's forward uses -- and only the loop around them is its own: per layer,
@@ -96,7 +96,7 @@ def forward(model: Any, ids: torch.Tensor, pos: torch.Tensor, keep: int | torch.
     inner = model.model
     rope = sys.modules[type(inner.layers[0].self_attn).__module__].apply_rotary_pos_emb
     # each module's ``forward`` straight away: :mod:`kvrag.kv.step_backend` runs it only while no module has hooks, so
-    # this is what ``module(...)`` runs, minus nn.Module's call dispatch (~4 us a call, ~300 calls a step)
+    # this is what ``module(...)`` runs, minus nn.Module's call dispatch (~300 calls a step)
     h = inner.embed_tokens.forward(ids)
     cos, sin = inner.rotary_emb.forward(h, position_ids=pos)
     b, s = ids.shape

@@ -4,7 +4,7 @@ write and every query's attention in one call of kvrag's kernel.
 A decode step of a small model is mostly calls: :mod:`kvrag.kv.direct` runs ~85 tensor operations a layer around
 its seven products and one attention call (norms, three projections, views and transposes, RoPE's slices,
 negations, concatenations, products and sums, each row's K/V written by two slice copies, the attention's entries
-built in Python), each a dispatch of 1-3 us on a 2-core VM. This step runs a layer as
+built in Python), and each is a dispatch whose fixed cost adds up. This step runs a layer as
 
 * the input norm (transformers' RMS norm in fewer dispatches, :func:`_rms_norm`; other norms their own forward);
 * one product for q, k and v (:class:`kvrag.kv.quant.Fused`: kvrag's int4 weights side by side; without them,
@@ -56,9 +56,9 @@ float32, the product cast back."""
 
 
 def _rms_norm(module: Any) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``module``'s forward in fewer dispatches (SmolLM2-135M's norm: 8 us instead of 15): torch's CPU ``mean`` is its
-    ``sum`` divided by the count (both kept here, the count and eps as float32 tensors, so no scalar is wrapped each
-    call), the two no-op casts of a float32 model are skipped and Gemma's ``1 + w`` is computed again only when the
+    """``module``'s forward in fewer dispatches than transformers' RMS norm: torch's CPU ``mean`` is its ``sum``
+    divided by the count (both kept here, the count and eps as float32 tensors, so no scalar is wrapped each call),
+    the two no-op casts of a float32 model are skipped and Gemma's ``1 + w`` is computed again only when the
     weight changed. Other norm classes: their own forward."""
     name = type(module).__name__
     gemma = name in GEMMA_NORMS and isinstance(getattr(module, "eps", None), float)

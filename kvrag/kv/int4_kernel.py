@@ -1,16 +1,17 @@
 """kvrag's own int4 x bfloat16 product for decode-sized inputs on x86 CPUs with AVX512-BF16 (``int4_gemm.c``).
 
 torch's CPU int4 kernel (``_weight_int4pack_mm_for_cpu``) dequantizes the weights to float32 and multiplies per
-input row, so a batch of 8 rows costs 8 rows' decoding and float32 FMAs ([8, 576] x [576, 1536]: ~150 us against
-~40 us for one row, one thread). ``int4_gemm.c`` decodes each 4-bit weight once per call for all the rows:
+input row, so a batch of 8 rows costs 8 rows' decoding and float32 FMAs (decode is bound by decoding the weights, so
+batching gains little; measured in docs/results/amx/load_int4_kernel_*.md). ``int4_gemm.c`` decodes each 4-bit
+weight once per call for all the rows:
 
 * ``amx`` (the default on CPUs with AMX): the decoded weights of a tile of 16 outputs and a group of 32 inputs
-  become one tile of the matrix unit and one ``TDPBF16PS`` multiplies them by up to 16 rows (a decode step of 8
-  rows: 0.71-0.84x torch's kernel's; of one row 1.03-1.05x);
+  become one tile of the matrix unit and one ``TDPBF16PS`` multiplies them by up to 16 rows (faster than torch's
+  kernel for a batched decode step, on par for one row);
 * ``avx512bf16`` (the default on AVX512-BF16 CPUs without AMX): ``VDPBF16PS`` multiplies 32 decoded weights by
-  two broadcast inputs for 16 outputs, for up to 8 rows per decoded weight (on such a CPU, float32 model, one
-  thread: a decode step of 8 rows 0.87-0.92x torch's kernel's, of 1 or 4 rows 0.99-1.01x; on an AMX host, where
-  the AMX path serves, it measured 1.01-1.10x torch's).
+  two broadcast inputs for 16 outputs, for up to 8 rows per decoded weight (faster than torch's kernel for a batched
+  decode step on such a CPU, on par for one row; not faster than torch's on an AMX host, where the AMX path serves;
+  docs/results/epyc/ab_host2_int4_kernel.md).
 
 Both apply each group's bf16 scale and zero in float32 and round the output to bfloat16, like torch's kernel; their
 outputs differ from it (and from each other) in the last bfloat16 bit now and then. A process uses one path for

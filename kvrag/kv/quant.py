@@ -17,14 +17,13 @@ The kernels, and why these and not a library's:
   zero ``m + 8 d``) and the default model's dequantized weights re-quantize to the file's own ``q`` without
   error, so ``int4`` on the embedded default keeps the file's own 4-bit blocks.
 * ``int8``: ``torch._weight_int8pack_mm`` -- symmetric, one scale per output channel.
-* Both kernels are fast only with bfloat16 activations (torch 2.13, one thread, AVX512-BF16 CPU: [1, 576] x
-  [576, 1536] takes 70 us in int4 with bf16 activations, 2.8 ms with fp16 and ~5 ms with fp32 activations, against
-  119 us for the dense fp32 product), so the quantized route casts its input to bfloat16 and its output back to the
-  model's dtype, and the scales are kept in bfloat16 (the kernel's requirement). That rounding is the route's only
-  cost beyond the weights' own: for a Q4_1 weight, the bf16 scale leaves an RMS error of ~0.2% of the weights' RMS,
-  the size of bfloat16's own rounding.
+* Both kernels are fast only with bfloat16 activations (with fp16 or fp32 activations they are slower than the
+  dense fp32 product; docs/quantization.md), so the quantized route casts its input to bfloat16 and its output
+  back to the model's dtype, and the scales are kept in bfloat16 (the kernel's requirement). That rounding is the
+  route's only cost beyond the weights' own: for a Q4_1 weight, the bf16 scale leaves an RMS error of ~0.2% of the
+  weights' RMS, the size of bfloat16's own rounding.
 * torchao (0.18) wraps the same kernels, but its ``Int8WeightOnlyConfig`` feeds them the model's float32
-  activations on the CPU (measured slower than dense: 116 vs 83 ms/token), its int4 default asks for a GPU kernel
+  activations on the CPU (measured slower than dense, docs/quantization.md), its int4 default asks for a GPU kernel
   library and its CPU int4 layout sits in a prototype module; so kvrag calls the two torch ops itself, here.
 
 On CUDA (tinygemm's layout differs) and on other devices :func:`quantize_linears` refuses with a clear error:
@@ -55,13 +54,13 @@ GROUP = 32
 """Input columns per int4 group (a GGUF Q4_0 / Q4_1 block)."""
 REFINE_TOP = 64
 """The output head's largest logits per row that are recomputed from the dense weight rows (a [k, hidden] gather
-and product: ~0.1 ms for 64 of SmolLM2's 49152): greedy choices and the probable tokens' probabilities then carry
+and product, small next to the head's own product): greedy choices and the probable tokens' probabilities then carry
 no quantization error at all, and the other logits keep the head's 8-bit error (bf16 outputs: ~0.03 at a logit of
 16), where it moves almost no probability."""
 MAX_ROWS = 16
-"""Inputs of at most this many rows take the quantized weight; larger ones the dense weight. One thread,
-AVX512-BF16 CPU, [M, 576] x [576, 1536]: M=1 70 vs 119 us (int4 vs dense fp32), M=8 177 vs 253 us, M=64 1.74 vs
-1.91 ms and dense bf16 0.73 ms: past a handful of rows the dense kernels catch up and then win."""
+"""Inputs of at most this many rows take the quantized weight; larger ones the dense weight: the int4 kernel
+decodes its weights per row, so past a handful of rows the dense kernels catch up and then win (measured per M in
+docs/quantization.md)."""
 
 
 def parse_mode(mode: str | None) -> Mode | None:
@@ -153,7 +152,7 @@ class _Int8Groups:
     The output head gets this form in every mode: its errors go straight into the logits (embedded default, int4
     body, next-token KL vs dense on 8 dev prompts: 6e-2 with an int4 head, 3.3e-3 with per-channel int8, 1.35e-3
     with this form; its largest logits are then recomputed exactly, :data:`REFINE_TOP`), and two int4 products
-    cost less than torch's int8 kernel ([1, 576] x [576, 49152]: 2 x 1.7-2.1 ms vs 6.9 ms).
+    cost less than one product of torch's int8 kernel, which reads more bytes.
     """
 
     __slots__ = ("hi", "lo")
@@ -228,8 +227,8 @@ def _refine_top(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: to
 
 
 def _forward(module: torch.nn.Linear, state: _State, x: torch.Tensor) -> torch.Tensor:
-    # called for every product of every decode step: plain attribute reads, no-op conversions skipped (on a 2-core
-    # VM each avoided tensor call is 1-3 us, against a 35 us [1, 576] x [576, 576] product)
+    # called for every product of every decode step: plain attribute reads, no-op conversions skipped (each
+    # avoided tensor call's fixed cost is a noticeable share of a small decode-sized product)
     params: dict[str, torch.Tensor] = module._parameters  # type: ignore[assignment]
     w = params["weight"]
     shape = x.shape

@@ -1,10 +1,10 @@
 """kvrag's one-token attention on x86 CPUs (``row_attention.c``): a decode step's rows in one call per layer.
 
 A decode step attends each request's one new token over that request's own keys. torch's CPU SDPA serves such a
-call through its flash-attention kernel, built for blocks of many queries: for one query over 1.5K bf16 keys
-(SmolLM2-135M's [9 heads, 64] over 3 KV heads, one thread) it reads the layer's K/V at ~9 GB/s, where one core
-sums float32 data at ~26 GB/s from cache and ~14 GB/s from memory. ``row_attention.c`` computes the scores, the softmax and the weighted sum for
-each (query, KV head) in one pass over the head's keys and one over its values, and takes every query of a layer
+call through its flash-attention kernel, built for blocks of many queries: for one query it reads the layer's K/V
+well below the rate at which one core can stream them (docs/architecture.md,
+docs/results/epyc/ab_host2_row_attention.md). ``row_attention.c`` computes the scores, the softmax and the weighted
+sum for each (query, KV head) in one pass over the head's keys and one over its values, and takes every query of a layer
 -- all rows of a batched step, all drafted positions of a verify step -- in one call, split over torch's OpenMP
 threads.
 
