@@ -18,7 +18,7 @@ else the one ``kvrag calibrate`` wrote for this kind and dtype, else the shipped
 CPU in float32; ``auto`` warns once when it runs elsewhere with it).
 
 With ``agree=X`` ``auto`` keeps answers instead: it escalates one request's repair through a ladder of levels
-(CacheRepair, ``hybrid``, ``full``) until the first decode step is confident enough for an answer-agreement rate of
+(by default CacheRepair, then ``full``) until the first decode step is confident enough for an answer-agreement rate of
 ``X`` with ``full`` (:mod:`kvrag.fusion.escalate`), with the budget, when given, as a cap on the predicted TTFT.
 """
 
@@ -75,7 +75,7 @@ class Auto(FusionMethod):
         agree: target rate of answers equal to ``full``'s, in (0, 1]: escalate the repair per request until the
             first decode step is confident (:mod:`kvrag.fusion.escalate`); default none (pick by the budget).
         levels: the escalation ladder for ``agree``, '/'-separated recompute ratios (0: CacheRepair, between:
-            ``hybrid:r``, 1: ``full``; default 0/0.015/1).
+            ``hybrid:r``, 1: ``full``; default 0/1).
         checkpoint: the CacheRepair checkpoint the ladder uses (default: the shipped one for the model; a model
             without one starts from the stale cache).
         costs: a cost-model JSON, or a ``kvrag calibrate`` file (its cost model for the dtype auto runs in)

@@ -22,7 +22,7 @@ def _suffix_logits(inp, out) -> torch.Tensor:
 def test_agree_one_escalates_to_full(family: str, zero_copy: bool) -> None:
     case = fusion_case(family)
     inp = case.fusion_input(zero_copy=zero_copy)
-    out = get_method("auto:agree=1.0").fuse(inp)
+    out = get_method("auto:agree=1.0,levels=0/0.015/1").fuse(inp)
     st = out.stats
     assert st.auto_levels == [0.0, 0.015, 1.0] and st.auto_choice == "full" and st.auto_reason == "last level"
     assert len(st.auto_confidences or []) == 3 and st.auto_agree == 1.0 and st.auto_budget is None
@@ -32,10 +32,16 @@ def test_agree_one_escalates_to_full(family: str, zero_copy: bool) -> None:
     torch.testing.assert_close(v, case.full_values, atol=2e-5, rtol=0)
 
 
+def test_default_ladder_is_cacherepair_then_full() -> None:
+    case = fusion_case("llama")
+    out = get_method("auto:agree=1.0").fuse(case.fusion_input())
+    assert out.stats.auto_levels == [0.0, 1.0] and out.stats.auto_choice == "full"
+
+
 def test_stops_at_the_first_confident_level() -> None:
     case = fusion_case("llama")
-    # a model without a repairer starts from the stale cache; thresholds 0: the first level is kept
-    out = get_method("auto:agree=0.5").fuse(case.fusion_input())
+    # a model without a repairer starts from the stale cache; threshold 0: the first level is kept
+    out = pieces.run_whole(Ladder((0.0, 1.0), (0.0,), lambda spec, ran: True).run(case.fusion_input(), pieces.WHOLE))
     assert out.stats.auto_levels == [0.0] and out.stats.auto_choice == "stale"
     inp = case.fusion_input()
     stale = get_method("stale").fuse(inp)
