@@ -7,7 +7,9 @@ and its first decode step's log-probabilities (``lp_<row>.pt``). ``python -m kvr
 runs/probe_dev --levels cacherepair,full`` then prints, per agreement target, the lowest top-1 probability threshold
 (steps of 0.05) at which the ladder of those levels keeps ``full``'s normalized answer on at least that share of the
 recorded requests, with the simulated cost (each level's TTFT added up; a ``hybrid`` after CacheRepair pays only its
-recompute) -- how :data:`kvrag.fusion.escalate.AGREE_THRESHOLDS` was calibrated.
+recompute) -- how :data:`kvrag.fusion.escalate.AGREE_THRESHOLDS` was calibrated. ``python -m
+kvrag_bench.fidelity_probe summarize RUN`` writes ``summary.json`` / ``summary.md`` of a ``kvrag bench --out``
+directory from the requests it finished (a run stopped before its end), with this process's machine description.
 """
 
 from __future__ import annotations
@@ -88,6 +90,23 @@ def calibrate(args: argparse.Namespace) -> None:
         print(f"agree {agree}: threshold {tau} same answer {same:.2f} TTFT/full p50 {p50:.2f} mean {mean:.2f}")
 
 
+def summarize(args: argparse.Namespace) -> None:
+    from kvrag_bench import aggregate, provenance
+
+    out = Path(args.out)
+    meta = json.loads((out / "run.json").read_text())
+    rows = aggregate.read_jsonl(out / "results.jsonl")
+    cfg = {**meta["config"], "limit": len(rows)}
+    key = meta.get("resume_key", {})
+    dtype = torch.float32 if key.get("store_dtype") == "float32" else torch.bfloat16
+    summary = aggregate.summarize(rows, cfg["methods"], config=cfg, n_boot=int(cfg.get("bootstrap", 1000)),
+                                  extra={"machine": provenance.machine_info(torch.device("cpu"), dtype),
+                                         "model": {"name": key.get("model")},
+                                         "finished_requests": [r["id"] for r in rows]})
+    aggregate.write_summary(out, summary)
+    print((out / "summary.md").read_text())
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m kvrag_bench.fidelity_probe", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -105,6 +124,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     c.add_argument("--levels", default="cacherepair,full")
     c.add_argument("--rows", default=None, help="a row range such as 0-25 (default: every recorded row)")
     c.set_defaults(func=calibrate)
+    m = sub.add_parser("summarize")
+    m.add_argument("out")
+    m.set_defaults(func=summarize)
     args = ap.parse_args(argv)
     args.func(args)
 
