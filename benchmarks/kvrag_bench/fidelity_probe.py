@@ -99,7 +99,11 @@ def summarize(args: argparse.Namespace) -> None:
     cfg = {**meta["config"], "limit": len(rows)}
     key = meta.get("resume_key", {})
     dtype = torch.float32 if key.get("store_dtype") == "float32" else torch.bfloat16
-    summary = aggregate.summarize(rows, cfg["methods"], config=cfg, n_boot=int(cfg.get("bootstrap", 1000)),
+    env = aggregate.environment_info()
+    env["hardware"] = {**env.get("hardware", {}), "torch_threads": cfg.get("threads")}  # the run's, not this one's
+    if args.git_sha:
+        env["git_sha"] = args.git_sha
+    summary = aggregate.summarize(rows, cfg["methods"], config=cfg, env=env, n_boot=int(cfg.get("bootstrap", 1000)),
                                   extra={"machine": provenance.machine_info(torch.device("cpu"), dtype),
                                          "model": {"name": key.get("model")},
                                          "finished_requests": [r["id"] for r in rows]})
@@ -126,6 +130,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     c.set_defaults(func=calibrate)
     m = sub.add_parser("summarize")
     m.add_argument("out")
+    m.add_argument("--git-sha", default=None, help="the commit the run started at (default: this checkout's)")
     m.set_defaults(func=summarize)
     args = ap.parse_args(argv)
     args.func(args)
