@@ -80,3 +80,19 @@ def test_bench_run_reports_same_answer(tmp_path: Path) -> None:
     assert st["same_answer"] == pytest.approx(expect)
     assert s["methods"]["full#2"]["same_tokens"] == 1.0  # full twice: the same tokens
     assert "same answer as full" in (tmp_path / "out" / "summary.md").read_text()
+
+
+def test_ladder_simulation_hand_computed() -> None:
+    from kvrag_bench.fidelity_probe import simulate
+
+    def row(i: int, cr: str, t_cr: float) -> dict[str, Any]:
+        return {"row": i, "methods": {"full": {"answer": "x", "ttft_s": 10.0},
+                                      "cacherepair": {"answer": cr, "ttft_s": t_cr}}}
+
+    rows = [row(0, "x", 1.0), row(1, "y", 2.0)]
+    conf = {0: {"cacherepair": 0.9, "full": 0.5}, 1: {"cacherepair": 0.3, "full": 0.5}}
+    # threshold 0.5: row 0 keeps CacheRepair's (same) answer; row 1 escalates to full and pays both
+    same, p50, mean = simulate(rows, conf, ["cacherepair", "full"], 0.5)
+    assert same == 1.0 and mean == pytest.approx((0.1 + 1.2) / 2) and p50 == pytest.approx(0.65)
+    same, _, mean = simulate(rows, conf, ["cacherepair", "full"], 0.0)  # never escalates
+    assert same == 0.5 and mean == pytest.approx(0.15)
