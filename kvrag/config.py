@@ -8,8 +8,8 @@ from kvrag.errors import ConfigError
 
 DEFAULT_METHOD = "auto:agree=0.9"
 """The engine's default fusion method (and the CLI's, the server's and the adapters'): the one that keeps the answer
-``full`` gives on about nine requests in ten, escalating the repair per request only where the first decode step is
-unsure (:mod:`kvrag.fusion.escalate`; measured in docs/results/fidelity.md)."""
+``full`` gives (by measurement, see docs/results/fidelity.md), escalating the repair per request, up to ``full``,
+where the first decode step is unsure (:mod:`kvrag.fusion.escalate`)."""
 CHUNK_PREFIX_MODES = ("none", "template")
 ON_STORE_ERROR = ("recompute", "raise")
 
