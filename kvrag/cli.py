@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvrag.config import DEFAULT_METHOD
 from kvrag.errors import KVRAGError
 
 if TYPE_CHECKING:
@@ -39,7 +40,7 @@ def _store_url(args: argparse.Namespace) -> str:
     return "file://" + str((Path(args.persist) / "kv").resolve())
 
 
-def _engine(model: str | None, store: str, chunk_prefix: str = "template", method: str = "stale",
+def _engine(model: str | None, store: str, chunk_prefix: str = "template", method: str = DEFAULT_METHOD,
             on_store_error: str = "recompute", quantize: str | None = "default") -> KVRAGEngine:
     from kvrag.engine.engine import KVRAGEngine
 
@@ -324,7 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--persist", required=True)
     sp.add_argument("--model", default=None)
     sp.add_argument("--store", default=None)
-    sp.add_argument("--method", default="stale")
+    sp.add_argument("--method", default=DEFAULT_METHOD, help=f"fusion method spec (default {DEFAULT_METHOD})")
     _add_quantize(sp)
     sp.add_argument("--on-store-error", choices=["recompute", "raise"], default="recompute",
                     help="when the KV store fails: warn and compute caches on demand (default), or fail")

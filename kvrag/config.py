@@ -6,6 +6,10 @@ import dataclasses
 
 from kvrag.errors import ConfigError
 
+DEFAULT_METHOD = "auto:agree=0.9"
+"""The engine's default fusion method (and the CLI's, the server's and the adapters'): the one that keeps the answer
+``full`` gives (by measurement, see docs/results/fidelity.md), escalating the repair per request, up to ``full``,
+where the first decode step is unsure (:mod:`kvrag.fusion.escalate`)."""
 CHUNK_PREFIX_MODES = ("none", "template")
 ON_STORE_ERROR = ("recompute", "raise")
 KV_DTYPES = ("auto", "float32", "bfloat16")
@@ -48,7 +52,9 @@ class EngineConfig:
     """Engine settings.
 
     Attributes:
-        method: default fusion method spec (e.g. "relaxkv:r=0.15").
+        method: default fusion method spec (e.g. "relaxkv:r=0.15"); default :data:`DEFAULT_METHOD`
+            (``auto:agree=0.9``), the method that keeps ``full``'s answers by measurement; ``stale`` is the fastest
+            and changes the most answers.
         chunk_prefix: what each chunk is conditioned on when its cache is computed: "none" (the chunk alone) or
             "template" (after the chat template's fixed system header, which then also serves as attention sink).
             Part of the cache key. Default "template", by measurement (SmolLM2-135M-Instruct, qa_dev rows 0-19,
@@ -111,7 +117,7 @@ class EngineConfig:
         conversation_cache_entries: most answered requests kept (least recently used leave first).
     """
 
-    method: str = "stale"
+    method: str = DEFAULT_METHOD
     chunk_prefix: str = "template"
     store_dtype: str | None = None
     max_context: int | None = None

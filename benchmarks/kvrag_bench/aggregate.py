@@ -6,11 +6,14 @@
      "machine": {"kind": "cpu-amx" | "cpu-avx512bf16" | "cpu-avx2" | "cuda-<gpu>" ..., "device", "dtype", "cpu_bf16"},
      "n_requests": N, "reference": {"full": label, "stale": label}, "quality_ceiling_f1": F1 of full,
      "context_tokens": {"mean", "p50", "min", "max"},
-     "methods": {spec: {"n", "f1", "em", "kl", "ttft_p50_s", "ttft_p90_s", "ttft_ratio",
+     "methods": {spec: {"n", "same_answer", "same_answer_ci", "same_tokens", "same_tokens_ci",
+                        "first_token_agreement", "first_token_agreement_ci", "f1", "em", "kl", "ttft_p50_s", "ttft_p90_s", "ttft_ratio",
                         "f1_gap_recovery", "kl_gap_recovery", "f1_ci", "vs_full", "vs_stale", ...}},
      "peers": {name: {...}}}
 
-Keys of ``methods`` are the method specs exactly as given on the command line (a repeated spec gets ``#2``,
+``same_answer`` is the share of requests whose answer equals ``full``'s after the F1 code's normalization,
+``same_tokens`` the share whose generated tokens are identical to ``full``'s: what a user sees. KL stays the finer
+figure. Keys of ``methods`` are the method specs exactly as given on the command line (a repeated spec gets ``#2``,
 ``#3`` ...). Intervals are percentile bootstrap 95% intervals; differences are paired (same requests resampled).
 """
 
@@ -27,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from kvrag.fusion.stats import MethodStats
-from kvrag_bench.metrics import bootstrap_ci, gap_recovery, paired_bootstrap
+from kvrag_bench.metrics import bootstrap_ci, gap_recovery, paired_bootstrap, same_answer, same_tokens
 from kvrag_bench.provenance import environment_info, machine_label  # environment_info: re-exported for result writers
 
 log = logging.getLogger(__name__)
@@ -156,6 +159,22 @@ def _nested_means(rows: Sequence[dict[str, Any]], label: str, key: str) -> dict[
     return {k: float(np.mean(v)) for k, v in acc.items()}
 
 
+def agreement_values(rows: Sequence[dict[str, Any]], label: str,
+                     full: str | None) -> tuple[list[float | None], list[float | None]]:
+    """Per request, 1.0/0.0 whether ``label``'s answer is ``full``'s (normalized answer; identical tokens), None
+    where either record lacks it."""
+    ans: list[float | None] = []
+    tok: list[float | None] = []
+    for r in rows:
+        ms = r.get("methods", {})
+        m, f = ms.get(label) or {}, (ms.get(full) or {}) if full else {}
+        both = m and f
+        ans.append(float(same_answer(m["answer"], f["answer"])) if both and "answer" in m and "answer" in f else None)
+        tok.append(float(same_tokens(m["token_ids"], f["token_ids"]))
+                   if both and "token_ids" in m and "token_ids" in f else None)
+    return ans, tok
+
+
 def reference_labels(labels: Sequence[str]) -> dict[str, str | None]:
     """The first label whose method is ``full`` / ``stale`` (labels are specs, maybe with a ``#n`` suffix)."""
 
@@ -187,8 +206,14 @@ def summarize_method(
     answer_full = _timing_values(rows, full, "total_s") if full else None
     answer_p50 = _pct(answer, 50)
     answer_p50_full = _pct(answer_full, 50) if answer_full else None
+    same_ans, same_tok = agreement_values(rows, label, full)
     m: dict[str, Any] = {
         "n": sum(x is not None for x in f1),
+        "same_answer": _mean(same_ans),
+        "same_answer_ci": _ci(same_ans, n_boot, seed),
+        "same_tokens": _mean(same_tok),
+        "same_tokens_ci": _ci(same_tok, n_boot, seed),
+        "first_token_agreement_ci": _ci(ftok, n_boot, seed),
         "answer_p50_s": answer_p50,
         "answer_ratio": (answer_p50 / answer_p50_full) if answer_p50 is not None and answer_p50_full else None,
         "f1": _mean(f1),
@@ -201,6 +226,7 @@ def summarize_method(
         "ttft_ratio": (p50 / p50_full) if p50 is not None and p50_full else None,
         "ttft_ratio_p50": _pct(per_req_ratio, 50),
         "ttft_ratio_p90": _pct(per_req_ratio, 90),
+        "ttft_ratio_mean": _mean(per_req_ratio),
         "f1_ci": _ci(f1, n_boot, seed),
         "em_ci": _ci(em, n_boot, seed),
         "kl_ci": _ci(kl, n_boot, seed),
@@ -249,7 +275,7 @@ def summarize_peer(rows: Sequence[dict[str, Any]], name: str, full: str | None, 
     if full:
         pairs = [(r["peers"][name].get("answer"), r["methods"][full].get("answer")) for r in rows
                  if name in r.get("peers", {}) and full in r.get("methods", {})]
-        same = float(np.mean([a == b for a, b in pairs])) if pairs else None
+        same = float(np.mean([same_answer(a or '', b or '') for a, b in pairs])) if pairs else None
     return {
         "n": sum(x is not None for x in f1),
         "f1": _mean(f1),
@@ -316,6 +342,12 @@ def _ms(x: Any) -> str:
     return "–" if x is None else f"{1000 * x:.0f}"
 
 
+def _share(m: dict[str, Any], key: str) -> str:
+    """'0.75 [0.61, 0.86]': a share with its interval."""
+    ci = m.get(f"{key}_ci")
+    return _f(m.get(key), 2) + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "")
+
+
 def _pm(d: dict[str, Any] | None, nd: int = 3) -> str:
     if not d:
         return "–"
@@ -354,10 +386,13 @@ def summary_markdown(summary: dict[str, Any]) -> str:
                                                                   "not meaningful on these requests." if unsure else "."))
     lines += [
         "",
-        "| method | n | F1 [95% CI] | EM | ΔF1 vs full | ΔF1 vs stale | KL(full‖m) | 1st-token agree | "
-        "TTFT p50 ms | TTFT p90 ms | TTFT/full | answer p50 ms | answer/full | F1 gap rec. | KL gap rec. | "
-        "recomputed |",
-        "|---|---:|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "Same answer: the answer equals `full`'s after the F1 code's normalization; same tokens: identical "
+        "generated tokens; 1st-token agree: the same first token (95% bootstrap intervals).",
+        "",
+        "| method | n | same answer as full | same tokens | 1st-token agree | F1 [95% CI] | EM | ΔF1 vs full | "
+        "ΔF1 vs stale | KL(full‖m) | TTFT p50 ms | TTFT p90 ms | TTFT/full | TTFT/full mean | answer p50 ms | "
+        "answer/full | F1 gap rec. | KL gap rec. | recomputed |",
+        "|---|---:|---|---|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for lbl, m in summary.get("methods", {}).items():
         ci = m.get("f1_ci")
@@ -365,9 +400,11 @@ def summary_markdown(summary: dict[str, Any]) -> str:
         rec = MethodStats.from_dict(m.get("method_stats_mean")).recomputed_fraction if m.get("method_stats_mean") \
             else None
         lines.append(
-            f"| `{lbl}` | {m.get('n')} | {f1} | {_f(m.get('em'))} | {_pm(m.get('vs_full', {}).get('f1'))} | "
-            f"{_pm(m.get('vs_stale', {}).get('f1'))} | {_f(m.get('kl'), 4)} | {_f(m.get('first_token_agreement'), 2)} | "
+            f"| `{lbl}` | {m.get('n')} | {_share(m, 'same_answer')} | {_share(m, 'same_tokens')} | "
+            f"{_share(m, 'first_token_agreement')} | {f1} | {_f(m.get('em'))} | {_pm(m.get('vs_full', {}).get('f1'))} | "
+            f"{_pm(m.get('vs_stale', {}).get('f1'))} | {_f(m.get('kl'), 4)} | "
             f"{_ms(m.get('ttft_p50_s'))} | {_ms(m.get('ttft_p90_s'))} | {_f(m.get('ttft_ratio'), 2)} | "
+            f"{_f(m.get('ttft_ratio_mean'), 2)} | "
             f"{_ms(m.get('answer_p50_s'))} | {_f(m.get('answer_ratio'), 2)} | "
             f"{_f(m.get('f1_gap_recovery'), 2)} | {_f(m.get('kl_gap_recovery'), 2)} | {_f(rec, 3)} |"
         )

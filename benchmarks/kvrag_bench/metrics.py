@@ -4,6 +4,8 @@
   token-level F1, max over gold aliases).
 * :func:`kl_divergence` compares a method's next-token distributions with the full-prefill reference.
 * :func:`kv_rel_rmse` measures how far a repaired cache is from the joint-prefill cache.
+* :func:`same_answer` / :func:`same_tokens`: what a user sees, whether a method's answer is the one ``full`` gives
+  (the normalized answer of the F1 code, or the very same generated tokens).
 * :func:`paired_bootstrap` / :func:`bootstrap_ci` give percentile confidence intervals; :func:`gap_recovery`
   says which fraction of the stale-vs-full gap a method closes.
 """
@@ -53,6 +55,17 @@ def exact_match(pred: str, answers: Sequence[str]) -> float:
     _check_answers(answers)
     p = normalize_answer(pred)
     return float(any(p == normalize_answer(a) for a in answers))
+
+
+def same_answer(pred: str, reference: str) -> bool:
+    """True when two answers are equal after SQuAD normalization (:func:`normalize_answer`), the comparison the F1
+    code makes: case, punctuation, articles and spacing do not count."""
+    return normalize_answer(pred) == normalize_answer(reference)
+
+
+def same_tokens(pred: Sequence[int], reference: Sequence[int]) -> bool:
+    """True when two generations are token-identical (same ids, same length)."""
+    return [int(t) for t in pred] == [int(t) for t in reference]
 
 
 def _f1(pred_tokens: list[str], gold_tokens: list[str]) -> float:
@@ -277,4 +290,6 @@ __all__ = [
     "kv_rel_rmse",
     "normalize_answer",
     "paired_bootstrap",
+    "same_answer",
+    "same_tokens",
 ]

@@ -16,6 +16,10 @@ achieved to predicted TTFT; 1 until measured). ``auto`` runs the lowest-KL candi
 The cost model is chosen per machine kind and dtype (:func:`kvrag.calibration.machine_kind`): ``auto:costs=FILE``,
 else the one ``kvrag calibrate`` wrote for this kind and dtype, else the shipped one (fitted on a 2-core AVX2-only
 CPU in float32; ``auto`` warns once when it runs elsewhere with it).
+
+With ``agree=X`` ``auto`` keeps answers instead: it escalates one request's repair through a ladder of levels
+(by default CacheRepair, then ``full``) until the first decode step is confident enough for an answer-agreement rate of
+``X`` with ``full`` (:mod:`kvrag.fusion.escalate`), with the budget, when given, as a cap on the predicted TTFT.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from typing import Any
 
 import torch
@@ -33,6 +37,7 @@ from kvrag.errors import ConfigError
 from kvrag.fusion.base import FusionInput, FusionMethod, FusionOutput, Observation, register, shared_method
 from kvrag.fusion.cost import ModelCost
 from kvrag.fusion.cost_model import SHIPPED_COST_MODEL, CostModel, fit_cost_model, load_cost_model
+from kvrag.fusion.escalate import DEFAULT_LEVELS, Ladder, parse_levels, thresholds_for
 from kvrag.fusion.online import OnlineCosts, online_costs
 from kvrag.fusion.recompute import check_choice, check_ratio
 from kvrag.kv import pieces
@@ -65,7 +70,14 @@ class Auto(FusionMethod):
     corrected by what this process measures.
 
     Parameters:
-        budget: TTFT budget as a fraction of full prefill's, in (0, 1] (default 0.3).
+        budget: TTFT budget as a fraction of full prefill's, in (0, 1] (default 0.3; with ``agree``: a cap on the
+            predicted TTFT of the escalation, default none).
+        agree: target rate of answers equal to ``full``'s, in (0, 1]: escalate the repair per request until the
+            first decode step is confident (:mod:`kvrag.fusion.escalate`); default none (pick by the budget).
+        levels: the escalation ladder for ``agree``, '/'-separated recompute ratios (0: CacheRepair, between:
+            ``hybrid:r``, 1: ``full``; default 0/1).
+        checkpoint: the CacheRepair checkpoint the ladder uses (default: the shipped one for the model; a model
+            without one starts from the stale cache).
         costs: a cost-model JSON, or a ``kvrag calibrate`` file (its cost model for the dtype auto runs in)
             (default: the calibrated one for this machine kind and dtype, else the shipped
             ``kvrag/data/auto_cost.json``).
@@ -77,14 +89,28 @@ class Auto(FusionMethod):
 
     name = "auto"
     reads_canonical_keys = True  # it may choose cacherepair or hybrid
-    params = {"budget": (float, 0.3), "costs": (str, None), "margin": (str, "p90"), "adapt": (float, 0.3)}
-    budget: float
+    params = {"budget": (float, None), "costs": (str, None), "margin": (str, "p90"), "adapt": (float, 0.3),
+              "agree": (float, None), "levels": (str, None), "checkpoint": (str, None)}
+    budget: float  # None only with agree (no cap)
     costs: str | None
     margin: str
     adapt: float
+    agree: float | None
+    levels: str | None
+    checkpoint: str | None
 
     def validate(self) -> None:
-        check_ratio(self.name, "budget", self.budget)
+        self.cap: float | None = self.budget  # agree: the budget is a cap, none unless given
+        if self.agree is None:
+            self.budget = 0.3 if self.budget is None else self.budget
+            if self.levels is not None:
+                msg = f"method {self.name!r}: levels is the escalation ladder of agree=...; pass agree too"
+                raise ConfigError(msg)
+        else:
+            check_ratio(self.name, "agree", self.agree)
+            self.ladder_levels = parse_levels(self.levels) if self.levels is not None else DEFAULT_LEVELS
+        if self.budget is not None:
+            check_ratio(self.name, "budget", self.budget)
         check_choice(self.name, "margin", self.margin, ("p90", "p50"))
         if not 0.0 <= self.adapt <= 1.0:
             msg = f"method {self.name!r}: adapt (weight of a new measurement) must be in [0, 1], got {self.adapt}"
@@ -168,10 +194,13 @@ class Auto(FusionMethod):
         return pieces.run_whole(self.fuse_pieces(inp, pieces.WHOLE))  # type: ignore[no-any-return]
 
     def fuse_pieces(self, inp: FusionInput, pace: pieces.Pace) -> Generator[None, None, FusionOutput]:
-        """The chosen method's pieces (:meth:`FusionMethod.fuse_pieces`)."""
+        """The chosen method's pieces (:meth:`FusionMethod.fuse_pieces`), or the ladder's with ``agree``."""
         s = int(inp.suffix_ids.shape[0])
         cm, online, speed, _, _ = self._context(inp.model, inp.keys.device, inp.keys.dtype)
-        p = self.pick(self.predictions(inp.model.config, inp.context_len, s, cm, online, speed))
+        preds = self.predictions(inp.model.config, inp.context_len, s, cm, online, speed)
+        if self.agree is not None:
+            return (yield from self._escalate(inp, pace, preds))
+        p = self.pick(preds)
         method = shared_method(p.spec)  # the process's instance (a checkpoint the engine loaded is not loaded again)
         chunks = sum(sp.kind == "chunk" for sp in inp.spans)
         log.info("auto: %s for %d context tokens in %d chunks (predicted TTFT %.2fx full, correction %.2f, "
@@ -182,11 +211,49 @@ class Auto(FusionMethod):
                                         auto_correction=p.correction)
         return out
 
+    def ladder_allowed(self, preds: list[Prediction]) -> Callable[[str, list[str]], bool]:
+        """Whether the ladder may run ``spec`` after the ``ran`` ones: their predicted TTFT ratios added up (a
+        ``hybrid`` after CacheRepair pays only its recompute) within the budget. A spec the cost model does not
+        hold is predicted at the budget's limit: allowed only without a cap."""
+        ratio = {p.spec: p.ratio for p in preds}
+        repair = ratio.get("cacherepair", 0.0)
+
+        def cost(spec: str, after: list[str]) -> float | None:
+            if spec == "full":
+                return ratio.get("full", 1.0)
+            if spec not in ratio:
+                return None
+            shared = repair if spec.startswith("hybrid") and after else 0.0
+            return max(0.0, ratio[spec] - shared)
+
+        def allowed(spec: str, ran: list[str]) -> bool:
+            if self.cap is None:
+                return True
+            costs = [cost(s, ran[:i]) for i, s in enumerate([*ran, spec])]
+            return None not in costs and sum(c for c in costs if c is not None) <= self.cap
+
+        return allowed
+
+    def _escalate(self, inp: FusionInput, pace: pieces.Pace,
+                  preds: list[Prediction]) -> Generator[None, None, FusionOutput]:
+        assert self.agree is not None
+        levels = self.ladder_levels
+        ladder = Ladder(levels, thresholds_for(self.agree, len(levels)), self.ladder_allowed(preds), self.checkpoint)
+        out = yield from ladder.run(inp, pace)
+        chunks = sum(sp.kind == "chunk" for sp in inp.spans)
+        st = out.stats
+        log.info("auto: %s for %d context tokens in %d chunks after levels %s (first-token confidence %s; %s)",
+                 st.auto_choice, inp.context_len, chunks, st.auto_levels,
+                 [round(c, 3) for c in st.auto_confidences or []], st.auto_reason)
+        out.stats = dataclasses.replace(st, auto_agree=self.agree, auto_budget=self.cap, auto_chunks=chunks)
+        return out
+
     def observe(self, obs: Observation) -> None:
         """Learn from a request ``auto`` served: full's speed when it ran ``full``, else the chosen candidate's
-        achieved / predicted TTFT (see :mod:`kvrag.fusion.online`)."""
+        achieved / predicted TTFT (see :mod:`kvrag.fusion.online`). An escalation that ran several levels says
+        nothing about one candidate's speed and is not learned from."""
         spec = obs.stats.auto_choice
-        if spec is None or self.adapt <= 0:
+        if spec is None or self.adapt <= 0 or len(obs.stats.auto_levels or [spec]) > 1:
             return
         param = next(obs.model.parameters())
         cm, online, speed, _, _ = self._context(obs.model, param.device, param.dtype)

@@ -243,7 +243,7 @@ def register(cls: type[FusionMethod]) -> type[FusionMethod]:
     return cls
 
 
-BUILTIN_METHODS = ("full", "stale", "relaxkv", "cacheblend", "epic", "prophetkv", "cacherepair", "hybrid", "auto")
+BUILTIN_METHODS = ("full", "stale", "relaxkv", "cacheblend", "epic", "prophetkv", "cacherepair", "hybrid", "auto", "ape")
 """Built-in method modules of :mod:`kvrag.fusion`; each registers itself on import."""
 
 

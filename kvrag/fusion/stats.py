@@ -53,6 +53,10 @@ class MethodStats:
         auto_budget / auto_margin: ``auto``'s budget and margin.
         auto_chunks: chunk spans of the request.
         auto_correction: the measured correction applied to the cost model's prediction (1.0: none yet).
+        auto_agree: the agreement target of ``auto:agree=...``.
+        auto_levels: the ladder levels ``auto:agree`` ran, in order (0: CacheRepair, 1: full).
+        auto_confidences: the first decode step's top-1 probability after each of them.
+        auto_reason: why the ladder stopped where it did.
         extra: statistics of methods registered outside kvrag (merged into the JSON form as they are).
     """
 
@@ -84,6 +88,10 @@ class MethodStats:
     auto_margin: str | None = None
     auto_chunks: int | None = None
     auto_correction: float | None = None
+    auto_agree: float | None = None
+    auto_levels: list[float] | None = None
+    auto_confidences: list[float] | None = None
+    auto_reason: str | None = None
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:

@@ -9,6 +9,7 @@ import os
 import sys
 from typing import Any
 
+from kvrag.config import DEFAULT_METHOD
 from kvrag.errors import ConfigError
 from kvrag.extras import require
 from kvrag.serve.config import ServeConfig, keys_from_env
@@ -23,7 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--store", default=None, help="store URL (default: the index's store, else memory://)")
     parser.add_argument("--model", default=None, help="model name or path (default: the index's, else the embedded one)")
     parser.add_argument("--model-id", default=None, help="the model name clients send (default: the model's name)")
-    parser.add_argument("--method", default="stale", help="default fusion method spec, e.g. auto:budget=0.3")
+    parser.add_argument("--method", default=DEFAULT_METHOD,
+                        help=f"default fusion method spec (default {DEFAULT_METHOD}; e.g. stale, auto:budget=0.3)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--max-queue", type=int, default=64,

@@ -20,6 +20,7 @@ from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResu
 from pydantic import ConfigDict, Field, PrivateAttr
 
 from kvrag import adapters
+from kvrag.config import DEFAULT_METHOD
 from kvrag.default_model import DEFAULT_MODEL
 
 _ROLES = {"human": "user", "ai": "assistant", "system": "system"}
@@ -79,7 +80,7 @@ class ChatKVCached(BaseChatModel):
 
     model_name: str = Field(default=DEFAULT_MODEL, alias="model")
     store: str = Field(default="memory://", description="KV store URL used when no engine is passed.")
-    method: str = "stale"
+    method: str = DEFAULT_METHOD
     method_params: dict[str, Any] = Field(default_factory=dict)
     max_tokens: int = Field(default=256, gt=0, alias="max_new_tokens")
     temperature: float = Field(default=0.0, ge=0.0)

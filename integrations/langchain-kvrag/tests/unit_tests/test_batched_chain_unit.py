@@ -20,7 +20,7 @@ PROMPT = ChatPromptTemplate.from_template("Answer the question using only this c
 @pytest.fixture(scope="module")
 def chain(engine, vectorstore):
     retriever = KVCacheRetriever(retriever=vectorstore.as_retriever(search_kwargs={"k": 2}), engine=engine)
-    llm = ChatKVCached(engine=engine, max_tokens=16)
+    llm = ChatKVCached(engine=engine, method="stale", max_tokens=16)
     return {"context": retriever | format_docs, "question": RunnablePassthrough()} | PROMPT | llm | StrOutputParser()
 
 

@@ -19,7 +19,7 @@ N = 8
 
 @pytest.fixture(scope="module")
 def llm(engine):
-    return KVCachedLLM(engine=engine, max_new_tokens=N)
+    return KVCachedLLM(engine=engine, method="stale", max_new_tokens=N)
 
 
 def context_prompt(llm: KVCachedLLM, passages: list[str], question: str) -> str:

@@ -35,6 +35,7 @@ from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_ca
 from llama_index.core.llms.custom import CustomLLM
 
 from kvrag import adapters
+from kvrag.config import DEFAULT_METHOD
 from kvrag.default_model import DEFAULT_MODEL
 
 log = logging.getLogger(__name__)
@@ -49,7 +50,7 @@ class KVCachedLLM(CustomLLM):
     Args:
         engine: a :class:`kvrag.KVRAGEngine` to use (shares its model and store); when omitted, one is loaded
             lazily from ``model_name`` and ``store`` (shared process-wide via :func:`kvrag.adapters.shared_engine`).
-        method: fusion method name (``kvrag.fusion.available_methods()``), e.g. ``"stale"``, ``"full"``.
+        method: fusion method name (``kvrag.fusion.available_methods()``), e.g. ``"stale"``, ``"full"`` (default: ``kvrag.config.DEFAULT_METHOD``).
         method_params: the method's parameters, e.g. ``{"r": 0.15}``.
 
     Per call, ``complete``/``chat`` accept ``chunks=[...]`` (explicit chunk texts, replacing the registered ones),
@@ -63,7 +64,7 @@ class KVCachedLLM(CustomLLM):
 
     model_name: str = Field(default=DEFAULT_MODEL, description="Model alias, HF id or local path.")
     store: str = Field(default="memory://", description="KV store URL used when no engine is passed.")
-    method: str = Field(default="stale", description="Fusion method (name or 'name:k=v' spec).")
+    method: str = Field(default=DEFAULT_METHOD, description="Fusion method (name or 'name:k=v' spec).")
     method_params: dict[str, Any] = Field(default_factory=dict, description="Fusion method parameters.")
     context_window: int | None = Field(default=None, description="Context window (default: the model's).")
     max_new_tokens: int = Field(default=256, gt=0, description="Maximum number of generated tokens.")
