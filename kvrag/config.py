@@ -69,8 +69,7 @@ class EngineConfig:
         max_batch_size: most requests decoded together in one batched step (continuous batching,
             :mod:`kvrag.engine.scheduler`); further requests wait for a free place at a step boundary. Default 8: a
             step reads every weight once whatever the batch, while each row adds its own attention over its context
-            (SmolLM2-135M, 1.5K-token contexts, one thread, 2-core Xeon with AMX: bf16 57 ms/step at batch 1,
-            108 ms at batch 8, i.e. 13.4 ms/token; fp32 69 vs 233 ms/step, 29 ms/token).
+            (batch sizes measured in docs/results.md#many-users-at-once).
         kv_memory_bytes: bound on the KV bytes of the requests in flight (prompt + reserved answer tokens of each
             request buffer); a request that does not fit waits, in arrival order, until others finish (:mod:`kvrag.engine.lease`).
             None (default): ``max_batch_size`` requests of the full context window, capped at half the memory
@@ -87,8 +86,7 @@ class EngineConfig:
             (``torch.set_num_threads(1)`` before loading the model): GNU OpenMP gives each thread that runs
             parallel work its own team, and once the teams hold more threads than the machine has cores it stops
             spinning between parallel regions, so each of a decode step's small operations pays a wake-up
-            (measured on 2 cores, default model, bf16 + int4, 1.5K tokens: a step in a second thread took 38 ms
-            with the caller on two threads, 16-18 ms with the caller on one). ``kvrag serve`` does this
+            (docs/results.md#one-runner-thread-on-the-cores). ``kvrag serve`` does this
             (``--threads``). The tokens can differ from a run on another thread count (bf16 products may split
             their sums by threads); ``full`` equals ``model.generate`` run on the runner's count.
         admission_timeout_s: longest wait, in seconds, of a request in line for the KV memory bound (requests are
@@ -97,9 +95,8 @@ class EngineConfig:
         pack_suffixes: prefill the question suffixes of requests that arrive while nobody decodes in one forward
             (:func:`kvrag.kv.batched.prefill_rows`; each request computes exactly what it computes alone): a burst
             reads the weights once for all its suffixes and gets its first tokens together. Off by default, by
-            measurement (8 dev questions at once, SmolLM2-135M, bf16 + int4, one thread, AMX): the burst's wall
-            time is the same (7.00 vs 7.11 s), TTFT p99 falls (2.24 -> 1.40 s) but p50 rises (0.80 -> 1.38 s).
-            The answers are the same either way.
+            measurement (docs/results.md#a-bursts-question-suffixes-in-one-forward): a burst's wall time is the
+            same, its TTFT p99 falls but its p50 rises. The answers are the same either way.
         kv_dtype: the precision of the K/V a request decodes over: "auto" (default: the model's compute dtype, so
             ``full`` generates exactly what ``model.generate`` does), the compute dtype's name, or "bfloat16" under a
             float32 model (half the bytes each decode step reads per row and each request holds; the prompt's K/V

@@ -6,16 +6,16 @@ token), its measured overhead factor (TTFT ratio / analytic FLOP share, see :mod
 ``full``. For a request with context length Tc and suffix S, every candidate's TTFT ratio is predicted as
 ``FLOP share(stats, Tc, S) * overhead * correction``, where ``overhead`` is by default the p90 over the fitted
 requests of each request's TTFT ratio over its own FLOP share (``margin='p90'``: the budget holds on about 9 of 10
-requests like those it was fitted on; ``margin='p50'`` uses the ratio of median TTFTs, which put the last fit's
-choice at 0.27x for a 0.30 budget with request-to-request noise of up to 25%), and ``correction`` is what this
+requests like those it was fitted on; ``margin='p50'`` uses the ratio of median TTFTs, which lets a choice land
+above the budget on about half of the requests), and ``correction`` is what this
 process measured (:mod:`kvrag.fusion.online`: per candidate and context-length bucket, the smoothed ratio of
 achieved to predicted TTFT; 1 until measured). ``auto`` runs the lowest-KL candidate predicted within the budget
 (the fastest one when none is), logs the choice, and reports it in its stats (``auto_choice``,
 ``auto_predicted_ttft_ratio``, ``auto_budget``, ``auto_margin``, ``auto_chunks``, ``auto_correction``).
 
 The cost model is chosen per machine kind and dtype (:func:`kvrag.calibration.machine_kind`): ``auto:costs=FILE``,
-else the one ``kvrag calibrate`` wrote for this kind and dtype, else the shipped one (fitted on a 2-core AVX2-only
-CPU in float32; ``auto`` warns once when it runs elsewhere with it).
+else the one ``kvrag calibrate`` wrote for this kind and dtype, else the shipped one (fitted on an AVX2-only CPU in
+float32; ``auto`` warns once when it runs elsewhere with it).
 
 With ``agree=X`` ``auto`` keeps answers instead: it escalates one request's repair through a ladder of levels
 (by default CacheRepair, then ``full``) until the first decode step is confident enough for an answer-agreement rate of

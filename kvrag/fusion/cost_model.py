@@ -10,7 +10,7 @@ and model shape it was measured with), which ``auto``'s online correction (:mod:
 
 Which cost model ``auto`` uses: ``auto:costs=FILE`` if given; else the one ``kvrag calibrate`` wrote into
 ``$KVRAG_HOME/calibration/`` for this machine kind and dtype; else the shipped ``kvrag/data/auto_cost.json``
-(fitted on a 2-core AVX2-only CPU in float32).
+(fitted on an AVX2-only CPU in float32).
 """
 
 from __future__ import annotations

@@ -6,12 +6,9 @@ scoring pass now runs over the *repaired* cache, so the anchors are chosen by at
 recomputed targets attend to their full causal prefix of the repaired cache (``context='full'``, the default) or
 to RelaxKV's sparse anchor union U (``context='anchors'``). A small anchor ratio ``r`` then buys most of the gap
 at a fraction of RelaxKV's cost. Why ``full`` is the default: the repaired context is good everywhere, so dropping
-most of it (the sparse union) costs more than it saves -- measured on dev rows 300-307 (8 MuSiQue requests, ~2.7K
-tokens, the rows the ``auto`` cost model is fitted on), ``hybrid:r=0.05`` gave KL(full||m) 0.036 with the full
-context vs 0.136 with the anchor union (stale 0.555) at 0.45x vs 0.35x full's TTFT. At ``r = 1`` every position is
-recomputed with its full causal context, which is ``full`` (the equivalence test), whatever the repairer did.
-(Those timings predate the one-call-per-layer executor and the suffix fold; on the same rows with both, a later
-``kvrag bench`` run: r=0.05 0.40x, r=0.03 0.32x at KL 0.044, r=0.02 0.26x at KL 0.091, stale 0.555.) With the full
+most of it (the sparse union) costs more than it saves: with the full context the KL to ``full`` is several times
+smaller for a modest TTFT cost (docs/methods.md). At ``r = 1`` every position is recomputed with its full causal
+context, which is ``full`` (the equivalence test), whatever the repairer did. With the full
 context the question suffix is prefilled inside RelaxKV's recompute (:func:`kvrag.fusion.recompute.recompute_input`).
 
 Both steps write into the request's KV buffer in place (:meth:`FusionInput.owned` gives a buffer-less input one).
