@@ -13,7 +13,7 @@ QUESTIONS = ["How much does a day pass cost?", "How often does tram line T2 run?
 
 
 def test_concurrent_aquery_shares_steps_and_equals_sequential(engine, index) -> None:
-    llm = KVCachedLLM(engine=engine, max_new_tokens=16)
+    llm = KVCachedLLM(engine=engine, method="stale", max_new_tokens=16)  # batching under test, not the method
     qe = index.as_query_engine(llm=llm, node_postprocessors=[KVCachePostprocessor(engine=engine)], similarity_top_k=2)
     sequential = [str(qe.query(q)) for q in QUESTIONS]
     assert len(set(sequential)) > 1
