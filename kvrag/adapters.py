@@ -45,13 +45,16 @@ import functools
 import threading
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvrag.config import GenerationConfig
 from kvrag.engine.cancel import CancelToken, current_token, use_token
 from kvrag.engine.chunks import RegisteredChunk
 from kvrag.errors import ConfigError
 from kvrag.prompting import ROLE_ALIASES, render_chat
+
+if TYPE_CHECKING:
+    pass
 
 T = TypeVar("T")
 

@@ -34,7 +34,7 @@ import statistics
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -56,6 +56,9 @@ from kvrag.fusion.cost import ModelCost
 from kvrag.fusion.cost_model import Candidate, CostModel, load_cost_model
 from kvrag.kv import hf_cache
 from kvrag.prompting import RagTemplate, render_passage
+
+if TYPE_CHECKING:
+    from kvrag.models import LoadedModel
 
 log = logging.getLogger(__name__)
 
@@ -288,7 +291,7 @@ def describe_machine(device: torch.device) -> dict[str, Any]:
 
 
 def run_calibration(
-    model: Any = None,
+    model: str | os.PathLike[str] | LoadedModel | None = None,
     *,
     dtypes: Sequence[str | None] = (None,),
     quantizes: Sequence[str | None] = ("default",),
@@ -325,7 +328,7 @@ def run_calibration(
         torch.set_num_threads(int(threads))
     try:
         results: dict[str, DtypeCalibration] = {}
-        loaded = model
+        loaded = cast("LoadedModel", model)  # a name is loaded below before it is read
         for dt, quant in itertools.product(dtypes, quantizes):
             if isinstance(model, LoadedModel):
                 if dt is not None and dtype_label(model.dtype) != str(dt).removeprefix("torch."):

@@ -135,7 +135,7 @@ def _state_digest(h: Any, model: PreTrainedModel, cast: torch.dtype | None = Non
         _tensor_digest(h, name, tensor.to(cast) if cast is not None and tensor.is_floating_point() else tensor)
 
 
-def _memo(model: Any, h: Any, compute: Any) -> str:
+def _memo(model: PreTrainedModel, h: Any, compute: Any) -> str:
     """``compute(h)``'s digest, memoized in the file ``model._kvrag_digest_memo`` names (a GGUF model's prepared
     folder: its weights are fixed by the file) under the digest of what ``h`` holds so far."""
     path = getattr(model, "_kvrag_digest_memo", None)

@@ -336,7 +336,7 @@ def load_model(
     return loaded
 
 
-def attention_implementation(config: Any) -> str:
+def attention_implementation(config: PretrainedConfig) -> str:
     """The attention implementation kvrag loads a model with: 'sdpa' (switched to ``kvrag_sdpa`` by
     :func:`wrap_model`), or 'eager' for the families transformers refuses SDPA for (attention logit soft-capping
     in Gemma 2, attention sinks in GPT-OSS); those decode one request per step (:func:`kvrag.kv.batched.batchable`)."""

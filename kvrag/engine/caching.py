@@ -13,7 +13,7 @@ import dataclasses
 import logging
 import threading
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvrag.config import EngineConfig
 from kvrag.engine.chunks import RegisteredChunk
@@ -25,6 +25,9 @@ from kvrag.kv.rope import Rope
 from kvrag.kv.spec import KVSpec
 from kvrag.prompting import chat_preamble
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
 log = logging.getLogger(__name__)
 
 
@@ -32,8 +35,8 @@ class ChunkCaching:
     """Chunk identity and the store-filling path of an engine (mixed into ``KVRAGEngine``, which sets the fields)."""
 
     loaded: Any
-    model: Any
-    tokenizer: Any
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
     store: Any
     serving_store: Any
     config: EngineConfig

@@ -22,6 +22,8 @@ from kvrag.kv.rope import Rope
 from kvrag.kv.spec import KVSpec
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
     from kvrag.kv.pieces import Pace
 
 _TRUE = {"1", "true", "yes", "on", "y", "t"}
@@ -88,7 +90,7 @@ class FusionInput:
             learned repairer can check it was trained on caches computed the same way.
     """
 
-    model: Any
+    model: PreTrainedModel
     rope: Rope
     spec: KVSpec
     token_ids: torch.Tensor
@@ -166,7 +168,7 @@ class Observation:
         stats: the method's statistics for the request.
     """
 
-    model: Any
+    model: PreTrainedModel
     context_tokens: int
     suffix_tokens: int
     ttft_s: float

@@ -20,7 +20,7 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable, Generator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -30,6 +30,9 @@ from kvrag.fusion.prefix_attention import PrefixAttention, plain_attention, run_
 from kvrag.fusion.stats import MethodStats
 from kvrag.kv import hf_cache, pieces
 from kvrag.kv.window import layer_windows, window_mask
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 def check_ratio(method: str, name: str, value: float) -> None:
@@ -139,7 +142,7 @@ def _is_subset(sub: torch.Tensor, sup: torch.Tensor) -> bool:
 
 
 @torch.inference_mode()
-def selective_recompute(model: Any, token_ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+def selective_recompute(model: PreTrainedModel, token_ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                         targets: Sequence[torch.Tensor],
                         context: torch.Tensor | None | Sequence[torch.Tensor | None] = None, *,
                         hook: LayerHook | None = None, block_size: int | None = None, inplace: bool = False,
@@ -152,7 +155,7 @@ def selective_recompute(model: Any, token_ids: torch.Tensor, keys: torch.Tensor,
 
 @torch.inference_mode()
 def selective_recompute_pieces(
-    model: Any,
+    model: PreTrainedModel,
     token_ids: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
@@ -275,7 +278,7 @@ def selective_recompute_pieces(
 
 
 def _recompute_layers(
-    model: Any,
+    model: PreTrainedModel,
     token_ids: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
@@ -327,7 +330,7 @@ def _recompute_layers(
 
 
 def _run_targets(
-    model: Any,
+    model: PreTrainedModel,
     layer: int,
     hidden: torch.Tensor,
     tgt: torch.Tensor,

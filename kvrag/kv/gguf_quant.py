@@ -26,11 +26,14 @@ the same blocks.
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvrag.kv import int4_kernel, quant
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 QK_K = 256
 TYPES: dict[str, tuple[int, int]] = {  # name: (weights per block, bytes per block)
@@ -353,7 +356,7 @@ class GGUFEmbedding(torch.nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}, {self.qtype}"
 
 
-def resident_bytes(model: Any) -> int:
+def resident_bytes(model: PreTrainedModel) -> int:
     """Bytes of the GGUF blocks and int4 kernel weights ``model``'s GGUF modules hold (the blocks counted once
     when shared by a tied head)."""
     seen: set[int] = set()

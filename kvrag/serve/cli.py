@@ -7,12 +7,15 @@ import functools
 import json
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvrag.config import DEFAULT_METHOD
 from kvrag.errors import ConfigError
 from kvrag.extras import require
 from kvrag.serve.config import ServeConfig, keys_from_env
+
+if TYPE_CHECKING:
+    from kvrag.serve.config import ServeConfig
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -139,7 +142,7 @@ def serving_engine(threads: int | None, model: str | None, store: str, **config:
     return KVRAGEngine.from_pretrained(model, store, runner_threads=runner, **config)
 
 
-def _serve_on_ray(args: argparse.Namespace, factory: Any, cfg: Any, store: str) -> int:
+def _serve_on_ray(args: argparse.Namespace, factory: Any, cfg: ServeConfig, store: str) -> int:
     """``kvrag serve --ray``: deploy on Ray Serve, then wait for SIGINT/SIGTERM and remove the deployment."""
     import signal
 

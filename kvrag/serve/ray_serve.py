@@ -18,9 +18,12 @@ Needs ``pip install 'kvrag[ray-serve]'``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvrag.extras import require
+
+if TYPE_CHECKING:
+    from kvrag.serve.config import ServeConfig
 
 TABLE_NAME = "kvrag-serve-chunks"
 
@@ -61,7 +64,7 @@ class RayChunkSync:
         return new
 
 
-def application(engine_factory: Callable[[], Any], config: Any = None, *, persist: str | None = None,
+def application(engine_factory: Callable[[], Any], config: ServeConfig | None = None, *, persist: str | None = None,
                 replicas: int = 2, max_ongoing_requests: int | None = None,
                 autoscaling_config: dict[str, Any] | None = None, ray_actor_options: dict[str, Any] | None = None,
                 name: str = "kvrag") -> Any:
@@ -99,8 +102,8 @@ def application(engine_factory: Callable[[], Any], config: Any = None, *, persis
     return serve.deployment(serve.ingress(build)(), **opts).bind()
 
 
-def run(engine_factory: Callable[[], Any], config: Any = None, *, host: str = "127.0.0.1", port: int = 8000,
-        address: str | None = None, name: str = "kvrag", **kw: Any) -> str:
+def run(engine_factory: Callable[[], Any], config: ServeConfig | None = None, *, host: str = "127.0.0.1",
+        port: int = 8000, address: str | None = None, name: str = "kvrag", **kw: Any) -> str:
     """Start (or join, ``address``) Ray, start Serve's HTTP proxy on ``host:port`` and deploy; returns the base URL.
     Keyword arguments are :func:`application`'s."""
     ray = require("ray", "ray-serve", "kvrag serve --ray")

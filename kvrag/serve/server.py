@@ -15,9 +15,12 @@ import signal
 import socket
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvrag.extras import require
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 ABORT_GRACE_S = 1.0
 """Seconds between the service cancelling the requests left at the drain timeout and uvicorn closing their
@@ -30,7 +33,7 @@ def _config(app: Any, drain_timeout_s: float, log_level: str = "warning") -> Any
                           ABORT_GRACE_S, lifespan="on", access_log=False, server_header=False)
 
 
-def _server(app: Any, cfg: Any, drain_timeout_s: float) -> Any:
+def _server(app: Any, cfg: PretrainedConfig, drain_timeout_s: float) -> Any:
     """A uvicorn server that tells the app's service (``app.state.kvrag``) when shutdown starts and when its drain
     timeout has passed."""
     uvicorn = require("uvicorn", "serve", "kvrag serve")
