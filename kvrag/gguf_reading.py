@@ -28,7 +28,7 @@ def _shared_reader_class(base: type) -> type:
     class SharedReader(base):  # type: ignore[misc, valid-type]
         """``gguf.GGUFReader`` that, inside :func:`parsed_once`, returns the one reader of each file."""
 
-        def __new__(cls, path: Any, mode: str = "r") -> Any:
+        def __new__(cls, path: str | os.PathLike[str], mode: str = "r") -> Any:
             memo = _memo.get()
             if memo is None:  # not in a conversion: a plain reader (its own __init__ has run)
                 return base(path, mode)
@@ -39,7 +39,7 @@ def _shared_reader_class(base: type) -> type:
                 memo[key] = reader
             return memo[key]
 
-        def __init__(self, path: Any, mode: str = "r") -> None:  # initialised once, in __new__
+        def __init__(self, path: str | os.PathLike[str], mode: str = "r") -> None:  # initialised once, in __new__
             pass
 
     return SharedReader

@@ -74,7 +74,7 @@ class KVRAGEngine(ChunkCaching):
             the same object under its earlier name.
     """
 
-    def __init__(self, loaded: Any, store: Any, config: EngineConfig | None = None) -> None:
+    def __init__(self, loaded: LoadedModel, store: KVStore, config: EngineConfig | None = None) -> None:
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer

@@ -17,7 +17,7 @@ The concatenated deltas equal ``tokenizer.decode(ids, skip_special_tokens=True)`
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,7 +25,7 @@ from kvrag.config import GenerationConfig
 from kvrag.kv import hf_cache
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+    from transformers import Cache, PreTrainedModel, PreTrainedTokenizerBase
 
 
 def select_token(logits: torch.Tensor, cfg: GenerationConfig, generator: torch.Generator | None) -> int:
@@ -165,7 +165,7 @@ class DecodeState:
 def decode(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
-    cache: Any,
+    cache: Cache,
     first_logits: torch.Tensor,
     cfg: GenerationConfig,
     eos_ids: Sequence[int],

@@ -33,7 +33,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel
+    from transformers import Cache, PreTrainedModel
 
 PIECE_OF_STEP = 0.5
 """A prepare piece's budget as a share of the recent decode step (:meth:`kvrag.engine.runner.Runner.piece_budget_s`):
@@ -255,8 +255,8 @@ def call_pieces(fn: Callable[[], Any], pace: Pace,
     return (yield from _Parked(fn, pace, each_piece).pieces())
 
 
-def forward_pieces(model: PreTrainedModel, input_ids: torch.Tensor, cache: Any = None, *, start: int | None = None,
-                   logits_to_keep: int = 1, pace: Pace = WHOLE) -> Generator[None, None, tuple[torch.Tensor, Any]]:
+def forward_pieces(model: PreTrainedModel, input_ids: torch.Tensor, cache: Cache | None = None, *,
+                   start: int | None = None, logits_to_keep: int = 1, pace: Pace = WHOLE) -> Generator[None, None, tuple[torch.Tensor, Cache]]:
     """:func:`kvrag.kv.hf_cache.forward` in pieces (:func:`call_pieces`): bit-identical to the whole call."""
     from kvrag.kv import hf_cache
 

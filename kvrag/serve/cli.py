@@ -7,15 +7,12 @@ import functools
 import json
 import os
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvrag.config import DEFAULT_METHOD
 from kvrag.errors import ConfigError
 from kvrag.extras import require
 from kvrag.serve.config import ServeConfig, keys_from_env
-
-if TYPE_CHECKING:
-    from kvrag.serve.config import ServeConfig
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 

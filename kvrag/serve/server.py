@@ -20,20 +20,20 @@ from typing import TYPE_CHECKING, Any
 from kvrag.extras import require
 
 if TYPE_CHECKING:
-    from transformers import PretrainedConfig
+    from starlette.types import ASGIApp
 
 ABORT_GRACE_S = 1.0
 """Seconds between the service cancelling the requests left at the drain timeout and uvicorn closing their
 connections (time for their 503 responses and error events to go out)."""
 
 
-def _config(app: Any, drain_timeout_s: float, log_level: str = "warning") -> Any:
+def _config(app: ASGIApp, drain_timeout_s: float, log_level: str = "warning") -> Any:
     uvicorn = require("uvicorn", "serve", "kvrag serve")
     return uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=max(0.0, float(drain_timeout_s)) +
                           ABORT_GRACE_S, lifespan="on", access_log=False, server_header=False)
 
 
-def _server(app: Any, cfg: PretrainedConfig, drain_timeout_s: float) -> Any:
+def _server(app: ASGIApp, cfg: Any, drain_timeout_s: float) -> Any:
     """A uvicorn server that tells the app's service (``app.state.kvrag``) when shutdown starts and when its drain
     timeout has passed."""
     uvicorn = require("uvicorn", "serve", "kvrag serve")
@@ -55,7 +55,7 @@ def _server(app: Any, cfg: PretrainedConfig, drain_timeout_s: float) -> Any:
     return DrainingServer(cfg)
 
 
-def serve(app: Any, host: str = "127.0.0.1", port: int = 8000, *, drain_timeout_s: float = 30.0,
+def serve(app: ASGIApp, host: str = "127.0.0.1", port: int = 8000, *, drain_timeout_s: float = 30.0,
           log_level: str = "info") -> None:
     """Serve ``app`` until SIGINT/SIGTERM (blocking); returns normally once the requests in flight are drained."""
     cfg = _config(app, drain_timeout_s, log_level)
@@ -78,7 +78,7 @@ class LiveServer:
         url: ``http://host:port`` once started.
     """
 
-    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, *, drain_timeout_s: float = 30.0) -> None:
+    def __init__(self, app: ASGIApp, host: str = "127.0.0.1", port: int = 0, *, drain_timeout_s: float = 30.0) -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
