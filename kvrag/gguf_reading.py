@@ -16,7 +16,10 @@ import functools
 import os
 import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gguf import MODEL_ARCH
 
 _memo: contextvars.ContextVar[dict[Any, Any] | None] = contextvars.ContextVar("kvrag_gguf_memo", default=None)
 _lock = threading.Lock()
@@ -47,7 +50,7 @@ def _shared_reader_class(base: type) -> type:
 
 def _shared_name_map(original: Any) -> Any:
     @functools.wraps(original)
-    def get_tensor_name_map(arch: Any, n_blocks: int) -> Any:
+    def get_tensor_name_map(arch: MODEL_ARCH, n_blocks: int) -> Any:
         memo = _memo.get()
         if memo is None:
             return original(arch, n_blocks)

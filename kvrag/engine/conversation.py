@@ -32,7 +32,7 @@ import logging
 import threading
 import time
 from collections.abc import Generator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -43,6 +43,9 @@ from kvrag.fusion.base import FusionMethod
 from kvrag.fusion.stats import MethodStats
 from kvrag.kv import batched, hf_cache
 from kvrag.kv.pieces import Pace, SuffixPrefill, forward_pieces
+
+if TYPE_CHECKING:
+    from transformers import Cache
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +145,7 @@ class ConversationCache:
                 self.counters["hit_tokens"] += best.length
         return best
 
-    def keep(self, ids: Sequence[int], prompt_len: int, method: str, cache: Any) -> bool:
+    def keep(self, ids: Sequence[int], prompt_len: int, method: str, cache: Cache) -> bool:
         """Keep the KV of an answered request (``cache``: its transformers cache over ``ids``; the first
         ``prompt_len`` ids are its prompt). Returns whether it was kept: not when there is no answer token, the
         cache is off, the entry alone is over ``max_bytes``, or it does not fit beside the requests in flight."""

@@ -32,7 +32,7 @@ from kvrag.kv import hf_cache, pieces
 from kvrag.kv.window import layer_windows, window_mask
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel
+    from transformers import Cache, PreTrainedModel
 
 
 def check_ratio(method: str, name: str, value: float) -> None:
@@ -428,7 +428,7 @@ def fusion_output(
     context_fraction: float = 1.0,
     score_s: float = 0.0,
     score_edges: int = 0,
-    cache: Any = None,
+    cache: Cache | None = None,
     last_logits: torch.Tensor | None = None,
     **fields: Any,
 ) -> FusionOutput:

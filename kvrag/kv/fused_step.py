@@ -130,7 +130,7 @@ class _Plan:
     __slots__ = ("d", "dtype", "fam", "head_norm", "heads", "kv_heads", "layers", "lib", "order", "residual",
                  "rope_mode", "ropes")
 
-    def __init__(self, model: PreTrainedModel, lib: Any) -> None:
+    def __init__(self, model: PreTrainedModel, lib: row_attention._Lib) -> None:
         cfg = model.config
         a = model.model.layers[0].self_attn
         self.d = int(a.head_dim)

@@ -185,12 +185,12 @@ _PACK_ROWS = 4096
 """Rows re-laid out at a time (bounds the int32 temporaries of a large embedding / head)."""
 
 
-def _int4_weights(blocks: torch.Tensor, qtype: str) -> list[Any]:
+def _int4_weights(blocks: torch.Tensor, qtype: str) -> list[quant._Int4]:
     """The int4 kernel weights (:class:`kvrag.kv.quant._Int4`) of :func:`int4_parts`, built ``_PACK_ROWS`` rows at a
     time for kvrag's kernel (whose layout is whole tiles of 16 rows, so the pieces concatenate)."""
     if int4_kernel.path() is None:
         return [quant._Int4.from_parts(*p) for p in int4_parts(blocks, qtype)]
-    out: list[Any] = []
+    out: list[quant._Int4] = []
     for r in range(0, blocks.shape[0], _PACK_ROWS):
         for i, p in enumerate(int4_parts(blocks[r : r + _PACK_ROWS], qtype)):
             piece = int4_kernel.pack(*p)
@@ -225,7 +225,7 @@ class _Split:
 
     __slots__ = ("hi", "lo", "n")
 
-    def __init__(self, hi: Any, lo: Any) -> None:
+    def __init__(self, hi: quant._Int4, lo: quant._Int4) -> None:
         self.hi, self.lo, self.n = hi, lo, hi.n
 
     takes_float32 = False

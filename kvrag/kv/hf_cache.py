@@ -1,9 +1,8 @@
 """The only module that touches transformers' Cache classes and decoder-layer internals.
 
-Everything else in kvrag handles KV as plain tensors [L, H_kv, T, D] (batch size 1). This module converts
-between those tensors and transformers caches, runs (partial) forward passes, and runs single decoder layers
-over an explicit key/value context for selective recomputation.
-"""
+Everything else in kvrag handles KV as plain tensors [L, H_kv, T, D] (batch size 1). This module converts between
+those tensors and transformers caches, runs (partial) forward passes, and runs single decoder layers over an explicit
+key/value context for selective recomputation."""
 
 from __future__ import annotations
 
@@ -14,13 +13,20 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
+
+
+class LayerCache(Protocol):
+    """A decoder layer's cache as its attention calls it: ``update`` gets the fresh K/V, returns what it reads."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> Any: ...
 
 
 class KVBuffer:
@@ -318,7 +324,7 @@ def run_layer(
 
 
 def call_layer(
-    model: PreTrainedModel, layer_idx: int, hidden: torch.Tensor, positions: torch.Tensor, cache: Any,
+    model: PreTrainedModel, layer_idx: int, hidden: torch.Tensor, positions: torch.Tensor, cache: LayerCache,
     attention_mask: torch.Tensor | None,
 ) -> torch.Tensor:
     """Decoder layer ``layer_idx`` on hidden states [1, N, hidden] at global ``positions`` [N] with a duck-typed
@@ -352,8 +358,6 @@ def sync(device: torch.device | str) -> None:
 
 
 # --- selective-recompute helpers (fusion methods) ------------------------------------------------------------------
-
-
 class _StopAfterKV(Exception):
     """Raised by :class:`_ProjectOnlyCache` to leave a decoder layer right after its K/V projection."""
 
@@ -404,8 +408,7 @@ def model_lock(model: PreTrainedModel) -> threading.RLock:
 
     :func:`capture_attention` switches the attention implementation in the model's (shared) config for its
     duration, so every forward of that model -- by any engine, any thread -- must hold this lock: a forward that runs
-    while another thread's probe is installed would go through that probe.
-    """
+    while another thread's probe is installed would go through that probe."""
     with _model_locks_guard:
         lock = _model_locks.get(model)
         if lock is None:

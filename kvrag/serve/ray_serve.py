@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 from kvrag.extras import require
 
 if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+
     from kvrag.serve.config import ServeConfig
 
 TABLE_NAME = "kvrag-serve-chunks"
@@ -50,7 +52,7 @@ class ChunkTable:
 class RayChunkSync:
     """A replica's view of the shared :class:`ChunkTable` (the app's ``KVRAGService.sync``)."""
 
-    def __init__(self, table: Any) -> None:
+    def __init__(self, table: ActorHandle) -> None:
         self.table = table
         self.pulled = 0
 
