@@ -235,7 +235,7 @@ def with_history(chunks: Iterable[ChunkLike], messages: Sequence[Any]) -> tuple[
 
 
 # ------------------------------------------------------------------------------------------------- engine handles
-_ENGINES: dict[tuple[Any, ...], Any] = {}
+_ENGINES: dict[tuple[Any, ...], KVRAGEngine] = {}
 _ENGINES_LOCK = threading.Lock()
 
 

@@ -31,7 +31,7 @@ from kvrag.kv.rope import Rope
 from kvrag.kv.spec import KVSpec
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel
+    from transformers import DynamicCache, PreTrainedModel
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ def plan_batches(lengths: Sequence[int], batch_size: int, max_batch_tokens: int 
     return batches
 
 
-def _prefix_cache(model: PreTrainedModel, keys: torch.Tensor, values: torch.Tensor, batch: int) -> Any:
+def _prefix_cache(model: PreTrainedModel, keys: torch.Tensor, values: torch.Tensor, batch: int) -> DynamicCache:
     """A DynamicCache holding the shared prefix K/V [L, H_kv, P, D] repeated for ``batch`` rows."""
     cache = hf_cache.new_cache(model)  # every token kept, also in sliding-window layers
     for layer in range(keys.shape[0]):

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -101,7 +101,7 @@ def _keys(costs: str, spec: str, tc: int) -> tuple[tuple[str | int, ...], ...]:
     return (costs, spec, length_bucket(tc)), (costs, spec)
 
 
-_STATE: weakref.WeakKeyDictionary[Any, OnlineCosts] = weakref.WeakKeyDictionary()
+_STATE: weakref.WeakKeyDictionary[PreTrainedModel, OnlineCosts] = weakref.WeakKeyDictionary()
 _STATE_LOCK = threading.Lock()
 
 

@@ -106,7 +106,7 @@ class LayerState:
     extra_states: int = 0
 
 
-LayerHook = Callable[[Any, LayerState], "torch.Tensor | None"]
+LayerHook = Callable[["PreTrainedModel", LayerState], "torch.Tensor | None"]
 """``hook(model, state)``: return None to keep ``state.targets``, or a subset of them; the subset replaces the
 targets at this layer and every deeper layer's plan is intersected with it (keeps the schedule monotone)."""
 

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 FAMILIES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 """Model classes whose decoder layers :func:`forward` runs (by class name, as transformers names them)."""
 
-_all_modules: weakref.WeakKeyDictionary[Any, list[torch.nn.Module]] = weakref.WeakKeyDictionary()
+_all_modules: weakref.WeakKeyDictionary[PreTrainedModel, list[torch.nn.Module]] = weakref.WeakKeyDictionary()
 
 
 def _hooked(modules: Sequence[torch.nn.Module]) -> bool:

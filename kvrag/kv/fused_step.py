@@ -45,7 +45,7 @@ from kvrag.kv.window import first_key
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-_plans: weakref.WeakKeyDictionary[Any, _Plan] = weakref.WeakKeyDictionary()
+_plans: weakref.WeakKeyDictionary[PreTrainedModel, _Plan] = weakref.WeakKeyDictionary()
 
 
 RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "GraniteRMSNorm", "SmolLM3RMSNorm",

@@ -399,7 +399,7 @@ _PROBE_IMPL = "kvrag_probe"
 # id(config) -> stack of (that config's own attention implementation, probe). Keyed per config (i.e. per model),
 # never process-global, so a probe only ever sees the attention calls of the model it was installed on.
 _probes: dict[int, list[tuple[str | None, AttentionProbe]]] = {}
-_model_locks: weakref.WeakKeyDictionary[Any, threading.RLock] = weakref.WeakKeyDictionary()
+_model_locks: weakref.WeakKeyDictionary[PreTrainedModel, threading.RLock] = weakref.WeakKeyDictionary()
 _model_locks_guard = threading.Lock()
 
 

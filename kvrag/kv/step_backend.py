@@ -129,8 +129,8 @@ REGISTRY: tuple[Backend, ...] = (_Fused(), _Direct(), ORACLE)
 """Every backend, best first; the last is the oracle."""
 BY_NAME = {b.name: b for b in REGISTRY}
 
-_chosen: weakref.WeakKeyDictionary[Any, dict[str, str]] = weakref.WeakKeyDictionary()
-_all_modules: weakref.WeakKeyDictionary[Any, list[dict[int, Any]]] = weakref.WeakKeyDictionary()
+_chosen: weakref.WeakKeyDictionary[PreTrainedModel, dict[str, str]] = weakref.WeakKeyDictionary()
+_all_modules: weakref.WeakKeyDictionary[PreTrainedModel, list[dict[int, Any]]] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
 

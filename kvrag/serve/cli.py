@@ -120,7 +120,7 @@ def run(args: argparse.Namespace, model: str | None, store: str, chunk_prefix: s
     return 0
 
 
-def _forward_in_flight(app: Any) -> bool:
+def _forward_in_flight(app: object) -> bool:
     runner = getattr(getattr(getattr(getattr(app, "state", None), "kvrag", None), "engine", None), "runner", None)
     return runner is not None and bool(runner.stats().get("threads"))
 
