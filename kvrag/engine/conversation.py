@@ -45,6 +45,8 @@ from kvrag.kv import batched, hf_cache
 from kvrag.kv.pieces import Pace, SuffixPrefill, forward_pieces
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from transformers import Cache
 
 log = logging.getLogger(__name__)
@@ -97,7 +99,7 @@ class ConversationCache:
         max_entries: most requests kept.
     """
 
-    def __init__(self, budget: KVBudget | Any, max_bytes: int, max_entries: int) -> None:
+    def __init__(self, budget: KVBudget | Callable[[], KVBudget], max_bytes: int, max_entries: int) -> None:
         self._budget_of = budget if callable(budget) else (lambda: budget)
         self.max_bytes, self.max_entries = int(max_bytes), int(max_entries)
         self._entries: collections.OrderedDict[int, Entry] = collections.OrderedDict()  # least recent first

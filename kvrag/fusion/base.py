@@ -22,7 +22,7 @@ from kvrag.kv.rope import Rope
 from kvrag.kv.spec import KVSpec
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel
+    from transformers import Cache, PreTrainedModel
 
     from kvrag.kv.pieces import Pace
 
@@ -118,7 +118,7 @@ class FusionInput:
         keys, values = self.keys.contiguous().clone(), self.values.contiguous().clone()
         return dataclasses.replace(self, keys=keys, values=values, buffer=hf_cache.KVBuffer.wrap(keys, values))
 
-    def cache_over(self, keys: torch.Tensor, values: torch.Tensor) -> Any:
+    def cache_over(self, keys: torch.Tensor, values: torch.Tensor) -> Cache:
         """The transformers cache holding the repaired context KV ``keys``/``values`` (from :meth:`working_kv`)
         that the suffix is prefilled against: the buffer itself (no copy) on the zero-copy path."""
         from kvrag.kv import hf_cache
@@ -151,7 +151,7 @@ class FusionOutput:
         stats: what the method computed (:class:`~kvrag.fusion.stats.MethodStats`; ``to_dict()`` for JSON).
     """
 
-    cache: Any
+    cache: Cache
     last_logits: torch.Tensor | None = None
     stats: MethodStats = dataclasses.field(default_factory=MethodStats)
 

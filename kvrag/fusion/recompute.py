@@ -384,7 +384,7 @@ def _run_targets(
 
 def recompute_input(
     inp: FusionInput, targets: Sequence[torch.Tensor], context: torch.Tensor | None = None
-) -> tuple[RecomputeResult, Any, torch.Tensor | None]:
+) -> tuple[RecomputeResult, Cache, torch.Tensor | None]:
     """:func:`recompute_input_pieces` in one piece."""
     return pieces.run_whole(recompute_input_pieces(inp, targets, context))  # type: ignore[no-any-return]
 
@@ -392,7 +392,7 @@ def recompute_input(
 def recompute_input_pieces(
     inp: FusionInput, targets: Sequence[torch.Tensor], context: torch.Tensor | None = None,
     pace: pieces.Pace = pieces.WHOLE,
-) -> Generator[None, None, tuple[RecomputeResult, Any, torch.Tensor | None]]:
+) -> Generator[None, None, tuple[RecomputeResult, Cache, torch.Tensor | None]]:
     """:func:`selective_recompute_pieces` of ``targets`` over the input's working KV (in place), with the question
     suffix folded into the same layer calls when it can be: full causal context (``context`` None), the request's
     own buffer, and a family whose logits :func:`hf_cache.logits_head` computes. The suffix then costs a few more

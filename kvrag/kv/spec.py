@@ -122,6 +122,6 @@ class KVSpec:
         )
 
 
-def text_config(config: PretrainedConfig) -> Any:
+def text_config(config: PretrainedConfig) -> PretrainedConfig:
     """The text (decoder) part of a transformers config; the config itself for text-only models."""
     return config.get_text_config() if hasattr(config, "get_text_config") else config

@@ -88,7 +88,7 @@ class ContextLimit(int):
         return (ContextLimit, (int(self), self.reason))
 
 
-def _text_config(config: PretrainedConfig) -> Any:
+def _text_config(config: PretrainedConfig) -> PretrainedConfig:
     get = getattr(config, "get_text_config", None)
     if get is None:
         return config
