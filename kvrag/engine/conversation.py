@@ -32,7 +32,7 @@ import logging
 import threading
 import time
 from collections.abc import Generator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -47,7 +47,10 @@ from kvrag.kv.pieces import Pace, SuffixPrefill, forward_pieces
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from transformers import Cache
+    from transformers import Cache, PreTrainedModel
+
+    from kvrag.engine.runner import Runner
+    from kvrag.kv.spec import KVSpec
 
 log = logging.getLogger(__name__)
 
@@ -238,7 +241,20 @@ def keep_answered(cache: ConversationCache, prepared: Prepared) -> bool:
         return False
 
 
-def prepare_hit(engine: Any, plan: Plan, m: FusionMethod, reserve: int, lease: Lease,
+class HitEngine(Protocol):
+    """What :func:`prepare_hit` reads of the engine (:class:`kvrag.engine.engine.KVRAGEngine`)."""
+
+    @property
+    def spec(self) -> KVSpec: ...
+
+    @property
+    def model(self) -> PreTrainedModel: ...
+
+    @property
+    def runner(self) -> Runner: ...
+
+
+def prepare_hit(engine: HitEngine, plan: Plan, m: FusionMethod, reserve: int, lease: Lease,
                 hit: Hit) -> Generator[Any, Any, Prepared]:
     """A request's prepare from a kept conversation (in the runner thread, in its turn): the kept KV's first
     ``hit.length`` positions copied into the request's buffer, then the rest of its ids prefilled -- the model's

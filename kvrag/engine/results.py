@@ -16,7 +16,6 @@ from kvrag.fusion.stats import MethodStats
 
 if TYPE_CHECKING:
     import torch
-    from transformers import Cache
 
     from kvrag.engine.lease import Lease
     from kvrag.engine.planner import Plan
@@ -153,7 +152,7 @@ class Prepared:
 
     plan: Plan
     method: FusionMethod
-    cache: Cache
+    cache: Any  # a transformers Cache; None once the stream no longer needs its prompt buffer
     last_logits: torch.Tensor
     timings: Timings
     stats: Stats
