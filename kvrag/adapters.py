@@ -71,7 +71,7 @@ _REQUEST: contextvars.ContextVar[tuple[RegisteredChunk, ...] | None] = contextva
 )
 
 
-def _as_chunk(c: ChunkLike | Any) -> RegisteredChunk:
+def _as_chunk(c: object) -> RegisteredChunk:
     if isinstance(c, RegisteredChunk):
         return c
     if isinstance(c, str):

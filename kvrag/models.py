@@ -13,7 +13,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -40,6 +40,8 @@ from kvrag.kv.spec import KVSpec, dtype_from_name, dtype_name
 from kvrag.paths import env_offline, hf_offline
 
 if TYPE_CHECKING:
+    from types import ModuleType
+
     from sentence_transformers import SentenceTransformer
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
@@ -346,7 +348,7 @@ def attention_implementation(config: PretrainedConfig) -> str:
     return "sdpa" if cls is None or getattr(cls, "_supports_sdpa", True) else "eager"
 
 
-def import_sentence_transformers() -> Any:
+def import_sentence_transformers() -> ModuleType:
     """The ``sentence_transformers`` module.
 
     Raises:

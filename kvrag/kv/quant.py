@@ -333,7 +333,7 @@ class Fused:
         return y if self.bias is None else y + self.bias
 
 
-def _int4_of(m: Any) -> _Int4 | None:
+def _int4_of(m: torch.nn.Module) -> _Int4 | None:
     """The kvrag-kernel int4 weight a module's decode-sized products use: its :func:`quantize_linears` state's (while
     valid for its weight), or a GGUF-resident layer's own (:class:`kvrag.kv.gguf_quant.GGUFLinear`); else None."""
     st = m.__dict__.get("_kvrag_quant")

@@ -15,11 +15,12 @@ import signal
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvrag.extras import require
 
 if TYPE_CHECKING:
+    import uvicorn
     from starlette.types import ASGIApp
 
 ABORT_GRACE_S = 1.0
@@ -27,13 +28,13 @@ ABORT_GRACE_S = 1.0
 connections (time for their 503 responses and error events to go out)."""
 
 
-def _config(app: ASGIApp, drain_timeout_s: float, log_level: str = "warning") -> Any:
+def _config(app: ASGIApp, drain_timeout_s: float, log_level: str = "warning") -> uvicorn.Config:
     uvicorn = require("uvicorn", "serve", "kvrag serve")
     return uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=max(0.0, float(drain_timeout_s)) +
                           ABORT_GRACE_S, lifespan="on", access_log=False, server_header=False)
 
 
-def _server(app: ASGIApp, cfg: Any, drain_timeout_s: float) -> Any:
+def _server(app: ASGIApp, cfg: uvicorn.Config, drain_timeout_s: float) -> uvicorn.Server:
     """A uvicorn server that tells the app's service (``app.state.kvrag``) when shutdown starts and when its drain
     timeout has passed."""
     uvicorn = require("uvicorn", "serve", "kvrag serve")
