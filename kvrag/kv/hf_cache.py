@@ -394,7 +394,7 @@ def project_kv(
     return cache.fresh_k[0], cache.fresh_v[0]
 
 
-AttentionProbe = Callable[[Any, torch.Tensor, torch.Tensor, "torch.Tensor | None", "float | None"], None]
+AttentionProbe = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor, "torch.Tensor | None", "float | None"], None]
 _PROBE_IMPL = "kvrag_probe"
 # id(config) -> stack of (that config's own attention implementation, probe). Keyed per config (i.e. per model),
 # never process-global, so a probe only ever sees the attention calls of the model it was installed on.
@@ -477,7 +477,7 @@ def capture_attention(model: PreTrainedModel, probe: AttentionProbe) -> Iterator
     if _PROBE_IMPL not in ALL_ATTENTION_FUNCTIONS:
         AttentionInterface.register(_PROBE_IMPL, _probe_attention)
     with model_lock(model):
-        configs: dict[int, Any] = {}
+        configs: dict[int, PretrainedConfig] = {}
         for mod in model.modules():
             cfg = getattr(mod, "config", None)
             if isinstance(cfg, PretrainedConfig):

@@ -35,6 +35,8 @@ from torch.overrides import TorchFunctionMode
 if TYPE_CHECKING:
     from transformers import Cache, PreTrainedModel
 
+    from kvrag.kv.batched import Row
+
 PIECE_OF_STEP = 0.5
 """A prepare piece's budget as a share of the recent decode step (:meth:`kvrag.engine.runner.Runner.piece_budget_s`):
 while a prepare runs in pieces, a running stream waits one step plus one piece per token, so its inter-token
@@ -124,7 +126,7 @@ class SuffixPrefill:
     (``EngineConfig.pack_suffixes``) -- and sends the job back ``(logits [V], seconds)``: its next-token logits and
     its share of the forward's time (by tokens)."""
 
-    row: Any
+    row: Row
     ids: tuple[int, ...]
 
 
