@@ -23,7 +23,7 @@ from __future__ import annotations
 import sys
 import weakref
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -81,7 +81,7 @@ def _segmented(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
 
 @torch.inference_mode()
 def forward(model: PreTrainedModel, ids: torch.Tensor, pos: torch.Tensor, keep: int | torch.Tensor,
-            attention: Callable[..., tuple[torch.Tensor, Any]], segments: Sequence[int] | None = None) -> torch.Tensor:
+            attention: Callable[..., tuple[torch.Tensor, None]], segments: Sequence[int] | None = None) -> torch.Tensor:
     """The model's forward for a batched step (``ids`` / ``pos`` [B, S]), each layer's attention through
     ``attention(module, query, key, value, scaling)`` (the batched step's, :func:`kvrag.kv.batched.attention`).
 

@@ -54,7 +54,7 @@ class Step:
     rows: Sequence[Any]
     counts: Sequence[int]
     windows: Sequence[tuple[str, int | None]]
-    attention: Callable[..., tuple[torch.Tensor, Any]]
+    attention: Callable[..., tuple[torch.Tensor, None]]
 
 
 class Backend(Protocol):

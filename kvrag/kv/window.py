@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -84,7 +84,7 @@ class ContextLimit(int):
     def __str__(self) -> str:
         return f"{int(self)} ({self.reason})"
 
-    def __reduce__(self) -> tuple[Any, tuple[int, str]]:
+    def __reduce__(self) -> tuple[type[ContextLimit], tuple[int, str]]:
         return (ContextLimit, (int(self), self.reason))
 
 
