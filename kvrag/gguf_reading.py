@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 _memo: contextvars.ContextVar[dict[Any, Any] | None] = contextvars.ContextVar("kvrag_gguf_memo", default=None)
 _lock = threading.Lock()
-_installed: list[tuple[str, Any]] = []  # the gguf attributes replaced while any parsed_once() is open
+_installed: list[tuple[str, object]] = []  # the gguf attributes replaced while any parsed_once() is open
 _depth = 0
 
 

@@ -180,7 +180,7 @@ class FusionMethod(abc.ABC):
 
     name: ClassVar[str] = ""
     #: parameter name -> (type, default)
-    params: ClassVar[dict[str, tuple[type, Any]]] = {}
+    params: ClassVar[dict[str, tuple[type, object]]] = {}
     #: False for methods that ignore the stale KV (``full``): the engine then skips fetching and assembling the
     #: chunk caches, and ``FusionInput.keys`` / ``values`` are empty ([L, H_kv, 0, D]).
     reads_cache: ClassVar[bool] = True
