@@ -45,13 +45,18 @@ import functools
 import threading
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvrag.config import GenerationConfig
 from kvrag.engine.cancel import CancelToken, current_token, use_token
 from kvrag.engine.chunks import RegisteredChunk
 from kvrag.errors import ConfigError
 from kvrag.prompting import ROLE_ALIASES, render_chat
+
+if TYPE_CHECKING:
+    from kvrag.engine.engine import KVRAGEngine
+    from kvrag.engine.results import Prepared
+    from kvrag.store.base import KVStore
 
 T = TypeVar("T")
 
@@ -66,7 +71,7 @@ _REQUEST: contextvars.ContextVar[tuple[RegisteredChunk, ...] | None] = contextva
 )
 
 
-def _as_chunk(c: ChunkLike | Any) -> RegisteredChunk:
+def _as_chunk(c: object) -> RegisteredChunk:
     if isinstance(c, RegisteredChunk):
         return c
     if isinstance(c, str):
@@ -230,11 +235,11 @@ def with_history(chunks: Iterable[ChunkLike], messages: Sequence[Any]) -> tuple[
 
 
 # ------------------------------------------------------------------------------------------------- engine handles
-_ENGINES: dict[tuple[Any, ...], Any] = {}
+_ENGINES: dict[tuple[Any, ...], KVRAGEngine] = {}
 _ENGINES_LOCK = threading.Lock()
 
 
-def shared_engine(model: str | None = None, store: Any = "memory://", **config: Any) -> Any:
+def shared_engine(model: str | None = None, store: str | KVStore = "memory://", **config: Any) -> KVRAGEngine:
     """A process-wide :class:`~kvrag.engine.engine.KVRAGEngine` per (model, store URL, config), loaded once.
 
     Framework objects are often constructed many times with the same settings (LangChain's standard tests, chains
@@ -254,7 +259,7 @@ def shared_engine(model: str | None = None, store: Any = "memory://", **config: 
         return eng
 
 
-def ensure_chunks(engine: Any, texts: Sequence[str], *, fetch: bool = False, progress: bool = False,
+def ensure_chunks(engine: KVRAGEngine, texts: Sequence[str], *, fetch: bool = False, progress: bool = False,
                   batch_size: int | None = None) -> list[tuple[RegisteredChunk | None, bool]]:
     """Make sure every text has a stored cache (:meth:`KVRAGEngine.ensure` on the engine's serving store).
 
@@ -383,11 +388,11 @@ def generation_config(*, max_new_tokens: int, temperature: float = 0.0, top_p: f
 
 
 # ------------------------------------------------------------------------------------------------- metadata
-def _stats(prep: Any) -> dict[str, Any]:
+def _stats(prep: Prepared) -> dict[str, Any]:
     return prep.stats.to_dict()
 
 
-def response_summary(prep: Any) -> dict[str, Any]:
+def response_summary(prep: Prepared) -> dict[str, Any]:
     """The per-response summary every adapter exposes (LlamaIndex ``additional_kwargs``, LangChain
     ``response_metadata["kvrag"]``): method, TTFT, hit rate, chunk counts, reused tokens (those of an earlier
     turn of the conversation too), method stats.
@@ -410,7 +415,7 @@ def response_summary(prep: Any) -> dict[str, Any]:
     }
 
 
-def response_details(prep: Any) -> dict[str, Any]:
+def response_details(prep: Prepared) -> dict[str, Any]:
     """Everything else about a finished request: all timings and stats, the chunk keys and generated ids."""
     return {
         "timings": prep.timings.to_dict(),
@@ -421,7 +426,7 @@ def response_details(prep: Any) -> dict[str, Any]:
     }
 
 
-def token_usage(prep: Any) -> tuple[int, int | None]:
+def token_usage(prep: Prepared) -> tuple[int, int | None]:
     """(prompt tokens, generated tokens) of a request; generated is None until its stream has ended."""
     generated = prep.stats.generated_tokens
     return int(prep.plan.total_len), None if generated is None else int(generated)

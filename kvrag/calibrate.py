@@ -34,7 +34,7 @@ import statistics
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -56,6 +56,12 @@ from kvrag.fusion.cost import ModelCost
 from kvrag.fusion.cost_model import Candidate, CostModel, load_cost_model
 from kvrag.kv import hf_cache
 from kvrag.prompting import RagTemplate, render_passage
+
+if TYPE_CHECKING:
+    from kvrag.engine.engine import KVRAGEngine
+    from kvrag.engine.planner import Plan
+    from kvrag.engine.results import Prepared
+    from kvrag.models import LoadedModel
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +99,7 @@ class _Runs:
     stats: list[MethodStats] = dataclasses.field(default_factory=list)
 
 
-def _ttft(prep: Any) -> float:
+def _ttft(prep: Prepared) -> float:
     t = prep.timings
     return float(t.fetch_s + t.assemble_s + t.repair_s + t.suffix_prefill_s)
 
@@ -118,7 +124,7 @@ def _usable(specs: Sequence[str]) -> list[str]:
 
 
 def measure_dtype(
-    loaded: Any,
+    loaded: LoadedModel,
     base: CostModel,
     *,
     workload: Sequence[CalibrationRequest] | None = None,
@@ -185,7 +191,8 @@ def measure_dtype(
     )
 
 
-def _kv_precision(engine: Any, plan: Any, steps: int, rounds: int = 3) -> tuple[dict[str, float], dict[str, float]]:
+def _kv_precision(engine: KVRAGEngine, plan: Plan, steps: int,
+                  rounds: int = 3) -> tuple[dict[str, float], dict[str, float]]:
     """({K/V dtype: ms per token of KV_BATCH rows}, {narrower K/V dtype: mean next-token KL}) after ``plan``'s
     prompt, for the K/V dtypes the engine's decode reads in the model's dtype (empty where only its own serves)."""
     from kvrag.kv import batched, row_attention
@@ -230,7 +237,7 @@ def _kv_precision(engine: Any, plan: Any, steps: int, rounds: int = 3) -> tuple[
     return {dtype_label(k): 1000 * statistics.median(t) / KV_BATCH for k, t in times.items()}, kl
 
 
-def _decode_ms(engine: Any, plan: Any, steps: int) -> float:
+def _decode_ms(engine: KVRAGEngine, plan: Plan, steps: int) -> float:
     """Milliseconds per greedy decode step after ``plan``'s prompt (after ``stale``: decode costs the same after
     every method, the cache has the same shape)."""
     prep = engine.prepare(plan, "stale", reserve=steps + 2)
@@ -243,7 +250,7 @@ def _decode_ms(engine: Any, plan: Any, steps: int) -> float:
     return (time.perf_counter() - t0) / steps * 1000
 
 
-def _fit(loaded: Any, base: CostModel, runs: dict[str, _Runs], plans: Sequence[Any]) -> CostModel:
+def _fit(loaded: LoadedModel, base: CostModel, runs: dict[str, _Runs], plans: Sequence[Plan]) -> CostModel:
     """This machine's cost model from the timings (see the module docstring)."""
     cost = ModelCost.from_config(loaded.model.config)
     shapes = [(p.context_len, len(p.suffix.token_ids)) for p in plans]
@@ -288,7 +295,7 @@ def describe_machine(device: torch.device) -> dict[str, Any]:
 
 
 def run_calibration(
-    model: Any = None,
+    model: str | os.PathLike[str] | LoadedModel | None = None,
     *,
     dtypes: Sequence[str | None] = (None,),
     quantizes: Sequence[str | None] = ("default",),
@@ -325,7 +332,7 @@ def run_calibration(
         torch.set_num_threads(int(threads))
     try:
         results: dict[str, DtypeCalibration] = {}
-        loaded = model
+        loaded = cast("LoadedModel", model)  # a name is loaded below before it is read
         for dt, quant in itertools.product(dtypes, quantizes):
             if isinstance(model, LoadedModel):
                 if dt is not None and dtype_label(model.dtype) != str(dt).removeprefix("torch."):

@@ -15,6 +15,8 @@ from kvrag.config import DEFAULT_METHOD
 from kvrag.errors import KVRAGError
 
 if TYPE_CHECKING:
+    from importlib.metadata import EntryPoint
+
     from kvrag.engine.engine import KVRAGEngine
 
 log = logging.getLogger("kvrag.cli")
@@ -414,13 +416,14 @@ KNOWN_PLUGINS = {
 """Subcommands that a separate distribution provides: (what it is, how to install it)."""
 
 
-def _plugin_entry_points() -> list[Any]:
+def _plugin_entry_points() -> list[EntryPoint]:
     from importlib.metadata import entry_points
 
     return list(entry_points(group=PLUGIN_GROUP))
 
 
-def _add_unavailable(sub: Any, name: str, what: str, why: str) -> None:
+def _add_unavailable(sub: argparse._SubParsersAction[argparse.ArgumentParser], name: str, what: str,
+                     why: str) -> None:
     """A placeholder subcommand that accepts any arguments and fails with ``why`` (exit status 2)."""
     sp = sub.add_parser(name, help=f"{what}: not installed", add_help=False)
     sp.add_argument("plugin_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
@@ -432,7 +435,7 @@ def _add_unavailable(sub: Any, name: str, what: str, why: str) -> None:
     sp.set_defaults(func=unavailable, plugin_unavailable=True)
 
 
-def _add_plugins(sub: Any) -> None:
+def _add_plugins(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Mount the subcommands of the installed ``kvrag.cli_plugins`` entry points; a known plugin that is not
     installed (or fails to load) becomes a placeholder that says what to install."""
     mounted: set[str] = set()

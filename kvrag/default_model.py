@@ -34,6 +34,7 @@ from kvrag.gguf_reading import parsed_once, quiet_gguf_bar
 from kvrag.paths import hf_offline, kvrag_home
 
 if TYPE_CHECKING:
+    from gguf import GGUFReader
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
@@ -189,7 +190,7 @@ def _gguf_architectures() -> set[str]:
     return archs - {"general", "tokenizer"}  # metadata sections of transformers' mapping, not architectures
 
 
-def _gguf_field(reader: Any, key: str) -> Any:
+def _gguf_field(reader: GGUFReader, key: str) -> Any:
     field = reader.fields.get(key)
     return None if field is None else field.contents()
 

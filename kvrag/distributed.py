@@ -38,6 +38,8 @@ from kvrag.errors import ConfigError, KVRAGError
 from kvrag.extras import require
 
 if TYPE_CHECKING:
+    from types import ModuleType
+
     from kvrag.engine.engine import KVRAGEngine
 
 log = logging.getLogger(__name__)
@@ -47,7 +49,7 @@ DEFAULT_TASK_BATCHES = 4
 little work and the last tasks balance across workers."""
 
 
-def _import_ray() -> Any:
+def _import_ray() -> ModuleType:
     return require("ray", "ray", "distributed ingest")
 
 

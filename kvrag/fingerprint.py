@@ -21,6 +21,8 @@ import torch
 from kvrag.kv.spec import dtype_from_name
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 # Config keys that do not change what the network computes (bookkeeping, output switches, token ids used only by
@@ -61,7 +63,7 @@ def _config_for_fingerprint(config: PretrainedConfig) -> dict[str, Any]:
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _tensor_digest(h: Any, name: str, tensor: torch.Tensor) -> None:
+def _tensor_digest(h: hashlib._Hash, name: str, tensor: torch.Tensor) -> None:
     """Feed one tensor's identity into ``h``: name, shape, dtype, an exact checksum and a strided byte sample."""
     t = tensor.detach().contiguous().reshape(-1)
     h.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}|".encode())
@@ -83,7 +85,7 @@ def _tensor_digest(h: Any, name: str, tensor: torch.Tensor) -> None:
 _DIGEST_ROWS = 1 << 22  # weights de-quantized at a time when digesting a GGUF-resident weight
 
 
-def _resident_digest(h: Any, name: str, module: Any, dtype: torch.dtype) -> None:
+def _resident_digest(h: hashlib._Hash, name: str, module: Any, dtype: torch.dtype) -> None:
     """:func:`_tensor_digest` of a GGUF-resident weight (:mod:`kvrag.kv.gguf_quant`) as the float tensor it stands
     for, in ``dtype``, de-quantized a few rows at a time: the digest of the same weights held as floats."""
     rows, cols = int(module.blocks.shape[0]), int(module.weight.shape[1])
@@ -105,7 +107,7 @@ def _resident_digest(h: Any, name: str, module: Any, dtype: torch.dtype) -> None
     h.update(sample.contiguous().view(torch.uint8).numpy().tobytes())
 
 
-def _state_digest(h: Any, model: PreTrainedModel, cast: torch.dtype | None = None) -> None:
+def _state_digest(h: hashlib._Hash, model: PreTrainedModel, cast: torch.dtype | None = None) -> None:
     """Feed every parameter and persistent buffer into ``h`` in name order (floating ones cast to ``cast``).
 
     A GGUF-resident weight (a module holding a file's ``blocks``, :mod:`kvrag.kv.gguf_quant`) is digested as the
@@ -135,7 +137,7 @@ def _state_digest(h: Any, model: PreTrainedModel, cast: torch.dtype | None = Non
         _tensor_digest(h, name, tensor.to(cast) if cast is not None and tensor.is_floating_point() else tensor)
 
 
-def _memo(model: Any, h: Any, compute: Any) -> str:
+def _memo(model: PreTrainedModel, h: hashlib._Hash, compute: Callable[[hashlib._Hash], None]) -> str:
     """``compute(h)``'s digest, memoized in the file ``model._kvrag_digest_memo`` names (a GGUF model's prepared
     folder: its weights are fixed by the file) under the digest of what ``h`` holds so far."""
     path = getattr(model, "_kvrag_digest_memo", None)
@@ -193,7 +195,7 @@ def model_fingerprint(model: PreTrainedModel, dtype: torch.dtype | str | None = 
     return _memo(model, h, lambda hh: _state_digest(hh, model))
 
 
-_WEIGHTS_FP: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+_WEIGHTS_FP: weakref.WeakKeyDictionary[PreTrainedModel, str] = weakref.WeakKeyDictionary()
 
 
 @torch.no_grad()

@@ -16,11 +16,14 @@ import functools
 import os
 import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gguf import MODEL_ARCH
 
 _memo: contextvars.ContextVar[dict[Any, Any] | None] = contextvars.ContextVar("kvrag_gguf_memo", default=None)
 _lock = threading.Lock()
-_installed: list[tuple[str, Any]] = []  # the gguf attributes replaced while any parsed_once() is open
+_installed: list[tuple[str, object]] = []  # the gguf attributes replaced while any parsed_once() is open
 _depth = 0
 
 
@@ -28,7 +31,7 @@ def _shared_reader_class(base: type) -> type:
     class SharedReader(base):  # type: ignore[misc, valid-type]
         """``gguf.GGUFReader`` that, inside :func:`parsed_once`, returns the one reader of each file."""
 
-        def __new__(cls, path: Any, mode: str = "r") -> Any:
+        def __new__(cls, path: str | os.PathLike[str], mode: str = "r") -> Any:
             memo = _memo.get()
             if memo is None:  # not in a conversion: a plain reader (its own __init__ has run)
                 return base(path, mode)
@@ -39,7 +42,7 @@ def _shared_reader_class(base: type) -> type:
                 memo[key] = reader
             return memo[key]
 
-        def __init__(self, path: Any, mode: str = "r") -> None:  # initialised once, in __new__
+        def __init__(self, path: str | os.PathLike[str], mode: str = "r") -> None:  # initialised once, in __new__
             pass
 
     return SharedReader
@@ -47,7 +50,7 @@ def _shared_reader_class(base: type) -> type:
 
 def _shared_name_map(original: Any) -> Any:
     @functools.wraps(original)
-    def get_tensor_name_map(arch: Any, n_blocks: int) -> Any:
+    def get_tensor_name_map(arch: MODEL_ARCH, n_blocks: int) -> Any:
         memo = _memo.get()
         if memo is None:
             return original(arch, n_blocks)

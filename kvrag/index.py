@@ -25,6 +25,8 @@ from kvrag.errors import ConfigError
 from kvrag.extras import require
 
 if TYPE_CHECKING:
+    from types import ModuleType
+
     import faiss
     from sentence_transformers import SentenceTransformer
 
@@ -102,7 +104,7 @@ def read_documents(docs_dir: str | os.PathLike[str]) -> list[tuple[str, str]]:
     return out
 
 
-def import_faiss() -> Any:
+def import_faiss() -> ModuleType:
     """The ``faiss`` module.
 
     Raises:

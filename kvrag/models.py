@@ -13,7 +13,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -40,6 +40,8 @@ from kvrag.kv.spec import KVSpec, dtype_from_name, dtype_name
 from kvrag.paths import env_offline, hf_offline
 
 if TYPE_CHECKING:
+    from types import ModuleType
+
     from sentence_transformers import SentenceTransformer
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
@@ -336,7 +338,7 @@ def load_model(
     return loaded
 
 
-def attention_implementation(config: Any) -> str:
+def attention_implementation(config: PretrainedConfig) -> str:
     """The attention implementation kvrag loads a model with: 'sdpa' (switched to ``kvrag_sdpa`` by
     :func:`wrap_model`), or 'eager' for the families transformers refuses SDPA for (attention logit soft-capping
     in Gemma 2, attention sinks in GPT-OSS); those decode one request per step (:func:`kvrag.kv.batched.batchable`)."""
@@ -346,7 +348,7 @@ def attention_implementation(config: Any) -> str:
     return "sdpa" if cls is None or getattr(cls, "_supports_sdpa", True) else "eager"
 
 
-def import_sentence_transformers() -> Any:
+def import_sentence_transformers() -> ModuleType:
     """The ``sentence_transformers`` module.
 
     Raises:

@@ -7,7 +7,7 @@ and concatenates them into the stale KV a fusion method repairs.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,10 +18,13 @@ from kvrag.kv.chunk import ChunkKV
 from kvrag.kv.rope import Rope
 from kvrag.kv.spec import KVSpec
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 
 @torch.inference_mode()
 def assemble(
-    model: Any,
+    model: PreTrainedModel,
     rope: Rope,
     spec: KVSpec,
     pieces: Sequence[tuple[str, ChunkKV, str | None]],
@@ -88,7 +91,7 @@ def assemble(
 
 
 def context_only_input(
-    model: Any,
+    model: PreTrainedModel,
     rope: Rope,
     spec: KVSpec,
     segments: Sequence[PlannedSegment],

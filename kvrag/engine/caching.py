@@ -13,7 +13,7 @@ import dataclasses
 import logging
 import threading
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kvrag.config import EngineConfig
 from kvrag.engine.chunks import RegisteredChunk
@@ -25,17 +25,23 @@ from kvrag.kv.rope import Rope
 from kvrag.kv.spec import KVSpec
 from kvrag.prompting import chat_preamble
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from kvrag.models import LoadedModel
+    from kvrag.store.base import KVStore
+
 log = logging.getLogger(__name__)
 
 
 class ChunkCaching:
     """Chunk identity and the store-filling path of an engine (mixed into ``KVRAGEngine``, which sets the fields)."""
 
-    loaded: Any
-    model: Any
-    tokenizer: Any
-    store: Any
-    serving_store: Any
+    loaded: LoadedModel
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    store: KVStore
+    serving_store: KVStore
     config: EngineConfig
     counters: collections.Counter[str]
     rope: Rope
@@ -43,7 +49,7 @@ class ChunkCaching:
     max_context: int
     chunk_prefix_ids: tuple[int, ...]
     _spaces: dict[str, str]
-    _lock: Any
+    _lock: threading.RLock
     _counter_lock: threading.Lock
 
     # ----------------------------------------------------------------- identity
@@ -159,7 +165,7 @@ class ChunkCaching:
         return out
 
     def ensure(self, chunks: Iterable[str | RegisteredChunk], *, kind: str = "chunk", fetch: bool = False,
-               store: Any = None, batch_size: int | None = None,
+               store: KVStore | None = None, batch_size: int | None = None,
                progress: bool = False) -> list[tuple[RegisteredChunk | None, bool]]:
         """Make sure every chunk's cache is stored -- the one path ingest, index builders and adapters go through.
 
@@ -248,7 +254,7 @@ class ChunkCaching:
                 keys.append(str(r.key))
         return keys
 
-    def store_batched(self, items: Sequence[tuple[str, Sequence[int]]], store: Any = None,
+    def store_batched(self, items: Sequence[tuple[str, Sequence[int]]], store: KVStore | None = None,
                       batch_size: int | None = None, progress: bool = False, *, kind: str = "chunk",
                       keep: bool = False) -> dict[str, ChunkKV]:
         """Compute the caches of ``(key, token_ids)`` items, ``batch_size`` per forward, and put each batch into

@@ -32,7 +32,7 @@ import logging
 import threading
 import time
 from collections.abc import Generator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -43,6 +43,14 @@ from kvrag.fusion.base import FusionMethod
 from kvrag.fusion.stats import MethodStats
 from kvrag.kv import batched, hf_cache
 from kvrag.kv.pieces import Pace, SuffixPrefill, forward_pieces
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from transformers import Cache, PreTrainedModel
+
+    from kvrag.engine.runner import Runner
+    from kvrag.kv.spec import KVSpec
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +102,7 @@ class ConversationCache:
         max_entries: most requests kept.
     """
 
-    def __init__(self, budget: KVBudget | Any, max_bytes: int, max_entries: int) -> None:
+    def __init__(self, budget: KVBudget | Callable[[], KVBudget], max_bytes: int, max_entries: int) -> None:
         self._budget_of = budget if callable(budget) else (lambda: budget)
         self.max_bytes, self.max_entries = int(max_bytes), int(max_entries)
         self._entries: collections.OrderedDict[int, Entry] = collections.OrderedDict()  # least recent first
@@ -142,7 +150,7 @@ class ConversationCache:
                 self.counters["hit_tokens"] += best.length
         return best
 
-    def keep(self, ids: Sequence[int], prompt_len: int, method: str, cache: Any) -> bool:
+    def keep(self, ids: Sequence[int], prompt_len: int, method: str, cache: Cache) -> bool:
         """Keep the KV of an answered request (``cache``: its transformers cache over ``ids``; the first
         ``prompt_len`` ids are its prompt). Returns whether it was kept: not when there is no answer token, the
         cache is off, the entry alone is over ``max_bytes``, or it does not fit beside the requests in flight."""
@@ -233,7 +241,20 @@ def keep_answered(cache: ConversationCache, prepared: Prepared) -> bool:
         return False
 
 
-def prepare_hit(engine: Any, plan: Plan, m: FusionMethod, reserve: int, lease: Lease,
+class HitEngine(Protocol):
+    """What :func:`prepare_hit` reads of the engine (:class:`kvrag.engine.engine.KVRAGEngine`)."""
+
+    @property
+    def spec(self) -> KVSpec: ...
+
+    @property
+    def model(self) -> PreTrainedModel: ...
+
+    @property
+    def runner(self) -> Runner: ...
+
+
+def prepare_hit(engine: HitEngine, plan: Plan, m: FusionMethod, reserve: int, lease: Lease,
                 hit: Hit) -> Generator[Any, Any, Prepared]:
     """A request's prepare from a kept conversation (in the runner thread, in its turn): the kept KV's first
     ``hit.length`` positions copied into the request's buffer, then the rest of its ids prefilled -- the model's

@@ -8,7 +8,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from kvrag.config import EngineConfig, GenerationConfig
 from kvrag.engine.admission import default_kv_bytes
@@ -31,6 +31,14 @@ from kvrag.kv.rope import Rope
 from kvrag.kv.spec import KVSpec, dtype_name, text_config
 from kvrag.kv.window import context_limit
 from kvrag.prompting import render_chat
+
+if TYPE_CHECKING:
+    import os
+
+    import torch
+
+    from kvrag.models import LoadedModel
+    from kvrag.store.base import KVStore
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +74,7 @@ class KVRAGEngine(ChunkCaching):
             the same object under its earlier name.
     """
 
-    def __init__(self, loaded: Any, store: Any, config: EngineConfig | None = None) -> None:
+    def __init__(self, loaded: LoadedModel, store: KVStore, config: EngineConfig | None = None) -> None:
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -110,7 +118,8 @@ class KVRAGEngine(ChunkCaching):
 
     @classmethod
     def from_pretrained(
-        cls, model: Any = None, store: Any = "memory://", *, device: str | None = None, dtype: Any = None,
+        cls, model: str | os.PathLike[str] | LoadedModel | None = None, store: str | KVStore = "memory://", *,
+        device: str | None = None, dtype: torch.dtype | str | None = None,
         quantize: str | None = "default", **config: Any,
     ) -> KVRAGEngine:
         """Load a model (HF id, local checkpoint folder, path of a ``.gguf`` file (converted once, see
@@ -198,7 +207,8 @@ class KVRAGEngine(ChunkCaching):
         return dataclasses.replace(plan, context=tuple(context), held=held)
 
     def _decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        return cast("str", self.tokenizer.decode(list(ids), skip_special_tokens=False,
+                                                 clean_up_tokenization_spaces=False))
 
     def _fetch_stored(self, plan: Plan) -> tuple[list[str], dict[str, ChunkKV | None], float]:
         """The store's part of the plan's context caches, in one round trip (no model: runs outside the model's

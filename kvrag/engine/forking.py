@@ -10,13 +10,23 @@ from __future__ import annotations
 
 import os
 import weakref
-from typing import Any
+from typing import Protocol
 
-_TRACKED: weakref.WeakSet[Any] = weakref.WeakSet()
-_FORKING: list[Any] = []
+_TRACKED: weakref.WeakSet[ForkAware] = weakref.WeakSet()
+_FORKING: list[ForkAware] = []
 
 
-def track(obj: Any) -> None:
+class ForkAware(Protocol):
+    """An object with fork hooks (the runner): called before ``os.fork`` and after it, in the parent and the child."""
+
+    def _before_fork(self) -> None: ...
+
+    def _after_fork_parent(self) -> None: ...
+
+    def _after_fork_child(self) -> None: ...
+
+
+def track(obj: ForkAware) -> None:
     """Call ``obj``'s fork hooks around every ``os.fork`` of this process while it lives."""
     _TRACKED.add(obj)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import collections
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,6 +19,11 @@ from kvrag.engine.handle import Handle
 from kvrag.engine.speculate import SpeculationConfig, accept_row, draft_rows
 from kvrag.kv import batched, hf_cache
 from kvrag.kv.pieces import SuffixPrefill
+
+if TYPE_CHECKING:
+    import threading
+
+    from transformers import PreTrainedModel
 
 
 class Forwards:
@@ -30,7 +35,8 @@ class Forwards:
         speculation: prompt-lookup drafting (:mod:`kvrag.engine.speculate`).
     """
 
-    def __init__(self, model: Any, lock: Any, unbatchable: str | None, speculation: SpeculationConfig) -> None:
+    def __init__(self, model: PreTrainedModel, lock: threading.RLock, unbatchable: str | None,
+                 speculation: SpeculationConfig) -> None:
         self.model = model
         self.lock = lock
         self.unbatchable = unbatchable

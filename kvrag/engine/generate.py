@@ -17,12 +17,15 @@ The concatenated deltas equal ``tokenizer.decode(ids, skip_special_tokens=True)`
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvrag.config import GenerationConfig
 from kvrag.kv import hf_cache
+
+if TYPE_CHECKING:
+    from transformers import Cache, PreTrainedModel, PreTrainedTokenizerBase
 
 
 def select_token(logits: torch.Tensor, cfg: GenerationConfig, generator: torch.Generator | None) -> int:
@@ -49,7 +52,7 @@ class IncrementalDetokenizer:
     not emitted yet.
     """
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self.tokenizer = tokenizer
         self.ids: list[int] = []
         self.prefix = 0
@@ -124,7 +127,7 @@ class DecodeState:
     chosen token must be fed back (the last allowed token is not).
     """
 
-    def __init__(self, tokenizer: Any, cfg: GenerationConfig, eos_ids: Sequence[int]) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, cfg: GenerationConfig, eos_ids: Sequence[int]) -> None:
         self.cfg = cfg
         self.eos = {int(e) for e in eos_ids}
         self.generator = torch.Generator().manual_seed(cfg.seed) if cfg.do_sample and cfg.seed is not None else None
@@ -160,9 +163,9 @@ class DecodeState:
 
 @torch.inference_mode()
 def decode(
-    model: Any,
-    tokenizer: Any,
-    cache: Any,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    cache: Cache,
     first_logits: torch.Tensor,
     cfg: GenerationConfig,
     eos_ids: Sequence[int],

@@ -10,7 +10,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable, Generator, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvrag.engine.generate import DecodeState
 from kvrag.engine.lease import Lease
@@ -19,6 +19,9 @@ from kvrag.engine.speculate import PromptLookup
 from kvrag.errors import EngineClosedError, RequestCancelledError
 from kvrag.kv import batched
 from kvrag.kv.pieces import SuffixPrefill
+
+if TYPE_CHECKING:
+    from kvrag.engine.results import Prepared
 
 END = object()
 """The last item of a request's queue."""
@@ -43,7 +46,7 @@ class Handle:
         self.items: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.state: DecodeState | None = None
         self.row: batched.Row | None = None
-        self.prepared: Any = None
+        self.prepared: Prepared | None = None
         self.closed = False
         self.drafter: PromptLookup | None = None  # speculative decoding's drafts (greedy requests only)
         self.spec = SpecStats()

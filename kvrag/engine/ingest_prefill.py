@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -29,6 +29,9 @@ from kvrag.kv.chunk import ChunkKV
 from kvrag.kv.compute import compute_chunk_kv
 from kvrag.kv.rope import Rope
 from kvrag.kv.spec import KVSpec
+
+if TYPE_CHECKING:
+    from transformers import DynamicCache, PreTrainedModel
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +83,7 @@ def plan_batches(lengths: Sequence[int], batch_size: int, max_batch_tokens: int 
     return batches
 
 
-def _prefix_cache(model: Any, keys: torch.Tensor, values: torch.Tensor, batch: int) -> Any:
+def _prefix_cache(model: PreTrainedModel, keys: torch.Tensor, values: torch.Tensor, batch: int) -> DynamicCache:
     """A DynamicCache holding the shared prefix K/V [L, H_kv, P, D] repeated for ``batch`` rows."""
     cache = hf_cache.new_cache(model)  # every token kept, also in sliding-window layers
     for layer in range(keys.shape[0]):
@@ -99,7 +102,7 @@ def _batch_tensors(cache: Any) -> tuple[torch.Tensor, torch.Tensor]:
 
 @torch.inference_mode()
 def _prefill_batch(
-    model: Any,
+    model: PreTrainedModel,
     rope: Rope,
     spec: KVSpec,
     rows: Sequence[Sequence[int]],
@@ -144,7 +147,7 @@ def _prefill_batch(
 
 
 @torch.inference_mode()
-def prefill_prefix(model: Any, prefix_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+def prefill_prefix(model: PreTrainedModel, prefix_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
     """K/V [L, H_kv, P, D] (RoPE applied) of the conditioning prefix alone; None for an empty prefix.
 
     Causal attention makes a prefix's K/V independent of what follows it, so this equals the prefix part of any
@@ -157,7 +160,7 @@ def prefill_prefix(model: Any, prefix_ids: Sequence[int]) -> tuple[torch.Tensor,
 
 @torch.inference_mode()
 def compute_chunk_kvs(
-    model: Any,
+    model: PreTrainedModel,
     rope: Rope,
     spec: KVSpec,
     ids_list: Sequence[Sequence[int]],

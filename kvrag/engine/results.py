@@ -17,6 +17,7 @@ from kvrag.fusion.stats import MethodStats
 if TYPE_CHECKING:
     import torch
 
+    from kvrag.engine.lease import Lease
     from kvrag.engine.planner import Plan
     from kvrag.fusion.base import FusionMethod
 
@@ -151,14 +152,14 @@ class Prepared:
 
     plan: Plan
     method: FusionMethod
-    cache: Any
+    cache: Any  # a transformers Cache; None once the stream no longer needs its prompt buffer
     last_logits: torch.Tensor
     timings: Timings
     stats: Stats
     chunk_keys: list[str]
     t0: float
     token_ids: list[int] = dataclasses.field(default_factory=list)
-    kv_lease: Any = dataclasses.field(default=None, repr=False, compare=False)
+    kv_lease: Lease | None = dataclasses.field(default=None, repr=False, compare=False)
     """The request's share of the engine's KV memory bound (:mod:`kvrag.engine.admission`), given back when its
     stream ends or this object is garbage-collected."""
 

@@ -38,7 +38,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -57,6 +57,11 @@ from kvrag.kv.attention import IMPL
 from kvrag.kv.pieces import SuffixPrefill
 from kvrag.threads import set_own_threads
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from kvrag.engine.results import Prepared
+
 log = logging.getLogger(__name__)
 
 class Runner:
@@ -71,15 +76,13 @@ class Runner:
         speculation: prompt-lookup drafting for greedy requests (:mod:`kvrag.engine.speculate`; None: off).
         pack_suffixes: arrivals' question suffixes in one forward (``EngineConfig.pack_suffixes``).
         threads: torch intra-op threads of the runner thread (``EngineConfig.runner_threads``; None: the process's).
-        kv_dtype: the dtype of the K/V requests decode over (:func:`kvrag.kv.batched.decode_kv_dtype`).
-    """
+        kv_dtype: the dtype of the K/V requests decode over (:func:`kvrag.kv.batched.decode_kv_dtype`)."""
 
     _exit_hook: Callable[[], None] | None = None  # called right after the thread decided to exit (tests hold it)
 
-    def __init__(self, model: Any, tokenizer: Any, budget: KVBudget, *, max_batch_size: int,
-                 admission_timeout_s: float | None = None,
-                 speculation: SpeculationConfig | None = None, pack_suffixes: bool = False,
-                 threads: int | None = None, kv_dtype: torch.dtype | None = None) -> None:
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, budget: KVBudget, *,
+                 max_batch_size: int, admission_timeout_s: float | None = None, speculation: SpeculationConfig | None = None,
+                 pack_suffixes: bool = False, threads: int | None = None, kv_dtype: torch.dtype | None = None) -> None:
         self.model, self.tokenizer, self.pack_suffixes, self.threads = model, tokenizer, bool(pack_suffixes), threads
         self.speculation, self.kv_dtype = speculation or SpeculationConfig(max_draft=0), kv_dtype
         self.max_batch_size = int(max_batch_size)
@@ -114,8 +117,7 @@ class Runner:
         Raises:
             EngineBusyError: not admitted within ``admission_timeout_s``.
             EngineClosedError: the engine is closed.
-            RequestCancelledError: the request's :class:`CancelToken` was cancelled.
-        """
+            RequestCancelledError: the request's :class:`CancelToken` was cancelled."""
         nbytes = self.budget.bytes_for(kv_tokens)
         h = Handle(job)
         if threading.current_thread() is self._thread or self.lock._is_owned():  # type: ignore[attr-defined]
@@ -264,7 +266,7 @@ class Runner:
             self._kick()
 
     # ------------------------------------------------------------------------------------------- streams
-    def submit(self, prepared: Any, gen: GenerationConfig, eos_ids: Sequence[int],
+    def submit(self, prepared: Prepared, gen: GenerationConfig, eos_ids: Sequence[int],
                on_first_token: Callable[[], None] | None = None, prompt_ids: Sequence[int] | None = None) -> Handle:
         """Start decoding a prepared request: its first token is chosen now (from the prepare's logits), then it
         joins the running batch at the next plan. Iterate the returned handle for its items and call
@@ -273,8 +275,7 @@ class Runner:
 
         Raises:
             ConfigError: the request was not prepared by this engine, is already streaming or streamed, or asks for
-                more new tokens than it was prepared (and its KV leased) for.
-        """
+                more new tokens than it was prepared (and its KV leased) for."""
         rid = getattr(lease := getattr(prepared, "kv_lease", None), "rid", None)
         spec = self.speculation
         drafter = (PromptLookup(prompt_ids, spec.max_ngram, spec.min_ngram) if spec.enabled and prompt_ids is not None
@@ -447,8 +448,7 @@ class Runner:
         """Take no new requests; let those in flight finish (or, with ``cancel``, cancel them); join the thread.
 
         With ``timeout``, requests still in flight after that many seconds are cancelled. Prepared requests that
-        were never streamed keep their lease until they are dropped.
-        """
+        were never streamed keep their lease until they are dropped."""
         with self._cv:
             self.scheduler.close(cancel=cancel)
             self._kick()

@@ -28,7 +28,7 @@ import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Generator
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -41,6 +41,9 @@ from kvrag.fusion.escalate import DEFAULT_LEVELS, Ladder, parse_levels, threshol
 from kvrag.fusion.online import OnlineCosts, online_costs
 from kvrag.fusion.recompute import check_choice, check_ratio
 from kvrag.kv import pieces
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +152,7 @@ class Auto(FusionMethod):
                     "fit one for this machine.", where, cm.machine_kind or "an unrecorded machine",
                     cm.dtype or "an unrecorded dtype", kind, dtype)
 
-    def predictions(self, model_config: Any, tc: int, s: int, cm: CostModel | None = None,
+    def predictions(self, model_config: PretrainedConfig, tc: int, s: int, cm: CostModel | None = None,
                     online: OnlineCosts | None = None, speed: float | None = None) -> list[Prediction]:
         """Every candidate's prediction for a request shape, fastest first (``online`` / ``speed``: the process's
         measurements and full's seconds per FLOP; without them, uncorrected)."""
@@ -166,7 +169,7 @@ class Auto(FusionMethod):
             out.append(Prediction(spec, base * corr, c.kl, base, corr))
         return sorted(out, key=lambda p: p.ratio)
 
-    def predict(self, model_config: Any, tc: int, s: int) -> list[tuple[str, float, float]]:
+    def predict(self, model_config: PretrainedConfig, tc: int, s: int) -> list[tuple[str, float, float]]:
         """(spec, predicted TTFT ratio, KL) of every candidate (uncorrected), fastest first."""
         return [(p.spec, p.ratio, p.kl) for p in self.predictions(model_config, tc, s)]
 
@@ -175,13 +178,13 @@ class Auto(FusionMethod):
         within = [p for p in preds if p.ratio <= self.budget]
         return min(within, key=lambda p: (p.kl, p.ratio)) if within else preds[0]
 
-    def choose(self, model_config: Any, tc: int, s: int) -> tuple[str, float]:
+    def choose(self, model_config: PretrainedConfig, tc: int, s: int) -> tuple[str, float]:
         """(spec, predicted ratio) ``auto`` picks for a request shape, uncorrected."""
         p = self.pick(self.predictions(model_config, tc, s))
         return p.spec, p.ratio
 
-    def _context(self, model: Any, device: torch.device, dtype: torch.dtype) -> tuple[CostModel, OnlineCosts | None,
-                                                                                       float | None, str, str]:
+    def _context(self, model: PreTrainedModel, device: torch.device,
+                 dtype: torch.dtype) -> tuple[CostModel, OnlineCosts | None, float | None, str, str]:
         kind, dt = machine_kind(device), dtype_label(dtype)
         cm = self.cost_model(kind, dt)
         if self.adapt <= 0:

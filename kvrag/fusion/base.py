@@ -22,6 +22,8 @@ from kvrag.kv.rope import Rope
 from kvrag.kv.spec import KVSpec
 
 if TYPE_CHECKING:
+    from transformers import Cache, PreTrainedModel
+
     from kvrag.kv.pieces import Pace
 
 _TRUE = {"1", "true", "yes", "on", "y", "t"}
@@ -88,7 +90,7 @@ class FusionInput:
             learned repairer can check it was trained on caches computed the same way.
     """
 
-    model: Any
+    model: PreTrainedModel
     rope: Rope
     spec: KVSpec
     token_ids: torch.Tensor
@@ -116,7 +118,7 @@ class FusionInput:
         keys, values = self.keys.contiguous().clone(), self.values.contiguous().clone()
         return dataclasses.replace(self, keys=keys, values=values, buffer=hf_cache.KVBuffer.wrap(keys, values))
 
-    def cache_over(self, keys: torch.Tensor, values: torch.Tensor) -> Any:
+    def cache_over(self, keys: torch.Tensor, values: torch.Tensor) -> Cache:
         """The transformers cache holding the repaired context KV ``keys``/``values`` (from :meth:`working_kv`)
         that the suffix is prefilled against: the buffer itself (no copy) on the zero-copy path."""
         from kvrag.kv import hf_cache
@@ -149,7 +151,7 @@ class FusionOutput:
         stats: what the method computed (:class:`~kvrag.fusion.stats.MethodStats`; ``to_dict()`` for JSON).
     """
 
-    cache: Any
+    cache: Cache
     last_logits: torch.Tensor | None = None
     stats: MethodStats = dataclasses.field(default_factory=MethodStats)
 
@@ -166,7 +168,7 @@ class Observation:
         stats: the method's statistics for the request.
     """
 
-    model: Any
+    model: PreTrainedModel
     context_tokens: int
     suffix_tokens: int
     ttft_s: float
@@ -178,7 +180,7 @@ class FusionMethod(abc.ABC):
 
     name: ClassVar[str] = ""
     #: parameter name -> (type, default)
-    params: ClassVar[dict[str, tuple[type, Any]]] = {}
+    params: ClassVar[dict[str, tuple[type, object]]] = {}
     #: False for methods that ignore the stale KV (``full``): the engine then skips fetching and assembling the
     #: chunk caches, and ``FusionInput.keys`` / ``values`` are empty ([L, H_kv, 0, D]).
     reads_cache: ClassVar[bool] = True

@@ -8,7 +8,7 @@ recomputed at that layer, stale elsewhere).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,6 +27,9 @@ from kvrag.fusion.recompute import (
 )
 from kvrag.kv import hf_cache
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 
 def kv_deviation(fresh: torch.Tensor, stale: torch.Tensor) -> torch.Tensor:
     """Per-token squared L2 deviation summed over KV heads and head dims: [H_kv, N, D] x2 -> [N] float32.
@@ -36,7 +39,8 @@ def kv_deviation(fresh: torch.Tensor, stale: torch.Tensor) -> torch.Tensor:
     return (fresh.float() - stale.float()).pow(2).sum(dim=(0, 2))
 
 
-def select_hkvd(model: Any, state: LayerState, k: int, *, deviation: str = "v", write_all: bool = True) -> torch.Tensor:
+def select_hkvd(model: PreTrainedModel, state: LayerState, k: int, *, deviation: str = "v",
+                write_all: bool = True) -> torch.Tensor:
     """CacheBlend's check-layer selection (the released code's single check layer; docs/methods.md#cacheblend).
 
     Projects fresh K/V of every current target at ``state.layer`` (no attention), ranks by deviation from the
@@ -115,7 +119,7 @@ class CacheBlend(FusionMethod):
         write_all = self.check_write == "all"
         checked = [0]  # tokens whose fresh K/V the check layer computed
 
-        def hook(model: Any, state: LayerState) -> torch.Tensor | None:
+        def hook(model: PreTrainedModel, state: LayerState) -> torch.Tensor | None:
             if state.layer != self.check_layer:
                 return None
             checked[0] = int(state.targets.numel())

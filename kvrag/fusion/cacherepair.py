@@ -18,7 +18,7 @@ import re
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -30,13 +30,16 @@ from kvrag.kv import hf_cache
 from kvrag.repair.model import CONFIG_NAME, RepairModel
 from kvrag.repair.shipped import SHIPPED_DIR
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 log = logging.getLogger(__name__)
 
 _TRAIN_HINT = ("train one with `kvrag train-repairer --data CORPUS.jsonl --out DIR --preset small` (CORPUS: one "
                '{"titles": [...], "passages": [...]} object a line) and use `cacherepair:checkpoint=DIR`')
 
 
-def model_dir_name(model: Any) -> str:
+def model_dir_name(model: PreTrainedModel) -> str:
     """The directory name a shipped repairer of ``model`` uses: its name (last path part), '/' -> '--'."""
     name = str(getattr(model.config, "name_or_path", "") or getattr(model.config, "_name_or_path", "") or "")
     if not name:
@@ -46,7 +49,7 @@ def model_dir_name(model: Any) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", base).strip("-").lower()
 
 
-def find_shipped_checkpoint(model: Any, fingerprint: str, root: Path = SHIPPED_DIR,
+def find_shipped_checkpoint(model: PreTrainedModel, fingerprint: str, root: Path = SHIPPED_DIR,
                             weights_fingerprint: str = "") -> Path | None:
     """A shipped repairer for the model: one whose recorded target (weights or model) fingerprint matches, else
     one named after it."""

@@ -21,9 +21,12 @@ fetch are not counted: they are what the "overhead" factor (measured TTFT ratio 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kvrag.fusion.stats import MethodStats
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +39,7 @@ class ModelCost:
     head_flops: float
 
     @classmethod
-    def from_config(cls, config: Any) -> ModelCost:
+    def from_config(cls, config: PretrainedConfig) -> ModelCost:
         c = config.get_text_config() if hasattr(config, "get_text_config") else config
         h = int(c.hidden_size)
         heads = int(c.num_attention_heads)

@@ -23,7 +23,10 @@ from __future__ import annotations
 import dataclasses
 import threading
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 DEFAULT_ALPHA = 0.3
 """Weight of a new measurement in the smoothed values (request-to-request TTFT noise is up to ~25%)."""
@@ -98,11 +101,11 @@ def _keys(costs: str, spec: str, tc: int) -> tuple[tuple[str | int, ...], ...]:
     return (costs, spec, length_bucket(tc)), (costs, spec)
 
 
-_STATE: weakref.WeakKeyDictionary[Any, OnlineCosts] = weakref.WeakKeyDictionary()
+_STATE: weakref.WeakKeyDictionary[PreTrainedModel, OnlineCosts] = weakref.WeakKeyDictionary()
 _STATE_LOCK = threading.Lock()
 
 
-def online_costs(model: Any) -> OnlineCosts:
+def online_costs(model: PreTrainedModel) -> OnlineCosts:
     """The process's measurements for ``model`` (created on first use, dropped with the model)."""
     with _STATE_LOCK:
         st = _STATE.get(model)
@@ -111,7 +114,7 @@ def online_costs(model: Any) -> OnlineCosts:
         return st
 
 
-def forget(model: Any) -> None:
+def forget(model: PreTrainedModel) -> None:
     """Drop what was measured for ``model`` (e.g. after its threads or load changed a lot)."""
     with _STATE_LOCK:
         _STATE.pop(model, None)

@@ -12,15 +12,18 @@ full causal context) and :class:`PrefixAttention` replaces the model's attention
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvrag.kv import hf_cache
 from kvrag.kv.window import layer_windows
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
-def has_special_attention(module: Any) -> bool:
+
+def has_special_attention(module: torch.nn.Module) -> bool:
     """Attention that is not plain softmax(q k^T * scale + mask) v: soft-capping, sinks, sliding windows."""
     cfg = getattr(module, "config", None)
     return bool(getattr(cfg, "attn_logit_softcapping", None) or getattr(module, "sinks", None) is not None
@@ -62,7 +65,8 @@ class PrefixAttention:
         self.kpos = torch.zeros(0, dtype=torch.long)  # [M] readable key positions in order (CPU)
         self.edges = self.computed = 0
 
-    def __call__(self, module: Any, query: torch.Tensor, key: torch.Tensor, mask: Any, scaling: float | None,
+    def __call__(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None,
+                 scaling: float | None,
                  value: torch.Tensor | None = None) -> Any:
         assert value is not None
         q = query[0]  # [H, N, D]
@@ -87,7 +91,7 @@ class PrefixAttention:
         return torch.cat(outs, dim=1).transpose(0, 1).unsqueeze(0).contiguous(), None  # [1, N, H, D]
 
 
-def plain_attention(model: Any) -> bool:
+def plain_attention(model: PreTrainedModel) -> bool:
     """True when every decoder layer's attention is plain softmax(q k^T * scale + mask) v (see
     :func:`has_special_attention`) over every key of its causal prefix (no layer has an attention window), so
     :class:`PrefixAttention` may compute it."""
@@ -101,7 +105,7 @@ def plain_attention(model: Any) -> bool:
 
 
 def run_targets_prefix(
-    model: Any,
+    model: PreTrainedModel,
     layer: int,
     hidden: torch.Tensor,
     tgt: torch.Tensor,

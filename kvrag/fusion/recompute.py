@@ -20,7 +20,7 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable, Generator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -30,6 +30,9 @@ from kvrag.fusion.prefix_attention import PrefixAttention, plain_attention, run_
 from kvrag.fusion.stats import MethodStats
 from kvrag.kv import hf_cache, pieces
 from kvrag.kv.window import layer_windows, window_mask
+
+if TYPE_CHECKING:
+    from transformers import Cache, PreTrainedModel
 
 
 def check_ratio(method: str, name: str, value: float) -> None:
@@ -103,7 +106,7 @@ class LayerState:
     extra_states: int = 0
 
 
-LayerHook = Callable[[Any, LayerState], "torch.Tensor | None"]
+LayerHook = Callable[["PreTrainedModel", LayerState], "torch.Tensor | None"]
 """``hook(model, state)``: return None to keep ``state.targets``, or a subset of them; the subset replaces the
 targets at this layer and every deeper layer's plan is intersected with it (keeps the schedule monotone)."""
 
@@ -139,7 +142,7 @@ def _is_subset(sub: torch.Tensor, sup: torch.Tensor) -> bool:
 
 
 @torch.inference_mode()
-def selective_recompute(model: Any, token_ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+def selective_recompute(model: PreTrainedModel, token_ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                         targets: Sequence[torch.Tensor],
                         context: torch.Tensor | None | Sequence[torch.Tensor | None] = None, *,
                         hook: LayerHook | None = None, block_size: int | None = None, inplace: bool = False,
@@ -152,7 +155,7 @@ def selective_recompute(model: Any, token_ids: torch.Tensor, keys: torch.Tensor,
 
 @torch.inference_mode()
 def selective_recompute_pieces(
-    model: Any,
+    model: PreTrainedModel,
     token_ids: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
@@ -275,7 +278,7 @@ def selective_recompute_pieces(
 
 
 def _recompute_layers(
-    model: Any,
+    model: PreTrainedModel,
     token_ids: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
@@ -327,7 +330,7 @@ def _recompute_layers(
 
 
 def _run_targets(
-    model: Any,
+    model: PreTrainedModel,
     layer: int,
     hidden: torch.Tensor,
     tgt: torch.Tensor,
@@ -381,7 +384,7 @@ def _run_targets(
 
 def recompute_input(
     inp: FusionInput, targets: Sequence[torch.Tensor], context: torch.Tensor | None = None
-) -> tuple[RecomputeResult, Any, torch.Tensor | None]:
+) -> tuple[RecomputeResult, Cache, torch.Tensor | None]:
     """:func:`recompute_input_pieces` in one piece."""
     return pieces.run_whole(recompute_input_pieces(inp, targets, context))  # type: ignore[no-any-return]
 
@@ -389,7 +392,7 @@ def recompute_input(
 def recompute_input_pieces(
     inp: FusionInput, targets: Sequence[torch.Tensor], context: torch.Tensor | None = None,
     pace: pieces.Pace = pieces.WHOLE,
-) -> Generator[None, None, tuple[RecomputeResult, Any, torch.Tensor | None]]:
+) -> Generator[None, None, tuple[RecomputeResult, Cache, torch.Tensor | None]]:
     """:func:`selective_recompute_pieces` of ``targets`` over the input's working KV (in place), with the question
     suffix folded into the same layer calls when it can be: full causal context (``context`` None), the request's
     own buffer, and a family whose logits :func:`hf_cache.logits_head` computes. The suffix then costs a few more
@@ -425,7 +428,7 @@ def fusion_output(
     context_fraction: float = 1.0,
     score_s: float = 0.0,
     score_edges: int = 0,
-    cache: Any = None,
+    cache: Cache | None = None,
     last_logits: torch.Tensor | None = None,
     **fields: Any,
 ) -> FusionOutput:

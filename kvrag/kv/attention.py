@@ -21,11 +21,14 @@ so ``model.generate`` and every kvrag path run the same attention.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvrag.kv import batched, row_attention
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 IMPL = "kvrag_sdpa"
 """The registered implementation name (``model.config._attn_implementation`` after :func:`use_gqa_sdpa`)."""
@@ -84,7 +87,7 @@ def register() -> None:
         AttentionMaskInterface.register(IMPL, sdpa_mask)
 
 
-def use_gqa_sdpa(model: Any) -> bool:
+def use_gqa_sdpa(model: PreTrainedModel) -> bool:
     """Switch a model that runs transformers' ``sdpa`` to ``kvrag_sdpa``; True when it was switched.
 
     Models configured for another implementation (eager, flash attention, ...) are left as they are.

@@ -45,7 +45,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 import torch
 from transformers.cache_utils import Cache
@@ -53,6 +53,10 @@ from transformers.cache_utils import Cache
 from kvrag.kv import direct, row_attention, step_backend
 from kvrag.kv.hf_cache import KVBuffer
 from kvrag.kv.window import first_key, layer_windows
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 
 
 @dataclasses.dataclass
@@ -210,7 +214,7 @@ def _attend_prefill(step: _Active, layer: int, query: torch.Tensor, key: torch.T
     return out
 
 
-def attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
               scaling: float | None) -> tuple[torch.Tensor, None]:
     """The attention of a batched step (called by ``gqa_sdpa_attention`` while :func:`active`).
 
@@ -221,10 +225,10 @@ def attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.
     Returns:
         (attn_output [B, 1, H, D] or [1, T, H, D], None), the layout transformers' attention functions return.
     """
-    return _attend(int(module.layer_idx), query, key, value, scaling), None
+    return _attend(int(cast("int", module.layer_idx)), query, key, value, scaling), None
 
 
-def batchable(model: Any, impl: str) -> str | None:
+def batchable(model: PreTrainedModel, impl: str) -> str | None:
     """None when :func:`decode_step` can serve ``model``, else why not (it runs attention implementation
     ``impl``, the registered ``kvrag_sdpa``, with no logit soft-capping or sinks)."""
     from transformers import PretrainedConfig
@@ -239,7 +243,7 @@ def batchable(model: Any, impl: str) -> str | None:
     return None
 
 
-def decode_kv_dtype(model: Any, setting: str, unbatchable: str | None) -> torch.dtype:
+def decode_kv_dtype(model: PreTrainedModel, setting: str, unbatchable: str | None) -> torch.dtype:
     """The dtype of the K/V buffer a request of ``model`` decodes over, for ``EngineConfig.kv_dtype`` ``setting``
     ("auto": the model's dtype); ConfigError where the steps cannot read it: batched steps read float32 or bfloat16
     K/V under a float32 model and the model's dtype otherwise (``unbatchable``: why rows are stepped alone, through
@@ -261,12 +265,12 @@ def decode_kv_dtype(model: Any, setting: str, unbatchable: str | None) -> torch.
     return want
 
 
-def windows(model: Any) -> list[tuple[str, int | None]]:
+def windows(model: PreTrainedModel) -> list[tuple[str, int | None]]:
     """Per decoder layer, (layer type, window or None) as :func:`decode_step` applies them."""
     return layer_windows(model.config)
 
 
-def _forward(model: Any, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
+def _forward(model: PreTrainedModel, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
              keep: int | torch.Tensor = 1) -> torch.Tensor:
     """The step of the rows active in this thread through the backend :mod:`kvrag.kv.step_backend` chose for the
     model: logits [B, V] (``keep`` 1) or, for one packed row, [T, V] (``keep`` 0) or the rows of the positions in a
@@ -278,7 +282,7 @@ def _forward(model: Any, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tenso
 
 
 @torch.inference_mode()
-def decode_step(model: Any, rows: Sequence[Row], tokens: Sequence[int],
+def decode_step(model: PreTrainedModel, rows: Sequence[Row], tokens: Sequence[int],
                 layer_windows_: Sequence[tuple[str, int | None]]) -> torch.Tensor:
     """Feed ``tokens[i]`` to request ``rows[i]`` at position ``rows[i].length``, all rows in one forward.
 
@@ -299,7 +303,7 @@ def decode_step(model: Any, rows: Sequence[Row], tokens: Sequence[int],
         _local.step = None
 
 
-def _packed(model: Any, rows: Sequence[Row], tokens: Sequence[Sequence[int]],
+def _packed(model: PreTrainedModel, rows: Sequence[Row], tokens: Sequence[Sequence[int]],
             what: str) -> tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor]:
     """Several tokens per row packed along one sequence: (tokens per row, ids [1, T], positions [1, T] -- row
     ``i``'s from ``rows[i].length`` on --, the 4D all-true mask transformers' mask builders pass through)."""
@@ -315,7 +319,7 @@ def _packed(model: Any, rows: Sequence[Row], tokens: Sequence[Sequence[int]],
 
 
 @torch.inference_mode()
-def verify_step(model: Any, rows: Sequence[Row], tokens: Sequence[Sequence[int]],
+def verify_step(model: PreTrainedModel, rows: Sequence[Row], tokens: Sequence[Sequence[int]],
                 layer_windows_: Sequence[tuple[str, int | None]]) -> torch.Tensor:
     """Feed each row several tokens in one forward: ``tokens[i]`` (its next input and the draft after it) at
     positions ``rows[i].length ..``, packed along one sequence, every row attending causally to its own buffer.
@@ -337,7 +341,7 @@ def verify_step(model: Any, rows: Sequence[Row], tokens: Sequence[Sequence[int]]
 
 
 @torch.inference_mode()
-def prefill_rows(model: Any, rows: Sequence[Row], tokens: Sequence[Sequence[int]],
+def prefill_rows(model: PreTrainedModel, rows: Sequence[Row], tokens: Sequence[Sequence[int]],
                  layer_windows_: Sequence[tuple[str, int | None]]) -> torch.Tensor:
     """Prefill several requests' question suffixes: ``tokens[i]`` at positions ``rows[i].length ..`` after the
     context in row ``i``'s buffer (its repaired cache), each row's tokens attending causally to its own buffer in

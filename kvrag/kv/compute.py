@@ -8,7 +8,7 @@ the ones it repairs.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,10 +17,13 @@ from kvrag.kv.chunk import ChunkKV
 from kvrag.kv.rope import Rope
 from kvrag.kv.spec import KVSpec
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 
 @torch.inference_mode()
 def compute_chunk_kv(
-    model: Any, rope: Rope, spec: KVSpec, token_ids: Sequence[int], prefix_ids: Sequence[int] = ()
+    model: PreTrainedModel, rope: Rope, spec: KVSpec, token_ids: Sequence[int], prefix_ids: Sequence[int] = ()
 ) -> ChunkKV:
     """Prefill ``prefix_ids + token_ids`` and keep the chunk part, canonicalized.
 
@@ -56,7 +59,7 @@ grow through the layers: 0.016 on an AVX512-BF16 CPU but 0.19 by layer 12 with A
 
 
 @torch.inference_mode()
-def check_rerotation(model: Any, rope: Rope, *, name: str, offset: int = 37, tokens: int = 8) -> None:
+def check_rerotation(model: PreTrainedModel, rope: Rope, *, name: str, offset: int = 37, tokens: int = 8) -> None:
     """Refuse a model whose keys kvrag's rotations do not re-position exactly: in every layer, the keys it projects
     for a few tokens' hidden states at positions 0.., re-rotated to ``offset``.., must be the keys it projects for
     the same hidden states at ``offset``.. directly.

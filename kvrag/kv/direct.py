@@ -23,14 +23,17 @@ from __future__ import annotations
 import sys
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 FAMILIES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 """Model classes whose decoder layers :func:`forward` runs (by class name, as transformers names them)."""
 
-_all_modules: weakref.WeakKeyDictionary[Any, list[torch.nn.Module]] = weakref.WeakKeyDictionary()
+_all_modules: weakref.WeakKeyDictionary[PreTrainedModel, list[torch.nn.Module]] = weakref.WeakKeyDictionary()
 
 
 def _hooked(modules: Sequence[torch.nn.Module]) -> bool:
@@ -41,7 +44,7 @@ def _hooked(modules: Sequence[torch.nn.Module]) -> bool:
     return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
 
 
-def why_not(model: Any) -> str | None:
+def why_not(model: PreTrainedModel) -> str | None:
     """None when :func:`forward` can run ``model``'s batched steps, else why not."""
     name = type(model).__name__
     if name not in FAMILIES:
@@ -77,8 +80,8 @@ def _segmented(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
 
 
 @torch.inference_mode()
-def forward(model: Any, ids: torch.Tensor, pos: torch.Tensor, keep: int | torch.Tensor,
-            attention: Callable[..., tuple[torch.Tensor, Any]], segments: Sequence[int] | None = None) -> torch.Tensor:
+def forward(model: PreTrainedModel, ids: torch.Tensor, pos: torch.Tensor, keep: int | torch.Tensor,
+            attention: Callable[..., tuple[torch.Tensor, None]], segments: Sequence[int] | None = None) -> torch.Tensor:
     """The model's forward for a batched step (``ids`` / ``pos`` [B, S]), each layer's attention through
     ``attention(module, query, key, value, scaling)`` (the batched step's, :func:`kvrag.kv.batched.attention`).
 
@@ -124,7 +127,7 @@ def forward(model: Any, ids: torch.Tensor, pos: torch.Tensor, keep: int | torch.
     return head(model, h, keep)
 
 
-def head(model: Any, h: torch.Tensor, keep: int | torch.Tensor) -> torch.Tensor:
+def head(model: PreTrainedModel, h: torch.Tensor, keep: int | torch.Tensor) -> torch.Tensor:
     """The final norm and the LM head over the kept positions of the last layer's output ``h`` [B, S, hidden]
     (``keep`` as :func:`forward` takes it)."""
     h = model.model.norm.forward(h)
@@ -133,7 +136,7 @@ def head(model: Any, h: torch.Tensor, keep: int | torch.Tensor) -> torch.Tensor:
     return model.lm_head.forward(h if keep == 0 else h[:, -keep:, :])
 
 
-def _modules(model: Any) -> list[torch.nn.Module]:
+def _modules(model: PreTrainedModel) -> list[torch.nn.Module]:
     """Every module of ``model`` (the loop calls their ``forward`` directly, so none may have hooks)."""
     mods = _all_modules.get(model)
     if mods is None:

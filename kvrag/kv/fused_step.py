@@ -35,14 +35,17 @@ from __future__ import annotations
 import array
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvrag.kv import quant, row_attention, step_layout
 from kvrag.kv.window import first_key
 
-_plans: weakref.WeakKeyDictionary[Any, _Plan] = weakref.WeakKeyDictionary()
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+_plans: weakref.WeakKeyDictionary[PreTrainedModel, _Plan] = weakref.WeakKeyDictionary()
 
 
 RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "GraniteRMSNorm", "SmolLM3RMSNorm",
@@ -94,7 +97,7 @@ class _Layer:
     __slots__ = ("act", "down", "gu", "gu_mods", "inter", "k_norm", "mlp", "norm1", "norm2", "norm3", "norm4",
                  "o_proj", "q_norm", "qkv", "qkv_mods", "rope", "scaling")
 
-    def __init__(self, model: Any, i: int, order: str, d: int) -> None:
+    def __init__(self, model: PreTrainedModel, i: int, order: str, d: int) -> None:
         layer = model.model.layers[i]
         a, mlp = layer.self_attn, layer.mlp
         norms = {"pre": ("input_layernorm", "post_attention_layernorm", None, None),
@@ -127,7 +130,7 @@ class _Plan:
     __slots__ = ("d", "dtype", "fam", "head_norm", "heads", "kv_heads", "layers", "lib", "order", "residual",
                  "rope_mode", "ropes")
 
-    def __init__(self, model: Any, lib: Any) -> None:
+    def __init__(self, model: PreTrainedModel, lib: row_attention._Lib) -> None:
         cfg = model.config
         a = model.model.layers[0].self_attn
         self.d = int(a.head_dim)
@@ -165,7 +168,7 @@ def _table_dtype(fam: step_layout.Family, dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if fam.rope_wide and dtype != torch.float32 else dtype
 
 
-def why_not(model: Any) -> str | None:
+def why_not(model: PreTrainedModel) -> str | None:
     """None when :func:`forward` can run ``model``'s decode and verify steps, else why not."""
     why = step_layout.why_not(model)
     if why is not None:
@@ -192,7 +195,7 @@ def why_not(model: Any) -> str | None:
     return None
 
 
-def _plan(model: Any) -> _Plan:
+def _plan(model: PreTrainedModel) -> _Plan:
     plan = _plans.get(model)
     if plan is None:
         plan = _plans[model] = _Plan(model, row_attention.library(model.dtype))
@@ -265,7 +268,7 @@ def _norm_heads(norm: Callable[[torch.Tensor], torch.Tensor], part: torch.Tensor
 
 
 @torch.inference_mode()
-def forward(model: Any, ids: torch.Tensor, pos: torch.Tensor, keep: int | torch.Tensor, rows: Sequence[Any],
+def forward(model: PreTrainedModel, ids: torch.Tensor, pos: torch.Tensor, keep: int | torch.Tensor, rows: Sequence[Any],
             counts: Sequence[int], windows: Sequence[tuple[str, int | None]]) -> torch.Tensor:
     """A step feeding ``counts[i]`` tokens to row ``rows[i]`` (``ids`` / ``pos``: [B, 1] with one token per row, or
     [1, T] packed row after row), writing their K/V into the rows' buffers: logits [B, keep, V] as the model's

@@ -26,11 +26,14 @@ the same blocks.
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvrag.kv import int4_kernel, quant
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 QK_K = 256
 TYPES: dict[str, tuple[int, int]] = {  # name: (weights per block, bytes per block)
@@ -182,12 +185,12 @@ _PACK_ROWS = 4096
 """Rows re-laid out at a time (bounds the int32 temporaries of a large embedding / head)."""
 
 
-def _int4_weights(blocks: torch.Tensor, qtype: str) -> list[Any]:
+def _int4_weights(blocks: torch.Tensor, qtype: str) -> list[quant._Int4]:
     """The int4 kernel weights (:class:`kvrag.kv.quant._Int4`) of :func:`int4_parts`, built ``_PACK_ROWS`` rows at a
     time for kvrag's kernel (whose layout is whole tiles of 16 rows, so the pieces concatenate)."""
     if int4_kernel.path() is None:
         return [quant._Int4.from_parts(*p) for p in int4_parts(blocks, qtype)]
-    out: list[Any] = []
+    out: list[quant._Int4] = []
     for r in range(0, blocks.shape[0], _PACK_ROWS):
         for i, p in enumerate(int4_parts(blocks[r : r + _PACK_ROWS], qtype)):
             piece = int4_kernel.pack(*p)
@@ -222,7 +225,7 @@ class _Split:
 
     __slots__ = ("hi", "lo", "n")
 
-    def __init__(self, hi: Any, lo: Any) -> None:
+    def __init__(self, hi: quant._Int4, lo: quant._Int4) -> None:
         self.hi, self.lo, self.n = hi, lo, hi.n
 
     takes_float32 = False
@@ -353,7 +356,7 @@ class GGUFEmbedding(torch.nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}, {self.qtype}"
 
 
-def resident_bytes(model: Any) -> int:
+def resident_bytes(model: PreTrainedModel) -> int:
     """Bytes of the GGUF blocks and int4 kernel weights ``model``'s GGUF modules hold (the blocks counted once
     when shared by a tied head)."""
     seen: set[int] = set()

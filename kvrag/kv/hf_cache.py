@@ -1,9 +1,8 @@
 """The only module that touches transformers' Cache classes and decoder-layer internals.
 
-Everything else in kvrag handles KV as plain tensors [L, H_kv, T, D] (batch size 1). This module converts
-between those tensors and transformers caches, runs (partial) forward passes, and runs single decoder layers
-over an explicit key/value context for selective recomputation.
-"""
+Everything else in kvrag handles KV as plain tensors [L, H_kv, T, D] (batch size 1). This module converts between
+those tensors and transformers caches, runs (partial) forward passes, and runs single decoder layers over an explicit
+key/value context for selective recomputation."""
 
 from __future__ import annotations
 
@@ -14,10 +13,20 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
+
+
+class LayerCache(Protocol):
+    """A decoder layer's cache as its attention calls it: ``update`` gets the fresh K/V, returns what it reads."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> Any: ...
 
 
 class KVBuffer:
@@ -108,14 +117,14 @@ class _BufferLayer(DynamicLayer):
         self._views()
 
 
-def new_cache(model: Any) -> DynamicCache:
+def new_cache(model: PreTrainedModel) -> DynamicCache:
     """An empty cache for ``model`` that keeps every token: transformers' sliding-window cache layers keep only the
     last ``W - 1`` tokens, so a model with windowed layers gets full layers (its masks still apply each layer's
     window), which lets a chunk longer than a window keep its whole cache."""
     return _full_cache(model.config)
 
 
-def _full_cache(config: Any) -> DynamicCache:
+def _full_cache(config: PretrainedConfig) -> DynamicCache:
     from kvrag.kv.window import layer_windows
 
     if any(w is not None for _, w in layer_windows(config)):
@@ -123,7 +132,7 @@ def _full_cache(config: Any) -> DynamicCache:
     return DynamicCache(config=config)
 
 
-def make_cache(keys: torch.Tensor | None, values: torch.Tensor | None, config: Any) -> DynamicCache:
+def make_cache(keys: torch.Tensor | None, values: torch.Tensor | None, config: PretrainedConfig) -> DynamicCache:
     """A DynamicCache holding keys/values [L, H_kv, T, D] (placed, i.e. RoPE applied) for batch size 1 (every token
     kept, also in sliding-window layers)."""
     cache = _full_cache(config)
@@ -167,7 +176,7 @@ def cache_length(cache: Cache | None) -> int:
 
 @torch.inference_mode()
 def forward(
-    model: Any,
+    model: PreTrainedModel,
     input_ids: torch.Tensor,
     cache: Cache | None = None,
     *,
@@ -189,19 +198,19 @@ def forward(
     return out.logits[0].float(), cache  # the DynamicCache is extended in place
 
 
-def prefill_kv(model: Any, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def prefill_kv(model: PreTrainedModel, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Prefill ``input_ids`` [T] from position 0 and return keys, values [L, H_kv, T, D] (RoPE applied)."""
     _, cache = forward(model, input_ids, None, start=0, logits_to_keep=1)
     return cache_to_tensors(cache)
 
 
 @torch.inference_mode()
-def layer_inputs(model: Any, input_ids: torch.Tensor) -> list[torch.Tensor]:
+def layer_inputs(model: PreTrainedModel, input_ids: torch.Tensor) -> list[torch.Tensor]:
     """The hidden states [1, T, hidden] each decoder layer receives when ``input_ids`` [T] are prefilled from
     position 0 (captured by forward pre-hooks, so whatever a family does before its layers is included)."""
     seen: list[torch.Tensor] = []
 
-    def grab(_module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def grab(_module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         seen.append((args[0] if args else kwargs["hidden_states"]).detach().clone())
 
     hooks = [layer.register_forward_pre_hook(grab, with_kwargs=True) for layer in decoder_layers(model)]
@@ -213,7 +222,7 @@ def layer_inputs(model: Any, input_ids: torch.Tensor) -> list[torch.Tensor]:
     return seen
 
 
-def logits_head(model: Any) -> Callable[[torch.Tensor], torch.Tensor] | None:
+def logits_head(model: PreTrainedModel) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """``head(hidden [1, N, hidden]) -> logits [N, V]`` (float32) as the model's forward computes them from its
     last decoder layer's output (final norm, then the LM head); None for families that post-process logits
     (soft-capping, scaling) or are laid out otherwise, whose own forward must compute them."""
@@ -232,17 +241,17 @@ def logits_head(model: Any) -> Callable[[torch.Tensor], torch.Tensor] | None:
     return head
 
 
-def _base(model: Any) -> Any:
+def _base(model: PreTrainedModel) -> Any:
     """The decoder stack under the LM head (``model.model``, or e.g. GPT-NeoX's ``model.gpt_neox``)."""
     base = getattr(model, "model", None)
     return base if base is not None else getattr(model, "base_model", model)
 
 
-def decoder_layers(model: Any) -> list[torch.nn.Module]:
+def decoder_layers(model: PreTrainedModel) -> list[torch.nn.Module]:
     return list(_base(model).layers)
 
 
-def embed(model: Any, input_ids: torch.Tensor) -> torch.Tensor:
+def embed(model: PreTrainedModel, input_ids: torch.Tensor) -> torch.Tensor:
     """Token embeddings [1, T, hidden] as the model's forward computes them (with Granite's embedding multiplier;
     Gemma's scaled embedding module scales itself)."""
     base = _base(model)
@@ -251,7 +260,7 @@ def embed(model: Any, input_ids: torch.Tensor) -> torch.Tensor:
     return hidden if mult is None else hidden * mult
 
 
-def rotary(model: Any, hidden: torch.Tensor, positions: torch.Tensor,
+def rotary(model: PreTrainedModel, hidden: torch.Tensor, positions: torch.Tensor,
            layer_idx: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The (cos, sin) the model's forward hands decoder layer ``layer_idx``: those of the layer's type where the
     rotary module has one set per layer type (Gemma 3)."""
@@ -286,7 +295,7 @@ class _ContextCache:
 
 @torch.inference_mode()
 def run_layer(
-    model: Any,
+    model: PreTrainedModel,
     layer_idx: int,
     hidden: torch.Tensor,
     positions: torch.Tensor,
@@ -315,7 +324,8 @@ def run_layer(
 
 
 def call_layer(
-    model: Any, layer_idx: int, hidden: torch.Tensor, positions: torch.Tensor, cache: Any, attention_mask: Any
+    model: PreTrainedModel, layer_idx: int, hidden: torch.Tensor, positions: torch.Tensor, cache: LayerCache,
+    attention_mask: torch.Tensor | None,
 ) -> torch.Tensor:
     """Decoder layer ``layer_idx`` on hidden states [1, N, hidden] at global ``positions`` [N] with a duck-typed
     ``cache`` (its ``update`` receives the layer's fresh K/V and returns what the attention reads) and an additive
@@ -348,8 +358,6 @@ def sync(device: torch.device | str) -> None:
 
 
 # --- selective-recompute helpers (fusion methods) ------------------------------------------------------------------
-
-
 class _StopAfterKV(Exception):
     """Raised by :class:`_ProjectOnlyCache` to leave a decoder layer right after its K/V projection."""
 
@@ -364,7 +372,7 @@ class _ProjectOnlyCache(_ContextCache):
 
 @torch.inference_mode()
 def project_kv(
-    model: Any, layer_idx: int, hidden: torch.Tensor, positions: torch.Tensor
+    model: PreTrainedModel, layer_idx: int, hidden: torch.Tensor, positions: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The K/V decoder layer ``layer_idx`` would write for hidden states [1, N, hidden] at global ``positions`` [N].
 
@@ -386,22 +394,21 @@ def project_kv(
     return cache.fresh_k[0], cache.fresh_v[0]
 
 
-AttentionProbe = Callable[[Any, torch.Tensor, torch.Tensor, "torch.Tensor | None", "float | None"], None]
+AttentionProbe = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor, "torch.Tensor | None", "float | None"], None]
 _PROBE_IMPL = "kvrag_probe"
 # id(config) -> stack of (that config's own attention implementation, probe). Keyed per config (i.e. per model),
 # never process-global, so a probe only ever sees the attention calls of the model it was installed on.
 _probes: dict[int, list[tuple[str | None, AttentionProbe]]] = {}
-_model_locks: weakref.WeakKeyDictionary[Any, threading.RLock] = weakref.WeakKeyDictionary()
+_model_locks: weakref.WeakKeyDictionary[PreTrainedModel, threading.RLock] = weakref.WeakKeyDictionary()
 _model_locks_guard = threading.Lock()
 
 
-def model_lock(model: Any) -> threading.RLock:
+def model_lock(model: PreTrainedModel) -> threading.RLock:
     """The re-entrant lock of ``model`` (one per model object, shared by every engine built on it).
 
     :func:`capture_attention` switches the attention implementation in the model's (shared) config for its
     duration, so every forward of that model -- by any engine, any thread -- must hold this lock: a forward that runs
-    while another thread's probe is installed would go through that probe.
-    """
+    while another thread's probe is installed would go through that probe."""
     with _model_locks_guard:
         lock = _model_locks.get(model)
         if lock is None:
@@ -409,7 +416,7 @@ def model_lock(model: Any) -> threading.RLock:
         return lock
 
 
-def _default_eager(module: Any) -> Callable[..., Any]:
+def _default_eager(module: torch.nn.Module) -> Callable[..., Any]:
     """The model family's own ``eager_attention_forward`` (every transformers modeling file defines one)."""
     fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
     if fn is None:
@@ -420,7 +427,7 @@ def _default_eager(module: Any) -> Callable[..., Any]:
 
 
 def _probe_attention(
-    module: Any,
+    module: torch.nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -448,7 +455,7 @@ def _probe_attention(
 
 
 @contextlib.contextmanager
-def capture_attention(model: Any, probe: AttentionProbe) -> Iterator[None]:
+def capture_attention(model: PreTrainedModel, probe: AttentionProbe) -> Iterator[None]:
     """While active, every attention call of ``model`` first calls ``probe(module, query, key, mask, scaling)``.
 
     ``query`` is [1, H, N, D] exactly as the attention kernel receives it (after q-norm, where the family has one,
@@ -470,7 +477,7 @@ def capture_attention(model: Any, probe: AttentionProbe) -> Iterator[None]:
     if _PROBE_IMPL not in ALL_ATTENTION_FUNCTIONS:
         AttentionInterface.register(_PROBE_IMPL, _probe_attention)
     with model_lock(model):
-        configs: dict[int, Any] = {}
+        configs: dict[int, PretrainedConfig] = {}
         for mod in model.modules():
             cfg = getattr(mod, "config", None)
             if isinstance(cfg, PretrainedConfig):

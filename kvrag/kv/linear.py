@@ -21,10 +21,13 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +74,7 @@ def _packed_forward(module: torch.nn.Linear, state: _Packed, x: torch.Tensor) ->
     return torch.ops.mkldnn._linear_pointwise(x, state.packed, bias, "none", [], "")
 
 
-def pack_linears(model: Any) -> int:
+def pack_linears(model: PreTrainedModel) -> int:
     """Pack the weights of every ``nn.Linear`` of a bfloat16 model on the CPU (see the module docstring).
 
     Idempotent; does nothing (returns 0) for other dtypes or devices, without oneDNN bf16 support, or with

@@ -26,11 +26,18 @@ import contextlib
 import dataclasses
 import threading
 import time
-from collections.abc import Callable, Generator
-from typing import Any
+from collections.abc import Callable, Generator, Hashable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+if TYPE_CHECKING:
+    from transformers import Cache, PreTrainedModel
+
+    from kvrag.kv.batched import Row
+
+T = TypeVar("T")
 
 PIECE_OF_STEP = 0.5
 """A prepare piece's budget as a share of the recent decode step (:meth:`kvrag.engine.runner.Runner.piece_budget_s`):
@@ -121,11 +128,11 @@ class SuffixPrefill:
     (``EngineConfig.pack_suffixes``) -- and sends the job back ``(logits [V], seconds)``: its next-token logits and
     its share of the forward's time (by tokens)."""
 
-    row: Any
+    row: Row
     ids: tuple[int, ...]
 
 
-def run_whole(pieces: Generator[None, None, Any]) -> Any:
+def run_whole(pieces: Generator[None, None, T]) -> T:
     """Drive a piece generator to its end (a generator given :data:`WHOLE` never yields) and return its value."""
     try:
         while True:
@@ -150,7 +157,7 @@ class _Checkpoints(TorchFunctionMode):
     """Calls ``at(key)`` before every :data:`CHECKPOINTS` call of the forward it is active in (this thread only);
     ``key`` tells calls of the same shape apart (the same unit of work in every decoder layer)."""
 
-    def __init__(self, at: Callable[[Any], None]) -> None:
+    def __init__(self, at: Callable[[Hashable], None]) -> None:
         super().__init__()
         self.at = at
 
@@ -165,20 +172,21 @@ class _Checkpoints(TorchFunctionMode):
 class _Parked:
     """One call run on a helper thread that parks at :class:`_Checkpoints` when the pace says the piece is due."""
 
-    def __init__(self, fn: Callable[[], Any], pace: Pace, each_piece: Callable[[], Any] | None) -> None:
+    def __init__(self, fn: Callable[[], object], pace: Pace,
+                 each_piece: Callable[[], contextlib.AbstractContextManager[object]] | None) -> None:
         self.fn, self.pace, self.each_piece = fn, pace, each_piece
         self._go = threading.Semaphore(0)  # the helper may run
         self._back = threading.Semaphore(0)  # the helper parked or finished
         self._abort = False
-        self._units: dict[Any, float] = {}  # seconds of each kind of unit (by checkpoint key), last measured
-        self._key: Any = None
+        self._units: dict[Hashable, float] = {}  # seconds of each kind of unit (by checkpoint key), last measured
+        self._key: Hashable = None
         self._t = 0.0
         self.done = False
         self.result: Any = None
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name="kvrag-prepare-piece", daemon=True)
 
-    def _checkpoint(self, key: Any) -> None:
+    def _checkpoint(self, key: Hashable) -> None:
         now = self.pace.clock()
         if self._key is not None:
             self._units[self._key] = now - self._t  # what the unit that began at the previous checkpoint took
@@ -236,8 +244,9 @@ class _Parked:
         return self.result
 
 
-def call_pieces(fn: Callable[[], Any], pace: Pace,
-                each_piece: Callable[[], Any] | None = None) -> Generator[None, None, Any]:
+def call_pieces(
+    fn: Callable[[], T], pace: Pace, each_piece: Callable[[], contextlib.AbstractContextManager[object]] | None = None,
+) -> Generator[None, None, T]:
     """``fn()`` (model work) in pieces that end at :data:`CHECKPOINTS` where ``pace`` is due; the same computation
     as ``fn()`` itself, in the same order (see the module docstring). Runs ``fn()`` directly, in one piece, when the
     pace is not active.
@@ -252,8 +261,9 @@ def call_pieces(fn: Callable[[], Any], pace: Pace,
     return (yield from _Parked(fn, pace, each_piece).pieces())
 
 
-def forward_pieces(model: Any, input_ids: torch.Tensor, cache: Any = None, *, start: int | None = None,
-                   logits_to_keep: int = 1, pace: Pace = WHOLE) -> Generator[None, None, tuple[torch.Tensor, Any]]:
+def forward_pieces(model: PreTrainedModel, input_ids: torch.Tensor, cache: Cache | None = None, *,
+                   start: int | None = None, logits_to_keep: int = 1,
+                   pace: Pace = WHOLE) -> Generator[None, None, tuple[torch.Tensor, Cache]]:
     """:func:`kvrag.kv.hf_cache.forward` in pieces (:func:`call_pieces`): bit-identical to the whole call."""
     from kvrag.kv import hf_cache
 

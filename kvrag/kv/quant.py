@@ -39,12 +39,15 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from kvrag.errors import ConfigError
 from kvrag.kv import int4_kernel
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 log = logging.getLogger(__name__)
 
@@ -253,7 +256,7 @@ def _forward(module: torch.nn.Linear, state: _State, x: torch.Tensor) -> torch.T
     return y.view(*shape[:-1], y.shape[-1])
 
 
-def quantize_linears(model: Any, mode: str | None) -> int:
+def quantize_linears(model: PreTrainedModel, mode: str | None) -> int:
     """Give every 2D ``nn.Linear`` of ``model`` (the LM head included) a ``mode`` copy of its weight for inputs of at
     most :data:`MAX_ROWS` rows (see the module docstring). Idempotent per module; ``mode`` None does nothing.
 
@@ -330,7 +333,7 @@ class Fused:
         return y if self.bias is None else y + self.bias
 
 
-def _int4_of(m: Any) -> _Int4 | None:
+def _int4_of(m: torch.nn.Module) -> _Int4 | None:
     """The kvrag-kernel int4 weight a module's decode-sized products use: its :func:`quantize_linears` state's (while
     valid for its weight), or a GGUF-resident layer's own (:class:`kvrag.kv.gguf_quant.GGUFLinear`); else None."""
     st = m.__dict__.get("_kvrag_quant")
@@ -380,7 +383,7 @@ def quant_tag(mode: str | None) -> str | None:
     return m if int4_kernel.path() is None else f"{m}+{int4_kernel.tag()}"
 
 
-def quantization_of(model: Any) -> Mode | None:
+def quantization_of(model: PreTrainedModel) -> Mode | None:
     """The mode :func:`quantize_linears` applied to ``model``'s linear layers, or None (dense)."""
     for mod in model.modules():
         state = getattr(mod, "_kvrag_quant", None)
@@ -389,7 +392,7 @@ def quantization_of(model: Any) -> Mode | None:
     return None
 
 
-def quantized_bytes(model: Any) -> int:
+def quantized_bytes(model: PreTrainedModel) -> int:
     """Bytes the quantized copies of ``model``'s weights take (0 when dense)."""
     return sum(s.qweight.nbytes for mod in model.modules() if (s := getattr(mod, "_kvrag_quant", None)) is not None)
 

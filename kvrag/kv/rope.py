@@ -23,11 +23,14 @@ only place that decides; the loader calls it on the config before reading weight
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvrag.errors import UnsupportedModelError
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
 """RoPE variants kvrag re-rotates exactly (the last two below :data:`LENGTH_DEPENDENT` switch lengths)."""
@@ -49,7 +52,7 @@ INTERLEAVED_MODEL_TYPES = frozenset({"cohere", "cohere2", "gptj", "chameleon"})
 """model_types whose RoPE rotates interleaved pairs (2i, 2i+1) instead of transformers' rotate_half."""
 
 
-def rope_parameters(config: Any) -> dict[str, Any] | None:
+def rope_parameters(config: PretrainedConfig) -> dict[str, Any] | None:
     """The config's RoPE parameters as one flat dict, or None when the config declares no RoPE at all.
 
     Handles transformers-5 ``rope_parameters`` (flat or nested per layer type) and older ``rope_scaling`` +
@@ -81,11 +84,11 @@ def rope_parameters(config: Any) -> dict[str, Any] | None:
     return params
 
 
-def _model_label(config: Any, name: str | None) -> str:
+def _model_label(config: PretrainedConfig, name: str | None) -> str:
     return name or getattr(config, "name_or_path", "") or getattr(config, "model_type", "") or "model"
 
 
-def rope_pairing(config: Any) -> str:
+def rope_pairing(config: PretrainedConfig) -> str:
     """'interleaved' for the families whose RoPE pairs dimensions (2i, 2i+1) (:data:`INTERLEAVED_MODEL_TYPES`),
     else 'half' (transformers' rotate_half, every other family)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -130,7 +133,7 @@ def find_rotary_module(model: torch.nn.Module) -> torch.nn.Module | None:
     return first
 
 
-def layer_frequencies(model: torch.nn.Module, rot: torch.nn.Module | None = None) -> list[torch.Tensor | None]:
+def layer_frequencies(model: PreTrainedModel, rot: torch.nn.Module | None = None) -> list[torch.Tensor | None]:
     """Per decoder layer, the inverse frequencies [R/2] its attention rotates keys with (None: a layer without RoPE).
 
     Read from the model's rotary module: its ``<layer type>_inv_freq`` for the layer's type where it has one per
@@ -139,7 +142,7 @@ def layer_frequencies(model: torch.nn.Module, rot: torch.nn.Module | None = None
     that SmolLM3-style ``no_rope_layers`` mark 0, and the global layers of :data:`GLOBAL_NOPE_MODEL_TYPES`, apply
     no RoPE.
     """
-    config: Any = model.config
+    config: PretrainedConfig = model.config
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     rot = rot if rot is not None else find_rotary_module(model)
     if rot is None:
@@ -171,7 +174,7 @@ def layer_frequencies(model: torch.nn.Module, rot: torch.nn.Module | None = None
     return out
 
 
-def length_regime_limit(config: Any) -> tuple[int, str] | None:
+def length_regime_limit(config: PretrainedConfig) -> tuple[int, str] | None:
     """For RoPE whose frequencies change with the sequence length (:data:`LENGTH_DEPENDENT`): the longest sequence
     whose frequencies are the fixed short-regime ones kvrag re-rotates with (``original_max_position_embeddings``),
     and why; None for every other RoPE."""
@@ -194,7 +197,7 @@ def length_regime_limit(config: Any) -> tuple[int, str] | None:
                f"frequencies below that length and refuses longer prompts (the long regime)")
 
 
-def check_rope_support(config_or_model: Any, *, name: str | None = None) -> str:
+def check_rope_support(config_or_model: PretrainedConfig | PreTrainedModel, *, name: str | None = None) -> str:
     """Check that a model can serve position-independent KV caches and return its RoPE type.
 
     Supported: rotary position embeddings of the types in :data:`SUPPORTED_ROPE_TYPES`, one set of frequencies or
@@ -213,7 +216,7 @@ def check_rope_support(config_or_model: Any, *, name: str | None = None) -> str:
         UnsupportedModelError: no rotary embeddings (e.g. GPT-2's learned absolute positions), multimodal RoPE, an
             unknown rope type, or rotary dimensions that do not fit the head.
     """
-    model: torch.nn.Module | None = None
+    model: PreTrainedModel | None = None
     if isinstance(config_or_model, torch.nn.Module):
         model = config_or_model
         config = model.config
@@ -273,7 +276,7 @@ def _buffer(module: torch.nn.Module, name: str) -> torch.Tensor:
     return inv
 
 
-def _head_dim(config: Any) -> int | None:
+def _head_dim(config: PretrainedConfig) -> int | None:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     head_dim = getattr(text, "head_dim", None)
     if head_dim:
@@ -316,7 +319,7 @@ class Rope:
             raise ValueError(msg)
 
     @classmethod
-    def from_model(cls, model: torch.nn.Module, pairing: str | None = None) -> Rope:
+    def from_model(cls, model: PreTrainedModel, pairing: str | None = None) -> Rope:
         """Build from a loaded transformers model (each layer's frequencies, :func:`layer_frequencies`); refuses
         what :func:`check_rope_support` refuses. ``pairing`` defaults to the family's (:func:`rope_pairing`)."""
         check_rope_support(model)

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvrag.errors import ConfigError
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -88,7 +91,7 @@ class KVSpec:
         return cls(**{k: v for k, v in d.items() if k in fields})
 
     @classmethod
-    def from_model_config(cls, config: Any, *, dtype: torch.dtype | str, model_fingerprint: str = "",
+    def from_model_config(cls, config: PretrainedConfig, *, dtype: torch.dtype | str, model_fingerprint: str = "",
                           rope_pairing: str | None = None) -> KVSpec:
         """The KVSpec of a transformers model's KV cache: the one builder the loader, engine and trainer use.
 
@@ -119,6 +122,6 @@ class KVSpec:
         )
 
 
-def text_config(config: Any) -> Any:
+def text_config(config: PretrainedConfig) -> PretrainedConfig:
     """The text (decoder) part of a transformers config; the config itself for text-only models."""
     return config.get_text_config() if hasattr(config, "get_text_config") else config

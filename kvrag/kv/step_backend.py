@@ -24,12 +24,15 @@ import logging
 import threading
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from transformers.cache_utils import Cache
 
 from kvrag.kv import direct, fused_step
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +46,7 @@ class Step:
     positions), the rows (:class:`kvrag.kv.batched.Row`) and how many tokens each feeds, each layer's window, and
     the attention function the model's own layers call (:func:`kvrag.kv.batched.attention`)."""
 
-    model: Any
+    model: PreTrainedModel
     ids: torch.Tensor
     pos: torch.Tensor
     mask: torch.Tensor
@@ -51,7 +54,7 @@ class Step:
     rows: Sequence[Any]
     counts: Sequence[int]
     windows: Sequence[tuple[str, int | None]]
-    attention: Callable[..., tuple[torch.Tensor, Any]]
+    attention: Callable[..., tuple[torch.Tensor, None]]
 
 
 class Backend(Protocol):
@@ -63,7 +66,7 @@ class Backend(Protocol):
     @property
     def kinds(self) -> tuple[str, ...]: ...
 
-    def why_not(self, model: Any) -> str | None: ...
+    def why_not(self, model: PreTrainedModel) -> str | None: ...
 
     def run(self, step: Step) -> torch.Tensor: ...
 
@@ -88,7 +91,7 @@ class _Fused:
     name: str = "fused"
     kinds: tuple[str, ...] = ("decode",)
 
-    def why_not(self, model: Any) -> str | None:
+    def why_not(self, model: PreTrainedModel) -> str | None:
         return fused_step.why_not(model)
 
     def run(self, step: Step) -> torch.Tensor:
@@ -100,7 +103,7 @@ class _Direct:
     name: str = "direct"
     kinds: tuple[str, ...] = ("decode", "prefill")
 
-    def why_not(self, model: Any) -> str | None:
+    def why_not(self, model: PreTrainedModel) -> str | None:
         return direct.why_not(model)
 
     def run(self, step: Step) -> torch.Tensor:
@@ -112,7 +115,7 @@ class _Oracle:
     name: str = "hf"
     kinds: tuple[str, ...] = ("decode", "prefill")
 
-    def why_not(self, model: Any) -> str | None:
+    def why_not(self, model: PreTrainedModel) -> str | None:
         return None
 
     def run(self, step: Step) -> torch.Tensor:
@@ -126,12 +129,12 @@ REGISTRY: tuple[Backend, ...] = (_Fused(), _Direct(), ORACLE)
 """Every backend, best first; the last is the oracle."""
 BY_NAME = {b.name: b for b in REGISTRY}
 
-_chosen: weakref.WeakKeyDictionary[Any, dict[str, str]] = weakref.WeakKeyDictionary()
-_all_modules: weakref.WeakKeyDictionary[Any, list[dict[int, Any]]] = weakref.WeakKeyDictionary()
+_chosen: weakref.WeakKeyDictionary[PreTrainedModel, dict[str, str]] = weakref.WeakKeyDictionary()
+_all_modules: weakref.WeakKeyDictionary[PreTrainedModel, list[dict[int, Any]]] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
 
-def hooked(model: Any) -> bool:
+def hooked(model: PreTrainedModel) -> bool:
     """Whether ``model`` or any of its modules has forward hooks now (kvrag's loops call ``forward`` and would skip
     them). Asked every step: one pass of C over the modules' hook dictionaries, kept in a list per model."""
     from torch.nn.modules import module as nn_module
@@ -144,23 +147,23 @@ def hooked(model: Any) -> bool:
     return any(map(len, dicts))
 
 
-def why_not(model: Any, kind: str) -> dict[str, str | None]:
+def why_not(model: PreTrainedModel, kind: str) -> dict[str, str | None]:
     """Per backend serving ``kind``: None where it says it serves ``model``, else why not (the oracle always
     serves)."""
     return {b.name: b.why_not(model) for b in REGISTRY if kind in b.kinds}
 
 
-def chosen(model: Any, kind: str) -> str | None:
+def chosen(model: PreTrainedModel, kind: str) -> str | None:
     """The backend serving ``kind`` steps of ``model`` (None: no such step has run yet)."""
     return _chosen.get(model, {}).get(kind)
 
 
-def serves(model: Any, kind: str, name: str) -> bool:
+def serves(model: PreTrainedModel, kind: str, name: str) -> bool:
     """Whether backend ``name`` serves ``model``'s ``kind`` steps now (chosen, and no hooks in the way)."""
     return chosen(model, kind) == name and (name == ORACLE.name or not hooked(model))
 
 
-def choose(model: Any, kind: str, name: str | None) -> None:
+def choose(model: PreTrainedModel, kind: str, name: str | None) -> None:
     """Set (``name``) or forget (None: the next step checks again) the backend of ``model``'s ``kind`` steps."""
     if kind not in KINDS:
         raise ValueError(f"step kind {kind!r}: one of {KINDS}")

@@ -9,9 +9,12 @@ model's own forward serves its steps.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,13 +80,13 @@ REFUSED: dict[str, str] = {
 """Families the fused step does not run, with why (the model's forward serves them)."""
 
 
-def order(model: Any) -> str:
+def order(model: PreTrainedModel) -> str:
     """``model``'s :attr:`Family.order` (StableLM with ``use_parallel_residual``: ``parallel``)."""
     fam = FAMILIES[type(model).__name__]
     return "parallel" if fam.order == "pre" and getattr(model.config, "use_parallel_residual", False) else fam.order
 
 
-def rotary_dim(model: Any) -> int:
+def rotary_dim(model: PreTrainedModel) -> int:
     """How many dimensions of each head RoPE rotates (``partial_rotary_factor`` of the head; the rest pass)."""
     cfg = model.config
     d = int(model.model.layers[0].self_attn.head_dim)
@@ -93,7 +96,7 @@ def rotary_dim(model: Any) -> int:
     return int(d * float(factor))
 
 
-def why_not(model: Any) -> str | None:
+def why_not(model: PreTrainedModel) -> str | None:
     """None when ``model``'s class and modules are a layout of :data:`FAMILIES`, else why not."""
     name = type(model).__name__
     fam = FAMILIES.get(name)
@@ -129,7 +132,7 @@ def why_not(model: Any) -> str | None:
     return None
 
 
-def rope_key(model: Any, i: int) -> str | None:
+def rope_key(model: PreTrainedModel, i: int) -> str | None:
     """Which RoPE table layer ``i`` uses: '' (the model's one table), a layer type (Gemma 3) or None (no RoPE:
     SmolLM3's ``use_rope`` False layers, EXAONE 4's global layers where it has a window)."""
     a = model.model.layers[i].self_attn
@@ -142,7 +145,7 @@ def rope_key(model: Any, i: int) -> str | None:
     return ""
 
 
-def rope_tables(model: Any, keys: set[str | None], h: torch.Tensor,
+def rope_tables(model: PreTrainedModel, keys: set[str | None], h: torch.Tensor,
                 pos: torch.Tensor) -> dict[str | None, tuple[torch.Tensor, torch.Tensor] | None]:
     """The RoPE tables ([Q, D] cos, sin, contiguous) of each key of :func:`rope_key` for positions ``pos``, as the
     model's forward computes them (None for None)."""
@@ -158,7 +161,7 @@ def rope_tables(model: Any, keys: set[str | None], h: torch.Tensor,
     return out
 
 
-def embed(model: Any, ids: torch.Tensor) -> torch.Tensor:
+def embed(model: PreTrainedModel, ids: torch.Tensor) -> torch.Tensor:
     """The model forward's input embeddings of ``ids``."""
     h = model.model.embed_tokens.forward(ids)
     if FAMILIES[type(model).__name__].multipliers:
@@ -166,7 +169,7 @@ def embed(model: Any, ids: torch.Tensor) -> torch.Tensor:
     return h
 
 
-def head(model: Any, h: torch.Tensor, keep: int | torch.Tensor) -> torch.Tensor:
+def head(model: PreTrainedModel, h: torch.Tensor, keep: int | torch.Tensor) -> torch.Tensor:
     """The final norm, the LM head over the kept positions (``keep``: 0 all, n the last n, a 1D tensor those) and
     the family's logit scaling or soft-capping, as its forward computes them."""
     inner = model.model

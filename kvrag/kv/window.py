@@ -23,11 +23,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvrag.errors import UnsupportedModelError
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
 
 log = logging.getLogger(__name__)
 
@@ -81,11 +84,11 @@ class ContextLimit(int):
     def __str__(self) -> str:
         return f"{int(self)} ({self.reason})"
 
-    def __reduce__(self) -> tuple[Any, tuple[int, str]]:
+    def __reduce__(self) -> tuple[type[ContextLimit], tuple[int, str]]:
         return (ContextLimit, (int(self), self.reason))
 
 
-def _text_config(config: Any) -> Any:
+def _text_config(config: PretrainedConfig) -> PretrainedConfig:
     get = getattr(config, "get_text_config", None)
     if get is None:
         return config
@@ -95,7 +98,7 @@ def _text_config(config: Any) -> Any:
         return get()
 
 
-def layer_windows(config: Any) -> list[tuple[str, int | None]]:
+def layer_windows(config: PretrainedConfig) -> list[tuple[str, int | None]]:
     """Per decoder layer, ``(layer type, window or None)`` as the model's masks and transformers' cache use them.
 
     Reads ``layer_types`` when the config has it (Gemma-2/3, Qwen2/Qwen3, Llama-4, Ministral, ...), else infers the
@@ -137,7 +140,7 @@ def layer_windows(config: Any) -> list[tuple[str, int | None]]:
     return out
 
 
-def attention_window(config: Any, model_name: str | None = None) -> AttentionWindow | None:
+def attention_window(config: PretrainedConfig, model_name: str | None = None) -> AttentionWindow | None:
     """The smallest attention window of any layer, or None when every layer attends to its whole causal prefix.
 
     Args:
@@ -155,7 +158,7 @@ def attention_window(config: Any, model_name: str | None = None) -> AttentionWin
     return AttentionWindow(size=size, kind=kind, layers=layers, num_layers=len(per_layer), model=name)
 
 
-def context_limit(model: Any, limit: int) -> int:
+def context_limit(model: PreTrainedModel, limit: int) -> int:
     """The engine's context limit: ``limit`` (the configured / position-embedding limit), capped by the short regime
     of a length-dependent RoPE (:func:`kvrag.kv.rope.length_regime_limit`); such a cap comes back as a
     :class:`ContextLimit` whose text explains it, so the engine's ``ContextLengthError`` messages name the reason.

@@ -77,11 +77,11 @@ def plot_curve(curve: Path, out: Path) -> Path | None:
     return out
 
 
-def _fmt(x: Any, nd: int = 4) -> str:
+def _fmt(x: object, nd: int = 4) -> str:
     return f"{x:.{nd}f}" if isinstance(x, float) else str(x)
 
 
-def _at(step: Any) -> str:
+def _at(step: object) -> str:
     return f" at step {step}" if step is not None else ""
 
 

@@ -119,7 +119,7 @@ def load_state(trainer: TrainingRun, state_dir: Path) -> None:
     log.info("resumed %s at step %d", state_dir, trainer.step)
 
 
-def _jsonable_random_state(st: Any) -> Any:
+def _jsonable_random_state(st: tuple[int, tuple[int, ...], float | None]) -> list[object]:
     version, internal, gauss = st
     return [version, list(internal), gauss]
 

@@ -30,7 +30,7 @@ from kvrag.repair.config import pack_kv
 from kvrag.repair.documents import ChunkRenderer, Renderer, build_document, renderer_identity
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 PAIR_FORMAT_VERSION = 2
 BOUNDARY_TOKENS = 8
@@ -79,7 +79,7 @@ class PairedExample:
 
 @torch.no_grad()  # not inference_mode: the tensors feed autograd-tracked training
 def make_pair(
-    model: torch.nn.Module,
+    model: PreTrainedModel,
     rope: Rope,
     spec: KVSpec,
     chunks: Sequence[Sequence[int]],
@@ -148,7 +148,7 @@ class PairBuilder:
         max_chunks / min_chunks: chunks per document.
     """
 
-    model: torch.nn.Module
+    model: PreTrainedModel
     rope: Rope
     spec: KVSpec
     tokenize: Callable[[str], list[int]]

@@ -7,12 +7,17 @@ import functools
 import json
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvrag.config import DEFAULT_METHOD
 from kvrag.errors import ConfigError
 from kvrag.extras import require
 from kvrag.serve.config import ServeConfig, keys_from_env
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from kvrag.engine.engine import KVRAGEngine
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -120,12 +125,12 @@ def run(args: argparse.Namespace, model: str | None, store: str, chunk_prefix: s
     return 0
 
 
-def _forward_in_flight(app: Any) -> bool:
+def _forward_in_flight(app: object) -> bool:
     runner = getattr(getattr(getattr(getattr(app, "state", None), "kvrag", None), "engine", None), "runner", None)
     return runner is not None and bool(runner.stats().get("threads"))
 
 
-def serving_engine(threads: int | None, model: str | None, store: str, **config: Any) -> Any:
+def serving_engine(threads: int | None, model: str | None, store: str, **config: Any) -> KVRAGEngine:
     """The server's engine: the forwards on the runner thread with ``threads`` torch threads (None: torch's count),
     this thread on one. GNU OpenMP gives each thread that runs parallel work its own
     team; with more team threads than cores it stops spinning between parallel regions and each small operation of
@@ -139,7 +144,8 @@ def serving_engine(threads: int | None, model: str | None, store: str, **config:
     return KVRAGEngine.from_pretrained(model, store, runner_threads=runner, **config)
 
 
-def _serve_on_ray(args: argparse.Namespace, factory: Any, cfg: Any, store: str) -> int:
+def _serve_on_ray(args: argparse.Namespace, factory: Callable[[], KVRAGEngine], cfg: ServeConfig,
+                  store: str) -> int:
     """``kvrag serve --ray``: deploy on Ray Serve, then wait for SIGINT/SIGTERM and remove the deployment."""
     import signal
 

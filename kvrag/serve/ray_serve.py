@@ -18,9 +18,16 @@ Needs ``pip install 'kvrag[ray-serve]'``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvrag.extras import require
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+    from ray.actor import ActorHandle
+
+    from kvrag.engine.engine import KVRAGEngine
+    from kvrag.serve.config import ServeConfig
 
 TABLE_NAME = "kvrag-serve-chunks"
 
@@ -47,7 +54,7 @@ class ChunkTable:
 class RayChunkSync:
     """A replica's view of the shared :class:`ChunkTable` (the app's ``KVRAGService.sync``)."""
 
-    def __init__(self, table: Any) -> None:
+    def __init__(self, table: ActorHandle) -> None:
         self.table = table
         self.pulled = 0
 
@@ -61,8 +68,8 @@ class RayChunkSync:
         return new
 
 
-def application(engine_factory: Callable[[], Any], config: Any = None, *, persist: str | None = None,
-                replicas: int = 2, max_ongoing_requests: int | None = None,
+def application(engine_factory: Callable[[], KVRAGEngine], config: ServeConfig | None = None, *,
+                persist: str | None = None, replicas: int = 2, max_ongoing_requests: int | None = None,
                 autoscaling_config: dict[str, Any] | None = None, ray_actor_options: dict[str, Any] | None = None,
                 name: str = "kvrag") -> Any:
     """The Ray Serve application (``serve.run`` it). Call with Ray initialized (the chunk table is created then).
@@ -80,7 +87,7 @@ def application(engine_factory: Callable[[], Any], config: Any = None, *, persis
     table = ray.remote(num_cpus=0)(ChunkTable).options(name=f"{TABLE_NAME}-{name}", get_if_exists=True,
                                                        lifetime="detached").remote()
 
-    def build() -> Any:
+    def build() -> FastAPI:
         from kvrag.serve.app import create_app
 
         app = create_app(engine_factory(), config, persist=persist, close_engine=True)
@@ -99,8 +106,8 @@ def application(engine_factory: Callable[[], Any], config: Any = None, *, persis
     return serve.deployment(serve.ingress(build)(), **opts).bind()
 
 
-def run(engine_factory: Callable[[], Any], config: Any = None, *, host: str = "127.0.0.1", port: int = 8000,
-        address: str | None = None, name: str = "kvrag", **kw: Any) -> str:
+def run(engine_factory: Callable[[], KVRAGEngine], config: ServeConfig | None = None, *, host: str = "127.0.0.1",
+        port: int = 8000, address: str | None = None, name: str = "kvrag", **kw: Any) -> str:
     """Start (or join, ``address``) Ray, start Serve's HTTP proxy on ``host:port`` and deploy; returns the base URL.
     Keyword arguments are :func:`application`'s."""
     ray = require("ray", "ray-serve", "kvrag serve --ray")

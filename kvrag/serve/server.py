@@ -15,22 +15,26 @@ import signal
 import socket
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kvrag.extras import require
+
+if TYPE_CHECKING:
+    import uvicorn
+    from starlette.types import ASGIApp
 
 ABORT_GRACE_S = 1.0
 """Seconds between the service cancelling the requests left at the drain timeout and uvicorn closing their
 connections (time for their 503 responses and error events to go out)."""
 
 
-def _config(app: Any, drain_timeout_s: float, log_level: str = "warning") -> Any:
+def _config(app: ASGIApp, drain_timeout_s: float, log_level: str = "warning") -> uvicorn.Config:
     uvicorn = require("uvicorn", "serve", "kvrag serve")
     return uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=max(0.0, float(drain_timeout_s)) +
                           ABORT_GRACE_S, lifespan="on", access_log=False, server_header=False)
 
 
-def _server(app: Any, cfg: Any, drain_timeout_s: float) -> Any:
+def _server(app: ASGIApp, cfg: uvicorn.Config, drain_timeout_s: float) -> uvicorn.Server:
     """A uvicorn server that tells the app's service (``app.state.kvrag``) when shutdown starts and when its drain
     timeout has passed."""
     uvicorn = require("uvicorn", "serve", "kvrag serve")
@@ -52,7 +56,7 @@ def _server(app: Any, cfg: Any, drain_timeout_s: float) -> Any:
     return DrainingServer(cfg)
 
 
-def serve(app: Any, host: str = "127.0.0.1", port: int = 8000, *, drain_timeout_s: float = 30.0,
+def serve(app: ASGIApp, host: str = "127.0.0.1", port: int = 8000, *, drain_timeout_s: float = 30.0,
           log_level: str = "info") -> None:
     """Serve ``app`` until SIGINT/SIGTERM (blocking); returns normally once the requests in flight are drained."""
     cfg = _config(app, drain_timeout_s, log_level)
@@ -75,7 +79,7 @@ class LiveServer:
         url: ``http://host:port`` once started.
     """
 
-    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, *, drain_timeout_s: float = 30.0) -> None:
+    def __init__(self, app: ASGIApp, host: str = "127.0.0.1", port: int = 0, *, drain_timeout_s: float = 30.0) -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))

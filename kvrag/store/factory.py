@@ -40,7 +40,7 @@ def valid_schemes() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def _parse_number(name: str, value: Any) -> Any:
+def _parse_number(name: str, value: object) -> Any:
     if not isinstance(value, str):
         return value
     try:

@@ -20,6 +20,8 @@ from kvrag.store import serde
 from kvrag.store.base import KVStore, redact_url
 
 if TYPE_CHECKING:
+    from types import ModuleType
+
     import redis
 
 logger = logging.getLogger(__name__)
@@ -28,7 +30,7 @@ _CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 _PLAIN_SCHEMES = ("redis", "rediss", "unix")
 
 
-def _import_redis() -> Any:
+def _import_redis() -> ModuleType:
     redis = require("redis", "redis", "RedisStore")
     require("redis.cluster", "redis", "RedisStore")  # Redis Cluster support (redis-py >= 4.1)
     return redis
