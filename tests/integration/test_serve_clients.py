@@ -140,24 +140,34 @@ def test_langchain_chatopenai_in_an_lcel_chain(engine: KVRAGEngine, server: Live
     assert after[1] - before[1] == 2 * len(PASSAGES) and after[0] - before[0] == 2 * len(PASSAGES)
 
 
-def test_kvrag_serve_command_answers_and_stops_on_sigterm(tmp_path: Path) -> None:
+
+def start_serve(*args: str) -> tuple[subprocess.Popen[str], str]:
+    """`kvrag serve` on a free loopback port with ``args``, output piped: the process and its URL."""
     port = free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen([sys.executable, "-m", "kvrag.cli", "serve", "--store", f"file://{tmp_path / 'kv'}",
-                             "--port", str(port), "--model-id", MODEL, "--max-queue", "4"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "kvrag.cli", "serve", "--port", str(port), "--model-id", MODEL,
+                             *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def wait_until_up(proc: subprocess.Popen[str], url: str) -> None:
+    """Until ``/health`` answers 200 (a deadline guard of 120 s; the process must stay alive)."""
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "kvrag serve did not start"
+        time.sleep(0.5)
+
+
+def test_kvrag_serve_command_answers_and_stops_on_sigterm(tmp_path: Path) -> None:
+    proc, url = start_serve("--store", f"file://{tmp_path / 'kv'}", "--max-queue", "4")
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "kvrag serve did not start"
-            time.sleep(0.5)
+        wait_until_up(proc, url)
         assert httpx.post(url + "/v1/kvrag/chunks", json={"texts": PASSAGES[:1]}, timeout=60).status_code == 200
         body = {"model": MODEL, "prompt": f"{PASSAGES[0]}\n\nQ: {QUESTION}\nA:", "max_tokens": 4}
         out = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
@@ -178,24 +188,10 @@ def test_sigterm_during_a_long_prepare_answers_at_the_drain_timeout_and_exits(tm
     the client gets a 503 naming the shutdown at the drain timeout instead of its completion, and the process exits
     0 without waiting for the forward (how soon: ``kvrag serve --drain-timeout``, docs/serve.md#deploying)."""
     drain = 2.0
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen([sys.executable, "-m", "kvrag.cli", "serve", "--port", str(port), "--model-id", MODEL,
-                             "--threads", "1", "--drain-timeout", str(drain)],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
+    proc, url = start_serve("--threads", "1", "--drain-timeout", str(drain))
     pool = concurrent.futures.ThreadPoolExecutor(1)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "kvrag serve did not start"
-            time.sleep(0.5)
+        wait_until_up(proc, url)
         body = {"model": MODEL, "prompt": "word " * 6000 + "\nQ: how many words?\nA:", "max_tokens": 4,
                 "kvrag": {"method": "full"}}
         fut = pool.submit(lambda: httpx.post(url + "/v1/completions", json=body, timeout=120))
