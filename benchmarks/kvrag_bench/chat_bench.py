@@ -89,7 +89,7 @@ def converse(reuse: Any, recompute: Any, chunks_of: Callable[[int], list[str]], 
     shared machine's stalls only ever add time)."""
     from kvrag.adapters import chunk_texts, with_history
     from kvrag.prompting import render_chat
-    from kvrag_testing.equivalence import kl as kl_of
+    from kvrag_bench.metrics import kl_divergence
 
     history: list[dict[str, str]] = []
     rows = []
@@ -122,8 +122,8 @@ def converse(reuse: Any, recompute: Any, chunks_of: Callable[[int], list[str]], 
                 prep = recompute.prepare(recompute.plan(prompt, c), m, reserve=1)
                 logits[name] = prep.last_logits
                 del prep  # gives its KV back
-            row["kl_history_prefilled"] = kl_of(logits["full"], logits["prefilled"])
-            row["kl_history_segments"] = kl_of(logits["full"], logits["segments"])
+            row["kl_history_prefilled"] = float(kl_divergence(logits["full"], logits["prefilled"]))
+            row["kl_history_segments"] = float(kl_divergence(logits["full"], logits["segments"]))
         rows.append(row)
         history += [{"role": "user", "content": q}, {"role": "assistant", "content": r.text}]
         fastest = f"; fastest prepare {best['reuse']:.3f} s (recompute {best['recompute']:.3f} s)" if repeats else ""

@@ -50,7 +50,7 @@ class ServeConfig:
         max_body_bytes, max_messages, max_texts, max_text_bytes, max_registered_bytes, max_store_bytes: the limits
             of the module docstring (``max_store_bytes`` None: no store quota).
         api_keys: the keys a client must send as ``Authorization: Bearer KEY`` (empty: no key needed); every
-            endpoint but ``/health`` answers 401 without one.
+            endpoint but ``/health`` and ``/health/ready`` (``middleware.OPEN_PATHS``) answers 401 without one.
         docs: serve ``/docs`` and ``/openapi.json``.
         server_header: add ``X-Kvrag-Server: host:pid`` to every response (which replica answered, behind a
             balancer); off by default, as it names the machine.

@@ -292,9 +292,10 @@ def test_cli_keys_from_option_and_environment_and_warning(monkeypatch: pytest.Mo
     monkeypatch.setattr(kvrag.serve, "create_app", create)
     monkeypatch.setattr(kvrag.serve, "serve", lambda *a, **kw: None)
     monkeypatch.delenv("KVRAG_API_KEY", raising=False)
-    cases = [(["--host", "0.0.0.0"], None, (), True), (["--host", "0.0.0.0", "--api-key", "a", "--api-key", "b"],
-                                                        None, ("a", "b"), False),
-             (["--host", "0.0.0.0"], "c, d", ("c", "d"), False), (["--host", "127.0.0.1"], None, (), False)]
+    # a non-loopback (documentation, RFC 5737) address: nothing binds, kvrag.serve.serve is replaced above
+    cases = [(["--host", "192.0.2.10"], None, (), True),
+             (["--host", "192.0.2.10", "--api-key", "a", "--api-key", "b"], None, ("a", "b"), False),
+             (["--host", "192.0.2.10"], "c, d", ("c", "d"), False), (["--host", "127.0.0.1"], None, (), False)]
     for argv, env, keys, warned in cases:
         if env is None:
             monkeypatch.delenv("KVRAG_API_KEY", raising=False)
