@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import mmap
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,7 +25,7 @@ import torch
 
 from kvrag.errors import UnsupportedModelError
 from kvrag.gguf_reading import parsed_once
-from kvrag.kv.gguf_quant import FLOAT_TYPES, TYPES, GGUFEmbedding, GGUFLinear, Scratch, dequantize
+from kvrag.kv.gguf_quant import FLOAT_TYPES, TYPES, FilePages, GGUFEmbedding, GGUFLinear, Scratch, dequantize
 
 if TYPE_CHECKING:
     from gguf import GGUFReader
@@ -67,12 +68,14 @@ def _set_module(model: torch.nn.Module, dotted: str, new: torch.nn.Module) -> No
     setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
 
 
-def _file_bytes(path: Path) -> torch.Tensor:
-    """The whole file as a read-only uint8 tensor over a memory map (nothing read until a page is touched)."""
-    mm = np.memmap(path, dtype=np.uint8, mode="r")
+def _file_bytes(path: Path) -> tuple[torch.Tensor, mmap.mmap]:
+    """The whole file as a read-only uint8 tensor over a memory map (nothing read until a page is touched), and the
+    map (whose pages a layer gives back once it holds its weights in another form, :class:`FilePages`)."""
+    with path.open("rb") as f:
+        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     with warnings.catch_warnings():  # read-only by design: kvrag never writes to a weight
         warnings.simplefilter("ignore", UserWarning)
-        return torch.from_numpy(mm)
+        return torch.from_numpy(np.frombuffer(mapping, dtype=np.uint8)), mapping
 
 
 def build_empty(config: PretrainedConfig, dtype: torch.dtype, attn_implementation: str) -> PreTrainedModel:
@@ -100,10 +103,11 @@ def load_resident(gguf: Path, table: list[dict[str, Any]], config: PretrainedCon
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config.to_dict())
     with parsed_once():
         names = get_gguf_hf_weights_map(model, processor)
-    data = _file_bytes(gguf)
+    data, mapping = _file_bytes(gguf)
+    base = data.data_ptr()
     scratch = Scratch()
     dense: dict[str, torch.Tensor] = {}
-    quantized: dict[str, tuple[torch.Tensor, str, int]] = {}
+    quantized: dict[str, tuple[torch.Tensor, str, int, FilePages | None]] = {}
     for t in table:
         hf = names.get(t["name"])
         if hf is None:
@@ -125,13 +129,15 @@ def load_resident(gguf: Path, table: list[dict[str, Any]], config: PretrainedCon
             continue
         arr = raw.numpy()
         got = processor.process(weights=arr, name=t["name"]).weights  # whole rows only
-        blocks = raw if got is arr else torch.from_numpy(np.ascontiguousarray(got))
-        quantized[hf] = (blocks, qtype, dims[0])
+        if got is arr:  # the file's own pages
+            quantized[hf] = (raw, qtype, dims[0], FilePages(mapping, raw.data_ptr() - base, t["bytes"]))
+        else:  # re-laid rows: a copy of the layer's blocks
+            quantized[hf] = (torch.from_numpy(np.ascontiguousarray(got)), qtype, dims[0], None)
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     module_names = {id(m): n for n, m in model.named_modules()}
     embed_name = module_names.get(id(embed))
     head_name = module_names.get(id(head)) if head is not None else None
-    for hf, (blocks, qtype, cols) in quantized.items():
+    for hf, (blocks, qtype, cols, pages) in quantized.items():
         prefix = hf.removesuffix(".weight")
         old = model.get_submodule(prefix)
         shape = tuple(old.weight.shape)  # type: ignore[union-attr, arg-type]
@@ -142,7 +148,7 @@ def load_resident(gguf: Path, table: list[dict[str, Any]], config: PretrainedCon
             new: torch.nn.Module = GGUFEmbedding(blocks, qtype, cols, dtype, getattr(old, "embed_scale", None))
         elif isinstance(old, torch.nn.Linear):
             new = GGUFLinear(blocks, qtype, cols, dtype, scratch, dense.pop(f"{prefix}.bias", None),
-                             head=prefix == head_name)
+                             head=prefix == head_name, pages=pages)
         else:
             msg = f"GGUF tensor {hf} is quantized but {type(old).__name__} is neither a linear layer nor embeddings"
             raise UnsupportedModelError(msg)
@@ -153,8 +159,10 @@ def load_resident(gguf: Path, table: list[dict[str, Any]], config: PretrainedCon
         emb = model.get_submodule(embed_name)
         if isinstance(emb, GGUFEmbedding) and head_name is not None:
             bias = getattr(model.get_submodule(head_name), "bias", None)
+            emb_pages = quantized[f"{embed_name}.weight"][3] if f"{embed_name}.weight" in quantized else None
             _set_module(model, head_name, GGUFLinear(emb.blocks, emb.qtype, emb.embedding_dim, dtype, scratch,
-                                                     None if bias is None or bias.is_meta else bias, head=True))
+                                                     None if bias is None or bias.is_meta else bias, head=True,
+                                                     pages=emb_pages))
         else:
             model.get_submodule(head_name).weight = emb.weight  # type: ignore[arg-type]
     left = [n for n, p in [*model.named_parameters(), *model.named_buffers()] if p.is_meta]

@@ -165,10 +165,10 @@ def _llama(payload: dict[str, Any]) -> dict[str, Any]:
         return got
 
 
-def _spawn(kind: str, payload: dict[str, Any]) -> dict[str, Any]:
-    """Run ``child_<kind>(**payload)`` in a fresh interpreter; its JSON result."""
+def _spawn(kind: str, payload: dict[str, Any], module: str = __name__) -> dict[str, Any]:
+    """Run ``child_<kind>(**payload)`` of ``module`` in a fresh interpreter; its JSON result."""
     here = Path(__file__).resolve().parents[1]
-    code = (f"import json, sys; from kvrag_bench.memory_bench import child_{kind} as f; "
+    code = (f"import json, sys; from {module} import child_{kind} as f; "
             "r = f(**json.loads(sys.argv[1])); print('\\nRESULT ' + json.dumps(r))")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-c", code, json.dumps(payload)], capture_output=True, text=True, env=env,

@@ -8,7 +8,7 @@ Q4_1 / Q8_0 / Q4_K_M / Q5_K_M / Q6_K files (a K-quant file keeps Q5_0 / Q8_0 for
 
 :class:`GGUFLinear` keeps a linear layer's blocks and computes its products two ways:
 
-* inputs of at most :data:`kvrag.kv.quant.MAX_ROWS` rows (decode steps, short suffixes), when the model was loaded
+* inputs of at most :data:`INT4_ROWS` rows (decode steps, short suffixes), when the model was loaded
   with ``quantize="int4"``: the int4 kernels of :mod:`kvrag.kv.quant` on the blocks re-laid out once at load. A
   Q4_0 / Q4_1 block and each 32-weight sub-block of a Q4_K super-block is exactly one of those kernels' groups
   (``w = (q - 8) scale + zero``: Q4_0 ``scale = d``; Q4_1 ``zero = m + 8 d``; Q4_K ``scale = d sc``, ``zero =
@@ -16,8 +16,9 @@ Q4_1 / Q8_0 / Q4_K_M / Q5_K_M / Q6_K files (a K-quant file keeps Q5_0 / Q8_0 for
   format. Q5_0, Q5_1, Q8_0 and Q5_K weights are two such products (``q = 16 hi + lo``) whose outputs add up. Q6_K (groups of 16
   weights) has no such form and takes the dense route;
 * larger inputs (prefill, ingest), other types, ``quantize=None``: the layer's weight de-quantized into one scratch
-  buffer shared by every layer of the model (reused, never kept), then the dense product in the compute dtype.
-  A prefill's product costs hundreds of multiply-adds per weight, the de-quantization a handful of operations.
+  buffer shared by every layer of the model (reused, never kept; by ``ggml_dequant.c`` where it builds, with the
+  same bits), then the dense product in the compute dtype. A prefill's product costs hundreds of multiply-adds per
+  weight, the de-quantization a handful of operations.
 
 :class:`GGUFEmbedding` de-quantizes only the rows its ids look up; a tied output head is a :class:`GGUFLinear` on
 the same blocks.
@@ -25,12 +26,16 @@ the same blocks.
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import mmap
 import threading
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvrag.kv import int4_kernel, quant
+from kvrag.kv import int4_kernel, native, quant
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -128,10 +133,67 @@ def _blocks(qtype: str, b: torch.Tensor) -> torch.Tensor:
     raise ValueError(msg)
 
 
-def dequantize(raw: torch.Tensor, qtype: str, columns: int) -> torch.Tensor:
+_NATIVE_TYPES = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q4_K": 3, "Q5_K": 4, "Q6_K": 5}
+"""The types ``ggml_dequant.c`` de-quantizes (its type numbers)."""
+
+
+@functools.cache
+def _native() -> Any:
+    """``kvrag_dequant`` of ``ggml_dequant.c`` (built once per machine, :mod:`kvrag.kv.native`), checked against
+    the torch arithmetic below on random blocks of every type; None where it cannot serve (no compiler, a failed
+    check, ``KVRAG_DEQUANT=torch``): the torch code de-quantizes then."""
+    if native.setting("KVRAG_DEQUANT", ("torch",)) == "torch":
+        return None
+
+    def load() -> Any:
+        lib = native.open_library(Path(__file__).with_name("ggml_dequant.c"), "kvrag_dequant_abi", 2)
+        fn = lib.kvrag_dequant
+        i64, vp = ctypes.c_int64, ctypes.c_void_p
+        fn.argtypes = [ctypes.c_int, vp, i64, i64, i64, vp, ctypes.c_int, ctypes.c_int]
+        fn.restype = ctypes.c_int
+        gen = torch.Generator().manual_seed(0)
+        for qtype in _NATIVE_TYPES:
+            block, size = TYPES[qtype]
+            raw = torch.randint(0, 256, (3, 2 * size), dtype=torch.uint8, generator=gen)
+            if qtype != "Q6_K":  # keep the half-precision scales finite
+                raw.view(3, 2, size)[..., 1] &= 0x3F
+                if qtype in ("Q4_1", "Q4_K", "Q5_K"):
+                    raw.view(3, 2, size)[..., 3] &= 0x3F
+            else:
+                raw.view(3, 2, size)[..., 209] &= 0x3F
+            got = _native_dequantize(fn, raw, qtype, 2 * block)
+            want = _blocks(qtype, raw.reshape(-1, size)).reshape(3, 2 * block)
+            half = _native_dequantize(fn, raw, qtype, 2 * block, torch.empty(3, 2 * block, dtype=torch.bfloat16))
+            if not (torch.equal(got.view(torch.int32), want.view(torch.int32))
+                    and torch.equal(half.view(torch.int16), want.to(torch.bfloat16).view(torch.int16))):
+                msg = f"ggml_dequant.c self-check: {qtype} differs from the torch de-quantization"
+                raise RuntimeError(msg)
+        return fn
+
+    return native.attempt("kvrag's GGUF de-quantization kernel", load)[0]
+
+
+def _native_dequantize(fn: Any, raw: torch.Tensor, qtype: str, columns: int,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+    """``raw`` [rows, row bytes] de-quantized by ``ggml_dequant.c`` into ``out`` (contiguous float32 or bfloat16
+    [rows, columns]; a new float32 tensor when None)."""
+    raw = raw.reshape(-1, raw.shape[-1])
+    if raw.stride(-1) != 1 or (raw.shape[0] > 1 and raw.stride(0) < raw.shape[1]):
+        raw = raw.contiguous()
+    if out is None:
+        out = torch.empty(raw.shape[0], columns, dtype=torch.float32)
+    fn(_NATIVE_TYPES[qtype], raw.data_ptr(), raw.shape[0], raw.stride(0) if raw.shape[0] > 1 else raw.shape[1],
+       columns, out.data_ptr(), int(out.dtype == torch.bfloat16), torch.get_num_threads())
+    return out
+
+
+def dequantize(raw: torch.Tensor, qtype: str, columns: int, *, native: bool = True) -> torch.Tensor:
     """float32 ``[rows, columns]`` of a GGUF tensor's raw bytes ``raw`` (uint8 ``[rows, row bytes]``, any leading
-    shape), bit for bit ``gguf.quants.dequantize``."""
+    shape), bit for bit ``gguf.quants.dequantize``: by ``ggml_dequant.c`` where it is built (and ``native``), else
+    by torch."""
     lead = raw.shape[:-1]
+    if native and qtype in _NATIVE_TYPES and raw.is_cpu and raw.numel() and (fn := _native()) is not None:
+        return _native_dequantize(fn, raw, qtype, columns).reshape(*lead, columns)
     if qtype == "F32":
         return raw.contiguous().view(torch.float32).reshape(*lead, columns)
     if qtype == "F16":
@@ -177,6 +239,11 @@ def int4_parts(raw: torch.Tensor, qtype: str) -> list[tuple[torch.Tensor, torch.
     msg = f"GGUF type {qtype} has no int4 form"
     raise ValueError(msg)
 
+
+INT4_ROWS = 32
+"""Inputs of at most this many rows take a GGUF layer's int4 kernel weights where kvrag's int4 kernel serves (torch's
+int4 kernel: :data:`kvrag.kv.quant.MAX_ROWS`); larger ones de-quantize the blocks (``ggml_dequant.c``) for a dense
+product. Where the two cross on each CPU kind: docs/results.md, "GGUF products"."""
 
 TILE_WEIGHTS = 1 << 24
 """Weights de-quantized at a time by a dense product (64 MB of float32): a layer larger than this (an output head
@@ -238,6 +305,24 @@ class _Split:
         return int(self.hi.nbytes + self.lo.nbytes)
 
 
+class FilePages:
+    """The pages of a GGUF file's memory map that hold one tensor's blocks (``length`` bytes from ``offset``)."""
+
+    __slots__ = ("length", "mapping", "offset")
+
+    def __init__(self, mapping: mmap.mmap, offset: int, length: int) -> None:
+        self.mapping, self.offset, self.length = mapping, offset, length
+
+    def give_back(self) -> None:
+        """Drop the tensor's whole pages from this process's resident set (``MADV_DONTNEED``; a read-only shared
+        file map, so nothing is lost: a later read maps them in again from the page cache or the file)."""
+        page = mmap.PAGESIZE
+        start = -(-self.offset // page) * page
+        end = (self.offset + self.length) // page * page
+        if end > start and hasattr(mmap, "MADV_DONTNEED"):
+            self.mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
+
+
 class GGUFLinear(torch.nn.Module):
     """A linear layer whose weight is a GGUF tensor's raw blocks (``blocks``: uint8 [out, row bytes]), see the
     module docstring. ``weight`` is a meta tensor of the weight's shape and compute dtype (for code that reads
@@ -246,8 +331,9 @@ class GGUFLinear(torch.nn.Module):
     blocks: torch.Tensor
 
     def __init__(self, blocks: torch.Tensor, qtype: str, in_features: int, dtype: torch.dtype, scratch: Scratch,
-                 bias: torch.Tensor | None = None, *, head: bool = False) -> None:
+                 bias: torch.Tensor | None = None, *, head: bool = False, pages: FilePages | None = None) -> None:
         super().__init__()
+        self.pages = pages
         self.in_features, self.out_features = in_features, int(blocks.shape[0])
         self.qtype, self.dtype, self.scratch, self.head = qtype, dtype, scratch, head
         self.register_buffer("blocks", blocks)
@@ -267,6 +353,8 @@ class GGUFLinear(torch.nn.Module):
             return False
         parts = _int4_weights(self.blocks, self.qtype)
         self.int4 = parts[0] if len(parts) == 1 else _Split(*parts)
+        if self.pages is not None:  # decode-sized products no longer read the file's pages: out of the resident set
+            self.pages.give_back()
         return True
 
     def rows(self, index: torch.Tensor) -> torch.Tensor:
@@ -276,6 +364,12 @@ class GGUFLinear(torch.nn.Module):
     def dense_tile(self, r0: int, r1: int, dtype: torch.dtype, scratch: bool) -> torch.Tensor:
         """Weight rows ``r0:r1`` in ``dtype``: in the model's scratch buffer when ``scratch`` (the caller holds its
         lock; valid until the next tile), else in a buffer of their own."""
+        fn = _native() if self.qtype in _NATIVE_TYPES and dtype in (torch.float32, torch.bfloat16) else None
+        if fn is not None and self.blocks.is_cpu:
+            shape = (r1 - r0, self.in_features)
+            out = (self.scratch.take(shape[0] * shape[1], dtype, self.blocks.device).view(shape) if scratch
+                   else torch.empty(shape, dtype=dtype))
+            return _native_dequantize(fn, self.blocks[r0:r1], self.qtype, self.in_features, out)
         w = dequantize(self.blocks[r0:r1], self.qtype, self.in_features)
         if w.dtype == dtype:
             return w
@@ -303,7 +397,8 @@ class GGUFLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         k = x.shape[-1]
         int4 = self.int4
-        if int4 is not None and x.is_cpu and x.numel() <= quant.MAX_ROWS * k:
+        rows = INT4_ROWS if int4_kernel.path() is not None else quant.MAX_ROWS
+        if int4 is not None and x.is_cpu and x.numel() <= rows * k:
             flat = x.reshape(-1, k)
             if flat.dtype == torch.float32 and int4.takes_float32:
                 y = int4.mm(flat.contiguous())
@@ -372,5 +467,5 @@ def resident_bytes(model: PreTrainedModel) -> int:
     return total
 
 
-__all__ = ["FLOAT_TYPES", "INT4_TYPES", "SPLIT_TYPES", "TYPES", "GGUFEmbedding", "GGUFLinear", "Scratch",
-           "dequantize", "int4_parts", "resident_bytes"]
+__all__ = ["FLOAT_TYPES", "INT4_ROWS", "INT4_TYPES", "SPLIT_TYPES", "TYPES", "FilePages", "GGUFEmbedding",
+           "GGUFLinear", "Scratch", "dequantize", "int4_parts", "resident_bytes"]

@@ -18,7 +18,7 @@ import torch
 
 from kvrag import KVRAGEngine
 from kvrag.gguf_load import _file_bytes, tensor_table
-from kvrag.kv import gguf_quant, int4_kernel
+from kvrag.kv import gguf_quant, int4_kernel, quant
 from kvrag.kv.gguf_quant import GGUFEmbedding, GGUFLinear
 from kvrag_testing.tiny import tiny_model
 from kvrag_testing.tiny_gguf import write_tiny_gguf
@@ -64,7 +64,7 @@ def blocks_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _resident(path: Path) -> dict[str, tuple[torch.Tensor, str]]:
     """Each tensor as kvrag keeps it: rows of raw bytes over the file's memory map, and its type."""
-    data = _file_bytes(path)
+    data, _ = _file_bytes(path)
     out = {}
     for t in tensor_table(gguf.GGUFReader(path)):
         rows = int(np.prod(t["dims"][1:]))
@@ -80,12 +80,29 @@ def test_dequantized_blocks_equal_gguf_bit_for_bit(blocks_file: Path, qtype: str
     assert expected.shape == (ROWS, COLS) and np.isfinite(expected).all()
     raw, got_type = _resident(blocks_file)[qtype]
     assert got_type == qtype
-    got = gguf_quant.dequantize(raw, qtype, COLS)
-    assert got.dtype == torch.float32 and tuple(got.shape) == (ROWS, COLS)
-    assert np.array_equal(got.numpy().view(np.int32), expected.view(np.int32))  # the float32 bits
-    # rows looked up alone (embeddings, the output head's refined logits) are the same bits
-    idx = torch.tensor([[5, 0], [ROWS - 1, 5]])
-    assert np.array_equal(gguf_quant.dequantize(raw[idx], qtype, COLS).numpy(), expected[idx.numpy()])
+    for native in (True, False):  # ggml_dequant.c (where it builds) and the torch arithmetic
+        got = gguf_quant.dequantize(raw, qtype, COLS, native=native)
+        assert got.dtype == torch.float32 and tuple(got.shape) == (ROWS, COLS)
+        assert np.array_equal(got.numpy().view(np.int32), expected.view(np.int32))  # the float32 bits
+        # rows looked up alone (embeddings, the output head's refined logits) are the same bits
+        idx = torch.tensor([[5, 0], [ROWS - 1, 5]])
+        assert np.array_equal(gguf_quant.dequantize(raw[idx], qtype, COLS, native=native).numpy(),
+                              expected[idx.numpy()])
+    if qtype in gguf_quant.TYPES and qtype not in gguf_quant.FLOAT_TYPES:
+        # a dense product's bfloat16 tile: the float32 weight rounded as torch rounds it
+        lin = GGUFLinear(raw, qtype, COLS, torch.bfloat16, gguf_quant.Scratch())
+        for scratch in (True, False):
+            tile = lin.dense_tile(2, 7, torch.bfloat16, scratch)
+            assert torch.equal(tile.view(torch.int16), torch.from_numpy(expected[2:7]).bfloat16().view(torch.int16))
+
+
+def test_native_dequantization_is_built_where_a_compiler_is() -> None:
+    """The C de-quantization serves wherever a C compiler exists (its self-check passed); else the reason is a
+    missing compiler, not a wrong result."""
+    import shutil
+
+    if shutil.which("cc") or shutil.which("gcc"):
+        assert gguf_quant._native() is not None
 
 
 @pytest.mark.parametrize("qtype", [*gguf_quant.INT4_TYPES, *gguf_quant.SPLIT_TYPES])
@@ -120,6 +137,13 @@ def test_resident_linear_decode_route_is_close_and_the_dense_route_exact(blocks_
         pytest.skip("the int4 kernel does not take this shape here")
     y = lin(x)
     assert (y - exact).abs().max() <= 0.02 * exact.abs().max()
+    # up to INT4_ROWS rows the int4 route, each row the same bits alone as in the batch; more rows the exact weight
+    limit = gguf_quant.INT4_ROWS if int4_kernel.path() is not None else quant.MAX_ROWS
+    xs = torch.randn(limit + 1, COLS, generator=torch.Generator().manual_seed(1))
+    batch = lin(xs[:limit])
+    assert all(torch.equal(batch[i], lin(xs[i : i + 1])[0]) for i in (0, limit // 2, limit - 1))
+    assert not torch.equal(batch, torch.nn.functional.linear(xs[:limit], gguf_quant.dequantize(raw, "Q4_K", COLS)))
+    assert torch.equal(lin(xs), torch.nn.functional.linear(xs, gguf_quant.dequantize(raw, "Q4_K", COLS)))
     head = GGUFLinear(raw, "Q4_K", COLS, torch.float32, scratch, head=True)
     head.use_int4()
     top = head(x).topk(5, -1)
@@ -159,8 +183,6 @@ def test_int4_decode_route_on_the_files_blocks_fuses_and_full_equals_generate(tm
                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """``quantize="int4"`` on a Q4_0 file: the layers' int4 weights come from the blocks, fuse (q/k/v, gate/up) into
     one product with the same bits, are keyed apart from the dense route, and ``full`` equals ``model.generate``."""
-    from kvrag.kv import quant
-
     monkeypatch.setenv("KVRAG_HOME", str(tmp_path / "home"))
     tiny = tiny_model("llama", init_std=0.1)
     path = write_tiny_gguf(tmp_path / "tiny-Q4_0.gguf", tiny, quantization="Q4_0")
@@ -170,6 +192,14 @@ def test_int4_decode_route_on_the_files_blocks_fuses_and_full_equals_generate(tm
     attn = eng.loaded.model.model.layers[0].self_attn
     mods = (attn.q_proj, attn.k_proj, attn.v_proj)
     assert all(m.int4 is not None for m in mods)
+    # the file's pages a layer gave back once it held its int4 weights still read as the file's bytes; q / k blocks
+    # (rows re-laid for transformers) are copies, never given back
+    assert attn.q_proj.pages is None and attn.k_proj.pages is None and attn.v_proj.pages is not None
+    table = {t["name"]: t for t in tensor_table(gguf.GGUFReader(path))}
+    v = table["blk.0.attn_v.weight"]
+    with path.open("rb") as f:
+        f.seek(v["offset"])
+        assert attn.v_proj.blocks.numpy().tobytes() == f.read(v["bytes"])
     if int4_kernel.path() is not None:
         fused = quant.fuse_int4(mods)
         assert fused is not None and fused.valid()

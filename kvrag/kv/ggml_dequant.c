@@ -1,0 +1,191 @@
+/* De-quantization of GGUF (ggml) blocks into float32 rows, for kvrag.kv.gguf_quant's dense products.
+ *
+ * Each type computes exactly what gguf.quants.dequantize (numpy) computes: the same float32 products and
+ * differences in the same order, one operation at a time (no fused multiply-add: fp-contract is off for these
+ * functions, and each rounding step is its own statement), so the floats are the same bits. Types: Q4_0, Q4_1,
+ * Q8_0, Q4_K, Q5_K, Q6_K (block layouts as in ggml-common.h). target_clones builds an AVX512 / AVX2 copy beside the
+ * baseline one and the loader picks the best the CPU has; all copies give the same bits (no contraction, no
+ * reassociation).
+ *
+ * kvrag_dequant (below) writes float32 rows, or bfloat16 rows rounded as torch rounds, straight into the caller's
+ * buffer (the model's scratch). */
+#include <stdint.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define KVRAG_DEQUANT_ABI 2
+#define QK_K 256
+
+enum { T_Q4_0 = 0, T_Q4_1 = 1, T_Q8_0 = 2, T_Q4_K = 3, T_Q5_K = 4, T_Q6_K = 5 };
+
+int kvrag_dequant_abi(void) { return KVRAG_DEQUANT_ABI; }
+
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#define CLONES __attribute__((target_clones("avx512f", "avx2", "default"), optimize("fp-contract=off")))
+#elif defined(__GNUC__) && !defined(__clang__)
+#define CLONES __attribute__((optimize("fp-contract=off")))
+#else
+#define CLONES
+#endif
+
+static inline float f16(const uint8_t *p) {
+    uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
+    if (exp == 0x1F) bits = sign | 0x7F800000u | (man << 13);
+    else if (exp) bits = sign | ((exp + 112) << 23) | (man << 13);
+    else if (!man) bits = sign;
+    else {  /* subnormal half: normalize */
+        exp = 113;
+        while (!(man & 0x400)) { man <<= 1; exp--; }
+        bits = sign | (exp << 23) | ((man & 0x3FF) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline void k_scale_min(const uint8_t *s, uint8_t *sc, uint8_t *mn) {
+    for (int i = 0; i < 4; i++) {
+        sc[i] = s[i] & 0x3F;
+        mn[i] = s[4 + i] & 0x3F;
+        sc[4 + i] = (uint8_t)((s[8 + i] & 0x0F) | ((s[i] >> 2) & 0x30));
+        mn[4 + i] = (uint8_t)((s[8 + i] >> 4) | ((s[4 + i] >> 2) & 0x30));
+    }
+}
+
+CLONES static void row_q4_0(const uint8_t *b, int64_t blocks, float *out) {
+    for (int64_t i = 0; i < blocks; i++, b += 18, out += 32) {
+        float d = f16(b);
+        for (int j = 0; j < 16; j++) {
+            out[j] = d * (float)((b[2 + j] & 15) - 8);
+            out[16 + j] = d * (float)((b[2 + j] >> 4) - 8);
+        }
+    }
+}
+
+CLONES static void row_q4_1(const uint8_t *b, int64_t blocks, float *out) {
+    for (int64_t i = 0; i < blocks; i++, b += 20, out += 32) {
+        float d = f16(b), m = f16(b + 2);
+        for (int j = 0; j < 16; j++) {
+            float lo = d * (float)(b[4 + j] & 15), hi = d * (float)(b[4 + j] >> 4);
+            out[j] = lo + m;
+            out[16 + j] = hi + m;
+        }
+    }
+}
+
+CLONES static void row_q8_0(const uint8_t *b, int64_t blocks, float *out) {
+    for (int64_t i = 0; i < blocks; i++, b += 34, out += 32) {
+        float d = f16(b);
+        for (int j = 0; j < 32; j++) out[j] = (float)(int8_t)b[2 + j] * d;
+    }
+}
+
+/* Q4_K / Q5_K: w = (d * sc) * q - (dmin * m) per 32-weight sub-block. */
+static inline __attribute__((always_inline)) void k_block(const uint8_t *b, float *out, const int five) {
+    float d = f16(b), dmin = f16(b + 2);
+    uint8_t sc[8], mn[8];
+    k_scale_min(b + 4, sc, mn);
+    const uint8_t *qh = b + 16, *qs = five ? b + 48 : b + 16;
+    for (int s = 0; s < 8; s++) {
+        float ds = d * (float)sc[s], dm = dmin * (float)mn[s];
+        const uint8_t *q = qs + (s / 2) * 32;
+        const int shift = (s & 1) * 4;
+        float *y = out + s * 32;
+        for (int j = 0; j < 32; j++) {
+            int v = (q[j] >> shift) & 15;
+            if (five) v |= ((qh[j] >> s) & 1) << 4;
+            float p = ds * (float)v;
+            y[j] = p - dm;
+        }
+    }
+}
+
+CLONES static void row_q4_k(const uint8_t *b, int64_t blocks, float *out) {
+    for (int64_t i = 0; i < blocks; i++) k_block(b + i * 144, out + i * QK_K, 0);
+}
+
+CLONES static void row_q5_k(const uint8_t *b, int64_t blocks, float *out) {
+    for (int64_t i = 0; i < blocks; i++) k_block(b + i * 176, out + i * QK_K, 1);
+}
+
+/* Q6_K: w = (d * sc) * (q - 32) per 16-weight sub-block; q = a low nibble | 2 high bits << 4. Each half of 128
+ * weights: ql[0..63] low nibbles then high nibbles, qh[0..31] four 2-bit fields (as ggml's dequantize_row_q6_K). */
+CLONES static void row_q6_k(const uint8_t *b, int64_t blocks, float *out) {
+    for (int64_t i = 0; i < blocks; i++, b += 210, out += QK_K) {
+        const int8_t *sc = (const int8_t *)(b + 192);
+        float d = f16(b + 208), ds[16];
+        for (int s = 0; s < 16; s++) ds[s] = d * (float)sc[s];
+        for (int c = 0; c < 2; c++) {
+            const uint8_t *ql = b + c * 64, *qh = b + 128 + c * 32;
+            float *y = out + c * 128;
+            const float *dc = ds + c * 8;
+            for (int h = 0; h < 2; h++)
+                for (int l = h * 16; l < h * 16 + 16; l++) {
+                    y[l] = dc[h] * (float)((int)((ql[l] & 15) | ((qh[l] & 3) << 4)) - 32);
+                    y[l + 32] = dc[h + 2] * (float)((int)((ql[l + 32] & 15) | (((qh[l] >> 2) & 3) << 4)) - 32);
+                    y[l + 64] = dc[h + 4] * (float)((int)((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
+                    y[l + 96] = dc[h + 6] * (float)((int)((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
+                }
+        }
+    }
+}
+
+static const int64_t BLOCK_WEIGHTS[] = {32, 32, 32, QK_K, QK_K, QK_K}, BLOCK_BYTES[] = {18, 20, 34, 144, 176, 210};
+
+static void row_f32(int type, const uint8_t *b, int64_t blocks, float *out) {
+    switch (type) {
+    case T_Q4_0: row_q4_0(b, blocks, out); break;
+    case T_Q4_1: row_q4_1(b, blocks, out); break;
+    case T_Q8_0: row_q8_0(b, blocks, out); break;
+    case T_Q4_K: row_q4_k(b, blocks, out); break;
+    case T_Q5_K: row_q5_k(b, blocks, out); break;
+    default: row_q6_k(b, blocks, out); break;
+    }
+}
+
+/* float32 -> bfloat16, round to nearest even (torch's conversion; weights are finite). */
+CLONES static void to_bf16(const float *src, int64_t count, uint16_t *dst) {
+    for (int64_t i = 0; i < count; i++) {
+        uint32_t v;
+        memcpy(&v, src + i, 4);
+        dst[i] = (uint16_t)((v + 0x7FFFu + ((v >> 16) & 1u)) >> 16);
+    }
+}
+
+#define CHUNK 4096 /* weights de-quantized at a time into a stack buffer on the bfloat16 route */
+
+static void row(int type, const uint8_t *b, int64_t columns, void *out, int bf16) {
+    if (!bf16) {
+        row_f32(type, b, columns / BLOCK_WEIGHTS[type], (float *)out);
+        return;
+    }
+    float tmp[CHUNK];
+    const int64_t per = CHUNK / BLOCK_WEIGHTS[type];
+    for (int64_t c = 0; c < columns; c += CHUNK) {
+        int64_t n = columns - c < CHUNK ? columns - c : CHUNK, blocks = n / BLOCK_WEIGHTS[type];
+        row_f32(type, b + (c / CHUNK) * per * BLOCK_BYTES[type], blocks, tmp);
+        to_bf16(tmp, n, (uint16_t *)out + c);
+    }
+}
+
+/* rows x columns weights of ``type`` (row r's blocks at blocks + r * row_bytes) into out: float32, or bfloat16
+ * when bf16 (rounded as torch rounds). threads > 1 splits the rows between OpenMP threads. 0, or -1: unknown type. */
+int kvrag_dequant(int type, const uint8_t *blocks, int64_t rows, int64_t row_bytes, int64_t columns, void *out,
+                  int bf16, int threads) {
+    if (type < T_Q4_0 || type > T_Q6_K) return -1;
+    const int64_t esize = bf16 ? 2 : 4;
+#ifdef _OPENMP
+    if (threads > 1 && rows >= 2 * threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t r = 0; r < rows; r++) row(type, blocks + r * row_bytes, columns, (char *)out + r * columns * esize, bf16);
+        return 0;
+    }
+#else
+    (void)threads;
+#endif
+    for (int64_t r = 0; r < rows; r++) row(type, blocks + r * row_bytes, columns, (char *)out + r * columns * esize, bf16);
+    return 0;
+}
