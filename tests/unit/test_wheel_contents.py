@@ -43,7 +43,8 @@ def test_the_wheel_holds_no_lab_code_nor_curves(wheel_names: list[str]) -> None:
 def test_the_wheel_holds_what_runtime_code_reads(wheel_names: list[str]) -> None:
     names = set(wheel_names)
     shipped = "kvrag/data/repairers/smollm2-135m-instruct/"
-    need = {"kvrag/py.typed", "kvrag/kv/int4_gemm.c", "kvrag/kv/row_attention.c", "kvrag/kv/ggml_dequant.c", "kvrag/data/auto_cost.json",
+    need = {"kvrag/py.typed", "kvrag/kv/int4_gemm.c", "kvrag/kv/row_attention.c", "kvrag/kv/ggml_dequant.c",
+            "kvrag/data/auto_cost.json",
             "kvrag/data/calibration/passages.json", "kvrag/cli.py", "kvrag/fusion/relaxkv.py",
             *(shipped + f for f in ("repair_config.json", "repair_model.safetensors", "stats.safetensors"))}
     assert need - names == set()
