@@ -102,7 +102,7 @@ def add_bench_arguments(subparsers: Any) -> argparse.ArgumentParser:
     )
     _add_qa_args(p)
     p.set_defaults(func=_pinned(run_bench))
-    sub = p.add_subparsers(dest="bench_command", metavar="{sweep,store,load,chat,decode,memory,speculate,quant-kl,kv-kl,llamaindex-kl,dtype-kl,ingest,templates,plot}")
+    sub = p.add_subparsers(dest="bench_command", metavar="{sweep,store,load,chat,decode,memory,big-model,speculate,quant-kl,kv-kl,llamaindex-kl,dtype-kl,ingest,templates,plot}")
 
     s = sub.add_parser("sweep", help="TTFT and memory vs context length and vs chunk count, every method")
     s.add_argument("--data", default=None, help="QA JSONL whose passages supply the text (default: built-in text)")
@@ -146,7 +146,7 @@ def add_bench_arguments(subparsers: Any) -> argparse.ArgumentParser:
     interleave.add_arguments(ld)
     ld.set_defaults(func=_pinned(run_load))
 
-    from kvrag_bench import chat_bench, decode_bench, kv_kl, memory_bench, quant_kl, spec_bench
+    from kvrag_bench import big_model, chat_bench, decode_bench, kv_kl, memory_bench, quant_kl, spec_bench
 
     _module_command(sub, "chat", chat_bench, "a 10-turn chat over dev passages: TTFT per turn, reused vs recomputed history",
                     "Ask dev questions one turn after another (fixed or changing passages in the system message), each "
@@ -165,6 +165,12 @@ def add_bench_arguments(subparsers: Any) -> argparse.ArgumentParser:
                     "(peak RSS then), kvrag with its defaults (weights resident in the file's blocks) and llama.cpp "
                     "on the same token ids when llama-cpp-python is installed; plus the bytes kvrag keeps beside "
                     "the file and `stale`'s TTFT.")
+    _module_command(sub, "big-model", big_model,
+                    "an 8B-shaped Q4_K_M GGUF (random weights, built here): peak RSS and stale TTFT vs llama.cpp",
+                    "Write Llama-3.1-8B's shapes with random float16 weights (gguf), quantize them to Q4_K_M "
+                    "(llama.cpp's llama_model_quantize), ingest a ~2K-token prompt's passages in one process, then "
+                    "load and answer with `stale` in a fresh one (peak RSS, TTFT) beside llama.cpp's full prefill "
+                    "of the same ids. Needs ~25 GB of disk while building (the float16 file is deleted after).")
     _module_command(sub, "quant-kl", quant_kl,
                     "KL(dense || quantized) of the next token along the dense answer, on dev data",
                     "Prefill and greedily decode each request with dense weights, then teacher-force each variant "
