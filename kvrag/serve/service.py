@@ -140,7 +140,7 @@ class KVRAGService:
         limit = self.config.max_store_bytes
         if limit is None:
             return
-        used = int(self.engine.serving_store.stats().get("bytes", 0))
+        used = self.engine.serving_store.stats().get("bytes") or 0
         if used >= limit:
             raise HTTPProblem(413, f"the KV store holds {used} bytes, its quota is {limit} (--max-store-bytes): "
                                    "nothing more is registered", param="texts", code="store_quota_exceeded")
