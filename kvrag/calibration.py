@@ -20,11 +20,15 @@ import logging
 import math
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 
+from kvrag.jsontypes import JSONObject
 from kvrag.paths import kvrag_home
+
+if TYPE_CHECKING:
+    from kvrag.fusion.cost_model import CostModelRecord
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +117,7 @@ class DtypeCalibration:
     decode_ms_per_token: float
     ttft_s: dict[str, float] = dataclasses.field(default_factory=dict)
     e2e_s: dict[str, float] = dataclasses.field(default_factory=dict)
-    cost_model: dict[str, Any] | None = None
+    cost_model: CostModelRecord | None = None
     kv_decode_ms_per_token: dict[str, float] = dataclasses.field(default_factory=dict)
     kv_kl: dict[str, float] = dataclasses.field(default_factory=dict)
 
@@ -127,6 +131,34 @@ class DtypeCalibration:
     def end_to_end(self, method: str = DEFAULT_METHOD) -> float | None:
         """TTFT + :data:`ANSWER_TOKENS` decode steps of ``method`` (None: not measured)."""
         return self.e2e_s.get(method)
+
+
+class _DtypeMeasured(TypedDict):
+    dtype: str
+    prefill_tokens_per_s: float
+    decode_ms_per_token: float
+
+
+class DtypeRecord(_DtypeMeasured, total=False):
+    """A :class:`DtypeCalibration`'s JSON form."""
+
+    ttft_s: dict[str, float]
+    e2e_s: dict[str, float]
+    cost_model: CostModelRecord | None
+    kv_decode_ms_per_token: dict[str, float]
+    kv_kl: dict[str, float]
+
+
+class CalibrationRecord(TypedDict, total=False):
+    """A calibration file (:meth:`Calibration.to_dict`)."""
+
+    format: str
+    version: int
+    machine_kind: str
+    model: str
+    torch_threads: int
+    dtypes: dict[str, DtypeRecord]
+    hardware: JSONObject
 
 
 @dataclasses.dataclass
@@ -144,7 +176,7 @@ class Calibration:
     model: str
     torch_threads: int
     dtypes: dict[str, DtypeCalibration] = dataclasses.field(default_factory=dict)
-    hardware: dict[str, Any] = dataclasses.field(default_factory=dict)
+    hardware: JSONObject = dataclasses.field(default_factory=dict)
     path: str | None = None
 
     def _fastest(self, keys: list[str]) -> str | None:
@@ -171,7 +203,7 @@ class Calibration:
         best = self._fastest(keys) if len(keys) >= 2 else None
         return None if best is None else split_variant(best)[1]
 
-    def cost_model(self, dtype: str) -> dict[str, Any] | None:
+    def cost_model(self, dtype: str) -> CostModelRecord | None:
         """``auto``'s cost model for ``dtype`` on this machine kind (JSON form), or None: the one timed with the
         weight quantization preferred in that dtype, else with dense weights, else with any."""
         order = [variant_key(dtype, self.preferred_quantize(dtype)), dtype]
@@ -179,13 +211,14 @@ class Calibration:
         c = next((self.dtypes[k] for k in order if k in self.dtypes and self.dtypes[k].cost_model), None)
         return c.cost_model if c is not None else None
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> CalibrationRecord:
         d = dataclasses.asdict(self)
-        d.pop("path")
-        return {"format": CALIBRATION_FORMAT, "version": CALIBRATION_VERSION, **d}
+        return {"format": CALIBRATION_FORMAT, "version": CALIBRATION_VERSION, "machine_kind": d["machine_kind"],
+                "model": d["model"], "torch_threads": d["torch_threads"], "dtypes": d["dtypes"],
+                "hardware": d["hardware"]}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any], path: str | None = None) -> Calibration:
+    def from_dict(cls, d: CalibrationRecord, path: str | None = None) -> Calibration:
         if d.get("format") != CALIBRATION_FORMAT:
             msg = f"{path or 'the file'} is not a kvrag calibration (format {CALIBRATION_FORMAT})"
             raise ValueError(msg)
