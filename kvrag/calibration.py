@@ -24,11 +24,10 @@ from typing import TYPE_CHECKING, TypedDict
 
 import torch
 
-from kvrag.jsontypes import JSONObject
 from kvrag.paths import kvrag_home
 
 if TYPE_CHECKING:
-    from kvrag.fusion.cost_model import CostModelRecord
+    from kvrag.jsontypes import JSONObject, JSONValue
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +130,47 @@ class DtypeCalibration:
     def end_to_end(self, method: str = DEFAULT_METHOD) -> float | None:
         """TTFT + :data:`ANSWER_TOKENS` decode steps of ``method`` (None: not measured)."""
         return self.e2e_s.get(method)
+
+
+class CandidateRecord(TypedDict, total=False):
+    """A :class:`~kvrag.fusion.cost_model.Candidate`'s JSON form (an entry of a cost model's ``methods``)."""
+
+    spec: str
+    kl: float
+    ttft_ratio: float
+    flop_share: float
+    overhead: float
+    overhead_p90: float | None  # absent (or None) in files fitted before the p90: the median is used
+    stats: JSONObject  # MethodStats.to_dict(); version 1 also holds repairer_flops_per_token here
+    repairer_flops_per_token: float | None
+
+
+class ModelCostRecord(TypedDict):
+    """A :class:`~kvrag.fusion.cost.ModelCost`'s JSON form."""
+
+    num_layers: int
+    state_flops: float
+    pair_flops: float
+    head_flops: float
+
+
+class CostModelRecord(TypedDict, total=False):
+    """A cost model's JSON form (an ``auto_cost.json`` file, or a calibration's ``cost_model`` of one dtype): what
+    :meth:`kvrag.fusion.cost_model.CostModel.to_dict` writes; ``hardware`` .. ``model`` are its ``info``."""
+
+    format: str
+    version: int
+    source: str
+    machine_kind: str | None
+    dtype: str | None
+    methods: dict[str, CandidateRecord]
+    seconds_per_flop: float | None
+    torch_threads: int | None
+    model_cost: ModelCostRecord | None
+    hardware: JSONValue  # what it was fitted on (a bench summary's hardware record)
+    git_sha: JSONValue
+    n_requests: int | None
+    model: str
 
 
 class _DtypeMeasured(TypedDict):

@@ -19,63 +19,24 @@ import dataclasses
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, TypedDict
 
-from kvrag.calibration import CALIBRATION_FORMAT
+from kvrag.calibration import (
+    CALIBRATION_FORMAT,
+    CalibrationRecord,
+    CandidateRecord,
+    CostModelRecord,
+    ModelCostRecord,
+)
 from kvrag.errors import ConfigError
 from kvrag.fusion.cost import ModelCost
 from kvrag.fusion.stats import MethodStats
 from kvrag.jsontypes import JSONObject, JSONValue
-
-if TYPE_CHECKING:
-    from kvrag.calibration import CalibrationRecord
 
 SHIPPED_COST_MODEL = Path(__file__).resolve().parent.parent / "data" / "auto_cost.json"
 COST_FORMAT = "kvrag-auto-cost"
 COST_VERSION = 2
 """Version 2 adds the machine kind, dtype, torch threads and full-prefill speed, and moves the repairer's FLOPs
 per token out of the stats (version 1 files are read too)."""
-
-
-class CandidateRecord(TypedDict, total=False):
-    """A :class:`Candidate`'s JSON form (an entry of a cost model's ``methods``)."""
-
-    spec: str
-    kl: float
-    ttft_ratio: float
-    flop_share: float
-    overhead: float
-    overhead_p90: float | None  # absent (or None) in files fitted before the p90: the median is used
-    stats: JSONObject  # MethodStats.to_dict(); version 1 also holds repairer_flops_per_token here
-    repairer_flops_per_token: float | None
-
-
-class ModelCostRecord(TypedDict):
-    """A :class:`~kvrag.fusion.cost.ModelCost`'s JSON form."""
-
-    num_layers: int
-    state_flops: float
-    pair_flops: float
-    head_flops: float
-
-
-class CostModelRecord(TypedDict, total=False):
-    """A cost model's JSON form (an ``auto_cost.json`` file, or a calibration's ``cost_model`` of one dtype): what
-    :meth:`CostModel.to_dict` writes; ``hardware`` .. ``model`` are its :attr:`CostModel.info`."""
-
-    format: str
-    version: int
-    source: str
-    machine_kind: str | None
-    dtype: str | None
-    methods: dict[str, CandidateRecord]
-    seconds_per_flop: float | None
-    torch_threads: int | None
-    model_cost: ModelCostRecord | None
-    hardware: JSONValue  # what it was fitted on (a bench summary's hardware record)
-    git_sha: JSONValue
-    n_requests: int | None
-    model: str
 
 
 @dataclasses.dataclass

@@ -32,7 +32,7 @@ import json
 import logging
 import os
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,7 @@ from torch import nn
 from kvrag.errors import CacheCorruptError, CheckpointMismatchError, ConfigError
 from kvrag.repair.config import PRESETS, RepairConfig, pack_kv, unpack_kv
 from kvrag.repair.layers import RepairBlock, StaleEncoder, _chunk_spans, _rope_cos_sin, block_causal_mask
+from kvrag.repair.records import TrainingSummary
 
 log = logging.getLogger(__name__)
 
@@ -299,8 +300,8 @@ class RepairModel(nn.Module):
         target_fingerprint: str,
         target_name: str = "",
         target_weights_fingerprint: str = "",
-        training: dict[str, Any] | None = None,
-        extra: dict[str, Any] | None = None,
+        training: TrainingSummary | None = None,
+        extra: Mapping[str, object] | None = None,
     ) -> Path:
         """Write ``repair_config.json`` + ``repair_model.safetensors`` into ``directory`` (atomic per file).
 
