@@ -189,6 +189,15 @@ class DtypeRecord(_DtypeMeasured, total=False):
     kv_kl: dict[str, float]
 
 
+class MachineDescription(TypedDict, total=False):
+    """The machine a calibration was measured on (:func:`kvrag.calibrate.describe_machine`)."""
+
+    cpu: str | None
+    cores: int | None
+    bf16_units: list[str]
+    gpu: str | None
+
+
 class CalibrationRecord(TypedDict, total=False):
     """A calibration file (:meth:`Calibration.to_dict`)."""
 
@@ -198,7 +207,7 @@ class CalibrationRecord(TypedDict, total=False):
     model: str
     torch_threads: int
     dtypes: dict[str, DtypeRecord]
-    hardware: JSONObject
+    hardware: MachineDescription
 
 
 @dataclasses.dataclass
@@ -216,7 +225,7 @@ class Calibration:
     model: str
     torch_threads: int
     dtypes: dict[str, DtypeCalibration] = dataclasses.field(default_factory=dict)
-    hardware: JSONObject = dataclasses.field(default_factory=dict)
+    hardware: MachineDescription = dataclasses.field(default_factory=lambda: MachineDescription())
     path: str | None = None
 
     def _fastest(self, keys: list[str]) -> str | None:
