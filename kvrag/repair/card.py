@@ -24,6 +24,7 @@ from typing import Any
 
 from kvrag.errors import ConfigError
 from kvrag.repair.model import CONFIG_NAME
+from kvrag.repair.records import CurveRow, InitFrom
 from kvrag.repair.shipped import SHIPPED_DIR
 
 log = logging.getLogger(__name__)
@@ -37,9 +38,9 @@ DOCS_DIR = SHIPPED_DIR.parents[2] / "docs" / "repairers"
 """Where the cards of the shipped repairers live in a source checkout (beside the docs, not in the wheel)."""
 
 
-def read_curve(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def read_curve(path: Path) -> tuple[list[CurveRow], list[CurveRow]]:
     """(train rows, eval rows) of a ``curve.jsonl``."""
-    rows = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.is_file() else []
+    rows: list[CurveRow] = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.is_file() else []
     return [r for r in rows if r.get("kind") == "train"], [r for r in rows if r.get("kind") == "eval"]
 
 
@@ -85,7 +86,7 @@ def _at(step: object) -> str:
     return f" at step {step}" if step is not None else ""
 
 
-def _init_chain(init: dict[str, Any] | None) -> list[str]:
+def _init_chain(init: InitFrom | None) -> list[str]:
     """Card lines for the runs a continued training started from (newest first)."""
     lines = []
     while init:

@@ -81,6 +81,28 @@ class InitFrom(TypedDict, total=False):
     init_from: InitFrom
 
 
+class CurveRow(TypedDict, total=False):
+    """A line of a run's ``curve.jsonl``: a ``train`` row (the loss and throughput since the last one) or an
+    ``eval`` row (:func:`kvrag.repair.evaluate.evaluate`'s metrics; the region RMSEs beside these keys)."""
+
+    kind: str
+    step: int
+    lr: float
+    loss: float
+    grad_norm: float
+    tokens: int
+    samples: int
+    epoch: float
+    wall_s: float
+    data_s: float
+    compute_s: float
+    train_tok_per_s: float
+    docs_per_s: float
+    nmse: float
+    nmse_stale: float
+    eval_docs: int
+
+
 class TrainingSummary(TypedDict, total=False):
     """A training run's summary (:meth:`RepairTrainer.summary`; ``training`` of the repairer's config)."""
 
@@ -98,4 +120,4 @@ class TrainingSummary(TypedDict, total=False):
     config: JSONObject
 
 
-__all__ = ["Conditioning", "DocumentGroup", "InitFrom", "NormStats", "PairManifest", "StatsMeta", "TrainingSummary"]
+__all__ = ["Conditioning", "CurveRow", "DocumentGroup", "InitFrom", "NormStats", "PairManifest", "StatsMeta", "TrainingSummary"]
