@@ -137,7 +137,8 @@ def collection_size(store: KVStore, index_tokens: Sequence[int] | None = None, s
         spec = KVSpec.from_dict(h["spec"])
         e = entry_bytes(spec, int(h["num_tokens"]), h["codec"]) if int(h["num_tokens"]) else None
         out.update({"codec": h["codec"],
-                    "spec": {k: spec.to_dict()[k] for k in ("num_layers", "num_kv_heads", "head_dim", "dtype")},
+                    "spec": {"num_layers": spec.num_layers, "num_kv_heads": spec.num_kv_heads,
+                             "head_dim": spec.head_dim, "dtype": spec.dtype},
                     "sampled_entry_tokens": int(h["num_tokens"]),
                     "bytes_per_token": (e / int(h["num_tokens"])) if e else None})
     if index_tokens:
