@@ -32,7 +32,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -212,13 +212,13 @@ class ConversationCache:
             self.counters[why] += 1
         return e.nbytes
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, int]:
         """Entries and bytes kept, the bound, and counters: ``hits`` / ``misses`` (lookups), ``hit_tokens``,
         ``kept``, ``evicted`` (LRU / ``max_bytes`` / ``max_entries``), ``reclaimed`` (a request needed the room),
         ``too_large`` / ``no_room`` (not kept)."""
         with self._lock:
-            out: dict[str, Any] = {"entries": len(self._entries), "bytes": self.nbytes, "max_bytes": self.max_bytes,
-                                   "max_entries": self.max_entries}
+            out = {"entries": len(self._entries), "bytes": self.nbytes, "max_bytes": self.max_bytes,
+                   "max_entries": self.max_entries}
             out.update(self.counters)
         return out
 
