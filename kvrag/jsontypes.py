@@ -2,7 +2,7 @@
 
 Documents with a fixed shape (stats records, store headers, calibration records) are ``TypedDict``s next to the code
 that writes them; :data:`JSONValue` is for the rest (a method's parameters, a client's extra fields), and code that
-reads one narrows it (``isinstance``) before use.
+reads one narrows it (``isinstance``, :func:`as_object`) before use.
 """
 
 from __future__ import annotations
@@ -18,4 +18,11 @@ JSONValue: TypeAlias = JSONScalar | list["JSONValue"] | dict[str, "JSONValue"]
 JSONObject: TypeAlias = dict[str, JSONValue]
 """A JSON object (what a ``.json`` file holding ``{...}`` loads as)."""
 
-__all__ = ["JSONObject", "JSONScalar", "JSONValue"]
+
+
+def as_object(value: JSONValue) -> JSONObject:
+    """``value`` when it is a JSON object, else an empty one (an optional object field that is missing or null)."""
+    return value if isinstance(value, dict) else {}
+
+
+__all__ = ["JSONObject", "JSONScalar", "JSONValue", "as_object"]

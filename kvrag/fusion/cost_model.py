@@ -30,7 +30,7 @@ from kvrag.calibration import (
 from kvrag.errors import ConfigError
 from kvrag.fusion.cost import ModelCost
 from kvrag.fusion.stats import MethodStats
-from kvrag.jsontypes import JSONObject, JSONValue
+from kvrag.jsontypes import JSONValue, as_object
 
 SHIPPED_COST_MODEL = Path(__file__).resolve().parent.parent / "data" / "auto_cost.json"
 COST_FORMAT = "kvrag-auto-cost"
@@ -192,11 +192,6 @@ def _calibrated(cal: CalibrationRecord, dtype: str | None, p: Path) -> CostModel
     raise ConfigError(msg)
 
 
-def _object(v: JSONValue) -> JSONObject:
-    """A summary's object field (missing or not an object: empty)."""
-    return v if isinstance(v, dict) else {}
-
-
 def _number(v: JSONValue) -> float | None:
     """A summary's number field (missing or not a number: None)."""
     return v if isinstance(v, int | float) else None
@@ -216,20 +211,20 @@ def fit_cost_model(summary: Mapping[str, JSONValue], *, source: str = "", machin
             'cpu-avx2', and 'float32'); default: the summary's ``machine`` record (``kind``, ``dtype``; what
             ``kvrag bench`` writes), else ``hardware.machine_kind`` and ``dtype`` (or ``config.dtype``).
     """
-    hw, machine = _object(summary.get("hardware")), _object(summary.get("machine"))
+    hw, machine = as_object(summary.get("hardware")), as_object(summary.get("machine"))
     kind = machine_kind or machine.get("kind") or hw.get("machine_kind")
-    dt = dtype or machine.get("dtype") or summary.get("dtype") or _object(summary.get("config")).get("dtype")
+    dt = dtype or machine.get("dtype") or summary.get("dtype") or as_object(summary.get("config")).get("dtype")
     if not kind or not dt:
         msg = ("the summary does not record the machine kind and dtype it was measured on; pass them "
                "(kvrag bench fit-auto --machine-kind cpu-avx2 --dtype float32; see kvrag.calibration.machine_kind)")
         raise ConfigError(msg)
     cands: dict[str, Candidate] = {}
-    for label, entry in _object(summary.get("methods")).items():
-        m = _object(entry)
+    for label, entry in as_object(summary.get("methods")).items():
+        m = as_object(entry)
         ratio, share, kl = _number(m.get("ttft_ratio")), _number(m.get("flop_share")), _number(m.get("kl"))
         if ratio is None or not share or kl is None:
             continue
-        mean = MethodStats.from_dict(_object(m.get("method_stats_mean")))
+        mean = MethodStats.from_dict(as_object(m.get("method_stats_mean")))
         stats = MethodStats(recomputed_fraction=mean.recomputed_fraction,
                             attention_edges_ratio=mean.attention_edges_ratio,
                             attention_computed_ratio=mean.attention_computed_ratio,

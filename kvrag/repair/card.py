@@ -20,11 +20,11 @@ import logging
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from kvrag.errors import ConfigError
+from kvrag.jsontypes import JSONObject, as_object
 from kvrag.repair.model import CONFIG_NAME
-from kvrag.repair.records import CurveRow, InitFrom
+from kvrag.repair.records import CurveRow, InitFrom, RepairerConfig
 from kvrag.repair.shipped import SHIPPED_DIR
 
 log = logging.getLogger(__name__)
@@ -99,7 +99,7 @@ def _init_chain(init: InitFrom | None) -> list[str]:
     return lines
 
 
-def render_card(meta: dict[str, Any], *, command: str | None, bench: dict[str, Any] | None,
+def render_card(meta: RepairerConfig, *, command: str | None, bench: JSONObject | None,
                 bench_command: str | None, has_plot: bool) -> str:
     """The model card text."""
     tr = meta.get("training", {})
@@ -173,12 +173,13 @@ def render_card(meta: dict[str, Any], *, command: str | None, bench: dict[str, A
         lines += ["", f"![learning curve]({CURVE_PNG})"]
     if bench:
         lines += ["", "## End to end (kvrag bench)", ""]
-        hw = bench.get("hardware", {})
-        lines.append(f"{bench.get('config', {}).get('limit') or ''} requests from "
-                     f"`{Path(str(bench.get('config', {}).get('data', '?'))).name}`; hardware: "
+        hw, config = as_object(bench.get("hardware")), as_object(bench.get("config"))
+        lines.append(f"{config.get('limit') or ''} requests from "
+                     f"`{Path(str(config.get('data', '?'))).name}`; hardware: "
                      f"{hw.get('cpu', '?')} ({hw.get('cores', '?')} cores, torch threads {hw.get('torch_threads', '?')}).")
         lines += ["", "| method | n | F1 | KL(full‖m) | TTFT p50 s | TTFT / full |", "|---|---:|---:|---:|---:|---:|"]
-        for name, m in bench.get("methods", {}).items():
+        for name, entry in as_object(bench.get("methods")).items():
+            m = as_object(entry)
             lines.append(f"| `{name}` | {m.get('n')} | {_fmt(m.get('f1'), 3)} | {_fmt(m.get('kl'))} | "
                          f"{_fmt(m.get('ttft_p50_s'), 3)} | {_fmt(m.get('ttft_ratio'), 2)} |")
         if bench_command:

@@ -103,6 +103,29 @@ class CurveRow(TypedDict, total=False):
     eval_docs: int
 
 
+class RepairerTarget(TypedDict, total=False):
+    """The model a repairer was trained for (``target`` of its ``repair_config.json``)."""
+
+    model_fingerprint: str
+    model_name: str
+    weights_fingerprint: str
+
+
+class RepairerConfig(TypedDict, total=False):
+    """A repairer's ``repair_config.json`` (:meth:`kvrag.repair.model.RepairModel.save_pretrained`)."""
+
+    format: str
+    format_version: int
+    kvrag_version: str
+    architecture: dict[str, int | str]
+    num_parameters: int
+    target: RepairerTarget
+    normalization: JSONObject
+    weights: dict[str, str]
+    training: TrainingSummary
+    conditioning: Conditioning
+
+
 class TrainingSummary(TypedDict, total=False):
     """A training run's summary (:meth:`RepairTrainer.summary`; ``training`` of the repairer's config)."""
 
@@ -120,4 +143,5 @@ class TrainingSummary(TypedDict, total=False):
     config: JSONObject
 
 
-__all__ = ["Conditioning", "CurveRow", "DocumentGroup", "InitFrom", "NormStats", "PairManifest", "StatsMeta", "TrainingSummary"]
+__all__ = ["Conditioning", "CurveRow", "DocumentGroup", "InitFrom", "NormStats", "PairManifest", "RepairerConfig",
+           "RepairerTarget", "StatsMeta", "TrainingSummary"]
