@@ -117,7 +117,7 @@ class RepairerConfig(TypedDict, total=False):
     format: str
     format_version: int
     kvrag_version: str
-    architecture: dict[str, int | str]
+    architecture: dict[str, int | float | str]
     num_parameters: int
     target: RepairerTarget
     normalization: JSONObject
