@@ -44,13 +44,14 @@ import contextvars
 import functools
 import threading
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvrag.config import GenerationConfig
 from kvrag.engine.cancel import CancelToken, current_token, use_token
 from kvrag.engine.chunks import RegisteredChunk
 from kvrag.errors import ConfigError
+from kvrag.jsontypes import JSONObject
 from kvrag.prompting import ROLE_ALIASES, render_chat
 
 if TYPE_CHECKING:
@@ -213,7 +214,7 @@ def resolve_chunks(
     return _normalize(out)
 
 
-def history_segments(messages: Sequence[Any]) -> list[str]:
+def history_segments(messages: Sequence[Mapping[str, object]]) -> list[str]:
     """The earlier turns of a chat as reusable segments: the content of every user and assistant message before
     the last user message (``messages``: ``{"role", "content"}`` dicts).
 
@@ -225,17 +226,17 @@ def history_segments(messages: Sequence[Any]) -> list[str]:
     """
     roles = [ROLE_ALIASES.get(str(m["role"]), str(m["role"])) for m in messages]
     last = max((i for i, r in enumerate(roles) if r == "user"), default=0)
-    return [str(m["content"]) for m, r in zip(messages[:last], roles[:last], strict=False)
-            if r in ("user", "assistant") and isinstance(m["content"], str) and m["content"].strip()]
+    return [c for m, r in zip(messages[:last], roles[:last], strict=False)
+            if r in ("user", "assistant") and isinstance(c := m["content"], str) and c.strip()]
 
 
-def with_history(chunks: Iterable[ChunkLike], messages: Sequence[Any]) -> tuple[RegisteredChunk, ...]:
+def with_history(chunks: Iterable[ChunkLike], messages: Sequence[Mapping[str, object]]) -> tuple[RegisteredChunk, ...]:
     """``chunks`` and the chat's earlier turns (:func:`history_segments`) as the request's reusable segments."""
     return _normalize([*chunks, *history_segments(messages)])
 
 
 # ------------------------------------------------------------------------------------------------- engine handles
-_ENGINES: dict[tuple[Any, ...], KVRAGEngine] = {}
+_ENGINES: dict[tuple[str, str | int, tuple[tuple[str, object], ...]], KVRAGEngine] = {}
 _ENGINES_LOCK = threading.Lock()
 
 
@@ -274,7 +275,6 @@ def ensure_chunks(engine: KVRAGEngine, texts: Sequence[str], *, fetch: bool = Fa
 
 
 # ------------------------------------------------------------------------------------------------- async helper
-_DONE = object()
 MAX_WORKER_THREADS = 256
 """Most worker threads of :func:`to_thread` (each waits on one request; the engine bounds the work itself)."""
 _POOL: concurrent.futures.ThreadPoolExecutor | None = None
@@ -325,12 +325,12 @@ async def aiter_in_thread(factory: Callable[[], Iterator[T]]) -> AsyncIterator[T
     (request chunks included).
     """
     loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[Any] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[T] | BaseException | None] = asyncio.Queue()  # an item, what failed, or the end
     stop = threading.Event()
     ctx = contextvars.copy_context()
     token = ctx.run(_fresh_token)
 
-    def put(item: tuple[bool, Any]) -> None:
+    def put(item: tuple[T] | BaseException | None) -> None:
         with contextlib.suppress(RuntimeError):  # the consumer left and its loop closed: nobody to tell
             loop.call_soon_threadsafe(queue.put_nowait, item)
 
@@ -339,7 +339,7 @@ async def aiter_in_thread(factory: Callable[[], Iterator[T]]) -> AsyncIterator[T
             it = factory()
             try:
                 for item in it:
-                    put((True, item))
+                    put((item,))
                     if stop.is_set():
                         break
             finally:
@@ -347,20 +347,20 @@ async def aiter_in_thread(factory: Callable[[], Iterator[T]]) -> AsyncIterator[T
                 if close is not None:
                     close()
         except BaseException as e:  # noqa: BLE001  (re-raised in the consumer)
-            put((False, e))
+            put(e)
             return
-        put((True, _DONE))
+        put(None)
 
     thread = threading.Thread(target=ctx.run, args=(work,), name="kvrag-stream", daemon=True)
     thread.start()
     try:
         while True:
-            ok, item = await queue.get()
-            if not ok:
-                raise item
-            if item is _DONE:
+            got = await queue.get()
+            if isinstance(got, BaseException):
+                raise got
+            if got is None:
                 break
-            yield item
+            yield got[0]
     finally:
         stop.set()
         token.cancel()  # closed or cancelled early: the thread's request leaves the batch (no-op once it ended)
@@ -388,11 +388,11 @@ def generation_config(*, max_new_tokens: int, temperature: float = 0.0, top_p: f
 
 
 # ------------------------------------------------------------------------------------------------- metadata
-def _stats(prep: Prepared) -> dict[str, Any]:
+def _stats(prep: Prepared) -> JSONObject:
     return prep.stats.to_dict()
 
 
-def response_summary(prep: Prepared) -> dict[str, Any]:
+def response_summary(prep: Prepared) -> JSONObject:
     """The per-response summary every adapter exposes (LlamaIndex ``additional_kwargs``, LangChain
     ``response_metadata["kvrag"]``): method, TTFT, hit rate, chunk counts, reused tokens (those of an earlier
     turn of the conversation too), method stats.
@@ -415,7 +415,7 @@ def response_summary(prep: Prepared) -> dict[str, Any]:
     }
 
 
-def response_details(prep: Prepared) -> dict[str, Any]:
+def response_details(prep: Prepared) -> JSONObject:
     """Everything else about a finished request: all timings and stats, the chunk keys and generated ids."""
     return {
         "timings": prep.timings.to_dict(),

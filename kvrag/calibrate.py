@@ -34,7 +34,7 @@ import statistics
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
@@ -44,6 +44,7 @@ from kvrag.calibration import (
     KV_BATCH,
     Calibration,
     DtypeCalibration,
+    MachineDescription,
     cpu_flags,
     machine_kind,
     save_calibration,
@@ -281,7 +282,7 @@ def _fit(loaded: LoadedModel, base: CostModel, runs: dict[str, _Runs], plans: Se
                      info={"model": loaded.name, "n_requests": len(plans)})
 
 
-def describe_machine(device: torch.device) -> dict[str, Any]:
+def describe_machine(device: torch.device) -> MachineDescription:
     """CPU model, logical cores, bf16 units and the GPU name (if any), for the calibration file."""
     cpu = None
     try:

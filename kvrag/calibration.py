@@ -20,11 +20,14 @@ import logging
 import math
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 
 from kvrag.paths import kvrag_home
+
+if TYPE_CHECKING:
+    from kvrag.jsontypes import JSONObject, JSONValue
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +116,7 @@ class DtypeCalibration:
     decode_ms_per_token: float
     ttft_s: dict[str, float] = dataclasses.field(default_factory=dict)
     e2e_s: dict[str, float] = dataclasses.field(default_factory=dict)
-    cost_model: dict[str, Any] | None = None
+    cost_model: CostModelRecord | None = None
     kv_decode_ms_per_token: dict[str, float] = dataclasses.field(default_factory=dict)
     kv_kl: dict[str, float] = dataclasses.field(default_factory=dict)
 
@@ -127,6 +130,84 @@ class DtypeCalibration:
     def end_to_end(self, method: str = DEFAULT_METHOD) -> float | None:
         """TTFT + :data:`ANSWER_TOKENS` decode steps of ``method`` (None: not measured)."""
         return self.e2e_s.get(method)
+
+
+class CandidateRecord(TypedDict, total=False):
+    """A :class:`~kvrag.fusion.cost_model.Candidate`'s JSON form (an entry of a cost model's ``methods``)."""
+
+    spec: str
+    kl: float
+    ttft_ratio: float
+    flop_share: float
+    overhead: float
+    overhead_p90: float | None  # absent (or None) in files fitted before the p90: the median is used
+    stats: JSONObject  # MethodStats.to_dict(); version 1 also holds repairer_flops_per_token here
+    repairer_flops_per_token: float | None
+
+
+class ModelCostRecord(TypedDict):
+    """A :class:`~kvrag.fusion.cost.ModelCost`'s JSON form."""
+
+    num_layers: int
+    state_flops: float
+    pair_flops: float
+    head_flops: float
+
+
+class CostModelRecord(TypedDict, total=False):
+    """A cost model's JSON form (an ``auto_cost.json`` file, or a calibration's ``cost_model`` of one dtype): what
+    :meth:`kvrag.fusion.cost_model.CostModel.to_dict` writes; ``hardware`` .. ``model`` are its ``info``."""
+
+    format: str
+    version: int
+    source: str
+    machine_kind: str | None
+    dtype: str | None
+    methods: dict[str, CandidateRecord]
+    seconds_per_flop: float | None
+    torch_threads: int | None
+    model_cost: ModelCostRecord | None
+    hardware: JSONValue  # what it was fitted on (a bench summary's hardware record)
+    git_sha: JSONValue
+    n_requests: int | None
+    model: str
+
+
+class _DtypeMeasured(TypedDict):
+    dtype: str
+    prefill_tokens_per_s: float
+    decode_ms_per_token: float
+
+
+class DtypeRecord(_DtypeMeasured, total=False):
+    """A :class:`DtypeCalibration`'s JSON form."""
+
+    ttft_s: dict[str, float]
+    e2e_s: dict[str, float]
+    cost_model: CostModelRecord | None
+    kv_decode_ms_per_token: dict[str, float]
+    kv_kl: dict[str, float]
+
+
+class MachineDescription(TypedDict, total=False):
+    """The machine a calibration was measured on (:func:`kvrag.calibrate.describe_machine`)."""
+
+    cpu: str | None
+    cores: int | None
+    bf16_units: list[str]
+    gpu: str | None
+
+
+class CalibrationRecord(TypedDict, total=False):
+    """A calibration file (:meth:`Calibration.to_dict`)."""
+
+    format: str
+    version: int
+    machine_kind: str
+    model: str
+    torch_threads: int
+    dtypes: dict[str, DtypeRecord]
+    hardware: MachineDescription
 
 
 @dataclasses.dataclass
@@ -144,7 +225,7 @@ class Calibration:
     model: str
     torch_threads: int
     dtypes: dict[str, DtypeCalibration] = dataclasses.field(default_factory=dict)
-    hardware: dict[str, Any] = dataclasses.field(default_factory=dict)
+    hardware: MachineDescription = dataclasses.field(default_factory=lambda: MachineDescription())
     path: str | None = None
 
     def _fastest(self, keys: list[str]) -> str | None:
@@ -171,7 +252,7 @@ class Calibration:
         best = self._fastest(keys) if len(keys) >= 2 else None
         return None if best is None else split_variant(best)[1]
 
-    def cost_model(self, dtype: str) -> dict[str, Any] | None:
+    def cost_model(self, dtype: str) -> CostModelRecord | None:
         """``auto``'s cost model for ``dtype`` on this machine kind (JSON form), or None: the one timed with the
         weight quantization preferred in that dtype, else with dense weights, else with any."""
         order = [variant_key(dtype, self.preferred_quantize(dtype)), dtype]
@@ -179,13 +260,14 @@ class Calibration:
         c = next((self.dtypes[k] for k in order if k in self.dtypes and self.dtypes[k].cost_model), None)
         return c.cost_model if c is not None else None
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> CalibrationRecord:
         d = dataclasses.asdict(self)
-        d.pop("path")
-        return {"format": CALIBRATION_FORMAT, "version": CALIBRATION_VERSION, **d}
+        return {"format": CALIBRATION_FORMAT, "version": CALIBRATION_VERSION, "machine_kind": d["machine_kind"],
+                "model": d["model"], "torch_threads": d["torch_threads"], "dtypes": d["dtypes"],
+                "hardware": d["hardware"]}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any], path: str | None = None) -> Calibration:
+    def from_dict(cls, d: CalibrationRecord, path: str | None = None) -> Calibration:
         if d.get("format") != CALIBRATION_FORMAT:
             msg = f"{path or 'the file'} is not a kvrag calibration (format {CALIBRATION_FORMAT})"
             raise ValueError(msg)

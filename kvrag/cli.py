@@ -9,7 +9,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvrag.config import DEFAULT_METHOD
 from kvrag.errors import KVRAGError
@@ -18,18 +18,21 @@ if TYPE_CHECKING:
     from importlib.metadata import EntryPoint
 
     from kvrag.engine.engine import KVRAGEngine
+    from kvrag.index import IndexManifest
 
 log = logging.getLogger("kvrag.cli")
 
 
-def _manifest(persist: str | None) -> dict[str, Any]:
+def _manifest(persist: str | None) -> IndexManifest:
     if not persist:
         return {}
     p = Path(persist) / "index.json"
     try:
-        return dict(json.loads(p.read_text()))
+        data = json.loads(p.read_text())
     except (OSError, ValueError):
         return {}
+    is_object = isinstance(data, dict)  # (its fields are checked where they are read)
+    return data if is_object else {}
 
 
 def _store_url(args: argparse.Namespace) -> str:
@@ -109,7 +112,7 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     else:
         keys = eng.ingest(texts, progress=True, batch_size=args.batch_size)
     embedder = load_embedder()
-    manifest = {
+    manifest: IndexManifest = {
         "model": args.model or "smollm2-135m-instruct",
         "model_fingerprint": eng.loaded.fingerprint,
         "chunk_prefix": args.chunk_prefix,

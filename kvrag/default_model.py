@@ -24,7 +24,7 @@ import shutil
 import time
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 
@@ -101,12 +101,29 @@ def _sha256_file(path: Path, bufsize: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
-def _read_marker(target: Path) -> dict[str, Any] | None:
+class ConversionMarker(TypedDict, total=False):
+    """A prepared folder's marker (written last): the GGUF it was prepared from and the probe's logits digest."""
+
+    format: int
+    model: str
+    gguf_file: str
+    gguf_path: str
+    gguf_architecture: str
+    gguf_quantizations: list[str]
+    gguf_sha256: str
+    gguf_size: int
+    gguf_mtime_ns: int
+    probe_text: str
+    probe_logits_sha256: str
+
+
+def _read_marker(target: Path) -> ConversionMarker | None:
     try:
         data = json.loads((target / _MARKER).read_text())
     except (OSError, ValueError):
         return None
-    return data if isinstance(data, dict) else None
+    is_object = isinstance(data, dict)  # (its fields are checked where they are read)
+    return data if is_object else None
 
 
 def _marker_matches(target: Path, gguf: Path, *, sha256: str | None = None, same_path: bool = False) -> bool:
@@ -190,7 +207,7 @@ def _gguf_architectures() -> set[str]:
     return archs - {"general", "tokenizer"}  # metadata sections of transformers' mapping, not architectures
 
 
-def _gguf_field(reader: GGUFReader, key: str) -> Any:
+def _gguf_field(reader: GGUFReader, key: str) -> object:
     field = reader.fields.get(key)
     return None if field is None else field.contents()
 
@@ -315,7 +332,7 @@ def _convert_gguf(gguf: Path, target: Path, *, name: str, progress: bool, sha256
             del model
             bar.update()
         st = gguf.stat()
-        marker = {
+        marker: ConversionMarker = {
             "format": _CONVERSION_FORMAT,
             "model": name,
             "gguf_file": gguf.name,
@@ -344,7 +361,7 @@ def _convert_gguf(gguf: Path, target: Path, *, name: str, progress: bool, sha256
     logger.info("prepared %s from %s in %.1f s -> %s", name, gguf.name, time.perf_counter() - t0, target)
 
 
-def default_model_marker(path: Path | None = None) -> dict[str, Any] | None:
+def default_model_marker(path: Path | None = None) -> ConversionMarker | None:
     """The conversion marker of a prepared default model (GGUF sha256, probe-logits digest), or None."""
     return _read_marker(path or kvrag_home() / "models" / DEFAULT_MODEL)
 

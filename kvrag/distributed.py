@@ -32,7 +32,7 @@ import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from kvrag.errors import ConfigError, KVRAGError
 from kvrag.extras import require
@@ -51,6 +51,43 @@ little work and the last tasks balance across workers."""
 
 def _import_ray() -> ModuleType:
     return require("ray", "ray", "distributed ingest")
+
+
+class TaskReport(TypedDict):
+    """What one worker task did: its process, chunks computed and skipped (already stored), seconds, peak RSS."""
+
+    pid: int
+    computed: int
+    skipped: int
+    seconds: float
+    peak_rss_mb: float
+
+
+class PoolReport(TypedDict):
+    """What a pool's run did: chunks computed, tasks, seconds (wall and summed over tasks), each worker's peak RSS."""
+
+    computed: int
+    tasks: int
+    compute_seconds: float
+    seconds: float
+    worker_peak_rss_mb: list[float]
+
+
+class IngestRecord(TypedDict):
+    """:meth:`IngestReport.to_dict`: the report's fields, ``keys`` counted, and the worker restarts."""
+
+    keys: int
+    computed: int
+    already_stored: int
+    duplicates: int
+    skipped_empty: int
+    tasks: int
+    workers: int
+    worker_pids: list[list[int]]
+    worker_peak_rss_mb: list[float]
+    seconds: float
+    compute_seconds: float
+    restarts: int
 
 
 @dataclasses.dataclass
@@ -88,11 +125,12 @@ class IngestReport:
         """Worker processes Ray had to restart (a died worker whose task was retried)."""
         return sum(max(0, len(p) - 1) for p in self.worker_pids)
 
-    def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["keys"] = len(self.keys)
-        d["restarts"] = self.restarts
-        return d
+    def to_dict(self) -> IngestRecord:
+        return {"keys": len(self.keys), "computed": self.computed, "already_stored": self.already_stored,
+                "duplicates": self.duplicates, "skipped_empty": self.skipped_empty, "tasks": self.tasks,
+                "workers": self.workers, "worker_pids": [list(p) for p in self.worker_pids],
+                "worker_peak_rss_mb": list(self.worker_peak_rss_mb), "seconds": self.seconds,
+                "compute_seconds": self.compute_seconds, "restarts": self.restarts}
 
 
 def shared_store_url(store: str) -> str:
@@ -152,7 +190,7 @@ class IngestWorker:
     def pid(self) -> int:
         return os.getpid()
 
-    def run(self, items: Sequence[tuple[str, Sequence[int]]], batch_size: int) -> dict[str, Any]:
+    def run(self, items: Sequence[tuple[str, Sequence[int]]], batch_size: int) -> TaskReport:
         """Compute and store the caches of ``(key, token_ids)`` items the store lacks; returns a small report."""
         t0 = time.perf_counter()
         eng = self.engine
@@ -241,7 +279,7 @@ class RayIngest:
             raise KVRAGError(msg) from e
 
     def run(self, items: Sequence[tuple[str, Sequence[int]]], batch_size: int | None = None,
-            task_chunks: int | None = None, progress: bool = False) -> dict[str, Any]:
+            task_chunks: int | None = None, progress: bool = False) -> PoolReport:
         """Compute and store ``(key, token_ids)`` items on the actors; returns task/worker statistics."""
         from tqdm.auto import tqdm
 
@@ -257,7 +295,8 @@ class RayIngest:
         tasks = [[(k, list(ids)) for k, ids in order[i : i + per_task]] for i in range(0, len(order), per_task)]
         ray = self.ray
         peak = [0.0] * len(self.actors)
-        stats: dict[str, Any] = {"computed": 0, "tasks": len(tasks), "compute_seconds": 0.0}
+        stats: PoolReport = {"computed": 0, "tasks": len(tasks), "compute_seconds": 0.0, "seconds": 0.0,
+                             "worker_peak_rss_mb": []}
         t0 = time.perf_counter()
         bar = tqdm(total=len(items), desc=f"caching chunks on {self.workers} Ray workers", unit="chunk",
                    disable=not progress)

@@ -55,7 +55,7 @@ _SAMPLE_ELEMENTS = 4096  # strided sample of raw bytes hashed per tensor
 _SUM_CHUNK = 1 << 24  # elements per chunk of the exact integer checksum (bounds the int64 temporary of a uint8 sum)
 
 
-def _config_for_fingerprint(config: PretrainedConfig) -> dict[str, Any]:
+def _config_for_fingerprint(config: PretrainedConfig) -> dict[str, object]:  # (some values are not JSON: dtypes)
     d = config.to_dict()
     return {k: v for k, v in d.items() if not k.startswith("_") and k not in _FINGERPRINT_IGNORED_CONFIG_KEYS}
 
@@ -122,7 +122,7 @@ def _state_digest(h: hashlib._Hash, model: PreTrainedModel, cast: torch.dtype | 
                 state[f"{prefix}.weight"] = resident[prefix]
             continue
         state[name] = tensor
-    seen: dict[tuple[Any, ...], str] = {}
+    seen: dict[tuple[object, ...], str] = {}  # (device, address, dtype, shape, stride) -> the first name
     for name, item in sorted(state.items()):
         tensor = item if isinstance(item, torch.Tensor) else item.blocks
         # Tied weights (e.g. lm_head = embed_tokens) share storage: digest once, record the alias.

@@ -18,7 +18,7 @@ import logging
 import mmap
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypedDict
 
 import numpy as np
 import torch
@@ -39,7 +39,17 @@ _ROW_PROCESSORS = ("TensorProcessor", "LlamaTensorProcessor", "Gemma2TensorProce
 """transformers' tensor processors whose change to a quantized weight is a reordering of whole rows (or none)."""
 
 
-def tensor_table(reader: GGUFReader) -> list[dict[str, Any]]:
+class TensorRow(TypedDict):
+    """One tensor of :data:`TENSORS_FILE`: name, type name, GGUF dims, absolute byte offset and byte size."""
+
+    name: str
+    type: str
+    dims: list[int]
+    offset: int
+    bytes: int
+
+
+def tensor_table(reader: GGUFReader) -> list[TensorRow]:
     """Each tensor of a ``gguf.GGUFReader``: name, type name, GGUF dims, absolute byte offset and byte size."""
     from gguf import GGMLQuantizationType
 
@@ -47,7 +57,7 @@ def tensor_table(reader: GGUFReader) -> list[dict[str, Any]]:
              "offset": int(t.data_offset), "bytes": int(t.n_bytes)} for t in reader.tensors]
 
 
-def check_resident(architecture: str, table: list[dict[str, Any]]) -> None:
+def check_resident(architecture: str, table: list[TensorRow]) -> None:
     """Refuse by name an architecture whose quantized tensors kvrag cannot keep resident (tensor types it does not
     keep are de-quantized at load instead, with a warning)."""
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS
@@ -88,7 +98,7 @@ def build_empty(config: PretrainedConfig, dtype: torch.dtype, attn_implementatio
                                                 attn_implementation=attn_implementation)
 
 
-def load_resident(gguf: Path, table: list[dict[str, Any]], config: PretrainedConfig, *, architecture: str,
+def load_resident(gguf: Path, table: list[TensorRow], config: PretrainedConfig, *, architecture: str,
                   dtype: torch.dtype, attn_implementation: str) -> PreTrainedModel:
     """The causal LM of a GGUF file with its quantized tensors resident (see the module docstring).
 

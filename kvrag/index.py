@@ -17,7 +17,7 @@ import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypedDict
 
 import numpy as np
 
@@ -113,10 +113,23 @@ def import_faiss() -> ModuleType:
     return require("faiss", "faiss", "kvrag's chunk index (kvrag ingest / kvrag ask)")
 
 
+class IndexManifest(TypedDict, total=False):
+    """``index.json``: what the index was built with (``kvrag ingest``) and its format."""
+
+    model: str
+    model_fingerprint: str
+    chunk_prefix: str
+    chunk_tokens: int
+    embedder: str
+    store: str | None
+    format: int
+    dim: int
+
+
 class ChunkIndex:
     """FAISS vectors + chunk texts, persisted in one directory."""
 
-    def __init__(self, chunks: list[Chunk], vectors: faiss.Index, manifest: dict[str, Any]) -> None:
+    def __init__(self, chunks: list[Chunk], vectors: faiss.Index, manifest: IndexManifest) -> None:
         self.chunks = chunks
         self.vectors = vectors  # faiss.Index
         self.manifest = manifest
@@ -127,7 +140,7 @@ class ChunkIndex:
         return np.asarray(vecs, dtype="float32")
 
     @classmethod
-    def build(cls, chunks: list[Chunk], embedder: SentenceTransformer, manifest: dict[str, Any], progress: bool = False) -> ChunkIndex:
+    def build(cls, chunks: list[Chunk], embedder: SentenceTransformer, manifest: IndexManifest, progress: bool = False) -> ChunkIndex:
         faiss = import_faiss()
 
         vecs = cls.embed(embedder, [c.text for c in chunks], progress)

@@ -206,7 +206,7 @@ def run_ingest_bench(cfg: IngestBenchConfig) -> dict[str, Any]:
             for _ in range(cfg.answers):
                 ps = rng.sample(texts, 4)
                 prompt = RagTemplate().render(reader.tokenizer, ps, "What is this about?")
-                hit.append(reader.answer(prompt, ps, "stale", max_new_tokens=1).stats["hit_rate"])
+                hit.append(reader.answer(prompt, ps, "stale", max_new_tokens=1).stats.hit_rate)
             checks[m] = {"served": served, "missing_or_bad": n - served, "entries": stores[m].stats().get("entries"),
                          "answer_hit_rate_min": min(hit) if hit else None, "answers": len(hit)}
         modes = {}

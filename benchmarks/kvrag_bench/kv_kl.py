@@ -50,6 +50,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from kvrag.models import load_model
     from kvrag.prompting import get_template
     from kvrag_bench.data import load_requests
+    from kvrag_bench.metrics import kl_divergence
     from kvrag_bench.provenance import environment_info
 
     if args.threads:
@@ -79,9 +80,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for k, (forced_row, own_row) in narrow.items():
             name = str(k).removeprefix("torch.")
             _, got = _decode(model, forced_row, first, args.tokens, eos, answer)
-            for p, q in zip(ref, got, strict=True):
-                lp, lq = p.log_softmax(-1), q.log_softmax(-1)
-                kls[name].append(float((lp.exp() * (lp - lq)).sum()))
+            kls[name] += [float(kl_divergence(p, q, dtype=None)) for p, q in zip(ref, got, strict=True)]
             own, _ = _decode(model, own_row, first, args.tokens, eos, None)
             same[name] += own == answer
     out: dict[str, Any] = {"model": lm.name, "dtype": str(lm.dtype).removeprefix("torch."), "quantize": lm.quantize,

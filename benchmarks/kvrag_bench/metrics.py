@@ -139,21 +139,25 @@ def extract_answer(text: str) -> str:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def kl_divergence(logits_p: torch.Tensor, logits_q: torch.Tensor) -> torch.Tensor:
+def kl_divergence(logits_p: torch.Tensor, logits_q: torch.Tensor,
+                  dtype: torch.dtype | None = torch.float64) -> torch.Tensor:
     """Per-position KL(p || q) between the softmax distributions of two logit tensors, in float64.
 
     Args:
         logits_p: reference logits [N, V] (or any [..., V]), e.g. from the full prefill.
         logits_q: compared logits, same shape.
+        dtype: what the log-softmaxes are computed in; None: each in its logits' own dtype (the difference in the
+            wider of the two), what the decode-time KL benchmarks (``kv-kl``, ``quant-kl``) report.
 
     Returns:
-        KL in nats, shape [N] (the leading dims), float64, >= 0 up to rounding.
+        KL in nats, shape [N] (the leading dims), float64 (with ``dtype=None``: the wider logits' dtype), >= 0 up
+        to rounding.
     """
     if logits_p.shape != logits_q.shape:
         msg = f"logits shapes differ: {tuple(logits_p.shape)} vs {tuple(logits_q.shape)}"
         raise ConfigError(msg)
-    lp = torch.log_softmax(logits_p.detach().to(torch.float64), dim=-1)
-    lq = torch.log_softmax(logits_q.detach().to(torch.float64).to(lp.device), dim=-1)
+    lp = torch.log_softmax(logits_p.detach().to(dtype or logits_p.dtype), dim=-1)
+    lq = torch.log_softmax(logits_q.detach().to(dtype or logits_q.dtype).to(lp.device), dim=-1)
     p = lp.exp()
     # Terms with p = 0 contribute 0 (lim p log p = 0); masking avoids 0 * (-inf) = nan for -inf logits.
     terms = torch.where(p > 0, p * (lp - lq), torch.zeros_like(p))

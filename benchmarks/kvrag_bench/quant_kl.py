@@ -50,6 +50,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from kvrag.models import load_model
     from kvrag.prompting import get_template
     from kvrag_bench.data import load_requests
+    from kvrag_bench.metrics import kl_divergence
     from kvrag_bench.provenance import environment_info
 
     if args.threads:
@@ -73,8 +74,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         kls, same = [], 0
         for r in rows:
             _, logits = _answer(lm.model, r["ids"], args.tokens, eos, forced=r["answer"])
-            p, q = r["logits"][: len(logits)].log_softmax(-1), logits.log_softmax(-1)
-            kls += (p.exp() * (p - q)).sum(-1).tolist()
+            kls += kl_divergence(r["logits"][: len(logits)], logits, dtype=None).tolist()
             own, _ = _answer(lm.model, r["ids"], args.tokens, eos)
             same += own == r["answer"]
         kls.sort()

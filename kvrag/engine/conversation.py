@@ -31,8 +31,8 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Generator, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -42,7 +42,7 @@ from kvrag.engine.results import Prepared, Stats, Timings
 from kvrag.fusion.base import FusionMethod
 from kvrag.fusion.stats import MethodStats
 from kvrag.kv import batched, hf_cache
-from kvrag.kv.pieces import Pace, SuffixPrefill, forward_pieces
+from kvrag.kv.pieces import Pace, PrepareJob, SuffixPrefill, forward_pieces
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -212,13 +212,13 @@ class ConversationCache:
             self.counters[why] += 1
         return e.nbytes
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, int]:
         """Entries and bytes kept, the bound, and counters: ``hits`` / ``misses`` (lookups), ``hit_tokens``,
         ``kept``, ``evicted`` (LRU / ``max_bytes`` / ``max_entries``), ``reclaimed`` (a request needed the room),
         ``too_large`` / ``no_room`` (not kept)."""
         with self._lock:
-            out: dict[str, Any] = {"entries": len(self._entries), "bytes": self.nbytes, "max_bytes": self.max_bytes,
-                                   "max_entries": self.max_entries}
+            out = {"entries": len(self._entries), "bytes": self.nbytes, "max_bytes": self.max_bytes,
+                   "max_entries": self.max_entries}
             out.update(self.counters)
         return out
 
@@ -255,7 +255,7 @@ class HitEngine(Protocol):
 
 
 def prepare_hit(engine: HitEngine, plan: Plan, m: FusionMethod, reserve: int, lease: Lease,
-                hit: Hit) -> Generator[Any, Any, Prepared]:
+                hit: Hit) -> PrepareJob[Prepared]:
     """A request's prepare from a kept conversation (in the runner thread, in its turn): the kept KV's first
     ``hit.length`` positions copied into the request's buffer, then the rest of its ids prefilled -- the model's
     own forward for ``full`` (what ``model.generate`` runs after a given prefix cache), the runner's suffix prefill

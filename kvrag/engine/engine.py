@@ -26,7 +26,7 @@ from kvrag.fusion import FusionMethod, Observation, shared_method
 from kvrag.kv import batched, hf_cache
 from kvrag.kv.attention import IMPL
 from kvrag.kv.chunk import ChunkKV
-from kvrag.kv.pieces import Pace, SuffixPrefill, forward_pieces
+from kvrag.kv.pieces import Pace, PrepareJob, SuffixPrefill, forward_pieces
 from kvrag.kv.rope import Rope
 from kvrag.kv.spec import KVSpec, dtype_name, text_config
 from kvrag.kv.window import context_limit
@@ -312,7 +312,7 @@ class KVRAGEngine(ChunkCaching):
 
     def _prepare(self, plan: Plan, m: FusionMethod, reserve: int, lease: Lease, timings: Timings,
                  fetched: tuple[list[str], dict[str, ChunkKV | None]] | None,
-                 computed: list[tuple[str, ChunkKV]]) -> Generator[Any, Any, Prepared]:
+                 computed: list[tuple[str, ChunkKV]]) -> PrepareJob[Prepared]:
         """The prepare itself (in the runner thread, in the request's turn, holding the model): compute missing
         chunk caches, assemble, repair, prefill the suffix. While other requests decode it runs in pieces of about
         the runner's budget (:meth:`Runner.piece_budget_s`), ending one after a computed chunk cache or inside a

@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kvrag.errors import ConfigError
+
+if TYPE_CHECKING:
+    from kvrag.kv.chunk import ChunkKV
 
 Tokenize = Callable[[str], list[int]]
 
@@ -67,7 +70,7 @@ class Plan:
     registered: int
     found: int
     inexact_chunks: int = 0
-    held: Mapping[str, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    held: Mapping[str, ChunkKV] = dataclasses.field(default_factory=dict, compare=False, repr=False)
     prompt_ids: tuple[int, ...] | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @property

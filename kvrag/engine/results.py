@@ -13,6 +13,7 @@ from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from kvrag.fusion.stats import MethodStats
+from kvrag.jsontypes import JSONObject, JSONValue
 
 if TYPE_CHECKING:
     import torch
@@ -22,10 +23,10 @@ if TYPE_CHECKING:
     from kvrag.fusion.base import FusionMethod
 
 
-class _Fields(Mapping[str, Any]):
+class _Fields(Mapping[str, object]):
     """Read-only mapping view over a dataclass's fields (dataclass subclasses only)."""
 
-    def __getitem__(self, key: str) -> Any:
+    def __getitem__(self, key: str) -> object:
         if key not in self._names():
             raise KeyError(key)
         return getattr(self, key)
@@ -40,7 +41,7 @@ class _Fields(Mapping[str, Any]):
     def _names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in dataclasses.fields(cls))  # type: ignore[arg-type]
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         return dataclasses.asdict(self)  # type: ignore[call-overload]
 
 
@@ -113,17 +114,18 @@ class Stats(_Fields):
     drafted_tokens: int | None = None
     accepted_tokens: int | None = None
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         """JSON form: every field, ``method_stats`` as :meth:`MethodStats.to_dict` writes it."""
         return {f.name: self.method_stats.to_dict() if f.name == "method_stats" else getattr(self, f.name)
                 for f in dataclasses.fields(self)}
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Stats:
+    def from_dict(cls, data: Mapping[str, JSONValue]) -> Stats:
         """Read :meth:`to_dict`'s form back (unknown keys are ignored)."""
         names = {f.name for f in dataclasses.fields(cls)} - {"method_stats"}
-        return cls(**{k: v for k, v in data.items() if k in names},
-                   method_stats=MethodStats.from_dict(data.get("method_stats")))
+        fields: dict[str, Any] = {k: v for k, v in data.items() if k in names}  # checked by the dataclass only
+        method = data.get("method_stats")
+        return cls(**fields, method_stats=MethodStats.from_dict(method if isinstance(method, dict) else None))
 
 
 @dataclasses.dataclass
@@ -141,7 +143,7 @@ class Response:
     def ttft_s(self) -> float:
         return float(self.timings.ttft_s or 0.0)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         return {"text": self.text, "token_ids": list(self.token_ids), "method": self.method,
                 "timings": self.timings.to_dict(), "stats": self.stats.to_dict(), "chunk_keys": list(self.chunk_keys)}
 

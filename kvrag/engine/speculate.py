@@ -20,12 +20,18 @@ rolled back by not advancing the request's length. Sampling requests are not dra
 from __future__ import annotations
 
 import dataclasses
+import queue
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from kvrag.errors import ConfigError
+
+if TYPE_CHECKING:
+    from kvrag.engine.generate import DecodeState
+    from kvrag.engine.results import SpecStats
+    from kvrag.kv.batched import Row
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +127,33 @@ class PromptLookup:
         return []
 
 
-def draft_rows(rows: Sequence[Any], spec: SpeculationConfig) -> list[list[int]] | None:
+class Speculating(Protocol):
+    """What drafting and acceptance read and write of a running request (the runner's
+    :class:`~kvrag.engine.handle.Handle`, which imports this module)."""
+
+    state: DecodeState | None
+    """Its decoding state; set to None when choosing its tokens failed."""
+
+    @property
+    def row(self) -> Row | None: ...
+
+    @property
+    def drafter(self) -> PromptLookup | None: ...
+
+    @property
+    def items(self) -> queue.SimpleQueue[tuple[int, str] | BaseException]: ...
+
+    @property
+    def spec(self) -> SpecStats: ...
+
+
+def _decoding(h: Speculating) -> tuple[DecodeState, Row]:
+    if h.state is None or h.row is None:
+        raise ValueError("speculative decoding needs a decoding request (its state and batch row are set)")
+    return h.state, h.row
+
+
+def draft_rows(rows: Sequence[Speculating], spec: SpeculationConfig) -> list[list[int]] | None:
     """Each running request's draft for the next step (the runner's handles: ``drafter``, ``state``, ``row``),
     within the step's token budget; None when no row has one (the plain step runs then).
 
@@ -135,42 +167,44 @@ def draft_rows(rows: Sequence[Any], spec: SpeculationConfig) -> list[list[int]] 
     for h in rows:
         d: list[int] = []
         if h.drafter is not None and budget > 0:
-            left = h.state.cfg.max_new_tokens - h.state.steps - 1  # tokens allowed after the next one
-            room = h.row.buffer.capacity - h.row.length - 1
+            state, row = _decoding(h)
+            left = state.cfg.max_new_tokens - state.steps - 1  # tokens allowed after the next one
+            room = row.buffer.capacity - row.length - 1
             d = h.drafter.draft(min(spec.max_draft, budget, left, room))
             budget -= len(d)
         drafts.append(d)
     return drafts if any(drafts) else None
 
 
-def accept_row(h: Any, feed: Sequence[int], logits: torch.Tensor, greedy: Sequence[int], at: int) -> int:
+def accept_row(h: Speculating, feed: Sequence[int], logits: torch.Tensor, greedy: Sequence[int], at: int) -> int:
     """Choose a request's tokens from a step's logits: ``feed`` (its input, then its draft) was fed at rows
     ``at ..`` of ``logits``; each position's choice is emitted until the answer ends or a choice differs from the
     next drafted token. Advances the request's length past the fed tokens that were kept (the roll-back of the
     rest) and its :class:`~kvrag.engine.results.SpecStats`; returns how many fed tokens were kept."""
     fed = 0
-    sample = h.state.cfg.do_sample
+    state, row = _decoding(h)
+    sample = state.cfg.do_sample
     try:
         for j in range(len(feed)):
             fed += 1
-            for item in h.state.advance(logits[at + j], None if sample else greedy[at + j]):
+            for item in state.advance(logits[at + j], None if sample else greedy[at + j]):
                 h.items.put(item)
-            if h.state.finished:
+            if state.finished:
                 break
-            if h.drafter is not None:
-                h.drafter.push(int(h.state.last))
-            if j + 1 < len(feed) and h.state.last != feed[j + 1]:
+            if h.drafter is not None and state.last is not None:  # (set by a step that did not finish)
+                h.drafter.push(state.last)
+            if j + 1 < len(feed) and state.last != feed[j + 1]:
                 break  # the model chose otherwise: the rest of the draft is dropped
     except Exception as e:  # noqa: BLE001 - this request's consumer gets it
         h.items.put(e)
         h.state = None
     if h.drafter is not None:
         h.drafter.feedback(len(feed) - 1, fed - 1)
-    h.row.length += fed  # K/V written past the kept tokens are overwritten by later steps
+    row.length += fed  # K/V written past the kept tokens are overwritten by later steps
     h.spec.decode_forwards += 1
     h.spec.drafted_tokens += len(feed) - 1
     h.spec.accepted_tokens += fed - 1
     return fed
 
 
-__all__ = ["PromptLookup", "SpeculationConfig", "accept_row", "draft_rows"]
+__all__ = ["PromptLookup", "Speculating", "SpeculationConfig", "accept_row", "draft_rows"]

@@ -24,6 +24,8 @@ from kvrag.kv.spec import KVSpec
 if TYPE_CHECKING:
     from transformers import Cache, PreTrainedModel
 
+    from kvrag.jsontypes import JSONScalar
+    from kvrag.kv.hf_cache import KVBuffer
     from kvrag.kv.pieces import Pace
 
 _TRUE = {"1", "true", "yes", "on", "y", "t"}
@@ -99,7 +101,7 @@ class FusionInput:
     spans: list[Span]
     suffix_ids: torch.Tensor
     canonical_keys: torch.Tensor | None = None
-    buffer: Any = None
+    buffer: KVBuffer | None = None
     chunk_prefix_ids: tuple[int, ...] = ()
 
     def working_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -209,7 +211,7 @@ class FusionMethod(abc.ABC):
         """Raise ConfigError for out-of-range parameters."""
 
     @property
-    def config(self) -> dict[str, Any]:
+    def config(self) -> dict[str, JSONScalar]:
         return {k: getattr(self, k) for k in self.params}
 
     @abc.abstractmethod

@@ -17,13 +17,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
-from kvrag.calibration import CALIBRATION_FORMAT
+from kvrag.calibration import (
+    CALIBRATION_FORMAT,
+    CalibrationRecord,
+    CandidateRecord,
+    CostModelRecord,
+    ModelCostRecord,
+)
 from kvrag.errors import ConfigError
 from kvrag.fusion.cost import ModelCost
 from kvrag.fusion.stats import MethodStats
+from kvrag.jsontypes import JSONValue, as_object
 
 SHIPPED_COST_MODEL = Path(__file__).resolve().parent.parent / "data" / "auto_cost.json"
 COST_FORMAT = "kvrag-auto-cost"
@@ -61,8 +68,8 @@ class Candidate:
             return self.stats
         return dataclasses.replace(self.stats, repairer_flops=self.repairer_flops_per_token * tc)
 
-    def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"spec": self.spec, "kl": self.kl, "ttft_ratio": self.ttft_ratio,
+    def to_dict(self) -> CandidateRecord:
+        d: CandidateRecord = {"spec": self.spec, "kl": self.kl, "ttft_ratio": self.ttft_ratio,
                              "flop_share": self.flop_share, "overhead": self.overhead,
                              "overhead_p90": self.overhead_p90, "stats": self.stats.to_dict()}
         if self.repairer_flops_per_token:
@@ -70,9 +77,10 @@ class Candidate:
         return d
 
     @classmethod
-    def from_dict(cls, spec: str, d: dict[str, Any]) -> Candidate:
+    def from_dict(cls, spec: str, d: CandidateRecord) -> Candidate:
         raw = dict(d.get("stats") or {})
-        per_token = d.get("repairer_flops_per_token", raw.pop("repairer_flops_per_token", None))  # version 1
+        old = raw.pop("repairer_flops_per_token", None)  # version 1
+        per_token = d.get("repairer_flops_per_token", old if isinstance(old, int | float) else None)
         over = float(d["overhead"])
         return cls(spec=str(d.get("spec", spec)), kl=float(d["kl"]), ttft_ratio=float(d["ttft_ratio"]),
                    flop_share=float(d["flop_share"]), overhead=over,
@@ -90,7 +98,7 @@ class CostModel:
         seconds_per_flop: a full prefill's seconds per analytic FLOP on that machine and dtype, with
             ``torch_threads`` threads, for a model of shape ``model_cost`` (None: not measured).
         source: where it was fitted from; path: the file it was read from.
-        info: the file's other fields (hardware, git sha, request count, ...), written back as they are.
+        info: what the file records of the fitting (hardware, git sha, request count, model), written back as it is.
     """
 
     candidates: dict[str, Candidate]
@@ -101,7 +109,7 @@ class CostModel:
     model_cost: ModelCost | None = None
     source: str = ""
     path: str | None = None
-    info: dict[str, Any] = dataclasses.field(default_factory=dict)
+    info: CostModelRecord = dataclasses.field(default_factory=lambda: CostModelRecord())
 
     def fitted_for(self, machine_kind: str, dtype: str) -> bool:
         """Whether this cost model was fitted on ``machine_kind`` in ``dtype`` (unrecorded: no)."""
@@ -115,17 +123,20 @@ class CostModel:
             return self.seconds_per_flop
         return None
 
-    def to_dict(self) -> dict[str, Any]:
-        d = {**self.info, "format": COST_FORMAT, "version": COST_VERSION, "source": self.source,
-             "machine_kind": self.machine_kind, "dtype": self.dtype,
-             "methods": {s: c.to_dict() for s, c in self.candidates.items()}}
+    def to_dict(self) -> CostModelRecord:
+        d: CostModelRecord = {**self.info, "format": COST_FORMAT, "version": COST_VERSION, "source": self.source,
+                              "machine_kind": self.machine_kind, "dtype": self.dtype,
+                              "methods": {s: c.to_dict() for s, c in self.candidates.items()}}
         if self.seconds_per_flop:
-            d.update(seconds_per_flop=self.seconds_per_flop, torch_threads=self.torch_threads,
-                     model_cost=dataclasses.asdict(self.model_cost) if self.model_cost else None)
+            mc = self.model_cost
+            d.update({"seconds_per_flop": self.seconds_per_flop, "torch_threads": self.torch_threads,
+                      "model_cost": ModelCostRecord(num_layers=mc.num_layers, state_flops=mc.state_flops,
+                                                    pair_flops=mc.pair_flops, head_flops=mc.head_flops)
+                      if mc else None})
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any], path: str | None = None) -> CostModel:
+    def from_dict(cls, d: CostModelRecord, path: str | None = None) -> CostModel:
         where = path or "the cost model"
         if d.get("format") != COST_FORMAT or not d.get("methods"):
             msg = f"{where} is not a kvrag auto cost model (format {COST_FORMAT} with a 'methods' table)"
@@ -136,12 +147,19 @@ class CostModel:
             msg = f"{where}: a method entry lacks kl / ttft_ratio / flop_share / overhead ({e})"
             raise ConfigError(msg) from e
         mc = d.get("model_cost")
-        known = {"format", "version", "source", "machine_kind", "dtype", "methods", "seconds_per_flop",
-                 "torch_threads", "model_cost"}
+        info = CostModelRecord()
+        if "hardware" in d:
+            info["hardware"] = d["hardware"]
+        if "git_sha" in d:
+            info["git_sha"] = d["git_sha"]
+        if "n_requests" in d:
+            info["n_requests"] = d["n_requests"]
+        if "model" in d:
+            info["model"] = d["model"]
         return cls(candidates=cands, machine_kind=d.get("machine_kind"), dtype=d.get("dtype"),
                    seconds_per_flop=d.get("seconds_per_flop"), torch_threads=d.get("torch_threads"),
                    model_cost=ModelCost(**mc) if mc else None, source=str(d.get("source") or ""), path=path,
-                   info={k: v for k, v in d.items() if k not in known})
+                   info=info)
 
 
 def load_cost_model(path: str | Path | None = None, dtype: str | None = None) -> CostModel:
@@ -158,24 +176,29 @@ def load_cost_model(path: str | Path | None = None, dtype: str | None = None) ->
     except ValueError as e:
         msg = f"{p} is not valid JSON ({e}); refit it or pass another auto:costs=FILE"
         raise ConfigError(msg) from e
-    if isinstance(data, dict) and data.get("format") == CALIBRATION_FORMAT:
+    if (data.get("format") if isinstance(data, dict) else None) == CALIBRATION_FORMAT:
         data = _calibrated(data, dtype, p)
     return CostModel.from_dict(data, str(p))
 
 
-def _calibrated(cal: dict[str, Any], dtype: str | None, p: Path) -> dict[str, Any]:
+def _calibrated(cal: CalibrationRecord, dtype: str | None, p: Path) -> CostModelRecord:
     """The cost model of a calibration file for ``dtype`` (or its only one)."""
-    models = {d: c.get("cost_model") for d, c in (cal.get("dtypes") or {}).items() if c.get("cost_model")}
+    models = {d: m for d, c in (cal.get("dtypes") or {}).items() if (m := c.get("cost_model"))}
     if dtype in models:
-        return dict(models[dtype])
+        return models[dtype].copy()
     if dtype is None and len(models) == 1:
-        return dict(next(iter(models.values())))
+        return next(iter(models.values())).copy()
     msg = f"{p} is a kvrag calibration with cost models for {sorted(models) or 'no dtype'}, not for {dtype}"
     raise ConfigError(msg)
 
 
-def fit_cost_model(summary: dict[str, Any], *, source: str = "", machine_kind: str | None = None,
-                   dtype: str | None = None) -> dict[str, Any]:
+def _number(v: JSONValue) -> float | None:
+    """A summary's number field (missing or not a number: None)."""
+    return v if isinstance(v, int | float) else None
+
+
+def fit_cost_model(summary: Mapping[str, JSONValue], *, source: str = "", machine_kind: str | None = None,
+                   dtype: str | None = None) -> CostModelRecord:
     """A cost model (its JSON form) from a ``kvrag bench`` summary: per method its mean stats, overhead and KL.
 
     Methods without a measured TTFT ratio, FLOP share or KL (e.g. a run without ``full``) are left out; ``full``
@@ -188,19 +211,20 @@ def fit_cost_model(summary: dict[str, Any], *, source: str = "", machine_kind: s
             'cpu-avx2', and 'float32'); default: the summary's ``machine`` record (``kind``, ``dtype``; what
             ``kvrag bench`` writes), else ``hardware.machine_kind`` and ``dtype`` (or ``config.dtype``).
     """
-    hw, machine = summary.get("hardware") or {}, summary.get("machine") or {}
+    hw, machine = as_object(summary.get("hardware")), as_object(summary.get("machine"))
     kind = machine_kind or machine.get("kind") or hw.get("machine_kind")
-    dt = dtype or machine.get("dtype") or summary.get("dtype") or (summary.get("config") or {}).get("dtype")
+    dt = dtype or machine.get("dtype") or summary.get("dtype") or as_object(summary.get("config")).get("dtype")
     if not kind or not dt:
         msg = ("the summary does not record the machine kind and dtype it was measured on; pass them "
                "(kvrag bench fit-auto --machine-kind cpu-avx2 --dtype float32; see kvrag.calibration.machine_kind)")
         raise ConfigError(msg)
     cands: dict[str, Candidate] = {}
-    for label, m in (summary.get("methods") or {}).items():
-        ratio, share, kl = m.get("ttft_ratio"), m.get("flop_share"), m.get("kl")
+    for label, entry in as_object(summary.get("methods")).items():
+        m = as_object(entry)
+        ratio, share, kl = _number(m.get("ttft_ratio")), _number(m.get("flop_share")), _number(m.get("kl"))
         if ratio is None or not share or kl is None:
             continue
-        mean = MethodStats.from_dict(m.get("method_stats_mean"))
+        mean = MethodStats.from_dict(as_object(m.get("method_stats_mean")))
         stats = MethodStats(recomputed_fraction=mean.recomputed_fraction,
                             attention_edges_ratio=mean.attention_edges_ratio,
                             attention_computed_ratio=mean.attention_computed_ratio,
@@ -211,13 +235,14 @@ def fit_cost_model(summary: dict[str, Any], *, source: str = "", machine_kind: s
         per_token = mean.repairer_flops / (rtok / rfrac) if mean.repairer_flops and rtok and rfrac else None
         over = ratio / share
         cands[label] = Candidate(spec=label, kl=kl, ttft_ratio=ratio, flop_share=share, overhead=over,
-                                 overhead_p90=m.get("overhead_p90") or over, stats=stats,
+                                 overhead_p90=_number(m.get("overhead_p90")) or over, stats=stats,
                                  repairer_flops_per_token=per_token)
     if not cands:
         msg = "the summary has no method with a TTFT ratio, FLOP share and KL (run kvrag bench with full among --methods)"
         raise ConfigError(msg)
-    info = {"hardware": summary.get("hardware"), "git_sha": summary.get("git_sha"),
-            "n_requests": summary.get("n_requests")}
+    n = summary.get("n_requests")
+    info: CostModelRecord = {"hardware": summary.get("hardware"), "git_sha": summary.get("git_sha"),
+                             "n_requests": n if isinstance(n, int) else None}
     return CostModel(cands, machine_kind=str(kind), dtype=str(dt).removeprefix("torch."), source=source,
                      info=info).to_dict()
 

@@ -12,6 +12,7 @@ full causal context) and :class:`PrefixAttention` replaces the model's attention
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -104,22 +105,37 @@ def plain_attention(model: PreTrainedModel) -> bool:
     return True
 
 
-def run_targets_prefix(
-    model: PreTrainedModel,
-    layer: int,
-    hidden: torch.Tensor,
-    tgt: torch.Tensor,
-    ctx: torch.Tensor | None,
-    k_out: torch.Tensor,
-    v_out: torch.Tensor,
-    attn: PrefixAttention,
-) -> tuple[torch.Tensor, int, int]:
-    """One layer call for all sorted targets ``tgt``: projections and MLP as one GEMM each, attention by ``attn``
-    (inside :func:`hf_cache.capture_attention`). Same semantics as the reference executor of
+@dataclasses.dataclass(frozen=True)
+class LayerTargets:
+    """One layer's step of a selective recompute, what either executor runs (:func:`run_targets_prefix`, or the
+    reference one of :mod:`kvrag.fusion.recompute`).
+
+    Attributes:
+        model / layer: the model and the decoder layer's index.
+        hidden: the layer's input hidden states of the targets.
+        tgt: the sorted target positions (recomputed fresh).
+        ctx: the readable context positions (None: every position).
+        k_out / v_out: the working cache's keys and values of the layer, where the targets' fresh K/V are written.
+    """
+
+    model: PreTrainedModel
+    layer: int
+    hidden: torch.Tensor
+    tgt: torch.Tensor
+    ctx: torch.Tensor | None
+    k_out: torch.Tensor
+    v_out: torch.Tensor
+
+
+def run_targets_prefix(step: LayerTargets, attn: PrefixAttention) -> tuple[torch.Tensor, int, int]:
+    """One layer call for all sorted targets ``step.tgt``: projections and MLP as one GEMM each, attention by
+    ``attn`` (inside :func:`hf_cache.capture_attention`). Same semantics as the reference executor of
     :func:`kvrag.fusion.recompute.selective_recompute`: target ``t`` reads the readable positions ``< t`` from the
     working cache and the targets ``<= t`` fresh.
 
     Returns (hidden out, useful pairs, computed pairs)."""
+    model, layer, hidden, tgt, ctx = step.model, step.layer, step.hidden, step.tgt, step.ctx
+    k_out, v_out = step.k_out, step.v_out
     dev = k_out.device
     lim = int(tgt[-1]) + 1
     if ctx is None:

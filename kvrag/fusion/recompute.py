@@ -26,7 +26,7 @@ import torch
 
 from kvrag.errors import ConfigError
 from kvrag.fusion.base import FusionInput, FusionOutput
-from kvrag.fusion.prefix_attention import PrefixAttention, plain_attention, run_targets_prefix
+from kvrag.fusion.prefix_attention import LayerTargets, PrefixAttention, plain_attention, run_targets_prefix
 from kvrag.fusion.stats import MethodStats
 from kvrag.kv import hf_cache, pieces
 from kvrag.kv.window import layer_windows, window_mask
@@ -317,10 +317,8 @@ def _recompute_layers(
                 if tgt.numel() == 0:
                     done.extend(torch.zeros(0, dtype=torch.long) for _ in range(n_layers - layer))
                     break
-        if attn is not None:
-            hidden, e, c = run_targets_prefix(model, layer, hidden, tgt, ctx_list[layer], k_out, v_out, attn)
-        else:
-            hidden, e, c = _run_targets(model, layer, hidden, tgt, ctx_list[layer], k_out, v_out, rows)
+        step = LayerTargets(model, layer, hidden, tgt, ctx_list[layer], k_out, v_out)
+        hidden, e, c = run_targets_prefix(step, attn) if attn is not None else _run_targets(step, rows)
         edges += e
         computed += c
         states += int(tgt.numel())
@@ -329,17 +327,8 @@ def _recompute_layers(
     return RecomputeResult(k_out, v_out, done, states + extra, edges, 0.0, computed), hidden
 
 
-def _run_targets(
-    model: PreTrainedModel,
-    layer: int,
-    hidden: torch.Tensor,
-    tgt: torch.Tensor,
-    ctx: torch.Tensor | None,
-    k_out: torch.Tensor,
-    v_out: torch.Tensor,
-    block_size: int,
-) -> tuple[torch.Tensor, int, int]:
-    """Run one layer for the sorted targets ``tgt`` (blocks in position order); write their fresh K/V.
+def _run_targets(step: LayerTargets, block_size: int) -> tuple[torch.Tensor, int, int]:
+    """Run one layer for the sorted targets ``step.tgt`` (blocks in position order); write their fresh K/V.
 
     The reference executor: one layer call per block of ``block_size`` targets, each over the gathered readable
     context plus the block's own fresh rows (dense [N, C + N] bias). :class:`PrefixAttention` gives the same result
@@ -347,6 +336,8 @@ def _run_targets(
     sinks, sliding windows), whose kernel we must not replace.
 
     Returns (hidden out, useful pairs, computed pairs)."""
+    model, layer, hidden, tgt, ctx = step.model, step.layer, step.hidden, step.tgt, step.ctx
+    k_out, v_out = step.k_out, step.v_out
     tc = k_out.shape[2]
     dev = k_out.device
     kind, size = layer_windows(model.config)[layer]

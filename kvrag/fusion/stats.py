@@ -12,7 +12,10 @@ string key.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
+
+from kvrag.jsontypes import JSONObject, JSONValue
 
 REPAIR_PREFIX = "repair_"
 """Key prefix of the CacheRepair step's statistics inside ``hybrid``'s (``repair_repaired_tokens``, ...)."""
@@ -92,12 +95,12 @@ class MethodStats:
     auto_levels: list[float] | None = None
     auto_confidences: list[float] | None = None
     auto_reason: str | None = None
-    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+    extra: JSONObject = dataclasses.field(default_factory=dict)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         """The reported fields as a JSON-serializable dict (None fields left out; ``repair`` flattened with the
         ``repair_`` prefix, without its recomputed fraction; ``extra`` merged)."""
-        out: dict[str, Any] = {}
+        out: JSONObject = {}
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if f.name == "extra" or v is None:
@@ -112,14 +115,14 @@ class MethodStats:
         return out
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any] | None) -> MethodStats:
+    def from_dict(cls, data: Mapping[str, JSONValue] | None) -> MethodStats:
         """Read :meth:`to_dict`'s form back (e.g. a results JSON, or a bench summary's mean stats, whose integer
         fields are then means). ``repair_*`` keys that are not fields of their own go to ``repair``; unknown keys
         to ``extra``."""
         names = {f.name for f in dataclasses.fields(cls)} - {"extra", "repair"}
-        kwargs: dict[str, Any] = {}
-        repair: dict[str, Any] = {}
-        extra: dict[str, Any] = {}
+        kwargs: dict[str, Any] = {}  # checked by the dataclass's fields only
+        repair: JSONObject = {}
+        extra: JSONObject = {}
         for k, v in (data or {}).items():
             if k in names:
                 kwargs[k] = v

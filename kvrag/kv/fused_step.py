@@ -35,7 +35,7 @@ from __future__ import annotations
 import array
 import weakref
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -44,6 +44,20 @@ from kvrag.kv.window import first_key
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
+
+    from kvrag.kv.hf_cache import KVBuffer
+
+
+class StepRow(Protocol):
+    """What a step reads of a request's row (a :class:`kvrag.kv.batched.Row`; batched imports the step's modules):
+    the K/V buffer it reads and writes, and how many positions of it are filled."""
+
+    @property
+    def buffer(self) -> KVBuffer: ...
+
+    @property
+    def length(self) -> int: ...
+
 
 _plans: weakref.WeakKeyDictionary[PreTrainedModel, _Plan] = weakref.WeakKeyDictionary()
 
@@ -202,7 +216,7 @@ def _plan(model: PreTrainedModel) -> _Plan:
     return plan
 
 
-def _kv_dtype(plan: _Plan, rows: Sequence[Any]) -> torch.dtype:
+def _kv_dtype(plan: _Plan, rows: Sequence[StepRow]) -> torch.dtype:
     """The K/V dtype of a step's rows: the model's, or bfloat16 under a float32 model (every row alike)."""
     kinds = {r.buffer.keys.dtype for r in rows}
     kv = kinds.pop() if len(kinds) == 1 else None
@@ -232,7 +246,7 @@ def _mlp(layer: _Layer, x: torch.Tensor, b: int, s: int, n_q: int) -> torch.Tens
     return layer.down.forward(layer.act(gu[..., : layer.inter]) * gu[..., layer.inter :])  # type: ignore[union-attr]
 
 
-def _entries(plan: _Plan, rows: Sequence[Any], counts: Sequence[int],
+def _entries(plan: _Plan, rows: Sequence[StepRow], counts: Sequence[int],
              windows: Sequence[tuple[str, int | None]], kv_dtype: torch.dtype) -> array.array:
     """int64 [layers, queries, 5]: each query's keys / values address of the layer, K/V head stride, position and
     first attended position (``kvrag_rope_attend``'s entries)."""
@@ -268,7 +282,7 @@ def _norm_heads(norm: Callable[[torch.Tensor], torch.Tensor], part: torch.Tensor
 
 
 @torch.inference_mode()
-def forward(model: PreTrainedModel, ids: torch.Tensor, pos: torch.Tensor, keep: int | torch.Tensor, rows: Sequence[Any],
+def forward(model: PreTrainedModel, ids: torch.Tensor, pos: torch.Tensor, keep: int | torch.Tensor, rows: Sequence[StepRow],
             counts: Sequence[int], windows: Sequence[tuple[str, int | None]]) -> torch.Tensor:
     """A step feeding ``counts[i]`` tokens to row ``rows[i]`` (``ids`` / ``pos``: [B, 1] with one token per row, or
     [1, T] packed row after row), writing their K/V into the rows' buffers: logits [B, keep, V] as the model's
@@ -333,4 +347,4 @@ def forward(model: PreTrainedModel, ids: torch.Tensor, pos: torch.Tensor, keep: 
     return step_layout.head(model, h, keep)
 
 
-__all__ = ["forward", "why_not"]
+__all__ = ["StepRow", "forward", "why_not"]

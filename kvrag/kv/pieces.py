@@ -132,6 +132,11 @@ class SuffixPrefill:
     ids: tuple[int, ...]
 
 
+PrepareJob = Generator[SuffixPrefill | None, tuple[torch.Tensor, float], T]
+"""A prepare job in pieces: it yields None at a piece boundary (resumed with ``next``) or a :class:`SuffixPrefill`
+at its suffix prefill (resumed with ``send((logits [V], seconds))``), and returns its result."""
+
+
 def run_whole(pieces: Generator[None, None, T]) -> T:
     """Drive a piece generator to its end (a generator given :data:`WHOLE` never yields) and return its value."""
     try:
@@ -271,5 +276,5 @@ def forward_pieces(model: PreTrainedModel, input_ids: torch.Tensor, cache: Cache
         lambda: hf_cache.forward(model, input_ids, cache, start=start, logits_to_keep=logits_to_keep), pace))
 
 
-__all__ = ["CHECKPOINTS", "PIECE_OF_STEP", "WHOLE", "Budget", "Pace", "SuffixPrefill", "call_pieces", "forward_pieces",
+__all__ = ["CHECKPOINTS", "PIECE_OF_STEP", "WHOLE", "Budget", "Pace", "PrepareJob", "SuffixPrefill", "call_pieces", "forward_pieces",
            "run_whole"]

@@ -44,12 +44,8 @@
 #define EXP_LOG2E 1.44269504088896341f
 #define EXP_LN2_HI 0.693359375f
 #define EXP_LN2_LO -2.12194440e-4f
-#define EXP_P0 1.9875691500e-4f
-#define EXP_P1 1.3981999507e-3f
-#define EXP_P2 8.3334519073e-3f
-#define EXP_P3 4.1665795894e-2f
-#define EXP_P4 1.6666665459e-1f
-#define EXP_P5 5.0000001201e-1f
+static const float EXP_P[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                                4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
 
 /* ------------------------------------------------------------------------------------------------- bfloat16 */
 #define BF __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
@@ -60,12 +56,8 @@ BF static inline __m512 exp512(__m512 x) { /* x <= 0 */
                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_HI), x);
     r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_LO), r);
-    __m512 y = _mm512_set1_ps(EXP_P0);
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(EXP_P1));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(EXP_P2));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(EXP_P3));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(EXP_P4));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(EXP_P5));
+    __m512 y = _mm512_set1_ps(EXP_P[0]);
+    for (int i = 1; i < 6; i++) y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(EXP_P[i])); /* Horner, highest first */
     y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
     return _mm512_scalef_ps(y, n);
 }
@@ -214,12 +206,8 @@ F32 static inline __m256 exp256(__m256 x) { /* x <= 0 */
                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2_HI), x);
     r = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2_LO), r);
-    __m256 y = _mm256_set1_ps(EXP_P0);
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(EXP_P1));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(EXP_P2));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(EXP_P3));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(EXP_P4));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(EXP_P5));
+    __m256 y = _mm256_set1_ps(EXP_P[0]);
+    for (int i = 1; i < 6; i++) y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(EXP_P[i])); /* Horner, highest first */
     y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
     __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(y, _mm256_castsi256_ps(e));

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 
@@ -35,6 +35,18 @@ def dtype_from_name(name: str) -> torch.dtype:
     except KeyError as e:
         msg = f"unknown dtype {name!r}; expected one of {sorted(DTYPES)}"
         raise ConfigError(msg) from e
+
+
+class KVSpecRecord(TypedDict, total=False):
+    """A :class:`KVSpec`'s JSON form (in every stored entry's header); keys a version does not know are ignored."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    rope_type: str
+    rope_pairing: str
+    model_fingerprint: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,13 +94,16 @@ class KVSpec:
     def with_dtype(self, dtype: str) -> KVSpec:
         return dataclasses.replace(self, dtype=dtype)
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+    def to_dict(self) -> KVSpecRecord:
+        return {"num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
+                "dtype": self.dtype, "rope_type": self.rope_type, "rope_pairing": self.rope_pairing,
+                "model_fingerprint": self.model_fingerprint}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> KVSpec:
+    def from_dict(cls, d: KVSpecRecord) -> KVSpec:
         fields = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in fields})
+        known: dict[str, Any] = {k: v for k, v in d.items() if k in fields}  # checked by __post_init__
+        return cls(**known)
 
     @classmethod
     def from_model_config(cls, config: PretrainedConfig, *, dtype: torch.dtype | str, model_fingerprint: str = "",

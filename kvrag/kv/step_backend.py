@@ -51,7 +51,7 @@ class Step:
     pos: torch.Tensor
     mask: torch.Tensor
     keep: int | torch.Tensor
-    rows: Sequence[Any]
+    rows: Sequence[fused_step.StepRow]
     counts: Sequence[int]
     windows: Sequence[tuple[str, int | None]]
     attention: Callable[..., tuple[torch.Tensor, None]]

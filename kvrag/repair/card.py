@@ -20,10 +20,11 @@ import logging
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from kvrag.errors import ConfigError
+from kvrag.jsontypes import JSONObject, as_object
 from kvrag.repair.model import CONFIG_NAME
+from kvrag.repair.records import CurveRow, InitFrom, RepairerConfig
 from kvrag.repair.shipped import SHIPPED_DIR
 
 log = logging.getLogger(__name__)
@@ -37,9 +38,9 @@ DOCS_DIR = SHIPPED_DIR.parents[2] / "docs" / "repairers"
 """Where the cards of the shipped repairers live in a source checkout (beside the docs, not in the wheel)."""
 
 
-def read_curve(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def read_curve(path: Path) -> tuple[list[CurveRow], list[CurveRow]]:
     """(train rows, eval rows) of a ``curve.jsonl``."""
-    rows = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.is_file() else []
+    rows: list[CurveRow] = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.is_file() else []
     return [r for r in rows if r.get("kind") == "train"], [r for r in rows if r.get("kind") == "eval"]
 
 
@@ -85,7 +86,7 @@ def _at(step: object) -> str:
     return f" at step {step}" if step is not None else ""
 
 
-def _init_chain(init: dict[str, Any] | None) -> list[str]:
+def _init_chain(init: InitFrom | None) -> list[str]:
     """Card lines for the runs a continued training started from (newest first)."""
     lines = []
     while init:
@@ -98,7 +99,7 @@ def _init_chain(init: dict[str, Any] | None) -> list[str]:
     return lines
 
 
-def render_card(meta: dict[str, Any], *, command: str | None, bench: dict[str, Any] | None,
+def render_card(meta: RepairerConfig, *, command: str | None, bench: JSONObject | None,
                 bench_command: str | None, has_plot: bool) -> str:
     """The model card text."""
     tr = meta.get("training", {})
@@ -172,12 +173,13 @@ def render_card(meta: dict[str, Any], *, command: str | None, bench: dict[str, A
         lines += ["", f"![learning curve]({CURVE_PNG})"]
     if bench:
         lines += ["", "## End to end (kvrag bench)", ""]
-        hw = bench.get("hardware", {})
-        lines.append(f"{bench.get('config', {}).get('limit') or ''} requests from "
-                     f"`{Path(str(bench.get('config', {}).get('data', '?'))).name}`; hardware: "
+        hw, config = as_object(bench.get("hardware")), as_object(bench.get("config"))
+        lines.append(f"{config.get('limit') or ''} requests from "
+                     f"`{Path(str(config.get('data', '?'))).name}`; hardware: "
                      f"{hw.get('cpu', '?')} ({hw.get('cores', '?')} cores, torch threads {hw.get('torch_threads', '?')}).")
         lines += ["", "| method | n | F1 | KL(full‖m) | TTFT p50 s | TTFT / full |", "|---|---:|---:|---:|---:|---:|"]
-        for name, m in bench.get("methods", {}).items():
+        for name, entry in as_object(bench.get("methods")).items():
+            m = as_object(entry)
             lines.append(f"| `{name}` | {m.get('n')} | {_fmt(m.get('f1'), 3)} | {_fmt(m.get('kl'))} | "
                          f"{_fmt(m.get('ttft_p50_s'), 3)} | {_fmt(m.get('ttft_ratio'), 2)} |")
         if bench_command:

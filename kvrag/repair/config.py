@@ -11,6 +11,7 @@ stored as ``[L, 2, H_kv, D]`` (the same order).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -122,17 +123,18 @@ class RepairConfig:
         return cls(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, embed_dim=embed_dim,
                    preset=preset, **fields)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, int | float | str]:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> RepairConfig:
+    def from_dict(cls, d: Mapping[str, int | float | str]) -> RepairConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - names
         if unknown:
             msg = f"repairer architecture has unknown fields {sorted(unknown)} (written by a newer kvrag?)"
             raise ConfigError(msg)
-        return cls(**d)
+        fields: dict[str, Any] = dict(d)  # the fields as to_dict wrote them (sizes checked by __post_init__)
+        return cls(**fields)
 
 
 __all__ = ["PRESETS", "RepairConfig", "pack_kv", "unpack_kv"]

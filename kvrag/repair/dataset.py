@@ -15,12 +15,12 @@ import os
 import uuid
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from kvrag.errors import ConfigError
 from kvrag.repair.pairs import PAIR_FORMAT_VERSION, PairBuilder, PairedExample
+from kvrag.repair.records import DocumentGroup, PairManifest
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ class CorpusIndex:
     def __len__(self) -> int:
         return len(self.offsets)
 
-    def read(self, i: int) -> dict[str, Any]:
+    def read(self, i: int) -> DocumentGroup:
         with self.path.open("rb") as f:
             f.seek(self.offsets[i])
             g = json.loads(f.readline())
@@ -124,7 +124,7 @@ class PairDataset:
         if self.cache_dir is not None:
             self._check_manifest({**builder.identity(), "cache_dtype": cache_dtype})
 
-    def _check_manifest(self, ident: dict[str, Any]) -> None:
+    def _check_manifest(self, ident: PairManifest) -> None:
         assert self.cache_dir is not None
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         path = self.cache_dir / "manifest.json"

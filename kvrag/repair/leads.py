@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvrag.errors import ConfigError
 from kvrag.prompting import TEMPLATES, render_chat
@@ -36,6 +36,8 @@ from kvrag.repair.documents import DEFAULT_CHUNK_FORMAT
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+    from kvrag.repair.records import DocumentGroup
 
 _MARK = "\u2063KVRAG_LEAD\u2063"
 
@@ -175,7 +177,7 @@ def pick_lead(kinds: Sequence[str], group_id: str) -> str:
     return kinds[h % len(kinds)]
 
 
-def group_question(group: dict[str, Any]) -> str:
+def group_question(group: DocumentGroup) -> str:
     """A question about a training group's first passage (leads that quote the question use it)."""
     titles = [t for t in group.get("titles") or [] if t and str(t).strip()]
     return f"What is known about {str(titles[0]).strip()}?" if titles else "What do these documents say?"

@@ -32,9 +32,8 @@ import json
 import logging
 import os
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -42,6 +41,7 @@ from torch import nn
 from kvrag.errors import CacheCorruptError, CheckpointMismatchError, ConfigError
 from kvrag.repair.config import PRESETS, RepairConfig, pack_kv, unpack_kv
 from kvrag.repair.layers import RepairBlock, StaleEncoder, _chunk_spans, _rope_cos_sin, block_causal_mask
+from kvrag.repair.records import RepairerConfig, TrainingSummary
 
 log = logging.getLogger(__name__)
 
@@ -299,8 +299,8 @@ class RepairModel(nn.Module):
         target_fingerprint: str,
         target_name: str = "",
         target_weights_fingerprint: str = "",
-        training: dict[str, Any] | None = None,
-        extra: dict[str, Any] | None = None,
+        training: TrainingSummary | None = None,
+        extra: Mapping[str, object] | None = None,
     ) -> Path:
         """Write ``repair_config.json`` + ``repair_model.safetensors`` into ``directory`` (atomic per file).
 
@@ -413,7 +413,7 @@ class RepairModel(nn.Module):
         return model
 
 
-def read_config(directory: str | os.PathLike[str]) -> dict[str, Any]:
+def read_config(directory: str | os.PathLike[str]) -> RepairerConfig:
     """The parsed ``repair_config.json`` of a repairer directory (ConfigError if absent or not a repairer)."""
     path = Path(directory) / CONFIG_NAME
     try:

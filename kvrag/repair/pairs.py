@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,6 +28,7 @@ from kvrag.kv.rope import Rope
 from kvrag.kv.spec import KVSpec
 from kvrag.repair.config import pack_kv
 from kvrag.repair.documents import ChunkRenderer, Renderer, build_document, renderer_identity
+from kvrag.repair.records import DocumentGroup, NormStats, PairManifest
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -174,7 +175,7 @@ class PairBuilder:
             msg = "lead_kinds need the tokenizer (to render the leads through its chat template)"
             raise ConfigError(msg)
 
-    def lead(self, group: dict[str, Any]) -> tuple[str, tuple[int, ...] | None]:
+    def lead(self, group: DocumentGroup) -> tuple[str, tuple[int, ...] | None]:
         """(lead kind, lead ids) of one group: a drawn real-prompt lead, else ``lead_ids`` (None: P)."""
         if not self.lead_kinds:
             return "", self.lead_ids
@@ -186,7 +187,7 @@ class PairBuilder:
         text = render_lead(tok, kind, group_question(group))
         return kind, tuple(tok(text, add_special_tokens=False)["input_ids"])
 
-    def chunks(self, group: dict[str, Any], lead_kind: str = "") -> list[list[int]] | None:
+    def chunks(self, group: DocumentGroup, lead_kind: str = "") -> list[list[int]] | None:
         """The document's spans (chunks, and separators between them in the per-lead style)."""
         passages = group.get("passages") or []
         titles = group.get("titles") or [""] * len(passages)
@@ -199,7 +200,7 @@ class PairBuilder:
         return build_document(titles, passages, self.tokenize, renderer=renderer, max_tokens=self.max_tokens,
                               max_chunks=self.max_chunks, min_chunks=self.min_chunks, separator=separator)
 
-    def build(self, group: dict[str, Any]) -> PairedExample | None:
+    def build(self, group: DocumentGroup) -> PairedExample | None:
         kind, lead_ids = self.lead(group)
         chunks = self.chunks(group, kind)
         if chunks is None:
@@ -214,7 +215,7 @@ class PairBuilder:
             return style_identity()
         return renderer_identity(self.renderer)
 
-    def identity(self) -> dict[str, Any]:
+    def identity(self) -> PairManifest:
         """What the examples depend on (the pair-cache manifest)."""
         return {
             "format_version": PAIR_FORMAT_VERSION,
@@ -232,7 +233,7 @@ class PairBuilder:
 
 
 def compute_stats(examples: Iterable[PairedExample], num_layers: int, num_kv_heads: int,
-                  floor: float = 1e-3) -> dict[str, Any]:
+                  floor: float = 1e-3) -> NormStats:
     """sigma_stale and sigma_delta: RMS over document tokens per (layer, K/V, head, coordinate) (CacheRepair §4.2).
 
     Args:
@@ -254,12 +255,13 @@ def compute_stats(examples: Iterable[PairedExample], num_layers: int, num_kv_hea
     if ss is None or sd is None or n == 0:
         msg = "cannot compute normalization statistics from zero documents"
         raise ConfigError(msg)
-    out: dict[str, Any] = {"tokens": n, "documents": docs}
-    for name, acc in (("sigma_stale", ss), ("sigma_delta", sd)):
+
+    def scale(acc: torch.Tensor) -> torch.Tensor:
         rms = (acc / n).sqrt().reshape(num_layers, 2, num_kv_heads, -1)  # [L, 2, H, D]
         comp_mean = rms.mean(dim=(0, 2, 3), keepdim=True)  # per K/V component
-        out[name] = torch.maximum(rms, floor * comp_mean).clamp_min(1e-12).float()
-    return out
+        return torch.maximum(rms, floor * comp_mean).clamp_min(1e-12).float()
+
+    return {"tokens": n, "documents": docs, "sigma_stale": scale(ss), "sigma_delta": scale(sd)}
 
 
 def region_masks(chunk_index: torch.Tensor, boundary: int = BOUNDARY_TOKENS, num_exact: int = 0) -> dict[str, torch.Tensor]:

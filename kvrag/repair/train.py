@@ -24,8 +24,9 @@ import json
 import logging
 import os
 import time
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -43,9 +44,12 @@ from kvrag.repair.evaluate import evaluate
 from kvrag.repair.leads import chunk_style_table
 from kvrag.repair.model import RepairModel
 from kvrag.repair.pairs import PairBuilder, PairedExample, compute_stats
+from kvrag.repair.records import Conditioning, InitFrom, StatsMeta, TrainingSummary
 from kvrag.repair.train_config import TrainConfig, lr_factor
 
 if TYPE_CHECKING:
+    from tqdm import tqdm
+
     from kvrag.models import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -149,8 +153,8 @@ class Trainer:
         with torch.random.fork_rng(devices=[]):  # seeded init without touching the caller's global RNG
             torch.manual_seed(cfg.seed)
             self.model = RepairModel(self.rcfg).to(self.device)
-        self.stats_meta: dict[str, Any] = {}
-        self.init_meta: dict[str, Any] | None = None
+        self.stats_meta: StatsMeta = {}
+        self.init_meta: InitFrom | None = None
         state_dir = self.out / STATE_DIR
         resume = resume and state_dir.is_dir()
         if resume:
@@ -251,7 +255,7 @@ class Trainer:
                   metadata={"meta": json.dumps(self.stats_meta)})
         os.replace(tmp, path)
 
-    def _progress(self, it: Any, desc: str, unit: str, **kw: Any) -> Any:
+    def _progress(self, it: Iterable[int], desc: str, unit: str, **kw: int) -> tqdm[int]:
         from tqdm.auto import tqdm
 
         return tqdm(it, desc=desc, unit=unit, disable=not self.cfg.progress, **kw)
@@ -308,7 +312,7 @@ class Trainer:
         return {"loss": loss_sum / self.cfg.batch_docs, "tokens": toks, "lr": lr, "grad_norm": float(gnorm),
                 "data_s": data_s, "compute_s": comp_s}
 
-    def train(self) -> dict[str, Any]:
+    def train(self) -> TrainingSummary:
         """Run until ``cfg.steps`` updates, with periodic evaluation and checkpoints. Returns the summary."""
         cfg = self.cfg
         if self.eval_set is not None and len(self.eval_set) == 0:
@@ -358,12 +362,12 @@ class Trainer:
         return evaluate(self, dataset)
 
     # ----------------------------------------------------------------- output
-    def _log(self, rec: dict[str, Any]) -> None:
+    def _log(self, rec: Mapping[str, object]) -> None:
         with (self.out / CURVE_FILE).open("a") as f:
             f.write(json.dumps(rec) + "\n")
         log.info("%s", rec)
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> TrainingSummary:
         last_eval = None
         curve = self.out / CURVE_FILE
         if curve.is_file():
@@ -397,7 +401,7 @@ class Trainer:
             extra={"conditioning": self.conditioning()},
         )
 
-    def conditioning(self) -> dict[str, Any]:
+    def conditioning(self) -> Conditioning:
         """What the repairer is trained with, as recorded in its ``repair_config.json`` (checked at load)."""
         return {"chunk_prefix": self.cfg.chunk_prefix, "chunk_prefix_ids": list(self.prefix_ids),
                 "chunk_format": self.cfg.chunk_format,

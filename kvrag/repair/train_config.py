@@ -5,9 +5,9 @@ from __future__ import annotations
 import dataclasses
 import math
 from pathlib import Path
-from typing import Any
 
 from kvrag.errors import ConfigError
+from kvrag.jsontypes import JSONObject
 from kvrag.repair.config import PRESETS
 from kvrag.repair.documents import PER_LEAD
 
@@ -127,7 +127,7 @@ class TrainConfig:
             return None
         return Path(self.pairs) if self.pairs else Path(self.out) / "pairs"
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         """The fields plus the resolved schedule (peak_lr, final_lr, warmup_steps)."""
         return {**dataclasses.asdict(self), "peak_lr": self.peak_lr, "final_lr": self.final_lr,
                 "warmup_steps": self.warmup_steps}

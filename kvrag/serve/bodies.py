@@ -7,6 +7,7 @@ import dataclasses
 import json
 import time
 import uuid
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Literal
 
 from kvrag import adapters
@@ -83,7 +84,7 @@ def chunk_body(job: Job, delta: str | None, finish: str | None = None, *, role: 
     return out
 
 
-def sse(obj: JSONObject) -> bytes:
+def sse(obj: Mapping[str, object]) -> bytes:
     """One server-sent event."""
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 

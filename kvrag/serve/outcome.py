@@ -174,10 +174,15 @@ class Outcome:
         token = CancelToken()
         remove = self.token.on_cancel(token.cancel)
 
-        def deliver(ok: bool, value: Any) -> None:
+        def deliver(outcome: tuple[T] | BaseException) -> None:
+            """Settle ``fut`` with ``fn``'s result (the one-tuple) or the exception it raised."""
             def settle() -> None:
-                if not fut.done():
-                    (fut.set_result if ok else fut.set_exception)(value)
+                if fut.done():
+                    return
+                if isinstance(outcome, BaseException):
+                    fut.set_exception(outcome)
+                else:
+                    fut.set_result(outcome[0])
 
             with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
                 loop.call_soon_threadsafe(settle)
@@ -187,9 +192,9 @@ class Outcome:
                 with cancel_scope(token):
                     out = fn(*args)
             except BaseException as e:  # noqa: BLE001 - raised in the awaiting task
-                deliver(False, e)
+                deliver(e)
             else:
-                deliver(True, out)
+                deliver((out,))
 
         threading.Thread(target=contextvars.copy_context().run, args=(work,), name="kvrag-serve-request",
                          daemon=True).start()

@@ -8,9 +8,10 @@ extra body field ``kvrag`` (:class:`KvragOptions`; ``extra_body={"kvrag": {...}}
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from collections.abc import Sequence
+from typing import Annotated, Literal, TypedDict, TypeVar
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 """Roles a chat message may have (``developer`` is rendered as ``system``); tool and function messages are refused."""
@@ -37,13 +38,39 @@ Text = Annotated[str, AfterValidator(_encodable)]
 """A string field of a request: valid Unicode (encodable as UTF-8)."""
 
 
+class ErrorDetail(TypedDict):
+    """The ``error`` object of an OpenAI-style error response."""
+
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(TypedDict):
+    """An OpenAI-style error response: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    error: ErrorDetail
+
+
+class ValidationErrorItem(TypedDict, total=False):
+    """One entry of a pydantic/FastAPI validation error list (the fields :func:`validation_error_body` reads)."""
+
+    type: str
+    loc: Sequence[int | str]
+    msg: str
+
+
 def openai_error(message: str, *, param: str | None = None, type_: str = "invalid_request_error",
-                 code: str | None = None) -> dict[str, Any]:
+                 code: str | None = None) -> ErrorBody:
     """The body of an OpenAI-style error response (what the ``openai`` SDK raises from)."""
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def _only(value: Any, allowed: tuple[Any, ...], field: str) -> Any:
+_V = TypeVar("_V", int, float, bool, str)
+
+
+def _only(value: _V | None, allowed: tuple[_V, ...], field: str) -> _V | None:
     if value is not None and value not in allowed:
         msg = (f"{field}={value!r} is not supported by kvrag serve (accepted: "
                f"{', '.join(repr(a) for a in allowed)} or omitted)")
@@ -65,7 +92,7 @@ class KvragOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     method: Text | None = None
-    params: dict[Text, Any] = Field(default_factory=dict)
+    params: dict[Text, object] = Field(default_factory=dict)
     chunks: list[Text] | None = None
 
 
@@ -96,17 +123,17 @@ class _Sampling(BaseModel):
 
     @field_validator("n")
     @classmethod
-    def _n(cls, v: Any) -> Any:
+    def _n(cls, v: int | None) -> int | None:
         return _only(v, (1,), "n")
 
     @field_validator("frequency_penalty", "presence_penalty")
     @classmethod
-    def _penalty(cls, v: Any, info: Any) -> Any:
-        return _only(v, (0, 0.0), info.field_name)
+    def _penalty(cls, v: float | None, info: ValidationInfo) -> float | None:
+        return _only(v, (0, 0.0), str(info.field_name))
 
     @field_validator("stop")
     @classmethod
-    def _stop(cls, v: Any) -> Any:
+    def _stop(cls, v: str | list[str] | None) -> str | list[str] | None:
         stops = [v] if isinstance(v, str) else list(v or [])
         if len(stops) > 4:
             raise ValueError(f"stop takes at most 4 sequences, got {len(stops)}")
@@ -163,12 +190,12 @@ class ChatCompletionRequest(_Sampling):
 
     @field_validator("logprobs")
     @classmethod
-    def _logprobs(cls, v: Any) -> Any:
+    def _logprobs(cls, v: bool | None) -> bool | None:
         return _only(v, (False,), "logprobs")
 
     @field_validator("top_logprobs")
     @classmethod
-    def _top_logprobs(cls, v: Any) -> Any:
+    def _top_logprobs(cls, v: int | None) -> int | None:
         return _only(v, (0,), "top_logprobs")
 
     def requested_tokens(self) -> int | None:
@@ -186,29 +213,29 @@ class CompletionRequest(_Sampling):
 
     @field_validator("prompt")
     @classmethod
-    def _prompt(cls, v: Any) -> Any:
+    def _prompt(cls, v: str | list[str]) -> str | list[str]:
         if isinstance(v, list) and len(v) != 1:
             raise ValueError(f"prompt must be one string (batches of prompts are not supported), got a list of {len(v)}")
         return v
 
     @field_validator("echo")
     @classmethod
-    def _echo(cls, v: Any) -> Any:
+    def _echo(cls, v: bool | None) -> bool | None:
         return _only(v, (False,), "echo")
 
     @field_validator("suffix")
     @classmethod
-    def _suffix(cls, v: Any) -> Any:
+    def _suffix(cls, v: str | None) -> str | None:
         return _only(v, ("",), "suffix")
 
     @field_validator("logprobs")
     @classmethod
-    def _logprobs(cls, v: Any) -> Any:
+    def _logprobs(cls, v: int | None) -> int | None:
         return _only(v, (0,), "logprobs")
 
     @field_validator("best_of")
     @classmethod
-    def _best_of(cls, v: Any) -> Any:
+    def _best_of(cls, v: int | None) -> int | None:
         return _only(v, (1,), "best_of")
 
     def text(self) -> str:
@@ -226,10 +253,11 @@ class ChunksRequest(BaseModel):
     texts: list[Text] = Field(min_length=1)
 
 
-def validation_error_body(errors: list[dict[str, Any]]) -> dict[str, Any]:
+def validation_error_body(errors: Sequence[ValidationErrorItem]) -> ErrorBody:
     """A pydantic/FastAPI validation error list -> one OpenAI error naming the first offending field."""
     # a union field reports one error per member: the one a validator raised names the problem best
-    first = next((e for e in errors if e.get("type") == "value_error"), errors[0] if errors else {})
+    none: ValidationErrorItem = {}
+    first = next((e for e in errors if e.get("type") == "value_error"), errors[0] if errors else none)
     # a union's member ("str", "function-after[...]") is not a field: the param is the field's path
     loc = [str(p) for p in first.get("loc", ()) if p != "body" and not (isinstance(p, str) and ("[" in p or p in (
         "str", "int", "float", "bool", "list", "dict", "none")))]
@@ -255,6 +283,8 @@ def validation_error_body(errors: list[dict[str, Any]]) -> dict[str, Any]:
 __all__ = [
     "CHAT_ROLES",
     "DEFAULT_COMPLETION_MAX_TOKENS",
+    "ErrorBody",
+    "ErrorDetail",
     "SEED_RANGE",
     "ChatCompletionRequest",
     "ChatMessage",
@@ -263,6 +293,7 @@ __all__ = [
     "KvragOptions",
     "StreamOptions",
     "Text",
+    "ValidationErrorItem",
     "openai_error",
     "validation_error_body",
 ]

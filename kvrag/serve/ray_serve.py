@@ -17,7 +17,7 @@ Needs ``pip install 'kvrag[ray-serve]'``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from kvrag.extras import require
@@ -70,7 +70,8 @@ class RayChunkSync:
 
 def application(engine_factory: Callable[[], KVRAGEngine], config: ServeConfig | None = None, *,
                 persist: str | None = None, replicas: int = 2, max_ongoing_requests: int | None = None,
-                autoscaling_config: dict[str, Any] | None = None, ray_actor_options: dict[str, Any] | None = None,
+                autoscaling_config: Mapping[str, object] | None = None,
+                ray_actor_options: Mapping[str, object] | None = None,
                 name: str = "kvrag") -> Any:
     """The Ray Serve application (``serve.run`` it). Call with Ray initialized (the chunk table is created then).
 
@@ -94,7 +95,7 @@ def application(engine_factory: Callable[[], KVRAGEngine], config: ServeConfig |
         app.state.kvrag.sync = RayChunkSync(table)
         return app
 
-    opts: dict[str, Any] = {"name": name}
+    opts: dict[str, object] = {"name": name}
     if autoscaling_config:
         opts["autoscaling_config"] = autoscaling_config
     else:

@@ -15,7 +15,7 @@ import math
 import os
 import statistics
 import time
-from collections.abc import AsyncGenerator, Iterator
+from collections.abc import AsyncGenerator, Iterator, Mapping
 from typing import TYPE_CHECKING, Protocol
 
 from kvrag import adapters
@@ -53,7 +53,7 @@ class ChunkSync(Protocol):
     async def pull(self) -> list[str]: ...
 
 
-def refuse_paths(spec: str | None, params: dict[str, object]) -> None:
+def refuse_paths(spec: str | None, params: Mapping[str, object]) -> None:
     """400 when a client's method spec or params name a file (a parameter of :data:`PATH_PARAMS`, or a value that
     looks like a path): no request makes the server open one."""
     named = dict(params)
@@ -140,7 +140,7 @@ class KVRAGService:
         limit = self.config.max_store_bytes
         if limit is None:
             return
-        used = int(self.engine.serving_store.stats().get("bytes", 0))
+        used = self.engine.serving_store.stats().get("bytes") or 0
         if used >= limit:
             raise HTTPProblem(413, f"the KV store holds {used} bytes, its quota is {limit} (--max-store-bytes): "
                                    "nothing more is registered", param="texts", code="store_quota_exceeded")

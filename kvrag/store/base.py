@@ -12,7 +12,7 @@ import logging
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from types import TracebackType
-from typing import Any
+from typing import TypedDict
 from urllib.parse import urlsplit, urlunsplit
 
 from kvrag.errors import CacheCorruptError, CacheMismatchError, ConfigError
@@ -48,6 +48,43 @@ def check_key(key: object) -> str:
         msg = f"invalid store key {key!r}: expected a 64-char lowercase hex digest (use ChunkKey(...).digest)"
         raise ConfigError(msg)
     return key
+
+
+
+class StoreCounters(TypedDict):
+    """What every store counts: lookups answered and missed, entries dropped as corrupt or skipped as foreign."""
+
+    hits: int
+    misses: int
+    corrupt_dropped: int
+    foreign_skipped: int
+
+
+class StoreStats(TypedDict, total=False):
+    """:meth:`KVStore.stats`: the counters, the store's size and what a backend adds (each key it does not keep is
+    absent)."""
+
+    hits: int
+    misses: int
+    corrupt_dropped: int
+    foreign_skipped: int
+    backend: str
+    entries: int | None  # None: the store is unreachable (a fallback store's inner one)
+    bytes: int | None
+    max_bytes: int | None  # a memory store's bound and its evictions
+    evictions: int
+    front_hits: int  # a tiered store's tiers
+    front_misses: int
+    back_hits: int
+    back_misses: int
+    tiers: dict[str, StoreStats]
+    fallback_hits: int  # a fallback store's own counters and state
+    fallback_misses: int
+    degraded: bool
+    store_errors: int
+    outages: int
+    skipped: int
+    last_store_error: str
 
 
 class KVStore(abc.ABC):
@@ -208,7 +245,7 @@ class KVStore(abc.ABC):
         """Yield every stored key once (temp files and foreign names are skipped)."""
         return self._iter_keys()
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> StoreStats:
         """Counters: entries, bytes, hits, misses, corrupt_dropped, foreign_skipped (plus backend extras)."""
         entries, nbytes = self._usage()
         return {"backend": type(self).__name__, "entries": entries, "bytes": nbytes, **self._counters()}
@@ -226,7 +263,7 @@ class KVStore(abc.ABC):
         self.close()
 
     # ---- helpers for backends ---------------------------------------------------------------------------
-    def _counters(self) -> dict[str, int]:
+    def _counters(self) -> StoreCounters:
         with self._stats_lock:
             return {
                 "hits": self._hits,

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 from kvrag.config import ON_STORE_ERROR  # "recompute" | "raise"
 from kvrag.errors import ConfigError, StoreError
 from kvrag.kv.chunk import ChunkKV
-from kvrag.store.base import KVStore
+from kvrag.store.base import KVStore, StoreStats
 
 logger = logging.getLogger(__name__)
 
@@ -157,20 +157,20 @@ class FallbackStore(KVStore):
         return iter(self._call("iter_keys", lambda: list(self.inner.iter_keys()), none))
 
     def _usage(self) -> tuple[int, int]:
-        s = self._call("stats", self.inner.stats, {"entries": 0, "bytes": 0})
-        return int(s["entries"]), int(s["bytes"])
+        s = self._call("stats", self.inner.stats, StoreStats(entries=0, bytes=0))
+        return int(s.get("entries") or 0), int(s.get("bytes") or 0)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> StoreStats:
         """The inner store's stats (when reachable) plus ``degraded``, ``store_errors``, ``outages``, ``skipped``."""
         inner = self._call("stats", self.inner.stats, None)
-        out: dict[str, Any] = dict(inner) if inner is not None else {"backend": type(self.inner).__name__,
-                                                                     "entries": None, "bytes": None}
+        out: StoreStats = inner.copy() if inner is not None else StoreStats(
+            backend=type(self.inner).__name__, entries=None, bytes=None)
         with self._state:
-            out.update(
-                fallback_hits=self._hits, fallback_misses=self._misses, degraded=self._down_since is not None,
-                store_errors=self._errors, outages=self._outages, skipped=self._skipped,
-                last_store_error=self._last_error,
-            )
+            out.update({
+                "fallback_hits": self._hits, "fallback_misses": self._misses, "degraded": self._down_since is not None,
+                "store_errors": self._errors, "outages": self._outages, "skipped": self._skipped,
+                "last_store_error": self._last_error,
+            })
         return out
 
     def close(self) -> None:

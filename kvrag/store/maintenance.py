@@ -11,7 +11,7 @@ import dataclasses
 import logging
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import TypedDict
 
 import torch
 
@@ -79,6 +79,43 @@ def _progress(items: list[str], desc: str, progress: bool) -> Iterable[str]:
     return tqdm(items, desc=desc, unit="entry")
 
 
+class VerifyRecord(TypedDict):
+    """:meth:`VerifyReport.to_dict`."""
+
+    scanned: int
+    ok: int
+    clean: bool
+    bad: dict[str, int]
+    bad_keys: dict[str, list[str]]
+    models: dict[str, int]
+
+
+class GCRecord(TypedDict):
+    """:meth:`GCReport.to_dict`."""
+
+    dry_run: bool
+    scanned: int
+    kept: int
+    removed: dict[str, int]
+    bytes_freed: int
+    temp_files_removed: int
+    removed_keys: list[str]
+    total_removed: int
+
+
+class MigrateRecord(TypedDict):
+    """:meth:`MigrateReport.to_dict`."""
+
+    dry_run: bool
+    scanned: int
+    copied: int
+    bytes_copied: int
+    skipped_existing: int
+    skipped: dict[str, int]
+    failed_keys: list[str]
+    ok: bool
+
+
 @dataclasses.dataclass
 class VerifyReport:
     """Result of :func:`verify_store`: entries scanned, usable ones and the unusable ones by reason."""
@@ -92,7 +129,7 @@ class VerifyReport:
     def clean(self) -> bool:
         return not any(self.bad.values())
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> VerifyRecord:
         return {"scanned": self.scanned, "ok": self.ok, "clean": self.clean,
                 "bad": {k: len(v) for k, v in self.bad.items()}, "bad_keys": self.bad, "models": dict(self.models)}
 
@@ -145,8 +182,10 @@ class GCReport:
     def total_removed(self) -> int:
         return sum(self.removed.values())
 
-    def to_dict(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "total_removed": self.total_removed}
+    def to_dict(self) -> GCRecord:
+        return {"dry_run": self.dry_run, "scanned": self.scanned, "kept": self.kept, "removed": dict(self.removed),
+                "bytes_freed": self.bytes_freed, "temp_files_removed": self.temp_files_removed,
+                "removed_keys": list(self.removed_keys), "total_removed": self.total_removed}
 
 
 def gc_store(
@@ -204,8 +243,10 @@ class MigrateReport:
     def ok(self) -> bool:
         return not self.failed_keys
 
-    def to_dict(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "ok": self.ok}
+    def to_dict(self) -> MigrateRecord:
+        return {"dry_run": self.dry_run, "scanned": self.scanned, "copied": self.copied,
+                "bytes_copied": self.bytes_copied, "skipped_existing": self.skipped_existing,
+                "skipped": dict(self.skipped), "failed_keys": list(self.failed_keys), "ok": self.ok}
 
 
 def _same(a: ChunkKV, b: ChunkKV) -> bool:

@@ -6,7 +6,6 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from typing import Any
 
 import torch
 
@@ -14,7 +13,7 @@ from kvrag.errors import ConfigError
 from kvrag.kv.chunk import ChunkKV
 from kvrag.kv.spec import KVSpec
 from kvrag.store import serde
-from kvrag.store.base import KVStore
+from kvrag.store.base import KVStore, StoreStats
 
 logger = logging.getLogger(__name__)
 
@@ -152,11 +151,11 @@ class MemoryStore(KVStore):
         with self._lock:
             return len(self._entries), self._bytes
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> StoreStats:
         """Base counters plus max_bytes and evictions."""
         out = super().stats()
         with self._lock:
-            out.update(max_bytes=self.max_bytes, evictions=self._evictions)
+            out.update({"max_bytes": self.max_bytes, "evictions": self._evictions})
         return out
 
     def clear(self) -> None:

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any
+from collections.abc import Mapping
+from typing import TypedDict
 
 import torch
 from safetensors.torch import load as st_load
@@ -26,7 +27,7 @@ from safetensors.torch import save as st_save
 from kvrag.errors import CacheCorruptError, CacheMismatchError, ConfigError
 from kvrag.kv.chunk import ChunkKV
 from kvrag.kv.keys import FORMAT_VERSION
-from kvrag.kv.spec import DTYPES, KVSpec
+from kvrag.kv.spec import DTYPES, KVSpec, KVSpecRecord
 
 MAGIC = b"KVRAG\x00"
 _LEN_BYTES = 8
@@ -50,7 +51,23 @@ def resolve_codec(codec: str, spec: KVSpec) -> str:
     return spec.dtype if codec == "native" else codec
 
 
-def _canonical_json(obj: dict[str, Any]) -> bytes:
+class _HeaderBody(TypedDict):
+    format_version: int
+    spec: KVSpecRecord
+    codec: str
+    num_tokens: int
+    payload_len: int
+    payload_sha256: str
+
+
+class EntryHeader(_HeaderBody, total=False):
+    """An entry's JSON header: its format version, spec, concrete codec, token count, and the payload's and its own
+    checksums (:func:`decode_header` checks that every field is present; :func:`decode` checks their values)."""
+
+    header_sha256: str
+
+
+def _canonical_json(obj: Mapping[str, object]) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode("utf-8")
 
 
@@ -102,7 +119,7 @@ def encode(chunk: ChunkKV, codec: str = "native") -> bytes:
         tensors["keys"] = keys.to(dt).contiguous().clone()
         tensors["values"] = values.to(dt).contiguous().clone()
     payload = st_save(tensors)
-    header: dict[str, Any] = {
+    header: EntryHeader = {
         "format_version": FORMAT_VERSION,
         "spec": spec.to_dict(),
         "codec": concrete,
@@ -121,7 +138,7 @@ def spec_diff(stored: KVSpec, expected: KVSpec) -> list[str]:
     return [f"{k}: stored {a.get(k)!r}, expected {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
 
 
-def decode_header(data: bytes | bytearray | memoryview) -> tuple[dict[str, Any], memoryview]:
+def decode_header(data: bytes | bytearray | memoryview) -> tuple[EntryHeader, memoryview]:
     """Parse and verify the magic, lengths and header of an entry (not the payload checksum).
 
     Returns:
@@ -143,7 +160,7 @@ def decode_header(data: bytes | bytearray | memoryview) -> tuple[dict[str, Any],
         msg = f"truncated KV entry: header length {hlen}, but only {len(view) - _PREFIX_LEN} bytes follow"
         raise CacheCorruptError(msg)
     try:
-        header = json.loads(bytes(view[_PREFIX_LEN : _PREFIX_LEN + hlen]).decode("utf-8"))
+        header: EntryHeader = json.loads(bytes(view[_PREFIX_LEN : _PREFIX_LEN + hlen]).decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         msg = f"bad JSON header in KV entry: {e}"
         raise CacheCorruptError(msg) from e
@@ -216,7 +233,7 @@ def _check(name: str, t: torch.Tensor | None, shape: tuple[int, ...], dtype: tor
     return t
 
 
-def _build_chunk(tensors: dict[str, torch.Tensor], header: dict[str, Any], spec: KVSpec, codec: str) -> ChunkKV:
+def _build_chunk(tensors: dict[str, torch.Tensor], header: EntryHeader, spec: KVSpec, codec: str) -> ChunkKV:
     n = header["num_tokens"]
     if not isinstance(n, int) or n < 0:
         msg = f"bad KV entry header: num_tokens {n!r}"

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 
@@ -42,8 +42,37 @@ def entry_bytes(spec: KVSpec, tokens: int, codec: str) -> int:
     return len(serde.encode(chunk, codec))
 
 
+class CodecRow(TypedDict):
+    """One codec's row of :func:`codec_table`."""
+
+    codec: str
+    raw_bytes_per_token: int
+    bytes_per_token: float
+    entry_bytes: int
+    memory_bytes: int
+    file_bytes: int
+    redis_bytes: int
+
+
+class CollectionSize(TypedDict, total=False):
+    """:func:`collection_size`: a store's size, its sampled entry's layout and, with an index, its projection."""
+
+    backend: str | None
+    entries: int
+    bytes: int
+    bytes_per_entry: float | None
+    codec: str
+    spec: dict[str, int | str]
+    sampled_entry_tokens: int
+    bytes_per_token: float | None
+    chunks: int
+    tokens: int
+    store_bytes_per_index_token: float | None
+    projected_100k_chunks_bytes: int
+
+
 def codec_table(spec: KVSpec, tokens_per_chunk: int, chunks: int = 100_000,
-                codecs: Sequence[str] = CODECS) -> list[dict[str, Any]]:
+                codecs: Sequence[str] = CODECS) -> list[CodecRow]:
     """Bytes per token and the cost of ``chunks`` chunks of ``tokens_per_chunk`` tokens, per codec and store.
 
     Returns:
@@ -51,7 +80,7 @@ def codec_table(spec: KVSpec, tokens_per_chunk: int, chunks: int = 100_000,
         (stored, header and scales included), ``entry_bytes``, and ``memory_bytes`` / ``file_bytes`` /
         ``redis_bytes`` for the whole collection.
     """
-    rows = []
+    rows: list[CodecRow] = []
     for c in codecs:
         concrete = serde.resolve_codec(c, spec)
         e = entry_bytes(spec, tokens_per_chunk, c)
@@ -79,7 +108,7 @@ def human(n: float) -> str:
     return f"{n:.2f} TB"
 
 
-def collection_size(store: KVStore, index_tokens: Sequence[int] | None = None, sample: int = 1) -> dict[str, Any]:
+def collection_size(store: KVStore, index_tokens: Sequence[int] | None = None, sample: int = 1) -> CollectionSize:
     """Size of what ``store`` holds (for ``kvrag store stats``).
 
     Args:
@@ -94,7 +123,7 @@ def collection_size(store: KVStore, index_tokens: Sequence[int] | None = None, s
     """
     st = store.stats()
     entries, nbytes = st.get("entries") or 0, st.get("bytes") or 0
-    out: dict[str, Any] = {"backend": st.get("backend"), "entries": entries, "bytes": nbytes,
+    out: CollectionSize = {"backend": st.get("backend"), "entries": entries, "bytes": nbytes,
                            "bytes_per_entry": nbytes / entries if entries else None}
     headers = []
     for k in store.iter_keys():
@@ -107,13 +136,15 @@ def collection_size(store: KVStore, index_tokens: Sequence[int] | None = None, s
         h = headers[0]
         spec = KVSpec.from_dict(h["spec"])
         e = entry_bytes(spec, int(h["num_tokens"]), h["codec"]) if int(h["num_tokens"]) else None
-        out.update(codec=h["codec"], spec={k: spec.to_dict()[k] for k in ("num_layers", "num_kv_heads", "head_dim", "dtype")},
-                   sampled_entry_tokens=int(h["num_tokens"]),
-                   bytes_per_token=(e / int(h["num_tokens"])) if e else None)
+        out.update({"codec": h["codec"],
+                    "spec": {"num_layers": spec.num_layers, "num_kv_heads": spec.num_kv_heads,
+                             "head_dim": spec.head_dim, "dtype": spec.dtype},
+                    "sampled_entry_tokens": int(h["num_tokens"]),
+                    "bytes_per_token": (e / int(h["num_tokens"])) if e else None})
     if index_tokens:
         tokens = int(sum(index_tokens))
-        out.update(chunks=len(index_tokens), tokens=tokens,
-                   store_bytes_per_index_token=nbytes / tokens if tokens else None)
+        out.update({"chunks": len(index_tokens), "tokens": tokens,
+                    "store_bytes_per_index_token": nbytes / tokens if tokens else None})
         if entries and tokens:
             out["projected_100k_chunks_bytes"] = int(nbytes / entries * 100_000)
     return out

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import Any
 
 from kvrag.kv.chunk import ChunkKV
-from kvrag.store.base import KVStore
+from kvrag.store.base import KVStore, StoreStats
 
 
 class TieredStore(KVStore):
@@ -98,20 +97,18 @@ class TieredStore(KVStore):
 
     def _usage(self) -> tuple[int, int]:
         b = self.back.stats()
-        return b["entries"], b["bytes"]
+        return b.get("entries") or 0, b.get("bytes") or 0
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> StoreStats:
         """Overall counters plus ``front_*``/``back_*`` hits and misses and each tier's full stats."""
         front, back = self.front.stats(), self.back.stats()
         # The back tier is the source of truth for size; the front holds copies of a subset.
-        out: dict[str, Any] = {"backend": type(self).__name__, "entries": back["entries"], "bytes": back["bytes"]}
-        out.update(self._counters())
+        out: StoreStats = {"backend": type(self).__name__, "entries": back.get("entries"), "bytes": back.get("bytes"),
+                           **self._counters()}
         out["corrupt_dropped"] += front["corrupt_dropped"] + back["corrupt_dropped"]
         out["foreign_skipped"] += front["foreign_skipped"] + back["foreign_skipped"]
-        for name, s in (("front", front), ("back", back)):
-            out[f"{name}_hits"] = s["hits"]
-            out[f"{name}_misses"] = s["misses"]
-        out["tiers"] = {"front": front, "back": back}
+        out.update({"front_hits": front["hits"], "front_misses": front["misses"], "back_hits": back["hits"],
+                    "back_misses": back["misses"], "tiers": {"front": front, "back": back}})
         return out
 
     def close(self) -> None:

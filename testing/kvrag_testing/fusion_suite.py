@@ -244,6 +244,7 @@ class FusionMethodTests:
         rk, rv = context_kv(run.out, inp.context_len)
         torch.testing.assert_close(k, rk, atol=self.atol, rtol=0)
         torch.testing.assert_close(v, rv, atol=self.atol, rtol=0)
+        assert inp.buffer is not None
         if out.last_logits is None:  # the cache the suffix is prefilled against is the request's buffer
             assert hf_cache.cache_to_tensors(out.cache)[0].data_ptr() == inp.buffer.keys.data_ptr()
         for (k0, v0, ids), (_, c, _) in zip(run.stored_before, case.pieces, strict=True):

@@ -11,7 +11,6 @@ import concurrent.futures
 import contextlib
 import json
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -28,6 +27,7 @@ from kvrag.engine.engine import KVRAGEngine  # noqa: E402
 from kvrag.serve import STORE_WARNING, LiveServer, ServeConfig, create_app  # noqa: E402
 from kvrag.store.memory import MemoryStore  # noqa: E402
 from kvrag_testing.tiny import tiny_model  # noqa: E402
+from kvrag_testing.waiting import wait_until  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -75,13 +75,6 @@ def chat_body(**kw: Any) -> dict[str, Any]:
 def local(engine: KVRAGEngine, method: str = "stale", prompt: str | None = None, n: int = N) -> Any:
     prompt = prompt if prompt is not None else render_chat(engine.tokenizer, [{"role": "user", "content": user_text()}])
     return engine.answer(prompt, PASSAGES, method, max_new_tokens=n)
-
-
-def wait_until(cond: Any, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
 
 
 def idle(engine: KVRAGEngine) -> bool:

@@ -13,7 +13,6 @@ import contextlib
 import json
 import os
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ from kvrag.engine.engine import KVRAGEngine  # noqa: E402
 from kvrag.serve import LiveServer, ServeConfig, create_app  # noqa: E402
 from kvrag.store.memory import MemoryStore  # noqa: E402
 from kvrag_testing.tiny import tiny_model  # noqa: E402
+from kvrag_testing.waiting import wait_until  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -72,13 +72,6 @@ def metric(c: Any, name: str) -> float:
         if ln.startswith(name + " "):
             return float(ln.rsplit(" ", 1)[1])
     return 0.0
-
-
-def wait_until(cond: Any, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
 
 
 def idle(engine: KVRAGEngine) -> bool:

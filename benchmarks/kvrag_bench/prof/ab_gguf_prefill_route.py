@@ -31,8 +31,9 @@ def main() -> None:
     t = next(t for t in tensor_table(GGUFReader(path)) if t["name"] == name)
     n = int(np.prod(t["dims"][1:]))
     raw = _file_bytes(Path(path))[t["offset"] : t["offset"] + t["bytes"]].view(n, -1)
+    cells: list[dict[str, object]] = []
     out = {"file": path, "tensor": name, "type": t["type"], "shape": [n, t["dims"][0]], "kernel": int4_kernel.tag(),
-           "cells": []}
+           "cells": cells}
     for dt in (torch.bfloat16, torch.float32):
         lin = GGUFLinear(raw, t["type"], t["dims"][0], dt, Scratch())
         if not lin.use_int4():
@@ -52,7 +53,7 @@ def main() -> None:
                 b.append(time.perf_counter() - s)
             cell = {"dtype": str(dt).replace("torch.", ""), "rows": m, "dense_ms": 1e3 * statistics.median(a),
                     "int4_kernel_ms": 1e3 * statistics.median(b)}
-            out["cells"].append(cell)
+            cells.append(cell)
             print(cell, flush=True)
     print("RESULT " + json.dumps(out))
 
