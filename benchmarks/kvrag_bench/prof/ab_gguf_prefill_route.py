@@ -30,7 +30,7 @@ def main() -> None:
     torch.set_num_threads(1)
     t = next(t for t in tensor_table(GGUFReader(path)) if t["name"] == name)
     n = int(np.prod(t["dims"][1:]))
-    raw = _file_bytes(Path(path))[t["offset"] : t["offset"] + t["bytes"]].view(n, -1)
+    raw = _file_bytes(Path(path))[0][t["offset"] : t["offset"] + t["bytes"]].view(n, -1)
     cells: list[dict[str, object]] = []
     out = {"file": path, "tensor": name, "type": t["type"], "shape": [n, t["dims"][0]], "kernel": int4_kernel.tag(),
            "cells": cells}
