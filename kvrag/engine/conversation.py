@@ -256,9 +256,9 @@ class HitEngine(Protocol):
 
 def prepare_hit(engine: HitEngine, plan: Plan, m: FusionMethod, lease: Lease, hit: Hit) -> Generator[Any, Any, Prepared]:
     """A request's prepare from a kept conversation (in the runner thread, in its turn): the kept KV's first
-    ``hit.length`` positions copied into the request's buffer (:meth:`Lease.prompt_buffer`), then the rest of its ids prefilled -- the model's
-    own forward for ``full`` (what ``model.generate`` runs after a given prefix cache), the runner's suffix prefill
-    for a reusing method (as after its repair). Nothing is fetched or repaired: the kept context was repaired by
+    ``hit.length`` positions copied into the request's buffer (:meth:`Lease.prompt_buffer`), then the rest of its
+    ids prefilled -- the model's own forward for ``full`` (what ``model.generate`` runs after a given prefix cache),
+    the runner's suffix prefill for a reusing method (as after its repair). Nothing is fetched or repaired: the kept context was repaired by
     the same method when it was first answered."""
     t0 = time.perf_counter()
     timings = Timings()

@@ -266,9 +266,8 @@ class KVRAGEngine(ChunkCaching):
         ``reserve``: the most new tokens the request will be streamed for (default: ``GenerationConfig``'s
         ``max_new_tokens``). The request's KV is sized once from it (prompt + ``reserve`` positions), leased from
         the engine's bound at admission, and its buffer never grows (:mod:`kvrag.engine.lease`); a stream asking for
-        more is refused. The request waits in arrival order while
-        the bound is spent (at most ``config.admission_timeout_s``), then runs in the runner thread between two
-        decode steps.
+        more is refused. The request waits in arrival order while the bound is spent (at most
+        ``config.admission_timeout_s``), then runs in the runner thread between two decode steps.
 
         Raises:
             ContextLengthError: the prompt does not fit the context window, or prompt + ``reserve`` exceeds the
