@@ -11,7 +11,8 @@ recomputed:
 2. **Prepare** (the runner thread, in the request's turn): the prompt's K/V are computed in
    :meth:`Lease.prompt_buffer`. Where decode reads the model's dtype that is the lease's own buffer, allocated here
    with room for every position, so assembly, repair, the suffix prefill and decode write into one allocation;
-   where decode reads a narrower dtype (``EngineConfig.kv_dtype``) it is a scratch buffer of exactly the prompt.
+   where decode reads a narrower dtype (``EngineConfig.kv_dtype``) it is a scratch buffer of exactly the prompt,
+   which lives until the stream starts and is not counted in the bound (the lease counts the decode buffer).
 3. **Submit** (:meth:`kvrag.engine.runner.Runner.submit`) only compares: ``prompt + max_new_tokens <= positions``
    (:meth:`Lease.check_answer`; otherwise a ConfigError naming the ``reserve`` to pass). :meth:`Lease.decode_row`
    then gives the row the request decodes in: the lease's buffer, allocated now in the decode dtype when the prompt
