@@ -45,3 +45,8 @@ class RequestCancelledError(KVRAGError):
 
 class CheckpointMismatchError(KVRAGError):
     """A repairer checkpoint was trained for another model."""
+
+
+class LeaseExceededError(KVRAGError, RuntimeError):
+    """A request's KV buffer, sized once when its lease was taken (prompt + ``reserve`` new tokens), was asked to
+    hold more positions: a leased buffer never grows (:mod:`kvrag.engine.lease`)."""

@@ -30,21 +30,23 @@ def assemble(
     pieces: Sequence[tuple[str, ChunkKV, str | None]],
     suffix_ids: Sequence[int] | torch.Tensor,
     *,
-    reserve: int = 0,
+    buffer: hf_cache.KVBuffer | None = None,
     chunk_prefix_ids: Sequence[int] = (),
     canonical: bool = False,
 ) -> FusionInput:
     """Place canonical caches at consecutive global offsets into one request buffer (the "stale" KV).
 
-    Zero-copy: one :class:`~kvrag.kv.hf_cache.KVBuffer` is allocated with room for context + suffix + ``reserve``
-    (decode) positions; each chunk's canonical keys are rotated straight into it (fp32 math) and its values copied
-    in. The returned input's ``keys``/``values`` are views of that buffer, which fusion methods repair in place and
-    the suffix prefill and decode append to.
+    Zero-copy: each chunk's canonical keys are rotated straight into the request's
+    :class:`~kvrag.kv.hf_cache.KVBuffer` (fp32 math) and its values copied in. The returned input's
+    ``keys``/``values`` are views of that buffer, which fusion methods repair in place and the suffix prefill and
+    decode append to.
 
     Args:
         pieces: ordered (kind, chunk, key) with kind 'prefix' | 'chunk' | 'text'.
         suffix_ids: [S] ids prefilled after repair.
-        reserve: extra positions to allocate for decoding (the buffer grows if more are needed).
+        buffer: the buffer to assemble into, in the model's dtype with room for context + suffix (the engine's:
+            :meth:`kvrag.engine.lease.Lease.prompt_buffer`, sized by the request's lease); None: a new one of
+            exactly context + suffix positions.
         chunk_prefix_ids: what the chunk caches were conditioned on (recorded on the input).
         canonical: also gather the chunks' canonical keys (RoPE removed, as stored) into ``canonical_keys``, for
             methods that read them (``FusionMethod.reads_canonical_keys``).
@@ -57,8 +59,9 @@ def assemble(
     sfx = suffix_ids if isinstance(suffix_ids, torch.Tensor) else torch.tensor(list(suffix_ids), dtype=torch.long)
     used = [(kind, ch, key) for kind, ch, key in pieces if ch.num_tokens > 0]
     tc = sum(ch.num_tokens for _, ch, _ in used)
-    buf = hf_cache.KVBuffer(spec.num_layers, spec.num_kv_heads, spec.head_dim, tc + int(sfx.shape[0]) + reserve,
-                            mdtype, device)
+    buf = buffer if buffer is not None else hf_cache.KVBuffer(spec.num_layers, spec.num_kv_heads, spec.head_dim,
+                                                              tc + int(sfx.shape[0]), mdtype, device)
+    buf.reserve(tc + int(sfx.shape[0]))  # a leased buffer refuses when short (LeaseExceededError)
     keys, values = buf.context(tc)  # [L, H_kv, Tc, D] views
     ckeys = torch.empty_like(keys) if canonical else None
     spans: list[Span] = []
@@ -97,20 +100,21 @@ def context_only_input(
     segments: Sequence[PlannedSegment],
     suffix_ids: Sequence[int] | torch.Tensor,
     *,
-    reserve: int = 0,
+    buffer: hf_cache.KVBuffer | None = None,
 ) -> FusionInput:
     """A FusionInput with the context's token ids and spans but empty KV ([L, H_kv, 0, D]).
 
     For methods that never read the stale cache (``FusionMethod.reads_cache = False``, e.g. ``full``), so that they
-    are not charged for fetching and assembling caches they ignore. Its (empty) request buffer has room for the
-    whole prompt plus ``reserve`` decode positions, so ``full`` also prefills and decodes without concatenation.
+    are not charged for fetching and assembling caches they ignore. Its (empty) request buffer is ``buffer`` (as in
+    :func:`assemble`; None: one of exactly the prompt), so ``full`` also prefills and decodes without concatenation.
     """
     spans = [Span(s.start, s.end, s.kind, None) for s in segments if s.token_ids]
     ids = [t for s in segments for t in s.token_ids]
     mdtype = next(model.parameters()).dtype
     sfx = suffix_ids if isinstance(suffix_ids, torch.Tensor) else torch.tensor(list(suffix_ids), dtype=torch.long)
-    buf = hf_cache.KVBuffer(spec.num_layers, spec.num_kv_heads, spec.head_dim, len(ids) + int(sfx.shape[0]) + reserve,
-                            mdtype, model.device)
+    buf = buffer if buffer is not None else hf_cache.KVBuffer(spec.num_layers, spec.num_kv_heads, spec.head_dim,
+                                                              len(ids) + int(sfx.shape[0]), mdtype, model.device)
+    buf.reserve(len(ids) + int(sfx.shape[0]))
     keys, values = buf.context(0)
     return FusionInput(
         model=model,

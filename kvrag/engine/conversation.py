@@ -254,20 +254,18 @@ class HitEngine(Protocol):
     def runner(self) -> Runner: ...
 
 
-def prepare_hit(engine: HitEngine, plan: Plan, m: FusionMethod, reserve: int, lease: Lease,
-                hit: Hit) -> PrepareJob[Prepared]:
+def prepare_hit(engine: HitEngine, plan: Plan, m: FusionMethod, lease: Lease, hit: Hit) -> PrepareJob[Prepared]:
     """A request's prepare from a kept conversation (in the runner thread, in its turn): the kept KV's first
-    ``hit.length`` positions copied into the request's buffer, then the rest of its ids prefilled -- the model's
-    own forward for ``full`` (what ``model.generate`` runs after a given prefix cache), the runner's suffix prefill
-    for a reusing method (as after its repair). Nothing is fetched or repaired: the kept context was repaired by
-    the same method when it was first answered."""
+    ``hit.length`` positions copied into the request's buffer (:meth:`Lease.prompt_buffer`), then the rest of its
+    ids prefilled -- the model's own forward for ``full`` (what ``model.generate`` runs after a given prefix cache),
+    the runner's suffix prefill for a reusing method (as after its repair). Nothing is fetched or repaired: the kept
+    context was repaired by the same method when it was first answered."""
     t0 = time.perf_counter()
     timings = Timings()
     ids = plan.token_ids
     n = hit.length
     rest = ids[n:]
-    buf = hf_cache.KVBuffer(engine.spec.num_layers, engine.spec.num_kv_heads, engine.spec.head_dim,
-                            len(ids) + reserve, hit.entry.keys.dtype, engine.model.device)
+    buf = lease.prompt_buffer(engine.spec, len(ids), hit.entry.keys.dtype, engine.model.device)
     buf.keys[:, :, :n].copy_(hit.entry.keys[:, :, :n])
     buf.values[:, :, :n].copy_(hit.entry.values[:, :, :n])
     timings.assemble_s = time.perf_counter() - t0

@@ -102,11 +102,10 @@ class KVRAGEngine(ChunkCaching):
         per_token = self.spec.with_dtype(dtype_name(kv_dtype)).bytes_per_token  # what a request decodes over
         kv_bytes = self.config.kv_memory_bytes or default_kv_bytes(per_token, int(self.max_context),
                                                                    self.config.max_batch_size, self.model.device)
-        self.runner = Runner(self.model, self.tokenizer, KVBudget(kv_bytes, per_token),
+        self.runner = Runner(self.model, self.tokenizer, KVBudget(kv_bytes, per_token, kv_dtype),
                              max_batch_size=self.config.max_batch_size,
                              admission_timeout_s=self.config.admission_timeout_s,
                              pack_suffixes=self.config.pack_suffixes, threads=self.config.runner_threads,
-                             kv_dtype=kv_dtype,
                              speculation=SpeculationConfig(max_draft=self.config.speculative_tokens,
                                                            max_ngram=self.config.speculative_ngram,
                                                            min_ngram=min(self.config.speculative_min_ngram,
@@ -265,10 +264,10 @@ class KVRAGEngine(ChunkCaching):
         """Fetch, assemble, repair and prefill the suffix for ``plan``; returns the state to decode from.
 
         ``reserve``: the most new tokens the request will be streamed for (default: ``GenerationConfig``'s
-        ``max_new_tokens``). The request's KV is sized once from it (prompt + ``reserve`` positions) and leased
-        from the engine's bound; a stream asking for more is refused. The request waits in arrival order while
-        the bound is spent (at most ``config.admission_timeout_s``), then runs in the runner thread between two
-        decode steps.
+        ``max_new_tokens``). The request's KV is sized once from it (prompt + ``reserve`` positions), leased from
+        the engine's bound at admission, and its buffer never grows (:mod:`kvrag.engine.lease`); a stream asking for
+        more is refused. The request waits in arrival order while the bound is spent (at most
+        ``config.admission_timeout_s``), then runs in the runner thread between two decode steps.
 
         Raises:
             ContextLengthError: the prompt does not fit the context window, or prompt + ``reserve`` exceeds the
@@ -295,22 +294,20 @@ class KVRAGEngine(ChunkCaching):
             raise ContextLengthError(msg)
         hit = self.conversations.match(plan.token_ids, repr(m), plan.context_len if m.reads_cache else 0)
         if hit is not None:  # the next turn of a kept conversation: only the new text is prefilled
-            return self.runner.prepare(plan.total_len + reserve,
-                                       lambda lease: prepare_hit(self, plan, m, reserve, lease, hit))
+            return self.runner.prepare(plan.total_len + reserve, lambda lease: prepare_hit(self, plan, m, lease, hit))
         timings = Timings()
         fetched = None
         if m.reads_cache:  # store I/O before the request's turn: running requests keep decoding meanwhile
             keys, got, timings.fetch_s = self._fetch_stored(plan)
             fetched = (keys, got)
         computed: list[tuple[str, ChunkKV]] = []
-        room = reserve if self.runner.kv_dtype in (None, self.model.dtype) else 0  # else decode gets its own buffer
-        prep = self.runner.prepare(plan.total_len + reserve,
-                                   lambda lease: self._prepare(plan, m, room, lease, timings, fetched, computed))
+        prep = self.runner.prepare(plan.total_len + reserve,  # the one sizing: the lease holds these positions
+                                   lambda lease: self._prepare(plan, m, lease, timings, fetched, computed))
         for k, ch in computed:  # misses computed in the turn are stored after it
             self.serving_store.put(k, ch)
         return prep
 
-    def _prepare(self, plan: Plan, m: FusionMethod, reserve: int, lease: Lease, timings: Timings,
+    def _prepare(self, plan: Plan, m: FusionMethod, lease: Lease, timings: Timings,
                  fetched: tuple[list[str], dict[str, ChunkKV | None]] | None,
                  computed: list[tuple[str, ChunkKV]]) -> PrepareJob[Prepared]:
         """The prepare itself (in the runner thread, in the request's turn, holding the model): compute missing
@@ -322,13 +319,14 @@ class KVRAGEngine(ChunkCaching):
         or with ``EngineConfig.pack_suffixes`` in one forward with other arrivals' -- and sends back the logits.
         Timings leave out the decode steps between pieces; a packed suffix prefill counts the request's share of
         the shared forward (by tokens), not the wait for the other arrivals (like the wait for the turn, TTFT
-        leaves it out)."""
+        leaves it out). The prompt's K/V are computed in the lease's buffer (:meth:`Lease.prompt_buffer`)."""
         t0 = time.perf_counter() - timings.fetch_s  # TTFT counts the store fetch, not the wait for the turn
         pace = Pace(self.runner.piece_budget_s, self.model.device)
         # Only methods whose repair recomputes context run in pieces (full, relaxkv, hybrid, auto): a reuse
         # method's whole prepare (assemble + a question-sized prefill) is a few decode steps, and cutting it into
         # half-step pieces let a burst's arrivals join the batch several times later.
         long_repair = type(m).fuse_pieces is not FusionMethod.fuse_pieces
+        buf = lease.prompt_buffer(self.spec, plan.total_len, self.model.dtype, self.model.device)
         keys: list[str] | list[None]
         if fetched is not None:
             keys = fetched[0]
@@ -336,23 +334,23 @@ class KVRAGEngine(ChunkCaching):
             t0 = time.perf_counter() - timings.fetch_s - timings.compute_misses_s  # not the steps between pieces
             computed.extend(new)
             t = time.perf_counter()
-            inp = assemble(self.model, self.rope, self.spec, pieces, plan.suffix.token_ids, reserve=reserve,
+            inp = assemble(self.model, self.rope, self.spec, pieces, plan.suffix.token_ids, buffer=buf,
                            chunk_prefix_ids=self.chunk_prefix_ids, canonical=m.reads_canonical_keys)
             timings.assemble_s = time.perf_counter() - t
         else:  # e.g. full prefill: the stale KV is never read, so it is neither fetched nor assembled
             counts = dict.fromkeys(("chunk_hits", "chunk_misses", "other_hits", "other_misses", "reused_tokens"), 0)
             keys = [None] * len(plan.context)
             inp = context_only_input(self.model, self.rope, self.spec, plan.context, plan.suffix.token_ids,
-                                     reserve=reserve)
+                                     buffer=buf)
         t, paused = time.perf_counter(), pace.paused_s  # paused_s: other requests' steps between pieces
         out = yield from m.fuse_pieces(inp, pace)
         timings.repair_s = time.perf_counter() - t - (pace.paused_s - paused)
         t, repair_paused = time.perf_counter(), pace.paused_s - paused
         if out.last_logits is None and not long_repair and self.runner.parks_at_suffix:
             # parks here: the runner prefills the suffix (alone, or with other arrivals' when packing them)
-            buf, length = hf_cache.buffer_of(out.cache)
+            got, length = hf_cache.buffer_of(out.cache)
+            buf.put(got, length)  # no copy when the method repaired in place; else its K/V into the request's buffer
             ids = tuple(inp.suffix_ids.tolist())
-            buf.reserve(length + len(ids) + reserve)
             parked = time.perf_counter()
             last, timings.suffix_prefill_s = yield SuffixPrefill(batched.Row(buf, length), ids)
             t0 += time.perf_counter() - parked - timings.suffix_prefill_s  # waiting for others: like the turn

@@ -7,7 +7,8 @@ callers, run at most one prepare piece, prefill the parked prepares' suffixes to
 step (the forwards: :mod:`kvrag.engine.forwards`) -- holding the model's lock for each forward. Callers never run
 model work themselves:
 
-* :meth:`Runner.prepare` puts a request in line (KV: prompt + ``max_new_tokens``) and waits until the runner
+* :meth:`Runner.prepare` puts a request in line (KV: prompt + ``reserve`` positions, leased at admission:
+  :mod:`kvrag.engine.lease`) and waits until the runner
   prepared it in its turn (in pieces when the job is a generator, one per plan, between decode steps); at most
   ``EngineConfig.admission_timeout_s`` for admission, then :class:`~kvrag.errors.EngineBusyError` names the bound.
 * :meth:`Runner.submit` starts a prepared request's stream: its first token is chosen from the prepare's logits,
@@ -75,16 +76,15 @@ class Runner:
         admission_timeout_s: longest wait for admission (None: no limit).
         speculation: prompt-lookup drafting for greedy requests (:mod:`kvrag.engine.speculate`; None: off).
         pack_suffixes: arrivals' question suffixes in one forward (``EngineConfig.pack_suffixes``).
-        threads: torch intra-op threads of the runner thread (``EngineConfig.runner_threads``; None: the process's).
-        kv_dtype: the dtype of the K/V requests decode over (:func:`kvrag.kv.batched.decode_kv_dtype`)."""
+        threads: torch intra-op threads of the runner thread (``EngineConfig.runner_threads``; None: the process's)."""
 
     _exit_hook: Callable[[], None] | None = None  # called right after the thread decided to exit (tests hold it)
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, budget: KVBudget, *,
                  max_batch_size: int, admission_timeout_s: float | None = None, speculation: SpeculationConfig | None = None,
-                 pack_suffixes: bool = False, threads: int | None = None, kv_dtype: torch.dtype | None = None) -> None:
+                 pack_suffixes: bool = False, threads: int | None = None) -> None:
         self.model, self.tokenizer, self.pack_suffixes, self.threads = model, tokenizer, bool(pack_suffixes), threads
-        self.speculation, self.kv_dtype = speculation or SpeculationConfig(max_draft=0), kv_dtype
+        self.speculation = speculation or SpeculationConfig(max_draft=0)
         self.max_batch_size = int(max_batch_size)
         self.admission_timeout_s, self.lock = admission_timeout_s, hf_cache.model_lock(model)
         self.unbatchable = batched.batchable(model, IMPL)
@@ -109,25 +109,29 @@ class Runner:
     def budget(self) -> KVBudget:
         return self.scheduler.budget
 
+    @property
+    def kv_dtype(self) -> torch.dtype | None:  # the dtype requests decode over (KVBudget.dtype)
+        return self.budget.dtype
+
     # ------------------------------------------------------------------------------------------- prepares
-    def prepare(self, kv_tokens: int, job: Callable[[Lease], Any]) -> Any:
-        """Put a request of ``kv_tokens`` KV positions in line and return what ``job(lease)`` returns once the
-        runner ran it in the request's turn (under the model lock, in inference mode).
+    def prepare(self, positions: int, job: Callable[[Lease], Any]) -> Any:
+        """Put a request of ``positions`` KV positions (prompt + reserve) in line and return what ``job(lease)``
+        returns once the runner ran it in the request's turn (under the model lock, in inference mode); ``job``
+        computes the prompt in ``lease.prompt_buffer(...)``.
 
         Raises:
             EngineBusyError: not admitted within ``admission_timeout_s``.
             EngineClosedError: the engine is closed.
             RequestCancelledError: the request's :class:`CancelToken` was cancelled."""
-        nbytes = self.budget.bytes_for(kv_tokens)
         h = Handle(job)
         if threading.current_thread() is self._thread or self.lock._is_owned():  # type: ignore[attr-defined]
-            return self._prepare_nested(h, nbytes)
+            return self._prepare_nested(h, positions)
         token = current_token()
         if token is not None and token.cancelled:
             raise reason_error("cancelled")
         with self._cv:
             try:
-                h.rid = self.scheduler.add(nbytes)
+                h.rid = self.scheduler.add(positions)
             except SchedulerError:
                 raise EngineClosedError("the engine is closed (engine.close()); open a new one") from None
             self._handles[h.rid] = h
@@ -141,7 +145,7 @@ class Runner:
 
         remove = token.on_cancel(cancel) if token is not None else (lambda: None)
         try:
-            self._wait_prepared(h, nbytes)
+            self._wait_prepared(h, self.budget.bytes_for(positions))
         except BaseException:  # e.g. KeyboardInterrupt while waiting: the request leaves
             self.cancel(h.rid)
             raise
@@ -174,10 +178,10 @@ class Runner:
                     self._kick()
                 return
 
-    def _prepare_nested(self, h: Handle, nbytes: int) -> Any:
+    def _prepare_nested(self, h: Handle, positions: int) -> Any:
         """A prepare called inside a forward of this thread (or the runner's own): run it here, now."""
         with self._cv:
-            h.rid = self.scheduler.add(nbytes)
+            h.rid = self.scheduler.add(positions)
             self.scheduler.admit(h.rid)
             self._handles[h.rid] = h
         while not h.prepared_done.is_set():
@@ -290,15 +294,9 @@ class Runner:
                 msg = (f"this Prepared request {what}: a Prepared is streamed once (its KV buffer holds one answer); "
                        "call engine.prepare() again for another answer")
                 raise ConfigError(msg)
+            assert rid is not None and lease is not None
             buf, length = hf_cache.buffer_of(prepared.cache)
-            need = self.budget.bytes_for(length + gen.max_new_tokens)
-            if need > lease.nbytes:  # type: ignore[union-attr]
-                have = lease.nbytes // self.budget.bytes_per_token  # type: ignore[union-attr]
-                msg = (f"the stream asks for max_new_tokens={gen.max_new_tokens} but the request was prepared for "
-                       f"{have - length} new tokens (its KV was leased for {have} positions); pass "
-                       f"reserve={gen.max_new_tokens} to engine.prepare()")
-                raise ConfigError(msg)
-            assert rid is not None
+            lease.check_answer(length, gen.max_new_tokens)  # sized at admission: only compared here
             h.prepared = prepared
             try:
                 h.state = DecodeState(self.tokenizer, gen, eos_ids)
@@ -314,7 +312,7 @@ class Runner:
             if drafter is not None and not h.state.finished:
                 h.drafter = drafter
                 drafter.push(int(h.state.last))  # type: ignore[arg-type]
-            h.row = batched.Row.for_decode(buf, length, length + gen.max_new_tokens, self.kv_dtype)  # room for all
+            h.row = lease.decode_row(buf, length)  # the lease's buffer: it never grows
             prepared.cache = prepared.cache if h.row.buffer is buf else None  # let a prompt buffer of another dtype go
             self.scheduler.stream(rid)
             if h.state.finished:
@@ -476,7 +474,7 @@ class Runner:
 
     def _after_fork_child(self) -> None:
         self._after_fork_parent()
-        self._fresh(KVBudget(self.budget.limit, self.budget.bytes_per_token))
+        self._fresh(KVBudget(self.budget.limit, self.budget.bytes_per_token, self.budget.dtype))
 
     # ------------------------------------------------------------------------------------------- introspection
     def stats(self) -> dict[str, Any]:

@@ -16,9 +16,9 @@ One state per request (:class:`RequestState`)::
 The policy, written once in :meth:`Scheduler.schedule`:
 
 * **Arrival-order admission.** Only the oldest WAITING request may be admitted, when its KV (sized once at
-  arrival: prompt + ``max_new_tokens``) fits the budget; a request larger than the whole budget is admitted when
-  nothing else holds memory. Later arrivals never pass it, so a large request is not starved by a stream of small
-  ones. A wait limit is the caller's: it cancels a request that is still WAITING with the reason ``"busy"``.
+  arrival: prompt + ``reserve`` positions, :mod:`kvrag.engine.lease`) fits the budget; a request larger than the
+  whole budget is admitted when nothing else holds memory. Later arrivals never pass it, so a large request is not
+  starved by a stream of small ones. A wait limit is the caller's: it cancels a request that is still WAITING with the reason ``"busy"``.
 * **One prepare piece between two decode steps.** A plan holds at most one piece of one prepare and at most one
   decode step, so a decoding request waits at most one piece per token. A prepare may come in pieces (while
   requests decode: about half a step each, :mod:`kvrag.kv.pieces`): the one in progress gets the next plan's piece
@@ -75,6 +75,8 @@ class Request:
     """The scheduler's view of one request."""
 
     rid: int
+    positions: int
+    """KV positions asked for (prompt + the answer's reserve): what its lease holds once admitted."""
     kv_bytes: int
     arrival: int
     state: RequestState = RequestState.WAITING
@@ -143,12 +145,12 @@ class Scheduler:
         self._ids = itertools.count(1)
 
     # ------------------------------------------------------------------------------------------- events
-    def add(self, kv_bytes: int) -> int:
-        """A new request in line for admission; returns its id."""
+    def add(self, positions: int) -> int:
+        """A new request of ``positions`` KV positions in line for admission; returns its id."""
         if self.closed:
             raise SchedulerError(0, RequestState.FINISHED, "add a request to a closed engine")
         rid = next(self._ids)
-        self.requests[rid] = Request(rid, int(kv_bytes), rid)
+        self.requests[rid] = Request(rid, int(positions), self.budget.bytes_for(positions), rid)
         self.waiting.append(rid)
         self.budget.waiting = len(self.waiting)
         return rid
@@ -294,7 +296,7 @@ class Scheduler:
 
     def _admit(self, req: Request) -> None:
         req.state = RequestState.PREPARING
-        req.lease = self.budget.take(req.kv_bytes)
+        req.lease = self.budget.take(req.positions)
         req.lease.rid = req.rid
 
     def _finish(self, req: Request, reason: str) -> None:

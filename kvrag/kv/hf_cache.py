@@ -1,4 +1,5 @@
-"""The only module that touches transformers' Cache classes and decoder-layer internals.
+"""The only module that touches transformers' Cache classes and decoder-layer internals (with
+:mod:`kvrag.kv.kvbuffer`, the request buffer's cache layer; :class:`KVBuffer` is re-exported here).
 
 Everything else in kvrag handles KV as plain tensors [L, H_kv, T, D] (batch size 1). This module converts between
 those tensors and transformers caches, runs (partial) forward passes, and runs single decoder layers over an explicit
@@ -16,7 +17,9 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
-from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicCache
+
+from kvrag.kv.kvbuffer import BufferLayer, KVBuffer
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
@@ -27,94 +30,6 @@ class LayerCache(Protocol):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> Any: ...
-
-
-class KVBuffer:
-    """One request's KV storage, allocated once: keys/values [L, H_kv, capacity, D].
-
-    The query path moves KV once: fetched chunk caches are rotated straight into the buffer, fusion methods write
-    their fresh K/V into it in place, and the suffix prefill and every decode step append into it through
-    :meth:`as_cache` (a transformers cache whose layers write in place instead of concatenating). Going past
-    ``capacity`` grows the buffer (one copy, doubling), so a wrong size estimate costs time, never correctness.
-    """
-
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
-        shape = (num_layers, num_kv_heads, max(1, capacity), head_dim)
-        self.keys = torch.empty(shape, dtype=dtype, device=device)
-        self.values = torch.empty(shape, dtype=dtype, device=device)
-
-    @classmethod
-    def wrap(cls, keys: torch.Tensor, values: torch.Tensor) -> KVBuffer:
-        """A buffer that owns the given contiguous keys/values [L, H_kv, T, D] (no copy)."""
-        buf = cls.__new__(cls)
-        buf.keys, buf.values = keys, values
-        return buf
-
-    @property
-    def capacity(self) -> int:
-        return int(self.keys.shape[2])
-
-    def reserve(self, n: int) -> None:
-        """Make room for ``n`` positions (grows by at least doubling; keeps the contents)."""
-        if n <= self.capacity:
-            return
-        new = max(n, 2 * self.capacity)
-        for name in ("keys", "values"):
-            old = getattr(self, name)
-            t = torch.empty((*old.shape[:2], new, old.shape[3]), dtype=old.dtype, device=old.device)
-            t[:, :, : old.shape[2]].copy_(old)
-            setattr(self, name, t)
-
-    def context(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views keys, values [L, H_kv, n, D] of the first ``n`` positions (no copy)."""
-        self.reserve(n)
-        return self.keys[:, :, :n], self.values[:, :, :n]
-
-    def as_cache(self, length: int) -> Cache:
-        """A transformers cache over the first ``length`` positions that appends in place (batch size 1)."""
-        self.reserve(length)
-        return Cache(layers=[_BufferLayer(self, i, length) for i in range(self.keys.shape[0])])
-
-
-class _BufferLayer(DynamicLayer):
-    """A DynamicLayer backed by one layer of a :class:`KVBuffer`: ``update`` writes in place, never concatenates."""
-
-    def __init__(self, buf: KVBuffer, layer: int, length: int) -> None:
-        super().__init__()
-        self.buf, self.layer, self.length = buf, layer, length
-        self.device = buf.keys.device
-        self.is_initialized = True
-        self._views()
-
-    def _views(self) -> None:
-        self.keys = self.buf.keys[self.layer : self.layer + 1, :, : self.length]  # [1, H_kv, T, D]
-        self.values = self.buf.values[self.layer : self.layer + 1, :, : self.length]
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        return None
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
-        end = self.length + int(key_states.shape[-2])
-        self.buf.reserve(end)
-        self.buf.keys[self.layer, :, self.length : end].copy_(key_states[0])
-        self.buf.values[self.layer, :, self.length : end].copy_(value_states[0])
-        self.length = end
-        self._views()
-        return self.keys, self.values
-
-    def get_seq_length(self) -> int:
-        return self.length
-
-    def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove > 0:
-            raise ValueError("crop takes a negative number of tokens to remove")
-        self.length = max(0, self.length + tokens_to_remove)
-        self._views()
-
-    def reset(self) -> None:
-        self.length = 0
-        self._views()
 
 
 def new_cache(model: PreTrainedModel) -> DynamicCache:
@@ -147,9 +62,9 @@ def cache_to_tensors(cache: Cache) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys, values [L, H_kv, T, D] of a batch-1 cache (views of the buffer for a :meth:`KVBuffer.as_cache`
     cache, else stacked copies)."""
     layers = list(cache.layers)
-    if layers and all(isinstance(layer, _BufferLayer) for layer in layers):
+    if layers and all(isinstance(layer, BufferLayer) for layer in layers):
         first = layers[0]
-        assert isinstance(first, _BufferLayer)
+        assert isinstance(first, BufferLayer)
         if all(layer.length == first.length for layer in layers):  # type: ignore[union-attr]
             return first.buf.keys[:, :, : first.length], first.buf.values[:, :, : first.length]
     ks = [layer.keys[0] for layer in cache.layers]  # type: ignore[union-attr,index]
@@ -161,9 +76,9 @@ def buffer_of(cache: Cache) -> tuple[KVBuffer, int]:
     """The request buffer behind a batch-1 cache and the positions it holds: the buffer itself for a
     :meth:`KVBuffer.as_cache` cache (no copy), else a new buffer holding a copy of the cache's keys/values."""
     layers = list(cache.layers)
-    if layers and all(isinstance(layer, _BufferLayer) for layer in layers):
+    if layers and all(isinstance(layer, BufferLayer) for layer in layers):
         first = layers[0]
-        assert isinstance(first, _BufferLayer)
+        assert isinstance(first, BufferLayer)
         if all(layer.buf is first.buf and layer.length == first.length for layer in layers):  # type: ignore[union-attr]
             return first.buf, first.length
     keys, values = cache_to_tensors(cache)

@@ -173,12 +173,12 @@ def test_kept_bytes_count_in_the_lease_accounting_and_give_way_to_requests() -> 
     for k in range(4):
         assert cc.keep(tuple(range(100 * k, 100 * k + 20)), 10, "stale", _cache(20, budget))
     assert budget.cached == 800 and budget.snapshot()["cached"] == 800
-    a = s.add(300)  # does not fit beside 800 kept bytes: the least recent entries are given back
+    a = s.add(30)  # 300 bytes (30 positions): do not fit beside 800 kept bytes: the least recent entries are given back
     plan = s.schedule()
     assert plan.prepare == a and s.state(a) is RequestState.PREPARING
     assert budget.used + budget.cached <= budget.limit and len(cc) == 3 and cc.stats()["reclaimed"] == 1
     # an entry is only kept beside the leases: with 900 bytes leased, 200 more do not fit (the others leave)
-    b = s.add(600)
+    b = s.add(60)  # 600 bytes
     s.cancel(a)
     s.schedule()
     assert s.state(b) is RequestState.PREPARING and budget.used == 600 and budget.used + budget.cached <= 1_000
