@@ -14,6 +14,7 @@ which hold whole rows.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import mmap
 import warnings
@@ -193,7 +194,16 @@ def use_int4(model: torch.nn.Module) -> int:
         if isinstance(mod, GGUFLinear) and mod.int4 is None:
             with contextlib.suppress(ValueError):
                 n += int(mod.use_int4())
+    if n:
+        _trim_heap()
     return n
+
+
+def _trim_heap() -> None:
+    """Hand the C heap's free pages back to the system (glibc's ``malloc_trim``; nothing elsewhere): the re-layout's
+    temporaries are freed, but the allocator would keep their pages in the process."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).malloc_trim(0)
 
 
 __all__ = ["TENSORS_FILE", "build_empty", "check_resident", "load_resident", "tensor_table", "use_int4"]

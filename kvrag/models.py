@@ -235,13 +235,14 @@ def wrap_model(
     mode = parse_mode(quantize)
     check_rope_support(model, name=name)
     model.eval()
-    check_rerotation(model, Rope.from_model(model), name=name)  # each layer re-positioned exactly, measured
     use_gqa_sdpa(model)  # SDPA without repeated K/V heads for masked grouped-query calls (kvrag.kv.attention)
     pack_linears(model)  # bf16 on the CPU: weights packed once for oneDNN, bit-identical outputs (kvrag.kv.linear)
     quantize_linears(model, mode)  # after packing: longer inputs fall back to the packed / dense forward
     tag = quant_tag(mode)
     if mode == "int4" and use_int4(model):  # GGUF-resident layers: the file's own blocks for decode-sized products
         tag = f"{tag}+gguf-blocks"  # int4 groups taken from the file, not re-quantized from its floats
+    # each layer re-positioned exactly, measured on the weights as they will run (after any quantization)
+    check_rerotation(model, Rope.from_model(model), name=name)
     param = next(model.parameters())
     dtype = dtype or param.dtype
     return LoadedModel(

@@ -245,9 +245,9 @@ INT4_ROWS = 32
 int4 kernel: :data:`kvrag.kv.quant.MAX_ROWS`); larger ones de-quantize the blocks (``ggml_dequant.c``) for a dense
 product. Where the two cross on each CPU kind: docs/results.md, "GGUF products"."""
 
-TILE_WEIGHTS = 1 << 24
-"""Weights de-quantized at a time by a dense product (64 MB of float32): a layer larger than this (an output head
-of a large vocabulary) is multiplied tile by tile."""
+TILE_WEIGHTS = 1 << 22
+"""Weights de-quantized at a time by a dense product (16 MB of float32, the scratch buffer's size): a larger layer
+is multiplied tile by tile of output rows."""
 _PACK_ROWS = 4096
 """Rows re-laid out at a time (bounds the int32 temporaries of a large embedding / head)."""
 
