@@ -138,7 +138,7 @@ def test_resident_linear_decode_route_is_close_and_the_dense_route_exact(blocks_
     y = lin(x)
     assert (y - exact).abs().max() <= 0.02 * exact.abs().max()
     # up to INT4_ROWS rows the int4 route, each row the same bits alone as in the batch; more rows the exact weight
-    limit = gguf_quant.INT4_ROWS if int4_kernel.path() is not None else quant.MAX_ROWS
+    limit = gguf_quant.INT4_ROWS[torch.float32] if int4_kernel.path() is not None else quant.MAX_ROWS
     xs = torch.randn(limit + 1, COLS, generator=torch.Generator().manual_seed(1))
     batch = lin(xs[:limit])
     assert all(torch.equal(batch[i], lin(xs[i : i + 1])[0]) for i in (0, limit // 2, limit - 1))
