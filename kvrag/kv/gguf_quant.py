@@ -8,7 +8,7 @@ Q4_1 / Q8_0 / Q4_K_M / Q5_K_M / Q6_K files (a K-quant file keeps Q5_0 / Q8_0 for
 
 :class:`GGUFLinear` keeps a linear layer's blocks and computes its products two ways:
 
-* inputs of at most :data:`INT4_ROWS` rows (decode steps, question suffixes), when the model was loaded
+* inputs of at most :data:`kvrag.kv.quant.MAX_ROWS` rows (decode steps, short suffixes), when the model was loaded
   with ``quantize="int4"``: the int4 kernels of :mod:`kvrag.kv.quant` on the blocks re-laid out once at load. A
   Q4_0 / Q4_1 block and each 32-weight sub-block of a Q4_K super-block is exactly one of those kernels' groups
   (``w = (q - 8) scale + zero``: Q4_0 ``scale = d``; Q4_1 ``zero = m + 8 d``; Q4_K ``scale = d sc``, ``zero =
@@ -240,12 +240,6 @@ def int4_parts(raw: torch.Tensor, qtype: str) -> list[tuple[torch.Tensor, torch.
     raise ValueError(msg)
 
 
-INT4_ROWS: dict[torch.dtype, int] = {torch.float32: 128, torch.bfloat16: 32}
-"""Inputs of at most this many rows (by input dtype; 32 for others) take a GGUF layer's int4 kernel weights where
-kvrag's int4 kernel serves (torch's int4 kernel: :data:`kvrag.kv.quant.MAX_ROWS`); larger ones de-quantize the
-blocks (``ggml_dequant.c``) for a dense product, which a float32 model reaches later than a bfloat16 one. Where the
-two routes cross: docs/results.md, "GGUF products: int4 kernel or de-quantized tiles"."""
-
 TILE_WEIGHTS = 1 << 22
 """Weights de-quantized at a time by a dense product (16 MB of float32, the scratch buffer's size): a larger layer
 is multiplied tile by tile of output rows."""
@@ -398,8 +392,7 @@ class GGUFLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         k = x.shape[-1]
         int4 = self.int4
-        rows = INT4_ROWS.get(x.dtype, 32) if int4_kernel.path() is not None else quant.MAX_ROWS
-        if int4 is not None and x.is_cpu and x.numel() <= rows * k:
+        if int4 is not None and x.is_cpu and x.numel() <= quant.MAX_ROWS * k:
             flat = x.reshape(-1, k)
             if flat.dtype == torch.float32 and int4.takes_float32:
                 y = int4.mm(flat.contiguous())
@@ -468,5 +461,5 @@ def resident_bytes(model: PreTrainedModel) -> int:
     return total
 
 
-__all__ = ["FLOAT_TYPES", "INT4_ROWS", "INT4_TYPES", "SPLIT_TYPES", "TYPES", "FilePages", "GGUFEmbedding",
+__all__ = ["FLOAT_TYPES", "INT4_TYPES", "SPLIT_TYPES", "TYPES", "FilePages", "GGUFEmbedding",
            "GGUFLinear", "Scratch", "dequantize", "int4_parts", "resident_bytes"]
