@@ -303,7 +303,7 @@ def run(chunks: list[str], questions: list[str], warm_question: str, max_new_tok
     try:
         import openai
     except ImportError as e:
-        raise SystemExit("--frameworks serve needs the openai SDK: pip install openai") from e
+        raise SystemExit("--frameworks serve needs the openai SDK: pip install 'kvrag-bench[serve]'") from e
     import httpx
 
     from kvrag_bench.decode_bench import _gguf_of
