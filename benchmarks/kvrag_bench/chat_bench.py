@@ -223,6 +223,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         from kvrag_bench.chat_frameworks import run as run_framework
 
         if fw == "serve":
+            from kvrag.prompting import render_chat
             from kvrag_bench import chat_serve
 
             if args.quantize not in (None, "default") or args.dtype is not None:
@@ -230,7 +231,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                       "--quantize", flush=True)
             print("kvrag serve over HTTP (openai SDK), fixed chunks:", flush=True)
             result["scenarios"]["serve"] = chat_serve.run(fixed, questions, warm, args.max_new_tokens, method=method,
-                                                          model=args.model, threads=args.threads, peer=args.peer)
+                                                          model=args.model, threads=args.threads, peer=args.peer,
+                                                          count_tokens=lambda m: len(reuse.tokenize(
+                                                              render_chat(reuse.tokenizer, m))))
             continue
         print(f"{fw} stock chat engine, fixed chunks:", flush=True)
         result["scenarios"][fw] = run_framework(fw, reuse, recompute, fixed, questions, gen)
@@ -300,8 +303,11 @@ def _scenario_lines(name: str, sc: dict[str, Any]) -> list[str]:
                   "after the first)."]
     if "llamacpp" in sc:
         lc = sc["llamacpp"]
+        counted = (" Its stream carries no usage: its prompt tokens are its messages rendered with the same chat "
+                   "template and counted with kvrag's tokenizer." if rows[0].get("llamacpp_prompt_tokens_counted")
+                   else "")
         lines += ["", f"llama.cpp: llama-cpp-python {lc['llama_cpp_python']} server, n_ctx {lc['n_ctx']}, "
-                      f"{lc['threads']} thread(s), the same GGUF file, its own answers as its history."]
+                      f"{lc['threads']} thread(s), the same GGUF file, its own answers as its history.{counted}"]
     for note in sc.get("notes", []):
         lines += ["", "Note: " + note.replace("\n", " ").strip()[:1500]]
     return [*lines, ""]

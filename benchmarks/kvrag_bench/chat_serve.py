@@ -226,10 +226,12 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def converse(servers: dict[str, Any], chunks: list[str], questions: list[str], max_tokens: int,
-             on_turn: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+             on_turn: Callable[[dict[str, Any]], None] | None = None,
+             count_tokens: Callable[[list[dict[str, str]]], int] | None = None) -> dict[str, Any]:
     """The conversation against ``servers`` (name -> an ``openai.OpenAI`` client; ``reuse`` and ``recompute``
     required, ``llama.cpp`` optional): one row per turn. A llama.cpp request that fails (its server crashed)
-    ends llama.cpp's part; the error is kept in ``llamacpp_error``."""
+    ends llama.cpp's part; the error is kept in ``llamacpp_error``. ``count_tokens``: the prompt tokens of a
+    ``messages`` list, for a server whose stream carries no usage (llama-cpp-python's)."""
     system = SYSTEM + "\n" + "".join(chunks)
     peer = "llama.cpp" in servers
     history: list[dict[str, str]] = []
@@ -270,6 +272,9 @@ def converse(servers: dict[str, Any], chunks: list[str], questions: list[str], m
             p = got.get("llama.cpp", {})
             row.update({f"llamacpp_{key}": p.get(key) for key in ("ttft_s", "prompt_tokens", "cached_tokens",
                                                                   "total_s")}, llamacpp_answer=p.get("text"))
+            if p and p["prompt_tokens"] is None and count_tokens is not None:
+                row["llamacpp_prompt_tokens"] = count_tokens(msgs["llama.cpp"])
+                row["llamacpp_prompt_tokens_counted"] = True
             if p:
                 peer_history += [{"role": "user", "content": q}, {"role": "assistant", "content": p["text"]}]
         rows.append(row)
@@ -296,10 +301,12 @@ def _print_turn(row: dict[str, Any]) -> None:
 
 
 def run(chunks: list[str], questions: list[str], warm_question: str, max_new_tokens: int, *, method: str,
-        model: str | None, threads: int | None, peer: str = "auto") -> dict[str, Any]:
+        model: str | None, threads: int | None, peer: str = "auto",
+        count_tokens: Callable[[list[dict[str, str]]], int] | None = None) -> dict[str, Any]:
     """Start the servers, register the chunks, warm each server with one untimed request, run the conversation,
     stop the servers. ``peer``: ``auto`` (llama.cpp when its server can start here and the model is a GGUF
-    file), ``llama.cpp`` (asked for: a missing server or model is reported in the result) or ``none``."""
+    file), ``llama.cpp`` (asked for: a missing server or model is reported in the result) or ``none``.
+    ``count_tokens``: see :func:`converse`."""
     try:
         import openai
     except ImportError as e:
@@ -351,7 +358,7 @@ def run(chunks: list[str], questions: list[str], warm_question: str, max_new_tok
                              f"ends:\n{procs[name].tail()}")
                 print(f"  {notes[-1]}", flush=True)
                 del servers[name]
-        result = converse(servers, chunks, questions, max_new_tokens, on_turn=_print_turn)
+        result = converse(servers, chunks, questions, max_new_tokens, on_turn=_print_turn, count_tokens=count_tokens)
         if "llamacpp_error" in result:
             log = procs["llama.cpp"].tail() if "llama.cpp" in procs else ""
             alive = "llama.cpp" in procs and procs["llama.cpp"].alive()
