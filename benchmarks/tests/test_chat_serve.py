@@ -23,8 +23,6 @@ from kvrag_bench import chat_serve  # noqa: E402
 from kvrag_bench.chat_bench import _scenario_lines  # noqa: E402
 from kvrag_testing.tiny import tiny_model  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
 
 def _python_server(tmp_path: Path, code: str, timeout_s: float = 120) -> chat_serve.Server:
     script = tmp_path / "srv.py"
