@@ -20,7 +20,8 @@ and ``recompute`` (``conversation_cache_bytes=0``: the history prefilled again).
 tokens reused from the conversation, tokens prefilled, and whether both answers are the same tokens. Chunk caches
 are ingested before the turns (cache-ready TTFT). ``--frameworks`` also runs the same fixed-chunk conversation
 through LlamaIndex's stock ``context`` chat engine (``KVCachedLLM``) and a LangChain ``RunnableWithMessageHistory``
-chain (``ChatKVCached``), reporting their TTFT per turn.
+chain (``ChatKVCached``), reporting their TTFT per turn, and ``serve``: ``kvrag serve`` driven by the ``openai`` SDK
+over HTTP, with llama.cpp's server on the same GGUF file beside it (``--peer``; :mod:`kvrag_bench.chat_serve`).
 
 ``--kv-check`` measures where decode-written K/V differs from prefill-written K/V: after a ``full`` answer, the kept
 KV of (prompt + answer) against one prefill of the same ids, per part (prompt positions, answer positions).
@@ -52,7 +53,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="timed prepares per turn and engine before the answers; the fastest is reported (0: none)")
     p.add_argument("--kl", action="store_true",
                    help="with changing chunks: next-token KL vs full with the history prefilled / as segments")
-    p.add_argument("--frameworks", default="none", help="comma-separated: llamaindex, langchain (or none)")
+    p.add_argument("--frameworks", default="none", help="comma-separated: llamaindex, langchain, serve (or none)")
+    p.add_argument("--peer", default="auto", choices=("auto", "llama.cpp", "none"),
+                   help="with --frameworks serve: llama.cpp's server (llama-cpp-python) on the same GGUF beside "
+                        "kvrag serve (auto: when it is installed and the model is a GGUF file)")
     p.add_argument("--kv-check", action="store_true", help="measure decode-written vs prefill-written K/V (full)")
     p.add_argument("--out", default="runs/chat")
 
@@ -218,6 +222,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for fw in [s.strip() for s in args.frameworks.split(",") if s.strip() and s.strip() != "none"]:
         from kvrag_bench.chat_frameworks import run as run_framework
 
+        if fw == "serve":
+            from kvrag.prompting import render_chat
+            from kvrag_bench import chat_serve
+
+            if args.quantize not in (None, "default") or args.dtype is not None:
+                print("  note: kvrag serve loads the model with its defaults (dtype, quantization), not --dtype / "
+                      "--quantize", flush=True)
+            print("kvrag serve over HTTP (openai SDK), fixed chunks:", flush=True)
+            result["scenarios"]["serve"] = chat_serve.run(fixed, questions, warm, args.max_new_tokens, method=method,
+                                                          model=args.model, threads=args.threads, peer=args.peer,
+                                                          count_tokens=lambda m: len(reuse.tokenize(
+                                                              render_chat(reuse.tokenizer, m))))
+            continue
         print(f"{fw} stock chat engine, fixed chunks:", flush=True)
         result["scenarios"][fw] = run_framework(fw, reuse, recompute, fixed, questions, gen)
         reuse.conversations.clear()
@@ -233,42 +250,76 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def _num(x: float | int | None, spec: str = "") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _per(x: float | None, first: float | None) -> str:
+    return "-" if x is None or first is None or first <= 0 else f"{x / first:.2f}"
+
+
+def _ratio_text(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}x"
+
+
+def _scenario_lines(name: str, sc: dict[str, Any]) -> list[str]:
+    rows, s = sc["rows"], sc["summary"]
+    fast = "prepare_min_reuse_s" in rows[0]
+    usage = "cached_tokens" in rows[0]  # over HTTP: the usage's cached tokens
+    peer = "llamacpp_ttft_s" in rows[0]
+    head = ("| turn | prompt tokens | reused from the conversation |" + (" cached (usage) |" if usage else "")
+            + " prefilled | TTFT reuse (s) | TTFT / turn 1 | TTFT recompute (s) | TTFT / turn 1 |"
+            + (" fastest prepare reuse (s) | / turn 1 | recompute (s) | / turn 1 |" if fast else "")
+            + (" llama.cpp prompt tokens | llama.cpp TTFT (s) | / turn 1 |" if peer else "") + " same answer |")
+    lines = [f"### {name}", "", head, "|" + "---:|" * (head.count("|") - 2) + ":---:|"]
+    f = rows[0]
+    for r in rows:
+        cells = (f"| {r['turn']} | {_num(r['prompt_tokens'])} | {_num(r['reused_conversation'])} |"
+                 + (f" {_num(r['cached_tokens'])} |" if usage else "")
+                 + f" {_num(r['prefilled'])} | {_num(r['ttft_reuse_s'], '.3f')} | "
+                 f"{_per(r['ttft_reuse_s'], f['ttft_reuse_s'])} | {_num(r['ttft_recompute_s'], '.3f')} | "
+                 f"{_per(r['ttft_recompute_s'], f['ttft_recompute_s'])} |")
+        if fast:
+            cells += (f" {r['prepare_min_reuse_s']:.3f} | {_per(r['prepare_min_reuse_s'], f['prepare_min_reuse_s'])} | "
+                      f"{r['prepare_min_recompute_s']:.3f} | "
+                      f"{_per(r['prepare_min_recompute_s'], f['prepare_min_recompute_s'])} |")
+        if peer:
+            cells += (f" {_num(r['llamacpp_prompt_tokens'])} | {_num(r['llamacpp_ttft_s'], '.3f')} | "
+                      f"{_per(r['llamacpp_ttft_s'], f['llamacpp_ttft_s'])} |")
+        lines.append(cells + f" {'yes' if r['same_answer'] else 'no'} |")
+    if "kl_history_prefilled" in rows[0]:
+        kp = [r["kl_history_prefilled"] for r in rows]
+        ks = [r["kl_history_segments"] for r in rows]
+        lines += ["", "Next-token KL vs `full` per turn, method with the history prefilled / as segments: "
+                  + ", ".join(f"{a:.3g} / {b:.3g}" for a, b in zip(kp, ks, strict=True))
+                  + f" (mean {sum(kp) / len(kp):.3g} / {sum(ks) / len(ks):.3g})."]
+    fastest = (f" (fastest prepares: reuse {s['prepare_ratio_last_first_reuse']:.2f}x, recompute "
+               f"{s['prepare_ratio_last_first_recompute']:.2f}x)" if "prepare_ratio_last_first_reuse" in s else "")
+    llama = (f", llama.cpp server {_ratio_text(s.get('ttft_ratio_last_first_llamacpp'))}"
+             if "llamacpp_turns" in s else "")
+    lines += ["", f"Last turn / turn 1 TTFT: reuse {_ratio_text(s['ttft_ratio_last_first_reuse'])}, recompute "
+                  f"{_ratio_text(s['ttft_ratio_last_first_recompute'])}{llama}{fastest}; same answers "
+                  f"{s['same_answers']}/{s['turns']} ({s['same_answers_after_first']}/{s['turns'] - 1} of the turns "
+                  "after the first)."]
+    if "llamacpp" in sc:
+        lc = sc["llamacpp"]
+        counted = (" Its stream carries no usage: its prompt tokens are its messages rendered with the same chat "
+                   "template and counted with kvrag's tokenizer." if rows[0].get("llamacpp_prompt_tokens_counted")
+                   else "")
+        lines += ["", f"llama.cpp: llama-cpp-python {lc['llama_cpp_python']} server, n_ctx {lc['n_ctx']}, "
+                      f"{lc['threads']} thread(s), the same GGUF file, its own answers as its history.{counted}"]
+    for note in sc.get("notes", []):
+        lines += ["", "Note: " + note.replace("\n", " ").strip()[:1500]]
+    return [*lines, ""]
+
+
 def markdown(result: dict[str, Any]) -> str:
     lines = [f"{result['model']}, {result['machine']['kind']}, {result['dtype']}, weights {result['quantization']}, "
              f"method {result['method']}, {result['turns']} turns of {result['data']} from row {result['offset']}, "
              f"{result['passages']} passages, {result['max_new_tokens']} new tokens, {result['torch_threads']} "
              f"thread(s), commit {result['commit'][:10]}", ""]
     for name, sc in result["scenarios"].items():
-        rows, s = sc["rows"], sc["summary"]
-        fast = "prepare_min_reuse_s" in rows[0]
-        lines += [f"### {name}", "",
-                  "| turn | prompt tokens | reused from the conversation | prefilled | TTFT reuse (s) | "
-                  "TTFT / turn 1 | TTFT recompute (s) | TTFT / turn 1 |"
-                  + (" fastest prepare reuse (s) | / turn 1 | recompute (s) | / turn 1 |" if fast else "")
-                  + " same answer |",
-                  "|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|---:|---:|" if fast else "") + ":---:|"]
-        t1r, t1f = rows[0]["ttft_reuse_s"], rows[0]["ttft_recompute_s"]
-        for r in rows:
-            cells = (f"| {r['turn']} | {r['prompt_tokens']} | {r['reused_conversation']} | {r['prefilled']} | "
-                     f"{r['ttft_reuse_s']:.3f} | {r['ttft_reuse_s'] / t1r:.2f} | {r['ttft_recompute_s']:.3f} | "
-                     f"{r['ttft_recompute_s'] / t1f:.2f} |")
-            if fast:
-                p1r, p1f = rows[0]["prepare_min_reuse_s"], rows[0]["prepare_min_recompute_s"]
-                cells += (f" {r['prepare_min_reuse_s']:.3f} | {r['prepare_min_reuse_s'] / p1r:.2f} | "
-                          f"{r['prepare_min_recompute_s']:.3f} | {r['prepare_min_recompute_s'] / p1f:.2f} |")
-            lines.append(cells + f" {'yes' if r['same_answer'] else 'no'} |")
-        if "kl_history_prefilled" in rows[0]:
-            kp = [r["kl_history_prefilled"] for r in rows]
-            ks = [r["kl_history_segments"] for r in rows]
-            lines += ["", "Next-token KL vs `full` per turn, method with the history prefilled / as segments: "
-                      + ", ".join(f"{a:.3g} / {b:.3g}" for a, b in zip(kp, ks, strict=True))
-                      + f" (mean {sum(kp) / len(kp):.3g} / {sum(ks) / len(ks):.3g})."]
-        fastest = (f" (fastest prepares: reuse {s['prepare_ratio_last_first_reuse']:.2f}x, recompute "
-                   f"{s['prepare_ratio_last_first_recompute']:.2f}x)" if "prepare_ratio_last_first_reuse" in s else "")
-        lines += ["", f"Last turn / turn 1 TTFT: reuse {s['ttft_ratio_last_first_reuse']:.2f}x, recompute "
-                      f"{s['ttft_ratio_last_first_recompute']:.2f}x{fastest}; same answers "
-                      f"{s['same_answers']}/{s['turns']} ({s['same_answers_after_first']}/{s['turns'] - 1} of the turns "
-                      "after the first).", ""]
+        lines += _scenario_lines(name, sc)
     if "kv_check" in result:
         lines += ["### decode-written vs prefill-written K/V (`full`, one turn)", "",
                   "| part | tensor | positions | bit-identical | max abs diff | mean abs diff | max abs value |",

@@ -44,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads of the engine's runner, which runs every forward (default: torch's, the "
                              "machine's cores); the server's other threads run torch work on one thread")
+    parser.add_argument("--conversation-cache-bytes", type=int, default=None,
+                        help="most bytes of KV kept from answered requests for a chat's next turn (default: a quarter "
+                             "of the KV bound; 0: off)")
     parser.add_argument("--default-max-tokens", type=int, default=256,
                         help="chat completions without max_tokens generate at most this many tokens")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
@@ -93,7 +96,7 @@ def run(args: argparse.Namespace, model: str | None, store: str, chunk_prefix: s
     factory = functools.partial(serving_engine, args.threads, model, store, chunk_prefix=chunk_prefix,
                                 method=args.method, on_store_error=args.on_store_error,
                                 max_batch_size=args.max_batch_size, speculative_tokens=args.speculative_tokens,
-                                pack_suffixes=args.pack_suffixes)
+                                pack_suffixes=args.pack_suffixes, conversation_cache_bytes=args.conversation_cache_bytes)
     keys = tuple(args.api_key) if args.api_key else keys_from_env()
     try:
         cfg = ServeConfig(model_id=args.model_id, max_queue=args.max_queue, default_max_tokens=args.default_max_tokens,
