@@ -193,7 +193,7 @@ def child_answer(gguf: str, store: str, data: str | None, context: int, new_toke
     from kvrag.models import load_model
     from kvrag.prompting import get_template
     from kvrag.store import DiskStore
-    from kvrag_bench.memory_bench import _peak_rss_mb
+    from kvrag_bench.memory_bench import _peak_rss_mb, rss_parts_mb
 
     torch.set_num_threads(threads)
     t = time.perf_counter()
@@ -215,6 +215,7 @@ def child_answer(gguf: str, store: str, data: str | None, context: int, new_toke
         torch.finfo(lm.dtype).bits // 8
     return {"load_s": load_s, "ttft_s": prep.timings.ttft_s, "decode_ms": 1000 * decode_s / max(1, len(tokens) - 1),
             "peak_rss_mb": _peak_rss_mb(), "peak_rss_after_load_mb": rss_loaded, "kv_mb": kv_bytes / 2**20,
+            **rss_parts_mb(), "timings": dict(prep.timings),
             "prompt_ids": list(plan.token_ids), "dtype": str(lm.dtype).replace("torch.", ""),
             "quantize": lm.quantize, "stats_method": method}
 
@@ -258,7 +259,10 @@ def markdown(r: dict[str, Any]) -> str:
                      f"{p['decode_ms']:.0f} |")
         lines += ["", f"kvrag `{r['method']}` TTFT / llama.cpp's: {k['ttft_s'] / p['ttft_s']:.3f}x"]
     lines += ["", f"kvrag: {k['dtype']} compute, quantize={k['quantize']}, K/V {k['kv_mb']:.0f} MB, peak RSS after "
-                  f"load {k['peak_rss_after_load_mb']:.0f} MB, load {k['load_s']:.0f} s."]
+                  f"load {k['peak_rss_after_load_mb']:.0f} MB, load {k['load_s']:.0f} s; after the answer "
+                  f"{k.get('anon_rss_mb', 0):.0f} MB anonymous + {k.get('file_rss_mb', 0):.0f} MB of mapped file pages "
+                  f"resident; `{r['method']}`'s TTFT: fetch {k['timings']['fetch_s']:.1f} s, assemble "
+                  f"{k['timings']['assemble_s']:.1f} s, suffix prefill {k['timings']['suffix_prefill_s']:.1f} s."]
     return "\n".join(lines)
 
 

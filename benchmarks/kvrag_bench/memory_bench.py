@@ -47,6 +47,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="runs/memory")
 
 
+def rss_parts_mb() -> dict[str, float]:
+    """This process's resident memory now, in MB: anonymous (heap, tensors) and file-backed (mapped files, such as
+    a GGUF's pages; clean, so the kernel can reclaim them under memory pressure)."""
+    out = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, rest = line.partition(":")
+        if key in ("RssAnon", "RssFile"):
+            out[f"{key[3:].lower()}_rss_mb"] = int(rest.split()[0]) / 1024
+    return out
+
+
 def _peak_rss_mb() -> float:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
