@@ -373,7 +373,9 @@ class GGUFLinear(torch.nn.Module):
         return self.scratch.take(w.numel(), dtype, w.device).view(w.shape).copy_(w)
 
     def dense(self, x: torch.Tensor) -> torch.Tensor:
-        """The product on the file's exact weights, :data:`TILE_WEIGHTS` weights de-quantized at a time."""
+        """The product on the file's exact weights, :data:`TILE_WEIGHTS` weights de-quantized at a time. A layer that
+        also holds int4 weights gives the file's pages back afterwards, so a prefill keeps at most one such layer's
+        pages resident beside the int4 layouts (re-reading them from the page cache costs a minor fault a page)."""
         step = max(16, TILE_WEIGHTS // self.in_features)
         own = self.scratch.lock.acquire(blocking=False)
         try:
@@ -388,6 +390,8 @@ class GGUFLinear(torch.nn.Module):
         finally:
             if own:
                 self.scratch.lock.release()
+            if self.int4 is not None and self.pages is not None:  # read again at the next dense product
+                self.pages.give_back()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         k = x.shape[-1]

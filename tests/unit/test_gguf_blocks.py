@@ -200,7 +200,12 @@ def test_int4_decode_route_on_the_files_blocks_fuses_and_full_equals_generate(tm
     v = table["blk.0.attn_v.weight"]
     with path.open("rb") as f:
         f.seek(v["offset"])
-        assert attn.v_proj.blocks.numpy().tobytes() == f.read(v["bytes"])
+        on_disk = f.read(v["bytes"])
+    assert attn.v_proj.blocks.numpy().tobytes() == on_disk
+    x = torch.randn(quant.MAX_ROWS + 1, attn.v_proj.in_features)  # the dense route reads the pages and gives them back
+    weight = attn.v_proj.rows(torch.arange(attn.v_proj.out_features))
+    assert torch.equal(attn.v_proj(x), torch.nn.functional.linear(x, weight))
+    assert attn.v_proj.blocks.numpy().tobytes() == on_disk
     if int4_kernel.path() is not None:
         fused = quant.fuse_int4(mods)
         assert fused is not None and fused.valid()
