@@ -208,8 +208,9 @@ def child_answer(gguf: str, store: str, data: str | None, context: int, new_toke
     plan = eng.plan_parts(prefix, passages, suffix)
     prep = eng.prepare(plan, method, reserve=new_tokens)
     t = time.perf_counter()
-    tokens = list(eng.stream(prep, GenerationConfig(max_new_tokens=new_tokens)))
+    "".join(eng.stream(prep, GenerationConfig(max_new_tokens=new_tokens)))
     decode_s = time.perf_counter() - t
+    tokens = prep.token_ids  # the answer's ids (the stream yields text pieces)
     spec = eng.spec
     kv_bytes = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * (len(plan.token_ids) + new_tokens) * \
         torch.finfo(lm.dtype).bits // 8
