@@ -15,13 +15,14 @@ import contextvars
 import functools
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from gguf import MODEL_ARCH
 
-_memo: contextvars.ContextVar[dict[Any, Any] | None] = contextvars.ContextVar("kvrag_gguf_memo", default=None)
+_memo: contextvars.ContextVar[dict[tuple[object, ...], object] | None] = contextvars.ContextVar("kvrag_gguf_memo",
+                                                                                               default=None)
 _lock = threading.Lock()
 _installed: list[tuple[str, object]] = []  # the gguf attributes replaced while any parsed_once() is open
 _depth = 0
@@ -48,9 +49,9 @@ def _shared_reader_class(base: type) -> type:
     return SharedReader
 
 
-def _shared_name_map(original: Any) -> Any:
+def _shared_name_map(original: Callable[[MODEL_ARCH, int], object]) -> Callable[[MODEL_ARCH, int], object]:
     @functools.wraps(original)
-    def get_tensor_name_map(arch: MODEL_ARCH, n_blocks: int) -> Any:
+    def get_tensor_name_map(arch: MODEL_ARCH, n_blocks: int) -> object:
         memo = _memo.get()
         if memo is None:
             return original(arch, n_blocks)

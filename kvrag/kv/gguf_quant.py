@@ -30,8 +30,9 @@ import ctypes
 import functools
 import mmap
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -137,15 +138,19 @@ _NATIVE_TYPES = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q4_K": 3, "Q5_K": 4, "Q6_K": 
 """The types ``ggml_dequant.c`` de-quantizes (its type numbers)."""
 
 
+_Dequant = Callable[[int, int, int, int, int, int, int, int], int]
+"""``kvrag_dequant(type, blocks, rows, row_bytes, columns, out, bf16, threads)`` (pointers as integers)."""
+
+
 @functools.cache
-def _native() -> Any:
+def _native() -> _Dequant | None:
     """``kvrag_dequant`` of ``ggml_dequant.c`` (built once per machine, :mod:`kvrag.kv.native`), checked against
     the torch arithmetic below on random blocks of every type; None where it cannot serve (no compiler, a failed
     check, ``KVRAG_DEQUANT=torch``): the torch code de-quantizes then."""
     if native.setting("KVRAG_DEQUANT", ("torch",)) == "torch":
         return None
 
-    def load() -> Any:
+    def load() -> _Dequant:
         lib = native.open_library(Path(__file__).with_name("ggml_dequant.c"), "kvrag_dequant_abi", 2)
         fn = lib.kvrag_dequant
         i64, vp = ctypes.c_int64, ctypes.c_void_p
@@ -168,12 +173,12 @@ def _native() -> Any:
                     and torch.equal(half.view(torch.int16), want.to(torch.bfloat16).view(torch.int16))):
                 msg = f"ggml_dequant.c self-check: {qtype} differs from the torch de-quantization"
                 raise RuntimeError(msg)
-        return fn
+        return cast("_Dequant", fn)
 
     return native.attempt("kvrag's GGUF de-quantization kernel", load)[0]
 
 
-def _native_dequantize(fn: Any, raw: torch.Tensor, qtype: str, columns: int,
+def _native_dequantize(fn: _Dequant, raw: torch.Tensor, qtype: str, columns: int,
                        out: torch.Tensor | None = None) -> torch.Tensor:
     """``raw`` [rows, row bytes] de-quantized by ``ggml_dequant.c`` into ``out`` (contiguous float32 or bfloat16
     [rows, columns]; a new float32 tensor when None)."""
@@ -334,7 +339,7 @@ class GGUFLinear(torch.nn.Module):
         self.register_buffer("blocks", blocks)
         self.register_buffer("ggml_type", torch.tensor(list(TYPES).index(qtype)))
         self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
-        self.int4: Any = None
+        self.int4: quant._Int4 | _Split | None = None
 
     @property
     def weight(self) -> torch.Tensor:
