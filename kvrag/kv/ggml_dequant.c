@@ -55,7 +55,7 @@ static inline void k_scale_min(const uint8_t *s, uint8_t *sc, uint8_t *mn) {
     }
 }
 
-CLONES static void row_q4_0(const uint8_t *b, int64_t blocks, float *out) {
+CLONES static void row_q4_0(const uint8_t *restrict b, int64_t blocks, float *restrict out) {
     for (int64_t i = 0; i < blocks; i++, b += 18, out += 32) {
         float d = f16(b);
         for (int j = 0; j < 16; j++) {
@@ -65,7 +65,7 @@ CLONES static void row_q4_0(const uint8_t *b, int64_t blocks, float *out) {
     }
 }
 
-CLONES static void row_q4_1(const uint8_t *b, int64_t blocks, float *out) {
+CLONES static void row_q4_1(const uint8_t *restrict b, int64_t blocks, float *restrict out) {
     for (int64_t i = 0; i < blocks; i++, b += 20, out += 32) {
         float d = f16(b), m = f16(b + 2);
         for (int j = 0; j < 16; j++) {
@@ -76,7 +76,7 @@ CLONES static void row_q4_1(const uint8_t *b, int64_t blocks, float *out) {
     }
 }
 
-CLONES static void row_q8_0(const uint8_t *b, int64_t blocks, float *out) {
+CLONES static void row_q8_0(const uint8_t *restrict b, int64_t blocks, float *restrict out) {
     for (int64_t i = 0; i < blocks; i++, b += 34, out += 32) {
         float d = f16(b);
         for (int j = 0; j < 32; j++) out[j] = (float)(int8_t)b[2 + j] * d;
@@ -84,7 +84,7 @@ CLONES static void row_q8_0(const uint8_t *b, int64_t blocks, float *out) {
 }
 
 /* Q4_K / Q5_K: w = (d * sc) * q - (dmin * m) per 32-weight sub-block. */
-static inline __attribute__((always_inline)) void k_block(const uint8_t *b, float *out, const int five) {
+static inline __attribute__((always_inline)) void k_block(const uint8_t *restrict b, float *restrict out, const int five) {
     float d = f16(b), dmin = f16(b + 2);
     uint8_t sc[8], mn[8];
     k_scale_min(b + 4, sc, mn);
@@ -103,17 +103,17 @@ static inline __attribute__((always_inline)) void k_block(const uint8_t *b, floa
     }
 }
 
-CLONES static void row_q4_k(const uint8_t *b, int64_t blocks, float *out) {
+CLONES static void row_q4_k(const uint8_t *restrict b, int64_t blocks, float *restrict out) {
     for (int64_t i = 0; i < blocks; i++) k_block(b + i * 144, out + i * QK_K, 0);
 }
 
-CLONES static void row_q5_k(const uint8_t *b, int64_t blocks, float *out) {
+CLONES static void row_q5_k(const uint8_t *restrict b, int64_t blocks, float *restrict out) {
     for (int64_t i = 0; i < blocks; i++) k_block(b + i * 176, out + i * QK_K, 1);
 }
 
 /* Q6_K: w = (d * sc) * (q - 32) per 16-weight sub-block; q = a low nibble | 2 high bits << 4. Each half of 128
  * weights: ql[0..63] low nibbles then high nibbles, qh[0..31] four 2-bit fields (as ggml's dequantize_row_q6_K). */
-CLONES static void row_q6_k(const uint8_t *b, int64_t blocks, float *out) {
+CLONES static void row_q6_k(const uint8_t *restrict b, int64_t blocks, float *restrict out) {
     for (int64_t i = 0; i < blocks; i++, b += 210, out += QK_K) {
         const int8_t *sc = (const int8_t *)(b + 192);
         float d = f16(b + 208), ds[16];
