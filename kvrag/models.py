@@ -241,6 +241,8 @@ def wrap_model(
     tag = quant_tag(mode)
     if mode == "int4" and use_int4(model):  # GGUF-resident layers: the file's own blocks for decode-sized products
         tag = f"{tag}+gguf-blocks"  # int4 groups taken from the file, not re-quantized from its floats
+        if any(getattr(m, "all_rows", False) for m in model.modules()):
+            tag = f"{tag}+int4-prefill"  # every product on the int4 groups (KVRAG_GGUF_PREFILL=int4)
     # each layer re-positioned exactly, measured on the weights as they will run (after any quantization)
     check_rerotation(model, Rope.from_model(model), name=name)
     param = next(model.parameters())

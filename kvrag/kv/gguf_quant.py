@@ -305,6 +305,20 @@ class _Split:
         return int(self.hi.nbytes + self.lo.nbytes)
 
 
+PREFILL_ROUTES = ("exact", "int4")
+
+
+def prefill_route() -> str:
+    """How a GGUF layer with int4 weights multiplies more than :data:`kvrag.kv.quant.MAX_ROWS` rows
+    (``KVRAG_GGUF_PREFILL``): ``exact`` (the default) de-quantizes the file's blocks for a dense product; ``int4``
+    runs kvrag's int4 kernel on every product (where that kernel serves). Both keep a prompt's K/V independent of
+    how it is split (kvrag's kernel computes each row alike whatever the others); ``int4`` rounds a float32 model's
+    prefill activations to bfloat16 and its weights' scales as decode does, never reads the file's pages after the
+    load, and is keyed apart (``+int4-prefill``). Measured: docs/results/epyc/gguf_resident.md."""
+    v = native.setting("KVRAG_GGUF_PREFILL", PREFILL_ROUTES)
+    return "exact" if v == "auto" else v
+
+
 class FilePages:
     """The pages of a GGUF file's memory map that hold one tensor's blocks (``length`` bytes from ``offset``)."""
 
@@ -340,6 +354,7 @@ class GGUFLinear(torch.nn.Module):
         self.register_buffer("ggml_type", torch.tensor(list(TYPES).index(qtype)))
         self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
         self.int4: quant._Int4 | _Split | None = None
+        self.all_rows = False  # every product on the int4 weights (KVRAG_GGUF_PREFILL=int4, :func:`prefill_route`)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -353,6 +368,7 @@ class GGUFLinear(torch.nn.Module):
             return False
         parts = _int4_weights(self.blocks, self.qtype)
         self.int4 = parts[0] if len(parts) == 1 else _Split(*parts)
+        self.all_rows = prefill_route() == "int4" and int4_kernel.path() is not None
         if self.pages is not None:  # decode-sized products no longer read the file's pages: out of the resident set
             self.pages.give_back()
         return True
@@ -401,7 +417,7 @@ class GGUFLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         k = x.shape[-1]
         int4 = self.int4
-        if int4 is not None and x.is_cpu and x.numel() <= quant.MAX_ROWS * k:
+        if int4 is not None and x.is_cpu and (self.all_rows or x.numel() <= quant.MAX_ROWS * k):
             flat = x.reshape(-1, k)
             if flat.dtype == torch.float32 and int4.takes_float32:
                 y = int4.mm(flat.contiguous())
@@ -470,5 +486,5 @@ def resident_bytes(model: PreTrainedModel) -> int:
     return total
 
 
-__all__ = ["FLOAT_TYPES", "INT4_TYPES", "SPLIT_TYPES", "TYPES", "FilePages", "GGUFEmbedding",
-           "GGUFLinear", "Scratch", "dequantize", "int4_parts", "resident_bytes"]
+__all__ = ["FLOAT_TYPES", "INT4_TYPES", "PREFILL_ROUTES", "SPLIT_TYPES", "TYPES", "FilePages", "GGUFEmbedding",
+           "GGUFLinear", "Scratch", "dequantize", "int4_parts", "prefill_route", "resident_bytes"]

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from kvrag import KVRAGEngine
+from kvrag.errors import ConfigError
 from kvrag.gguf_load import _file_bytes, tensor_table
 from kvrag.kv import gguf_quant, int4_kernel, quant
 from kvrag.kv.gguf_quant import GGUFEmbedding, GGUFLinear
@@ -216,3 +217,32 @@ def test_int4_decode_route_on_the_files_blocks_fuses_and_full_equals_generate(tm
     p_ids = torch.tensor([eng.loaded.tokenizer(prompt, add_special_tokens=False)["input_ids"]])
     out = eng.loaded.model.generate(p_ids, max_new_tokens=6, do_sample=False, attention_mask=torch.ones_like(p_ids))
     assert resp.token_ids == out[0, p_ids.shape[1]:].tolist()
+
+
+def test_int4_prefill_route_is_split_invariant_keyed_apart_and_full_equals_generate(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``KVRAG_GGUF_PREFILL=int4``: every product of an int4 layer runs the int4 kernel, so a prompt's rows are the
+    same bits whether multiplied together or in pieces; the model is keyed apart from the exact route, and ``full``
+    still equals ``model.generate``. A bad value is refused by name."""
+    if int4_kernel.path() is None:
+        pytest.skip("kvrag's int4 kernel does not serve here (the route needs its row-independent products)")
+    monkeypatch.setenv("KVRAG_HOME", str(tmp_path / "home"))
+    path = write_tiny_gguf(tmp_path / "tiny-Q4_0.gguf", tiny_model("llama", init_std=0.1), quantization="Q4_0")
+    exact = KVRAGEngine.from_pretrained(str(path), dtype="float32", device="cpu", quantize="int4")
+    monkeypatch.setenv("KVRAG_GGUF_PREFILL", "int4")
+    eng = KVRAGEngine.from_pretrained(str(path), dtype="float32", device="cpu", quantize="int4")
+    assert eng.loaded.fingerprint != exact.loaded.fingerprint
+    v = eng.loaded.model.model.layers[0].self_attn.v_proj
+    assert v.all_rows and not exact.loaded.model.model.layers[0].self_attn.v_proj.all_rows
+    x = torch.randn(3 * quant.MAX_ROWS, v.in_features, generator=torch.Generator().manual_seed(2))
+    whole = v(x)
+    assert torch.equal(whole, torch.cat([v(x[:5]), v(x[5:30]), v(x[30:])]))  # split anywhere: the same bits
+    assert not torch.equal(whole, exact.loaded.model.model.layers[0].self_attn.v_proj(x))  # not the exact route
+    prompt = "Question: what is the capital of France? Answer:"
+    resp = eng.answer(prompt, method="full", max_new_tokens=6)
+    p_ids = torch.tensor([eng.loaded.tokenizer(prompt, add_special_tokens=False)["input_ids"]])
+    out = eng.loaded.model.generate(p_ids, max_new_tokens=6, do_sample=False, attention_mask=torch.ones_like(p_ids))
+    assert resp.token_ids == out[0, p_ids.shape[1]:].tolist()
+    monkeypatch.setenv("KVRAG_GGUF_PREFILL", "fast")
+    with pytest.raises(ConfigError, match="KVRAG_GGUF_PREFILL"):
+        gguf_quant.prefill_route()
