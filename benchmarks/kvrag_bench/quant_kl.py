@@ -11,7 +11,10 @@ per-step KL along the answer is the measure that sees them. Writes ``quant_kl.js
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import statistics
+from collections.abc import Iterator
 from typing import Any
 
 
@@ -20,7 +23,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--limit", type=int, default=8)
     p.add_argument("--offset", type=int, default=0)
     p.add_argument("--variants", default="int4,int8,bfloat16",
-                   help="quantizations (int4, int8) of the reference, or dtypes (dense) to compare with it")
+                   help="quantizations (int4, int8) of the reference, int4-prefill (a GGUF model's int4 layers on "
+                        "every product: KVRAG_GGUF_PREFILL=int4), or dtypes (dense) to compare with it")
     p.add_argument("--tokens", type=int, default=24, help="answer tokens along which KL is measured")
     p.add_argument("--out", default="runs/quant-kl")
 
@@ -42,6 +46,23 @@ def _answer(model: Any, ids: Any, n: int, eos: set[int], forced: list[int] | Non
                 break
             logits.append(model(input_ids=torch.tensor([[t]]), cache=cache, use_cache=True).logits[0, -1].float())
     return tokens, torch.stack(logits)
+
+
+@contextlib.contextmanager
+def _prefill_route(route: str | None) -> Iterator[None]:
+    """``KVRAG_GGUF_PREFILL`` set to ``route`` while a variant loads (read when its int4 layers are built)."""
+    if route is None:
+        yield
+        return
+    old = os.environ.get("KVRAG_GGUF_PREFILL")
+    os.environ["KVRAG_GGUF_PREFILL"] = route
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("KVRAG_GGUF_PREFILL", None)
+        else:
+            os.environ["KVRAG_GGUF_PREFILL"] = old
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -69,16 +90,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                            "rows": [{"id": r["id"], "prompt_tokens": int(r["ids"].shape[1])} for r in rows],
                            "variants": {}}
     for v in [x.strip() for x in args.variants.split(",") if x.strip()]:
-        quant = v if v in ("int4", "int8") else None
-        lm = load_model(args.model, dtype=args.dtype if quant else v, device=args.device, quantize=quant)
-        kls, same = [], 0
+        quant = "int4" if v == "int4-prefill" else v if v in ("int4", "int8") else None
+        with _prefill_route("int4" if v == "int4-prefill" else None):
+            lm = load_model(args.model, dtype=args.dtype if quant else v, device=args.device, quantize=quant)
+        kls, first, same = [], [], 0
         for r in rows:
             _, logits = _answer(lm.model, r["ids"], args.tokens, eos, forced=r["answer"])
-            kls += kl_divergence(r["logits"][: len(logits)], logits, dtype=None).tolist()
+            row_kl = kl_divergence(r["logits"][: len(logits)], logits, dtype=None).tolist()
+            kls += row_kl
+            first.append(row_kl[0])
             own, _ = _answer(lm.model, r["ids"], args.tokens, eos)
             same += own == r["answer"]
         kls.sort()
-        out["variants"][v] = {"kl_mean": statistics.fmean(kls), "kl_p90": kls[int(0.9 * (len(kls) - 1))],
+        out["variants"][v] = {"kl_mean": statistics.fmean(kls), "kl_first_mean": statistics.fmean(first),
+                              "kl_p90": kls[int(0.9 * (len(kls) - 1))],
                               "kl_max": kls[-1], "positions": len(kls), "same_answer": same, "requests": len(rows)}
         del lm
     out["environment"] = environment_info()
@@ -93,9 +118,11 @@ def markdown(result: dict[str, Any]) -> str:
     ref = result["reference"]
     lines = [f"`{result['command']}` -- reference: {ref['model']} in {ref['dtype']}, dense weights; "
              f"{len(result['rows'])} prompts", "",
-             "| variant | KL mean | KL p90 | KL max | positions | same greedy answer |", "|---|---:|---:|---:|---:|---:|"]
+             "| variant | KL mean | KL after the prefill (first token) | KL p90 | KL max | positions | same greedy answer |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
     for v, m in result["variants"].items():
-        lines.append(f"| {v} | {m['kl_mean']:.2e} | {m['kl_p90']:.2e} | {m['kl_max']:.2e} | {m['positions']} | "
+        lines.append(f"| {v} | {m['kl_mean']:.2e} | {m.get('kl_first_mean', float('nan')):.2e} | {m['kl_p90']:.2e} | "
+                     f"{m['kl_max']:.2e} | {m['positions']} | "
                      f"{m['same_answer']}/{m['requests']} |")
     return "\n".join(lines)
 
