@@ -14,8 +14,8 @@ import argparse
 import contextlib
 import os
 import statistics
-from collections.abc import Iterator
 from typing import Any
+from unittest import mock
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -48,21 +48,9 @@ def _answer(model: Any, ids: Any, n: int, eos: set[int], forced: list[int] | Non
     return tokens, torch.stack(logits)
 
 
-@contextlib.contextmanager
-def _prefill_route(route: str | None) -> Iterator[None]:
+def _prefill_route(route: str | None) -> contextlib.AbstractContextManager[object]:
     """``KVRAG_GGUF_PREFILL`` set to ``route`` while a variant loads (read when its int4 layers are built)."""
-    if route is None:
-        yield
-        return
-    old = os.environ.get("KVRAG_GGUF_PREFILL")
-    os.environ["KVRAG_GGUF_PREFILL"] = route
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("KVRAG_GGUF_PREFILL", None)
-        else:
-            os.environ["KVRAG_GGUF_PREFILL"] = old
+    return contextlib.nullcontext() if route is None else mock.patch.dict(os.environ, {"KVRAG_GGUF_PREFILL": route})
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
