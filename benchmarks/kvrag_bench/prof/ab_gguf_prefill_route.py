@@ -36,20 +36,21 @@ def main() -> None:
            "cells": cells}
     for dt in (torch.bfloat16, torch.float32):
         lin = GGUFLinear(raw, t["type"], t["dims"][0], dt, Scratch())
-        if not lin.use_int4():
+        if not lin.use_int4() or lin.int4 is None:
             raise SystemExit(f"{name} ({t['type']}) has no int4 form")
+        int4 = lin.int4
         for m in rows_list:
             x = torch.randn(m, t["dims"][0]).to(dt)
-            xi = x if dt == torch.float32 and lin.int4.takes_float32 else x.to(torch.bfloat16).contiguous()
+            xi = x if dt == torch.float32 and int4.takes_float32 else x.to(torch.bfloat16).contiguous()
             a, b = [], []
             lin.dense(x)
-            lin.int4.mm(xi)
+            int4.mm(xi)
             for _ in range(5):
                 s = time.perf_counter()
                 lin.dense(x)
                 a.append(time.perf_counter() - s)
                 s = time.perf_counter()
-                lin.int4.mm(xi)
+                int4.mm(xi)
                 b.append(time.perf_counter() - s)
             cell = {"dtype": str(dt).replace("torch.", ""), "rows": m, "dense_ms": 1e3 * statistics.median(a),
                     "int4_kernel_ms": 1e3 * statistics.median(b)}
