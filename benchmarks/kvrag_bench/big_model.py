@@ -193,7 +193,7 @@ def child_answer(gguf: str, store: str, data: str | None, context: int, new_toke
     from kvrag.models import load_model
     from kvrag.prompting import get_template
     from kvrag.store import DiskStore
-    from kvrag_bench.memory_bench import _peak_rss_mb, rss_parts_mb
+    from kvrag_bench.memory_bench import _passages, _peak_rss_mb, rss_parts_mb
 
     torch.set_num_threads(threads)
     t = time.perf_counter()
@@ -201,8 +201,6 @@ def child_answer(gguf: str, store: str, data: str | None, context: int, new_toke
     load_s = time.perf_counter() - t
     rss_loaded = _peak_rss_mb()
     eng = KVRAGEngine(lm, DiskStore(store))
-    from kvrag_bench.memory_bench import _passages
-
     passages, question = _passages(data, lm.tokenizer, context)
     prefix, passages, suffix = get_template(None).parts(lm.tokenizer, passages, question)
     plan = eng.plan_parts(prefix, passages, suffix)
@@ -211,9 +209,7 @@ def child_answer(gguf: str, store: str, data: str | None, context: int, new_toke
     "".join(eng.stream(prep, GenerationConfig(max_new_tokens=new_tokens)))
     decode_s = time.perf_counter() - t
     tokens = prep.token_ids  # the answer's ids (the stream yields text pieces)
-    spec = eng.spec
-    kv_bytes = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * (len(plan.token_ids) + new_tokens) * \
-        torch.finfo(lm.dtype).bits // 8
+    kv_bytes = eng.runner.budget.bytes_per_token * (len(plan.token_ids) + new_tokens)  # what the request leased
     return {"load_s": load_s, "ttft_s": prep.timings.ttft_s, "decode_ms": 1000 * decode_s / max(1, len(tokens) - 1),
             "peak_rss_mb": _peak_rss_mb(), "peak_rss_after_load_mb": rss_loaded, "kv_mb": kv_bytes / 2**20,
             **rss_parts_mb(), "timings": dict(prep.timings),

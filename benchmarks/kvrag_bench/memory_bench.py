@@ -47,21 +47,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="runs/memory")
 
 
-def rss_parts_mb() -> dict[str, float]:
-    """This process's resident memory now, in MB: anonymous (heap, tensors) and file-backed (mapped files, such as
-    a GGUF's pages; clean, so the kernel can reclaim them under memory pressure)."""
-    out = {}
-    for line in Path("/proc/self/status").read_text().splitlines():
+def _status_mb(*keys: str) -> dict[str, float]:
+    """Fields of ``/proc/self/status`` (kB there) in MB; empty where the file does not exist."""
+    status = Path("/proc/self/status")
+    out: dict[str, float] = {}
+    for line in status.read_text().splitlines() if status.exists() else []:
         key, _, rest = line.partition(":")
-        if key in ("RssAnon", "RssFile"):
-            out[f"{key[3:].lower()}_rss_mb"] = int(rest.split()[0]) / 1024
+        if key in keys:
+            out[key] = int(rest.split()[0]) / 1024
     return out
 
 
+def rss_parts_mb() -> dict[str, float]:
+    """This process's resident memory now, in MB: anonymous (heap, tensors) and file-backed (mapped files, such as
+    a GGUF's pages; clean, so the kernel can reclaim them under memory pressure)."""
+    return {f"{k[3:].lower()}_rss_mb": v for k, v in _status_mb("RssAnon", "RssFile").items()}
+
+
 def _peak_rss_mb() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
+    peak = _status_mb("VmHWM").get("VmHWM")
+    if peak is not None:
+        return peak
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
