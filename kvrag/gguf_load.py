@@ -26,7 +26,16 @@ import torch
 
 from kvrag.errors import UnsupportedModelError
 from kvrag.gguf_reading import parsed_once
-from kvrag.kv.gguf_quant import FLOAT_TYPES, TYPES, FilePages, GGUFEmbedding, GGUFLinear, Scratch, dequantize
+from kvrag.kv.gguf_quant import (
+    FLOAT_TYPES,
+    TYPES,
+    FilePages,
+    GGUFEmbedding,
+    GGUFLinear,
+    Scratch,
+    dequantize,
+    prefill_route,
+)
 
 if TYPE_CHECKING:
     from gguf import GGUFReader
@@ -188,12 +197,13 @@ def load_resident(gguf: Path, table: list[TensorRow], config: PretrainedConfig, 
 
 def use_int4(model: torch.nn.Module) -> int:
     """Give each GGUF linear layer of ``model`` whose type has an int4 form its kernel weights (decode-sized
-    products, :meth:`GGUFLinear.use_int4`); returns how many."""
+    products, or every product under ``KVRAG_GGUF_PREFILL=int4``: :meth:`GGUFLinear.use_int4`); returns how many."""
+    all_rows = prefill_route() == "int4"
     n = 0
     for mod in model.modules():
         if isinstance(mod, GGUFLinear) and mod.int4 is None:
             with contextlib.suppress(ValueError):
-                n += int(mod.use_int4())
+                n += int(mod.use_int4(all_rows))
     if n:
         _trim_heap()
     return n

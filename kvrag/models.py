@@ -33,6 +33,7 @@ from kvrag.fingerprint import model_fingerprint, tokenizer_fingerprint
 from kvrag.gguf_load import use_int4
 from kvrag.kv.attention import use_gqa_sdpa
 from kvrag.kv.compute import check_rerotation
+from kvrag.kv.gguf_quant import GGUFLinear
 from kvrag.kv.linear import pack_linears
 from kvrag.kv.quant import parse_mode, quant_tag, quantize_linears
 from kvrag.kv.rope import Rope, check_rope_support
@@ -241,7 +242,7 @@ def wrap_model(
     tag = quant_tag(mode)
     if mode == "int4" and use_int4(model):  # GGUF-resident layers: the file's own blocks for decode-sized products
         tag = f"{tag}+gguf-blocks"  # int4 groups taken from the file, not re-quantized from its floats
-        if any(getattr(m, "all_rows", False) for m in model.modules()):
+        if any(isinstance(m, GGUFLinear) and m.all_rows for m in model.modules()):
             tag = f"{tag}+int4-prefill"  # every product on the int4 groups (KVRAG_GGUF_PREFILL=int4)
     # each layer re-positioned exactly, measured on the weights as they will run (after any quantization)
     check_rerotation(model, Rope.from_model(model), name=name)

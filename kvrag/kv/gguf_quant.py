@@ -178,6 +178,11 @@ def _native() -> _Dequant | None:
     return native.attempt("kvrag's GGUF de-quantization kernel", load)[0]
 
 
+def _native_for(qtype: str, raw: torch.Tensor) -> _Dequant | None:
+    """The C de-quantization where it serves ``qtype`` blocks in ``raw`` (on the CPU), else None (torch's code)."""
+    return _native() if qtype in _NATIVE_TYPES and raw.is_cpu else None
+
+
 def _native_dequantize(fn: _Dequant, raw: torch.Tensor, qtype: str, columns: int,
                        out: torch.Tensor | None = None) -> torch.Tensor:
     """``raw`` [rows, row bytes] de-quantized by ``ggml_dequant.c`` into ``out`` (contiguous float32 or bfloat16
@@ -197,7 +202,7 @@ def dequantize(raw: torch.Tensor, qtype: str, columns: int, *, native: bool = Tr
     shape), bit for bit ``gguf.quants.dequantize``: by ``ggml_dequant.c`` where it is built (and ``native``), else
     by torch."""
     lead = raw.shape[:-1]
-    if native and qtype in _NATIVE_TYPES and raw.is_cpu and raw.numel() and (fn := _native()) is not None:
+    if native and raw.numel() and (fn := _native_for(qtype, raw)) is not None:
         return _native_dequantize(fn, raw, qtype, columns).reshape(*lead, columns)
     if qtype == "F32":
         return raw.contiguous().view(torch.float32).reshape(*lead, columns)
@@ -311,12 +316,12 @@ PREFILL_ROUTES = ("exact", "int4")
 def prefill_route() -> str:
     """How a GGUF layer with int4 weights multiplies more than :data:`kvrag.kv.quant.MAX_ROWS` rows
     (``KVRAG_GGUF_PREFILL``): ``exact`` (the default) de-quantizes the file's blocks for a dense product; ``int4``
-    runs kvrag's int4 kernel on every product (where that kernel serves). Both keep a prompt's K/V independent of
+    runs kvrag's int4 kernel on every product (where that kernel serves; elsewhere ``exact``). Both keep a prompt's K/V independent of
     how it is split (kvrag's kernel computes each row alike whatever the others); ``int4`` rounds a float32 model's
     prefill activations to bfloat16 and its weights' scales as decode does, never reads the file's pages after the
     load, and is keyed apart (``+int4-prefill``). Measured: docs/results/epyc/gguf_resident.md."""
     v = native.setting("KVRAG_GGUF_PREFILL", PREFILL_ROUTES)
-    return "exact" if v == "auto" else v
+    return "int4" if v == "int4" and int4_kernel.path() is not None else "exact"
 
 
 class FilePages:
@@ -360,15 +365,16 @@ class GGUFLinear(torch.nn.Module):
     def weight(self) -> torch.Tensor:
         return torch.empty(self.out_features, self.in_features, dtype=self.dtype, device="meta")
 
-    def use_int4(self) -> bool:
+    def use_int4(self, all_rows: bool = False) -> bool:
         """Give the layer its int4 kernel weights (:data:`INT4_TYPES`, :data:`SPLIT_TYPES`), when its shape fits
-        the kernel's tiles; returns whether it did."""
+        the kernel's tiles, for products of at most :data:`kvrag.kv.quant.MAX_ROWS` rows or, ``all_rows``, every
+        product (:func:`prefill_route`); returns whether it did."""
         if (self.qtype not in INT4_TYPES + SPLIT_TYPES or self.out_features % 16 or self.in_features % quant.GROUP
                 or not self.blocks.is_cpu):
             return False
         parts = _int4_weights(self.blocks, self.qtype)
         self.int4 = parts[0] if len(parts) == 1 else _Split(*parts)
-        self.all_rows = prefill_route() == "int4" and int4_kernel.path() is not None
+        self.all_rows = all_rows
         if self.pages is not None:  # decode-sized products no longer read the file's pages: out of the resident set
             self.pages.give_back()
         return True
@@ -380,8 +386,8 @@ class GGUFLinear(torch.nn.Module):
     def dense_tile(self, r0: int, r1: int, dtype: torch.dtype, scratch: bool) -> torch.Tensor:
         """Weight rows ``r0:r1`` in ``dtype``: in the model's scratch buffer when ``scratch`` (the caller holds its
         lock; valid until the next tile), else in a buffer of their own."""
-        fn = _native() if self.qtype in _NATIVE_TYPES and dtype in (torch.float32, torch.bfloat16) else None
-        if fn is not None and self.blocks.is_cpu:
+        fn = _native_for(self.qtype, self.blocks) if dtype in (torch.float32, torch.bfloat16) else None
+        if fn is not None:
             shape = (r1 - r0, self.in_features)
             out = (self.scratch.take(shape[0] * shape[1], dtype, self.blocks.device).view(shape) if scratch
                    else torch.empty(shape, dtype=dtype))
