@@ -65,6 +65,10 @@ def gqa_sdpa_attention(
             out = torch.empty((1, 1, query.shape[1], value.shape[-1]), dtype=query.dtype)
             return row_attention.attend(query, [(key[0], value[0], start, key.shape[2])], out, scaling), None
     groups = int(getattr(module, "num_key_value_groups", 1) or 1)
+    if (not special and not dropout and query.device.type == "cpu" and attention_mask is not None
+            and attention_mask.dtype == torch.bool and query.shape[2] >= BAND_MIN_QUERIES
+            and attention_mask.shape[-2:] == (query.shape[2], key.shape[2])):
+        return banded_attention(query, key, value, attention_mask, scaling), None
     plain = attention_mask is None or groups == 1 or query.shape[2] == 1 or query.device.type != "cpu" or special
     if plain:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
@@ -73,6 +77,50 @@ def gqa_sdpa_attention(
         query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True
     )
     return out.transpose(1, 2).contiguous(), None
+
+
+BAND_MIN_QUERIES = 512
+"""Masked calls with at least this many queries run :func:`banded_attention`."""
+BAND_QUERY_BLOCK = 256
+"""Queries per call in :func:`banded_attention`."""
+KEY_ALIGN = 512
+"""A block's first key is rounded down to a multiple of this: torch's CPU flash attention walks keys in blocks of
+512 from the first key it is given, so an aligned start keeps a row's key blocks, and so its sums, where a call over
+all keys has them."""
+
+
+def banded_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                     scaling: float | None) -> torch.Tensor:
+    """SDPA over ``query`` in blocks of :data:`BAND_QUERY_BLOCK` rows, each over only the keys its mask rows allow.
+
+    A long prefill's mask is a band: causal (a block's rows see no key after its last row) and, in sliding-window
+    layers (Gemma 2/3, Mistral, Qwen2's windows...), none before its first row's window. torch's CPU flash
+    attention reads every key of an explicit mask, so one call over 2K queries in a 512-token window computes
+    four times the scores it keeps. Here each block's call gets the keys from the first its rows allow (rounded
+    down to :data:`KEY_ALIGN`) to the last, and the mask cut to them; the keys left out are masked for every row
+    of the block, so they add exact zeros to its sums. Returns [batch, queries, heads, head_dim] as
+    transformers' attention functions do.
+
+    Args:
+        query: [batch, heads, queries, head_dim].
+        key, value: [batch, kv_heads, keys, head_dim]; kv_heads divides heads (grouped-query attention).
+        mask: bool [batch, 1 or heads, queries, keys], True where a query attends.
+        scaling: the softmax scale (None: 1/sqrt(head_dim)).
+    """
+    n_q, n_k = query.shape[2], key.shape[2]
+    gqa = key.shape[1] != query.shape[1]
+    out = torch.empty((query.shape[0], n_q, query.shape[1], value.shape[-1]), dtype=query.dtype)
+    cols = torch.arange(n_k)
+    for q0 in range(0, n_q, BAND_QUERY_BLOCK):
+        q1 = min(n_q, q0 + BAND_QUERY_BLOCK)
+        rows = mask[:, :, q0:q1]
+        seen = cols[rows.any(dim=2).any(dim=1).any(dim=0)]
+        k0, k1 = (0, n_k) if seen.numel() == 0 else (int(seen[0]) // KEY_ALIGN * KEY_ALIGN, int(seen[-1]) + 1)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, q0:q1], key[:, :, k0:k1], value[:, :, k0:k1], attn_mask=rows[..., k0:k1], scale=scaling,
+            enable_gqa=gqa)
+        out[:, q0:q1] = o.transpose(1, 2)
+    return out
 
 
 def register() -> None:
