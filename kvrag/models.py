@@ -78,10 +78,10 @@ def default_dtype(device: torch.device) -> torch.dtype:
     2. What ``kvrag calibrate`` measured on this machine kind, when it timed both dtypes: the one with the lower
        time to first token + 32 decode steps of the default method (:func:`kvrag.calibration.load_calibration`).
     3. CUDA: bfloat16.
-    4. CPU with AMX (``amx_bf16``): bfloat16 -- faster in both prefill and decode.
-    5. Any other CPU: float32. Without AVX512-BF16 torch emulates bf16 matmuls, far slower than fp32. With
-       AVX512-BF16 but no AMX, bf16 sped up prefill but slowed decode when measured; kvrag's reuse methods make
-       prefill a small share of a request, so fp32 answered sooner end to end (docs/dtype.md).
+    4. CPU with native bf16 units (``amx_bf16`` or ``avx512_bf16``): bfloat16 -- with kvrag's bf16 int4 decode
+       kernel it answers sooner end to end on both kinds: faster prefill, decode as fast (docs/dtype.md has the
+       runs).
+    5. Any other CPU: float32. Without AVX512-BF16 torch emulates bf16 matmuls, far slower than fp32.
 
     The other dtype is one argument away (``load_model(dtype=...)``, ``KVRAGEngine.from_pretrained(dtype=...)``,
     ``--dtype`` on the CLI).
@@ -98,7 +98,7 @@ def default_dtype(device: torch.device) -> torch.dtype:
         return calibrated
     if device.type == "cuda":
         return torch.bfloat16
-    if device.type == "cpu" and cpu_native_bf16() == "amx_bf16":
+    if device.type == "cpu" and cpu_native_bf16() is not None:
         return torch.bfloat16
     return torch.float32
 
@@ -276,7 +276,7 @@ def load_model(
             see :func:`kvrag.default_model.prepare_gguf`); otherwise a Hugging Face model id or a local checkpoint
             directory. Hub ids resolve only from the local HF cache when ``HF_HUB_OFFLINE=1``.
         dtype: compute dtype; default :func:`default_dtype` (``$KVRAG_DTYPE``, else bfloat16 on CUDA and on CPUs
-            with AMX, else float32).
+            with AMX or AVX512-BF16, else float32).
         device: default ``cuda`` when available, else ``cpu``.
         quantize: "int4" / "int8" quantized weights for decode-sized products (:mod:`kvrag.kv.quant`), None for
             dense weights; by default :func:`default_quantize` (what answers sooner for this model on this machine).

@@ -36,7 +36,7 @@ def _int_list(s: str) -> list[int]:
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF model id or path (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when available)")
-    p.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: fp32 on CPU, bf16 on CUDA)")
+    p.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: kvrag's for this machine, docs/dtype.md)")
     if "--quantize" not in p._option_string_actions:  # `decode` takes a list of formats instead
         p.add_argument("--quantize", default="default",
                        help="weights of the decode-sized products: none, int8, int4 (default: kvrag's choice)")

@@ -238,8 +238,8 @@ def test_default_dtype_follows_native_bf16_units(monkeypatch) -> None:
     monkeypatch.setattr(models, "load_calibration", lambda kind=None: None)  # no `kvrag calibrate` file
     monkeypatch.setattr(models, "cpu_native_bf16", lambda: "amx_bf16")  # AMX: bf16 is faster in both phases
     assert models.resolve_dtype(None, cpu) == torch.bfloat16
-    monkeypatch.setattr(models, "cpu_native_bf16", lambda: "avx512_bf16")  # faster prefill, slower decode: fp32
-    assert models.resolve_dtype(None, cpu) == torch.float32
+    monkeypatch.setattr(models, "cpu_native_bf16", lambda: "avx512_bf16")  # faster prefill, decode as fast
+    assert models.resolve_dtype(None, cpu) == torch.bfloat16
     monkeypatch.setattr(models, "cpu_native_bf16", lambda: None)  # AVX2 only: bf16 is emulated
     assert models.resolve_dtype(None, cpu) == torch.float32
     assert models.resolve_dtype(None, torch.device("cuda")) == torch.bfloat16
