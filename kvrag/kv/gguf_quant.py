@@ -404,16 +404,21 @@ class GGUFLinear(torch.nn.Module):
         also holds int4 weights gives the file's pages back afterwards, so a prefill keeps at most one such layer's
         pages resident beside the int4 layouts (re-reading them from the page cache costs a minor fault a page)."""
         step = max(16, TILE_WEIGHTS // self.in_features)
+        lead = x.shape[:-1]
+        # Two dimensions, contiguous: given a strided 3-D input (a prefill's last position, for the head), linear
+        # would broadcast the weight tile and copy it for a batched product, on every tile.
+        x = x.reshape(-1, self.in_features)
         own = self.scratch.lock.acquire(blocking=False)
         try:
             if step >= self.out_features:
-                return torch.nn.functional.linear(x, self.dense_tile(0, self.out_features, x.dtype, own), self.bias)
-            y = x.new_empty(*x.shape[:-1], self.out_features)
+                y = torch.nn.functional.linear(x, self.dense_tile(0, self.out_features, x.dtype, own), self.bias)
+                return y.view(*lead, self.out_features)
+            y = x.new_empty(x.shape[0], self.out_features)
             for r0 in range(0, self.out_features, step):
                 r1 = min(r0 + step, self.out_features)
                 bias = None if self.bias is None else self.bias[r0:r1]
-                y[..., r0:r1] = torch.nn.functional.linear(x, self.dense_tile(r0, r1, x.dtype, own), bias)
-            return y
+                y[:, r0:r1] = torch.nn.functional.linear(x, self.dense_tile(r0, r1, x.dtype, own), bias)
+            return y.view(*lead, self.out_features)
         finally:
             if own:
                 self.scratch.lock.release()

@@ -155,6 +155,21 @@ def test_resident_linear_decode_route_is_close_and_the_dense_route_exact(blocks_
     assert torch.equal(emb(ids), gguf_quant.dequantize(raw, "Q4_K", COLS)[ids])
 
 
+def test_dense_route_takes_strided_and_batched_inputs_tile_by_tile(blocks_file: Path, monkeypatch) -> None:
+    """The dense route on a prefill's last position (a strided [batch, 1, k] view) and on [batch, rows, k], in one
+    tile and in tiles of 16 rows: the product by the file's exact weight, the input's leading shape kept."""
+    raw, _ = _resident(blocks_file)["Q6_K"]
+    weight = gguf_quant.dequantize(raw, "Q6_K", COLS)
+    hidden = torch.randn(2, 20, COLS, generator=torch.Generator().manual_seed(2))
+    for tile in (gguf_quant.TILE_WEIGHTS, 16 * COLS):
+        monkeypatch.setattr(gguf_quant, "TILE_WEIGHTS", tile)
+        lin = GGUFLinear(raw, "Q6_K", COLS, torch.float32, gguf_quant.Scratch())
+        for x in (hidden[:, -1:, :], hidden):
+            y = lin(x)
+            assert y.shape == (*x.shape[:-1], weight.shape[0])
+            torch.testing.assert_close(y, torch.nn.functional.linear(x, weight), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("quantization", ["Q4_0", "Q4_1", "Q8_0"])
 def test_quantized_gguf_loads_resident_and_matches_transformers(quantization: str, tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
