@@ -93,14 +93,15 @@ class _Active:
     (:func:`verify_step`) or a suffix prefill (:func:`prefill_rows`), how many tokens each row feeds (None: one
     each, laid out as [B, 1]). ``prefill``: each row's tokens attend in one masked call (see :func:`_attend`)."""
 
-    __slots__ = ("counts", "masks", "prefill", "rows", "windows")
+    __slots__ = ("check", "counts", "masks", "prefill", "rows", "windows")
 
     def __init__(self, rows: Sequence[Row], windows: Sequence[tuple[str, int | None]],
-                 counts: Sequence[int] | None = None, prefill: bool = False) -> None:
+                 counts: Sequence[int] | None = None, prefill: bool = False, check: bool = True) -> None:
         self.rows = rows
         self.windows = windows
         self.counts = counts
         self.prefill = prefill
+        self.check = check  # False: before the model's backends are checked, run the reference forward unchecked
         self.masks: dict[tuple[int, str, int | None], tuple[int, torch.Tensor]] = {}
 
     def fed(self) -> Sequence[int]:
@@ -276,8 +277,12 @@ def _forward(model: PreTrainedModel, ids: torch.Tensor, pos: torch.Tensor, mask:
     model: logits [B, V] (``keep`` 1) or, for one packed row, [T, V] (``keep`` 0) or the rows of the positions in a
     1D tensor ``keep``."""
     step: _Active = _local.step
-    logits = step_backend.run(step_backend.Step(model, ids, pos, mask, keep, step.rows, step.fed(), step.windows,
-                                                attention), "prefill" if step.prefill else "decode")
+    kind = "prefill" if step.prefill else "decode"
+    s = step_backend.Step(model, ids, pos, mask, keep, step.rows, step.fed(), step.windows, attention)
+    if not step.check and step_backend.chosen(model, kind) is None:
+        logits = step_backend.ORACLE.run(s)
+    else:
+        logits = step_backend.run(s, kind)
     return logits[:, -1] if isinstance(keep, int) and keep == 1 else logits[0]
 
 
@@ -342,7 +347,7 @@ def verify_step(model: PreTrainedModel, rows: Sequence[Row], tokens: Sequence[Se
 
 @torch.inference_mode()
 def prefill_rows(model: PreTrainedModel, rows: Sequence[Row], tokens: Sequence[Sequence[int]],
-                 layer_windows_: Sequence[tuple[str, int | None]]) -> torch.Tensor:
+                 layer_windows_: Sequence[tuple[str, int | None]], *, check: bool = False) -> torch.Tensor:
     """Prefill several requests' question suffixes: ``tokens[i]`` at positions ``rows[i].length ..`` after the
     context in row ``i``'s buffer (its repaired cache), each row's tokens attending causally to its own buffer in
     one masked call.
@@ -355,11 +360,16 @@ def prefill_rows(model: PreTrainedModel, rows: Sequence[Row], tokens: Sequence[S
     float32 head sums a B-row product in another order than a 1-row one, ~1e-6, as batched decoding's does). Other
     models run one forward per row. The caller holds the model's lock and advances each row's length.
 
+    The prefill backends are checked against the model's forward (:mod:`kvrag.kv.step_backend`) on the first row
+    of the first prefill of several rows, where packing pays; until then a lone row runs the model's own forward
+    unchecked (``check``: check now), which is as fast for one row, so a process's first answer does not pay the
+    check (a second forward: seconds on an 8B model).
+
     Returns:
         logits [B, V] (float32) of the next token after each row's last fed token.
     """
     if len(rows) > 1 and step_backend.chosen(model, "prefill") is None:  # the first row alone: the first check
-        return torch.cat([prefill_rows(model, rows[:1], tokens[:1], layer_windows_),
+        return torch.cat([prefill_rows(model, rows[:1], tokens[:1], layer_windows_, check=True),
                           prefill_rows(model, rows[1:], tokens[1:], layer_windows_)])
     if len(rows) > 1 and not step_backend.serves(model, "prefill", "direct"):
         return torch.cat([prefill_rows(model, [r], [t], layer_windows_) for r, t in zip(rows, tokens, strict=True)])
@@ -369,7 +379,7 @@ def prefill_rows(model: PreTrainedModel, rows: Sequence[Row], tokens: Sequence[S
             raise ValueError(f"prefill_rows: a row of {r.length} positions has no room for {q} more "
                              f"(capacity {r.buffer.capacity})")
     last = torch.tensor(counts, device=model.device).cumsum(0) - 1
-    _local.step = _Active(rows, layer_windows_, counts, prefill=True)
+    _local.step = _Active(rows, layer_windows_, counts, prefill=True, check=check or len(rows) > 1)
     try:
         if len(rows) > 1:
             return direct.forward(model, ids, pos, last, attention, counts)[0].float()

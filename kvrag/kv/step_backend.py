@@ -10,8 +10,9 @@ A backend names itself, says by name why it does not serve a model (``why_not``)
 * ``hf`` -- the model's own forward with a pass-through cache, the row attention hooked in through ``kvrag_sdpa``:
   the reference every other backend must reproduce (the oracle), and what serves when none does.
 
-The first step of each kind ("decode": plain and verify steps; "prefill": suffix prefills) of each model runs the
-oracle, then each backend that says it serves the model, in registry order, over the same rows: the first whose
+The first step of each kind ("decode": plain and verify steps; "prefill": suffix prefills, from the first that
+packs several rows, :func:`kvrag.kv.batched.prefill_rows`) of each model runs the oracle, then each backend that says
+it serves the model, in registry order, over the same rows: the first whose
 logits and written K/V are the oracle's bit for bit serves that kind from then on. A backend that fails or differs
 is logged as a warning with the reason; where none matches, the oracle's K/V are put back and the oracle serves. A
 module with forward hooks (which kvrag's own loops would skip) makes every step run the oracle while it has them.

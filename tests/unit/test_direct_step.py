@@ -89,8 +89,11 @@ def test_the_first_step_decides_and_other_models_keep_their_forward(monkeypatch:
     lm = tiny_model("llama", init_std=0.1)
     eng = KVRAGEngine(lm, MemoryStore(), EngineConfig())
     eng.ingest(DOCS)
-    a, _, toks = paired_rows(eng, 4)
-    assert step_backend.chosen(lm.model, "prefill") == "direct"  # decided by the prepares' suffix prefills
+    a, b, toks = paired_rows(eng, 4)
+    assert step_backend.chosen(lm.model, "prefill") is None  # lone suffixes: the model's forward, no check yet
+    assert calls == []
+    batched.prefill_rows(lm.model, b[:2], [[5, 6], [7]], batched.windows(lm.model))  # the first packed prefill
+    assert step_backend.chosen(lm.model, "prefill") == "direct"
     calls.clear()
     for _ in range(2):
         batched.decode_step(lm.model, a, toks, batched.windows(lm.model))
