@@ -244,6 +244,8 @@ def wrap_model(
         tag = f"{tag}+gguf-blocks"  # int4 groups taken from the file, not re-quantized from its floats
         if any(isinstance(m, GGUFLinear) and m.all_rows for m in model.modules()):
             tag = f"{tag}+int4-prefill"  # every product on the int4 groups (KVRAG_GGUF_PREFILL=int4)
+        if any(isinstance(m, GGUFLinear) and m.dot is not None for m in model.modules()):
+            tag = f"{tag}+gguf-dot"  # Q6_K's decode-sized products de-quantized inside the product
     # each layer re-positioned exactly, measured on the weights as they will run (after any quantization)
     check_rerotation(model, Rope.from_model(model), name=name)
     param = next(model.parameters())

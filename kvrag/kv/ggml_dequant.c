@@ -8,14 +8,16 @@
  * reassociation).
  *
  * kvrag_dequant (below) writes float32 rows, or bfloat16 rows rounded as torch rounds, straight into the caller's
- * buffer (the model's scratch). */
+ * buffer (the model's scratch). kvrag_dequant_dot multiplies a few input rows by the weight without writing it out:
+ * each weight row de-quantized a chunk at a time into a stack buffer and multiplied there (decode-sized products of
+ * the types that have no int4 form). */
 #include <stdint.h>
 #include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
-#define KVRAG_DEQUANT_ABI 2
+#define KVRAG_DEQUANT_ABI 3
 #define QK_K 256
 
 enum { T_Q4_0 = 0, T_Q4_1 = 1, T_Q8_0 = 2, T_Q4_K = 3, T_Q5_K = 4, T_Q6_K = 5 };
@@ -169,6 +171,65 @@ static void row(int type, const uint8_t *b, int64_t columns, void *out, int bf16
         row_f32(type, b + (c / CHUNK) * per * BLOCK_BYTES[type], blocks, tmp);
         to_bf16(tmp, n, (uint16_t *)out + c);
     }
+}
+
+#define DOT_ROWS 16 /* input rows kvrag_dequant_dot takes at once (kvrag.kv.quant.MAX_ROWS) */
+#define LANES 16
+
+/* y[m * n + r] = sum over k of w[r][k] * x[m * columns + k] for weight rows r0 <= r < r1, m < rows: weight row r
+ * de-quantized CHUNK weights at a time (the floats row_f32 computes) into a stack buffer, multiplied and added into
+ * LANES float32 partial sums per input row (lane j takes the weights j, j + LANES, ...), which are then added in
+ * lane order. Each output depends only on its own input row and weight row, whatever the other rows. */
+CLONES static void dot_rows(int type, const uint8_t *blocks, int64_t r0, int64_t r1, int64_t n, int64_t row_bytes,
+                            int64_t columns, const float *x, int64_t rows, float *y) {
+    float tmp[CHUNK], acc[DOT_ROWS][LANES];
+    const int64_t per = CHUNK / BLOCK_WEIGHTS[type];
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *b = blocks + r * row_bytes;
+        memset(acc, 0, sizeof(acc));
+        for (int64_t c = 0; c < columns; c += CHUNK) {
+            int64_t len = columns - c < CHUNK ? columns - c : CHUNK;
+            row_f32(type, b + (c / CHUNK) * per * BLOCK_BYTES[type], len / BLOCK_WEIGHTS[type], tmp);
+            for (int64_t m = 0; m < rows; m++) {
+                const float *xm = x + m * columns + c;
+                float *a = acc[m];
+                for (int64_t k = 0; k < len; k += LANES)
+                    for (int j = 0; j < LANES; j++) {
+                        float p = tmp[k + j] * xm[k + j];
+                        a[j] = a[j] + p;
+                    }
+            }
+        }
+        for (int64_t m = 0; m < rows; m++) {
+            float s = 0.0f;
+            for (int j = 0; j < LANES; j++) s = s + acc[m][j];
+            y[m * n + r] = s;
+        }
+    }
+}
+
+/* y [rows, n] = x [rows, columns] (float32) times the transposed weight of n rows of ``type`` blocks (row r at blocks
+ * + r * row_bytes); columns a multiple of LANES and of the block, rows at most DOT_ROWS. threads > 1 splits the
+ * weight rows between OpenMP threads. 0, or -1: an unknown type or shape. */
+int kvrag_dequant_dot(int type, const uint8_t *blocks, int64_t n, int64_t row_bytes, int64_t columns, const float *x,
+                      int64_t rows, float *y, int threads) {
+    if (type < T_Q4_0 || type > T_Q6_K || rows < 1 || rows > DOT_ROWS || columns % LANES
+        || columns % BLOCK_WEIGHTS[type]) return -1;
+#ifdef _OPENMP
+    if (threads > 1 && n >= 64 * threads) {
+#pragma omp parallel num_threads(threads)
+        {
+            int t = omp_get_thread_num(), k = omp_get_num_threads();
+            int64_t lo = n * t / k, hi = n * (t + 1) / k;
+            dot_rows(type, blocks, lo, hi, n, row_bytes, columns, x, rows, y);
+        }
+        return 0;
+    }
+#else
+    (void)threads;
+#endif
+    dot_rows(type, blocks, 0, n, n, row_bytes, columns, x, rows, y);
+    return 0;
 }
 
 /* rows x columns weights of ``type`` (row r's blocks at blocks + r * row_bytes) into out: float32, or bfloat16

@@ -14,7 +14,8 @@ Q4_1 / Q8_0 / Q4_K_M / Q5_K_M / Q6_K files (a K-quant file keeps Q5_0 / Q8_0 for
   (``w = (q - 8) scale + zero``: Q4_0 ``scale = d``; Q4_1 ``zero = m + 8 d``; Q4_K ``scale = d sc``, ``zero =
   8 d sc - dmin m``), the file's own 4-bit ``q`` unchanged and the scale and zero rounded to bfloat16, the kernels'
   format. Q5_0, Q5_1, Q8_0 and Q5_K weights are two such products (``q = 16 hi + lo``) whose outputs add up. Q6_K (groups of 16
-  weights) has no such form and takes the dense route;
+  weights) has no such form: its decode-sized products de-quantize each weight row a chunk at a time in
+  ``ggml_dequant.c`` and multiply it there in float32 (``kvrag_dequant_dot``), reading the file's blocks in place;
 * larger inputs (prefill, ingest), other types, ``quantize=None``: the layer's weight de-quantized into one scratch
   buffer shared by every layer of the model (reused, never kept; by ``ggml_dequant.c`` where it builds, with the
   same bits), then the dense product in the compute dtype. A prefill's product costs hundreds of multiply-adds per
@@ -151,7 +152,7 @@ def _native() -> _Dequant | None:
         return None
 
     def load() -> _Dequant:
-        lib = native.open_library(Path(__file__).with_name("ggml_dequant.c"), "kvrag_dequant_abi", 2)
+        lib = native.open_library(Path(__file__).with_name("ggml_dequant.c"), "kvrag_dequant_abi", 3)
         fn = lib.kvrag_dequant
         i64, vp = ctypes.c_int64, ctypes.c_void_p
         fn.argtypes = [ctypes.c_int, vp, i64, i64, i64, vp, ctypes.c_int, ctypes.c_int]
@@ -176,6 +177,62 @@ def _native() -> _Dequant | None:
         return cast("_Dequant", fn)
 
     return native.attempt("kvrag's GGUF de-quantization kernel", load)[0]
+
+
+_Dot = Callable[[int, int, int, int, int, int, int, int, int], int]
+"""``kvrag_dequant_dot(type, blocks, n, row_bytes, columns, x, rows, y, threads)`` (pointers as integers)."""
+
+DOT_TYPES = ("Q6_K",)
+"""Types whose decode-sized products run ``kvrag_dequant_dot`` (:meth:`GGUFLinear.use_int4`): those with no int4
+form that ``ggml_dequant.c`` de-quantizes."""
+
+
+@functools.cache
+def _native_dot() -> _Dot | None:
+    """``kvrag_dequant_dot`` of ``ggml_dequant.c``, checked on random blocks of every type against the product by
+    the de-quantized weight (float32 rounding) and for rows computed alike alone and together; None where it cannot
+    serve (as :func:`_native`)."""
+    if _native() is None:
+        return None
+
+    def load() -> _Dot:
+        lib = native.open_library(Path(__file__).with_name("ggml_dequant.c"), "kvrag_dequant_abi", 3)
+        fn = lib.kvrag_dequant_dot
+        i64, vp = ctypes.c_int64, ctypes.c_void_p
+        fn.argtypes = [ctypes.c_int, vp, i64, i64, i64, vp, i64, vp, ctypes.c_int]
+        fn.restype = ctypes.c_int
+        gen = torch.Generator().manual_seed(1)
+        for qtype in _NATIVE_TYPES:
+            block, size = TYPES[qtype]
+            raw = torch.randint(0, 256, (5, 2 * size), dtype=torch.uint8, generator=gen)
+            raw.view(5, 2, size)[..., size - 1 if qtype == "Q6_K" else 1] &= 0x3F  # finite half-precision scales
+            if qtype in ("Q4_1", "Q4_K", "Q5_K"):
+                raw.view(5, 2, size)[..., 3] &= 0x3F
+            w = _blocks(qtype, raw.reshape(-1, size)).reshape(5, 2 * block)
+            x = torch.randn(3, 2 * block, generator=gen)
+            got, one = _dot(fn, raw, qtype, x), _dot(fn, raw, qtype, x[1:2])
+            want = x.double() @ w.double().T
+            tol = 1e-5 * (x.double().abs() @ w.double().abs().T) + 1e-6
+            if not (bool(((got.double() - want).abs() <= tol).all()) and torch.equal(one[0], got[1])):
+                msg = f"ggml_dequant.c self-check: the {qtype} product differs from the de-quantized weight's"
+                raise RuntimeError(msg)
+        return cast("_Dot", fn)
+
+    return native.attempt("kvrag's GGUF de-quantizing product", load)[0]
+
+
+def _dot(fn: _Dot, raw: torch.Tensor, qtype: str, x: torch.Tensor) -> torch.Tensor:
+    """``x`` [rows <= 16, columns] (float32) times the transposed weight of ``raw`` [n, row bytes]: [rows, n]."""
+    raw = raw.reshape(-1, raw.shape[-1])
+    if raw.stride(-1) != 1 or (raw.shape[0] > 1 and raw.stride(0) < raw.shape[1]):
+        raw = raw.contiguous()
+    x = x.to(torch.float32).contiguous()
+    y = torch.empty(x.shape[0], raw.shape[0], dtype=torch.float32)
+    if fn(_NATIVE_TYPES[qtype], raw.data_ptr(), raw.shape[0], raw.stride(0) if raw.shape[0] > 1 else raw.shape[1],
+          x.shape[1], x.data_ptr(), x.shape[0], y.data_ptr(), torch.get_num_threads()):
+        msg = f"kvrag_dequant_dot refused {qtype} rows {tuple(x.shape)}"
+        raise ValueError(msg)
+    return y
 
 
 def _native_for(qtype: str, raw: torch.Tensor) -> _Dequant | None:
@@ -360,6 +417,7 @@ class GGUFLinear(torch.nn.Module):
         self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
         self.int4: quant._Int4 | _Split | None = None
         self.all_rows = False  # every product on the int4 weights (KVRAG_GGUF_PREFILL=int4, :func:`prefill_route`)
+        self.dot: _Dot | None = None  # decode-sized products by kvrag_dequant_dot (:data:`DOT_TYPES`)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -369,6 +427,9 @@ class GGUFLinear(torch.nn.Module):
         """Give the layer its int4 kernel weights (:data:`INT4_TYPES`, :data:`SPLIT_TYPES`), when its shape fits
         the kernel's tiles, for products of at most :data:`kvrag.kv.quant.MAX_ROWS` rows or, ``all_rows``, every
         product (:func:`prefill_route`); returns whether it did."""
+        if self.qtype in DOT_TYPES and self.blocks.is_cpu and not all_rows:
+            self.dot = _native_dot()  # the file's blocks, de-quantized in the product: no layout of their own
+            return self.dot is not None
         if (self.qtype not in INT4_TYPES + SPLIT_TYPES or self.out_features % 16 or self.in_features % quant.GROUP
                 or not self.blocks.is_cpu):
             return False
@@ -427,6 +488,11 @@ class GGUFLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         k = x.shape[-1]
+        if self.dot is not None and x.is_cpu and x.numel() <= quant.MAX_ROWS * k:
+            y = _dot(self.dot, self.blocks, self.qtype, x.reshape(-1, k)).to(x.dtype)
+            if self.bias is not None:
+                y = y + self.bias
+            return y.view(*x.shape[:-1], self.out_features)
         int4 = self.int4
         if int4 is not None and x.is_cpu and (self.all_rows or x.numel() <= quant.MAX_ROWS * k):
             flat = x.reshape(-1, k)
@@ -446,7 +512,7 @@ class GGUFLinear(torch.nn.Module):
         return self.dense(x)
 
     def extra_repr(self) -> str:
-        kernel = "" if self.int4 is None else ", int4 decode"
+        kernel = ", int4 decode" if self.int4 is not None else ", de-quantizing decode" if self.dot is not None else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.qtype}{kernel}"
 
 
@@ -497,5 +563,5 @@ def resident_bytes(model: PreTrainedModel) -> int:
     return total
 
 
-__all__ = ["FLOAT_TYPES", "INT4_TYPES", "PREFILL_ROUTES", "SPLIT_TYPES", "TYPES", "FilePages", "GGUFEmbedding",
+__all__ = ["DOT_TYPES", "FLOAT_TYPES", "INT4_TYPES", "PREFILL_ROUTES", "SPLIT_TYPES", "TYPES", "FilePages", "GGUFEmbedding",
            "GGUFLinear", "Scratch", "dequantize", "int4_parts", "prefill_route", "resident_bytes"]

@@ -155,6 +155,30 @@ def test_resident_linear_decode_route_is_close_and_the_dense_route_exact(blocks_
     assert torch.equal(emb(ids), gguf_quant.dequantize(raw, "Q4_K", COLS)[ids])
 
 
+def test_q6_k_decode_products_de_quantize_inside_the_product(blocks_file: Path) -> None:
+    """A Q6_K layer (no int4 form) under ``quantize="int4"``: products of up to MAX_ROWS rows by kvrag_dequant_dot --
+    the file's weight to float32 rounding, each row the same bits alone as in the batch, the file's pages read in
+    place; more rows the dense route's exact product."""
+    if gguf_quant._native_dot() is None:
+        pytest.skip("no C compiler: Q6_K takes the dense route for every product")
+    raw, _ = _resident(blocks_file)["Q6_K"]
+    weight = gguf_quant.dequantize(raw, "Q6_K", COLS)
+    lin = GGUFLinear(raw, "Q6_K", COLS, torch.float32, gguf_quant.Scratch())
+    assert lin.use_int4() and lin.int4 is None and "de-quantizing decode" in repr(lin)
+    xs = torch.randn(quant.MAX_ROWS + 1, COLS, generator=torch.Generator().manual_seed(3))
+    batch = lin(xs[:-1])
+    want = xs[:-1].double() @ weight.double().T
+    assert (batch.double() - want).abs().max() <= 1e-5 * (xs[:-1].abs().double() @ weight.abs().double().T).max()
+    assert all(torch.equal(batch[i], lin(xs[i : i + 1])[0]) for i in (0, 5, quant.MAX_ROWS - 1))
+    assert torch.equal(lin(xs), torch.nn.functional.linear(xs, weight))  # past MAX_ROWS: the dense route
+    half = GGUFLinear(raw, "Q6_K", COLS, torch.bfloat16, gguf_quant.Scratch())
+    half.use_int4()
+    got = half(xs[:3].to(torch.bfloat16))
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), torch.nn.functional.linear(xs[:3].to(torch.bfloat16).float(), weight),
+                               atol=0.05, rtol=0.01)
+
+
 def test_dense_route_takes_strided_and_batched_inputs_tile_by_tile(blocks_file: Path, monkeypatch) -> None:
     """The dense route on a prefill's last position (a strided [batch, 1, k] view) and on [batch, rows, k], in one
     tile and in tiles of 16 rows: the product by the file's exact weight, the input's leading shape kept."""
