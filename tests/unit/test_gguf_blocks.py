@@ -19,7 +19,7 @@ import torch
 from kvrag import KVRAGEngine
 from kvrag.errors import ConfigError
 from kvrag.gguf_load import _file_bytes, tensor_table
-from kvrag.kv import gguf_quant, int4_kernel, quant
+from kvrag.kv import gguf_blocks, gguf_quant, int4_kernel, quant
 from kvrag.kv.gguf_quant import GGUFEmbedding, GGUFLinear
 from kvrag_testing.tiny import tiny_model
 from kvrag_testing.tiny_gguf import write_tiny_gguf
@@ -103,7 +103,7 @@ def test_native_dequantization_is_built_where_a_compiler_is() -> None:
     import shutil
 
     if shutil.which("cc") or shutil.which("gcc"):
-        assert gguf_quant._native() is not None
+        assert gguf_blocks.native_dequant() is not None
 
 
 @pytest.mark.parametrize("qtype", [*gguf_quant.INT4_TYPES, *gguf_quant.SPLIT_TYPES])
@@ -159,7 +159,7 @@ def test_q6_k_decode_products_de_quantize_inside_the_product(blocks_file: Path) 
     """A Q6_K layer (no int4 form) under ``quantize="int4"``: products of up to MAX_ROWS rows by kvrag_dequant_dot --
     the file's weight to float32 rounding, each row the same bits alone as in the batch, the file's pages read in
     place; more rows the dense route's exact product."""
-    if gguf_quant._native_dot() is None:
+    if gguf_blocks.native_dot() is None:
         pytest.skip("no C compiler: Q6_K takes the dense route for every product")
     raw, _ = _resident(blocks_file)["Q6_K"]
     weight = gguf_quant.dequantize(raw, "Q6_K", COLS)
