@@ -132,7 +132,7 @@ def native_dequant() -> _Dequant | None:
         return None
 
     def load() -> _Dequant:
-        lib = native.open_library(Path(__file__).with_name("ggml_dequant.c"), "kvrag_dequant_abi", 3)
+        lib = native.open_library(Path(__file__).with_name("ggml_dequant.c"), "kvrag_dequant_abi", 4)
         fn = lib.kvrag_dequant
         i64, vp = ctypes.c_int64, ctypes.c_void_p
         fn.argtypes = [ctypes.c_int, vp, i64, i64, i64, vp, ctypes.c_int, ctypes.c_int]
@@ -176,7 +176,7 @@ def native_dot() -> Dot | None:
         return None
 
     def load() -> Dot:
-        lib = native.open_library(Path(__file__).with_name("ggml_dequant.c"), "kvrag_dequant_abi", 3)
+        lib = native.open_library(Path(__file__).with_name("ggml_dequant.c"), "kvrag_dequant_abi", 4)
         fn = lib.kvrag_dequant_dot
         i64, vp = ctypes.c_int64, ctypes.c_void_p
         fn.argtypes = [ctypes.c_int, vp, i64, i64, i64, vp, i64, vp, ctypes.c_int]

@@ -171,6 +171,17 @@ def test_q6_k_decode_products_de_quantize_inside_the_product(blocks_file: Path) 
     assert (batch.double() - want).abs().max() <= 1e-5 * (xs[:-1].abs().double() @ weight.abs().double().T).max()
     assert all(torch.equal(batch[i], lin(xs[i : i + 1])[0]) for i in (0, 5, quant.MAX_ROWS - 1))
     assert torch.equal(lin(xs), torch.nn.functional.linear(xs, weight))  # past MAX_ROWS: the dense route
+    # the bits: lane j of 16 sums weight * input for columns j, j + 16, ... in order, then the lanes in order
+    # (every path of ggml_dequant.c: the generic loop and the AVX-512 one)
+    x = xs[:2]
+    prod = (weight[None] * x[:, None]).view(2, weight.shape[0], -1, 16)
+    lanes = torch.zeros(2, weight.shape[0], 16)
+    for k in range(prod.shape[2]):
+        lanes = lanes + prod[:, :, k]
+    want_bits = torch.zeros(2, weight.shape[0])
+    for j in range(16):
+        want_bits = want_bits + lanes[..., j]
+    assert torch.equal(gguf_blocks.dot(gguf_blocks.native_dot(), raw, "Q6_K", x), want_bits)
     half = GGUFLinear(raw, "Q6_K", COLS, torch.bfloat16, gguf_quant.Scratch())
     half.use_int4()
     got = half(xs[:3].to(torch.bfloat16))
