@@ -8,11 +8,13 @@ from typing import Any
 
 
 def step_bytes(model: Any, rows: int, context: int, kv_bytes: int | None = None) -> int:
-    """Bytes one decode step reads: every linear weight once in its current format, one embedding row per row,
+    """Bytes one decode step reads: every linear weight once in its current format (a GGUF layer's int4 layout or
+    blocks), one embedding row per row,
     every other parameter (norms), and each row's KV over ``context`` positions (``kv_bytes`` per element; None:
     the model dtype's)."""
     import torch
 
+    from kvrag.kv.gguf_quant import GGUFLinear
     from kvrag.kv.quant import quantized_bytes
 
     linear, other = 0, 0
@@ -21,6 +23,8 @@ def step_bytes(model: Any, rows: int, context: int, kv_bytes: int | None = None)
     for mod in model.modules():
         if isinstance(mod, torch.nn.Linear) and id(mod.weight) not in quantized:
             linear += mod.weight.numel() * mod.weight.element_size()
+        elif isinstance(mod, GGUFLinear):  # a GGUF file's layer: its int4 layout, else its blocks
+            linear += mod.int4.nbytes if mod.int4 is not None else mod.blocks.numel() * mod.blocks.element_size()
     seen = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear)} | {id(emb)}
     for p in model.parameters():
         if id(p) not in seen:
