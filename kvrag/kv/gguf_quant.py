@@ -230,7 +230,7 @@ class GGUFLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         k = x.shape[-1]
-        if self.dot is not None and x.is_cpu and x.numel() <= quant.MAX_ROWS * k:
+        if self.dot is not None and x.is_cpu and 0 < x.numel() <= quant.MAX_ROWS * k:
             y = dot(self.dot, self.blocks, self.qtype, x.reshape(-1, k)).to(x.dtype)
             if self.bias is not None:
                 y = y + self.bias
