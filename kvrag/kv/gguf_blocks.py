@@ -123,6 +123,20 @@ _Dequant = Callable[[int, int, int, int, int, int, int, int], int]
 """``kvrag_dequant(type, blocks, rows, row_bytes, columns, out, bf16, threads)`` (pointers as integers)."""
 
 
+def _library() -> ctypes.CDLL:
+    """``ggml_dequant.c`` built for this machine (:mod:`kvrag.kv.native`) and opened."""
+    return native.open_library(Path(__file__).with_name("ggml_dequant.c"), "kvrag_dequant_abi", 4)
+
+
+def _row_major(raw: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``raw`` as [rows, row bytes] whose rows the C code can walk (bytes contiguous, rows apart by a stride at least
+    a row long), and that stride."""
+    raw = raw.reshape(-1, raw.shape[-1])
+    if raw.stride(-1) != 1 or (raw.shape[0] > 1 and raw.stride(0) < raw.shape[1]):
+        raw = raw.contiguous()
+    return raw, raw.stride(0) if raw.shape[0] > 1 else raw.shape[1]
+
+
 @functools.cache
 def native_dequant() -> _Dequant | None:
     """``kvrag_dequant`` of ``ggml_dequant.c`` (built once per machine, :mod:`kvrag.kv.native`), checked against
@@ -132,8 +146,7 @@ def native_dequant() -> _Dequant | None:
         return None
 
     def load() -> _Dequant:
-        lib = native.open_library(Path(__file__).with_name("ggml_dequant.c"), "kvrag_dequant_abi", 4)
-        fn = lib.kvrag_dequant
+        fn = _library().kvrag_dequant
         i64, vp = ctypes.c_int64, ctypes.c_void_p
         fn.argtypes = [ctypes.c_int, vp, i64, i64, i64, vp, ctypes.c_int, ctypes.c_int]
         fn.restype = ctypes.c_int
@@ -176,8 +189,7 @@ def native_dot() -> Dot | None:
         return None
 
     def load() -> Dot:
-        lib = native.open_library(Path(__file__).with_name("ggml_dequant.c"), "kvrag_dequant_abi", 4)
-        fn = lib.kvrag_dequant_dot
+        fn = _library().kvrag_dequant_dot
         i64, vp = ctypes.c_int64, ctypes.c_void_p
         fn.argtypes = [ctypes.c_int, vp, i64, i64, i64, vp, i64, vp, ctypes.c_int]
         fn.restype = ctypes.c_int
@@ -203,13 +215,11 @@ def native_dot() -> Dot | None:
 
 def dot(fn: Dot, raw: torch.Tensor, qtype: str, x: torch.Tensor) -> torch.Tensor:
     """``x`` [rows <= 16, columns] (float32) times the transposed weight of ``raw`` [n, row bytes]: [rows, n]."""
-    raw = raw.reshape(-1, raw.shape[-1])
-    if raw.stride(-1) != 1 or (raw.shape[0] > 1 and raw.stride(0) < raw.shape[1]):
-        raw = raw.contiguous()
+    raw, row_bytes = _row_major(raw)
     x = x.to(torch.float32).contiguous()
     y = torch.empty(x.shape[0], raw.shape[0], dtype=torch.float32)
-    if fn(_NATIVE_TYPES[qtype], raw.data_ptr(), raw.shape[0], raw.stride(0) if raw.shape[0] > 1 else raw.shape[1],
-          x.shape[1], x.data_ptr(), x.shape[0], y.data_ptr(), torch.get_num_threads()):
+    if fn(_NATIVE_TYPES[qtype], raw.data_ptr(), raw.shape[0], row_bytes, x.shape[1], x.data_ptr(), x.shape[0],
+          y.data_ptr(), torch.get_num_threads()):
         msg = f"kvrag_dequant_dot refused {qtype} rows {tuple(x.shape)}"
         raise ValueError(msg)
     return y
@@ -221,16 +231,14 @@ def native_for(qtype: str, raw: torch.Tensor) -> _Dequant | None:
 
 
 def dequantize_into(fn: _Dequant, raw: torch.Tensor, qtype: str, columns: int,
-                       out: torch.Tensor | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None) -> torch.Tensor:
     """``raw`` [rows, row bytes] de-quantized by ``ggml_dequant.c`` into ``out`` (contiguous float32 or bfloat16
     [rows, columns]; a new float32 tensor when None)."""
-    raw = raw.reshape(-1, raw.shape[-1])
-    if raw.stride(-1) != 1 or (raw.shape[0] > 1 and raw.stride(0) < raw.shape[1]):
-        raw = raw.contiguous()
+    raw, row_bytes = _row_major(raw)
     if out is None:
         out = torch.empty(raw.shape[0], columns, dtype=torch.float32)
-    fn(_NATIVE_TYPES[qtype], raw.data_ptr(), raw.shape[0], raw.stride(0) if raw.shape[0] > 1 else raw.shape[1],
-       columns, out.data_ptr(), int(out.dtype == torch.bfloat16), torch.get_num_threads())
+    fn(_NATIVE_TYPES[qtype], raw.data_ptr(), raw.shape[0], row_bytes, columns, out.data_ptr(),
+       int(out.dtype == torch.bfloat16), torch.get_num_threads())
     return out
 
 
