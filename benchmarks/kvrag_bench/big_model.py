@@ -217,7 +217,7 @@ def child_answer(gguf: str, store: str, data: str | None, context: int, new_toke
     "".join(eng.stream(prep, GenerationConfig(max_new_tokens=new_tokens)))
     decode_s = time.perf_counter() - t
     tokens = prep.token_ids  # the answer's ids (the stream yields text pieces)
-    # a second question over the same passages: the one-time first-step checks are behind it
+    # a second question over the same passages: warm (the first request's one-time work is behind it)
     again = eng.prepare(eng.plan_parts(prefix, passages, get_template(None).parts(
         lm.tokenizer, passages, _second_question(data))[2]), method, reserve=new_tokens)
     "".join(eng.stream(again, GenerationConfig(max_new_tokens=1)))
@@ -284,8 +284,8 @@ def markdown(r: dict[str, Any]) -> str:
                   f"resident; `{r['method']}`'s TTFT: fetch {k['timings']['fetch_s']:.1f} s, assemble "
                   f"{k['timings']['assemble_s']:.1f} s, suffix prefill {k['timings']['suffix_prefill_s']:.1f} s."]
     if k.get("second_ttft_s") is not None:
-        lines.append(f"A second question over the same passages in the same process (the first request's one-time "
-                     f"step checks behind it): TTFT {k['second_ttft_s']:.2f} s, suffix prefill "
+        lines.append(f"A second question over the same passages in the same process (warm: the first request's one-time "
+                     f"work behind it): TTFT {k['second_ttft_s']:.2f} s, suffix prefill "
                      f"{k['second_timings']['suffix_prefill_s']:.1f} s.")
     missed = k.get("misses", {})
     if any(missed.values()):
