@@ -30,6 +30,8 @@ from typing import Any
 
 import numpy as np
 
+from kvrag_bench.report import writing_main
+
 log = logging.getLogger(__name__)
 
 LLAMA_31_8B = {"hidden": 4096, "intermediate": 14336, "layers": 32, "heads": 32, "kv_heads": 8, "vocab": 128256,
@@ -294,11 +296,7 @@ def markdown(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(args: argparse.Namespace) -> int:
-    from kvrag_bench.report import write_result
-
-    write_result(args.out, "big_model", run(args), markdown)
-    return 0
+main = writing_main("big_model", run, markdown)
 
 
 __all__ = ["LLAMA_31_8B", "add_arguments", "build", "child_answer", "child_ingest", "main", "markdown", "quantize",

@@ -36,6 +36,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from kvrag_bench.report import writing_main
+
 SYSTEM = "Answer the user's questions from these passages. Be brief."
 SCENARIOS = ("fixed", "changing", "changing-history")
 
@@ -331,11 +333,7 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(args: argparse.Namespace) -> int:
-    from kvrag_bench.report import write_result
-
-    write_result(args.out, "chat", run(args), markdown)
-    return 0
+main = writing_main("chat", run, markdown)
 
 
 __all__ = ["add_arguments", "converse", "kv_check", "main", "markdown", "run"]

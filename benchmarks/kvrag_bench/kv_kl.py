@@ -14,6 +14,8 @@ import argparse
 import statistics
 from typing import Any
 
+from kvrag_bench.report import writing_main
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", required=True, help="QA JSONL")
@@ -109,11 +111,7 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(args: argparse.Namespace) -> int:
-    from kvrag_bench.report import write_result
-
-    write_result(args.out, "kv_kl", run(args), markdown)
-    return 0
+main = writing_main("kv_kl", run, markdown)
 
 
 __all__ = ["add_arguments", "main", "markdown", "run"]

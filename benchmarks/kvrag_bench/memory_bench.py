@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvrag_bench.report import writing_main
+
 log = logging.getLogger(__name__)
 
 SAMPLE_DOCS = Path(__file__).resolve().parents[2] / "examples" / "data"
@@ -290,11 +292,7 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(args: argparse.Namespace) -> int:
-    from kvrag_bench.report import write_result
-
-    write_result(args.out, "memory", run(args), markdown)
-    return 0
+main = writing_main("memory", run, markdown)
 
 
 __all__ = ["add_arguments", "child_kvrag", "child_llama", "main", "markdown", "run"]

@@ -17,6 +17,8 @@ import statistics
 from typing import Any
 from unittest import mock
 
+from kvrag_bench.report import writing_main
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", required=True, help="QA JSONL")
@@ -115,11 +117,7 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(args: argparse.Namespace) -> int:
-    from kvrag_bench.report import write_result
-
-    write_result(args.out, "quant_kl", run(args), markdown)
-    return 0
+main = writing_main("quant_kl", run, markdown)
 
 
 __all__ = ["add_arguments", "main", "markdown", "run"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -20,4 +21,16 @@ def write_result(out: str | Path, stem: str, result: dict[str, Any], markdown: C
     return folder
 
 
-__all__ = ["write_result"]
+def writing_main(stem: str, run: Callable[[argparse.Namespace], dict[str, Any]],
+                 markdown: Callable[[dict[str, Any]], str]) -> Callable[[argparse.Namespace], int]:
+    """A ``kvrag bench`` command's ``main``: ``run(args)``, written by :func:`write_result` under ``args.out`` as
+    ``stem``; exit status 0."""
+
+    def main(args: argparse.Namespace) -> int:
+        write_result(args.out, stem, run(args), markdown)
+        return 0
+
+    return main
+
+
+__all__ = ["write_result", "writing_main"]

@@ -19,6 +19,8 @@ import statistics
 import time
 from typing import Any
 
+from kvrag_bench.report import writing_main
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", required=True, help="QA JSONL (id, question, answers, contexts[{title, text}])")
@@ -149,11 +151,7 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(args: argparse.Namespace) -> int:
-    from kvrag_bench.report import write_result
-
-    write_result(args.out, "speculate", run(args), markdown)
-    return 0
+main = writing_main("speculate", run, markdown)
 
 
 __all__ = ["add_arguments", "main", "markdown", "run"]
