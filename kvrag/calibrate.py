@@ -192,6 +192,13 @@ def measure_dtype(
     )
 
 
+def next_token_kl(p: torch.Tensor, q: torch.Tensor) -> float:
+    """KL(p || q) of two next-token log-distributions, renormalized and summed in float64 (a float32 log-softmax
+    is normalized only to ~1e-7, which alone can make a tiny KL negative)."""
+    lp, lq = p.double().log_softmax(-1), q.double().log_softmax(-1)
+    return float((lp.exp() * (lp - lq)).sum())
+
+
 def _kv_precision(engine: KVRAGEngine, plan: Plan, steps: int,
                   rounds: int = 3) -> tuple[dict[str, float], dict[str, float]]:
     """({K/V dtype: ms per token of KV_BATCH rows}, {narrower K/V dtype: mean next-token KL}) after ``plan``'s
@@ -221,8 +228,8 @@ def _kv_precision(engine: KVRAGEngine, plan: Plan, steps: int,
                 logs[k].append(batched.decode_step(model, [one[k]], [tokens[-1]], wins)[0].log_softmax(-1))
                 one[k].length += 1
             tokens.append(int(logs[model.dtype][-1].argmax()))
-        kl = {dtype_label(k): statistics.fmean(float((p.exp() * (p - q)).sum()) for p, q in zip(
-            logs[model.dtype], logs[k], strict=True)) for k in kvs if k != model.dtype}
+        kl = {dtype_label(k): statistics.fmean(next_token_kl(p, q) for p, q in zip(logs[model.dtype], logs[k], strict=True))
+              for k in kvs if k != model.dtype}
         times: dict[torch.dtype, list[float]] = {k: [] for k in kvs}
         for _ in range(rounds):  # interleaved: a drift of the machine's load hits each dtype alike
             for k in kvs:

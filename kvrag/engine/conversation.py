@@ -1,22 +1,25 @@
 """Conversations: the KV of answered requests, kept so that the next turn of a chat prefills only its new text.
 
 A chat sends its whole history every turn: turn ``k + 1``'s prompt is turn ``k``'s prompt, its answer and a new
-user message. After a request is answered its KV -- the prompt's (the method's repaired context and the suffix
-prefill) and the answer's (written by the decode steps) -- is kept in a :class:`ConversationCache` under the exact
-token ids it stands for. A later request of the same engine (so the same model) and the same method whose ids
-start with a kept conversation's first prompt and at least one token of its answer (the next turn, or a later turn
-edited or asked again) reuses the longest common prefix of ids (at most all but its last id) and prefills only the
-rest (:func:`prepare_hit`), as llama.cpp's server does with a slot's ``cache_prompt`` and vLLM / SGLang with their
+user message. After a request is answered its prompt's KV (the method's repaired context and the suffix prefill) is
+kept in a :class:`ConversationCache` with the ids of the prompt and the answer. A later request of the same engine
+(so the same model) and the same method whose ids start with a kept conversation's first prompt and at least one
+token of its answer (the next turn, or a later turn edited or asked again) reuses the longest common prefix of the
+kept prompt (at most all its ids but :data:`PREFILL_ROWS`) and prefills the rest -- the answer and the new message
+(:func:`prepare_hit`), as llama.cpp's server does with a slot's ``cache_prompt`` and vLLM / SGLang with their
 prefix caches. A repeated first prompt, or a new question over the same passages, is not a next turn: it is
 computed afresh, so ``full`` on a prompt it has seen still equals ``model.generate`` on its ids, and a method that
 repairs the context for the question repairs it for this one.
 
 Exactness: the reused positions are the same computation the model did on the same ids, by the same model and
 method, so a ``full`` request that reuses a prefix generates exactly what ``model.generate(ids,
-past_key_values=<that prefix's KV>)`` does (tested). The answer's positions were written by decode steps (one token
-a forward, kvrag's batched / fused step) where a fresh request would prefill them (many tokens a forward); the
-two agree up to low bits, measured in docs/results/chat.md. For a reusing method the kept context is repaired for the
-earlier turn's question, as a chat server that keeps its slot would hold it.
+past_key_values=<that prefix's KV>)`` does (tested), and, because every row of a prefill gets the same bits however
+the prompt is split into forwards (:func:`kvrag.kv.attention.aligned_attention`), exactly what a prefill of the
+whole history gives. The answer's K/V are not reused: decode steps wrote them through the decode products (int4
+weights, bf16 packed linears, kvrag's row attention), whose bits differ from a prefill's, so the next turn prefills
+the answer again with its new message -- at least :data:`PREFILL_ROWS` tokens, which take the prefill's products.
+For a reusing method the kept context is repaired for the earlier turn's question, as a chat server that keeps its
+slot would hold it.
 
 Bounds: at most ``max_entries`` kept requests and ``max_bytes`` of KV, least recently used leaving first; a request
 whose KV extends a kept one replaces it (one entry per conversation). The bytes are counted in the engine's KV
@@ -40,8 +43,9 @@ from kvrag.engine.lease import KVBudget, Lease
 from kvrag.engine.planner import Plan
 from kvrag.engine.results import Prepared, Stats, Timings
 from kvrag.fusion.base import FusionMethod
+from kvrag.fusion.escalate import first_step_confidence
 from kvrag.fusion.stats import MethodStats
-from kvrag.kv import batched, hf_cache
+from kvrag.kv import batched, hf_cache, linear, quant
 from kvrag.kv.pieces import Pace, PrepareJob, SuffixPrefill, forward_pieces
 
 if TYPE_CHECKING:
@@ -54,12 +58,19 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+PREFILL_ROWS = max(quant.MAX_ROWS, linear.MAX_ROWS) + 1
+"""The fewest ids a next turn prefills when it can (the kept context still covered): a forward of fewer rows takes
+the decode products (:data:`kvrag.kv.quant.MAX_ROWS` for quantized weights, :data:`kvrag.kv.linear.MAX_ROWS` for
+bf16 packed linears), so its K/V would not be the bits of a prefill of the whole history."""
+
 
 @dataclasses.dataclass(eq=False)
 class Entry:
-    """One answered request's KV: ``keys`` / ``values`` [L, H_kv, T, D] (RoPE applied, positions 0..T-1) of ``ids``
-    (T ids: the prompt's ``prompt_len``, then the answer's written by the decode steps), under ``method``;
-    ``first``: the prompt length of the conversation's first answered request (a next turn continues past it)."""
+    """One answered request's KV: ``ids`` (its prompt's ``prompt_len``, then its answer's) and ``keys`` / ``values``
+    [L, H_kv, prompt_len, D] (RoPE applied, positions 0..prompt_len-1) of the prompt, under ``method``;
+    ``first``: the prompt length of the conversation's first answered request (a next turn continues past it);
+    ``level``: what the method left the context at (``MethodStats.auto_choice``: ``auto:agree``'s ladder level;
+    None for other methods)."""
 
     ids: tuple[int, ...]
     prompt_len: int
@@ -68,6 +79,7 @@ class Entry:
     keys: torch.Tensor
     values: torch.Tensor
     nbytes: int
+    level: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,10 +140,11 @@ class ConversationCache:
             self._attached = budget
         return budget
 
-    def match(self, ids: Sequence[int], method: str, min_length: int = 0) -> Hit | None:
+    def match(self, ids: Sequence[int], method: str, min_length: int = 0, *, count: bool = True) -> Hit | None:
         """The kept conversation that ``ids`` continue (its first prompt and at least one token of its answer) with
-        the longest common prefix, reused up to all ids but the last and at least ``min_length`` of them; None if
-        there is none."""
+        the longest common prefix, reused up to its prompt, all ids but :data:`PREFILL_ROWS` (or, where that would
+        leave fewer than ``min_length``, all but the last) and at least ``min_length`` of them; None if there is
+        none. ``count=False``: a miss is not counted (the caller looks again with other ids)."""
         if not self.enabled:
             return None
         ids = tuple(ids)
@@ -141,27 +154,31 @@ class ConversationCache:
             for key, e in self._entries.items():
                 if e.method != method or len(ids) <= e.first + 1 or ids[: e.first + 1] != e.ids[: e.first + 1]:
                     continue
-                n = min(common_prefix(ids, e.ids), len(ids) - 1)
+                n = min(common_prefix(ids, e.ids), e.prompt_len, len(ids) - 1)
+                if len(ids) - n < PREFILL_ROWS and len(ids) - PREFILL_ROWS >= max(1, min_length):
+                    n = len(ids) - PREFILL_ROWS
                 if n >= max(1, min_length) and (best is None or n > best.length):
                     best, best_key = Hit(e, n), key
-            self.counters["hits" if best is not None else "misses"] += 1
+            if best is not None or count:
+                self.counters["hits" if best is not None else "misses"] += 1
             if best is not None:
                 self._entries.move_to_end(best_key)
                 self.counters["hit_tokens"] += best.length
         return best
 
-    def keep(self, ids: Sequence[int], prompt_len: int, method: str, cache: Cache) -> bool:
-        """Keep the KV of an answered request (``cache``: its transformers cache over ``ids``; the first
-        ``prompt_len`` ids are its prompt). Returns whether it was kept: not when there is no answer token, the
-        cache is off, the entry alone is over ``max_bytes``, or it does not fit beside the requests in flight."""
+    def keep(self, ids: Sequence[int], prompt_len: int, method: str, cache: Cache, level: str | None = None) -> bool:
+        """Keep the prompt's KV of an answered request (``cache``: its transformers cache over at least the first
+        ``prompt_len`` of ``ids``, its prompt; the rest of ``ids`` is its answer; ``level``: :attr:`Entry.level`).
+        Returns whether it was kept: not when there is no answer token, the cache is off, the entry alone is over
+        ``max_bytes``, or it does not fit beside the requests in flight."""
         ids = tuple(ids)
         if not self.enabled or len(ids) <= prompt_len:
             return False
         buf, length = hf_cache.buffer_of(cache)
-        if length < len(ids):
+        if length < prompt_len:
             return False
         budget = self._budget_of()
-        nbytes = len(ids) * budget.bytes_per_token
+        nbytes = int(prompt_len) * budget.bytes_per_token
         if nbytes > self.max_bytes:
             self.counters["too_large"] += 1
             return False
@@ -169,9 +186,8 @@ class ConversationCache:
             for e in self._entries.values():
                 if e.method == method and e.ids[: len(ids)] == ids:
                     return True  # already kept as part of a longer one
-        t = len(ids)
-        entry = Entry(ids, int(prompt_len), int(prompt_len), method, buf.keys[:, :, :t].clone(),
-                      buf.values[:, :, :t].clone(), nbytes)
+        t = int(prompt_len)  # the answer's K/V (decode-written) is prefilled again by the next turn
+        entry = Entry(ids, t, t, method, buf.keys[:, :, :t].clone(), buf.values[:, :, :t].clone(), nbytes, level)
         with self._lock:
             budget = self._budget()
             for e in self._entries.values():  # a later turn of a kept conversation belongs to it
@@ -224,8 +240,8 @@ class ConversationCache:
 
 
 def keep_answered(cache: ConversationCache, prepared: Prepared) -> bool:
-    """Keep a streamed request's KV (its prompt and the answer tokens the decode steps wrote). Never raises: a
-    conversation that cannot be kept (e.g. no memory for the copy) is only not reused."""
+    """Keep a streamed request's prompt KV with the ids of its prompt and answer. Never raises: a conversation that
+    cannot be kept (e.g. no memory for the copy) is only not reused."""
     if not cache.enabled:
         return False
     try:
@@ -235,7 +251,7 @@ def keep_answered(cache: ConversationCache, prepared: Prepared) -> bool:
         if answered <= 0 or answered > len(prepared.token_ids):
             return False
         return cache.keep(plan_ids + tuple(prepared.token_ids[:answered]), len(plan_ids), repr(prepared.method),
-                          prepared.cache)
+                          prepared.cache, prepared.stats.method_stats.auto_choice)
     except Exception:  # noqa: BLE001 - the answer is complete; only its reuse is lost
         log.warning("could not keep an answered request's KV for its next turn", exc_info=True)
         return False
@@ -259,35 +275,63 @@ def prepare_hit(engine: HitEngine, plan: Plan, m: FusionMethod, lease: Lease, hi
     ``hit.length`` positions copied into the request's buffer (:meth:`Lease.prompt_buffer`), then the rest of its
     ids prefilled -- the model's own forward for ``full`` (what ``model.generate`` runs after a given prefix cache),
     the runner's suffix prefill for a reusing method (as after its repair). Nothing is fetched or repaired: the kept
-    context was repaired by the same method when it was first answered."""
+    context was repaired by the same method when it was first answered.
+
+    Where the method re-checks a kept context (:meth:`FusionMethod.kept_context_threshold`: ``auto:agree`` over a
+    context its ladder left below ``full``), a first decode step less confident than the threshold is not answered
+    from the kept context: the whole prompt is computed as ``full`` computes it (the ladder's last level), in the
+    same buffer, and the conversation kept after this answer is ``full``'s."""
     t0 = time.perf_counter()
     timings = Timings()
     ids = plan.token_ids
     n = hit.length
     rest = ids[n:]
-    buf = lease.prompt_buffer(engine.spec, len(ids), hit.entry.keys.dtype, engine.model.device)
+    buf = lease.prompt_buffer(engine.spec, plan.positions, hit.entry.keys.dtype, engine.model.device)
     buf.keys[:, :, :n].copy_(hit.entry.keys[:, :, :n])
     buf.values[:, :, :n].copy_(hit.entry.values[:, :, :n])
     timings.assemble_s = time.perf_counter() - t0
     t = time.perf_counter()
+    pace = Pace(engine.runner.piece_budget_s, engine.model.device)
     if m.reads_cache and engine.runner.parks_at_suffix:
         parked = time.perf_counter()
         last, timings.suffix_prefill_s = yield SuffixPrefill(batched.Row(buf, n), tuple(rest))
         t0 += time.perf_counter() - parked - timings.suffix_prefill_s  # waiting for other arrivals: like the turn
         cache = buf.as_cache(len(ids))
     else:
-        pace = Pace(engine.runner.piece_budget_s, engine.model.device)
         logits, cache = yield from forward_pieces(engine.model, torch.tensor(rest, dtype=torch.long), buf.as_cache(n),
                                                   start=n, pace=pace)
         last = logits[-1]
         timings.suffix_prefill_s = time.perf_counter() - t - pace.paused_s
-        t0 += pace.paused_s
+    method_stats = MethodStats()
+    level = hit.entry.level
+    threshold = m.kept_context_threshold(level)
+    if threshold is not None:
+        conf = first_step_confidence(last)
+        if conf < threshold:  # unsure over the kept context: compute the prompt as full does, over its own ids
+            t = time.perf_counter()
+            paused = pace.paused_s
+            plan = plan.as_prompt_tokenized()
+            logits, cache = yield from forward_pieces(engine.model, torch.tensor(plan.token_ids, dtype=torch.long),
+                                                      buf.as_cache(0), start=0, pace=pace)
+            last = logits[-1]
+            timings.repair_s = time.perf_counter() - t - (pace.paused_s - paused)
+            reason = f"conversation hit: top-1 probability {conf:.3f} < {threshold:.3f} over the kept {level}"
+            method_stats = MethodStats(recomputed_fraction=1.0, auto_choice="full", auto_confidences=[conf],
+                                       auto_reason=reason)
+            n = 0
+        else:
+            method_stats = MethodStats(auto_choice=level, auto_confidences=[conf],
+                                       auto_reason=f"conversation hit: top-1 probability {conf:.3f} >= "
+                                                   f"{threshold:.3f} over the kept {level}")
+    else:
+        method_stats = MethodStats(auto_choice=level)
+    t0 += pace.paused_s
     chunks = sum(1 for s in plan.context if s.kind == "chunk" and s.end <= n)
     stats = Stats(context_tokens=plan.context_len, suffix_tokens=len(plan.suffix.token_ids),
                   chunk_tokens=plan.chunk_tokens, chunks_registered=plan.registered, chunks_found=plan.found,
                   inexact_chunks=plan.inexact_chunks, chunk_hits=chunks, reused_tokens=n, conversation_tokens=n,
                   hit_rate=(chunks / plan.registered) if plan.registered else 0.0,
-                  method_stats=MethodStats())
+                  method_stats=method_stats)
     keys = [s.key for s in plan.context if s.kind == "chunk" and s.key]
     return Prepared(plan, m, cache, last, timings, stats, keys, t0, kv_lease=lease)
 

@@ -282,26 +282,31 @@ class KVRAGEngine(ChunkCaching):
         reserve = GenerationConfig().max_new_tokens if reserve is None else int(reserve)
         if reserve < 0:
             raise ConfigError(f"reserve must be >= 0 new tokens, got {reserve}")
-        if plan.total_len >= self.max_context:
-            msg = (f"the prompt has {plan.total_len} tokens ({plan.context_len} context + {len(plan.suffix.token_ids)} "
+        if plan.positions >= self.max_context:
+            msg = (f"the prompt has {plan.positions} tokens ({plan.context_len} context + {len(plan.suffix.token_ids)} "
                    f"suffix) but the model's context window is {self.max_context}; retrieve fewer or shorter chunks")
             raise ContextLengthError(msg)
-        if plan.total_len + reserve > self.max_positions:
-            msg = (f"the prompt has {plan.total_len} tokens and {reserve} new tokens are asked for, but the model "
+        if plan.positions + reserve > self.max_positions:
+            msg = (f"the prompt has {plan.positions} tokens and {reserve} new tokens are asked for, but the model "
                    f"handles {self.max_positions} positions (EngineConfig.max_context or the model's "
                    f"max_position_embeddings); retrieve fewer or shorter chunks or ask for at most "
-                   f"{max(0, self.max_positions - plan.total_len)} new tokens")
+                   f"{max(0, self.max_positions - plan.positions)} new tokens")
             raise ContextLengthError(msg)
-        hit = self.conversations.match(plan.token_ids, repr(m), plan.context_len if m.reads_cache else 0)
+        hit = self.conversations.match(plan.token_ids, repr(m), plan.context_len if m.reads_cache else 0,
+                                       count=not (plan.inexact_chunks and m.reads_cache))
+        if hit is None and plan.inexact_chunks and m.reads_cache:  # a kept turn that recomputed the whole prompt
+            whole = plan.as_prompt_tokenized()
+            hit = self.conversations.match(whole.token_ids, repr(m), whole.context_len)
+            plan = whole if hit is not None else plan
         if hit is not None:  # the next turn of a kept conversation: only the new text is prefilled
-            return self.runner.prepare(plan.total_len + reserve, lambda lease: prepare_hit(self, plan, m, lease, hit))
+            return self.runner.prepare(plan.positions + reserve, lambda lease: prepare_hit(self, plan, m, lease, hit))
         timings = Timings()
         fetched = None
         if m.reads_cache:  # store I/O before the request's turn: running requests keep decoding meanwhile
             keys, got, timings.fetch_s = self._fetch_stored(plan)
             fetched = (keys, got)
         computed: list[tuple[str, ChunkKV]] = []
-        prep = self.runner.prepare(plan.total_len + reserve,  # the one sizing: the lease holds these positions
+        prep = self.runner.prepare(plan.positions + reserve,  # the one sizing: the lease holds these positions
                                    lambda lease: self._prepare(plan, m, lease, timings, fetched, computed))
         for k, ch in computed:  # misses computed in the turn are stored after it
             self.serving_store.put(k, ch)
@@ -326,7 +331,7 @@ class KVRAGEngine(ChunkCaching):
         # method's whole prepare (assemble + a question-sized prefill) is a few decode steps, and cutting it into
         # half-step pieces let a burst's arrivals join the batch several times later.
         long_repair = type(m).fuse_pieces is not FusionMethod.fuse_pieces
-        buf = lease.prompt_buffer(self.spec, plan.total_len, self.model.dtype, self.model.device)
+        buf = lease.prompt_buffer(self.spec, plan.positions, self.model.dtype, self.model.device)
         keys: list[str] | list[None]
         if fetched is not None:
             keys = fetched[0]
@@ -337,6 +342,10 @@ class KVRAGEngine(ChunkCaching):
             inp = assemble(self.model, self.rope, self.spec, pieces, plan.suffix.token_ids, buffer=buf,
                            chunk_prefix_ids=self.chunk_prefix_ids, canonical=m.reads_canonical_keys)
             timings.assemble_s = time.perf_counter() - t
+            if plan.inexact_chunks and plan.prompt_ids:  # what a computation of the whole prompt runs over
+                import torch
+
+                inp.prompt_ids = torch.tensor(plan.as_prompt_tokenized().token_ids, dtype=torch.long)
         else:  # e.g. full prefill: the stale KV is never read, so it is neither fetched nor assembled
             counts = dict.fromkeys(("chunk_hits", "chunk_misses", "other_hits", "other_misses", "reused_tokens"), 0)
             keys = [None] * len(plan.context)
@@ -365,6 +374,9 @@ class KVRAGEngine(ChunkCaching):
                 cache, last = out.cache, out.last_logits
             timings.suffix_prefill_s = time.perf_counter() - t - (pace.paused_s - paused - repair_paused)
         t0 += pace.paused_s - paused
+        spliced = plan
+        if out.prompt_tokenized:  # the whole prompt recomputed over its own ids: the request's ids are those
+            plan = plan.as_prompt_tokenized()
         # the method's time to first token without computing missing caches: what `auto` learns from
         m.observe(Observation(self.model, plan.context_len, len(plan.suffix.token_ids), timings.fetch_s
                               + timings.assemble_s + timings.repair_s + timings.suffix_prefill_s, out.stats))
@@ -375,16 +387,16 @@ class KVRAGEngine(ChunkCaching):
             chunk_tokens=plan.chunk_tokens,
             chunks_registered=plan.registered,
             chunks_found=found,
-            inexact_chunks=plan.inexact_chunks,
+            inexact_chunks=spliced.inexact_chunks,
             chunk_hits=counts["chunk_hits"],
             chunk_misses=counts["chunk_misses"],
             other_hits=counts["other_hits"],
             other_misses=counts["other_misses"],
-            reused_tokens=0 if m.name == "full" else counts["reused_tokens"],
+            reused_tokens=0 if m.name == "full" or out.prompt_tokenized else counts["reused_tokens"],
             hit_rate=(counts["chunk_hits"] / plan.registered) if plan.registered else 0.0,
             method_stats=out.stats,
         )
-        chunk_keys = [k for s, k in zip(plan.context, keys, strict=True) if s.kind == "chunk" and k]
+        chunk_keys = [k for s, k in zip(spliced.context, keys, strict=True) if s.kind == "chunk" and k]
         return Prepared(plan, m, cache, last, timings, stats, chunk_keys, t0, kv_lease=lease)
 
     def stream(self, prepared: Prepared, gen: GenerationConfig | None = None) -> Iterator[str]:

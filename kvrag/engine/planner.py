@@ -98,6 +98,14 @@ class Plan:
         return self.context[-1].end if self.context else 0
 
     @property
+    def positions(self) -> int:
+        """The most positions the prompt's K/V take: its ids, or the prompt's own tokenization when that is longer
+        (a method that recomputes everything computes over it, :meth:`as_prompt_tokenized`)."""
+        if self.inexact_chunks and self.prompt_ids is not None:
+            return max(self.total_len, len(self.prompt_ids))
+        return self.total_len
+
+    @property
     def total_len(self) -> int:
         return self.suffix.end
 

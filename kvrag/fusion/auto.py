@@ -37,7 +37,7 @@ from kvrag.errors import ConfigError
 from kvrag.fusion.base import FusionInput, FusionMethod, FusionOutput, Observation, register, shared_method
 from kvrag.fusion.cost import ModelCost
 from kvrag.fusion.cost_model import SHIPPED_COST_MODEL, CostModel, fit_cost_model, load_cost_model
-from kvrag.fusion.escalate import DEFAULT_LEVELS, Ladder, parse_levels, thresholds_for
+from kvrag.fusion.escalate import DEFAULT_LEVELS, Ladder, level_spec, parse_levels, thresholds_for
 from kvrag.fusion.online import OnlineCosts, online_costs
 from kvrag.fusion.recompute import check_choice, check_ratio
 from kvrag.kv import pieces
@@ -250,6 +250,19 @@ class Auto(FusionMethod):
                  [round(c, 3) for c in st.auto_confidences or []], st.auto_reason)
         out.stats = dataclasses.replace(st, auto_agree=self.agree, auto_budget=self.cap, auto_chunks=chunks)
         return out
+
+    def kept_context_threshold(self, level: str | None) -> float | None:
+        """With ``agree``, a next turn over a context the ladder left below ``full`` re-checks the first token: the
+        threshold of the level it was left at (a recomputing request would check its own first token there too).
+        None: no ``agree``, the context is already ``full``'s, the ladder does not end at ``full``, or ``full`` is
+        over the budget's cap."""
+        if self.agree is None or level is None or level == "full" or (self.cap is not None and self.cap < 1.0):
+            return None
+        levels = self.ladder_levels
+        if levels[-1] < 1.0 or len(levels) < 2:
+            return None
+        at = next((i for i, x in enumerate(levels[:-1]) if level in (level_spec(x, True), level_spec(x, False))), 0)
+        return thresholds_for(self.agree, len(levels))[at]
 
     def observe(self, obs: Observation) -> None:
         """Learn from a request ``auto`` served: full's speed when it ran ``full``, else the chosen candidate's

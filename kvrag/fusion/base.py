@@ -90,6 +90,11 @@ class FusionInput:
             on copies and never modify the inputs. Use :meth:`working_kv` and :meth:`cache_over`.
         chunk_prefix_ids: the ids every chunk cache was conditioned on (the engine's ``chunk_prefix_ids``), so a
             learned repairer can check it was trained on caches computed the same way.
+        prompt_ids: [T] the prompt string's own ids, when they differ from ``token_ids`` + ``suffix_ids`` (a chunk
+            spliced where its boundary falls inside a token, :attr:`kvrag.engine.planner.Plan.inexact_chunks`):
+            a computation of the whole prompt (``full``, ``auto``'s last level) runs over them, as ``full`` does
+            for the same prompt, and says so in :attr:`FusionOutput.prompt_tokenized`. The buffer has room for
+            them.
     """
 
     model: PreTrainedModel
@@ -103,6 +108,7 @@ class FusionInput:
     canonical_keys: torch.Tensor | None = None
     buffer: KVBuffer | None = None
     chunk_prefix_ids: tuple[int, ...] = ()
+    prompt_ids: torch.Tensor | None = None
 
     def working_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys, values [L, H_kv, Tc, D] a method may overwrite: the request's buffer in place, else copies."""
@@ -151,11 +157,14 @@ class FusionOutput:
         last_logits: [V] next-token logits after the suffix, when the method already prefilled it (e.g. ``full``);
             None means the engine prefills the suffix against ``cache``.
         stats: what the method computed (:class:`~kvrag.fusion.stats.MethodStats`; ``to_dict()`` for JSON).
+        prompt_tokenized: the cache covers :attr:`FusionInput.prompt_ids` (the prompt's own ids) instead of
+            context + suffix; ``last_logits`` is then set.
     """
 
     cache: Cache
     last_logits: torch.Tensor | None = None
     stats: MethodStats = dataclasses.field(default_factory=MethodStats)
+    prompt_tokenized: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,6 +239,13 @@ class FusionMethod(abc.ABC):
     def observe(self, obs: Observation) -> None:  # noqa: B027 (optional hook, not abstract)
         """Called by the engine once per request this method served, after the suffix prefill; methods that
         adapt to the machine they run on (``auto``) learn from it. Default: nothing."""
+
+    def kept_context_threshold(self, level: str | None) -> float | None:
+        """For the next turn of a kept conversation (:mod:`kvrag.engine.conversation`), whose context this method
+        left at ``level`` (the request's ``MethodStats.auto_choice``): the first decode step's top-1 probability the
+        new turn must reach over the kept context, below which the request is computed with ``full`` instead.
+        None: the kept context is used as it is (default)."""
+        return None
 
     def __repr__(self) -> str:
         args = ",".join(f"{k}={v}" for k, v in self.config.items())

@@ -10,7 +10,8 @@ repair levels on the request's own KV buffer, each building on the previous one 
 * a level ``r`` in (0, 1): RelaxKV's anchors at ratio ``r`` scored on the cache as the previous level left it, each
   target recomputed with its full causal prefix and the suffix folded in (the first one is exactly
   ``hybrid:r=...``);
-* level ``1``: a full prefill of context and suffix (exactly ``full``'s computation on the request's ids).
+* level ``1``: a full prefill of context and suffix (exactly ``full``'s computation on the request's ids: the prompt
+  string's own tokenization where a chunk was spliced inexactly, :attr:`FusionInput.prompt_ids`).
 
 After each level the first decode step's top-1 probability is compared with the level's threshold for the asked
 agreement rate (:data:`AGREE_THRESHOLDS`, calibrated on dev rows: the lowest top-1 probability at which the answers
@@ -158,7 +159,8 @@ class Ladder:
             stats = dataclasses.replace(stats, repair=part, repairer_flops=repair_stats.repairer_flops or 0.0)
         stats = dataclasses.replace(stats, auto_choice=level_spec(tried[-1], repaired), auto_levels=tried,
                                     auto_confidences=confs, auto_reason=reason)
-        return FusionOutput(cache=out.cache, last_logits=out.last_logits, stats=stats)
+        return FusionOutput(cache=out.cache, last_logits=out.last_logits, stats=stats,
+                            prompt_tokenized=out.prompt_tokenized)
 
     def _repair(self, work: FusionInput) -> tuple[bool, MethodStats | None]:
         """CacheRepair in place when the model has a repairer; (False, None) leaves the stale cache."""

@@ -1,18 +1,15 @@
 """SDPA attention without repeated K/V heads: the ``kvrag_sdpa`` implementation registered with transformers.
 
-With grouped-query attention and an explicit mask (every forward that continues a cache: the suffix prefill after
-the reused chunks, RelaxKV's and CacheBlend's recomputation over a context, CacheRepair-hybrid anchors),
-transformers' ``sdpa`` implementation copies every layer's keys and values ``num_key_value_groups`` times
-(``repeat_kv``) before calling ``scaled_dot_product_attention``, because it enables SDPA's own GQA broadcasting
-only for mask-free calls. On the CPU that copy is a large share of a short forward over a long cache (a question
-suffix over thousands of cached tokens: the copy moves every cached K/V ``num_key_value_groups`` times, the
-attention reads it once). ``kvrag_sdpa`` passes the mask and the
-un-repeated K/V to ``scaled_dot_product_attention(..., enable_gqa=True)`` instead, which gives bit-identical
-outputs (tested) without the copy. A one-token query of batch 1 (a decode step: ``model.generate``, a single-token
-forward over a cache) over all keys or a suffix of them runs kvrag's one-token kernel where it serves
-(:mod:`kvrag.kv.row_attention`), the kernel kvrag's batched and verify steps run, so ``model.generate`` and kvrag's
-decoding compute the same bits. Every other call (no mask, no GQA, not on the CPU, extra features such as softcap or
-position bias) goes to transformers' ``sdpa`` unchanged.
+On the CPU every multi-row call (a prefill, a suffix after reused chunks, a chat's next turn, RelaxKV's and
+CacheBlend's recomputation over a context) runs :func:`aligned_attention`: the grouped-query K/V passed to
+``scaled_dot_product_attention(..., enable_gqa=True)`` without transformers' ``repeat_kv`` copy (a large share of a
+short forward over a long cache), and every row computed alike however the prompt is split into forwards, so a
+position prefilled after a cached prefix gets the same bits as in one prefill of the whole prompt (tested; it is
+what makes a reused conversation or cached preamble exact). A one-token query of batch 1 (a decode step:
+``model.generate``, a single-token forward over a cache) over all keys or a suffix of them runs kvrag's one-token
+kernel where it serves (:mod:`kvrag.kv.row_attention`), the kernel kvrag's batched and verify steps run, so
+``model.generate`` and kvrag's decoding compute the same bits. Every other call (not on the CPU, extra features such
+as softcap or position bias, a float mask) goes to transformers' ``sdpa`` unchanged.
 
 It is registered through transformers' own extension points (``AttentionInterface`` and
 ``AttentionMaskInterface``, with SDPA's mask builder), and :func:`use_gqa_sdpa` switches a loaded model to it,
@@ -45,7 +42,7 @@ def gqa_sdpa_attention(
     is_causal: bool | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """transformers' ``sdpa`` attention, with masked grouped-query calls on the CPU broadcasting K/V heads and
+    """transformers' ``sdpa`` attention, with multi-row calls on the CPU through :func:`aligned_attention` and
     one-token calls through kvrag's row attention."""
     if batched.active():  # a batched decode step: each row attends to its own request buffer (kvrag.kv.batched)
         return batched.attention(module, query, key, value, scaling)
@@ -65,10 +62,13 @@ def gqa_sdpa_attention(
             out = torch.empty((1, 1, query.shape[1], value.shape[-1]), dtype=query.dtype)
             return row_attention.attend(query, [(key[0], value[0], start, key.shape[2])], out, scaling), None
     groups = int(getattr(module, "num_key_value_groups", 1) or 1)
-    if (not special and not dropout and query.device.type == "cpu" and attention_mask is not None
-            and attention_mask.dtype == torch.bool and query.shape[2] >= BAND_MIN_QUERIES
-            and attention_mask.shape[-2:] == (query.shape[2], key.shape[2])):
-        return banded_attention(query, key, value, attention_mask, scaling), None
+    if (not special and not dropout and query.device.type == "cpu" and query.shape[2] > 1
+            and getattr(module, "sinks", None) is None):
+        causal = (attention_mask is None and is_causal is not False and getattr(module, "is_causal", True)
+                  and query.shape[2] == key.shape[2])
+        if causal or (attention_mask is not None and attention_mask.dtype == torch.bool
+                      and attention_mask.shape[-2:] == (query.shape[2], key.shape[2])):
+            return aligned_attention(query, key, value, attention_mask, scaling), None
     plain = attention_mask is None or groups == 1 or query.shape[2] == 1 or query.device.type != "cpu" or special
     if plain:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
@@ -79,47 +79,92 @@ def gqa_sdpa_attention(
     return out.transpose(1, 2).contiguous(), None
 
 
-BAND_MIN_QUERIES = 512
-"""Masked calls with at least this many queries run :func:`banded_attention`."""
-BAND_QUERY_BLOCK = 256
-"""Queries per call in :func:`banded_attention`."""
+ROW_BLOCK = 256
+"""Query rows are grouped by the multiple of this their key index falls before, and each group's call spans keys up to
+that multiple. A row's sums depend on the width of the last key block its call walks (tested), not on how many rows
+share the call, so a row gets the same bits in any forward. Measured on SmolLM2-135M (1.9K tokens, one thread): a
+whole prefill 1-4% and a 40-token suffix over the rest ~5% slower than one SDPA call; 32 made the suffix ~15% slower
+(more passes over the keys), 512 the prefill ~7% (more masked keys per row)."""
+MIN_ROWS = 4
+"""torch's CPU flash attention computes its queries in splits of 32 rows (64 from 192 rows on), and a split of fewer
+than this many rows takes another kernel (other float32 bits): a group whose last split would be that short is
+padded with copies of its last row (:func:`padded_rows`)."""
+
+
+def padded_rows(rows: int) -> int:
+    """The rows an :func:`aligned_attention` call computes for ``rows`` queries: no split shorter than
+    :data:`MIN_ROWS` (measured for every count of 1-256 rows, float32 and bfloat16)."""
+    split = 32 if rows < 192 else 64
+    tail = rows % split
+    return rows + MIN_ROWS - tail if 0 < tail < MIN_ROWS else rows
+
+
 KEY_ALIGN = 512
 """A block's first key is rounded down to a multiple of this: torch's CPU flash attention walks keys in blocks of
 512 from the first key it is given, so an aligned start keeps a row's key blocks, and so its sums, where a call over
 all keys has them."""
 
 
-def banded_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
-                     scaling: float | None) -> torch.Tensor:
-    """SDPA over ``query`` in blocks of :data:`BAND_QUERY_BLOCK` rows, each over only the keys its mask rows allow.
+def aligned_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                      scaling: float | None) -> torch.Tensor:
+    """SDPA whose every row is computed alike however the prompt is split into forwards: the same bits for a
+    position whether it is prefilled with the whole prompt, after a cached prefix (a suffix, a chat's next turn), or
+    in pieces.
 
-    A long prefill's mask is a band: causal (a block's rows see no key after its last row) and, in sliding-window
-    layers (Gemma 2/3, Mistral, Qwen2's windows...), none before its first row's window. torch's CPU flash
-    attention reads every key of an explicit mask, so one call over 2K queries in a 512-token window computes
-    four times the scores it keeps. Here each block's call gets the keys from the first its rows allow (rounded
-    down to :data:`KEY_ALIGN`) to the last, and the mask cut to them; the keys left out are masked for every row
-    of the block, so they add exact zeros to its sums. Returns [batch, queries, heads, head_dim] as
-    transformers' attention functions do.
+    torch's CPU flash attention walks a call's keys in blocks of 512, and a row's sums (so its low bits) depend on
+    the width of the last block, which one call sets by its own extent: the same position prefilled with the whole
+    prompt and after a cached prefix got different bits. Here the queries run in groups that end where a query's
+    key index reaches a multiple of :data:`ROW_BLOCK` (the query at index ``i`` of ``n_q`` sits at key index
+    ``n_k - n_q + i``, as in causal self-attention over a cache), each over the keys from the first its rows may
+    see (rounded down to :data:`KEY_ALIGN`) to that multiple, past the last key padded with zero keys the mask
+    leaves out. A row's call then walks the same key blocks under the same mask row wherever it is computed, and
+    the keys left out or padded add exact zeros. Groups also skip keys outside sliding windows (a long prefill
+    through Gemma 3 / Mistral windows reads only its band).
 
     Args:
         query: [batch, heads, queries, head_dim].
         key, value: [batch, kv_heads, keys, head_dim]; kv_heads divides heads (grouped-query attention).
-        mask: bool [batch, 1 or heads, queries, keys], True where a query attends.
+        mask: bool [batch, 1 or heads, queries, keys], True where a query attends; None: causal.
         scaling: the softmax scale (None: 1/sqrt(head_dim)).
+
+    Returns:
+        [batch, queries, heads, head_dim], as transformers' attention functions return it.
     """
     n_q, n_k = query.shape[2], key.shape[2]
+    first = n_k - n_q
     gqa = key.shape[1] != query.shape[1]
     out = torch.empty((query.shape[0], n_q, query.shape[1], value.shape[-1]), dtype=query.dtype)
-    cols = torch.arange(n_k)
-    for q0 in range(0, n_q, BAND_QUERY_BLOCK):
-        q1 = min(n_q, q0 + BAND_QUERY_BLOCK)
-        rows = mask[:, :, q0:q1]
-        seen = cols[rows.any(dim=2).any(dim=1).any(dim=0)]
-        k0, k1 = (0, n_k) if seen.numel() == 0 else (int(seen[0]) // KEY_ALIGN * KEY_ALIGN, int(seen[-1]) + 1)
-        o = torch.nn.functional.scaled_dot_product_attention(
-            query[:, :, q0:q1], key[:, :, k0:k1], value[:, :, k0:k1], attn_mask=rows[..., k0:k1], scale=scaling,
-            enable_gqa=gqa)
-        out[:, q0:q1] = o.transpose(1, 2)
+    q0 = 0
+    while q0 < n_q:
+        at = first + q0
+        q1 = min(n_q, q0 + ROW_BLOCK - at % ROW_BLOCK)
+        end = (at // ROW_BLOCK + 1) * ROW_BLOCK
+        if mask is None:
+            rows = (torch.arange(end)[None, :] <= torch.arange(at, first + q1)[:, None]).view(1, 1, q1 - q0, end)
+            k0 = 0
+        else:
+            rows = mask[:, :, q0:q1]
+            seen = torch.nonzero(rows.any(dim=2).any(dim=1).any(dim=0)).flatten()
+            if seen.numel():
+                k0, last = int(seen[0]) // KEY_ALIGN * KEY_ALIGN, int(seen[-1]) + 1
+                end = max(end, -(-last // ROW_BLOCK) * ROW_BLOCK)
+            else:
+                k0, end = 0, max(end, n_k)
+            if end > n_k:
+                rows = torch.nn.functional.pad(rows, (0, end - n_k), value=False)
+        k, v = key[:, :, k0:end], value[:, :, k0:end]
+        if end > n_k:
+            pad = (0, 0, 0, end - n_k)
+            k, v = torch.nn.functional.pad(k, pad), torch.nn.functional.pad(v, pad)
+        q = query[:, :, q0:q1]
+        rows = rows[..., k0:end]
+        fill = padded_rows(q1 - q0) - (q1 - q0)
+        if fill:
+            q = torch.cat([q, q[:, :, -1:].expand(-1, -1, fill, -1)], dim=2)
+            rows = torch.cat([rows, rows[:, :, -1:].expand(-1, -1, fill, -1)], dim=2)
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=rows, scale=scaling, enable_gqa=gqa)
+        out[:, q0:q1] = o[:, :, : q1 - q0].transpose(1, 2)
+        q0 = q1
     return out
 
 
@@ -151,4 +196,4 @@ def use_gqa_sdpa(model: PreTrainedModel) -> bool:
     return True
 
 
-__all__ = ["IMPL", "gqa_sdpa_attention", "register", "use_gqa_sdpa"]
+__all__ = ["IMPL", "aligned_attention", "gqa_sdpa_attention", "padded_rows", "register", "use_gqa_sdpa"]

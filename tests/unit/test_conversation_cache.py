@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvrag.config import EngineConfig, GenerationConfig
-from kvrag.engine.conversation import ConversationCache, common_prefix
+from kvrag.engine.conversation import PREFILL_ROWS, ConversationCache, common_prefix
 from kvrag.engine.lease import KVBudget
 from kvrag.engine.scheduler import RequestState, Scheduler
 from kvrag.errors import ConfigError
@@ -59,11 +59,13 @@ def test_full_with_a_reused_prefix_is_model_generate_after_that_prefix(family: s
     ``model.generate`` does when given that prefix cache (the only difference from a fresh request)."""
     eng = make(family)
     (r1, r2), prompts = chat(eng, "full", 2)
-    assert r1.stats.conversation_tokens == 0 and r2.stats.conversation_tokens > len(eng.tokenize(prompts[0])) + 4
+    # turn 2 reuses turn 1's prompt but the last PREFILL_ROWS ids: the answer and its new message are prefilled
+    n2 = len(eng.tokenize(prompts[1]))
+    assert r1.stats.conversation_tokens == 0 and r2.stats.conversation_tokens == n2 - PREFILL_ROWS > 0
     prompt = prompts[1] + r2.text + "<|im_end|>\n<|im_start|>user\nWhich city is larger?<|im_end|>\n<|im_start|>assistant\n"
     ids = tuple(eng.tokenize(prompt))
     hit = eng.conversations.match(ids, repr(eng.method("full")), 0)  # what turn 3 reuses: turn 2's kept KV
-    assert hit is not None and hit.length > len(eng.tokenize(prompts[1]))
+    assert hit is not None and hit.length == min(n2, len(ids) - PREFILL_ROWS)
     e = hit.entry
     prefix = hf_cache.make_cache(e.keys[:, :, : hit.length].clone(), e.values[:, :, : hit.length].clone(),
                                  eng.model.config)
@@ -121,17 +123,17 @@ def _cache(T: int, budget: KVBudget, L: int = 2, H: int = 1, D: int = 4):
 def test_lru_entries_and_bytes_bounds() -> None:
     budget = KVBudget(10_000, 10)
     cc = ConversationCache(budget, max_bytes=300, max_entries=3)
-    ids = {k: tuple(range(100 * k, 100 * k + 8)) for k in range(6)}  # 8 tokens: 80 bytes each
+    ids = {k: tuple(range(100 * k, 100 * k + 12)) for k in range(6)}  # a prompt of 8 tokens: 80 bytes each
     for k in range(3):
-        assert cc.keep(ids[k], 4, "stale", _cache(8, budget))
+        assert cc.keep(ids[k], 8, "stale", _cache(12, budget))
     assert len(cc) == 3 and cc.nbytes == budget.cached == 240
     assert cc.match(ids[0] + (7,), "stale") is not None  # touched: now the most recent
-    assert cc.keep(ids[3], 4, "stale", _cache(8, budget))  # over max_entries: the least recent (1) leaves
+    assert cc.keep(ids[3], 8, "stale", _cache(12, budget))  # over max_entries: the least recent (1) leaves
     assert cc.match(ids[1] + (7,), "stale") is None and cc.match(ids[0] + (7,), "stale") is not None
-    big = tuple(range(1000, 1025))  # 250 bytes: the others leave for it
-    assert cc.keep(big, 20, "stale", _cache(25, budget))
+    big = tuple(range(1000, 1030))  # a prompt of 25 tokens, 250 bytes: the others leave for it
+    assert cc.keep(big, 25, "stale", _cache(30, budget))
     assert cc.nbytes == budget.cached == 250 and len(cc) == 1
-    assert not cc.keep(tuple(range(2000, 2031)), 20, "stale", _cache(31, budget))  # alone over max_bytes
+    assert not cc.keep(tuple(range(2000, 2041)), 31, "stale", _cache(41, budget))  # alone over max_bytes
     assert cc.stats()["too_large"] == 1
 
 
@@ -154,15 +156,23 @@ def test_the_next_turn_replaces_the_turn_before() -> None:
     t1 = tuple(range(10))
     assert cc.keep(t1, 6, "stale", _cache(10, budget))
     hit = cc.match(t1 + (50, 51), "stale")
-    assert hit is not None and hit.length == 10
+    assert hit is not None and hit.length == 6  # the prompt: the answer is prefilled again
     assert cc.match(t1[:6] + (99, 98), "stale") is None  # diverges inside the answer's first token: not a next turn
     t2 = t1 + (50, 51, 52)
     assert cc.keep(t2, 12, "stale", _cache(13, budget))
-    assert len(cc) == 1 and cc.nbytes == 130
+    assert len(cc) == 1 and cc.nbytes == 120
     assert cc.match(t2 + (1,), "full") is None  # another method's KV is never reused
     # a later turn asked differently (the conversation branches after turn 1's answer) still reuses turn 1
     hit = cc.match(t1 + (50, 77, 78), "stale")
     assert hit is not None and hit.length == 11
+    long = t2 + tuple(range(60, 60 + PREFILL_ROWS))  # a long new text: the whole kept prompt is reused
+    hit = cc.match(long, "stale")
+    assert hit is not None and hit.length == 12
+    p = tuple(range(1000, 1100))  # a short new text after a long prompt: PREFILL_ROWS ids are prefilled
+    assert cc.keep(p + (7, 8), 100, "stale", _cache(102, budget))
+    hit = cc.match(p + (7, 8, 9), "stale")
+    assert hit is not None and hit.length == 103 - PREFILL_ROWS
+    assert cc.match(p + (7, 8, 9), "stale", min_length=90).length == 100  # type: ignore[union-attr]
     assert cc.match(t1[:6] + (99,), "stale") is None  # a new question after the same first prompt: computed afresh
 
 
@@ -171,18 +181,18 @@ def test_kept_bytes_count_in_the_lease_accounting_and_give_way_to_requests() -> 
     cc = ConversationCache(budget, max_bytes=1_000, max_entries=8)
     s = Scheduler(budget, max_batch_size=2)
     for k in range(4):
-        assert cc.keep(tuple(range(100 * k, 100 * k + 20)), 10, "stale", _cache(20, budget))
+        assert cc.keep(tuple(range(100 * k, 100 * k + 24)), 20, "stale", _cache(24, budget))
     assert budget.cached == 800 and budget.snapshot()["cached"] == 800
     a = s.add(30)  # 300 bytes (30 positions): do not fit beside 800 kept bytes: the least recent entries are given back
     plan = s.schedule()
     assert plan.prepare == a and s.state(a) is RequestState.PREPARING
     assert budget.used + budget.cached <= budget.limit and len(cc) == 3 and cc.stats()["reclaimed"] == 1
-    # an entry is only kept beside the leases: with 900 bytes leased, 200 more do not fit (the others leave)
+    # an entry is only kept beside the leases: with 600 bytes leased, 450 more do not fit (the others leave)
     b = s.add(60)  # 600 bytes
     s.cancel(a)
     s.schedule()
     assert s.state(b) is RequestState.PREPARING and budget.used == 600 and budget.used + budget.cached <= 1_000
-    assert not cc.keep(tuple(range(900, 950)), 10, "stale", _cache(50, budget))
+    assert not cc.keep(tuple(range(900, 950)), 45, "stale", _cache(50, budget))
     assert budget.used + budget.cached <= 1_000
     s.cancel(b)
     s.schedule()
@@ -225,7 +235,7 @@ def test_a_streamed_answer_is_kept_with_the_ids_its_kv_stands_for() -> None:
     (entry,) = eng.conversations._entries.values()
     n = len(prep.plan.token_ids)
     assert entry.ids[:n] == prep.plan.token_ids and entry.ids[n:] == tuple(prep.token_ids[: len(entry.ids) - n])
-    assert entry.keys.shape[2] == len(entry.ids) == hf_cache.cache_length(prep.cache)
+    assert entry.keys.shape[2] == entry.prompt_len == n and len(entry.ids) == hf_cache.cache_length(prep.cache)
 
 
 def test_history_segments_are_the_earlier_turns() -> None:
@@ -262,3 +272,97 @@ def test_history_as_segments_when_the_chunks_change() -> None:
     # question and answer (new) computed alone and stored
     assert found3 == 1 + 4 and hits3 == (3, 2)
     assert seg3 < plain3 // 2
+
+
+def test_auto_agree_rechecks_a_kept_context_below_full(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``auto:agree`` on a next turn over a context its ladder left below ``full``: an unsure first token computes the
+    prompt as ``full`` (the answer a recomputing engine gives when it escalates too, and the conversation kept is
+    then ``full``'s); a confident one answers from the kept context."""
+    from kvrag.fusion import escalate
+
+    method = "auto:agree=0.9"
+    reuse, fresh = make(), make(conversation_cache_bytes=0)
+    monkeypatch.setitem(escalate.AGREE_THRESHOLDS, 0.9, (0.0,))  # turn 1: the ladder stops at its first level
+    (r1,), _ = chat(reuse, method, 1)
+    assert r1.stats.method_stats.auto_choice == "stale" and r1.stats.conversation_tokens == 0
+    monkeypatch.setitem(escalate.AGREE_THRESHOLDS, 0.9, (1.01,))  # no first token is this sure: escalate
+    msgs = [{"role": "system", "content": "Answer from these passages.\n" + "".join(PASSAGES)},
+            {"role": "user", "content": QUESTIONS[0]}, {"role": "assistant", "content": r1.text},
+            {"role": "user", "content": QUESTIONS[1]}]
+    prompt = render_chat(reuse.tokenizer, msgs)
+    r2 = reuse.answer(prompt, PASSAGES, method, max_new_tokens=8)
+    ms = r2.stats.method_stats
+    assert ms.auto_choice == "full" and ms.auto_confidences and ms.auto_confidences[0] < 1.01
+    assert "conversation hit" in (ms.auto_reason or "") and r2.stats.conversation_tokens == 0
+    ref = fresh.answer(prompt, PASSAGES, method, max_new_tokens=8)  # stale, unsure, then full: the same computation
+    assert ref.stats.method_stats.auto_choice == "full" and r2.token_ids == ref.token_ids
+    (entry,) = reuse.conversations._entries.values()
+    assert entry.level == "full"
+    # the kept context is full's now: the next turn reuses it without a check, whatever the threshold
+    msgs += [{"role": "assistant", "content": r2.text}, {"role": "user", "content": QUESTIONS[2]}]
+    r3 = reuse.answer(render_chat(reuse.tokenizer, msgs), PASSAGES, method, max_new_tokens=8)
+    assert r3.stats.conversation_tokens > 0 and r3.stats.method_stats.auto_choice == "full"
+
+
+def test_auto_agree_answers_a_confident_next_turn_from_the_kept_context(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvrag.fusion import escalate
+
+    monkeypatch.setitem(escalate.AGREE_THRESHOLDS, 0.9, (0.0,))
+    reuse = make()
+    r1, r2 = chat(reuse, "auto:agree=0.9", 2)[0]
+    assert r1.stats.conversation_tokens == 0 and r2.stats.conversation_tokens > 0
+    ms = r2.stats.method_stats
+    assert ms.auto_choice == "stale" and ">= 0.000 over the kept stale" in (ms.auto_reason or "")
+    assert reuse.method("auto:agree=0.9").kept_context_threshold("full") is None
+    assert reuse.method("stale").kept_context_threshold("stale") is None
+
+
+def test_auto_escalated_to_full_over_an_inexact_splice_is_full_and_its_next_turn_reuses_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A passage placed after indentation: its first token merges with the spaces inside the prompt, so the plan
+    splices it inexactly. ``auto``'s last level computes the prompt's own ids, as ``full`` does -- the same
+    answer token for token -- and the next turn reuses that conversation."""
+    from kvrag.fusion import escalate
+
+    monkeypatch.setitem(escalate.AGREE_THRESHOLDS, 0.9, (1.01,))  # every ladder ends at full
+    eng = make()
+    chunks = ["source: fares.md\n\nA day pass costs 9 marks.", *PASSAGES]
+    msgs = [{"role": "system", "content": "Documents:\n\n  " + "".join(chunks)},
+            {"role": "user", "content": QUESTIONS[0]}]
+    prompt = render_chat(eng.tokenizer, msgs)
+    eng.ingest(chunks, progress=False)
+    plan = eng.plan(prompt, chunks)
+    assert plan.inexact_chunks > 0 and plan.token_ids != tuple(eng.tokenize(prompt))  # the case under test
+    auto_prep, full_prep = (eng.prepare(eng.plan(prompt, chunks), m, reserve=1) for m in ("auto:agree=0.9", "full"))
+    assert auto_prep.plan.token_ids == full_prep.plan.token_ids == tuple(eng.tokenize(prompt))
+    assert torch.equal(auto_prep.last_logits, full_prep.last_logits)  # the same computation, bit for bit
+    del auto_prep, full_prep  # their KV goes back
+    r1 = eng.answer(prompt, chunks, "auto:agree=0.9", max_new_tokens=8)
+    full = eng.answer(prompt, chunks, "full", max_new_tokens=8)
+    assert r1.token_ids == full.token_ids == generate(eng, eng.tokenize(prompt), 8)
+    assert r1.stats.method_stats.auto_choice == "full" and r1.stats.reused_tokens == 0
+    msgs += [{"role": "assistant", "content": r1.text}, {"role": "user", "content": QUESTIONS[1]}]
+    prompt2 = render_chat(eng.tokenizer, msgs)
+    r2 = eng.answer(prompt2, chunks, "auto:agree=0.9", max_new_tokens=8)
+    assert r2.stats.conversation_tokens > 0  # kept under the prompt's own ids: reused
+    assert r2.stats.method_stats.auto_choice == "full"
+    assert r2.token_ids == generate(eng, eng.tokenize(prompt2), 8)
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_kept_conversation_is_the_bits_of_one_prefill_of_the_whole_history(dtype: torch.dtype) -> None:
+    """Every kept position was written by a prefill (the answer's decode-written K/V is prefilled again with the next
+    message) and a prefill row's bits do not depend on the split: turn 3's kept K/V equal one prefill of its ids."""
+    from kvrag.engine.engine import KVRAGEngine
+    from kvrag.store.memory import MemoryStore
+    from kvrag_testing.tiny import tiny_model
+
+    eng = KVRAGEngine(tiny_model("llama", init_std=0.02, seed=2, dtype=dtype), MemoryStore(), EngineConfig())
+    out, prompts = chat(eng, "full", 3)
+    assert [r.stats.conversation_tokens > 0 for r in out] == [False, True, True]
+    (entry,) = eng.conversations._entries.values()
+    assert entry.prompt_len == len(eng.tokenize(prompts[2]))
+    with torch.inference_mode():
+        keys, values = hf_cache.prefill_kv(eng.model, torch.tensor(entry.ids[: entry.prompt_len]))
+    assert torch.equal(entry.keys, keys) and torch.equal(entry.values, values)

@@ -20,6 +20,7 @@ from kvrag import KVRAGEngine
 from kvrag.errors import ConfigError
 from kvrag.gguf_load import _file_bytes, tensor_table
 from kvrag.kv import gguf_blocks, gguf_quant, int4_kernel, quant
+from kvrag.kv.attention import use_gqa_sdpa
 from kvrag.kv.gguf_quant import GGUFEmbedding, GGUFLinear
 from kvrag_testing.tiny import tiny_model
 from kvrag_testing.tiny_gguf import write_tiny_gguf
@@ -221,6 +222,7 @@ def test_quantized_gguf_loads_resident_and_matches_transformers(quantization: st
     assert not any(p.dtype == torch.float32 and p.dim() == 2 for p in model.parameters())  # no float weight
     assert not list((tmp_path / "home" / "models").glob("*/*.safetensors"))
     reference = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    assert use_gqa_sdpa(reference)  # the attention every kvrag model runs: the weights are what is compared
     ids = torch.tensor([eng.loaded.tokenizer("The capital of France is Paris. The capital of")["input_ids"]])
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, reference(input_ids=ids).logits)
