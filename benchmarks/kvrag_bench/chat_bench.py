@@ -151,6 +151,23 @@ def converse(reuse: Any, recompute: Any, chunks_of: Callable[[int], list[str]], 
     return rows
 
 
+def compare_with_full(rows: list[dict[str, Any]], eng: Any, chunks: list[str], questions: list[str], gen: Any) -> None:
+    """Each turn of a conversation over HTTP (``kvrag_bench.chat_serve`` rows, the reusing server's answers as the
+    history) against the in-process ``full`` answer to the same messages: ``same_as_full_reuse`` /
+    ``same_as_full_recompute`` per row (the same text)."""
+    from kvrag.prompting import render_chat
+
+    history: list[dict[str, str]] = []
+    for row, q in zip(rows, questions, strict=True):
+        prompt = render_chat(eng.tokenizer, _messages(SYSTEM + "\n" + "".join(chunks), history, q))
+        ref = eng.answer(prompt, chunks, "full", gen).text
+        row["same_as_full_reuse"] = row["answer"] == ref
+        row["same_as_full_recompute"] = (row["recompute_answer"] or row["answer"]) == ref
+        row.setdefault("level_reuse", None)
+        row.setdefault("level_recompute", None)
+        history += [{"role": "user", "content": q}, {"role": "assistant", "content": row["answer"]}]
+
+
 def kv_check(eng: Any, chunks: list[str], questions: list[str], gen: Any) -> dict[str, Any]:
     """Decode-written vs prefill-written K/V: a ``full`` answer's kept KV against one prefill of the same ids."""
     import torch
@@ -247,10 +264,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 print("  note: kvrag serve loads the model with its defaults (dtype, quantization), not --dtype / "
                       "--quantize", flush=True)
             print("kvrag serve over HTTP (openai SDK), fixed chunks:", flush=True)
-            result["scenarios"]["serve"] = chat_serve.run(fixed, questions, warm, args.max_new_tokens, method=method,
-                                                          model=args.model, threads=args.threads, peer=args.peer,
-                                                          count_tokens=lambda m: len(reuse.tokenize(
-                                                              render_chat(reuse.tokenizer, m))))
+            served = chat_serve.run(fixed, questions, warm, args.max_new_tokens, method=method, model=args.model,
+                                    threads=args.threads, peer=args.peer,
+                                    count_tokens=lambda m: len(reuse.tokenize(render_chat(reuse.tokenizer, m))))
+            if args.full_reference and method != "full":
+                print("  `full` with the history recomputed, in process, for each turn's messages:", flush=True)
+                compare_with_full(served["rows"], recompute, fixed, questions, gen)
+                served["summary"].update({f"same_as_full_{k}": sum(r[f"same_as_full_{k}"] for r in served["rows"])
+                                          for k in ("reuse", "recompute")})
+            result["scenarios"]["serve"] = served
             continue
         print(f"{fw} stock chat engine, fixed chunks:", flush=True)
         result["scenarios"][fw] = run_framework(fw, reuse, recompute, fixed, questions, gen)
@@ -359,4 +381,4 @@ def markdown(result: dict[str, Any]) -> str:
 main = writing_main("chat", run, markdown)
 
 
-__all__ = ["add_arguments", "converse", "kv_check", "main", "markdown", "run"]
+__all__ = ["add_arguments", "compare_with_full", "converse", "kv_check", "main", "markdown", "run"]

@@ -273,8 +273,9 @@ class HitEngine(Protocol):
 def prepare_hit(engine: HitEngine, plan: Plan, m: FusionMethod, lease: Lease, hit: Hit) -> PrepareJob[Prepared]:
     """A request's prepare from a kept conversation (in the runner thread, in its turn): the kept KV's first
     ``hit.length`` positions copied into the request's buffer (:meth:`Lease.prompt_buffer`), then the rest of its
-    ids prefilled -- the model's own forward for ``full`` (what ``model.generate`` runs after a given prefix cache),
-    the runner's suffix prefill for a reusing method (as after its repair). Nothing is fetched or repaired: the kept
+    ids prefilled -- the model's own forward for ``full`` and over a context ``auto`` computed as ``full`` (what
+    ``model.generate`` runs after a given prefix cache), the runner's suffix prefill for a reusing method (as after
+    its repair). Nothing is fetched or repaired: the kept
     context was repaired by the same method when it was first answered.
 
     Where the method re-checks a kept context (:meth:`FusionMethod.kept_context_threshold`: ``auto:agree`` over a
@@ -292,7 +293,7 @@ def prepare_hit(engine: HitEngine, plan: Plan, m: FusionMethod, lease: Lease, hi
     timings.assemble_s = time.perf_counter() - t0
     t = time.perf_counter()
     pace = Pace(engine.runner.piece_budget_s, engine.model.device)
-    if m.reads_cache and engine.runner.parks_at_suffix:
+    if m.reads_cache and engine.runner.parks_at_suffix and hit.entry.level != "full":
         parked = time.perf_counter()
         last, timings.suffix_prefill_s = yield SuffixPrefill(batched.Row(buf, n), tuple(rest))
         t0 += time.perf_counter() - parked - timings.suffix_prefill_s  # waiting for other arrivals: like the turn

@@ -343,6 +343,11 @@ def test_auto_escalated_to_full_over_an_inexact_splice_is_full_and_its_next_turn
     assert r1.stats.method_stats.auto_choice == "full" and r1.stats.reused_tokens == 0
     msgs += [{"role": "assistant", "content": r1.text}, {"role": "user", "content": QUESTIONS[1]}]
     prompt2 = render_chat(eng.tokenizer, msgs)
+    hit = eng.prepare(eng.plan(prompt2, chunks), "auto:agree=0.9", reserve=1)  # over full's kept context: full's bits
+    fresh = make(conversation_cache_bytes=0)
+    ref = fresh.prepare(fresh.plan(prompt2, chunks), "full", reserve=1)
+    assert hit.stats.conversation_tokens > 0 and torch.equal(hit.last_logits, ref.last_logits)
+    del hit, ref
     r2 = eng.answer(prompt2, chunks, "auto:agree=0.9", max_new_tokens=8)
     assert r2.stats.conversation_tokens > 0  # kept under the prompt's own ids: reused
     assert r2.stats.method_stats.auto_choice == "full"
