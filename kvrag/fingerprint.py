@@ -163,7 +163,7 @@ def _memo(model: PreTrainedModel, h: hashlib._Hash, compute: Callable[[hashlib._
 
 MODEL_FP_VERSION = b"kvrag-model-fp-v2\x00"
 """Bumped when what a model computes for the same weights changes in its bits, so caches computed before are not
-reused: v2, prefill attention computed alike however a prompt is split (:func:`kvrag.kv.attention.aligned_attention`)."""
+reused: v2, prefill attention computed alike however a prompt is split (:func:`kvrag.kv.aligned.aligned_attention`)."""
 
 
 @torch.no_grad()

@@ -14,7 +14,7 @@ repairs the context for the question repairs it for this one.
 Exactness: the reused positions are the same computation the model did on the same ids, by the same model and
 method, so a ``full`` request that reuses a prefix generates exactly what ``model.generate(ids,
 past_key_values=<that prefix's KV>)`` does (tested), and, because every row of a prefill gets the same bits however
-the prompt is split into forwards (:func:`kvrag.kv.attention.aligned_attention`), exactly what a prefill of the
+the prompt is split into forwards (:func:`kvrag.kv.aligned.aligned_attention`), exactly what a prefill of the
 whole history gives. The answer's K/V are not reused: decode steps wrote them through the decode products (int4
 weights, bf16 packed linears, kvrag's row attention), whose bits differ from a prefill's, so the next turn prefills
 the answer again with its new message -- at least :data:`PREFILL_ROWS` tokens, which take the prefill's products.
@@ -270,7 +270,8 @@ class HitEngine(Protocol):
     def runner(self) -> Runner: ...
 
 
-def prepare_hit(engine: HitEngine, plan: Plan, m: FusionMethod, lease: Lease, hit: Hit) -> PrepareJob[Prepared]:
+def prepare_hit(engine: HitEngine, plan: Plan, m: FusionMethod, lease: Lease, hit: Hit,
+                spliced: Plan | None = None) -> PrepareJob[Prepared]:
     """A request's prepare from a kept conversation (in the runner thread, in its turn): the kept KV's first
     ``hit.length`` positions copied into the request's buffer (:meth:`Lease.prompt_buffer`), then the rest of its
     ids prefilled -- the model's own forward for ``full`` and over a context ``auto`` computed as ``full`` (what
@@ -281,7 +282,10 @@ def prepare_hit(engine: HitEngine, plan: Plan, m: FusionMethod, lease: Lease, hi
     Where the method re-checks a kept context (:meth:`FusionMethod.kept_context_threshold`: ``auto:agree`` over a
     context its ladder left below ``full``), a first decode step less confident than the threshold is not answered
     from the kept context: the whole prompt is computed as ``full`` computes it (the ladder's last level), in the
-    same buffer, and the conversation kept after this answer is ``full``'s."""
+    same buffer, and the conversation kept after this answer is ``full``'s.
+
+    ``spliced``: the request's plan with its chunks spliced, when ``plan`` is its prompt's own tokenization (the hit
+    continues a conversation kept over those ids); its chunks inside the reused prefix are counted as hits."""
     t0 = time.perf_counter()
     timings = Timings()
     ids = plan.token_ids
@@ -327,13 +331,14 @@ def prepare_hit(engine: HitEngine, plan: Plan, m: FusionMethod, lease: Lease, hi
     else:
         method_stats = MethodStats(auto_choice=level)
     t0 += pace.paused_s
-    chunks = sum(1 for s in plan.context if s.kind == "chunk" and s.end <= n)
+    chunked = spliced or plan
+    chunks = sum(1 for s in chunked.context if s.kind == "chunk" and s.end <= n)
     stats = Stats(context_tokens=plan.context_len, suffix_tokens=len(plan.suffix.token_ids),
-                  chunk_tokens=plan.chunk_tokens, chunks_registered=plan.registered, chunks_found=plan.found,
-                  inexact_chunks=plan.inexact_chunks, chunk_hits=chunks, reused_tokens=n, conversation_tokens=n,
+                  chunk_tokens=chunked.chunk_tokens, chunks_registered=plan.registered, chunks_found=plan.found,
+                  inexact_chunks=chunked.inexact_chunks, chunk_hits=chunks, reused_tokens=n, conversation_tokens=n,
                   hit_rate=(chunks / plan.registered) if plan.registered else 0.0,
                   method_stats=method_stats)
-    keys = [s.key for s in plan.context if s.kind == "chunk" and s.key]
+    keys = [s.key for s in chunked.context if s.kind == "chunk" and s.key]
     return Prepared(plan, m, cache, last, timings, stats, keys, t0, kv_lease=lease)
 
 

@@ -294,12 +294,14 @@ class KVRAGEngine(ChunkCaching):
             raise ContextLengthError(msg)
         hit = self.conversations.match(plan.token_ids, repr(m), plan.context_len if m.reads_cache else 0,
                                        count=not (plan.inexact_chunks and m.reads_cache))
+        spliced = None
         if hit is None and plan.inexact_chunks and m.reads_cache:  # a kept turn that recomputed the whole prompt
             whole = plan.as_prompt_tokenized()
             hit = self.conversations.match(whole.token_ids, repr(m), whole.context_len)
-            plan = whole if hit is not None else plan
+            plan, spliced = (whole, plan) if hit is not None else (plan, None)
         if hit is not None:  # the next turn of a kept conversation: only the new text is prefilled
-            return self.runner.prepare(plan.positions + reserve, lambda lease: prepare_hit(self, plan, m, lease, hit))
+            return self.runner.prepare(plan.positions + reserve,
+                                       lambda lease: prepare_hit(self, plan, m, lease, hit, spliced))
         timings = Timings()
         fetched = None
         if m.reads_cache:  # store I/O before the request's turn: running requests keep decoding meanwhile

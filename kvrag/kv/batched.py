@@ -51,6 +51,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from kvrag.kv import direct, row_attention, step_backend
+from kvrag.kv.aligned import aligned_attention
 from kvrag.kv.hf_cache import KVBuffer
 from kvrag.kv.window import first_key, layer_windows
 
@@ -102,27 +103,24 @@ class _Active:
         self.counts = counts
         self.prefill = prefill
         self.check = check  # False: before the model's backends are checked, run the reference forward unchecked
-        self.masks: dict[tuple[int, str, int | None], tuple[int, torch.Tensor]] = {}
+        self.masks: dict[tuple[int, str, int | None], torch.Tensor] = {}
 
     def fed(self) -> Sequence[int]:
         """How many tokens each row feeds in this step."""
         return [1] * len(self.rows) if self.counts is None else self.counts
 
-    def mask(self, i: int, kind: str, size: int | None, n: int, q: int, like: torch.Tensor) -> tuple[int, torch.Tensor]:
-        """Row ``i``'s first key position and [q, keys] additive mask (``like``'s dtype and device) for its ``q``
-        tokens at ``n ..``, built once per window kind and step: causal, within the layer's window. (An additive
-        mask: SDPA on the CPU converts a boolean one on every call.)"""
+    def mask(self, i: int, kind: str, size: int | None, n: int, q: int, like: torch.Tensor) -> torch.Tensor:
+        """Row ``i``'s bool [1, 1, q, n + q] mask over its buffer's positions ``0 .. n + q - 1`` for its ``q`` tokens
+        at ``n ..``, built once per window kind and step: causal, within the layer's window."""
         key = (i, kind, size)
         got = self.masks.get(key)
         if got is None:
-            s0 = first_key(kind, size, n)
             qp = torch.arange(n, n + q, device=like.device).view(-1, 1)
-            kp = torch.arange(s0, n + q, device=like.device).view(1, -1)
+            kp = torch.arange(0, n + q, device=like.device).view(1, -1)
             allowed = kp <= qp
             if size is not None:
                 allowed &= kp >= (qp // size) * size if kind == "chunked_attention" else kp > qp - size
-            additive = torch.zeros(allowed.shape, dtype=like.dtype, device=like.device)
-            got = self.masks[key] = (s0, additive.masked_fill_(~allowed, float("-inf")))
+            got = self.masks[key] = allowed.view(1, 1, q, n + q)
         return got
 
 
@@ -196,9 +194,10 @@ def _attend(layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Ten
 def _attend_prefill(step: _Active, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     scaling: float | None) -> torch.Tensor:
     """:func:`_attend` for :func:`prefill_rows`: the packed [1, H, T, D] tokens of each row written into its buffer,
-    then attending in one call per row -- all of the row's queries over its buffer up to its last token, masked
-    causally (and to the layer's window). The row's result depends on its own tokens and buffer only, never on the
-    rows packed beside it."""
+    then attending per row -- all of the row's queries over its buffer up to its last token, masked causally (and to
+    the layer's window) -- through :func:`kvrag.kv.aligned.aligned_attention`, as the model's own prefill does: a
+    row's bits are those of a prefill of its whole prompt. The row's result depends on its own tokens and buffer
+    only, never on the rows packed beside it."""
     counts = step.fed()
     out = torch.empty((1, query.shape[2], query.shape[1], value.shape[-1]), dtype=query.dtype, device=query.device)
     kind, size = step.windows[layer]
@@ -206,11 +205,9 @@ def _attend_prefill(step: _Active, layer: int, query: torch.Tensor, key: torch.T
     for i, (row, q) in enumerate(zip(step.rows, counts, strict=True)):
         n = row.length
         kb, vb = _write_fresh(row, layer, key, value, o, q)
-        s0, mask = step.mask(i, kind, size, n, q, query)
-        a = torch.nn.functional.scaled_dot_product_attention(
-            query[:, :, o : o + q], kb[None, :, s0 : n + q], vb[None, :, s0 : n + q], attn_mask=mask,
-            scale=scaling, enable_gqa=True)
-        out[0, o : o + q].copy_(a[0].transpose(0, 1))
+        mask = step.mask(i, kind, size, n, q, query)
+        out[0, o : o + q].copy_(aligned_attention(query[:, :, o : o + q], kb[None, :, : n + q], vb[None, :, : n + q],
+                                                  mask, scaling)[0])
         o += q
     return out
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from kvrag.kv import attention, hf_cache, row_attention
+from kvrag.kv import aligned, attention, hf_cache, row_attention
 from kvrag_testing.tiny import NUM_HEADS, NUM_KV_HEADS, tiny_model
 
 
@@ -181,5 +181,5 @@ def test_a_row_has_the_same_bits_after_a_prefix_of_any_length(dtype: torch.dtype
     bad = [r for r in range(1, 257)
            if not torch.equal(attention.aligned_attention(q[:, :, n - r:], k, v, _band(r, n, None), None), whole[:, n - r:])]
     assert bad == []
-    assert [r for r in range(1, 257) if attention.padded_rows(r) != r] == [1, 2, 3, 33, 34, 35, 65, 66, 67, 97, 98, 99,
+    assert [r for r in range(1, 257) if aligned.padded_rows(r) != r] == [1, 2, 3, 33, 34, 35, 65, 66, 67, 97, 98, 99,
                                                                           129, 130, 131, 161, 162, 163, 193, 194, 195]

@@ -350,6 +350,7 @@ def test_auto_escalated_to_full_over_an_inexact_splice_is_full_and_its_next_turn
     del hit, ref
     r2 = eng.answer(prompt2, chunks, "auto:agree=0.9", max_new_tokens=8)
     assert r2.stats.conversation_tokens > 0  # kept under the prompt's own ids: reused
+    assert r2.stats.chunk_hits == len(chunks) and r2.stats.inexact_chunks == 1  # counted on the spliced plan
     assert r2.stats.method_stats.auto_choice == "full"
     assert r2.token_ids == generate(eng, eng.tokenize(prompt2), 8)
 
