@@ -168,6 +168,11 @@ def compare_with_full(rows: list[dict[str, Any]], eng: Any, chunks: list[str], q
         history += [{"role": "user", "content": q}, {"role": "assistant", "content": row["answer"]}]
 
 
+def same_as_full_counts(rows: list[dict[str, Any]]) -> dict[str, int]:
+    """The summary's counts of turns whose answer was ``full``'s, per engine."""
+    return {f"same_as_full_{k}": sum(r[f"same_as_full_{k}"] for r in rows) for k in ("reuse", "recompute")}
+
+
 def kv_check(eng: Any, chunks: list[str], questions: list[str], gen: Any) -> dict[str, Any]:
     """Decode-written vs prefill-written K/V: a ``full`` answer's kept KV against one prefill of the same ids."""
     import torch
@@ -204,9 +209,7 @@ def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "same_answers": sum(r["same_answer"] for r in rows),
             "same_answers_after_first": sum(r["same_answer"] for r in rows[1:]),
             "reused_tokens": sum(r["reused_conversation"] for r in rows),
-            **({"same_as_full_reuse": sum(r["same_as_full_reuse"] for r in rows),
-                "same_as_full_recompute": sum(r["same_as_full_recompute"] for r in rows)}
-               if "same_as_full_reuse" in first else {}),
+            **(same_as_full_counts(rows) if "same_as_full_reuse" in first else {}),
             **({"prepare_ratio_last_first_reuse": last["prepare_min_reuse_s"] / first["prepare_min_reuse_s"],
                 "prepare_ratio_last_first_recompute": last["prepare_min_recompute_s"] / first["prepare_min_recompute_s"]}
                if "prepare_min_reuse_s" in first else {})}
@@ -270,8 +273,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if args.full_reference and method != "full":
                 print("  `full` with the history recomputed, in process, for each turn's messages:", flush=True)
                 compare_with_full(served["rows"], recompute, fixed, questions, gen)
-                served["summary"].update({f"same_as_full_{k}": sum(r[f"same_as_full_{k}"] for r in served["rows"])
-                                          for k in ("reuse", "recompute")})
+                served["summary"].update(same_as_full_counts(served["rows"]))
             result["scenarios"]["serve"] = served
             continue
         print(f"{fw} stock chat engine, fixed chunks:", flush=True)
@@ -381,4 +383,5 @@ def markdown(result: dict[str, Any]) -> str:
 main = writing_main("chat", run, markdown)
 
 
-__all__ = ["add_arguments", "compare_with_full", "converse", "kv_check", "main", "markdown", "run"]
+__all__ = ["add_arguments", "compare_with_full", "converse", "kv_check", "main", "markdown", "run",
+           "same_as_full_counts"]

@@ -20,7 +20,7 @@ from kvrag.engine.engine import KVRAGEngine  # noqa: E402
 from kvrag.serve import LiveServer, ServeConfig, create_app  # noqa: E402
 from kvrag.store.memory import MemoryStore  # noqa: E402
 from kvrag_bench import chat_serve  # noqa: E402
-from kvrag_bench.chat_bench import _scenario_lines, compare_with_full  # noqa: E402
+from kvrag_bench.chat_bench import _scenario_lines, compare_with_full, same_as_full_counts  # noqa: E402
 from kvrag_testing.tiny import tiny_model  # noqa: E402
 
 
@@ -96,8 +96,7 @@ def test_the_conversation_over_http_reuses_history_and_reports_a_peer_that_faile
     assert out["summary"]["llamacpp_turns"] == 0 and "ttft_ratio_last_first_llamacpp" not in out["summary"]
     compare_with_full(rows, recompute, chunks, questions, GenerationConfig(max_new_tokens=4))
     assert all(isinstance(r["same_as_full_reuse"], bool) and isinstance(r["same_as_full_recompute"], bool) for r in rows)
-    out["summary"]["same_as_full_reuse"] = sum(r["same_as_full_reuse"] for r in rows)
-    out["summary"]["same_as_full_recompute"] = sum(r["same_as_full_recompute"] for r in rows)
+    out["summary"].update(same_as_full_counts(rows))
     md = "\n".join(_scenario_lines("serve", out))
     assert "| same as full reuse / recompute |" in md
     assert "| llama.cpp prompt tokens | llama.cpp TTFT (s) | / turn 1 |" in md and "llama.cpp server -" in md

@@ -274,10 +274,10 @@ def prepare_hit(engine: HitEngine, plan: Plan, m: FusionMethod, lease: Lease, hi
                 spliced: Plan | None = None) -> PrepareJob[Prepared]:
     """A request's prepare from a kept conversation (in the runner thread, in its turn): the kept KV's first
     ``hit.length`` positions copied into the request's buffer (:meth:`Lease.prompt_buffer`), then the rest of its
-    ids prefilled -- the model's own forward for ``full`` and over a context ``auto`` computed as ``full`` (what
-    ``model.generate`` runs after a given prefix cache), the runner's suffix prefill for a reusing method (as after
-    its repair). Nothing is fetched or repaired: the kept
-    context was repaired by the same method when it was first answered.
+    ids prefilled -- the model's own forward for ``full`` (what ``model.generate`` runs after a given prefix cache),
+    the runner's suffix prefill for a reusing method (as after its repair; the same bits, both through
+    :func:`kvrag.kv.aligned.aligned_attention`). Nothing is fetched or repaired: the kept context was repaired by the
+    same method when it was first answered.
 
     Where the method re-checks a kept context (:meth:`FusionMethod.kept_context_threshold`: ``auto:agree`` over a
     context its ladder left below ``full``), a first decode step less confident than the threshold is not answered
@@ -297,7 +297,7 @@ def prepare_hit(engine: HitEngine, plan: Plan, m: FusionMethod, lease: Lease, hi
     timings.assemble_s = time.perf_counter() - t0
     t = time.perf_counter()
     pace = Pace(engine.runner.piece_budget_s, engine.model.device)
-    if m.reads_cache and engine.runner.parks_at_suffix and hit.entry.level != "full":
+    if m.reads_cache and engine.runner.parks_at_suffix:
         parked = time.perf_counter()
         last, timings.suffix_prefill_s = yield SuffixPrefill(batched.Row(buf, n), tuple(rest))
         t0 += time.perf_counter() - parked - timings.suffix_prefill_s  # waiting for other arrivals: like the turn
@@ -307,7 +307,7 @@ def prepare_hit(engine: HitEngine, plan: Plan, m: FusionMethod, lease: Lease, hi
                                                   start=n, pace=pace)
         last = logits[-1]
         timings.suffix_prefill_s = time.perf_counter() - t - pace.paused_s
-    method_stats = MethodStats()
+    chunked = spliced or plan  # the plan whose chunks the reused prefix holds
     level = hit.entry.level
     threshold = m.kept_context_threshold(level)
     if threshold is not None:
@@ -331,7 +331,6 @@ def prepare_hit(engine: HitEngine, plan: Plan, m: FusionMethod, lease: Lease, hi
     else:
         method_stats = MethodStats(auto_choice=level)
     t0 += pace.paused_s
-    chunked = spliced or plan
     chunks = sum(1 for s in chunked.context if s.kind == "chunk" and s.end <= n)
     stats = Stats(context_tokens=plan.context_len, suffix_tokens=len(plan.suffix.token_ids),
                   chunk_tokens=chunked.chunk_tokens, chunks_registered=plan.registered, chunks_found=plan.found,

@@ -347,7 +347,7 @@ class KVRAGEngine(ChunkCaching):
             if plan.inexact_chunks and plan.prompt_ids:  # what a computation of the whole prompt runs over
                 import torch
 
-                inp.prompt_ids = torch.tensor(plan.as_prompt_tokenized().token_ids, dtype=torch.long)
+                inp.prompt_ids = torch.tensor(plan.prompt_ids, dtype=torch.long)
         else:  # e.g. full prefill: the stale KV is never read, so it is neither fetched nor assembled
             counts = dict.fromkeys(("chunk_hits", "chunk_misses", "other_hits", "other_misses", "reused_tokens"), 0)
             keys = [None] * len(plan.context)
@@ -386,7 +386,7 @@ class KVRAGEngine(ChunkCaching):
         stats = Stats(
             context_tokens=plan.context_len,
             suffix_tokens=len(plan.suffix.token_ids),
-            chunk_tokens=plan.chunk_tokens,
+            chunk_tokens=spliced.chunk_tokens,
             chunks_registered=plan.registered,
             chunks_found=found,
             inexact_chunks=spliced.inexact_chunks,

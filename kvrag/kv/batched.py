@@ -92,7 +92,8 @@ class Row:
 class _Active:
     """The rows of the batched step running in this thread, each layer's attention window and, for a verify step
     (:func:`verify_step`) or a suffix prefill (:func:`prefill_rows`), how many tokens each row feeds (None: one
-    each, laid out as [B, 1]). ``prefill``: each row's tokens attend in one masked call (see :func:`_attend`)."""
+    each, laid out as [B, 1]). ``prefill``: each row's tokens attend together, masked, as a prefill's do (see
+    :func:`_attend_prefill`)."""
 
     __slots__ = ("check", "counts", "masks", "prefill", "rows", "windows")
 
