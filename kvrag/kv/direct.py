@@ -67,14 +67,18 @@ def why_not(model: PreTrainedModel) -> str | None:
     return None
 
 
-def _segmented(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
-               segments: Sequence[int] | None) -> torch.Tensor:
-    """``fn`` over ``x`` [1, T, ...] one segment of the sequence at a time (None: all at once), concatenated."""
+def _segmented(module: torch.nn.Module, x: torch.Tensor, segments: Sequence[int] | None) -> torch.Tensor:
+    """``module``'s forward over ``x`` [1, T, ...] one segment of the sequence at a time (None: all at once),
+    concatenated; a module with its own ``forward_segments`` (a GGUF layer: :meth:`kvrag.kv.gguf_quant.GGUFLinear.
+    forward_segments`, which de-quantizes its weight once for all segments) runs them itself."""
     if segments is None:
-        return fn(x)
+        return module.forward(x)
+    many = getattr(module, "forward_segments", None)
+    if many is not None:
+        return many(x, segments)  # type: ignore[no-any-return]
     outs, o = [], 0
     for q in segments:
-        outs.append(fn(x[:, o : o + q]))
+        outs.append(module.forward(x[:, o : o + q]))
         o += q
     return torch.cat(outs, dim=1)
 
@@ -108,22 +112,22 @@ def forward(model: PreTrainedModel, ids: torch.Tensor, pos: torch.Tensor, keep: 
         shape = (b, s, -1, a.head_dim)
         residual = h
         x = layer.input_layernorm.forward(h)
-        q = _segmented(a.q_proj.forward, x, segments).view(shape)
-        k = _segmented(a.k_proj.forward, x, segments).view(shape)
+        q = _segmented(a.q_proj, x, segments).view(shape)
+        k = _segmented(a.k_proj, x, segments).view(shape)
         q_norm, k_norm = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
         if q_norm is not None and k_norm is not None:
             q, k = q_norm.forward(q), k_norm.forward(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
-        v = _segmented(a.v_proj.forward, x, segments).view(shape).transpose(1, 2)
+        v = _segmented(a.v_proj, x, segments).view(shape).transpose(1, 2)
         q, k = rope(q, k, cos, sin)
         o, _ = attention(a, q, k, v, a.scaling)
-        h = residual + _segmented(a.o_proj.forward, o.reshape(b, s, -1).contiguous(), segments)
+        h = residual + _segmented(a.o_proj, o.reshape(b, s, -1).contiguous(), segments)
         residual = h
         x = layer.post_attention_layernorm.forward(h)
         mlp = layer.mlp  # transformers' gated MLP: down(act(gate(x)) * up(x))
-        gate = _segmented(mlp.gate_proj.forward, x, segments)
-        up = _segmented(mlp.up_proj.forward, x, segments)
-        h = residual + _segmented(mlp.down_proj.forward, mlp.act_fn(gate) * up, segments)
+        gate = _segmented(mlp.gate_proj, x, segments)
+        up = _segmented(mlp.up_proj, x, segments)
+        h = residual + _segmented(mlp.down_proj, mlp.act_fn(gate) * up, segments)
     return head(model, h, keep)
 
 

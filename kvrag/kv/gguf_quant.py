@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import mmap
 import threading
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -206,37 +207,62 @@ class GGUFLinear(torch.nn.Module):
         """The product on the file's exact weights, :data:`TILE_WEIGHTS` weights de-quantized at a time. A layer that
         also holds int4 weights gives the file's pages back afterwards, so a prefill keeps at most one such layer's
         pages resident beside the int4 layouts (re-reading them from the page cache costs a minor fault a page)."""
+        return self._dense([x])[0]
+
+    def _dense(self, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """:meth:`dense` of each input (one dtype), each weight tile de-quantized once for all of them: each input's
+        product is the one it has alone (the same tiles, the same calls)."""
         step = max(16, TILE_WEIGHTS // self.in_features)
-        lead = x.shape[:-1]
         # Two dimensions, contiguous: given a strided 3-D input (a prefill's last position, for the head), linear
         # would broadcast the weight tile and copy it for a batched product, on every tile.
-        x = x.reshape(-1, self.in_features)
+        flats = [x.reshape(-1, self.in_features) for x in xs]
+        dtype = flats[0].dtype
         own = self.scratch.lock.acquire(blocking=False)
         try:
             if step >= self.out_features:
-                y = torch.nn.functional.linear(x, self.dense_tile(0, self.out_features, x.dtype, own), self.bias)
-                return y.view(*lead, self.out_features)
-            y = x.new_empty(x.shape[0], self.out_features)
-            for r0 in range(0, self.out_features, step):
-                r1 = min(r0 + step, self.out_features)
-                bias = None if self.bias is None else self.bias[r0:r1]
-                y[:, r0:r1] = torch.nn.functional.linear(x, self.dense_tile(r0, r1, x.dtype, own), bias)
-            return y.view(*lead, self.out_features)
+                w = self.dense_tile(0, self.out_features, dtype, own)
+                ys = [torch.nn.functional.linear(x, w, self.bias) for x in flats]
+            else:
+                ys = [x.new_empty(x.shape[0], self.out_features) for x in flats]
+                for r0 in range(0, self.out_features, step):
+                    r1 = min(r0 + step, self.out_features)
+                    w, bias = self.dense_tile(r0, r1, dtype, own), None if self.bias is None else self.bias[r0:r1]
+                    for x, y in zip(flats, ys, strict=True):
+                        y[:, r0:r1] = torch.nn.functional.linear(x, w, bias)
+            return [y.view(*x.shape[:-1], self.out_features) for x, y in zip(xs, ys, strict=True)]
         finally:
             if own:
                 self.scratch.lock.release()
             if self.int4 is not None and self.pages is not None:  # read again at the next dense product
                 self.pages.give_back()
 
+    def _decode_sized(self, x: torch.Tensor) -> bool:
+        """Whether :meth:`forward` multiplies ``x`` on the decode products (int4 weights, or the de-quantizing dot)."""
+        small = x.numel() <= quant.MAX_ROWS * x.shape[-1]
+        return x.is_cpu and ((self.dot is not None and 0 < x.numel() and small)
+                             or (self.int4 is not None and (self.all_rows or small)))
+
+    def forward_segments(self, x: torch.Tensor, segments: Sequence[int]) -> torch.Tensor:
+        """:meth:`forward` over ``x`` [1, T, in] one segment of ``segments`` tokens at a time, concatenated (a packed
+        prefill of several requests' suffixes, :func:`kvrag.kv.direct.forward`): each segment gets the product it
+        gets alone -- its route, its shapes, its bits -- while the segments that take the dense route share each
+        de-quantized weight tile instead of de-quantizing the layer once each."""
+        parts = list(x.split(list(segments), dim=1))
+        dense = [i for i, p in enumerate(parts) if not self._decode_sized(p)]
+        outs = [p if i in dense else self.forward(p) for i, p in enumerate(parts)]
+        for i, y in zip(dense, self._dense([parts[i] for i in dense]) if dense else [], strict=True):
+            outs[i] = y
+        return torch.cat(outs, dim=1)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         k = x.shape[-1]
-        if self.dot is not None and x.is_cpu and 0 < x.numel() <= quant.MAX_ROWS * k:
+        if self.dot is not None and self._decode_sized(x):
             y = dot(self.dot, self.blocks, self.qtype, x.reshape(-1, k)).to(x.dtype)
             if self.bias is not None:
                 y = y + self.bias
             return y.view(*x.shape[:-1], self.out_features)
         int4 = self.int4
-        if int4 is not None and x.is_cpu and (self.all_rows or x.numel() <= quant.MAX_ROWS * k):
+        if int4 is not None and self._decode_sized(x):
             flat = x.reshape(-1, k)
             if flat.dtype == torch.float32 and int4.takes_float32:
                 y = int4.mm(flat.contiguous())

@@ -206,6 +206,32 @@ def test_dense_route_takes_strided_and_batched_inputs_tile_by_tile(blocks_file: 
             torch.testing.assert_close(y, torch.nn.functional.linear(x, weight), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize(("qtype", "dtype"), [("Q4_K", torch.float32), ("Q4_K", torch.bfloat16),
+                                               ("Q6_K", torch.bfloat16), ("Q8_0", torch.float32)])
+def test_segments_get_the_products_they_get_alone_from_one_de_quantization(blocks_file: Path, monkeypatch,
+                                                                        qtype: str, dtype: torch.dtype) -> None:
+    """A packed prefill's segments (kvrag.kv.direct.forward): each segment's product equals, bit for bit, the
+    layer's product of that segment alone -- decode-sized segments on the decode route, longer ones on the dense
+    route -- in one tile and in tiles of 16 rows, while the dense route de-quantizes each tile once for all of its
+    segments."""
+    raw, _ = _resident(blocks_file)[qtype]
+    bias = torch.randn(ROWS, generator=torch.Generator().manual_seed(5)).to(dtype)
+    segments = [3, quant.MAX_ROWS + 4, 1, quant.MAX_ROWS + 1, 30]
+    x = torch.randn(1, sum(segments), COLS, generator=torch.Generator().manual_seed(4)).to(dtype)
+    for tile in (gguf_quant.TILE_WEIGHTS, 16 * COLS):
+        monkeypatch.setattr(gguf_quant, "TILE_WEIGHTS", tile)
+        lin = GGUFLinear(raw, qtype, COLS, dtype, gguf_quant.Scratch(), bias=bias)
+        lin.use_int4()
+        tiles: list[tuple[int, ...]] = []
+        monkeypatch.setattr(lin, "dense_tile", lambda *a, f=lin.dense_tile, seen=tiles: seen.append(a) or f(*a))
+        alone = torch.cat([lin(part) for part in x.split(segments, dim=1)], dim=1)
+        calls_alone, tiles[:] = len(tiles), []
+        got = lin.forward_segments(x, segments)
+        assert torch.equal(got, alone)
+        dense = 3 if lin.int4 is not None or lin.dot is not None else len(segments)  # segments on the dense route
+        assert len(tiles) * dense == calls_alone  # one de-quantization of each tile for all of them
+
+
 @pytest.mark.parametrize("quantization", ["Q4_0", "Q4_1", "Q8_0"])
 def test_quantized_gguf_loads_resident_and_matches_transformers(quantization: str, tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:

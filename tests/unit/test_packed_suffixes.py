@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -82,6 +83,35 @@ def test_a_packed_row_is_bit_identical_to_the_row_alone(family: str, dtype: torc
         assert torch.equal(packed.argmax(-1), alone.argmax(-1))
     else:
         assert torch.equal(packed, alone)
+    for r, a, t in zip(rows, alone_rows, suffixes, strict=True):
+        end = r.length + len(t)
+        assert torch.equal(r.buffer.keys[:, :, :end], a.buffer.keys[:, :, :end])
+        assert torch.equal(r.buffer.values[:, :, :end], a.buffer.values[:, :, :end])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_packed_row_of_a_gguf_model_is_bit_identical_to_the_row_alone(dtype: torch.dtype, tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model resident in a GGUF file's blocks with int4 decode products: short suffixes take the int4 route,
+    longer ones the dense route, whose layers de-quantize each weight once for all the rows packed
+    (GGUFLinear.forward_segments); each row's K/V and logits are still those it gets alone, bit for bit."""
+    pytest.importorskip("gguf", reason="gguf not installed (pip install 'kvrag[gguf]')")
+    from kvrag.models import load_model
+    from kvrag_testing.tiny_gguf import write_tiny_gguf
+
+    monkeypatch.setenv("KVRAG_HOME", str(tmp_path / "home"))
+    path = write_tiny_gguf(tmp_path / "tiny-Q4_0.gguf", tiny_model("llama", init_std=0.1), quantization="Q4_0")
+    model = load_model(str(path), dtype=dtype, quantize="int4").model
+    win = batched.windows(model)
+    suffixes = (*SUFFIXES[:2], list(range(40, 60)), list(range(60, 90)))
+    alone_rows, rows = _rows(model, dtype, extra=32), _rows(model, dtype, extra=32)
+    alone_rows.append(_rows(model, dtype, extra=32)[0])
+    rows.append(_rows(model, dtype, extra=32)[0])
+    alone = torch.stack([batched.prefill_rows(model, [r], [t], win)[0] for r, t in zip(alone_rows, suffixes,
+                                                                                       strict=True)])
+    packed = batched.prefill_rows(model, rows, suffixes, win)
+    assert step_backend.serves(model, "prefill", "direct")
+    assert torch.equal(packed, alone)
     for r, a, t in zip(rows, alone_rows, suffixes, strict=True):
         end = r.length + len(t)
         assert torch.equal(r.buffer.keys[:, :, :end], a.buffer.keys[:, :, :end])
