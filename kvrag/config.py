@@ -80,6 +80,9 @@ class EngineConfig:
         speculative_ngram / speculative_min_ngram: the longest and the shortest answer suffix (tokens) looked up in
             the prompt, longest first (a one-token match drafts often and is accepted less; a minimum above the
             longest is capped to it).
+        speculative_max_batch: drafts only while at most this many requests decode (vLLM's
+            ``speculative_disable_by_batch_size``). Default 2, by measurement (docs/results.md#speculation-in-a-batch):
+            a batch's step is no longer bound by reading the weights, and each drafted row adds to its products.
         runner_threads: torch intra-op threads of the runner thread, which runs every prepare and decode forward
             (:mod:`kvrag.engine.runner`; set for that thread alone, :func:`kvrag.threads.set_own_threads`); None:
             the process's setting. Give the runner the cores and the process's other threads one
@@ -94,9 +97,10 @@ class EngineConfig:
             bound. None: wait without limit.
         pack_suffixes: prefill the question suffixes of requests that arrive while nobody decodes in one forward
             (:func:`kvrag.kv.batched.prefill_rows`; each request computes exactly what it computes alone): a burst
-            reads the weights once for all its suffixes and gets its first tokens together. Off by default, by
-            measurement (docs/results.md#a-bursts-question-suffixes-in-one-forward): a burst's wall time is the
-            same, its TTFT p99 falls but its p50 rises. The answers are the same either way.
+            reads (and de-quantizes) the weights once for all its suffixes and gets its first tokens together. On by
+            default, by measurement (docs/results.md#a-bursts-question-suffixes-in-one-forward): a burst ends
+            sooner and its TTFT p99 falls; when all its requests arrive at once, its TTFT p50 rises. The answers are
+            the same either way.
         kv_dtype: the precision of the K/V a request decodes over: "auto" (default: the model's compute dtype, so
             ``full`` generates exactly what ``model.generate`` does), the compute dtype's name, or "bfloat16" under a
             float32 model (half the bytes each decode step reads per row and each request holds; the prompt's K/V
@@ -128,7 +132,8 @@ class EngineConfig:
     speculative_tokens: int = 3
     speculative_ngram: int = 3
     speculative_min_ngram: int = 2
-    pack_suffixes: bool = False
+    speculative_max_batch: int = 2
+    pack_suffixes: bool = True
     conversation_cache_bytes: int | None = None
     conversation_cache_entries: int = 64
     kv_dtype: str = "auto"
@@ -156,6 +161,9 @@ class EngineConfig:
             raise ConfigError(f"speculative_ngram must be an integer >= 1, got {self.speculative_ngram!r}")
         if not isinstance(self.speculative_min_ngram, int) or self.speculative_min_ngram < 1:
             raise ConfigError(f"speculative_min_ngram must be an integer >= 1, got {self.speculative_min_ngram!r}")
+        if not isinstance(self.speculative_max_batch, int) or self.speculative_max_batch < 1:
+            msg = f"speculative_max_batch must be an integer >= 1 (requests), got {self.speculative_max_batch!r}"
+            raise ConfigError(msg)
         if not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
             raise ConfigError(f"max_batch_size must be an integer >= 1, got {self.max_batch_size!r}")
         if self.runner_threads is not None and (not isinstance(self.runner_threads, int) or self.runner_threads < 1):

@@ -108,6 +108,7 @@ class KVRAGEngine(ChunkCaching):
                              pack_suffixes=self.config.pack_suffixes, threads=self.config.runner_threads,
                              speculation=SpeculationConfig(max_draft=self.config.speculative_tokens,
                                                            max_ngram=self.config.speculative_ngram,
+                                                           max_batch=self.config.speculative_max_batch,
                                                            min_ngram=min(self.config.speculative_min_ngram,
                                                                          self.config.speculative_ngram)))
         self.batcher = self.runner  # the earlier name

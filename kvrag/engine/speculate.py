@@ -43,12 +43,17 @@ class SpeculationConfig:
         max_ngram / min_ngram: the longest and shortest suffix of the answer that is looked up (longest first).
         max_step_tokens: most tokens one verify forward feeds over all its rows (inputs plus drafts): small
             forwards keep decode-sized products on the quantized weights and the step's cost near one token's.
+        max_batch: drafts only while at most this many requests decode (vLLM's ``speculative_disable_by_batch_size``):
+            one request's step reads the weights for one row, so verifying a few drafted rows costs little beside
+            it; a batch's step already multiplies a row per request, and each drafted row adds to a product that is
+            no longer bound by the weights' bytes.
     """
 
     max_draft: int = 3
     max_ngram: int = 3
     min_ngram: int = 2
     max_step_tokens: int = 16
+    max_batch: int = 8
 
     def __post_init__(self) -> None:
         if self.max_draft < 0:
@@ -58,6 +63,8 @@ class SpeculationConfig:
             raise ConfigError(msg)
         if self.max_step_tokens < 1:
             raise ConfigError(f"speculative max_step_tokens must be >= 1, got {self.max_step_tokens}")
+        if self.max_batch < 1:
+            raise ConfigError(f"speculative max_batch must be >= 1 request, got {self.max_batch}")
 
     @property
     def enabled(self) -> bool:
@@ -161,7 +168,7 @@ def draft_rows(rows: Sequence[Speculating], spec: SpeculationConfig) -> list[lis
     past the request's KV buffer.
     """
     budget = spec.max_step_tokens - len(rows)
-    if not spec.enabled or budget <= 0:
+    if not spec.enabled or budget <= 0 or len(rows) > spec.max_batch:
         return None
     drafts: list[list[int]] = []
     for h in rows:

@@ -38,9 +38,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batch-size", type=int, default=8, help="most requests decoded together")
     parser.add_argument("--speculative-tokens", type=int, default=3,
                         help="tokens drafted from the prompt per greedy request and step (0: off; answers are the same)")
-    parser.add_argument("--pack-suffixes", action="store_true",
-                        help="prefill the question suffixes of requests arriving together in one forward: a burst's "
-                             "first tokens come together (TTFT p99 down, p50 up; answers are the same)")
+    parser.add_argument("--speculative-max-batch", type=int, default=2,
+                        help="draft only while at most this many requests decode (default 2)")
+    parser.add_argument("--pack-suffixes", action=argparse.BooleanOptionalAction, default=True,
+                        help="prefill the question suffixes of requests arriving together in one forward (default "
+                             "on): a burst ends sooner and its first tokens come together; answers are the same")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads of the engine's runner, which runs every forward (default: torch's, the "
                              "machine's cores); the server's other threads run torch work on one thread")
@@ -96,6 +98,7 @@ def run(args: argparse.Namespace, model: str | None, store: str, chunk_prefix: s
     factory = functools.partial(serving_engine, args.threads, model, store, chunk_prefix=chunk_prefix,
                                 method=args.method, on_store_error=args.on_store_error,
                                 max_batch_size=args.max_batch_size, speculative_tokens=args.speculative_tokens,
+                                speculative_max_batch=args.speculative_max_batch,
                                 pack_suffixes=args.pack_suffixes, conversation_cache_bytes=args.conversation_cache_bytes)
     keys = tuple(args.api_key) if args.api_key else keys_from_env()
     try:

@@ -26,7 +26,7 @@ METHODS = ("full", "stale", "relaxkv:r=0.15")
 def engines(default_model: Any) -> tuple[KVRAGEngine, KVRAGEngine, list[Any]]:
     store = MemoryStore()
     plain = KVRAGEngine(default_model, store, EngineConfig(speculative_tokens=0))
-    spec = KVRAGEngine(default_model, store, EngineConfig(speculative_tokens=4, max_batch_size=4))
+    spec = KVRAGEngine(default_model, store, EngineConfig(speculative_tokens=4, max_batch_size=4, speculative_max_batch=4))
     chunks = [render_passage(c.text) for c in make_chunks(read_documents(DOCS), lambda t: len(plain.tokenize(t)), 128)]
     plain.ingest(chunks)
     plans = [plain.plan_parts(*RagTemplate().parts(plain.tokenizer, chunks[i : i + 3], q))

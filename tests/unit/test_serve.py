@@ -331,12 +331,13 @@ def test_serve_options_reach_the_engine(monkeypatch: pytest.MonkeyPatch) -> None
     app = types.SimpleNamespace(state=types.SimpleNamespace(kvrag=types.SimpleNamespace(model_id="m", chunks=[])))
     monkeypatch.setattr(kvrag.serve, "create_app", lambda *a, **kw: app)
     monkeypatch.setattr(kvrag.serve, "serve", lambda *a, **kw: None)
-    for argv, on in (([], False), (["--pack-suffixes", "--speculative-tokens", "0", "--conversation-cache-bytes", "0"],
-                                   True)):
+    for argv, on in (([], False), (["--no-pack-suffixes", "--speculative-tokens", "0", "--speculative-max-batch", "5",
+                                    "--conversation-cache-bytes", "0"], True)):
         args = parser.parse_args(argv)
         args.verbose = False
         assert serve_cli.run(args, None, "memory://", "template") == 0
-        assert seen["pack_suffixes"] is on and seen["speculative_tokens"] == (0 if on else 3)
+        assert seen["pack_suffixes"] is not on and seen["speculative_tokens"] == (0 if on else 3)
+        assert seen["speculative_max_batch"] == (5 if on else 2)
         assert seen["conversation_cache_bytes"] == (0 if on else None)
     import torch
 

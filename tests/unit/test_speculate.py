@@ -4,6 +4,7 @@ greedy answers token-identical to plain decoding -- alone, in continuous batches
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 
 from kvrag.config import EngineConfig, GenerationConfig
 from kvrag.engine.engine import KVRAGEngine
-from kvrag.engine.speculate import PromptLookup, SpeculationConfig
+from kvrag.engine.speculate import PromptLookup, SpeculationConfig, draft_rows
 from kvrag.errors import ConfigError
 from kvrag.kv import batched, hf_cache
 from kvrag.kv.attention import IMPL
@@ -76,6 +77,29 @@ def test_bad_speculation_settings_fail_clearly() -> None:
     with pytest.raises(ConfigError, match="min_ngram"):
         SpeculationConfig(min_ngram=3, max_ngram=2)
     assert not SpeculationConfig(max_draft=0).enabled
+    with pytest.raises(ConfigError, match="speculative_max_batch"):
+        EngineConfig(speculative_max_batch=0)
+    with pytest.raises(ConfigError, match="max_batch"):
+        SpeculationConfig(max_batch=0)
+    assert KVRAGEngine(tiny_model("llama"), MemoryStore(), EngineConfig(speculative_max_batch=3)
+                       ).runner.speculation.max_batch == 3
+
+
+def test_drafts_stop_above_max_batch_requests_and_resume_below() -> None:
+    """vLLM's disable-by-batch-size: a step of more than ``max_batch`` rows drafts nothing (a plain step), one of at
+    most that many drafts as before."""
+    rows = []
+    for _ in range(3):
+        d = PromptLookup([1, 2, 3, 4, 1, 2, 3, 4], 3, 1)
+        for t in (1, 2):
+            d.push(t)
+        state = SimpleNamespace(cfg=SimpleNamespace(max_new_tokens=50), steps=2)
+        rows.append(SimpleNamespace(drafter=d, state=state, row=SimpleNamespace(buffer=SimpleNamespace(capacity=99),
+                                                                                 length=10)))
+    spec = SpeculationConfig(max_draft=2, max_batch=2)
+    assert draft_rows(rows, spec) is None
+    assert draft_rows(rows[:2], spec) == [[3, 4], [3, 4]]
+    assert draft_rows(rows, SpeculationConfig(max_draft=2, max_batch=3)) == [[3, 4]] * 3
 
 
 def _buffer(model: Any, ids: torch.Tensor, extra: int) -> hf_cache.KVBuffer:
@@ -166,7 +190,7 @@ def test_rows_accepting_different_lengths_share_steps_and_equal_sequential() -> 
     """Continuous batching with drafts: concurrent requests (different accepted lengths per step) answer exactly
     what each answers alone without speculation; reservations all return."""
     plain = _engine("llama", 0, "int4")
-    spec = _engine("llama", 4, "int4", max_batch_size=4)
+    spec = _engine("llama", 4, "int4", max_batch_size=4, speculative_max_batch=4)
     spec.store = plain.store
     jobs = [(i % len(QUESTIONS), m) for i, m in enumerate(["stale", "full", "stale", "relaxkv:r=0.3", "stale", "full"])]
     want = [_answer(plain, i, m).token_ids for i, m in jobs]
