@@ -31,7 +31,7 @@ def main() -> None:
     fw, rounds, settings = sys.argv[1], int(sys.argv[2]), [_setting(s) for s in sys.argv[3:]]
     torch.set_num_threads(1)
     engine = KVRAGEngine.from_pretrained(None, "memory://", max_batch_size=8, runner_threads=2)
-    cfg = load_sweep.SweepConfig(clients=[1], questions=1, frameworks=[fw], method="stale", max_new_tokens=32)
+    cfg = load_sweep.SweepConfig(clients=(1,), questions=1, frameworks=(fw,), method="stale", max_new_tokens=32)
     ask = {"llamaindex": load_sweep.llamaindex_client, "langchain": load_sweep.langchain_client}[fw](
         engine, cfg, load_sweep.DATA)
     questions = list(load_sweep.QUESTIONS)
