@@ -38,8 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batch-size", type=int, default=8, help="most requests decoded together")
     parser.add_argument("--speculative-tokens", type=int, default=3,
                         help="tokens drafted from the prompt per greedy request and step (0: off; answers are the same)")
-    parser.add_argument("--speculative-max-batch", type=int, default=2,
-                        help="draft only while at most this many requests decode (default 2)")
+    parser.add_argument("--speculative-max-batch", type=int, default=8,
+                        help="draft only while at most this many requests decode (default 8)")
     parser.add_argument("--pack-suffixes", action=argparse.BooleanOptionalAction, default=True,
                         help="prefill the question suffixes of requests arriving together in one forward (default "
                              "on): a burst ends sooner and its first tokens come together; answers are the same")

@@ -337,7 +337,7 @@ def test_serve_options_reach_the_engine(monkeypatch: pytest.MonkeyPatch) -> None
         args.verbose = False
         assert serve_cli.run(args, None, "memory://", "template") == 0
         assert seen["pack_suffixes"] is not on and seen["speculative_tokens"] == (0 if on else 3)
-        assert seen["speculative_max_batch"] == (5 if on else 2)
+        assert seen["speculative_max_batch"] == (5 if on else 8)
         assert seen["conversation_cache_bytes"] == (0 if on else None)
     import torch
 
