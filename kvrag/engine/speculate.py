@@ -162,7 +162,8 @@ def _decoding(h: Speculating) -> tuple[DecodeState, Row]:
 
 def draft_rows(rows: Sequence[Speculating], spec: SpeculationConfig) -> list[list[int]] | None:
     """Each running request's draft for the next step (the runner's handles: ``drafter``, ``state``, ``row``),
-    within the step's token budget; None when no row has one (the plain step runs then).
+    within the step's token budget; None when no row has one or more than ``spec.max_batch`` requests decode (the
+    plain step runs then).
 
     A draft never runs past ``max_new_tokens`` (the model's choice after an accepted draft is one more token) nor
     past the request's KV buffer.

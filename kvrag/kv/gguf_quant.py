@@ -249,9 +249,10 @@ class GGUFLinear(torch.nn.Module):
         de-quantized weight tile instead of de-quantizing the layer once each."""
         parts = list(x.split(list(segments), dim=1))
         dense = [i for i, p in enumerate(parts) if not self._decode_sized(p)]
-        outs = [p if i in dense else self.forward(p) for i, p in enumerate(parts)]
-        for i, y in zip(dense, self._dense([parts[i] for i in dense]) if dense else [], strict=True):
-            outs[i] = y
+        outs = [p if i in dense else self.forward(p) for i, p in enumerate(parts)]  # dense ones: placeholders
+        if dense:
+            for i, y in zip(dense, self._dense([parts[i] for i in dense]), strict=True):
+                outs[i] = y
         return torch.cat(outs, dim=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
