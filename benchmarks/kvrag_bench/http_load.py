@@ -7,6 +7,8 @@ client count N, N client threads start together and each streams ``--questions``
 (closed loop, ``stream=true`` with ``include_usage``). Per level: questions/s and generated tokens/s over the
 level's wall time, client-side TTFT p50/p90 (request sent -> first content delta), 429 and other errors, the chunk
 hit rate (the server's ``/metrics``), and the same-answer rate against each question answered alone first.
+``--burst N`` then streams N different questions at once (one each) against the same N asked one by one before and
+after it: the burst's wall time, speed-up and TTFT p50 / p99.
 
 ``--http local`` starts the server in this process (:class:`kvrag.serve.LiveServer` over an engine of ``--model``,
 built as ``kvrag serve`` builds it: ``--threads`` torch threads for the engine's runner, default torch's count, and
@@ -28,7 +30,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvrag_bench.load_sweep import DATA, PROMPT, QUESTIONS, percentile, run_clients
+from kvrag_bench.load_sweep import DATA, PROMPT, QUESTIONS, one_by_one, percentile, run_clients
 
 _WORD = re.compile(r"[a-z0-9]+")
 
@@ -95,9 +97,19 @@ def run_level(ask: Callable[[str], dict[str, Any]], questions: Sequence[str], cl
         "clients": clients, "requests": len(rows), "errors": len(rows) - len(ok),
         "rejected_429": sum("HTTP 429" in (r["error"] or "") for r in rows), "wall_s": wall,
         "questions_per_s": len(ok) / wall, "tokens_per_s": sum(r["tokens"] for r in ok) / wall,
-        "ttft_p50_s": percentile(ttfts, 50), "ttft_p90_s": percentile(ttfts, 90),
+        "ttft_p50_s": percentile(ttfts, 50), "ttft_p90_s": percentile(ttfts, 90), "ttft_p99_s": percentile(ttfts, 99),
         "same_answer_rate": sum(r["answer"] == reference.get(r["question"]) for r in ok) / len(ok) if ok else 0.0,
     }
+
+
+def burst(ask: Callable[[str], dict[str, Any]], questions: Sequence[str], reference: dict[str, str]) -> dict[str, Any]:
+    """``questions`` at once, one client each, against the same asked one by one before and after the burst."""
+    before = one_by_one(ask, questions)
+    lv = run_level(ask, questions, len(questions), 1, reference)
+    after = one_by_one(ask, questions)
+    lv.update(sequential_runs_s=[before, after], sequential_s=(before + after) / 2,
+              speedup=(before + after) / 2 / lv["wall_s"])
+    return lv
 
 
 def _metric(client: Any, name: str) -> float:
@@ -152,6 +164,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                  args.questions, reference)
                     lv["http_over_in_process"] = lv["tokens_per_s"] / lv["in_process"]["tokens_per_s"]
                 result["levels"].append(lv)
+            if getattr(args, "burst", 0):
+                result["burst"] = burst(ask_http, [questions[i % len(questions)] for i in range(args.burst)],
+                                        reference)
     finally:
         if server is not None:
             server.stop()
@@ -200,6 +215,13 @@ def markdown(result: dict[str, Any]) -> str:
                      f"{f(lv['ttft_p50_s'], '.2f')} | {f(lv['ttft_p90_s'], '.2f')} | {lv['errors']} "
                      f"({lv['rejected_429']}) | {f(lv['hit_rate'], '.2f')} | {lv['same_answer_rate']:.2f} | "
                      f"{f(ip.get('tokens_per_s'), '.1f')} | {f(lv.get('http_over_in_process'), '.2f')} |")
+    b = result.get("burst")
+    if b:
+        lines += ["", "| burst | wall | one by one | speedup | TTFT p50 | TTFT p99 | errors | same answer |",
+                  "|" + "---:|" * 8,
+                  f"| {b['clients']} | {b['wall_s']:.2f} s | {b['sequential_s']:.2f} s | {b['speedup']:.2f}x | "
+                  f"{f(b['ttft_p50_s'], '.2f')} s | {f(b['ttft_p99_s'], '.2f')} s | {b['errors']} | "
+                  f"{b['same_answer_rate']:.2f} |"]
     return "\n".join(lines) + "\n"
 
 

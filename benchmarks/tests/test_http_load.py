@@ -27,9 +27,13 @@ def test_http_levels(tmp_path: Path) -> None:
     with LiveServer(create_app(engine, ServeConfig(max_queue=16)), drain_timeout_s=5) as srv:
         args = argparse.Namespace(http=srv.url, docs=None, top_k=2, clients="1,4", questions=1, max_new_tokens=4,
                                   method="stale", model=None, dtype=None, device=None, threads=None,
-                                  max_batch_size=8, out=str(tmp_path))
+                                  max_batch_size=8, out=str(tmp_path), burst=3)
         res = http_load.run(args)
     assert [lv["clients"] for lv in res["levels"]] == [1, 4]
+    b = res["burst"]
+    assert b["clients"] == b["requests"] == 3 and b["errors"] == 0 and b["same_answer_rate"] == 1.0
+    assert len(b["sequential_runs_s"]) == 2 and b["speedup"] == b["sequential_s"] / b["wall_s"] > 0
+    assert "| burst |" in (tmp_path / "http_load.md").read_text()
     for lv in res["levels"]:
         assert lv["errors"] == 0 and lv["same_answer_rate"] == 1.0 and lv["hit_rate"] == 1.0
         assert lv["tokens_per_s"] > 0 and lv["ttft_p50_s"] is not None
