@@ -58,6 +58,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+SPARE_SHARE = 0.25
+"""A request's own buffer is kept as it is (no copy) when the room past its prompt is at most this share of the
+prompt: the answer's positions ride along in memory (and are counted); a larger buffer's prompt is copied out."""
 PREFILL_ROWS = max(quant.MAX_ROWS, linear.MAX_ROWS) + 1
 """The fewest ids a next turn prefills when it can (the kept context still covered): a forward of fewer rows takes
 the decode products (:data:`kvrag.kv.quant.MAX_ROWS` for quantized weights, :data:`kvrag.kv.linear.MAX_ROWS` for
@@ -177,8 +180,10 @@ class ConversationCache:
         buf, length = hf_cache.buffer_of(cache)
         if length < prompt_len:
             return False
+        t = int(prompt_len)  # the answer's K/V (decode-written) is prefilled again by the next turn
+        whole = buf.capacity - t <= SPARE_SHARE * t  # keep the request's buffer itself: no copy of the prompt
         budget = self._budget_of()
-        nbytes = int(prompt_len) * budget.bytes_per_token
+        nbytes = (buf.capacity if whole else t) * budget.bytes_per_token
         if nbytes > self.max_bytes:
             self.counters["too_large"] += 1
             return False
@@ -186,8 +191,10 @@ class ConversationCache:
             for e in self._entries.values():
                 if e.method == method and e.ids[: len(ids)] == ids:
                     return True  # already kept as part of a longer one
-        t = int(prompt_len)  # the answer's K/V (decode-written) is prefilled again by the next turn
-        entry = Entry(ids, t, t, method, buf.keys[:, :, :t].clone(), buf.values[:, :, :t].clone(), nbytes, level)
+        keys, values = buf.keys[:, :, :t], buf.values[:, :, :t]
+        if not whole:
+            keys, values = keys.clone(), values.clone()
+        entry = Entry(ids, t, t, method, keys, values, nbytes, level)
         with self._lock:
             budget = self._budget()
             for e in self._entries.values():  # a later turn of a kept conversation belongs to it

@@ -137,6 +137,27 @@ def test_lru_entries_and_bytes_bounds() -> None:
     assert cc.stats()["too_large"] == 1
 
 
+def test_a_buffer_with_little_spare_room_is_kept_without_a_copy() -> None:
+    """A request's buffer whose room past the prompt is at most SPARE_SHARE of it is kept as it is (views: no copy of
+    the prompt's K/V, counted at its whole capacity); a roomier one's prompt is copied out and counted alone."""
+    from kvrag.engine.conversation import SPARE_SHARE
+
+    budget = KVBudget(100_000, 10)
+    cc = ConversationCache(budget, max_bytes=10_000, max_entries=8)
+    prompt = 40
+    snug = _cache(int(prompt * (1 + SPARE_SHARE)) - 3, budget)  # capacity: prompt * (1 + SPARE_SHARE)
+    roomy = _cache(int(prompt * (1 + SPARE_SHARE)), budget)  # three positions more
+    for cache, ids, shared in ((snug, tuple(range(45)), True), (roomy, tuple(range(100, 145)), False)):
+        buf, _ = hf_cache.buffer_of(cache)
+        assert cc.keep(ids, prompt, "stale", cache)
+        entry = cc.match(ids + (1,), "stale").entry  # type: ignore[union-attr]
+        assert torch.equal(entry.keys, buf.keys[:, :, :prompt]) and torch.equal(entry.values, buf.values[:, :, :prompt])
+        same = entry.keys.untyped_storage().data_ptr() == buf.keys.untyped_storage().data_ptr()
+        assert same is shared
+        assert entry.nbytes == (buf.capacity if shared else prompt) * budget.bytes_per_token
+    assert cc.nbytes == budget.cached == 10 * (50 + 40)
+
+
 def test_a_hostile_client_cannot_grow_it() -> None:
     """Many distinct conversations: never more than the bounds, whatever the order."""
     budget = KVBudget(50_000, 16)
