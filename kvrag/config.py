@@ -99,7 +99,7 @@ class EngineConfig:
         pack_suffixes: prefill the question suffixes of requests that arrive while nobody decodes in one forward
             (:func:`kvrag.kv.batched.prefill_rows`; each request computes exactly what it computes alone): a burst
             reads (and de-quantizes) the weights once for all its suffixes and gets its first tokens together. On by
-            default, by measurement (docs/results.md#a-bursts-question-suffixes-in-one-forward): a burst ends
+            default, by measurement (docs/results.md#a-bursts-question-suffixes-in-one-forward-cpu-avx512bf16): a burst ends
             sooner and its TTFT p99 falls; when all its requests arrive at once, its TTFT p50 rises. The answers are
             the same either way.
         kv_dtype: the precision of the K/V a request decodes over: "auto" (default: the model's compute dtype, so

@@ -190,12 +190,15 @@ class KVCachedLLM(CustomLLM):
             return self.engine.plan_parts(prefix, chunks, suffix, sep)
         return self.engine.plan(req["prompt"], req["refs"])  # keys, ids and held caches travel with the chunks
 
-    def _info(self, req: dict[str, Any], prep: Any, text: str | None) -> dict[str, Any]:
+    @staticmethod
+    def _extra(prep: Any) -> dict[str, Any]:
+        """A response's ``additional_kwargs``: the summary and token usage (cheap: computed for every delta)."""
         prompt_tokens, completion_tokens = adapters.token_usage(prep)
-        extra = {**adapters.response_summary(prep), "prompt_tokens": prompt_tokens,
-                 "completion_tokens": completion_tokens}
+        return {**adapters.response_summary(prep), "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens}
+
+    def _info(self, req: dict[str, Any], prep: Any, text: str | None) -> dict[str, Any]:
         return {
-            "additional_kwargs": extra,
+            "additional_kwargs": self._extra(prep),
             "raw": adapters.response_details(prep),
             "prompt": req["prompt"],
             "chunks": list(req["chunks"]),
@@ -218,7 +221,7 @@ class KVCachedLLM(CustomLLM):
         text = ""
         for delta in self.engine.stream(prep, req["gen"]):
             text += delta
-            yield CompletionResponse(text=text, delta=delta, additional_kwargs=self._info(req, prep, None)["additional_kwargs"])
+            yield CompletionResponse(text=text, delta=delta, additional_kwargs=self._extra(prep))
         info = self._info(req, prep, text)
         self._record(info)
         # a final empty delta carries the complete timings and stats
