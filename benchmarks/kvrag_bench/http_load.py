@@ -22,6 +22,7 @@ Writes ``http_load.json`` and ``http_load.md`` to ``--out``.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
 import threading
@@ -30,7 +31,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvrag_bench.load_sweep import DATA, PROMPT, QUESTIONS, one_by_one, percentile, run_clients
+from kvrag_bench.load_sweep import DATA, PROMPT, QUESTIONS, against_one_by_one, percentile, run_clients
 
 _WORD = re.compile(r"[a-z0-9]+")
 
@@ -102,16 +103,6 @@ def run_level(ask: Callable[[str], dict[str, Any]], questions: Sequence[str], cl
     }
 
 
-def burst(ask: Callable[[str], dict[str, Any]], questions: Sequence[str], reference: dict[str, str]) -> dict[str, Any]:
-    """``questions`` at once, one client each, against the same asked one by one before and after the burst."""
-    before = one_by_one(ask, questions)
-    lv = run_level(ask, questions, len(questions), 1, reference)
-    after = one_by_one(ask, questions)
-    lv.update(sequential_runs_s=[before, after], sequential_s=(before + after) / 2,
-              speedup=(before + after) / 2 / lv["wall_s"])
-    return lv
-
-
 def _metric(client: Any, name: str) -> float:
     for ln in client.get("/metrics").text.splitlines():
         if ln.startswith(name + " "):
@@ -165,8 +156,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     lv["http_over_in_process"] = lv["tokens_per_s"] / lv["in_process"]["tokens_per_s"]
                 result["levels"].append(lv)
             if getattr(args, "burst", 0):
-                result["burst"] = burst(ask_http, [questions[i % len(questions)] for i in range(args.burst)],
-                                        reference)
+                qs = [questions[i % len(questions)] for i in range(args.burst)]
+                result["burst"] = against_one_by_one(ask_http, qs,
+                                                     functools.partial(run_level, ask_http, qs, len(qs), 1, reference))
     finally:
         if server is not None:
             server.stop()

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import logging
 import statistics
@@ -250,6 +251,17 @@ def one_by_one(ask: Ask, questions: Sequence[str]) -> float:
     return time.perf_counter() - t
 
 
+def against_one_by_one(ask: Ask, questions: Sequence[str], burst: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """``burst()`` (``questions`` asked at once; its level record) between two passes of the same questions asked
+    one by one: the record with the passes' seconds, their mean and the burst's speed-up over it."""
+    before = one_by_one(ask, questions)
+    level = burst()
+    after = one_by_one(ask, questions)
+    level.update(sequential_runs_s=[before, after], sequential_s=(before + after) / 2,
+                 speedup=(before + after) / 2 / level["wall_s"])
+    return level
+
+
 def decode_bound(engine: Any, docs_dir: Path, cfg: SweepConfig) -> dict[str, Any]:
     """ms/token of the engine's batched decode step at batch 1 and 8 over one real prompt's KV vs the weight-read
     bound (weight bytes / copy bandwidth)."""
@@ -344,12 +356,8 @@ def run_sweep(cfg: SweepConfig, engine: Any = None) -> dict[str, Any]:
         result["frameworks"][fw] = {"sequential": seq, "levels": levels}
         if cfg.burst:  # N different questions at once, one each, against the same N answered one by one
             burst_questions = [questions[i % len(questions)] for i in range(cfg.burst)]
-            before = one_by_one(ask, burst_questions)
-            burst = run_level(ask, engine, questions, cfg.burst, 1, answers)
-            after = one_by_one(ask, burst_questions)
-            burst["sequential_runs_s"] = [before, after]
-            burst["sequential_s"] = alone = (before + after) / 2
-            burst["speedup"] = alone / burst["wall_s"]
+            burst = against_one_by_one(ask, burst_questions,
+                                       functools.partial(run_level, ask, engine, questions, cfg.burst, 1, answers))
             result["frameworks"][fw]["burst"] = burst
             log.info("%s burst of %d: %.2fx the sequential speed, same answers %.0f%%", fw, cfg.burst,
                      burst["speedup"], 100 * burst["same_answer_rate"])
