@@ -17,7 +17,7 @@
 #include <omp.h>
 #endif
 
-#define KVRAG_DEQUANT_ABI 4
+#define KVRAG_DEQUANT_ABI 5
 #define QK_K 256
 
 enum { T_Q4_0 = 0, T_Q4_1 = 1, T_Q8_0 = 2, T_Q4_K = 3, T_Q5_K = 4, T_Q6_K = 5 };
@@ -211,6 +211,7 @@ CLONES static void dot_rows(int type, const uint8_t *blocks, int64_t r0, int64_t
 #if defined(__GNUC__) && defined(__x86_64__)
 #include <immintrin.h>
 #define HAVE_AVX512_Q6K 1
+#define PREFETCH 4096 /* bytes of blocks ahead of the one being decoded that a Q6_K product asks for */
 /* dot_rows for Q6_K with AVX-512 registers: 16 weights at a time de-quantized in a vector -- (float)(q - 32) times
  * the sub-block's d * sc, one rounding each, as row_q6_k computes them -- and multiplied and added (no fused
  * multiply-add) into lane j of each input row's accumulator for weights j, j + 16, ...: the same floats, lanes and
@@ -224,6 +225,7 @@ __attribute__((target("avx512f"), optimize("fp-contract=off"))) static void dot_
         __m512 acc[DOT_ROWS];
         for (int64_t m = 0; m < rows; m++) acc[m] = _mm512_setzero_ps();
         for (int64_t i = 0; i < columns / QK_K; i++, b += 210) {
+            for (int l = 0; l < 256; l += 64) _mm_prefetch((const char *)b + PREFETCH + l, _MM_HINT_T0);
             const int8_t *sc = (const int8_t *)(b + 192);
             float d = f16(b + 208);
             for (int c = 0; c < 2; c++) {
@@ -256,24 +258,102 @@ __attribute__((target("avx512f"), optimize("fp-contract=off"))) static void dot_
         }
     }
 }
+
+/* dot_rows for Q6_K on bfloat16 input rows, with AVX512-BF16: a block's 6-bit values decoded 64 at a time in byte
+ * lanes and looked up as the bfloat16 numbers q - 32 (exact), each 32 of them multiplied by the row's 32 inputs with
+ * one VDPBF16PS (products exact, pairs added in float32), then times their two sub-blocks' d * sc (lanes 0-7 the
+ * first 16 weights', 8-15 the second's) with a fused multiply-add into one of two accumulators a row (alternating
+ * 32-weight pieces), added in a fixed order at the end. A row's output depends only on its own inputs, whatever the
+ * other rows. Not the bits of dot_rows: a product of its own, chosen only for bfloat16 inputs (exact in float32, so
+ * no input is rounded). */
+#define BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+#define BF16_ROWS 4     /* input rows a pass over the weight rows keeps in registers */
+BF16_TARGET static inline __attribute__((always_inline)) void q6k_bf16_pass(
+    const uint8_t *blocks, int64_t r0, int64_t r1, int64_t row_bytes, int64_t n, int64_t columns, const uint16_t *x,
+    float *y, const int rows) {
+    uint16_t table[64];
+    for (int i = 0; i < 64; i++) {
+        float f = (float)(i - 32);
+        uint32_t v;
+        memcpy(&v, &f, 4);
+        table[i] = (uint16_t)(v >> 16); /* small integers: exact in bfloat16 */
+    }
+    const __m512i lut_lo = _mm512_loadu_si512(table), lut_hi = _mm512_loadu_si512(table + 32);
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m2 = _mm512_set1_epi8(3);
+    __m512i pair[8]; /* lanes 0-7: sub-block 2p, 8-15: 2p + 1 */
+    for (int p = 0; p < 8; p++)
+        pair[p] = _mm512_set_epi32(2 * p + 1, 2 * p + 1, 2 * p + 1, 2 * p + 1, 2 * p + 1, 2 * p + 1, 2 * p + 1,
+                                   2 * p + 1, 2 * p, 2 * p, 2 * p, 2 * p, 2 * p, 2 * p, 2 * p, 2 * p);
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *b = blocks + r * row_bytes;
+        __m512 acc[BF16_ROWS][2];
+        for (int m = 0; m < rows; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+        for (int64_t i = 0; i < columns / QK_K; i++, b += 210) {
+            for (int l = 0; l < 256; l += 64) _mm_prefetch((const char *)b + PREFETCH + l, _MM_HINT_T0);
+            const __m512 scales = _mm512_mul_ps(
+                _mm512_set1_ps(f16(b + 208)),
+                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 192)))));
+            for (int c = 0; c < 2; c++) {
+                const __m512i a = _mm512_loadu_si512(b + c * 64);
+                const __m256i h = _mm256_loadu_si256((const __m256i *)(b + 128 + c * 32));
+                const __m512i ha = _mm512_inserti64x4(_mm512_castsi256_si512(h), _mm256_srli_epi16(h, 2), 1);
+                const __m512i hb = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_srli_epi16(h, 4)),
+                                                      _mm256_srli_epi16(h, 6), 1);
+                const __m512i q[2] = {
+                    _mm512_or_si512(_mm512_and_si512(a, m4), _mm512_slli_epi16(_mm512_and_si512(ha, m2), 4)),
+                    _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(a, 4), m4),
+                                    _mm512_slli_epi16(_mm512_and_si512(hb, m2), 4))};
+                for (int j = 0; j < 4; j++) { /* weights c * 128 + 32 j .. + 31 */
+                    const __m256i part = j & 1 ? _mm512_extracti64x4_epi64(q[j >> 1], 1)
+                                               : _mm512_castsi512_si256(q[j >> 1]);
+                    const __m512i w = _mm512_permutex2var_epi16(lut_lo, _mm512_cvtepu8_epi16(part), lut_hi);
+                    const __m512 s = _mm512_permutexvar_ps(pair[c * 4 + j], scales);
+                    const int64_t k = i * QK_K + c * 128 + j * 32;
+                    for (int m = 0; m < rows; m++) {
+                        const __m512i xv = _mm512_loadu_si512(x + m * columns + k);
+                        const __m512 p = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)w, (__m512bh)xv);
+                        acc[m][j & 1] = _mm512_fmadd_ps(p, s, acc[m][j & 1]);
+                    }
+                }
+            }
+        }
+        for (int m = 0; m < rows; m++) y[m * n + r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]));
+    }
+}
+
+/* dot_rows for Q6_K on bfloat16 inputs (above), up to BF16_ROWS input rows a pass over the weight rows. */
+BF16_TARGET static void dot_rows_q6k_bf16(const uint8_t *blocks, int64_t r0, int64_t r1, int64_t row_bytes,
+                                          int64_t n, int64_t columns, const uint16_t *x, int64_t rows, float *y) {
+    for (int64_t m = 0; m < rows; m += BF16_ROWS) {
+        const uint16_t *xm = x + m * columns;
+        float *ym = y + m * n;
+        switch (rows - m < BF16_ROWS ? rows - m : BF16_ROWS) {
+        case 1: q6k_bf16_pass(blocks, r0, r1, row_bytes, n, columns, xm, ym, 1); break;
+        case 2: q6k_bf16_pass(blocks, r0, r1, row_bytes, n, columns, xm, ym, 2); break;
+        case 3: q6k_bf16_pass(blocks, r0, r1, row_bytes, n, columns, xm, ym, 3); break;
+        default: q6k_bf16_pass(blocks, r0, r1, row_bytes, n, columns, xm, ym, 4); break;
+        }
+    }
+}
 #endif
 
 static void dot_range(int type, const uint8_t *blocks, int64_t r0, int64_t r1, int64_t n, int64_t row_bytes,
-                      int64_t columns, const float *x, int64_t rows, float *y) {
+                      int64_t columns, const void *x, int64_t rows, float *y, int bf16) {
 #ifdef HAVE_AVX512_Q6K
+    if (bf16) {
+        dot_rows_q6k_bf16(blocks, r0, r1, row_bytes, n, columns, (const uint16_t *)x, rows, y);
+        return;
+    }
     if (type == T_Q6_K && __builtin_cpu_supports("avx512f")) {
-        dot_rows_q6k_avx512(blocks, r0, r1, n, row_bytes, columns, x, rows, y);
+        dot_rows_q6k_avx512(blocks, r0, r1, n, row_bytes, columns, (const float *)x, rows, y);
         return;
     }
 #endif
-    dot_rows(type, blocks, r0, r1, n, row_bytes, columns, x, rows, y);
+    dot_rows(type, blocks, r0, r1, n, row_bytes, columns, (const float *)x, rows, y);
 }
 
-/* y [rows, n] = x [rows, columns] (float32) times the transposed weight of n rows of ``type`` blocks (row r at blocks
- * + r * row_bytes); columns a multiple of LANES and of the block, rows at most DOT_ROWS. threads > 1 splits the
- * weight rows between OpenMP threads. 0, or -1: an unknown type or shape. */
-int kvrag_dequant_dot(int type, const uint8_t *blocks, int64_t n, int64_t row_bytes, int64_t columns, const float *x,
-                      int64_t rows, float *y, int threads) {
+static int dot(int type, const uint8_t *blocks, int64_t n, int64_t row_bytes, int64_t columns, const void *x,
+               int64_t rows, float *y, int threads, int bf16) {
     if (type < T_Q4_0 || type > T_Q6_K || rows < 1 || rows > DOT_ROWS || columns % LANES
         || columns % BLOCK_WEIGHTS[type]) return -1;
 #ifdef _OPENMP
@@ -282,15 +362,36 @@ int kvrag_dequant_dot(int type, const uint8_t *blocks, int64_t n, int64_t row_by
         {
             int t = omp_get_thread_num(), k = omp_get_num_threads();
             int64_t lo = n * t / k, hi = n * (t + 1) / k;
-            dot_range(type, blocks, lo, hi, n, row_bytes, columns, x, rows, y);
+            dot_range(type, blocks, lo, hi, n, row_bytes, columns, x, rows, y, bf16);
         }
         return 0;
     }
 #else
     (void)threads;
 #endif
-    dot_range(type, blocks, 0, n, n, row_bytes, columns, x, rows, y);
+    dot_range(type, blocks, 0, n, n, row_bytes, columns, x, rows, y, bf16);
     return 0;
+}
+
+/* y [rows, n] = x [rows, columns] (float32) times the transposed weight of n rows of ``type`` blocks (row r at blocks
+ * + r * row_bytes); columns a multiple of LANES and of the block, rows at most DOT_ROWS. threads > 1 splits the
+ * weight rows between OpenMP threads. 0, or -1: an unknown type or shape. */
+int kvrag_dequant_dot(int type, const uint8_t *blocks, int64_t n, int64_t row_bytes, int64_t columns, const float *x,
+                      int64_t rows, float *y, int threads) {
+    return dot(type, blocks, n, row_bytes, columns, x, rows, y, threads, 0);
+}
+
+/* kvrag_dequant_dot on bfloat16 input rows (dot_rows_q6k_bf16): Q6_K only, on a CPU with AVX512-BF16; -1 elsewhere
+ * (the caller then takes the float32 product). */
+int kvrag_dequant_dot_bf16(int type, const uint8_t *blocks, int64_t n, int64_t row_bytes, int64_t columns,
+                           const uint16_t *x, int64_t rows, float *y, int threads) {
+#ifdef HAVE_AVX512_Q6K
+    if (type == T_Q6_K && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw")
+        && __builtin_cpu_supports("avx512vl"))
+        return dot(type, blocks, n, row_bytes, columns, x, rows, y, threads, 1);
+#endif
+    (void)type, (void)blocks, (void)n, (void)row_bytes, (void)columns, (void)x, (void)rows, (void)y, (void)threads;
+    return -1;
 }
 
 /* rows x columns weights of ``type`` (row r's blocks at blocks + r * row_bytes) into out: float32, or bfloat16

@@ -11,8 +11,10 @@ The blocks are de-quantized by :mod:`kvrag.kv.gguf_blocks` (torch, or ``ggml_deq
   (``w = (q - 8) scale + zero``: Q4_0 ``scale = d``; Q4_1 ``zero = m + 8 d``; Q4_K ``scale = d sc``, ``zero =
   8 d sc - dmin m``), the file's own 4-bit ``q`` unchanged and the scale and zero rounded to bfloat16, the kernels'
   format. Q5_0, Q5_1, Q8_0 and Q5_K weights are two such products (``q = 16 hi + lo``) whose outputs add up. Q6_K (groups of 16
-  weights) has no such form: its decode-sized products de-quantize each weight row a chunk at a time in
-  ``ggml_dequant.c`` and multiply it there in float32 (``kvrag_dequant_dot``), reading the file's blocks in place;
+  weights) has no such form: its decode-sized products read the file's blocks in place in ``ggml_dequant.c`` --
+  bfloat16 inputs on a CPU with AVX512-BF16 by ``kvrag_dequant_dot_bf16`` (the 6-bit values as exact bfloat16
+  numbers, one VDPBF16PS per 32 weights), other inputs de-quantized a chunk at a time and multiplied in float32
+  (``kvrag_dequant_dot``);
 * larger inputs (prefill, ingest), other types, ``quantize=None``: the layer's weight de-quantized into one scratch
   buffer shared by every layer of the model (reused, never kept; by ``ggml_dequant.c`` where it builds, with the
   same bits), then the dense product in the compute dtype. A prefill's product costs hundreds of multiply-adds per
@@ -44,6 +46,7 @@ from kvrag.kv.gguf_blocks import (
     dot,
     int4_parts,
     native_dot,
+    native_dot_bf16,
     native_for,
 )
 
@@ -161,6 +164,7 @@ class GGUFLinear(torch.nn.Module):
         self.int4: quant._Int4 | _Split | None = None
         self.all_rows = False  # every product on the int4 weights (KVRAG_GGUF_PREFILL=int4, :func:`prefill_route`)
         self.dot: Dot | None = None  # decode-sized products by kvrag_dequant_dot (:data:`DOT_TYPES`)
+        self.dot_bf16: Dot | None = None  # the same on bfloat16 inputs, where the CPU has AVX512-BF16
 
     @property
     def weight(self) -> torch.Tensor:
@@ -172,6 +176,7 @@ class GGUFLinear(torch.nn.Module):
         product (:func:`prefill_route`); returns whether it did."""
         if self.qtype in DOT_TYPES and self.blocks.is_cpu and not all_rows:
             self.dot = native_dot()  # the file's blocks, de-quantized in the product: no layout of their own
+            self.dot_bf16 = native_dot_bf16() if self.qtype == "Q6_K" else None
             return self.dot is not None
         if (self.qtype not in INT4_TYPES + SPLIT_TYPES or self.out_features % 16 or self.in_features % quant.GROUP
                 or not self.blocks.is_cpu):
@@ -258,7 +263,9 @@ class GGUFLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         k = x.shape[-1]
         if self.dot is not None and self._decode_sized(x):
-            y = dot(self.dot, self.blocks, self.qtype, x.reshape(-1, k)).to(x.dtype)
+            half = x.dtype == torch.bfloat16 and self.dot_bf16 is not None
+            y = dot(self.dot_bf16 if half else self.dot, self.blocks, self.qtype, x.reshape(-1, k), bf16=half)
+            y = y.to(x.dtype)
             if self.bias is not None:
                 y = y + self.bias
             return y.view(*x.shape[:-1], self.out_features)

@@ -19,7 +19,7 @@ import torch
 from kvrag import KVRAGEngine
 from kvrag.errors import ConfigError
 from kvrag.gguf_load import _file_bytes, tensor_table
-from kvrag.kv import gguf_blocks, gguf_quant, int4_kernel, quant
+from kvrag.kv import gguf_blocks, gguf_quant, int4_kernel, native, quant
 from kvrag.kv.attention import use_gqa_sdpa
 from kvrag.kv.gguf_quant import GGUFEmbedding, GGUFLinear
 from kvrag_testing.tiny import tiny_model
@@ -189,6 +189,27 @@ def test_q6_k_decode_products_de_quantize_inside_the_product(blocks_file: Path) 
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), torch.nn.functional.linear(xs[:3].to(torch.bfloat16).float(), weight),
                                atol=0.05, rtol=0.01)
+
+
+def test_q6_k_bfloat16_products_on_avx512_bf16(blocks_file: Path) -> None:
+    """bfloat16 inputs to a Q6_K layer take kvrag_dequant_dot_bf16 where the CPU has AVX512-BF16: the product by the
+    file's weight to float32 rounding (no input rounded), each input row the same bits alone as among 1-16 others
+    (the kernel takes up to 4 rows a pass), and the layer's bfloat16 forward is that product rounded once."""
+    fn = gguf_blocks.native_dot_bf16()
+    if gguf_blocks.native_dot() is None or not {"avx512_bf16", "avx512bw", "avx512vl"} <= native.cpu_flags():
+        pytest.skip("no AVX512-BF16 (or no C compiler): bfloat16 inputs take the float32 product")
+    assert fn is not None, "the CPU has AVX512-BF16, but kvrag_dequant_dot_bf16 failed its self-check"
+    raw, _ = _resident(blocks_file)["Q6_K"]
+    weight = gguf_quant.dequantize(raw, "Q6_K", COLS).double()
+    xs = torch.randn(quant.MAX_ROWS, COLS, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    alone = torch.stack([gguf_blocks.dot(fn, raw, "Q6_K", xs[i : i + 1], bf16=True)[0] for i in range(len(xs))])
+    want = xs.double() @ weight.T
+    assert (alone.double() - want).abs().max() <= 1e-6 * (xs.double().abs() @ weight.abs().T).max()
+    for rows in (2, 3, 4, 5, 9, quant.MAX_ROWS):
+        assert torch.equal(gguf_blocks.dot(fn, raw, "Q6_K", xs[:rows], bf16=True), alone[:rows]), rows
+    lin = GGUFLinear(raw, "Q6_K", COLS, torch.bfloat16, gguf_quant.Scratch())
+    assert lin.use_int4() and lin.dot_bf16 is fn
+    assert torch.equal(lin(xs[:3]), alone[:3].to(torch.bfloat16))
 
 
 def test_dense_route_takes_strided_and_batched_inputs_tile_by_tile(blocks_file: Path, monkeypatch) -> None:
