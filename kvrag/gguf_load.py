@@ -7,8 +7,8 @@ load): a quantized linear weight becomes a :class:`~kvrag.kv.gguf_quant.GGUFLine
 :class:`~kvrag.kv.gguf_quant.GGUFEmbedding` (and a tied output head a ``GGUFLinear`` on the same blocks); float
 tensors (norms, biases, an F32 / F16 / BF16 weight) become ordinary parameters in the compute dtype. Names are
 mapped and tensors post-processed by transformers' own GGUF code (``get_gguf_hf_weights_map`` and the tensor
-processors: Llama's q / k row order, Gemma's norm offset); a quantized weight's row order is changed on its blocks,
-which hold whole rows.
+processors: Llama's q / k row order, Gemma's norm offset); a quantized weight keeps the file's row order in its pages,
+and its layer reads the rows in the model's order (``GGUFLinear``'s ``order``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import logging
 import mmap
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import numpy as np
 import torch
@@ -127,7 +127,7 @@ def load_resident(gguf: Path, table: list[TensorRow], config: PretrainedConfig, 
     base = data.data_ptr()
     scratch = Scratch()
     dense: dict[str, torch.Tensor] = {}
-    quantized: dict[str, tuple[torch.Tensor, str, int, FilePages | None]] = {}
+    quantized: dict[str, tuple[torch.Tensor, str, int, FilePages, torch.Tensor | None]] = {}
     for t in table:
         hf = names.get(t["name"])
         if hf is None:
@@ -147,17 +147,13 @@ def load_resident(gguf: Path, table: list[TensorRow], config: PretrainedConfig, 
             w = processor.process(weights=w, name=t["name"]).weights
             dense[hf] = torch.from_numpy(np.array(w, dtype=np.float32)).to(dtype)
             continue
-        arr = raw.numpy()
-        got = processor.process(weights=arr, name=t["name"]).weights  # whole rows only
-        if got is arr:  # the file's own pages
-            quantized[hf] = (raw, qtype, dims[0], FilePages(mapping, raw.data_ptr() - base, t["bytes"]))
-        else:  # re-laid rows: a copy of the layer's blocks
-            quantized[hf] = (torch.from_numpy(np.ascontiguousarray(got)), qtype, dims[0], None)
+        pages = FilePages(mapping, raw.data_ptr() - base, t["bytes"])
+        quantized[hf] = (raw, qtype, dims[0], pages, _row_order(processor, t["name"], rows))
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     module_names = {id(m): n for n, m in model.named_modules()}
     embed_name = module_names.get(id(embed))
     head_name = module_names.get(id(head)) if head is not None else None
-    for hf, (blocks, qtype, cols, pages) in quantized.items():
+    for hf, (blocks, qtype, cols, pages, order) in quantized.items():
         prefix = hf.removesuffix(".weight")
         old = model.get_submodule(prefix)
         shape = tuple(old.weight.shape)  # type: ignore[union-attr, arg-type]
@@ -165,10 +161,13 @@ def load_resident(gguf: Path, table: list[TensorRow], config: PretrainedConfig, 
             msg = f"GGUF tensor for {hf} is [{blocks.shape[0]}, {cols}], the model's parameter {list(shape)}"
             raise UnsupportedModelError(msg)
         if prefix == embed_name:
+            if order is not None:
+                msg = f"GGUF tensor for {hf}: transformers re-orders the embedding rows, which kvrag does not apply"
+                raise UnsupportedModelError(msg)
             new: torch.nn.Module = GGUFEmbedding(blocks, qtype, cols, dtype, getattr(old, "embed_scale", None))
         elif isinstance(old, torch.nn.Linear):
             new = GGUFLinear(blocks, qtype, cols, dtype, scratch, dense.pop(f"{prefix}.bias", None),
-                             head=prefix == head_name, pages=pages)
+                             head=prefix == head_name, pages=pages, order=order)
         else:
             msg = f"GGUF tensor {hf} is quantized but {type(old).__name__} is neither a linear layer nor embeddings"
             raise UnsupportedModelError(msg)
@@ -193,6 +192,21 @@ def load_resident(gguf: Path, table: list[TensorRow], config: PretrainedConfig, 
     del missing
     model.eval()
     return model
+
+
+def _row_order(processor: Any, name: str, rows: int) -> torch.Tensor | None:
+    """How transformers' tensor processor re-orders the rows of tensor ``name`` (``rows`` rows): None when it leaves
+    them, else row j of the model's weight = row ``order[j]`` of the file's. Found by processing the row numbers
+    (:data:`_ROW_PROCESSORS` only move whole rows), so the file's blocks stay in its pages."""
+    idx = np.arange(rows, dtype=np.int64).reshape(rows, 1)
+    got = processor.process(weights=idx, name=name).weights
+    if got is idx or np.array_equal(got, idx):
+        return None
+    order = np.asarray(got).reshape(-1)
+    if order.shape != (rows,) or not np.array_equal(np.sort(order), idx[:, 0]):
+        msg = f"GGUF tensor {name}: transformers' {type(processor).__name__} changes it beyond its row order"
+        raise UnsupportedModelError(msg)
+    return torch.from_numpy(order.copy())
 
 
 def use_int4(model: torch.nn.Module) -> int:

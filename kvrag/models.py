@@ -246,6 +246,9 @@ def wrap_model(
             tag = f"{tag}+int4-prefill"  # every product on the int4 groups (KVRAG_GGUF_PREFILL=int4)
         if any(isinstance(m, GGUFLinear) and m.dot is not None for m in model.modules()):
             tag = f"{tag}+gguf-dot"  # Q6_K's decode-sized products de-quantized inside the product
+        if any(isinstance(m, GGUFLinear) and m.dot_bf16 is not None and m.dtype == torch.bfloat16
+               for m in model.modules()):
+            tag = f"{tag}-bf16"  # ... on AVX512-BF16 (kvrag_dequant_dot_bf16): bits of its own
     # each layer re-positioned exactly, measured on the weights as they will run (after any quantization)
     check_rerotation(model, Rope.from_model(model), name=name)
     param = next(model.parameters())

@@ -60,14 +60,16 @@ _PACK_ROWS = 4096
 """Rows re-laid out at a time (bounds the int32 temporaries of a large embedding / head)."""
 
 
-def _int4_weights(blocks: torch.Tensor, qtype: str) -> list[quant._Int4]:
-    """The int4 kernel weights (:class:`kvrag.kv.quant._Int4`) of :func:`int4_parts`, built ``_PACK_ROWS`` rows at a
-    time for kvrag's kernel (whose layout is whole tiles of 16 rows, so the pieces concatenate)."""
+def _int4_weights(blocks: torch.Tensor, qtype: str, order: torch.Tensor | None = None) -> list[quant._Int4]:
+    """The int4 kernel weights (:class:`kvrag.kv.quant._Int4`) of :func:`int4_parts`, rows in ``order`` (the
+    blocks' own order by default), built ``_PACK_ROWS`` rows at a time for kvrag's kernel (whose layout is whole
+    tiles of 16 rows, so the pieces concatenate)."""
     if int4_kernel.path() is None:
-        return [quant._Int4.from_parts(*p) for p in int4_parts(blocks, qtype)]
+        return [quant._Int4.from_parts(*p) for p in int4_parts(blocks if order is None else blocks[order], qtype)]
     out: list[quant._Int4] = []
     for r in range(0, blocks.shape[0], _PACK_ROWS):
-        for i, p in enumerate(int4_parts(blocks[r : r + _PACK_ROWS], qtype)):
+        rows = blocks[r : r + _PACK_ROWS] if order is None else blocks[order[r : r + _PACK_ROWS]]
+        for i, p in enumerate(int4_parts(rows, qtype)):
             piece = int4_kernel.pack(*p)
             if i == len(out):
                 w = quant._Int4.__new__(quant._Int4)
@@ -148,17 +150,22 @@ class FilePages:
 class GGUFLinear(torch.nn.Module):
     """A linear layer whose weight is a GGUF tensor's raw blocks (``blocks``: uint8 [out, row bytes]), see the
     module docstring. ``weight`` is a meta tensor of the weight's shape and compute dtype (for code that reads
-    shapes); nothing of float size is kept."""
+    shapes); nothing of float size is kept. ``order`` (int64 [out]): output j is the blocks' row ``order[j]`` (the
+    file's rows kept in the file's order where the model orders them otherwise: Llama's q / k); the int4 layouts
+    are built in the model's order, and the other routes compute in the file's order and gather the outputs."""
 
     blocks: torch.Tensor
+    order: torch.Tensor | None
 
     def __init__(self, blocks: torch.Tensor, qtype: str, in_features: int, dtype: torch.dtype, scratch: Scratch,
-                 bias: torch.Tensor | None = None, *, head: bool = False, pages: FilePages | None = None) -> None:
+                 bias: torch.Tensor | None = None, *, head: bool = False, pages: FilePages | None = None,
+                 order: torch.Tensor | None = None) -> None:
         super().__init__()
         self.pages = pages
         self.in_features, self.out_features = in_features, int(blocks.shape[0])
         self.qtype, self.dtype, self.scratch, self.head = qtype, dtype, scratch, head
         self.register_buffer("blocks", blocks)
+        self.register_buffer("order", order, persistent=False)
         self.register_buffer("ggml_type", torch.tensor(list(TYPES).index(qtype)))
         self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
         self.int4: quant._Int4 | _Split | None = None
@@ -181,7 +188,7 @@ class GGUFLinear(torch.nn.Module):
         if (self.qtype not in INT4_TYPES + SPLIT_TYPES or self.out_features % 16 or self.in_features % quant.GROUP
                 or not self.blocks.is_cpu):
             return False
-        parts = _int4_weights(self.blocks, self.qtype)
+        parts = _int4_weights(self.blocks, self.qtype, self.order)
         self.int4 = parts[0] if len(parts) == 1 else _Split(*parts)
         self.all_rows = all_rows
         if self.pages is not None:  # decode-sized products no longer read the file's pages: out of the resident set
@@ -189,12 +196,17 @@ class GGUFLinear(torch.nn.Module):
         return True
 
     def rows(self, index: torch.Tensor) -> torch.Tensor:
-        """float32 weight rows ``index`` (any shape): [..., in_features]."""
-        return dequantize(self.blocks[index], self.qtype, self.in_features)
+        """float32 weight rows ``index`` (any shape; the model's row numbers): [..., in_features]."""
+        return dequantize(self.blocks[index if self.order is None else self.order[index]], self.qtype,
+                          self.in_features)
+
+    def _in_order(self, y: torch.Tensor) -> torch.Tensor:
+        """Outputs computed in the blocks' row order, in the model's (:attr:`order`)."""
+        return y if self.order is None else y.index_select(-1, self.order)
 
     def dense_tile(self, r0: int, r1: int, dtype: torch.dtype, scratch: bool) -> torch.Tensor:
-        """Weight rows ``r0:r1`` in ``dtype``: in the model's scratch buffer when ``scratch`` (the caller holds its
-        lock; valid until the next tile), else in a buffer of their own."""
+        """The blocks' rows ``r0:r1`` (the file's order) in ``dtype``: in the model's scratch buffer when ``scratch``
+        (the caller holds its lock; valid until the next tile), else in a buffer of their own."""
         fn = native_for(self.qtype, self.blocks) if dtype in (torch.float32, torch.bfloat16) else None
         if fn is not None:
             shape = (r1 - r0, self.in_features)
@@ -222,19 +234,22 @@ class GGUFLinear(torch.nn.Module):
         # would broadcast the weight tile and copy it for a batched product, on every tile.
         flats = [x.reshape(-1, self.in_features) for x in xs]
         dtype = flats[0].dtype
+        inner: torch.Tensor | None = self.bias  # in the blocks' row order, added in each product as a dense layer does
+        if inner is not None and self.order is not None:
+            inner = torch.empty_like(inner).index_copy_(0, self.order, inner)
         own = self.scratch.lock.acquire(blocking=False)
         try:
             if step >= self.out_features:
                 w = self.dense_tile(0, self.out_features, dtype, own)
-                ys = [torch.nn.functional.linear(x, w, self.bias) for x in flats]
+                ys = [torch.nn.functional.linear(x, w, inner) for x in flats]
             else:
                 ys = [x.new_empty(x.shape[0], self.out_features) for x in flats]
                 for r0 in range(0, self.out_features, step):
                     r1 = min(r0 + step, self.out_features)
-                    w, bias = self.dense_tile(r0, r1, dtype, own), None if self.bias is None else self.bias[r0:r1]
+                    w, bias = self.dense_tile(r0, r1, dtype, own), None if inner is None else inner[r0:r1]
                     for x, y in zip(flats, ys, strict=True):
                         y[:, r0:r1] = torch.nn.functional.linear(x, w, bias)
-            return [y.view(*x.shape[:-1], self.out_features) for x, y in zip(xs, ys, strict=True)]
+            return [self._in_order(y).view(*x.shape[:-1], self.out_features) for x, y in zip(xs, ys, strict=True)]
         finally:
             if own:
                 self.scratch.lock.release()
@@ -263,9 +278,9 @@ class GGUFLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         k = x.shape[-1]
         if self.dot is not None and self._decode_sized(x):
-            half = x.dtype == torch.bfloat16 and self.dot_bf16 is not None
-            y = dot(self.dot_bf16 if half else self.dot, self.blocks, self.qtype, x.reshape(-1, k), bf16=half)
-            y = y.to(x.dtype)
+            fn = self.dot_bf16 if x.dtype == torch.bfloat16 and self.dot_bf16 is not None else self.dot
+            y = dot(fn, self.blocks, self.qtype, x.reshape(-1, k), bf16=fn is self.dot_bf16)
+            y = self._in_order(y).to(x.dtype)
             if self.bias is not None:
                 y = y + self.bias
             return y.view(*x.shape[:-1], self.out_features)

@@ -19,9 +19,10 @@ import torch
 from kvrag import KVRAGEngine
 from kvrag.errors import ConfigError
 from kvrag.gguf_load import _file_bytes, tensor_table
-from kvrag.kv import gguf_blocks, gguf_quant, int4_kernel, native, quant
+from kvrag.kv import gguf_blocks, gguf_quant, int4_kernel, quant
 from kvrag.kv.attention import use_gqa_sdpa
 from kvrag.kv.gguf_quant import GGUFEmbedding, GGUFLinear
+from kvrag.kv.native import cpu_flags
 from kvrag_testing.tiny import tiny_model
 from kvrag_testing.tiny_gguf import write_tiny_gguf
 
@@ -196,7 +197,7 @@ def test_q6_k_bfloat16_products_on_avx512_bf16(blocks_file: Path) -> None:
     file's weight to float32 rounding (no input rounded), each input row the same bits alone as among 1-16 others
     (the kernel takes up to 4 rows a pass), and the layer's bfloat16 forward is that product rounded once."""
     fn = gguf_blocks.native_dot_bf16()
-    if gguf_blocks.native_dot() is None or not {"avx512_bf16", "avx512bw", "avx512vl"} <= native.cpu_flags():
+    if gguf_blocks.native_dot() is None or not {"avx512_bf16", "avx512bw", "avx512vl"} <= cpu_flags():
         pytest.skip("no AVX512-BF16 (or no C compiler): bfloat16 inputs take the float32 product")
     assert fn is not None, "the CPU has AVX512-BF16, but kvrag_dequant_dot_bf16 failed its self-check"
     raw, _ = _resident(blocks_file)["Q6_K"]
@@ -210,6 +211,25 @@ def test_q6_k_bfloat16_products_on_avx512_bf16(blocks_file: Path) -> None:
     lin = GGUFLinear(raw, "Q6_K", COLS, torch.bfloat16, gguf_quant.Scratch())
     assert lin.use_int4() and lin.dot_bf16 is fn
     assert torch.equal(lin(xs[:3]), alone[:3].to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_rows_kept_in_the_files_order_compute_as_the_reordered_copy(blocks_file: Path, qtype: str) -> None:
+    """A layer on the file's blocks with a row ``order`` (Llama's q / k) gives the bits of a layer on a re-ordered
+    copy of them on every route: the int4 / dot decode products, the dense route (in tiles or not, with a bias),
+    the exact rows the head refines with."""
+    raw, _ = _resident(blocks_file)[qtype]
+    order = torch.randperm(ROWS, generator=torch.Generator().manual_seed(5))
+    bias = torch.randn(ROWS)
+    for dtype in (torch.float32, torch.bfloat16):
+        kept = GGUFLinear(raw, qtype, COLS, dtype, gguf_quant.Scratch(), bias.to(dtype), order=order)
+        copy = GGUFLinear(raw[order].clone(), qtype, COLS, dtype, gguf_quant.Scratch(), bias.to(dtype))
+        assert kept.use_int4() == copy.use_int4()
+        x = torch.randn(3, quant.MAX_ROWS + 4, COLS, generator=torch.Generator().manual_seed(6)).to(dtype)
+        for rows in (x[:, :1], x[0, :5], x):  # decode-sized, and the dense route
+            assert torch.equal(kept(rows), copy(rows))
+        kept.scratch.buf.clear()
+        assert torch.equal(kept.rows(torch.tensor([[4, 0]])), copy.rows(torch.tensor([[4, 0]])))
 
 
 def test_dense_route_takes_strided_and_batched_inputs_tile_by_tile(blocks_file: Path, monkeypatch) -> None:
@@ -266,6 +286,9 @@ def test_quantized_gguf_loads_resident_and_matches_transformers(quantization: st
     layer = model.model.layers[0]
     assert isinstance(model.model.embed_tokens, GGUFEmbedding) and isinstance(layer.self_attn.q_proj, GGUFLinear)
     assert layer.self_attn.q_proj.qtype == quantization and isinstance(model.lm_head, GGUFLinear)
+    # Llama's q / k rows: the file's pages (no copy), read in transformers' order
+    assert all(p.order is not None and p.pages is not None for p in (layer.self_attn.q_proj, layer.self_attn.k_proj))
+    assert layer.self_attn.v_proj.order is None
     assert not any(p.dtype == torch.float32 and p.dim() == 2 for p in model.parameters())  # no float weight
     assert not list((tmp_path / "home" / "models").glob("*/*.safetensors"))
     reference = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
@@ -293,19 +316,20 @@ def test_int4_decode_route_on_the_files_blocks_fuses_and_full_equals_generate(tm
     attn = eng.loaded.model.model.layers[0].self_attn
     mods = (attn.q_proj, attn.k_proj, attn.v_proj)
     assert all(m.int4 is not None for m in mods)
-    # the file's pages a layer gave back once it held its int4 weights still read as the file's bytes; q / k blocks
-    # (rows re-laid for transformers) are copies, never given back
-    assert attn.q_proj.pages is None and attn.k_proj.pages is None and attn.v_proj.pages is not None
+    # the file's pages a layer gave back once it held its int4 weights still read as the file's bytes; q / k keep
+    # them too (transformers' row order applied to the outputs, not to a copy)
+    assert attn.q_proj.order is not None and attn.k_proj.order is not None and attn.v_proj.order is None
     table = {t["name"]: t for t in tensor_table(gguf.GGUFReader(path))}
-    v = table["blk.0.attn_v.weight"]
-    with path.open("rb") as f:
-        f.seek(v["offset"])
-        on_disk = f.read(v["bytes"])
-    assert attn.v_proj.blocks.numpy().tobytes() == on_disk
-    x = torch.randn(quant.MAX_ROWS + 1, attn.v_proj.in_features)  # the dense route reads the pages and gives them back
-    weight = attn.v_proj.rows(torch.arange(attn.v_proj.out_features))
-    assert torch.equal(attn.v_proj(x), torch.nn.functional.linear(x, weight))
-    assert attn.v_proj.blocks.numpy().tobytes() == on_disk
+    for mod, name in ((attn.q_proj, "q"), (attn.v_proj, "v")):
+        t = table[f"blk.0.attn_{name}.weight"]
+        with path.open("rb") as f:
+            f.seek(t["offset"])
+            on_disk = f.read(t["bytes"])
+        assert mod.pages is not None and mod.blocks.numpy().tobytes() == on_disk
+        x = torch.randn(quant.MAX_ROWS + 1, mod.in_features)  # the dense route reads the pages and gives them back
+        weight = mod.rows(torch.arange(mod.out_features))
+        assert torch.equal(mod(x), torch.nn.functional.linear(x, weight))
+        assert mod.blocks.numpy().tobytes() == on_disk
     if int4_kernel.path() is not None:
         fused = quant.fuse_int4(mods)
         assert fused is not None and fused.valid()
