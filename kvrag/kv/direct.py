@@ -12,8 +12,13 @@ step's row attention (:func:`kvrag.kv.batched.attention`), ``o_proj``, the resid
 the gated MLP's ``down(act(gate(x)) * up(x))``, the residual; then the final norm and the LM head over the kept
 positions. The outputs are the same bits as the model's forward (tested per family and dtype).
 
-Which models: the decoder layouts written out above -- Llama, Mistral, Qwen2 and Qwen3 (SmolLM2 is a Llama) -- with
-no forward hooks on any of their modules (the loop calls each module's ``forward`` itself, so hooks would not run).
+Gemma 3 is the same loop with its own layout: the scaled embedding module, RoPE tables per layer type (local
+sliding-window and global layers), q / k norms, a norm after attention and before / after the MLP (``h + post(attn(
+norm(h)))``, ``h + post_ff(mlp(pre_ff(h)))``) and the final logits soft-capped where the config sets it.
+
+Which models: the decoder layouts written out above -- Llama, Mistral, Qwen2, Qwen3 (SmolLM2 is a Llama) and Gemma 3
+-- with no forward hooks on any of their modules (the loop calls each module's ``forward`` itself, so hooks would not
+run).
 It is one backend of :mod:`kvrag.kv.step_backend`, which checks its first step of each model against the model's
 forward (logits and written K/V, bit for bit) before it serves that model.
 """
@@ -30,7 +35,7 @@ import torch
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-FAMILIES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+FAMILIES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM")
 """Model classes whose decoder layers :func:`forward` runs (by class name, as transformers names them)."""
 
 _all_modules: weakref.WeakKeyDictionary[PreTrainedModel, list[torch.nn.Module]] = weakref.WeakKeyDictionary()
@@ -58,13 +63,20 @@ def why_not(model: PreTrainedModel) -> str | None:
         if a is None or not all(hasattr(a, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj", "scaling",
                                                         "head_dim", "layer_idx")):
             return f"{name}'s attention lacks the expected projections"
-        if not all(hasattr(layer, p) for p in ("input_layernorm", "post_attention_layernorm", "mlp")):
+        norms = ("input_layernorm", "post_attention_layernorm", "mlp") + (
+            ("pre_feedforward_layernorm", "post_feedforward_layernorm") if _sandwich(model) else ())
+        if not all(hasattr(layer, p) for p in norms):
             return f"{name}'s decoder layer lacks the expected norms / MLP"
         if not all(hasattr(layer.mlp, p) for p in ("gate_proj", "up_proj", "down_proj", "act_fn")):
             return f"{name}'s MLP is not the gated MLP it writes out"
     if _hooked(_modules(model)):
         return "forward hooks on the model or its modules"
     return None
+
+
+def _sandwich(model: PreTrainedModel) -> bool:
+    """Gemma 3's layout: norms after attention and around the MLP, RoPE tables per layer type."""
+    return type(model).__name__ == "Gemma3ForCausalLM"
 
 
 def _segmented(module: torch.nn.Module, x: torch.Tensor, segments: Sequence[int] | None) -> torch.Tensor:
@@ -105,9 +117,16 @@ def forward(model: PreTrainedModel, ids: torch.Tensor, pos: torch.Tensor, keep: 
     # each module's ``forward`` straight away: :mod:`kvrag.kv.step_backend` runs it only while no module has hooks, so
     # this is what ``module(...)`` runs, minus nn.Module's call dispatch (~300 calls a step)
     h = inner.embed_tokens.forward(ids)
-    cos, sin = inner.rotary_emb.forward(h, position_ids=pos)
+    sandwich = _sandwich(model)
+    if sandwich:  # a table per layer type, as Gemma3TextModel.forward builds them
+        types = model.config.layer_types
+        tables = {t: inner.rotary_emb.forward(h, pos, t) for t in set(types)}
+    else:
+        cos, sin = inner.rotary_emb.forward(h, position_ids=pos)
     b, s = ids.shape
-    for layer in inner.layers[: model.config.num_hidden_layers]:
+    for i, layer in enumerate(inner.layers[: model.config.num_hidden_layers]):
+        if sandwich:
+            cos, sin = tables[types[i]]
         a = layer.self_attn
         shape = (b, s, -1, a.head_dim)
         residual = h
@@ -121,13 +140,19 @@ def forward(model: PreTrainedModel, ids: torch.Tensor, pos: torch.Tensor, keep: 
         v = _segmented(a.v_proj, x, segments).view(shape).transpose(1, 2)
         q, k = rope(q, k, cos, sin)
         o, _ = attention(a, q, k, v, a.scaling)
-        h = residual + _segmented(a.o_proj, o.reshape(b, s, -1).contiguous(), segments)
+        o = _segmented(a.o_proj, o.reshape(b, s, -1).contiguous(), segments)
+        if sandwich:
+            h = residual + layer.post_attention_layernorm.forward(o)
+            x = layer.pre_feedforward_layernorm.forward(h)
+        else:
+            h = residual + o
+            x = layer.post_attention_layernorm.forward(h)
         residual = h
-        x = layer.post_attention_layernorm.forward(h)
         mlp = layer.mlp  # transformers' gated MLP: down(act(gate(x)) * up(x))
         gate = _segmented(mlp.gate_proj, x, segments)
         up = _segmented(mlp.up_proj, x, segments)
-        h = residual + _segmented(mlp.down_proj, mlp.act_fn(gate) * up, segments)
+        down = _segmented(mlp.down_proj, mlp.act_fn(gate) * up, segments)
+        h = residual + (layer.post_feedforward_layernorm.forward(down) if sandwich else down)
     return head(model, h, keep)
 
 
@@ -136,8 +161,13 @@ def head(model: PreTrainedModel, h: torch.Tensor, keep: int | torch.Tensor) -> t
     (``keep`` as :func:`forward` takes it)."""
     h = model.model.norm.forward(h)
     if isinstance(keep, torch.Tensor):
-        return model.lm_head.forward(h[:, keep, :])
-    return model.lm_head.forward(h if keep == 0 else h[:, -keep:, :])
+        logits = model.lm_head.forward(h[:, keep, :])
+    else:
+        logits = model.lm_head.forward(h if keep == 0 else h[:, -keep:, :])
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    if cap is not None:  # as Gemma3ForCausalLM.forward (the only family here whose config sets it)
+        logits = torch.tanh(logits / cap) * cap
+    return logits
 
 
 def _modules(model: PreTrainedModel) -> list[torch.nn.Module]:

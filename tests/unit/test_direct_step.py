@@ -40,6 +40,7 @@ def _step(model: Any, rows: list[batched.Row], toks: list[int], served: bool) ->
     ("llama", torch.float32, None, None), ("llama", torch.bfloat16, None, None), ("llama", torch.bfloat16, "int4", None),
     ("qwen2", torch.float32, None, 40), ("qwen3", torch.bfloat16, None, None), ("qwen3", torch.float32, "int8", None),
     ("mistral", torch.float32, None, 40), ("mistral", torch.bfloat16, None, None),
+    ("gemma3", torch.float32, None, None), ("gemma3", torch.bfloat16, "int4", 40),
 ])
 def test_direct_steps_are_the_models_forward_bit_for_bit(family: str, dtype: torch.dtype, quantize: str | None,
                                                          window: int | None) -> None:
@@ -99,7 +100,7 @@ def test_the_first_step_decides_and_other_models_keep_their_forward(monkeypatch:
         batched.decode_step(lm.model, a, toks, batched.windows(lm.model))
     assert step_backend.chosen(lm.model, "decode") == "direct" and calls == ["LlamaForCausalLM"] * 2  # checked once
 
-    other = tiny_model("gemma", init_std=0.1)  # scaled embeddings: a layout the loop does not write out
+    other = tiny_model("gemma", init_std=0.1)  # embeddings scaled in the model's forward: not a layout it writes out
     assert "GemmaForCausalLM" in str(direct.why_not(other.model))
     eng2 = KVRAGEngine(other, MemoryStore(), EngineConfig())
     eng2.ingest(DOCS)

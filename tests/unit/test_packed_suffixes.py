@@ -61,12 +61,12 @@ def test_each_row_is_the_models_own_suffix_prefill(family: str, window: int | No
 
 @pytest.mark.parametrize(("family", "dtype", "quantize"), [
     ("llama", torch.float32, None), ("llama", torch.bfloat16, "int4"), ("qwen3", torch.bfloat16, None),
-    ("qwen2", torch.float32, "int8"), ("gemma", torch.float32, None),
+    ("qwen2", torch.float32, "int8"), ("gemma", torch.float32, None), ("gemma3", torch.bfloat16, None),
 ])
 def test_a_packed_row_is_bit_identical_to_the_row_alone(family: str, dtype: torch.dtype, quantize: str | None) -> None:
     """What a request computes does not depend on what it was packed with: K/V and logits equal bit for bit (the
     direct loop runs each row's products alone, so short suffixes keep the quantized route; a model the loop does
-    not write out, Gemma, runs one forward per row). The one exception is a decode step's: the output head runs
+    not write out, Gemma 1, runs one forward per row). The one exception is a decode step's: the output head runs
     over the rows' last positions together, and a dense float32 GEMM sums a 3-row product in another order than a
     1-row one (~1e-6). Suffixes of 3, 1 and 20 tokens: below and above the quantized route's row limit."""
     lm = tiny_model(family, init_std=0.1, dtype=dtype, quantize=quantize)
