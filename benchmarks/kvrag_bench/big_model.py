@@ -222,7 +222,9 @@ def child_answer(gguf: str, store: str, data: str | None, context: int, new_toke
     # a second question over the same passages: warm (the first request's one-time work is behind it)
     again = eng.prepare(eng.plan_parts(prefix, passages, get_template(None).parts(
         lm.tokenizer, passages, _second_question(data))[2]), method, reserve=new_tokens)
-    "".join(eng.stream(again, GenerationConfig(max_new_tokens=1)))
+    t = time.perf_counter()
+    "".join(eng.stream(again, GenerationConfig(max_new_tokens=new_tokens)))
+    second_decode_s = time.perf_counter() - t
     kv_bytes = eng.runner.budget.bytes_per_token * (len(plan.token_ids) + new_tokens)  # what the request leased
     return {"load_s": load_s, "ttft_s": prep.timings.ttft_s, "decode_ms": 1000 * decode_s / max(1, len(tokens) - 1),
             "peak_rss_mb": _peak_rss_mb(), "peak_rss_after_load_mb": rss_loaded, "kv_mb": kv_bytes / 2**20,
@@ -230,7 +232,8 @@ def child_answer(gguf: str, store: str, data: str | None, context: int, new_toke
             "prompt_ids": list(plan.token_ids), "dtype": str(lm.dtype).replace("torch.", ""),
             "quantize": lm.quantize, "stats_method": method,
             "misses": {"chunks": prep.stats.chunk_misses, "other": prep.stats.other_misses},
-            "second_ttft_s": again.timings.ttft_s, "second_timings": dict(again.timings)}
+            "second_ttft_s": again.timings.ttft_s, "second_timings": dict(again.timings),
+            "second_decode_ms": 1000 * second_decode_s / max(1, len(again.token_ids) - 1)}
 
 
 def _second_question(data: str | None) -> str:
@@ -288,7 +291,8 @@ def markdown(r: dict[str, Any]) -> str:
     if k.get("second_ttft_s") is not None:
         lines.append(f"A second question over the same passages in the same process (warm: the first request's one-time "
                      f"work behind it): TTFT {k['second_ttft_s']:.2f} s, suffix prefill "
-                     f"{k['second_timings']['suffix_prefill_s']:.1f} s.")
+                     f"{k['second_timings']['suffix_prefill_s']:.1f} s"
+                     + (f", decode {k['second_decode_ms']:.0f} ms/token." if "second_decode_ms" in k else "."))
     missed = k.get("misses", {})
     if any(missed.values()):
         lines.append(f"The answer found {missed['chunks']} chunk(s) and {missed['other']} other segment(s) missing "
