@@ -2,6 +2,7 @@
 (kvrag.kv.batched.prefill_rows), on one loaded model, one thread, the same contexts and suffixes for each side.
 
     python benchmarks/kvrag_bench/prof/ab_packed_suffix.py int4 1200 25 8 5   # weights, context, suffix, rows, rounds
+    python benchmarks/kvrag_bench/prof/ab_packed_suffix.py int4 1200 25 8 5 gemma-3-270m-it-Q4_K_M.gguf  # a model
 
 Sides: the model's own forward per request over its cache (``hf_cache.forward``), ``prefill_rows`` per request,
 and ``prefill_rows`` over all rows at once. The packed logits must equal the per-request ones bit for bit (each
@@ -24,7 +25,7 @@ def main():
     quantize = sys.argv[1] if len(sys.argv) > 1 else "int4"
     given = sys.argv[2:6]
     ctx, n, rows_n, rounds = (int(a) for a in given + ["1200", "25", "8", "5"][len(given):])
-    lm = load_model(None, quantize=None if quantize == "none" else quantize)
+    lm = load_model(sys.argv[6] if len(sys.argv) > 6 else None, quantize=None if quantize == "none" else quantize)
     model, win = lm.model, batched.windows(lm.model)
     keys, values = hf_cache.prefill_kv(model, torch.tensor(list(range(1000, 1000 + ctx))))
     suffixes = [[2000 + 13 * i + j for j in range(n)] for i in range(rows_n)]
