@@ -21,9 +21,10 @@ def main() -> None:
     torch.set_num_threads(1)
     steps = int(sys.argv[2]) if len(sys.argv) > 2 else 4
     model = load_model(sys.argv[1]).model
-    spent: collections.Counter[str] = collections.Counter()
+    spent: collections.defaultdict[str, float] = collections.defaultdict(float)
     count: collections.Counter[str] = collections.Counter()
     started: dict[int, float] = {}
+
     def start(mod: torch.nn.Module, _x: object) -> None:
         started[id(mod)] = time.perf_counter()
 
@@ -47,7 +48,7 @@ def main() -> None:
             cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
         step_ms = 1e3 * (time.perf_counter() - t) / steps
     print(f"step {step_ms:.0f} ms; in GGUF layers {1e3 * sum(spent.values()) / steps:.0f} ms")
-    for key, s in spent.most_common():
+    for key, s in sorted(spent.items(), key=lambda kv: -kv[1]):
         print(f"  {key}: {1e3 * s / steps:.1f} ms a step, {count[key] // steps} layers")
 
 
