@@ -33,7 +33,7 @@ def run(args: argparse.Namespace) -> None:
     from kvrag_bench.runner import QABenchmark
 
     methods = [m for m in args.methods.split(";") if m]
-    cfg = BenchConfig(data=args.data, out=args.out, methods=methods, template=args.template,
+    cfg = BenchConfig(data=args.data, out=args.out, methods=methods, template=args.template, model=args.model,
                       max_new_tokens=args.max_new_tokens, threads=1, plots=False, progress=False)
     bench = QABenchmark(cfg)
     out = Path(args.out)
@@ -84,10 +84,16 @@ def calibrate(args: argparse.Namespace) -> None:
     levels = args.levels.split(",")
     grid = [round(x, 2) for x in np.arange(0.0, 1.0, 0.05)] + [1.01]
     print(f"{len(rows)} requests, ladder {levels}")
+    table = {}
     for agree in (0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0):
         tau = next((g for g in grid if simulate(rows, conf, levels, g)[0] >= agree), 1.01)
         same, p50, mean = simulate(rows, conf, levels, tau)
         print(f"agree {agree}: threshold {tau} same answer {same:.2f} TTFT/full p50 {p50:.2f} mean {mean:.2f}")
+        table[str(agree)] = [1.01 if agree >= 1.0 else tau] * (len(levels) - 1)  # agree=1: always the last level
+    if args.write:
+        record = {"levels": levels, "requests": len(rows), "rows": args.rows, "thresholds": table}
+        Path(args.write).write_text(json.dumps(record, indent=1) + "\n")
+        print(f"wrote {args.write}: pass it as auto:agree=X,thresholds={args.write}")
 
 
 def summarize(args: argparse.Namespace) -> None:
@@ -121,12 +127,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     r.add_argument("--out", required=True)
     r.add_argument("--methods", default="full;stale;cacherepair;hybrid:r=0.015;hybrid:r=0.03;hybrid:r=0.06")
     r.add_argument("--template", default="oneshot-chat-answer-is")
+    r.add_argument("--model", default=None, help="a GGUF path, HF id or folder (default: the embedded model)")
     r.add_argument("--max-new-tokens", type=int, default=24)
     r.set_defaults(func=run)
     c = sub.add_parser("calibrate")
     c.add_argument("out")
     c.add_argument("--levels", default="cacherepair,full")
     c.add_argument("--rows", default=None, help="a row range such as 0-25 (default: every recorded row)")
+    c.add_argument("--write", default=None, help="write the thresholds to this JSON file (auto's thresholds=FILE)")
     c.set_defaults(func=calibrate)
     m = sub.add_parser("summarize")
     m.add_argument("out")

@@ -316,7 +316,7 @@ def prepare_hit(engine: HitEngine, plan: Plan, m: FusionMethod, lease: Lease, hi
         timings.suffix_prefill_s = time.perf_counter() - t - pace.paused_s
     chunked = spliced or plan  # the plan whose chunks the reused prefix holds
     level = hit.entry.level
-    threshold = m.kept_context_threshold(level)
+    threshold = m.kept_context_threshold(level, engine.model)
     if threshold is not None:
         conf = first_step_confidence(last)
         if conf < threshold:  # unsure over the kept context: compute the prompt as full does, over its own ids

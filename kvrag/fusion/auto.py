@@ -37,7 +37,7 @@ from kvrag.errors import ConfigError
 from kvrag.fusion.base import FusionInput, FusionMethod, FusionOutput, Observation, register, shared_method
 from kvrag.fusion.cost import ModelCost
 from kvrag.fusion.cost_model import SHIPPED_COST_MODEL, CostModel, fit_cost_model, load_cost_model
-from kvrag.fusion.escalate import DEFAULT_LEVELS, Ladder, level_spec, parse_levels, thresholds_for
+from kvrag.fusion.escalate import DEFAULT_LEVELS, Ladder, agree_table, level_spec, parse_levels, thresholds_for
 from kvrag.fusion.online import OnlineCosts, online_costs
 from kvrag.fusion.recompute import check_choice, check_ratio
 from kvrag.kv import pieces
@@ -81,6 +81,9 @@ class Auto(FusionMethod):
             ``hybrid:r``, 1: ``full``; default 0/1).
         checkpoint: the CacheRepair checkpoint the ladder uses (default: the shipped one for the model; a model
             without one starts from the stale cache).
+        thresholds: a thresholds JSON for ``agree`` (``{"thresholds": {"0.9": [0.45], ...}}``, as
+            ``kvrag_bench.fidelity_probe calibrate --write`` writes it; default: the shipped calibration for the
+            model, else the default model's, :func:`kvrag.fusion.escalate.agree_table`).
         costs: a cost-model JSON, or a ``kvrag calibrate`` file (its cost model for the dtype auto runs in)
             (default: the calibrated one for this machine kind and dtype, else the shipped
             ``kvrag/data/auto_cost.json``).
@@ -93,7 +96,7 @@ class Auto(FusionMethod):
     name = "auto"
     reads_canonical_keys = True  # it may choose cacherepair or hybrid
     params = {"budget": (float, None), "costs": (str, None), "margin": (str, "p90"), "adapt": (float, 0.3),
-              "agree": (float, None), "levels": (str, None), "checkpoint": (str, None)}
+              "agree": (float, None), "levels": (str, None), "checkpoint": (str, None), "thresholds": (str, None)}
     budget: float  # None only with agree (no cap)
     costs: str | None
     margin: str
@@ -101,13 +104,14 @@ class Auto(FusionMethod):
     agree: float | None
     levels: str | None
     checkpoint: str | None
+    thresholds: str | None
 
     def validate(self) -> None:
         self.cap: float | None = self.budget  # agree: the budget is a cap, none unless given
         if self.agree is None:
             self.budget = 0.3 if self.budget is None else self.budget
-            if self.levels is not None:
-                msg = f"method {self.name!r}: levels is the escalation ladder of agree=...; pass agree too"
+            if self.levels is not None or self.thresholds is not None:
+                msg = f"method {self.name!r}: levels and thresholds belong to agree=...; pass agree too"
                 raise ConfigError(msg)
         else:
             check_ratio(self.name, "agree", self.agree)
@@ -241,7 +245,9 @@ class Auto(FusionMethod):
                   preds: list[Prediction]) -> Generator[None, None, FusionOutput]:
         assert self.agree is not None
         levels = self.ladder_levels
-        ladder = Ladder(levels, thresholds_for(self.agree, len(levels)), self.ladder_allowed(preds), self.checkpoint)
+        table = agree_table(inp.model, self.thresholds)
+        ladder = Ladder(levels, thresholds_for(self.agree, len(levels), table), self.ladder_allowed(preds),
+                        self.checkpoint)
         out = yield from ladder.run(inp, pace)
         chunks = sum(sp.kind == "chunk" for sp in inp.spans)
         st = out.stats
@@ -251,7 +257,7 @@ class Auto(FusionMethod):
         out.stats = dataclasses.replace(st, auto_agree=self.agree, auto_budget=self.cap, auto_chunks=chunks)
         return out
 
-    def kept_context_threshold(self, level: str | None) -> float | None:
+    def kept_context_threshold(self, level: str | None, model: torch.nn.Module | None = None) -> float | None:
         """With ``agree``, a next turn over a context the ladder left below ``full`` re-checks the first token: the
         threshold of the level it was left at (a recomputing request would check its own first token there too).
         None: no ``agree``, the context is already ``full``'s, the ladder does not end at ``full``, or ``full`` is
@@ -262,7 +268,7 @@ class Auto(FusionMethod):
         if levels[-1] < 1.0 or len(levels) < 2:
             return None
         at = next((i for i, x in enumerate(levels[:-1]) if level in (level_spec(x, True), level_spec(x, False))), 0)
-        return thresholds_for(self.agree, len(levels))[at]
+        return thresholds_for(self.agree, len(levels), agree_table(model, self.thresholds))[at]
 
     def observe(self, obs: Observation) -> None:
         """Learn from a request ``auto`` served: full's speed when it ran ``full``, else the chosen candidate's

@@ -240,11 +240,11 @@ class FusionMethod(abc.ABC):
         """Called by the engine once per request this method served, after the suffix prefill; methods that
         adapt to the machine they run on (``auto``) learn from it. Default: nothing."""
 
-    def kept_context_threshold(self, level: str | None) -> float | None:
-        """For the next turn of a kept conversation (:mod:`kvrag.engine.conversation`), whose context this method
-        left at ``level`` (the request's ``MethodStats.auto_choice``): the first decode step's top-1 probability the
-        new turn must reach over the kept context, below which the request is computed with ``full`` instead.
-        None: the kept context is used as it is (default)."""
+    def kept_context_threshold(self, level: str | None, model: torch.nn.Module | None = None) -> float | None:
+        """For the next turn of a kept conversation (:mod:`kvrag.engine.conversation`) of ``model``, whose context
+        this method left at ``level`` (the request's ``MethodStats.auto_choice``): the first decode step's top-1
+        probability the new turn must reach over the kept context, below which the request is computed with ``full``
+        instead. None: the kept context is used as it is (default)."""
         return None
 
     def __repr__(self) -> str:

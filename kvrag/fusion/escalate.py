@@ -25,7 +25,11 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
+import json
+import logging
 from collections.abc import Callable, Generator, Sequence
+from pathlib import Path
 
 import torch
 
@@ -33,6 +37,8 @@ from kvrag.errors import ConfigError, KVRAGError
 from kvrag.fusion.base import FusionInput, FusionOutput, shared_method
 from kvrag.fusion.stats import MethodStats
 from kvrag.kv import pieces
+
+log = logging.getLogger(__name__)
 
 DEFAULT_LEVELS = (0.0, 1.0)
 """The default ladder: CacheRepair, then ``full``. A ``hybrid`` level between them kept few more answers on dev rows:
@@ -54,11 +60,82 @@ of 0.05, at which the ladder CacheRepair -> ``full`` kept ``full``'s normalized 
 the requests (see docs/methods.md#keeping-fulls-answer)."""
 
 
-def thresholds_for(agree: float, levels: int) -> tuple[float, ...]:
-    """The confidence thresholds of the first ``levels - 1`` levels for an agreement target in (0, 1]."""
-    keys = sorted(AGREE_THRESHOLDS)
+MODEL_THRESHOLDS = Path(__file__).resolve().parents[1] / "data" / "agree_thresholds.json"
+"""Thresholds calibrated for other models than the default, keyed by :func:`model_key` (each entry's ``thresholds``
+has the form of :data:`AGREE_THRESHOLDS`, for the ladder its ``levels`` name); a model without an entry takes
+:data:`AGREE_THRESHOLDS`."""
+
+Table = dict[float, tuple[float, ...]]
+
+
+def model_key(model: torch.nn.Module) -> str:
+    """What a threshold calibration is keyed by: the text model's type, depth, width and vocabulary (e.g.
+    ``gemma3_text:18x640:v262144``), the same however the model was loaded (a GGUF file, a checkpoint folder)."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
+    return (f"{getattr(text, 'model_type', '?')}:{getattr(text, 'num_hidden_layers', '?')}x"
+            f"{getattr(text, 'hidden_size', '?')}:v{getattr(text, 'vocab_size', '?')}")
+
+
+def parse_table(raw: object, where: str) -> Table:
+    """``{"0.9": [0.45], ...}`` (targets in (0, 1] to per-level thresholds) as a table; ConfigError naming ``where``."""
+    msg = (f"{where}: agreement thresholds must map targets in (0, 1] to lists of top-1 probabilities in [0, 1], "
+           'e.g. {"0.9": [0.45]} (python -m kvrag_bench.fidelity_probe calibrate RUN --write FILE writes one)')
+    try:
+        table = {float(k): tuple(float(t) for t in v) for k, v in raw.items()} if isinstance(raw, dict) else {}
+    except (TypeError, ValueError) as e:
+        raise ConfigError(msg) from e
+    if not table or not all(0.0 < k <= 1.0 and v and all(0.0 <= t <= 1.01 for t in v) for k, v in table.items()):
+        raise ConfigError(msg)
+    return table
+
+
+@functools.cache
+def _shipped() -> dict[str, Table]:
+    data = json.loads(MODEL_THRESHOLDS.read_text())
+    return {key: parse_table(entry["thresholds"], f"{MODEL_THRESHOLDS.name} {key}")
+            for key, entry in data["models"].items()}
+
+
+@functools.cache
+def load_table(path: str) -> Table:
+    """A thresholds file (``auto:agree=X,thresholds=FILE``): ``{"thresholds": {"0.9": [0.45], ...}}``."""
+    try:
+        data = json.loads(Path(path).expanduser().read_text())
+    except (OSError, ValueError) as e:
+        msg = f"method 'auto': cannot read the thresholds file {path!r}: {e}"
+        raise ConfigError(msg) from e
+    return parse_table(data.get("thresholds") if isinstance(data, dict) else None, path)
+
+
+def agree_table(model: torch.nn.Module | None, path: str | None = None) -> Table:
+    """The thresholds ``auto:agree`` uses for ``model``: ``path``'s, else the shipped calibration for the model
+    (:data:`MODEL_THRESHOLDS`), else :data:`AGREE_THRESHOLDS` (calibrated on the default model)."""
+    if path:
+        return load_table(path)
+    if model is None:
+        return AGREE_THRESHOLDS
+    key = model_key(model)
+    table = _shipped().get(key)
+    if table is None:
+        if key not in _uncalibrated:
+            _uncalibrated.add(key)
+            log.info("auto:agree: no threshold calibration for %s; using the default model's (calibrate yours: "
+                     "docs/methods.md#keeping-fulls-answer)", key)
+        return AGREE_THRESHOLDS
+    return table
+
+
+_uncalibrated: set[str] = set()
+
+
+def thresholds_for(agree: float, levels: int, table: Table | None = None) -> tuple[float, ...]:
+    """The confidence thresholds of the first ``levels - 1`` levels for an agreement target in (0, 1], from
+    ``table`` (default :data:`AGREE_THRESHOLDS`)."""
+    table = AGREE_THRESHOLDS if table is None else table
+    keys = sorted(table)
     i = min(bisect.bisect_left(keys, agree - 1e-9), len(keys) - 1)
-    row = AGREE_THRESHOLDS[keys[i]]
+    row = table[keys[i]]
     need = max(0, levels - 1)
     return tuple(row[min(j, len(row) - 1)] for j in range(need))
 
@@ -175,5 +252,5 @@ class Ladder:
         return True, rep.stats
 
 
-__all__ = ["AGREE_THRESHOLDS", "DEFAULT_LEVELS", "Ladder", "first_step_confidence", "level_spec", "parse_levels",
-           "thresholds_for"]
+__all__ = ["AGREE_THRESHOLDS", "DEFAULT_LEVELS", "MODEL_THRESHOLDS", "Ladder", "agree_table", "first_step_confidence",
+           "level_spec", "load_table", "model_key", "parse_levels", "parse_table", "thresholds_for"]

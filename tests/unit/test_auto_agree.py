@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from kvrag.errors import ConfigError
-from kvrag.fusion import get_method
+from kvrag.fusion import escalate, get_method
 from kvrag.fusion.escalate import AGREE_THRESHOLDS, Ladder, first_step_confidence, parse_levels, thresholds_for
 from kvrag.kv import hf_cache, pieces
 from kvrag_testing.fusion_suite import context_kv, fusion_case, greedy_tokens
@@ -87,6 +89,35 @@ def test_bad_specs_are_clear_errors() -> None:
     with pytest.raises(ConfigError, match="levels"):
         get_method("auto:agree=0.9,levels=1/0.5")
     assert get_method("auto").budget == 0.3  # the budget mode keeps its default
+
+
+def test_thresholds_per_model_and_from_a_file(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model's shipped calibration (keyed by its shape) or ``thresholds=FILE`` decides where the ladder stops; a
+    model without either takes the default model's; a bad file is a clear error."""
+    case = fusion_case("llama")
+    key = escalate.model_key(case.fusion_input().model)
+    assert key.startswith("llama:") and key == escalate.model_key(fusion_case("llama").fusion_input().model)
+    assert escalate.agree_table(case.fusion_input().model) is AGREE_THRESHOLDS  # not calibrated: the default's
+    keep, up = tmp_path / "keep.json", tmp_path / "up.json"
+    keep.write_text(json.dumps({"thresholds": {"0.9": [0.0]}}))
+    up.write_text(json.dumps({"thresholds": {"0.9": [1.01]}}))
+    assert get_method(f"auto:agree=0.9,thresholds={keep}").fuse(case.fusion_input()).stats.auto_levels == [0.0]
+    assert get_method(f"auto:agree=0.9,thresholds={up}").fuse(case.fusion_input()).stats.auto_levels == [0.0, 1.0]
+    monkeypatch.setattr(escalate, "_shipped", lambda: {key: {0.9: (0.0,)}})  # a shipped calibration for the model
+    assert get_method("auto:agree=0.9").fuse(case.fusion_input()).stats.auto_levels == [0.0]
+    assert get_method("auto:agree=0.9").kept_context_threshold("cacherepair", case.fusion_input().model) == 0.0
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"thresholds": {"2": [0.5]}}))
+    with pytest.raises(ConfigError, match="agreement thresholds"):
+        get_method(f"auto:agree=0.9,thresholds={bad}").fuse(case.fusion_input())
+    with pytest.raises(ConfigError, match="thresholds belong to agree"):
+        get_method(f"auto:thresholds={keep}")
+
+
+def test_the_shipped_calibrations_parse() -> None:
+    data = json.loads(escalate.MODEL_THRESHOLDS.read_text())
+    for key, entry in data["models"].items():
+        assert escalate.parse_table(entry["thresholds"], key) and entry["levels"][-1] == "full"
 
 
 def test_ape_scales_only_the_reused_keys() -> None:
