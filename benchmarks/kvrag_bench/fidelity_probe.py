@@ -2,8 +2,9 @@
 ``auto:agree`` threshold search over them.
 
 ``python -m kvrag_bench.fidelity_probe run --offset 0 --limit 25 --out runs/probe_dev --methods "full;stale;..."``
-records, per request (methods interleaved, order rotating), each method's answer, tokens and TTFT (``rows.jsonl``)
-and its first decode step's log-probabilities (``lp_<row>.pt``). ``python -m kvrag_bench.fidelity_probe calibrate
+records, per request (methods interleaved, order rotating), each method's answer, tokens and TTFT, the top-1
+probability of each of the first 8 steps of its own answer (``confs``; ``rows.jsonl``) and its first decode step's
+log-probabilities (``lp_<row>.pt``). ``python -m kvrag_bench.fidelity_probe calibrate
 runs/probe_dev --levels cacherepair,full`` then prints, per agreement target, the lowest top-1 probability threshold
 (steps of 0.05) at which the ladder of those levels keeps ``full``'s normalized answer on at least that share of the
 recorded requests, with the simulated cost (each level's TTFT added up; a ``hybrid`` after CacheRepair pays only its
@@ -24,6 +25,9 @@ import numpy as np
 import torch
 
 from kvrag_bench.metrics import same_answer
+
+LOOKAHEAD_TOKENS = 8
+"""Steps of each method's own greedy answer whose top-1 probability the probe records (``confs``)."""
 
 
 def run(args: argparse.Namespace) -> None:
@@ -52,6 +56,9 @@ def run(args: argparse.Namespace) -> None:
             r = bench.run_method(plan, spec, get_method(spec), req)
             rec["methods"][spec] = {k: r.record[k] for k in ("answer", "raw", "f1", "token_ids", "ttft_s")}
             lp[spec] = torch.log_softmax(r.last_logits.float(), -1).half()
+            with torch.inference_mode():  # how sure each step of the method's own answer is, from its cache
+                own = bench.teacher_forced(r, r.token_ids[:LOOKAHEAD_TOKENS]) if r.token_ids else r.last_logits[None]
+            rec["methods"][spec]["confs"] = torch.softmax(own.float(), -1).max(-1).values.tolist()
         torch.save(lp, out / f"lp_{args.offset + i}.pt")
         with (out / "rows.jsonl").open("a") as f:
             f.write(json.dumps(rec) + "\n")
@@ -96,6 +103,41 @@ def calibrate(args: argparse.Namespace) -> None:
         print(f"wrote {args.write}: pass it as auto:agree=X,thresholds={args.write}")
 
 
+def _signal(confs: Sequence[float], kind: str, k: int) -> float:
+    """A first level's certainty from the top-1 probabilities of its own answer's first ``k + 1`` steps."""
+    c = confs[: k + 1]
+    if kind == "min":
+        return min(c)
+    return float(np.exp(np.mean(np.log(np.maximum(c, 1e-9))))) if kind == "gmean" else c[0]
+
+
+def signals(args: argparse.Namespace) -> None:
+    """Per agreement target, the cheapest two-level ladder (``--level`` then ``full``) over the recorded requests
+    for each signal: the first step's top-1 probability, or the minimum / geometric mean over the first k + 1 steps of
+    the level's own answer -- whether reading further into the answer keeps more answers than the first step."""
+    out = Path(args.out)
+    rows = [json.loads(x) for x in (out / "rows.jsonl").read_text().splitlines()]
+    same = [same_answer(r["methods"][args.level]["answer"], r["methods"]["full"]["answer"]) for r in rows]
+    cost0 = [r["methods"][args.level]["ttft_s"] / r["methods"]["full"]["ttft_s"] for r in rows]
+    print(f"{len(rows)} requests; {args.level} alone: same answer {np.mean(same):.2f}, TTFT/full {np.mean(cost0):.2f}")
+    for agree in (0.7, 0.8, 0.9):
+        found = []
+        for kind, ks in (("first", [0]), ("min", range(1, 8)), ("gmean", range(1, 8))):
+            for k in ks:
+                sig = [_signal(r["methods"][args.level]["confs"], kind, k) for r in rows]
+                for tau in [*sorted(set(sig)), 1.01]:
+                    keep = [x >= tau for x in sig]
+                    got = float(np.mean([sm if kp else 1.0 for sm, kp in zip(same, keep, strict=True)]))
+                    if got >= agree:
+                        cost = float(np.mean([c + (0.0 if kp else 1.0) for c, kp in zip(cost0, keep, strict=True)]))
+                        found.append((cost, kind, k, tau, got, sum(keep)))
+                        break
+        found.sort()
+        first = next(f for f in found if f[1] == "first")
+        print(f"agree {agree}: first step: kept {first[5]}, mean TTFT/full {first[0]:.2f}; best: " + "; ".join(
+            f"{kind} k={k} tau {tau:.3f} kept {kept} TTFT/full {cost:.2f}" for cost, kind, k, tau, _, kept in found[:3]))
+
+
 def summarize(args: argparse.Namespace) -> None:
     from kvrag_bench import aggregate, provenance
 
@@ -136,6 +178,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     c.add_argument("--rows", default=None, help="a row range such as 0-25 (default: every recorded row)")
     c.add_argument("--write", default=None, help="write the thresholds to this JSON file (auto's thresholds=FILE)")
     c.set_defaults(func=calibrate)
+    g = sub.add_parser("signals")
+    g.add_argument("out")
+    g.add_argument("--level", default="cacherepair", help="the ladder's first level (a recorded method)")
+    g.set_defaults(func=signals)
     m = sub.add_parser("summarize")
     m.add_argument("out")
     m.add_argument("--git-sha", default=None, help="the commit the run started at (default: this checkout's)")

@@ -22,7 +22,7 @@ How it runs (:mod:`kvrag.kv.step_backend`): through the backend chosen per model
 checked bit for bit against the model's own forward (the oracle) -- the fused step (:mod:`kvrag.kv.fused_step`:
 fused products and one kernel call per layer for RoPE, the K/V write and the attention; every family of
 ``docs/models.md`` it lays out), the direct loop (:mod:`kvrag.kv.direct`: the model's modules in a loop of kvrag's;
-Llama, Mistral, Qwen2, Qwen3), or the model's own forward with
+Llama, Mistral, Qwen2, Qwen3, Gemma 3), or the model's own forward with
 
 * a pass-through cache (``update`` hands the fresh K/V back unchanged) and an explicit 4D attention mask, which
   transformers' mask builders return as it is (no [B, 1, 1, T] masks are built for the ragged rows);
