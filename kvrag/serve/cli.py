@@ -46,6 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads of the engine's runner, which runs every forward (default: torch's, the "
                              "machine's cores); the server's other threads run torch work on one thread")
+    parser.add_argument("--warm-up", action=argparse.BooleanOptionalAction, default=True,
+                        help="answer one short prompt before listening (default on), so that the first client does "
+                             "not pay the engine's one-time checks (seconds on a large model)")
     parser.add_argument("--conversation-cache-bytes", type=int, default=None,
                         help="most bytes of KV kept from answered requests for a chat's next turn (default: a quarter "
                              "of the KV bound; 0: off)")
@@ -99,7 +102,8 @@ def run(args: argparse.Namespace, model: str | None, store: str, chunk_prefix: s
                                 method=args.method, on_store_error=args.on_store_error,
                                 max_batch_size=args.max_batch_size, speculative_tokens=args.speculative_tokens,
                                 speculative_max_batch=args.speculative_max_batch,
-                                pack_suffixes=args.pack_suffixes, conversation_cache_bytes=args.conversation_cache_bytes)
+                                pack_suffixes=args.pack_suffixes, conversation_cache_bytes=args.conversation_cache_bytes,
+                                warm=args.warm_up)
     keys = tuple(args.api_key) if args.api_key else keys_from_env()
     try:
         cfg = ServeConfig(model_id=args.model_id, max_queue=args.max_queue, default_max_tokens=args.default_max_tokens,
@@ -136,18 +140,24 @@ def _forward_in_flight(app: object) -> bool:
     return runner is not None and bool(runner.stats().get("threads"))
 
 
-def serving_engine(threads: int | None, model: str | None, store: str, **config: Any) -> KVRAGEngine:
+def serving_engine(threads: int | None, model: str | None, store: str, *, warm: bool = False,
+                   **config: Any) -> KVRAGEngine:
     """The server's engine: the forwards on the runner thread with ``threads`` torch threads (None: torch's count),
     this thread on one. GNU OpenMP gives each thread that runs parallel work its own
     team; with more team threads than cores it stops spinning between parallel regions and each small operation of
-    a decode step pays a wake-up (see ``EngineConfig.runner_threads``)."""
+    a decode step pays a wake-up (see ``EngineConfig.runner_threads``). ``warm``: one short answer first
+    (:func:`kvrag.engine.warmup.warm_up`)."""
     import torch
 
     from kvrag.engine.engine import KVRAGEngine
+    from kvrag.engine.warmup import warm_up
 
     runner = threads if threads is not None else torch.get_num_threads()
     torch.set_num_threads(1)
-    return KVRAGEngine.from_pretrained(model, store, runner_threads=runner, **config)
+    engine = KVRAGEngine.from_pretrained(model, store, runner_threads=runner, **config)
+    if warm:
+        warm_up(engine)
+    return engine
 
 
 def _serve_on_ray(args: argparse.Namespace, factory: Callable[[], KVRAGEngine], cfg: ServeConfig,

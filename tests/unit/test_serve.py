@@ -322,20 +322,25 @@ def test_serve_options_reach_the_engine(monkeypatch: pytest.MonkeyPatch) -> None
     import types
 
     import kvrag.serve
+    from kvrag.engine import warmup
     from kvrag.serve import cli as serve_cli
 
     parser = argparse.ArgumentParser()
     serve_cli.add_arguments(parser)
     seen: dict[str, Any] = {}
-    monkeypatch.setattr(KVRAGEngine, "from_pretrained", lambda *a, **kw: seen.update(kw))
+    monkeypatch.setattr(KVRAGEngine, "from_pretrained", lambda *a, **kw: seen.update(kw) or "engine")
+    warmed: list[object] = []
+    monkeypatch.setattr(warmup, "warm_up", warmed.append)
     app = types.SimpleNamespace(state=types.SimpleNamespace(kvrag=types.SimpleNamespace(model_id="m", chunks=[])))
     monkeypatch.setattr(kvrag.serve, "create_app", lambda *a, **kw: app)
     monkeypatch.setattr(kvrag.serve, "serve", lambda *a, **kw: None)
     for argv, on in (([], False), (["--no-pack-suffixes", "--speculative-tokens", "0", "--speculative-max-batch", "5",
-                                    "--conversation-cache-bytes", "0"], True)):
+                                    "--conversation-cache-bytes", "0", "--no-warm-up"], True)):
         args = parser.parse_args(argv)
         args.verbose = False
+        warmed.clear()
         assert serve_cli.run(args, None, "memory://", "template") == 0
+        assert warmed == ([] if on else ["engine"])  # the engine answers once before the server listens
         assert seen["pack_suffixes"] is not on and seen["speculative_tokens"] == (0 if on else 3)
         assert seen["speculative_max_batch"] == (5 if on else 8)
         assert seen["conversation_cache_bytes"] == (0 if on else None)
