@@ -1,8 +1,23 @@
 """Profiling and A/B scripts, each run as a file (``python benchmarks/kvrag_bench/prof/NAME.py ...``; see its
 docstring). They drive the benchmark runner on dev data outside the repository."""
 
+import statistics
 import sys
+import time
+from collections.abc import Callable
 from typing import Any
+
+
+def median_ms(f: Callable[[], object], n: int = 15, warm: int = 3) -> float:
+    """The median milliseconds of ``n`` calls of ``f`` after ``warm`` untimed ones."""
+    for _ in range(warm):
+        f()
+    ts = []
+    for _ in range(n):
+        t = time.perf_counter()
+        f()
+        ts.append(time.perf_counter() - t)
+    return 1e3 * statistics.median(ts)
 
 
 def step_args(contexts: str = "1536") -> tuple[str, list[int], list[int], int, Any]:

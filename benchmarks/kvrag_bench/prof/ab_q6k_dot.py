@@ -10,21 +10,11 @@ against the float64 product (relative to the largest output).
 """
 import statistics
 import sys
-import time
 
 import torch
 
 from kvrag.kv import gguf_blocks
-
-
-def _median_ms(f, n: int = 15) -> float:
-    f()
-    ts = []
-    for _ in range(n):
-        t = time.perf_counter()
-        f()
-        ts.append(time.perf_counter() - t)
-    return 1e3 * statistics.median(ts)
+from kvrag_bench.prof import median_ms
 
 
 def main() -> None:
@@ -49,7 +39,7 @@ def main() -> None:
         times: dict[str, list[float]] = {k: [] for k in sides}
         for _ in range(3):  # interleaved rounds
             for k, f in sides.items():
-                times[k].append(_median_ms(f, 5))
+                times[k].append(median_ms(f, 5, warm=1))
         ms = {k: statistics.median(v) for k, v in times.items()}
         want = x.double() @ weight.T
         err = {k: float((f().double() - want).abs().max() / want.abs().max()) for k, f in sides.items()}

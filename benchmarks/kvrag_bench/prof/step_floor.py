@@ -11,26 +11,13 @@ step's time minus their sum is what the rest of the step (norms, residuals, acti
 calls) costs. Needs kvrag's int4 kernel and row attention (an AVX512-BF16 or AMX CPU).
 """
 import functools
-import statistics
 import sys
-import time
 
 import torch
 
 from kvrag.kv import batched, hf_cache, row_attention
 from kvrag_bench.decode_bench import context_rows
-from kvrag_bench.prof import step_args
-
-
-def _median_ms(f, n: int = 15) -> float:
-    for _ in range(3):
-        f()
-    ts = []
-    for _ in range(n):
-        t = time.perf_counter()
-        f()
-        ts.append(time.perf_counter() - t)
-    return 1e3 * statistics.median(ts)
+from kvrag_bench.prof import median_ms, step_args
 
 
 def _products(layers, x, xi) -> None:
@@ -65,30 +52,30 @@ def main():
         for rows_n in batches:
             x = torch.randn(rows_n, cfg.hidden_size).to(lm.dtype)
             xi = torch.randn(rows_n, cfg.intermediate_size).to(lm.dtype)
-            print(f"{rows_n} row(s): products {_median_ms(functools.partial(_products, layers, x, xi)):.2f} ms, head "
-                  f"{_median_ms(functools.partial(m.lm_head.forward, x[:, None])):.2f} ms", flush=True)
+            print(f"{rows_n} row(s): products {median_ms(functools.partial(_products, layers, x, xi)):.2f} ms, head "
+                  f"{median_ms(functools.partial(m.lm_head.forward, x[:, None])):.2f} ms", flush=True)
         for ctx in contexts:
             kv = [(torch.randn(cfg.num_key_value_heads, ctx + 16, d).to(lm.dtype),
                    torch.randn(cfg.num_key_value_heads, ctx + 16, d).to(lm.dtype)) for _ in layers]
             for nq in (1, 4):
                 q = torch.randn(1, cfg.num_attention_heads, nq, d).to(lm.dtype)
                 out = torch.empty(1, nq, cfg.num_attention_heads, d, dtype=lm.dtype)
-                ms = _median_ms(functools.partial(_attend, kv, q, out, ctx))
+                ms = median_ms(functools.partial(_attend, kv, q, out, ctx))
                 print(f"context {ctx}: attention of {nq} position(s) {ms:.2f} ms", flush=True)
             pre = hf_cache.prefill_kv(m, torch.tensor(list(range(1000, 1000 + ctx))))
             rows = context_rows(*pre, 1, ctx + 64, lm.dtype)
             steps = {"plain": functools.partial(batched.decode_step, m, rows, [500], win)}
             for k in (2, 4, 6):
                 steps[f"verify {k}"] = functools.partial(batched.verify_step, m, rows, [[500 + i for i in range(k)]], win)
-            print(f"context {ctx}: " + ", ".join(f"{name} {_median_ms(f):.1f} ms" for name, f in steps.items()),
+            print(f"context {ctx}: " + ", ".join(f"{name} {median_ms(f):.1f} ms" for name, f in steps.items()),
                   flush=True)
             for rows_n in (b for b in batches if b > 1):
                 kvs = [[(k.clone(), v.clone()) for k, v in kv] for _ in range(rows_n)]
                 q = torch.randn(rows_n, cfg.num_attention_heads, 1, d).to(lm.dtype)
                 out = torch.empty(rows_n, 1, cfg.num_attention_heads, d, dtype=lm.dtype)
-                att = _median_ms(functools.partial(_attend_rows, kvs, q, out, ctx))
+                att = median_ms(functools.partial(_attend_rows, kvs, q, out, ctx))
                 rows = context_rows(*pre, rows_n, ctx + 64, lm.dtype)
-                step = _median_ms(functools.partial(batched.decode_step, m, rows, [500] * rows_n, win))
+                step = median_ms(functools.partial(batched.decode_step, m, rows, [500] * rows_n, win))
                 print(f"context {ctx}, {rows_n} rows: attention {att:.2f} ms, plain step {step:.1f} ms", flush=True)
 
 
