@@ -37,7 +37,15 @@ from kvrag.errors import ConfigError
 from kvrag.fusion.base import FusionInput, FusionMethod, FusionOutput, Observation, register, shared_method
 from kvrag.fusion.cost import ModelCost
 from kvrag.fusion.cost_model import SHIPPED_COST_MODEL, CostModel, fit_cost_model, load_cost_model
-from kvrag.fusion.escalate import DEFAULT_LEVELS, Ladder, agree_table, level_spec, parse_levels, thresholds_for
+from kvrag.fusion.escalate import (
+    DEFAULT_LEVELS,
+    Ladder,
+    agree_table,
+    level_spec,
+    load_table,
+    parse_levels,
+    thresholds_for,
+)
 from kvrag.fusion.online import OnlineCosts, online_costs
 from kvrag.fusion.recompute import check_choice, check_ratio
 from kvrag.kv import pieces
@@ -116,6 +124,8 @@ class Auto(FusionMethod):
         else:
             check_ratio(self.name, "agree", self.agree)
             self.ladder_levels = parse_levels(self.levels) if self.levels is not None else DEFAULT_LEVELS
+            if self.thresholds is not None:
+                load_table(self.thresholds)  # a bad file is an error here, not in a request
         if self.budget is not None:
             check_ratio(self.name, "budget", self.budget)
         check_choice(self.name, "margin", self.margin, ("p90", "p50"))
