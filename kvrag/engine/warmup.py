@@ -2,8 +2,8 @@
 
 A process's first decode step is checked bit for bit against the model's own forward before a step backend serves
 its steps (:mod:`kvrag.kv.step_backend`: the oracle's step and the backend's, side by side), the native kernels are
-built or opened and checked, and the fused step lays out its fused weights. On an 8B-shaped Q4_K_M file that is
-3.6 s on top of the first answer (docs/results/epyc/gguf_resident.md). :func:`warm_up` answers a short prompt of no
+built or opened and checked, and the fused step lays out its fused weights: seconds on top of an 8B model's first
+answer (measured in docs/results/epyc/gguf_resident.md). :func:`warm_up` answers a short prompt of no
 chunks with ``full`` -- nothing is written to the store -- and drops the conversation it would leave behind. What it
 does not reach stays with the first request that needs it: a packed suffix prefill's check (the first burst), a
 repairer's load (the first request with chunks).

@@ -229,8 +229,9 @@ def native_dot() -> Dot | None:
 @functools.cache
 def native_dot_bf16() -> Dot | None:
     """``kvrag_dequant_dot_bf16`` of ``ggml_dequant.c``: Q6_K weights times bfloat16 inputs with AVX512-BF16 (one
-    VDPBF16PS per 32 weights; 2.3-2.9x the float32 product's speed measured), checked as :func:`native_dot`; None where the CPU
-    lacks AVX512-BF16 or the library cannot serve (bfloat16 inputs then take :func:`native_dot`)."""
+    VDPBF16PS per 32 weights; its speed against the float32 product: docs/quantization.md), checked as
+    :func:`native_dot`; None where the CPU lacks AVX512-BF16 or the library cannot serve (bfloat16 inputs then take
+    :func:`native_dot`)."""
     if native_dot() is None:
         return None
 

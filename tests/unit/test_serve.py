@@ -140,7 +140,8 @@ def test_sampling_seed_and_stop(client: Any) -> None:
     assert stopped["finish_reason"] == "stop"
 
 
-def test_openai_sdk_sync_async_stream(engine: KVRAGEngine, server: LiveServer) -> None:
+def test_openai_sdk_sync_async_stream(engine: KVRAGEngine, server: LiveServer, client: Any) -> None:
+    """The openai SDK against the server (``client`` registers the passages, so the answers reuse them)."""
     openai = pytest.importorskip("openai")
     import asyncio
 

@@ -270,12 +270,14 @@ def test_cli_keys_from_option_and_environment_and_warning(monkeypatch: pytest.Mo
     import types
 
     import kvrag.serve
+    from kvrag.engine import warmup
     from kvrag.serve import cli as serve_cli
 
     parser = argparse.ArgumentParser()
     serve_cli.add_arguments(parser)
     seen: dict[str, Any] = {}
     monkeypatch.setattr(KVRAGEngine, "from_pretrained", lambda *a, **kw: None)
+    monkeypatch.setattr(warmup, "warm_up", lambda engine: 0.0)  # no engine here to warm up
     app = types.SimpleNamespace(state=types.SimpleNamespace(kvrag=types.SimpleNamespace(model_id="m", chunks=[])))
 
     def create(engine: Any, cfg: ServeConfig, **kw: Any) -> Any:
