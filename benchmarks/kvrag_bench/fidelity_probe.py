@@ -117,20 +117,20 @@ def signals(args: argparse.Namespace) -> None:
     the level's own answer -- whether reading further into the answer keeps more answers than the first step."""
     out = Path(args.out)
     rows = [json.loads(x) for x in (out / "rows.jsonl").read_text().splitlines()]
-    same = [same_answer(r["methods"][args.level]["answer"], r["methods"]["full"]["answer"]) for r in rows]
-    cost0 = [r["methods"][args.level]["ttft_s"] / r["methods"]["full"]["ttft_s"] for r in rows]
-    print(f"{len(rows)} requests; {args.level} alone: same answer {np.mean(same):.2f}, TTFT/full {np.mean(cost0):.2f}")
+    levels = [args.level, "full"]
+    confs = [r["methods"][args.level]["confs"] for r in rows]
+    same, _, cost = simulate(rows, {r["row"]: {args.level: 1.0} for r in rows}, levels, 0.0)  # the level kept always
+    print(f"{len(rows)} requests; {args.level} alone: same answer {same:.2f}, TTFT/full {cost:.2f}")
     for agree in (0.7, 0.8, 0.9):
         found = []
         for kind, ks in (("first", [0]), ("min", range(1, 8)), ("gmean", range(1, 8))):
             for k in ks:
-                sig = [_signal(r["methods"][args.level]["confs"], kind, k) for r in rows]
+                sig = [_signal(c, kind, k) for c in confs]
+                conf = {r["row"]: {args.level: x} for r, x in zip(rows, sig, strict=True)}
                 for tau in [*sorted(set(sig)), 1.01]:
-                    keep = [x >= tau for x in sig]
-                    got = float(np.mean([sm if kp else 1.0 for sm, kp in zip(same, keep, strict=True)]))
+                    got, _, cost = simulate(rows, conf, levels, tau)
                     if got >= agree:
-                        cost = float(np.mean([c + (0.0 if kp else 1.0) for c, kp in zip(cost0, keep, strict=True)]))
-                        found.append((cost, kind, k, tau, got, sum(keep)))
+                        found.append((cost, kind, k, tau, got, sum(x >= tau for x in sig)))
                         break
         found.sort()
         first = next(f for f in found if f[1] == "first")

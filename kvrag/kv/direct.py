@@ -58,13 +58,13 @@ def why_not(model: PreTrainedModel) -> str | None:
     if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "rotary_emb", "layers", "norm")):
         return f"{name} lacks the expected submodules"
     layers = list(inner.layers[: model.config.num_hidden_layers])
+    norms = ("input_layernorm", "post_attention_layernorm", "mlp") + (
+        ("pre_feedforward_layernorm", "post_feedforward_layernorm") if _sandwich(model) else ())
     for layer in layers:
         a = getattr(layer, "self_attn", None)
         if a is None or not all(hasattr(a, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj", "scaling",
                                                         "head_dim", "layer_idx")):
             return f"{name}'s attention lacks the expected projections"
-        norms = ("input_layernorm", "post_attention_layernorm", "mlp") + (
-            ("pre_feedforward_layernorm", "post_feedforward_layernorm") if _sandwich(model) else ())
         if not all(hasattr(layer, p) for p in norms):
             return f"{name}'s decoder layer lacks the expected norms / MLP"
         if not all(hasattr(layer.mlp, p) for p in ("gate_proj", "up_proj", "down_proj", "act_fn")):
