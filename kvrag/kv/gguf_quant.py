@@ -60,10 +60,13 @@ _PACK_ROWS = 4096
 """Rows re-laid out at a time (bounds the int32 temporaries of a large embedding / head)."""
 
 
-def _int4_weights(blocks: torch.Tensor, qtype: str, order: torch.Tensor | None = None) -> list[quant._Int4]:
+def _int4_weights(blocks: torch.Tensor, qtype: str, order: torch.Tensor | None = None,
+                  pages: FilePages | None = None) -> list[quant._Int4]:
     """The int4 kernel weights (:class:`kvrag.kv.quant._Int4`) of :func:`int4_parts`, rows in ``order`` (the
     blocks' own order by default), built ``_PACK_ROWS`` rows at a time for kvrag's kernel (whose layout is whole
-    tiles of 16 rows, so the pieces concatenate)."""
+    tiles of 16 rows, so the pieces concatenate). ``pages``: the blocks' file pages, each piece's given back once it
+    is laid out (rows in the blocks' order only), so that a large tensor's pages and its layouts are not resident
+    together."""
     if int4_kernel.path() is None:
         return [quant._Int4.from_parts(*p) for p in int4_parts(blocks if order is None else blocks[order], qtype)]
     out: list[quant._Int4] = []
@@ -78,6 +81,8 @@ def _int4_weights(blocks: torch.Tensor, qtype: str, order: torch.Tensor | None =
                 out.append(w)
             t = r // int4_kernel.TILE
             out[i].packed[t : t + piece.shape[0]] = piece
+        if pages is not None and order is None:
+            pages.give_back(r * blocks.stride(0), (r + rows.shape[0]) * blocks.stride(0))
     return out
 
 
@@ -137,12 +142,14 @@ class FilePages:
     def __init__(self, mapping: mmap.mmap, offset: int, length: int) -> None:
         self.mapping, self.offset, self.length = mapping, offset, length
 
-    def give_back(self) -> None:
-        """Drop the tensor's whole pages from this process's resident set (``MADV_DONTNEED``; a read-only shared
-        file map, so nothing is lost: a later read maps them in again from the page cache or the file)."""
+    def give_back(self, start: int = 0, end: int | None = None) -> None:
+        """Drop the whole pages of the tensor's bytes ``start:end`` (all of them by default) from this process's
+        resident set (``MADV_DONTNEED``; a read-only shared file map, so nothing is lost: a later read maps them in
+        again from the page cache or the file)."""
         page = mmap.PAGESIZE
-        start = -(-self.offset // page) * page
-        end = (self.offset + self.length) // page * page
+        stop = self.length if end is None else min(end, self.length)
+        start = -(-(self.offset + start) // page) * page
+        end = (self.offset + stop) // page * page
         if end > start and hasattr(mmap, "MADV_DONTNEED"):
             self.mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
 
@@ -188,7 +195,7 @@ class GGUFLinear(torch.nn.Module):
         if (self.qtype not in INT4_TYPES + SPLIT_TYPES or self.out_features % 16 or self.in_features % quant.GROUP
                 or not self.blocks.is_cpu):
             return False
-        parts = _int4_weights(self.blocks, self.qtype, self.order)
+        parts = _int4_weights(self.blocks, self.qtype, self.order, self.pages)
         self.int4 = parts[0] if len(parts) == 1 else _Split(*parts)
         self.all_rows = all_rows
         if self.pages is not None:  # decode-sized products no longer read the file's pages: out of the resident set

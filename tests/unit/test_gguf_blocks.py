@@ -157,6 +157,51 @@ def test_resident_linear_decode_route_is_close_and_the_dense_route_exact(blocks_
     assert torch.equal(emb(ids), gguf_quant.dequantize(raw, "Q4_K", COLS)[ids])
 
 
+class _Recording(gguf_quant.FilePages):
+    def __init__(self) -> None:
+        super().__init__(None, 0, 0)  # type: ignore[arg-type]  # no mapping: give_back only records
+        self.calls: list[tuple[int, int | None]] = []
+
+    def give_back(self, start: int = 0, end: int | None = None) -> None:
+        self.calls.append((start, end))
+
+
+def test_int4_layouts_give_each_pieces_file_pages_back_as_they_are_built(blocks_file: Path, monkeypatch) -> None:
+    """A large tensor's file pages and its int4 layouts are not resident together: each piece of rows gives its
+    pages back once laid out (rows in the file's order), the layouts the same bytes as built in one piece."""
+    raw, _ = _resident(blocks_file)["Q4_K"]
+    whole = GGUFLinear(raw, "Q4_K", COLS, torch.float32, gguf_quant.Scratch())
+    if not whole.use_int4() or int4_kernel.path() is None:
+        pytest.skip("kvrag's int4 kernel does not serve here")
+    monkeypatch.setattr(gguf_quant, "_PACK_ROWS", 16)
+    pages = _Recording()
+    pieces = GGUFLinear(raw, "Q4_K", COLS, torch.float32, gguf_quant.Scratch(), pages=pages)
+    assert pieces.use_int4()
+    assert isinstance(pieces.int4, quant._Int4) and isinstance(whole.int4, quant._Int4)
+    assert torch.equal(pieces.int4.packed, whole.int4.packed)
+    rb = raw.stride(0)
+    assert pages.calls == [(0, 16 * rb), (16 * rb, 32 * rb), (32 * rb, 48 * rb), (0, None)]
+    ordered = _Recording()  # rows read in another order: only the whole tensor's pages, once built
+    GGUFLinear(raw, "Q4_K", COLS, torch.float32, gguf_quant.Scratch(), pages=ordered,
+               order=torch.arange(ROWS).flip(0)).use_int4()
+    assert ordered.calls == [(0, None)]
+
+
+def test_file_pages_give_back_only_whole_pages_of_the_range() -> None:
+    advised: list[tuple[int, int]] = []
+
+    class Mapping:
+        def madvise(self, _flag: int, start: int, length: int) -> None:
+            advised.append((start, length))
+
+    page = gguf_quant.mmap.PAGESIZE
+    pages = gguf_quant.FilePages(Mapping(), 100, 4 * page)  # type: ignore[arg-type]
+    pages.give_back(0, 2 * page)  # bytes 100 .. 2 page + 100: the one whole page from page 1
+    pages.give_back(2 * page, 2 * page + 50)  # inside one page: nothing
+    pages.give_back()  # the whole tensor: pages 1 .. 3 (page 4 holds its last 100 bytes and what follows)
+    assert advised == [(page, page), (page, 3 * page)]
+
+
 def test_q6_k_decode_products_de_quantize_inside_the_product(blocks_file: Path) -> None:
     """A Q6_K layer (no int4 form) under ``quantize="int4"``: products of up to MAX_ROWS rows by kvrag_dequant_dot --
     the file's weight to float32 rounding, each row the same bits alone as in the batch, the file's pages read in
