@@ -3,10 +3,10 @@
 transformers builds a GGUF file's tokenizer with the model's own class. Some of those classes (Gemma's, among
 others) rebuild the Rust backend from a Python copy of the vocabulary and merges at every load and keep that copy,
 which for a large vocabulary outweighs the backend itself (measured: docs/results/epyc/gguf_resident.md). The
-generic class (``TokenizersBackend``) loads ``tokenizer.json`` as it is and keeps
-nothing else. :func:`use_generic_class` switches a prepared folder to it only after checking, on probe texts, that
-it gives the same ids, decoded texts, special tokens and rendered chat prompts as the model's class; otherwise the
-folder keeps the model's class.
+generic class (``TokenizersBackend``) loads ``tokenizer.json`` as it is and keeps nothing else.
+:func:`use_generic_class` switches a prepared folder to it only after checking, on probe texts, that it gives the
+same ids, decoded texts, special tokens and rendered chat prompts as the model's class; otherwise the folder keeps
+the model's class.
 """
 
 from __future__ import annotations
@@ -53,7 +53,8 @@ def _chat(tokenizer: PreTrainedTokenizerBase) -> object:
 
 def behaviour(tokenizer: PreTrainedTokenizerBase) -> dict[str, object]:
     """What decides the token ids and texts kvrag gets from ``tokenizer``, on :data:`PROBE_TEXTS` and the special
-    and added tokens: ids with and without special tokens, decoded texts, special tokens and ids, length, chat."""
+    and added tokens: ids with and without special tokens, decoded texts, special tokens and ids, length, chat, and
+    the padding and truncation sides (a batch's layout for code that pads)."""
     texts = _probes(tokenizer)
     ids = [tokenizer(t).input_ids for t in texts]
     return {
@@ -65,6 +66,7 @@ def behaviour(tokenizer: PreTrainedTokenizerBase) -> dict[str, object]:
         "special_ids": [tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id],
         "length": len(tokenizer),
         "chat": _chat(tokenizer),
+        "sides": [tokenizer.padding_side, tokenizer.truncation_side],
     }
 
 
@@ -80,6 +82,7 @@ def use_generic_class(folder: Path, tokenizer: PreTrainedTokenizerBase) -> bool:
     original = path.read_text()
     config = json.loads(original)
     config["tokenizer_class"] = GENERIC_CLASS
+    config["padding_side"], config["truncation_side"] = tokenizer.padding_side, tokenizer.truncation_side  # class defaults
     path.write_text(json.dumps(config, indent=2, sort_keys=True))
     try:
         generic = AutoTokenizer.from_pretrained(folder, local_files_only=True)

@@ -37,6 +37,7 @@ def test_a_rebuilding_class_is_switched_to_the_generic_one_that_tokenizes_alike(
     assert type(generic).__name__ == GENERIC_CLASS
     assert getattr(generic, "_merges", None) is None
     assert behaviour(generic) == behaviour(tok)
+    assert generic.padding_side == tok.padding_side == "left"  # the model's class's default, written for the generic
     text = "The capital? Unseen: ü 🎉 <mask>"
     assert generic(text).input_ids == tok(text).input_ids
 
