@@ -7,7 +7,8 @@ two taking turns ``--rounds`` times (a busy machine slows them alike):
   then one answer of ``--new-tokens`` greedy tokens with ``full`` on a QA prompt of the passages of ``--data``'s first
   row (or the sample documents), cut to about ``--context`` tokens. Peak RSS (the kernel's high-water mark,
   ``VmHWM``) is read right after that answer; then the passages are ingested and the same prompt answered with
-  ``stale`` (its TTFT reported; ingest is not part of the peak);
+  ``stale`` (its TTFT reported; ingest is not part of the peak). Also recorded: the resident memory before the
+  model (the imports), once it is loaded, and the high-water mark of the load alone;
 * llama.cpp (llama-cpp-python, when installed): the same file, the prompt's token ids from kvrag's plan prefilled
   (its TTFT), then greedy steps one token at a time; peak RSS the same way.
 
@@ -118,8 +119,10 @@ def child_kvrag(gguf: str, data: str | None, context: int, new_tokens: int, thre
     torch.set_num_threads(threads)
     t = time.perf_counter()
     default = gguf == "default"
+    imports = _status_mb("VmRSS").get("VmRSS")
     lm = load_model(None if default else gguf)
     load_s = time.perf_counter() - t
+    loaded, load_peak = _status_mb("VmRSS").get("VmRSS"), _peak_rss_mb()
     folder = prepare_default_model(progress=False) if default else prepare_gguf(gguf, progress=False)
     eng = KVRAGEngine(lm, MemoryStore())
     passages, question = _passages(data, lm.tokenizer, context)
@@ -141,7 +144,8 @@ def child_kvrag(gguf: str, data: str | None, context: int, new_tokens: int, thre
             "peak_rss_mb": peak, "disk_mb": _dir_bytes(folder) / 2**20, "prompt_ids": list(plan.token_ids),
             "ttft_s": prep.timings.ttft_s, "decode_ms": 1000 * decode_s / max(1, tokens - 1), "tokens": tokens,
             "stale_ttft_s": stale.timings.ttft_s, "text": text, "dtype": str(lm.dtype).replace("torch.", ""),
-            "quantize": lm.quantize, "resident_mb": resident_bytes(lm.model) / 2**20}
+            "quantize": lm.quantize, "resident_mb": resident_bytes(lm.model) / 2**20,
+            "imports_rss_mb": imports, "loaded_rss_mb": loaded, "load_peak_rss_mb": load_peak}
 
 
 def child_llama(gguf: str, ids: list[int], new_tokens: int, threads: int, batch: int = 512) -> dict[str, Any]:
@@ -260,7 +264,8 @@ def _summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         vals = [r[key] for r in runs if r.get(key) is not None]
         return statistics.median(vals) if vals else None
 
-    out = {k: med(k) for k in ("peak_rss_mb", "disk_mb", "ttft_s", "decode_ms", "stale_ttft_s", "load_s")}
+    out = {k: med(k) for k in ("peak_rss_mb", "disk_mb", "ttft_s", "decode_ms", "stale_ttft_s", "load_s",
+                               "imports_rss_mb", "loaded_rss_mb", "load_peak_rss_mb")}
     out["prompt_tokens"] = len(runs[0].get("prompt_ids", [])) or None
     return out
 
@@ -289,6 +294,12 @@ def markdown(result: dict[str, Any]) -> str:
                          f"{k['decode_ms'] / p['decode_ms']:.2f}x | {k['stale_ttft_s'] / p['ttft_s']:.2f}x |")
     lines += ["", "Each process answers a short warm-up request first; decode ms/token is the mean over the timed answer's "
               "tokens (kvrag: speculative steps included)."]
+    for f in result["files"]:
+        k = f["summary"].get("kvrag", {})
+        if k.get("loaded_rss_mb") is not None:
+            lines.append(f"{Path(f['file']).name}, kvrag's resident memory: {k['imports_rss_mb']:.0f} MB before the model "
+                         f"(Python, torch, transformers, kvrag), {k['loaded_rss_mb']:.0f} MB loaded ({k['load_peak_rss_mb']:.0f}"
+                         f" MB at the load's peak), {k['peak_rss_mb']:.0f} MB at the peak with the answer.")
     return "\n".join(lines)
 
 

@@ -321,3 +321,21 @@ def test_merge_of_split_runs_equals_the_run_over_all_rows(engine: KVRAGEngine, t
         merge_runs(tmp_path / "x", [tmp_path / "a", tmp_path / "c"], make_plots=False)
     with pytest.raises(ConfigError, match="not a kvrag bench"):
         merge_runs(tmp_path / "x", [tmp_path / "a", tmp_path / "nope"], make_plots=False)
+
+
+def test_memory_bench_markdown_reports_kvrags_memory_by_stage() -> None:
+    from kvrag_bench.memory_bench import _summarize, markdown
+
+    run = {"peak_rss_mb": 700.0, "disk_mb": 1.5, "ttft_s": 4.5, "decode_ms": 12.0, "stale_ttft_s": 0.7, "load_s": 3.0,
+           "imports_rss_mb": 250.0, "loaded_rss_mb": 530.0, "load_peak_rss_mb": 630.0, "prompt_ids": [1, 2, 3]}
+    other = {**run, "peak_rss_mb": 710.0, "loaded_rss_mb": 540.0}
+    summary = _summarize([run, other])
+    assert summary["peak_rss_mb"] == 705.0 and summary["loaded_rss_mb"] == 535.0 and summary["prompt_tokens"] == 3
+    peer = _summarize([{"peak_rss_mb": 250.0, "disk_mb": 0.0, "ttft_s": 13.0, "decode_ms": 18.0, "load_s": 0.5}])
+    result = {"threads": 1, "rounds": 2, "files": [{"file": "/x/m.gguf", "file_mb": 94.0, "prompt_tokens": 3,
+                                                     "summary": {"kvrag": summary, "llama.cpp": peer},
+                                                     "runs": {"kvrag": [run, other], "llama.cpp": [{}]}}]}
+    md = markdown(result)
+    assert "| | kvrag / llama.cpp | 2.82x |" in md
+    assert ("m.gguf, kvrag's resident memory: 250 MB before the model (Python, torch, transformers, kvrag), 535 MB "
+            "loaded (630 MB at the load's peak), 705 MB at the peak with the answer.") in md
