@@ -14,7 +14,6 @@ and its layer reads the rows in the model's order (``GGUFLinear``'s ``order``).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import mmap
 import warnings
@@ -26,6 +25,7 @@ import torch
 
 from kvrag.errors import UnsupportedModelError
 from kvrag.gguf_reading import parsed_once
+from kvrag.kv import native
 from kvrag.kv.gguf_quant import (
     FLOAT_TYPES,
     TYPES,
@@ -219,15 +219,8 @@ def use_int4(model: torch.nn.Module) -> int:
             with contextlib.suppress(ValueError):
                 n += int(mod.use_int4(all_rows))
     if n:
-        _trim_heap()
+        native.trim_heap()  # the re-layout's temporaries: freed, but kept in the heap otherwise
     return n
-
-
-def _trim_heap() -> None:
-    """Hand the C heap's free pages back to the system (glibc's ``malloc_trim``; nothing elsewhere): the re-layout's
-    temporaries are freed, but the allocator would keep their pages in the process."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None).malloc_trim(0)
 
 
 __all__ = ["TENSORS_FILE", "build_empty", "check_resident", "load_resident", "tensor_table", "use_int4"]

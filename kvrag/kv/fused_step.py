@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from kvrag.kv import quant, row_attention, step_layout
+from kvrag.kv import native, quant, row_attention, step_layout
 from kvrag.kv.window import first_key
 
 if TYPE_CHECKING:
@@ -155,7 +155,10 @@ class _Plan:
         self.head_norm = self.fam.qk_norm != "full"
         self.rope_mode = rope_mode(self.fam, self.dtype, step_layout.rotary_dim(model), self.d)
         self.order = step_layout.order(model)
-        self.layers = [_Layer(model, i, self.order, self.d) for i in range(cfg.num_hidden_layers)]
+        self.layers: list[_Layer] = []
+        for i in range(cfg.num_hidden_layers):  # a layer's own layouts are freed as its fused ones are made: their
+            self.layers.append(_Layer(model, i, self.order, self.d))
+            native.trim_heap()  # pages handed back one layer at a time, not kept in the heap beside the fused ones
         self.ropes = {layer.rope for layer in self.layers}
         self.residual = float(model.model.layers[0].residual_multiplier) if self.fam.multipliers else None
         widths = (self.heads * self.d, self.kv_heads * self.d, self.kv_heads * self.d)

@@ -11,6 +11,7 @@ module's own self-check run, any failure leaving torch's kernel in place with th
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -83,6 +84,15 @@ def open_library(source: Path, abi_symbol: str, abi: int) -> ctypes.CDLL:
     return lib
 
 
+def trim_heap() -> None:
+    """Hand the C heap's free pages back to the system (glibc's ``malloc_trim``; nothing elsewhere). Weights re-laid
+    out in pieces (the int4 layouts, a fused product's copy of its layers' layouts) free pieces below the allocator's
+    map threshold into the heap, which keeps their pages in the process: without this they stay in its resident set
+    until the heap reuses them."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).malloc_trim(0)
+
+
 def attempt(what: str, load: Callable[[], T]) -> tuple[T | None, str | None]:
     """(``load()``, None), or (None, why) where loading or its self-check failed (OSError, RuntimeError,
     AssertionError), logged as a warning naming ``what``: torch's kernel then serves."""
@@ -93,4 +103,4 @@ def attempt(what: str, load: Callable[[], T]) -> tuple[T | None, str | None]:
         return None, str(e)
 
 
-__all__ = ["attempt", "build", "cpu_flags", "open_library", "setting"]
+__all__ = ["attempt", "build", "cpu_flags", "open_library", "setting", "trim_heap"]

@@ -246,6 +246,23 @@ def test_fused_products_are_the_separate_products(dtype: torch.dtype) -> None:
             assert torch.equal(torch.cat([m(x) for m in mods], -1), ref)  # the layers' own products, unchanged
 
 
+def test_the_fused_plan_hands_each_layers_freed_layouts_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Building the fused products frees each layer's own int4 layouts (the fused copy replaces them); the heap's
+    pages are handed back after every layer, so they are not resident beside the fused copies until reused."""
+    _kvrag_int4()
+    _need(torch.float32)
+    lm = tiny_model("llama", init_std=0.1, quantize="int4")
+    built: list[object] = []
+    real = fused_step._Layer
+    monkeypatch.setattr(fused_step, "_Layer", lambda *a, **k: built.append(real(*a, **k)) or built[-1])
+    trims: list[int] = []
+    monkeypatch.setattr(fused_step.native, "trim_heap", lambda: trims.append(len(built)))
+    plan = fused_step._Plan(lm.model, fused_step.row_attention.library(lm.model.dtype))
+    n = lm.model.config.num_hidden_layers
+    assert trims == list(range(1, n + 1))  # once after each layer's fused products are made
+    assert all(lay.qkv is not None and lay.gu is not None for lay in plan.layers)
+
+
 def test_a_changed_weight_is_not_served_from_the_fused_copy() -> None:
     _kvrag_int4()
     _need(torch.float32)
