@@ -7,6 +7,7 @@ atomic rename wins. Built with OpenMP where the compiler has it (the kernels the
 Every kernel module (:mod:`kvrag.kv.row_attention`, :mod:`kvrag.kv.int4_kernel`) loads through here: its environment
 setting read (:func:`setting`), the library built, opened and its ABI checked (:func:`open_library`), and the
 module's own self-check run, any failure leaving torch's kernel in place with the reason (:func:`attempt`).
+:func:`trim_heap` hands the C heap's free pages back after weights are re-laid out.
 """
 
 from __future__ import annotations
