@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import os
 import threading
 from typing import Any
 
 import torch
+
+from kvrag.kv.native import trim_heap
 
 
 def _rss_bytes() -> int:
@@ -17,16 +17,6 @@ def _rss_bytes() -> int:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):  # pragma: no cover - non-Linux
         return 0
-
-
-def _trim_heap() -> None:
-    """Return freed heap pages to the OS (glibc) so an RSS increase reflects the next call's own allocations.
-
-    (No ``gc.collect()``: tensors are freed by reference counting, and a full collection costs ~0.5 s once
-    transformers is imported.)
-    """
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 class PeakMemory:
@@ -56,7 +46,9 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats(self.device)
             self._base = torch.cuda.memory_allocated(self.device)
         else:
-            _trim_heap()
+            # freed heap pages back to the OS, so an RSS increase reflects the block's own allocations (no
+            # gc.collect(): tensors are freed by reference counting, and a full collection is slow with transformers)
+            trim_heap()
             self._base = self._max = _rss_bytes()
             self._thread = threading.Thread(target=self._sample, daemon=True)
             self._thread.start()
