@@ -117,6 +117,9 @@ class EngineConfig:
             (:mod:`kvrag.engine.conversation`); counted in ``kv_memory_bytes`` and given back when a request needs
             the room. None (default): a quarter of the KV bound; 0: off.
         conversation_cache_entries: most answered requests kept (least recently used leave first).
+        move_history: when a prompt holds a kept conversation's history after other chunks (a chat whose retrieved
+            passages changed), reuse its kept K/V at the new position, repaired by the request's method, instead of
+            prefilling it (:mod:`kvrag.engine.relocate`; never for ``full``).
     """
 
     method: str = DEFAULT_METHOD
@@ -137,6 +140,7 @@ class EngineConfig:
     pack_suffixes: bool = True
     conversation_cache_bytes: int | None = None
     conversation_cache_entries: int = 64
+    move_history: bool = True
     kv_dtype: str = "auto"
 
     def __post_init__(self) -> None:

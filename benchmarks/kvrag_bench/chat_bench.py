@@ -20,7 +20,8 @@ and ``recompute`` (``conversation_cache_bytes=0``: the history prefilled again).
 tokens reused from the conversation, tokens prefilled, and whether both answers are the same tokens. Chunk caches
 are ingested before the turns (cache-ready TTFT). ``--frameworks`` also runs the same fixed-chunk conversation
 through LlamaIndex's stock ``context`` chat engine (``KVCachedLLM``) and a LangChain ``RunnableWithMessageHistory``
-chain (``ChatKVCached``), reporting their TTFT per turn, and ``serve``: ``kvrag serve`` driven by the ``openai`` SDK
+chain (``ChatKVCached``), reporting their TTFT per turn (``llamaindex-changing`` / ``langchain-changing``: the
+``changing`` passages, LlamaIndex through its ``condense_plus_context`` engine; :mod:`kvrag_bench.chat_frameworks`), and ``serve``: ``kvrag serve`` driven by the ``openai`` SDK
 over HTTP, with llama.cpp's server on the same GGUF file beside it (``--peer``; :mod:`kvrag_bench.chat_serve`).
 
 ``--kv-check`` measures where decode-written K/V differs from prefill-written K/V: after a ``full`` answer, the kept
@@ -55,7 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="timed prepares per turn and engine before the answers; the fastest is reported (0: none)")
     p.add_argument("--kl", action="store_true",
                    help="with changing chunks: next-token KL vs full with the history prefilled / as segments")
-    p.add_argument("--frameworks", default="none", help="comma-separated: llamaindex, langchain, serve (or none)")
+    p.add_argument("--frameworks", default="none",
+                   help="comma-separated: llamaindex, langchain, llamaindex-changing, langchain-changing, serve "
+                        "(or none)")
     p.add_argument("--peer", default="auto", choices=("auto", "llama.cpp", "none"),
                    help="with --frameworks serve: llama.cpp's server (llama-cpp-python) on the same GGUF beside "
                         "kvrag serve (auto: when it is installed and the model is a GGUF file)")
@@ -133,13 +136,16 @@ def converse(reuse: Any, recompute: Any, chunks_of: Callable[[int], list[str]], 
         if repeats:
             row.update(prepare_min_reuse_s=best["reuse"], prepare_min_recompute_s=best["recompute"])
         if kl:
+            # the reusing engine's history: as segments, or (chunks alone) the kept conversation's, moved
+            reused = "segments" if history_segments else "moved"
             logits = {}
-            for name, m, c in (("full", "full", chunks), ("prefilled", method, chunks), ("segments", method, segments)):
-                prep = recompute.prepare(recompute.plan(prompt, c), m, reserve=1)
+            for name, eng, m, c in (("full", recompute, "full", chunks), ("prefilled", recompute, method, chunks),
+                                    (reused, recompute if history_segments else reuse, method, segments)):
+                prep = eng.prepare(eng.plan(prompt, c), m, reserve=1)
                 logits[name] = prep.last_logits
                 del prep  # gives its KV back
             row["kl_history_prefilled"] = float(kl_divergence(logits["full"], logits["prefilled"]))
-            row["kl_history_segments"] = float(kl_divergence(logits["full"], logits["segments"]))
+            row[f"kl_history_{reused}"] = float(kl_divergence(logits["full"], logits[reused]))
         rows.append(row)
         history += [{"role": "user", "content": q}, {"role": "assistant", "content": r.text}]
         fastest = f"; fastest prepare {best['reuse']:.3f} s (recompute {best['recompute']:.3f} s)" if repeats else ""
@@ -212,7 +218,9 @@ def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
             **(same_as_full_counts(rows) if "same_as_full_reuse" in first else {}),
             **({"prepare_ratio_last_first_reuse": last["prepare_min_reuse_s"] / first["prepare_min_reuse_s"],
                 "prepare_ratio_last_first_recompute": last["prepare_min_recompute_s"] / first["prepare_min_recompute_s"]}
-               if "prepare_min_reuse_s" in first else {})}
+               if "prepare_min_reuse_s" in first else {}),
+            **{f"mean_{k}": sum(r[k] for r in rows) / len(rows)
+               for k in ("kl_history_prefilled", "kl_history_segments", "kl_history_moved") if k in first}}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -253,7 +261,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                      else (lambda k: requests[1 + k].passages()[: args.passages]))
         rows = converse(reuse, recompute, chunks_of, questions, method, gen,
                         history_segments=scenario == "changing-history", kl=scenario != "fixed" and args.kl,
-                        repeats=args.repeats, full_reference=args.full_reference and scenario == "fixed")
+                        repeats=args.repeats, full_reference=args.full_reference)
         result["scenarios"][scenario] = {"rows": rows, "summary": _summary(rows)}
         reuse.conversations.clear()
     for fw in [s.strip() for s in args.frameworks.split(",") if s.strip() and s.strip() != "none"]:
@@ -276,8 +284,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 served["summary"].update(same_as_full_counts(served["rows"]))
             result["scenarios"]["serve"] = served
             continue
-        print(f"{fw} stock chat engine, fixed chunks:", flush=True)
-        result["scenarios"][fw] = run_framework(fw, reuse, recompute, fixed, questions, gen)
+        changing = fw.endswith("-changing")
+        print(f"{fw} stock chat engine, {'passages that change every turn' if changing else 'fixed chunks'}:",
+              flush=True)
+        result["scenarios"][fw] = run_framework(
+            fw, reuse, recompute,
+            (lambda k: requests[1 + k].passages()[: args.passages]) if changing else (lambda k: fixed),
+            questions, gen)
         reuse.conversations.clear()
     if args.kv_check:
         result["kv_check"] = kv_check(reuse, fixed, questions, gen)
@@ -335,9 +348,11 @@ def _scenario_lines(name: str, sc: dict[str, Any]) -> list[str]:
                       f"{'yes' if r['same_as_full_reuse'] else 'no'} / {'yes' if r['same_as_full_recompute'] else 'no'} |")
         lines.append(cells)
     if "kl_history_prefilled" in rows[0]:
+        reused = "segments" if "kl_history_segments" in rows[0] else "moved"
         kp = [r["kl_history_prefilled"] for r in rows]
-        ks = [r["kl_history_segments"] for r in rows]
-        lines += ["", "Next-token KL vs `full` per turn, method with the history prefilled / as segments: "
+        ks = [r[f"kl_history_{reused}"] for r in rows]
+        what = "as segments" if reused == "segments" else "moved from the kept conversation"
+        lines += ["", f"Next-token KL vs `full` per turn, method with the history prefilled / {what}: "
                   + ", ".join(f"{a:.3g} / {b:.3g}" for a, b in zip(kp, ks, strict=True))
                   + f" (mean {sum(kp) / len(kp):.3g} / {sum(ks) / len(ks):.3g})."]
     fastest = (f" (fastest prepares: reuse {s['prepare_ratio_last_first_reuse']:.2f}x, recompute "

@@ -6,6 +6,12 @@
 * ``langchain``: an LCEL chain (system message with the passages, ``MessagesPlaceholder`` history, the question) |
   ``ChatKVCached`` with the passages as its chunks, wrapped in ``RunnableWithMessageHistory``.
 
+``llamaindex-changing`` / ``langchain-changing``: the same chains over passages that change every turn (turn ``k``
+gets dev row ``k``'s passages, as ``kvrag bench chat``'s ``changing`` scenario): LlamaIndex's
+``CondensePlusContextChatEngine`` (``condense_plus_context`` mode, ``skip_condense=True``: the message retrieves as
+it is, so each turn's one LLM call is the answer) over a retriever returning the turn's passages, and the LangChain
+chain with the turn's passages as its chunks.
+
 Each framework runs two chat sessions side by side, taking turns per question: one over the reusing engine, one
 over the recomputing engine (``conversation_cache_bytes=0``); each keeps its own history, as a deployed chat would.
 """
@@ -18,33 +24,38 @@ from typing import Any
 SYSTEM = "Answer the user's questions from these passages. Be brief."
 
 
-def _llamaindex(eng: Any, chunks: list[str], gen: Any) -> Any:
-    from llama_index.core.chat_engine import ContextChatEngine
+def _llamaindex(eng: Any, chunks_of: Any, gen: Any, changing: bool = False) -> Any:
+    from llama_index.core.chat_engine import CondensePlusContextChatEngine, ContextChatEngine
     from llama_index.core.memory import ChatMemoryBuffer
     from llama_index.core.retrievers import BaseRetriever
     from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
     from llama_index.llms.kvrag import KVCachedLLM
     from llama_index.postprocessor.kvrag import KVCachePostprocessor
 
-    nodes = [NodeWithScore(node=TextNode(text=c.strip()), score=1.0) for c in chunks]
+    turn = [0]
 
-    class Fixed(BaseRetriever):
+    class Turns(BaseRetriever):
+        """The turn's passages (the same every turn for fixed chunks)."""
+
         def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
-            return list(nodes)
+            return [NodeWithScore(node=TextNode(text=c.strip()), score=1.0) for c in chunks_of(turn[0])]
 
     llm = KVCachedLLM(engine=eng, max_new_tokens=gen.max_new_tokens)
-    chat = ContextChatEngine.from_defaults(retriever=Fixed(), llm=llm, system_prompt=SYSTEM,
-                                           node_postprocessors=[KVCachePostprocessor(engine=eng)],
-                                           memory=ChatMemoryBuffer.from_defaults(token_limit=100_000))
+    common = {"retriever": Turns(), "llm": llm, "system_prompt": SYSTEM,
+              "node_postprocessors": [KVCachePostprocessor(engine=eng)],
+              "memory": ChatMemoryBuffer.from_defaults(token_limit=100_000)}
+    chat = (CondensePlusContextChatEngine.from_defaults(**common, skip_condense=True) if changing
+            else ContextChatEngine.from_defaults(**common))
 
     def ask(q: str) -> tuple[str, dict[str, Any]]:
         text = str(chat.chat(q))
+        turn[0] += 1
         return text, dict(llm.last_info["additional_kwargs"])
 
     return ask
 
 
-def _langchain(eng: Any, chunks: list[str], gen: Any) -> Any:
+def _langchain(eng: Any, chunks_of: Any, gen: Any, changing: bool = False) -> Any:
     from langchain_core.chat_history import InMemoryChatMessageHistory
     from langchain_core.prompts import ChatPromptTemplate, MessagesPlaceholder
     from langchain_core.runnables.history import RunnableWithMessageHistory
@@ -54,30 +65,41 @@ def _langchain(eng: Any, chunks: list[str], gen: Any) -> Any:
                                                ("human", "{question}")])
     model = ChatKVCached(engine=eng, max_new_tokens=gen.max_new_tokens)
     history = InMemoryChatMessageHistory()
-    chain = RunnableWithMessageHistory(prompt | model.bind(chunks=chunks), lambda _sid: history,
-                                       input_messages_key="question", history_messages_key="history")
-    system = SYSTEM + "\n" + "".join(chunks)
+    turn = [0]
 
     def ask(q: str) -> tuple[str, dict[str, Any]]:
-        msg = chain.invoke({"system": system, "question": q}, config={"configurable": {"session_id": "bench"}})
+        chunks = chunks_of(turn[0])
+        chain = RunnableWithMessageHistory(prompt | model.bind(chunks=chunks), lambda _sid: history,
+                                           input_messages_key="question", history_messages_key="history")
+        msg = chain.invoke({"system": SYSTEM + "\n" + "".join(chunks), "question": q},
+                           config={"configurable": {"session_id": "bench"}})
+        turn[0] += 1
         return str(msg.content), dict(msg.response_metadata["kvrag"])
 
     return ask
 
 
-def run(framework: str, reuse: Any, recompute: Any, chunks: list[str], questions: list[str],
+FRAMEWORKS = ("llamaindex", "langchain", "llamaindex-changing", "langchain-changing")
+
+
+def run(framework: str, reuse: Any, recompute: Any, chunks_of: Any, questions: list[str],
         gen: Any) -> dict[str, Any]:
-    """TTFT per turn of the framework's chat session over each engine, tokens reused, same answer text."""
-    build = {"llamaindex": _llamaindex, "langchain": _langchain}.get(framework)
-    if build is None:
-        raise SystemExit(f"unknown framework {framework!r}; choose from llamaindex, langchain")
-    reuse.ingest(chunks, progress=False)
+    """TTFT per turn of the framework's chat session over each engine, tokens reused, same answer text.
+    ``chunks_of(k)``: turn ``k``'s passages."""
+    name, _, variant = framework.partition("-")
+    build = {"llamaindex": _llamaindex, "langchain": _langchain}.get(name)
+    if build is None or variant not in ("", "changing"):
+        raise SystemExit(f"unknown framework {framework!r}; choose from {', '.join(FRAMEWORKS)}")
+    changing = variant == "changing"
+    for k in range(len(questions)):
+        reuse.ingest(chunks_of(k), progress=False)
     with warnings.catch_warnings():  # LangChain marks RunnableWithMessageHistory deprecated (LangGraph's persistence)
         warnings.simplefilter("ignore", DeprecationWarning)
         for eng in (reuse, recompute):  # untimed: the framework's first call pays one-time setup
-            build(eng, chunks, gen)(questions[0])
+            build(eng, chunks_of, gen, changing)(questions[0])
         reuse.conversations.clear()
-        sessions = {"reuse": build(reuse, chunks, gen), "recompute": build(recompute, chunks, gen)}
+        sessions = {"reuse": build(reuse, chunks_of, gen, changing),
+                    "recompute": build(recompute, chunks_of, gen, changing)}
     rows = []
     for k, q in enumerate(questions):
         order = list(sessions.items()) if k % 2 == 0 else list(sessions.items())[::-1]
@@ -98,4 +120,4 @@ def run(framework: str, reuse: Any, recompute: Any, chunks: list[str], questions
         "reused_tokens": sum(r["reused_conversation"] for r in rows)}}
 
 
-__all__ = ["run"]
+__all__ = ["FRAMEWORKS", "run"]

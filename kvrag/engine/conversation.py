@@ -41,6 +41,7 @@ import torch
 
 from kvrag.engine.lease import KVBudget, Lease
 from kvrag.engine.planner import Plan
+from kvrag.engine.relocate import Moved, find_moved
 from kvrag.engine.results import Prepared, Stats, Timings
 from kvrag.fusion.base import FusionMethod
 from kvrag.fusion.escalate import first_step_confidence
@@ -169,6 +170,21 @@ class ConversationCache:
                 self.counters["hit_tokens"] += best.length
         return best
 
+    def match_moved(self, ids: Sequence[int], context_len: int, method: str) -> Moved | None:
+        """The kept prompt tail that ``ids`` hold after their first ``context_len`` ids, followed by its answer
+        (:func:`kvrag.engine.relocate.find_moved`: the history of a chat whose passages changed); None if none. The
+        entry keeps its place in the LRU order: its conversation goes on in the entry this request's answer
+        leaves, so the moved-from one is the first to give way."""
+        if not self.enabled:
+            return None
+        with self._lock:
+            self._budget()
+            moved = find_moved(list(self._entries.values()), ids, context_len, method)
+            if moved is not None:
+                self.counters["moved_hits"] += 1
+                self.counters["moved_tokens"] += moved.length
+        return moved
+
     def keep(self, ids: Sequence[int], prompt_len: int, method: str, cache: Cache, level: str | None = None) -> bool:
         """Keep the prompt's KV of an answered request (``cache``: its transformers cache over at least the first
         ``prompt_len`` of ``ids``, its prompt; the rest of ``ids`` is its answer; ``level``: :attr:`Entry.level`).
@@ -237,6 +253,7 @@ class ConversationCache:
 
     def stats(self) -> dict[str, int]:
         """Entries and bytes kept, the bound, and counters: ``hits`` / ``misses`` (lookups), ``hit_tokens``,
+        ``moved_hits`` / ``moved_tokens`` (a kept history moved behind new passages, :meth:`match_moved`),
         ``kept``, ``evicted`` (LRU / ``max_bytes`` / ``max_entries``), ``reclaimed`` (a request needed the room),
         ``too_large`` / ``no_room`` (not kept)."""
         with self._lock:

@@ -18,6 +18,7 @@ from kvrag.engine.chunks import RegisteredChunk
 from kvrag.engine.conversation import ConversationCache, keep_answered, prepare_hit
 from kvrag.engine.lease import KVBudget, Lease
 from kvrag.engine.planner import Plan, TextPiece, plan_pieces, plan_prompt
+from kvrag.engine.relocate import moved_plan
 from kvrag.engine.results import Prepared, Response, Stats, Timings
 from kvrag.engine.runner import Runner, current_token
 from kvrag.engine.speculate import SpeculationConfig
@@ -303,6 +304,10 @@ class KVRAGEngine(ChunkCaching):
         if hit is not None:  # the next turn of a kept conversation: only the new text is prefilled
             return self.runner.prepare(plan.positions + reserve,
                                        lambda lease: prepare_hit(self, plan, m, lease, hit, spliced))
+        moved = (self.conversations.match_moved(plan.token_ids, plan.context_len, repr(m))
+                 if m.reads_cache and self.config.move_history else None)
+        if moved is not None:  # a kept history behind new passages: held as context, repaired with them
+            plan = moved_plan(plan, moved, self.rope, self.spec)
         timings = Timings()
         fetched = None
         if m.reads_cache:  # store I/O before the request's turn: running requests keep decoding meanwhile
@@ -313,6 +318,8 @@ class KVRAGEngine(ChunkCaching):
                                    lambda lease: self._prepare(plan, m, lease, timings, fetched, computed))
         for k, ch in computed:  # misses computed in the turn are stored after it
             self.serving_store.put(k, ch)
+        if moved is not None:
+            prep.stats.conversation_tokens = moved.length
         return prep
 
     def _prepare(self, plan: Plan, m: FusionMethod, lease: Lease, timings: Timings,

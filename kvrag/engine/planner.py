@@ -37,7 +37,8 @@ class TextPiece:
 
 @dataclasses.dataclass(frozen=True)
 class PlannedSegment:
-    """A piece with its token ids and global start position."""
+    """A piece with its token ids and global start position (kind: as :class:`TextPiece`, or 'kept': an earlier
+    request's K/V moved to this position, :mod:`kvrag.engine.relocate`)."""
 
     kind: str
     text: str

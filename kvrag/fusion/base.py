@@ -56,7 +56,8 @@ class Span:
 
     kind: 'prefix' (leading text computed exactly: position 0 onwards, nothing before it), 'chunk' (a stored,
     independently computed chunk cache) or 'text' (non-chunk text between chunks, computed independently on the
-    fly like a chunk but not stored).
+    fly like a chunk but not stored) or 'kept' (an earlier request's K/V computed in its context, moved to a new
+    offset: :mod:`kvrag.engine.relocate`; stale like a chunk, but a learned repairer leaves it as it is).
     """
 
     start: int

@@ -173,7 +173,8 @@ class CacheRepair(FusionMethod):
     @torch.inference_mode()
     def fuse(self, inp: FusionInput) -> FusionOutput:
         t0 = time.perf_counter()
-        spans = [sp for sp in inp.spans if sp.kind != "prefix" and sp.length > 0]
+        # the repairer predicts alone -> in-context residuals: K/V computed in context ('kept') are left as they are
+        spans = [sp for sp in inp.spans if sp.kind not in ("prefix", "kept") and sp.length > 0]
         keys, values = inp.working_kv()
         if not spans:  # nothing is stale
             return FusionOutput(cache=inp.cache_over(keys, values),

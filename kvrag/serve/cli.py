@@ -52,6 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--conversation-cache-bytes", type=int, default=None,
                         help="most bytes of KV kept from answered requests for a chat's next turn (default: a quarter "
                              "of the KV bound; 0: off)")
+    parser.add_argument("--move-history", action=argparse.BooleanOptionalAction, default=True,
+                        help="when a chat's passages change, reuse its kept history at the new position, repaired "
+                             "with the new passages, instead of prefilling it again (default on; never for full)")
     parser.add_argument("--default-max-tokens", type=int, default=256,
                         help="chat completions without max_tokens generate at most this many tokens")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
@@ -103,7 +106,7 @@ def run(args: argparse.Namespace, model: str | None, store: str, chunk_prefix: s
                                 max_batch_size=args.max_batch_size, speculative_tokens=args.speculative_tokens,
                                 speculative_max_batch=args.speculative_max_batch,
                                 pack_suffixes=args.pack_suffixes, conversation_cache_bytes=args.conversation_cache_bytes,
-                                warm=args.warm_up)
+                                move_history=args.move_history, warm=args.warm_up)
     keys = tuple(args.api_key) if args.api_key else keys_from_env()
     try:
         cfg = ServeConfig(model_id=args.model_id, max_queue=args.max_queue, default_max_tokens=args.default_max_tokens,

@@ -679,3 +679,26 @@ def test_one_checkpoint_instance_per_process(lm, tmp_path: Path) -> None:
     m.fuse(inp)
     hybrid.fuse(_fusion_input(lm)[0])
     assert len(m._repairers) == 1  # loaded once for both
+
+
+def test_a_kept_span_is_left_as_it_is(lm, tmp_path: Path) -> None:
+    """K/V an earlier request computed in its context and moved here (kind 'kept', kvrag.engine.relocate) are not
+    the alone-computed K/V the repairer corrects: never written; the chunks before it are repaired as without it."""
+    model, rope = lm.model, Rope.from_model(lm.model)
+    spec = lm.kv_spec()
+    prefix = template_prefix_ids(lm.tokenizer)
+    pieces = [("prefix", compute_chunk_kv(model, rope, spec, prefix), None),
+              ("chunk", compute_chunk_kv(model, rope, spec, list(range(10, 19)), prefix), "c0"),
+              ("kept", compute_chunk_kv(model, rope, spec, list(range(30, 42)), prefix), "k0")]
+    inp = assemble(model, rope, spec, pieces, [5, 6, 7])
+    as_chunk = assemble(model, rope, spec, [*pieces[:2], ("chunk", *pieces[2][1:])], [5, 6, 7])
+    stale = inp.keys.clone()
+    method = get_method(f"cacherepair:checkpoint={_checkpoint(lm, tmp_path / 'r', zero=False)}")
+    out = method.fuse(inp)
+    k, _ = hf_cache.cache_to_tensors(out.cache)
+    kc, _ = hf_cache.cache_to_tensors(method.fuse(as_chunk).cache)
+    p, c = len(prefix), len(prefix) + 9
+    assert out.stats.repaired_tokens == 9
+    assert torch.equal(k[:, :, c:], stale[:, :, c:])  # the kept span: never written
+    assert not torch.allclose(kc[:, :, c:], stale[:, :, c:])  # as a chunk it would have been
+    assert not torch.allclose(k[:, :, p:c], stale[:, :, p:c])  # the chunk before it is repaired
