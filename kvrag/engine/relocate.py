@@ -21,9 +21,11 @@ the passages it saw. The measured next-token KL of both, against ``full`` and ag
 prefilled: ``docs/results/epyc/chat_history_moved.md``.
 
 Matching is on token ids only: the request's ids must hold the kept prompt's last ``length`` ids (at least
-:data:`MIN_MOVED`, after the request's chunks, before the kept answer's first id) -- a block that ends at the end of
-the kept prompt and is followed by the kept answer is the same history answered the same way, whichever passages
-came before it.
+:data:`MIN_MOVED`, after the request's chunks) followed by the kept answer, whole -- the same history answered the
+same way, whichever passages came before it. Because the moved K/V carry what the earlier passages contributed,
+the whole answer is asked for, not just its first id: a request moves a kept history only when it holds the answer
+that history was given (the client's own conversation), never when another conversation merely asked the same
+question.
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ def common_suffix(a: Sequence[int], b: Sequence[int]) -> int:
 def find_moved(entries: Iterable[Entry], ids: Sequence[int], context_len: int, method: str,
                min_length: int = MIN_MOVED) -> Moved | None:
     """The longest kept prompt tail that ``ids`` hold after their first ``context_len`` ids (the request's chunks
-    and the text between them), ended where the kept answer's first id follows; None when no kept request of
+    and the text between them), followed by the kept answer's ids, all of them; None when no kept request of
     ``method`` has one of at least ``min_length`` ids. A tail that starts at the kept prompt's position 0 is a
     prefix hit, which :meth:`kvrag.engine.conversation.ConversationCache.match` handles; it is not a move."""
     ids = tuple(ids)
@@ -86,14 +88,15 @@ def find_moved(entries: Iterable[Entry], ids: Sequence[int], context_len: int, m
     for e in entries:
         if e.method != method or len(e.ids) <= e.prompt_len or e.prompt_len < min_length:
             continue
-        kept = e.ids[: e.prompt_len]
-        answer = e.ids[e.prompt_len]
+        kept, answer = e.ids[: e.prompt_len], e.ids[e.prompt_len:]
         # candidate ends: a position holding the answer's first id right after the kept prompt's last id
         lo = context_len + min_length
         if lo >= len(ids):
             continue
-        hits = np.nonzero((arr[lo:] == answer) & (arr[lo - 1:-1] == kept[-1]))[0] + lo
+        hits = np.nonzero((arr[lo:] == answer[0]) & (arr[lo - 1:-1] == kept[-1]))[0] + lo
         for end in hits.tolist():
+            if ids[end: end + len(answer)] != answer:
+                continue
             n = min(common_suffix(kept, ids[:end]), end - context_len, e.prompt_len - 1)
             if n >= min_length and (best is None or n > best.length):
                 best = Moved(e, e.prompt_len - n, end - n, n)

@@ -43,6 +43,8 @@ def test_find_moved_takes_the_kept_tail_followed_by_its_answer() -> None:
     # another method's conversation, a tail not followed by the kept answer, a too short tail: no move
     assert find_moved([kept], ids, context_len=5, method="cacherepair") is None
     assert find_moved([kept], [5, 9, *history, 99, 200], context_len=2, method="stale") is None
+    # the kept answer must follow whole: another conversation's history that only starts its answer alike is not moved
+    assert find_moved([kept], [5, 9, *history, 77, 79, 200], context_len=2, method="stale") is None
     short = _entry([5, *history[: MIN_MOVED - 1], 77], prompt_len=MIN_MOVED)
     assert find_moved([short], [9, *history[: MIN_MOVED - 1], 77, 3], context_len=1, method="stale") is None
     # the longest tail of several kept requests wins
