@@ -105,7 +105,8 @@ def find_moved(entries: Iterable[Entry], ids: Sequence[int], context_len: int, m
 
 def moved_plan(plan: Plan, moved: Moved, rope: Rope, spec: KVSpec) -> Plan:
     """``plan`` with the moved ids as a held ``kept`` context segment: its suffix split into the ids before the block (a
-    ``text`` segment, computed like text between chunks), the block, and the rest (the new suffix). The block's
+    ``text`` segment, computed like text between chunks, or the ``prefix`` when the plan has no context), the block,
+    and the rest (the new suffix). The block's
     cache is the kept keys at their kept positions with RoPE removed, and the kept values, in the store's dtype."""
     e, n = moved.entry, moved.length
     ids = plan.token_ids
@@ -120,8 +121,9 @@ def moved_plan(plan: Plan, moved: Moved, rope: Rope, spec: KVSpec) -> Plan:
                  values=values.to("cpu", dt).contiguous(), spec=spec)
     key = f"conversation-moved:{id(e):x}:{moved.old_start}:{n}"
     context = list(plan.context)
-    if a > plan.context_len:
-        context.append(PlannedSegment("text", "", ids[plan.context_len: a], plan.context_len))
+    if a > plan.context_len:  # e.g. new passages pasted into the prompt, not offered as chunks
+        kind = "text" if context else "prefix"  # from position 0: computed exactly, as a prefix is
+        context.append(PlannedSegment(kind, "", ids[plan.context_len: a], plan.context_len))
     context.append(PlannedSegment("kept", "", ids[a:b], a, key=key))
     suffix = PlannedSegment("suffix", plan.suffix.text, ids[b:], b)
     return dataclasses.replace(plan, context=tuple(context), suffix=suffix, held={**plan.held, key: kv})

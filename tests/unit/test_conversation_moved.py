@@ -117,3 +117,21 @@ def test_full_never_moves_a_kept_history() -> None:
     rs = _chat(eng, "full", 3)
     assert all(r.stats.conversation_tokens == 0 for r in rs)
     assert eng.conversations.stats().get("moved_hits", 0) == 0
+
+
+def test_a_chat_without_chunks_moves_its_history_behind_a_new_system_message() -> None:
+    """Passages pasted into the system message, not offered as chunks: the new system message is the prefix
+    (computed exactly from position 0), the kept history follows it."""
+    eng = tiny_engine("llama", init_std=0.02, seed=2, move_history=True)
+    history: list[dict[str, str]] = []
+    for turn, q in enumerate(QUESTIONS[:2]):
+        msgs = [{"role": "system", "content": "Answer.\n" + PASSAGES[turn]}, *history, {"role": "user", "content": q}]
+        prompt = render_chat(eng.tokenizer, msgs)
+        if turn:
+            prep = eng.prepare(eng.plan(prompt, []), "stale", reserve=1)
+            kinds = [s.kind for s in prep.plan.context]
+            assert kinds == ["prefix", "kept"] and prep.plan.context[0].start == 0
+            assert prep.stats.conversation_tokens == len(prep.plan.context[1].token_ids) >= MIN_MOVED
+            del prep
+        r = eng.answer(prompt, [], "stale", max_new_tokens=8)
+        history += [{"role": "user", "content": q}, {"role": "assistant", "content": r.text}]
