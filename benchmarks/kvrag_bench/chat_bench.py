@@ -57,8 +57,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kl", action="store_true",
                    help="with changing chunks: next-token KL vs full with the history prefilled / as segments")
     p.add_argument("--frameworks", default="none",
-                   help="comma-separated: llamaindex, langchain, llamaindex-changing, langchain-changing, serve "
-                        "(or none)")
+                   help="comma-separated: llamaindex, langchain, llamaindex-changing, langchain-changing, serve, "
+                        "serve-changing (or none)")
     p.add_argument("--peer", default="auto", choices=("auto", "llama.cpp", "none"),
                    help="with --frameworks serve: llama.cpp's server (llama-cpp-python) on the same GGUF beside "
                         "kvrag serve (auto: when it is installed and the model is a GGUF file)")
@@ -157,14 +157,16 @@ def converse(reuse: Any, recompute: Any, chunks_of: Callable[[int], list[str]], 
     return rows
 
 
-def compare_with_full(rows: list[dict[str, Any]], eng: Any, chunks: list[str], questions: list[str], gen: Any) -> None:
+def compare_with_full(rows: list[dict[str, Any]], eng: Any, chunks_of: Callable[[int], list[str]],
+                      questions: list[str], gen: Any) -> None:
     """Each turn of a conversation over HTTP (``kvrag_bench.chat_serve`` rows, the reusing server's answers as the
-    history) against the in-process ``full`` answer to the same messages: ``same_as_full_reuse`` /
-    ``same_as_full_recompute`` per row (the same text)."""
+    history) against the in-process ``full`` answer to the same messages (turn ``k``'s passages ``chunks_of(k)``):
+    ``same_as_full_reuse`` / ``same_as_full_recompute`` per row (the same text)."""
     from kvrag.prompting import render_chat
 
     history: list[dict[str, str]] = []
-    for row, q in zip(rows, questions, strict=True):
+    for k, (row, q) in enumerate(zip(rows, questions, strict=True)):
+        chunks = chunks_of(k)
         prompt = render_chat(eng.tokenizer, _messages(SYSTEM + "\n" + "".join(chunks), history, q))
         ref = eng.answer(prompt, chunks, "full", gen).text
         row["same_as_full_reuse"] = row["answer"] == ref
@@ -267,22 +269,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for fw in [s.strip() for s in args.frameworks.split(",") if s.strip() and s.strip() != "none"]:
         from kvrag_bench.chat_frameworks import run as run_framework
 
-        if fw == "serve":
+        if fw in ("serve", "serve-changing"):
             from kvrag.prompting import render_chat
             from kvrag_bench import chat_serve
 
             if args.quantize not in (None, "default") or args.dtype is not None:
                 print("  note: kvrag serve loads the model with its defaults (dtype, quantization), not --dtype / "
                       "--quantize", flush=True)
-            print("kvrag serve over HTTP (openai SDK), fixed chunks:", flush=True)
-            served = chat_serve.run(fixed, questions, warm, args.max_new_tokens, method=method, model=args.model,
-                                    threads=args.threads, peer=args.peer,
-                                    count_tokens=lambda m: len(reuse.tokenize(render_chat(reuse.tokenizer, m))))
+            changing = fw == "serve-changing"
+            turn_chunks = ((lambda k: requests[1 + k].passages()[: args.passages]) if changing
+                           else (lambda k: fixed))
+            print(f"kvrag serve over HTTP (openai SDK), {'passages that change every turn' if changing else 'fixed chunks'}:",
+                  flush=True)
+            served = chat_serve.run(turn_chunks, questions, warm, args.max_new_tokens, method=method,
+                                    model=args.model, threads=args.threads, peer=args.peer,
+                                    count_tokens=lambda m: len(reuse.tokenize(render_chat(reuse.tokenizer, m))),
+                                    n_ctx=8192 if changing else 4096)
             if args.full_reference and method != "full":
                 print("  `full` with the history recomputed, in process, for each turn's messages:", flush=True)
-                compare_with_full(served["rows"], recompute, fixed, questions, gen)
+                compare_with_full(served["rows"], recompute, turn_chunks, questions, gen)
                 served["summary"].update(same_as_full_counts(served["rows"]))
-            result["scenarios"]["serve"] = served
+            result["scenarios"][fw] = served
             continue
         changing = fw.endswith("-changing")
         print(f"{fw} stock chat engine, {'passages that change every turn' if changing else 'fixed chunks'}:",

@@ -225,14 +225,15 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def converse(servers: dict[str, Any], chunks: list[str], questions: list[str], max_tokens: int,
-             on_turn: Callable[[dict[str, Any]], None] | None = None,
+def converse(servers: dict[str, Any], chunks: list[str] | Callable[[int], list[str]], questions: list[str],
+             max_tokens: int, on_turn: Callable[[dict[str, Any]], None] | None = None,
              count_tokens: Callable[[list[dict[str, str]]], int] | None = None) -> dict[str, Any]:
     """The conversation against ``servers`` (name -> an ``openai.OpenAI`` client; ``reuse`` and ``recompute``
-    required, ``llama.cpp`` optional): one row per turn. A llama.cpp request that fails (its server crashed)
-    ends llama.cpp's part; the error is kept in ``llamacpp_error``. ``count_tokens``: the prompt tokens of a
-    ``messages`` list, for a server whose stream carries no usage (llama-cpp-python's)."""
-    system = SYSTEM + "\n" + "".join(chunks)
+    required, ``llama.cpp`` optional): one row per turn. ``chunks``: the passages of every turn, or turn ``k``'s
+    as ``chunks(k)``. A llama.cpp request that fails (its server crashed) ends llama.cpp's part; the error is kept
+    in ``llamacpp_error``. ``count_tokens``: the prompt tokens of a ``messages`` list, for a server whose stream
+    carries no usage (llama-cpp-python's)."""
+    chunks_of = chunks if callable(chunks) else (lambda k: chunks)
     peer = "llama.cpp" in servers
     history: list[dict[str, str]] = []
     peer_history: list[dict[str, str]] = []
@@ -240,6 +241,7 @@ def converse(servers: dict[str, Any], chunks: list[str], questions: list[str], m
     error: str | None = None
     extra = {"llama.cpp": {"repeat_penalty": 1.0}}
     for k, q in enumerate(questions):
+        system = SYSTEM + "\n" + "".join(chunks_of(k))
         msgs = {"reuse": [{"role": "system", "content": system}, *history, {"role": "user", "content": q}]}
         msgs["recompute"] = msgs["reuse"]
         if peer and error is None:
@@ -300,13 +302,15 @@ def _print_turn(row: dict[str, Any]) -> None:
           f"(recompute {_fmt(row['ttft_recompute_s'])} s){peer}; same answer: {row['same_answer']}", flush=True)
 
 
-def run(chunks: list[str], questions: list[str], warm_question: str, max_new_tokens: int, *, method: str,
-        model: str | None, threads: int | None, peer: str = "auto",
-        count_tokens: Callable[[list[dict[str, str]]], int] | None = None) -> dict[str, Any]:
-    """Start the servers, register the chunks, warm each server with one untimed request, run the conversation,
-    stop the servers. ``peer``: ``auto`` (llama.cpp when its server can start here and the model is a GGUF
-    file), ``llama.cpp`` (asked for: a missing server or model is reported in the result) or ``none``.
-    ``count_tokens``: see :func:`converse`."""
+def run(chunks: list[str] | Callable[[int], list[str]], questions: list[str], warm_question: str,
+        max_new_tokens: int, *, method: str, model: str | None, threads: int | None, peer: str = "auto",
+        count_tokens: Callable[[list[dict[str, str]]], int] | None = None, n_ctx: int = 4096) -> dict[str, Any]:
+    """Start the servers, register the chunks (every turn's), warm each server with one untimed request, run the
+    conversation, stop the servers. ``chunks``: as :func:`converse`'s. ``peer``: ``auto`` (llama.cpp when its
+    server can start here and the model is a GGUF file), ``llama.cpp`` (asked for: a missing server or model is
+    reported in the result) or ``none``; ``n_ctx``: its context window. ``count_tokens``: see :func:`converse`."""
+    chunks_of = chunks if callable(chunks) else (lambda k: chunks)
+    every = list(dict.fromkeys(c for k in range(len(questions)) for c in chunks_of(k)))
     try:
         import openai
     except ImportError as e:
@@ -329,7 +333,7 @@ def run(chunks: list[str], questions: list[str], warm_question: str, max_new_tok
         started = [("reuse", kvrag_server(method, model, threads)),
                    ("recompute", kvrag_server(method, model, threads, conversation_cache=False))]
         if gguf is not None:
-            started.append(("llama.cpp", llamacpp_server(gguf, threads or 1)))
+            started.append(("llama.cpp", llamacpp_server(gguf, threads or 1, n_ctx)))
         procs: dict[str, Server] = {}
         for name, srv in started:
             try:
@@ -342,10 +346,10 @@ def run(chunks: list[str], questions: list[str], warm_question: str, max_new_tok
                 continue
             servers[name] = openai.OpenAI(base_url=srv.url + "/v1", api_key="not-needed", max_retries=0, timeout=600)
         for name in ("reuse", "recompute"):
-            r = httpx.post(procs[name].url + "/v1/kvrag/chunks", json={"texts": chunks}, timeout=1200)
+            r = httpx.post(procs[name].url + "/v1/kvrag/chunks", json={"texts": every}, timeout=1200)
             if r.status_code != 200:
                 raise ServerFailed(f"{procs[name].name}: registering the passages answered {r.status_code}: {r.text}")
-        system = SYSTEM + "\n" + "".join(chunks)
+        system = SYSTEM + "\n" + "".join(chunks_of(0))
         warm = [{"role": "system", "content": system}, {"role": "user", "content": warm_question}]
         for name in list(servers):  # untimed: the first request of a server pays one-time setup
             try:
@@ -369,7 +373,7 @@ def run(chunks: list[str], questions: list[str], warm_question: str, max_new_tok
             import llama_cpp
 
             result["llamacpp"] = {"llama_cpp_python": getattr(llama_cpp, "__version__", "?"), "gguf": gguf,
-                                  "n_ctx": 4096, "threads": threads or 1}
+                                  "n_ctx": n_ctx, "threads": threads or 1}
     result["server"] = {"method": method, "threads": threads, "model": model or "default"}
     if notes:
         result["notes"] = notes

@@ -94,10 +94,35 @@ def test_the_conversation_over_http_reuses_history_and_reports_a_peer_that_faile
     assert all(r["llamacpp_ttft_s"] is None for r in rows)
     assert out["llamacpp_error"].startswith("turn 1: APIConnectionError")
     assert out["summary"]["llamacpp_turns"] == 0 and "ttft_ratio_last_first_llamacpp" not in out["summary"]
-    compare_with_full(rows, recompute, chunks, questions, GenerationConfig(max_new_tokens=4))
+    compare_with_full(rows, recompute, lambda k: chunks, questions, GenerationConfig(max_new_tokens=4))
     assert all(isinstance(r["same_as_full_reuse"], bool) and isinstance(r["same_as_full_recompute"], bool) for r in rows)
     out["summary"].update(same_as_full_counts(rows))
     md = "\n".join(_scenario_lines("serve", out))
     assert "| same as full reuse / recompute |" in md
     assert "| llama.cpp prompt tokens | llama.cpp TTFT (s) | / turn 1 |" in md and "llama.cpp server -" in md
     assert all(line.count("|") == md.splitlines()[2].count("|") for line in md.splitlines() if line.startswith("|"))
+
+
+def test_passages_that_change_every_turn_move_the_history_over_http() -> None:
+    """The whole ``messages`` list each turn, the system message's passages changing: the reusing server moves the
+    kept history behind the new passages (kvrag.engine.relocate); the recomputing one prefills everything."""
+    from kvrag.engine.relocate import MIN_MOVED
+
+    model = tiny_model("llama", init_std=0.02, seed=2)
+    reuse = KVRAGEngine(model, MemoryStore(), EngineConfig(max_context=1024, method="stale"))
+    recompute = KVRAGEngine(model, MemoryStore(), EngineConfig(max_context=1024, method="stale",
+                                                               conversation_cache_bytes=0))
+    turns = [["\n\nThe tram runs every ten minutes."], ["\n\nA day pass costs five euros."],
+             ["\n\nThe ferry leaves at noon."]]
+    questions = ["How often does the tram run?", "What does a pass cost?", "And a week?"]
+    cfg = ServeConfig(model_id=chat_serve.MODEL_ID, max_queue=4)
+    with LiveServer(create_app(reuse, cfg), drain_timeout_s=5) as a, \
+            LiveServer(create_app(recompute, cfg), drain_timeout_s=5) as b:
+        out = chat_serve.converse({"reuse": _client(a.url), "recompute": _client(b.url)}, lambda k: turns[k],
+                                  questions, max_tokens=4)
+    rows = out["rows"]
+    assert rows[0]["reused_conversation"] == 0
+    for r in rows[1:]:
+        assert r["reused_conversation"] >= MIN_MOVED and r["cached_tokens"] >= r["reused_conversation"]
+        assert r["recompute_prefilled"] == r["prompt_tokens"]
+    assert reuse.conversations.stats()["moved_hits"] == 2
