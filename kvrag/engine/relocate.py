@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -41,9 +41,27 @@ from kvrag.engine.planner import Plan, PlannedSegment
 from kvrag.kv.chunk import ChunkKV
 
 if TYPE_CHECKING:
-    from kvrag.engine.conversation import Entry
     from kvrag.kv.rope import Rope
     from kvrag.kv.spec import KVSpec
+
+
+class Kept(Protocol):
+    """What a move reads of a kept request (:class:`kvrag.engine.conversation.Entry`)."""
+
+    @property
+    def ids(self) -> tuple[int, ...]: ...
+
+    @property
+    def prompt_len(self) -> int: ...
+
+    @property
+    def method(self) -> str: ...
+
+    @property
+    def keys(self) -> torch.Tensor: ...
+
+    @property
+    def values(self) -> torch.Tensor: ...
 
 MIN_MOVED = 16
 """The fewest kept ids worth moving: a shorter common tail is a chat template's header, not a history."""
@@ -54,7 +72,7 @@ class Moved:
     """A kept request's prompt positions ``[old_start, old_start + length)`` (its prompt's last ``length`` ids)
     found again at ``new_start`` of a request."""
 
-    entry: Entry
+    entry: Kept
     old_start: int
     new_start: int
     length: int
@@ -76,7 +94,7 @@ def common_suffix(a: Sequence[int], b: Sequence[int]) -> int:
     return lo
 
 
-def find_moved(entries: Iterable[Entry], ids: Sequence[int], context_len: int, method: str,
+def find_moved(entries: Iterable[Kept], ids: Sequence[int], context_len: int, method: str,
                min_length: int = MIN_MOVED) -> Moved | None:
     """The longest kept prompt tail that ``ids`` hold after their first ``context_len`` ids (the request's chunks
     and the text between them), followed by the kept answer's ids, all of them; None when no kept request of
@@ -129,4 +147,4 @@ def moved_plan(plan: Plan, moved: Moved, rope: Rope, spec: KVSpec) -> Plan:
     return dataclasses.replace(plan, context=tuple(context), suffix=suffix, held={**plan.held, key: kv})
 
 
-__all__ = ["MIN_MOVED", "Moved", "common_suffix", "find_moved", "moved_plan"]
+__all__ = ["MIN_MOVED", "Kept", "Moved", "common_suffix", "find_moved", "moved_plan"]
