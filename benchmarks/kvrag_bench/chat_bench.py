@@ -284,7 +284,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             served = chat_serve.run(turn_chunks, questions, warm, args.max_new_tokens, method=method,
                                     model=args.model, threads=args.threads, peer=args.peer,
                                     count_tokens=lambda m: len(reuse.tokenize(render_chat(reuse.tokenizer, m))),
-                                    n_ctx=8192 if changing else 4096)
+                                    n_ctx=8192 if changing else 4096, warm_chunks=fixed)
             if args.full_reference and method != "full":
                 print("  `full` with the history recomputed, in process, for each turn's messages:", flush=True)
                 compare_with_full(served["rows"], recompute, turn_chunks, questions, gen)

@@ -304,13 +304,16 @@ def _print_turn(row: dict[str, Any]) -> None:
 
 def run(chunks: list[str] | Callable[[int], list[str]], questions: list[str], warm_question: str,
         max_new_tokens: int, *, method: str, model: str | None, threads: int | None, peer: str = "auto",
-        count_tokens: Callable[[list[dict[str, str]]], int] | None = None, n_ctx: int = 4096) -> dict[str, Any]:
+        count_tokens: Callable[[list[dict[str, str]]], int] | None = None, n_ctx: int = 4096,
+        warm_chunks: list[str] | None = None) -> dict[str, Any]:
     """Start the servers, register the chunks (every turn's), warm each server with one untimed request, run the
     conversation, stop the servers. ``chunks``: as :func:`converse`'s. ``peer``: ``auto`` (llama.cpp when its
     server can start here and the model is a GGUF file), ``llama.cpp`` (asked for: a missing server or model is
-    reported in the result) or ``none``; ``n_ctx``: its context window. ``count_tokens``: see :func:`converse`."""
+    reported in the result) or ``none``; ``n_ctx``: its context window. ``count_tokens``: see :func:`converse`.
+    ``warm_chunks``: the warm-up request's passages (default: turn 1's; other passages leave llama.cpp's server no
+    cached prefix for turn 1 when the passages change every turn)."""
     chunks_of = chunks if callable(chunks) else (lambda k: chunks)
-    every = list(dict.fromkeys(c for k in range(len(questions)) for c in chunks_of(k)))
+    every = list(dict.fromkeys([*(c for k in range(len(questions)) for c in chunks_of(k)), *(warm_chunks or [])]))
     try:
         import openai
     except ImportError as e:
@@ -349,7 +352,7 @@ def run(chunks: list[str] | Callable[[int], list[str]], questions: list[str], wa
             r = httpx.post(procs[name].url + "/v1/kvrag/chunks", json={"texts": every}, timeout=1200)
             if r.status_code != 200:
                 raise ServerFailed(f"{procs[name].name}: registering the passages answered {r.status_code}: {r.text}")
-        system = SYSTEM + "\n" + "".join(chunks_of(0))
+        system = SYSTEM + "\n" + "".join(chunks_of(0) if warm_chunks is None else warm_chunks)
         warm = [{"role": "system", "content": system}, {"role": "user", "content": warm_question}]
         for name in list(servers):  # untimed: the first request of a server pays one-time setup
             try:
