@@ -8,7 +8,9 @@ passages, then the history, then the new question. Scenarios:
 * ``fixed``: the system message holds the first row's ``--passages`` passages on every turn (the chunks do not
   change; the history sits behind the same prefix).
 * ``changing``: turn ``k``'s system message holds row ``offset + k``'s passages (what a chat engine that retrieves
-  again every turn sends; the history no longer sits behind the same prefix).
+  again every turn sends; the history no longer sits behind the same prefix): the reusing engine moves the kept
+  history behind the new passages (:mod:`kvrag.engine.relocate`); with ``--kl``, each turn's next-token KL against
+  ``full`` of the method with the history prefilled and with it moved.
 * ``changing-history``: as ``changing``, the reusing engine also given the earlier user / assistant messages as
   reusable segments (:func:`kvrag.adapters.history_segments`: cached like chunks, placed at their new position,
   repaired by the method). With ``--kl``, each turn's next-token KL against ``full`` of the method with the
@@ -21,7 +23,8 @@ tokens reused from the conversation, tokens prefilled, and whether both answers 
 are ingested before the turns (cache-ready TTFT). ``--frameworks`` also runs the same fixed-chunk conversation
 through LlamaIndex's stock ``context`` chat engine (``KVCachedLLM``) and a LangChain ``RunnableWithMessageHistory``
 chain (``ChatKVCached``), reporting their TTFT per turn (``llamaindex-changing`` / ``langchain-changing``: the
-``changing`` passages, LlamaIndex through its ``condense_plus_context`` engine; :mod:`kvrag_bench.chat_frameworks`), and ``serve``: ``kvrag serve`` driven by the ``openai`` SDK
+``changing`` passages, LlamaIndex through its ``condense_plus_context`` engine; :mod:`kvrag_bench.chat_frameworks`), and ``serve``
+(``serve-changing``: the ``changing`` passages): ``kvrag serve`` driven by the ``openai`` SDK
 over HTTP, with llama.cpp's server on the same GGUF file beside it (``--peer``; :mod:`kvrag_bench.chat_serve`).
 
 ``--kv-check`` measures where decode-written K/V differs from prefill-written K/V: after a ``full`` answer, the kept

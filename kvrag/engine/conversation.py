@@ -174,7 +174,7 @@ class ConversationCache:
         """The kept prompt tail that ``ids`` hold after their first ``context_len`` ids, followed by its answer
         (:func:`kvrag.engine.relocate.find_moved`: the history of a chat whose passages changed); None if none. The
         entry keeps its place in the LRU order: its conversation goes on in the entry this request's answer
-        leaves, so the moved-from one is the first to give way."""
+        leaves, which replaces it (:meth:`keep`)."""
         if not self.enabled:
             return None
         with self._lock:
@@ -185,9 +185,12 @@ class ConversationCache:
                 self.counters["moved_tokens"] += moved.length
         return moved
 
-    def keep(self, ids: Sequence[int], prompt_len: int, method: str, cache: Cache, level: str | None = None) -> bool:
+    def keep(self, ids: Sequence[int], prompt_len: int, method: str, cache: Cache, level: str | None = None,
+             replaces: object | None = None) -> bool:
         """Keep the prompt's KV of an answered request (``cache``: its transformers cache over at least the first
-        ``prompt_len`` of ``ids``, its prompt; the rest of ``ids`` is its answer; ``level``: :attr:`Entry.level`).
+        ``prompt_len`` of ``ids``, its prompt; the rest of ``ids`` is its answer; ``level``: :attr:`Entry.level`;
+        ``replaces``: the entry whose history the request moved (:meth:`match_moved`), dropped once this one is kept:
+        the new entry holds that history too).
         Returns whether it was kept: not when there is no answer token, the cache is off, the entry alone is over
         ``max_bytes``, or it does not fit beside the requests in flight."""
         ids = tuple(ids)
@@ -228,6 +231,8 @@ class ConversationCache:
             self._entries[id(entry)] = entry
             self.nbytes += nbytes
             self.counters["kept"] += 1
+            if replaces is not None and self._entries.get(id(replaces)) is replaces:
+                self._drop(id(replaces))  # the conversation goes on in this entry
         return True
 
     def reclaim(self, nbytes: int) -> None:
@@ -275,7 +280,7 @@ def keep_answered(cache: ConversationCache, prepared: Prepared) -> bool:
         if answered <= 0 or answered > len(prepared.token_ids):
             return False
         return cache.keep(plan_ids + tuple(prepared.token_ids[:answered]), len(plan_ids), repr(prepared.method),
-                          prepared.cache, prepared.stats.method_stats.auto_choice)
+                          prepared.cache, prepared.stats.method_stats.auto_choice, replaces=prepared.moved_from)
     except Exception:  # noqa: BLE001 - the answer is complete; only its reuse is lost
         log.warning("could not keep an answered request's KV for its next turn", exc_info=True)
         return False

@@ -319,7 +319,9 @@ class KVRAGEngine(ChunkCaching):
         for k, ch in computed:  # misses computed in the turn are stored after it
             self.serving_store.put(k, ch)
         if moved is not None:
-            prep.stats.conversation_tokens = moved.length
+            prep.moved_from = moved.entry
+            if prep.stats.reused_tokens:  # counted as the chunk caches are (not when the prompt was recomputed over
+                prep.stats.conversation_tokens = moved.length  # its own ids)
         return prep
 
     def _prepare(self, plan: Plan, m: FusionMethod, lease: Lease, timings: Timings,

@@ -164,6 +164,9 @@ class Prepared:
     kv_lease: Lease | None = dataclasses.field(default=None, repr=False, compare=False)
     """The request's share of the engine's KV memory bound (:mod:`kvrag.engine.admission`), given back when its
     stream ends or this object is garbage-collected."""
+    moved_from: object | None = dataclasses.field(default=None, repr=False, compare=False)
+    """The kept request whose history this one moved behind its passages (:mod:`kvrag.engine.relocate`): this
+    request's own kept entry replaces it."""
 
     def __post_init__(self) -> None:
         if self.kv_lease is not None:

@@ -110,6 +110,8 @@ def test_a_chat_whose_passages_change_moves_its_kept_history() -> None:
         assert r.stats.suffix_tokens + r.stats.conversation_tokens <= p.stats.suffix_tokens
         assert p.stats.conversation_tokens == 0
     assert eng.conversations.stats()["moved_hits"] == 2 and "moved_hits" not in off.conversations.stats()
+    # each turn's entry replaces the one it moved from: one entry for the conversation, as for a fixed-chunk chat
+    assert len(eng.conversations) == 1 and len(off.conversations) == 3
 
 
 def test_full_never_moves_a_kept_history() -> None:
@@ -135,3 +137,26 @@ def test_a_chat_without_chunks_moves_its_history_behind_a_new_system_message() -
             del prep
         r = eng.answer(prompt, [], "stale", max_new_tokens=8)
         history += [{"role": "user", "content": q}, {"role": "assistant", "content": r.text}]
+
+
+def test_an_escalation_to_full_over_a_moved_history_is_full(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``auto:agree`` unsure over the moved history computes the prompt as ``full``: the answer is a recomputing
+    engine's (the moved K/V do not reach ``full``'s computation), and its (``full``) entry replaces the one it moved
+    from. Counted as the engine counts a ladder's fetched caches: reused at its first level."""
+    from kvrag.fusion import escalate
+
+    method = "auto:agree=0.9"
+    eng = tiny_engine("llama", init_std=0.02, seed=2, move_history=True)
+    fresh = tiny_engine("llama", init_std=0.02, seed=2, conversation_cache_bytes=0)
+    monkeypatch.setitem(escalate.AGREE_THRESHOLDS, 0.9, (0.0,))  # turn 1: the ladder stops at its first level
+    (r1,) = _chat(eng, method, 1)
+    monkeypatch.setitem(escalate.AGREE_THRESHOLDS, 0.9, (1.01,))  # no first token is this sure: escalate
+    msgs = [{"role": "system", "content": "Answer.\n" + PASSAGES[1]}, {"role": "user", "content": QUESTIONS[0]},
+            {"role": "assistant", "content": r1.text}, {"role": "user", "content": QUESTIONS[1]}]
+    prompt = render_chat(eng.tokenizer, msgs)
+    r2 = eng.answer(prompt, [PASSAGES[1]], method, max_new_tokens=8)
+    assert eng.conversations.stats()["moved_hits"] == 1
+    assert r2.stats.method_stats.auto_choice == "full" and r2.stats.conversation_tokens >= MIN_MOVED
+    assert r2.token_ids == fresh.answer(prompt, [PASSAGES[1]], method, max_new_tokens=8).token_ids
+    (entry,) = eng.conversations._entries.values()
+    assert entry.level == "full" and entry.ids[: entry.prompt_len] == tuple(eng.tokenize(prompt))
