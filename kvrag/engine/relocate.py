@@ -45,6 +45,10 @@ if TYPE_CHECKING:
     from kvrag.kv.spec import KVSpec
 
 
+MIN_MOVED = 16
+"""The fewest kept ids worth moving: a shorter common tail is a chat template's header, not a history."""
+
+
 class Kept(Protocol):
     """What a move reads of a kept request (:class:`kvrag.engine.conversation.Entry`)."""
 
@@ -62,9 +66,6 @@ class Kept(Protocol):
 
     @property
     def values(self) -> torch.Tensor: ...
-
-MIN_MOVED = 16
-"""The fewest kept ids worth moving: a shorter common tail is a chat template's header, not a history."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,10 +123,10 @@ def find_moved(entries: Iterable[Kept], ids: Sequence[int], context_len: int, me
 
 
 def moved_plan(plan: Plan, moved: Moved, rope: Rope, spec: KVSpec) -> Plan:
-    """``plan`` with the moved ids as a held ``kept`` context segment: its suffix split into the ids before the block (a
-    ``text`` segment, computed like text between chunks, or the ``prefix`` when the plan has no context), the block,
-    and the rest (the new suffix). The block's
-    cache is the kept keys at their kept positions with RoPE removed, and the kept values, in the store's dtype."""
+    """``plan`` with the moved ids as a held ``kept`` context segment: its suffix split into the ids before the
+    block (a ``text`` segment, computed like text between chunks, or the ``prefix`` when the plan has no context),
+    the block, and the rest (the new suffix). The block's cache is the kept keys at their kept positions with RoPE
+    removed, and the kept values, in the store's dtype."""
     e, n = moved.entry, moved.length
     ids = plan.token_ids
     a, b = moved.new_start, moved.new_start + n
