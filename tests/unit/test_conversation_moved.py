@@ -52,8 +52,9 @@ def test_find_moved_takes_the_kept_tail_followed_by_its_answer() -> None:
     assert find_moved([kept, longer], [5, 2, 4, 9, *history, 77, 3], context_len=1, method="stale").length == 43
 
 
-def test_moved_plan_holds_the_kept_kv_without_rope() -> None:
-    eng = tiny_engine("llama", init_std=0.02, seed=2)
+@pytest.mark.parametrize("family", ["llama", "gemma3", "phi", "gpt_neox"])  # per-layer tables, partial rotary
+def test_moved_plan_holds_the_kept_kv_without_rope(family: str) -> None:
+    eng = tiny_engine(family, init_std=0.02, seed=2)
     prompt = render_chat(eng.tokenizer, [{"role": "system", "content": "Answer.\n" + PASSAGES[0]},
                                          {"role": "user", "content": QUESTIONS[0]}])
     plan = eng.plan(prompt, [PASSAGES[0]])
@@ -97,9 +98,10 @@ def _chat(eng, method: str, turns: int, **kw):
     return out
 
 
-def test_a_chat_whose_passages_change_moves_its_kept_history() -> None:
-    eng = tiny_engine("llama", init_std=0.02, seed=2, move_history=True)
-    off = tiny_engine("llama", init_std=0.02, seed=2, move_history=False)
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_a_chat_whose_passages_change_moves_its_kept_history(family: str) -> None:
+    eng = tiny_engine(family, init_std=0.02, seed=2, move_history=True)
+    off = tiny_engine(family, init_std=0.02, seed=2, move_history=False)
     rs = _chat(eng, "stale", 3)
     plain = _chat(off, "stale", 3)
     assert rs[0].stats.conversation_tokens == 0
