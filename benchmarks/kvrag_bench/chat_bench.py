@@ -93,6 +93,18 @@ def _fastest(best: dict[str, float], order: list[tuple[str, Any, list[str]]], pr
             best[name] = min(best[name], _prepare_s(eng, prompt, c, method))
 
 
+def _history_logits(logits: dict[str, Any], reuse: Any, recompute: Any, prompt: str, chunks: list[str],
+                    segments: list[str], method: str, reused: str) -> None:
+    """The last logits of ``full``, of ``method`` with the history prefilled (both on the recomputing engine) and of
+    ``method`` with the reusing engine's history (``reused``: ``segments`` on the recomputing engine, ``moved`` on
+    the reusing one, which moves the kept turn before's history) into ``logits``."""
+    for name, eng, m, c in (("full", recompute, "full", chunks), ("prefilled", recompute, method, chunks),
+                            (reused, recompute if reused == "segments" else reuse, method, segments)):
+        prep = eng.prepare(eng.plan(prompt, c), m, reserve=1)
+        logits[name] = prep.last_logits
+        del prep  # gives its KV back
+
+
 def converse(reuse: Any, recompute: Any, chunks_of: Callable[[int], list[str]], questions: list[str], method: str,
              gen: Any, *, history_segments: bool = False, kl: bool = False, repeats: int = 0,
              full_reference: bool = False) -> list[dict[str, Any]]:
@@ -120,9 +132,15 @@ def converse(reuse: Any, recompute: Any, chunks_of: Callable[[int], list[str]], 
         best = {"reuse": float("inf"), "recompute": float("inf")}
         if not history_segments:  # before the answer, which replaces the kept turn with this one
             _fastest(best, order, prompt, method, repeats)
+        reused = "segments" if history_segments else "moved"  # the reusing engine's history
+        logits: dict[str, Any] = {}
+        if kl and not history_segments:  # before the answer too: the reusing engine moves the turn before's kept
+            _history_logits(logits, reuse, recompute, prompt, chunks, segments, method, reused)  # history
         got = {name: eng.answer(prompt, c, method, gen) for name, eng, c in (order if k % 2 == 0 else order[::-1])}
         if history_segments:  # after it: the answer's TTFT includes computing the newest turn's segments
             _fastest(best, order, prompt, method, repeats)
+            if kl:
+                _history_logits(logits, reuse, recompute, prompt, chunks, segments, method, reused)
         r, f = got["reuse"], got["recompute"]
         total = r.stats.context_tokens + r.stats.suffix_tokens
         row = {"turn": k + 1, "prompt_tokens": total, "reused_conversation": r.stats.conversation_tokens,
@@ -139,14 +157,6 @@ def converse(reuse: Any, recompute: Any, chunks_of: Callable[[int], list[str]], 
         if repeats:
             row.update(prepare_min_reuse_s=best["reuse"], prepare_min_recompute_s=best["recompute"])
         if kl:
-            # the reusing engine's history: as segments, or (chunks alone) the kept conversation's, moved
-            reused = "segments" if history_segments else "moved"
-            logits = {}
-            for name, eng, m, c in (("full", recompute, "full", chunks), ("prefilled", recompute, method, chunks),
-                                    (reused, recompute if history_segments else reuse, method, segments)):
-                prep = eng.prepare(eng.plan(prompt, c), m, reserve=1)
-                logits[name] = prep.last_logits
-                del prep  # gives its KV back
             row["kl_history_prefilled"] = float(kl_divergence(logits["full"], logits["prefilled"]))
             row[f"kl_history_{reused}"] = float(kl_divergence(logits["full"], logits[reused]))
         rows.append(row)
