@@ -6,8 +6,8 @@
 * ``langchain``: an LCEL chain (system message with the passages, ``MessagesPlaceholder`` history, the question) |
   ``ChatKVCached`` with the passages as its chunks, wrapped in ``RunnableWithMessageHistory``.
 
-``llamaindex-changing`` / ``langchain-changing``: the same chains over passages that change every turn (turn ``k``
-gets dev row ``k``'s passages, as ``kvrag bench chat``'s ``changing`` scenario): LlamaIndex's
+``llamaindex-changing`` / ``langchain-changing``: the same chains over passages that change every turn (the
+``changing`` scenario's of ``kvrag bench chat``: each turn the next dev row's): LlamaIndex's
 ``CondensePlusContextChatEngine`` (``condense_plus_context`` mode, ``skip_condense=True``: the message retrieves as
 it is, so each turn's one LLM call is the answer) over a retriever returning the turn's passages, and the LangChain
 chain with the turn's passages as its chunks.
