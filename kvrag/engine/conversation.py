@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from kvrag.engine.lease import KVBudget, Lease
-from kvrag.engine.planner import Plan
+from kvrag.engine.planner import Plan, common_prefix
 from kvrag.engine.relocate import Moved, find_moved
 from kvrag.engine.results import Prepared, Stats, Timings
 from kvrag.fusion.base import FusionMethod
@@ -92,21 +92,6 @@ class Hit:
 
     entry: Entry
     length: int
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix of two id tuples (slice comparisons: C speed)."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
 
 
 class ConversationCache:
@@ -370,4 +355,4 @@ def prepare_hit(engine: HitEngine, plan: Plan, m: FusionMethod, lease: Lease, hi
     return Prepared(plan, m, cache, last, timings, stats, keys, t0, kv_lease=lease)
 
 
-__all__ = ["ConversationCache", "Entry", "Hit", "common_prefix", "keep_answered", "prepare_hit"]
+__all__ = ["ConversationCache", "Entry", "Hit", "keep_answered", "prepare_hit"]

@@ -169,6 +169,26 @@ def find_ids(haystack: Sequence[int], needle: Sequence[int], start: int = 0) -> 
     return None
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two id tuples (slice comparisons: C speed)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def common_suffix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common suffix of two id tuples."""
+    return common_prefix(a[::-1], b[::-1])
+
+
 def align_to_whole(
     pieces: Sequence[tuple[TextPiece, tuple[int, ...]]],
     whole: Sequence[int],

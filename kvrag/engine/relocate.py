@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 import torch
 
-from kvrag.engine.planner import Plan, PlannedSegment
+from kvrag.engine.planner import Plan, PlannedSegment, common_suffix
 from kvrag.kv.chunk import ChunkKV
 
 if TYPE_CHECKING:
@@ -79,22 +79,6 @@ class Moved:
     length: int
 
 
-def common_suffix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common suffix of two id sequences (slice comparisons: C speed)."""
-    n = min(len(a), len(b))
-    la, lb = len(a), len(b)
-    if a[la - n:] == b[lb - n:]:
-        return n
-    lo, hi = 0, n  # the last lo ids agree, the last hi do not
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[la - mid:] == b[lb - mid:]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
-
-
 def find_moved(entries: Iterable[Kept], ids: Sequence[int], context_len: int, method: str,
                min_length: int = MIN_MOVED) -> Moved | None:
     """The longest kept prompt tail that ``ids`` hold after their first ``context_len`` ids (the request's chunks
@@ -102,6 +86,9 @@ def find_moved(entries: Iterable[Kept], ids: Sequence[int], context_len: int, me
     ``method`` has one of at least ``min_length`` ids. A tail that starts at the kept prompt's position 0 is a
     prefix hit, which :meth:`kvrag.engine.conversation.ConversationCache.match` handles; it is not a move."""
     ids = tuple(ids)
+    lo = context_len + min_length  # the first end a block of min_length ids after the context can have
+    if lo >= len(ids):
+        return None
     arr = np.asarray(ids, dtype=np.int64)
     best: Moved | None = None
     for e in entries:
@@ -109,9 +96,6 @@ def find_moved(entries: Iterable[Kept], ids: Sequence[int], context_len: int, me
             continue
         kept, answer = e.ids[: e.prompt_len], e.ids[e.prompt_len:]
         # candidate ends: a position holding the answer's first id right after the kept prompt's last id
-        lo = context_len + min_length
-        if lo >= len(ids):
-            continue
         hits = np.nonzero((arr[lo:] == answer[0]) & (arr[lo - 1:-1] == kept[-1]))[0] + lo
         for end in hits.tolist():
             if ids[end: end + len(answer)] != answer:
@@ -148,4 +132,4 @@ def moved_plan(plan: Plan, moved: Moved, rope: Rope, spec: KVSpec) -> Plan:
     return dataclasses.replace(plan, context=tuple(context), suffix=suffix, held={**plan.held, key: kv})
 
 
-__all__ = ["MIN_MOVED", "Kept", "Moved", "common_suffix", "find_moved", "moved_plan"]
+__all__ = ["MIN_MOVED", "Kept", "Moved", "find_moved", "moved_plan"]

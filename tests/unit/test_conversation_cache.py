@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from kvrag.config import EngineConfig, GenerationConfig
-from kvrag.engine.conversation import PREFILL_ROWS, ConversationCache, common_prefix
+from kvrag.engine.conversation import PREFILL_ROWS, ConversationCache
 from kvrag.engine.lease import KVBudget
+from kvrag.engine.planner import common_prefix
 from kvrag.engine.scheduler import RequestState, Scheduler
 from kvrag.errors import ConfigError
 from kvrag.kv import hf_cache

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from kvrag.engine.conversation import Entry
-from kvrag.engine.relocate import MIN_MOVED, common_suffix, find_moved, moved_plan
+from kvrag.engine.planner import common_suffix
+from kvrag.engine.relocate import MIN_MOVED, find_moved, moved_plan
 from kvrag.kv import hf_cache
 from kvrag.prompting import render_chat, render_passage
 from kvrag_testing.tiny import tiny_engine
