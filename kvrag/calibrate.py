@@ -15,10 +15,10 @@ with one torch thread by default. Per dtype it records:
 * the model's prefill speed (tokens/s of a full prefill at ~1.5K tokens) and decode speed (ms per token at ~1.5K
   tokens of context);
 * every method's median TTFT and its end-to-end time TTFT + 32 decode steps (:data:`kvrag.calibration.ANSWER_TOKENS`);
-* in float32, where kvrag's row attention reads bfloat16 K/V: each K/V dtype's decode speed with
-  :data:`kvrag.calibration.KV_BATCH` rows at once (the dtypes interleaved), and bfloat16 K/V's next-token KL against
-  float32 K/V along a greedy answer, which name the K/V dtype to set (``EngineConfig.kv_dtype``; the report prints
-  it, :meth:`kvrag.calibration.DtypeCalibration.preferred_kv_dtype`).
+* where kvrag's row attention reads narrower K/V (bfloat16 under float32; int8 under float32 or bfloat16): each K/V
+  dtype's decode speed with :data:`kvrag.calibration.KV_BATCH` rows at once (the dtypes interleaved), and each
+  narrower one's next-token KL against the compute dtype's K/V along a greedy answer, which name the K/V dtype to
+  set (``EngineConfig.kv_dtype``; the report prints it, :meth:`kvrag.calibration.DtypeCalibration.preferred_kv_dtype`).
 
 It runs the default model for real, so it takes a while; run it once per machine kind.
 """
@@ -207,10 +207,14 @@ def _kv_precision(engine: KVRAGEngine, plan: Plan, steps: int,
     from kvrag.kv.attention import IMPL
 
     model = engine.model
-    if (model.dtype != torch.float32 or row_attention.why_not(torch.float32, torch.bfloat16) is not None
-            or batched.batchable(model, IMPL) is not None):
+    if batched.batchable(model, IMPL) is not None:
         return {}, {}
-    kvs = (torch.float32, torch.bfloat16)
+    kvs = [model.dtype] + [k for k in (torch.bfloat16, torch.int8) if k != model.dtype and (
+        (k == torch.bfloat16 and model.dtype == torch.float32 and row_attention.why_not(model.dtype, k) is None)
+        or (k == torch.int8 and model.dtype in (torch.float32, torch.bfloat16) and engine.spec.head_dim % 16 == 0
+            and row_attention.why_not(model.dtype, k) is None))]
+    if len(kvs) == 1:
+        return {}, {}
     prep = engine.prepare(plan, "stale", reserve=steps + 2)
     buf, n = hf_cache.buffer_of(prep.cache)
     tokens, wins = [int(prep.last_logits.argmax())], batched.windows(model)

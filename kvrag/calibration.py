@@ -106,7 +106,7 @@ class DtypeCalibration:
         cost_model: ``auto``'s cost model for this machine kind and dtype (the JSON form of
             :class:`kvrag.fusion.cost_model.CostModel`), or None.
         kv_decode_ms_per_token: per K/V dtype decode may read in this compute dtype (``EngineConfig.kv_dtype``:
-            the compute dtype, and bfloat16 under float32), ms per token of :data:`KV_BATCH` rows decoding at once at
+            the compute dtype, bfloat16 under float32, int8), ms per token of :data:`KV_BATCH` rows decoding at once at
             ~1.5K tokens of context, interleaved (empty: only the compute dtype serves).
         kv_kl: per narrower K/V dtype, the mean next-token KL against the compute dtype's K/V along a greedy answer.
     """

@@ -12,7 +12,7 @@ DEFAULT_METHOD = "auto:agree=0.9"
 where the first decode step is unsure (:mod:`kvrag.fusion.escalate`)."""
 CHUNK_PREFIX_MODES = ("none", "template")
 ON_STORE_ERROR = ("recompute", "raise")
-KV_DTYPES = ("auto", "float32", "bfloat16")
+KV_DTYPES = ("auto", "float32", "bfloat16", "int8")
 
 
 @dataclasses.dataclass
@@ -106,8 +106,12 @@ class EngineConfig:
             ``full`` generates exactly what ``model.generate`` does), the compute dtype's name, or "bfloat16" under a
             float32 model (half the bytes each decode step reads per row and each request holds; the prompt's K/V
             are still computed, and chunk caches repaired, in the compute dtype, then rounded once when decoding
-            starts). Stored chunk caches keep ``store_dtype``. The next-token cost of bfloat16 K/V against float32
-            K/V is measured in docs/results/kv_precision.md.
+            starts), or "int8" (one byte a value plus a float32 scale per 32 values of a position, as llama.cpp's
+            q8_0 cache: 72 bytes a position of a 64-dim head against bfloat16's 128; each position quantized once,
+            when it is written; needs kvrag's row attention for int8 K/V: AVX512, head dims a multiple of 16,
+            batched steps; :mod:`kvrag.kv.int8kv`).
+            Stored chunk caches keep ``store_dtype``. The next-token cost of narrower K/V against the compute dtype's
+            is measured in docs/results/kv_precision.md.
         strict_tokenization: a registered chunk whose own token ids do not occur in the tokenized prompt (its
             boundary token merges with the text around it, e.g. after indentation) is prefilled as text (True), or
             spliced anyway and counted as ``inexact_chunks`` in the response stats (False, default). Either way

@@ -12,7 +12,7 @@ What it runs, on one model loaded once per weight format (``--quantize``, e.g. `
 * the bytes-read bound of each format: the bytes one step must read (the linear weights in the format's encoding,
   one embedding row per token, the norms, and the rows' KV) divided by the copy bandwidth measured in the same run;
 * with ``--kv-dtypes`` (e.g. ``float32,bfloat16``), each format also decoding over rows of that K/V dtype
-  (``EngineConfig.kv_dtype``: bfloat16 K/V under a float32 model), named ``<format> kv=<dtype>``;
+  (``EngineConfig.kv_dtype``: bfloat16 K/V under a float32 model, int8), named ``<format> kv=<dtype>``;
 * with ``--step-backends`` (e.g. ``fused,direct,hf``), each format also as ``<format> <backend>``: the same model's
   steps through that backend of :mod:`kvrag.kv.step_backend` (each computes the same bits), where it serves the
   model;
@@ -77,14 +77,13 @@ def _context_ids(tokenizer: Any, data: str | None, n: int) -> list[int]:
 def context_rows(keys: Any, values: Any, batch: int, capacity: int, dtype: Any) -> list[Any]:
     """``batch`` rows of a batched step (:class:`kvrag.kv.batched.Row`), each its own buffer of ``capacity``
     positions holding a copy of one prefilled context (``keys`` / ``values`` [layers, kv_heads, length, head_dim],
-    as ``hf_cache.prefill_kv`` returns)."""
+    as ``hf_cache.prefill_kv`` returns), in ``dtype`` as the engine converts it (:meth:`KVBuffer.put`)."""
     from kvrag.kv import batched, hf_cache
 
-    rows = []
+    rows, src = [], hf_cache.KVBuffer.wrap(keys, values)
     for _ in range(batch):
         buf = hf_cache.KVBuffer(keys.shape[0], keys.shape[1], keys.shape[3], capacity, dtype, keys.device)
-        buf.keys[:, :, : keys.shape[2]].copy_(keys)
-        buf.values[:, :, : keys.shape[2]].copy_(values)
+        buf.put(src, keys.shape[2])
         rows.append(batched.Row(buf, keys.shape[2]))
     return rows
 
@@ -152,7 +151,7 @@ def _gguf_of(model_name: str | None) -> str | None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from kvrag.kv import batched, hf_cache
+    from kvrag.kv import batched, hf_cache, int8kv
     from kvrag.models import load_model
     from kvrag_bench.provenance import environment_info
 
@@ -216,7 +215,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for f, comp, kv in variants:
                 lm = models[f]
                 step_ms = 1000 * statistics.median(times[f, comp, kv])
-                nbytes = step_bytes(lm.model, b, ctx, None if kv is None else kv.itemsize)
+                per_el = None if kv is None else int8kv.width(keys.shape[-1], kv) * kv.itemsize / keys.shape[-1]
+                nbytes = step_bytes(lm.model, b, ctx, per_el)
                 bound_ms = 1000 * nbytes / bandwidth
                 cells.append({"context": ctx, "batch": b, "format": names[f, comp, kv], "step_ms": step_ms,
                               "ms_per_token": step_ms / b,

@@ -5,7 +5,10 @@ For each QA row the prompt (kvrag's template over the row's passages) is prefill
 (:meth:`kvrag.kv.batched.Row.for_decode`, the engine's own conversion): the reference row in the compute dtype is
 decoded greedily for ``--tokens`` tokens by the engine's batched step, and each narrower row is teacher-forced along
 that answer. Per answer position: KL(compute-dtype K/V || narrower K/V) of the next-token distribution; per row:
-whether the narrower row's own greedy answer is the reference's. Writes ``kv_kl.json`` and ``kv_kl.md``.
+whether the narrower row's own greedy answer is the reference's. With ``--floor``, one more row holds the compute
+dtype's K/V each multiplied by (1 + noise), Gaussian noise of a quarter of the dtype's epsilon, rounded back to the
+dtype (``noise``): the cost of any change to the K/V of about the dtype's own rounding, the floor below which no
+narrower K/V's cost can be told from the compute dtype's own noise. Writes ``kv_kl.json`` and ``kv_kl.md``.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-dtypes", default="bfloat16", help="K/V dtypes to compare with the compute dtype's")
     p.add_argument("--quantize", default="default", help="weights: default, none, int4, int8")
     p.add_argument("--tokens", type=int, default=24, help="answer tokens along which KL is measured")
+    p.add_argument("--floor", action="store_true",
+                   help="also measure K/V perturbed at the compute dtype's own rounding size (row 'noise')")
     p.add_argument("--out", default="runs/kv-kl")
 
 
@@ -45,6 +50,26 @@ def _decode(model: Any, row: Any, first: int, n: int, eos: set[int], forced: lis
     return tokens, logits
 
 
+def _row(buf: Any, n: int, capacity: int, kind: Any) -> Any:
+    """A decode row over the first ``n`` positions of ``buf`` in K/V dtype ``kind`` (the engine's conversion), or
+    for ``kind`` "noise" a copy in the compute dtype with each element times (1 + N(0, (eps / 4)^2)), rounded back."""
+    import torch
+
+    from kvrag.kv import batched, hf_cache
+
+    if kind != "noise":
+        return batched.Row.for_decode(buf, n, capacity, kind)
+    gen = torch.Generator().manual_seed(n)
+    eps = torch.finfo(buf.keys.dtype).eps / 4
+
+    def noisy(x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty((*x.shape[:2], capacity, x.shape[3]), dtype=x.dtype)
+        out[:, :, :n] = x[:, :, :n].float() * (1 + eps * torch.randn(x[:, :, :n].shape, generator=gen))
+        return out
+
+    return batched.Row(hf_cache.KVBuffer.wrap(noisy(buf.keys), noisy(buf.values)), n)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
@@ -61,7 +86,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     quantize=None if args.quantize == "none" else args.quantize)
     model, tok, tpl = lm.model, lm.tokenizer, get_template(None)
     eos = {int(tok.eos_token_id)} if tok.eos_token_id is not None else set()
-    kv_dtypes = [getattr(torch, k.strip()) for k in args.kv_dtypes.split(",") if k.strip()]
+    kv_dtypes: list[Any] = [getattr(torch, k.strip()) for k in args.kv_dtypes.split(",") if k.strip()]
+    if args.floor:
+        kv_dtypes.append("noise")
     kls: dict[str, list[float]] = {str(k).removeprefix("torch."): [] for k in kv_dtypes}
     same = dict.fromkeys(kls, 0)
     rows = []
@@ -75,8 +102,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         logits, _ = hf_cache.forward(model, torch.tensor(ids), buf.as_cache(0))
         first = int(logits[-1].argmax())
         ref_row = batched.Row.for_decode(buf, n, n + args.tokens + 1)
-        narrow = {k: (batched.Row.for_decode(buf, n, n + args.tokens + 1, k),
-                      batched.Row.for_decode(buf, n, n + args.tokens + 1, k)) for k in kv_dtypes}
+        narrow = {k: (_row(buf, n, n + args.tokens + 1, k), _row(buf, n, n + args.tokens + 1, k)) for k in kv_dtypes}
         answer, ref = _decode(model, ref_row, first, args.tokens, eos, None)
         rows.append({"id": req.id, "prompt_tokens": n, "answer_tokens": len(answer)})
         for k, (forced_row, own_row) in narrow.items():
@@ -95,6 +121,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out["environment"] = environment_info()
     out["command"] = (f"kvrag bench kv-kl --data {args.data} --offset {args.offset} --limit {args.limit} "
                       f"--kv-dtypes {args.kv_dtypes} --quantize {args.quantize} --tokens {args.tokens}"
+                      + (" --floor" if args.floor else "")
                       + (f" --dtype {args.dtype}" if args.dtype else "")
                       + (f" --threads {args.threads}" if args.threads else ""))
     return out

@@ -82,6 +82,7 @@ class SweepConfig:
     runner_threads: int | None = None
     max_batch_size: int = 8
     speculative_tokens: int | None = None
+    kv_dtype: str = "auto"
     context: int = 1500
     step_repeats: int = 5
     burst: int = 0
@@ -339,7 +340,7 @@ def run_sweep(cfg: SweepConfig, engine: Any = None) -> dict[str, Any]:
             spec["runner_threads"] = cfg.runner_threads
             torch.set_num_threads(1)
         engine = KVRAGEngine.from_pretrained(cfg.model, "memory://", device=cfg.device, dtype=cfg.dtype,
-                                             max_batch_size=cfg.max_batch_size, **spec)
+                                             max_batch_size=cfg.max_batch_size, kv_dtype=cfg.kv_dtype, **spec)
     builders = {"llamaindex": llamaindex_client, "langchain": langchain_client}
     result: dict[str, Any] = {"config": dataclasses.asdict(cfg), "model": engine.loaded.name,
                               "dtype": str(next(engine.model.parameters()).dtype).removeprefix("torch."),
@@ -468,6 +469,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batch-size", type=int, default=d.max_batch_size, help="EngineConfig.max_batch_size")
     parser.add_argument("--speculative-tokens", type=int, default=None,
                         help="EngineConfig.speculative_tokens (default: the engine's; 0: plain decoding)")
+    parser.add_argument("--kv-dtype", default=d.kv_dtype, help="EngineConfig.kv_dtype (auto, bfloat16, int8, ...)")
     parser.add_argument("--context", type=int, default=d.context, help="context tokens of the decode-step check")
     parser.add_argument("--burst", type=int, default=d.burst,
                         help="also N different questions at once (one each) vs the same N one by one: questions/s, "
@@ -482,7 +484,8 @@ def config_from_args(args: argparse.Namespace) -> SweepConfig:
         max_new_tokens=args.max_new_tokens, top_k=args.top_k, docs=args.docs, model=args.model, dtype=args.dtype,
         device=args.device, threads=args.threads, runner_threads=getattr(args, "runner_threads", None),
         max_batch_size=args.max_batch_size,
-        speculative_tokens=getattr(args, "speculative_tokens", None), context=args.context,
+        speculative_tokens=getattr(args, "speculative_tokens", None), kv_dtype=getattr(args, "kv_dtype", "auto"),
+        context=args.context,
         burst=getattr(args, "burst", 0) or 0, out=args.out)
 
 

@@ -7,11 +7,11 @@ import time
 from typing import Any
 
 
-def step_bytes(model: Any, rows: int, context: int, kv_bytes: int | None = None) -> int:
+def step_bytes(model: Any, rows: int, context: int, kv_bytes: float | None = None) -> int:
     """Bytes one decode step reads: every linear weight once in its current format (a GGUF layer's int4 layout or
     blocks), one embedding row per row,
-    every other parameter (norms), and each row's KV over ``context`` positions (``kv_bytes`` per element; None:
-    the model dtype's)."""
+    every other parameter (norms), and each row's KV over ``context`` positions (``kv_bytes`` per element, an int8
+    position's scale shared out over its elements; None: the model dtype's)."""
     import torch
 
     from kvrag.kv.gguf_quant import GGUFLinear
@@ -31,7 +31,8 @@ def step_bytes(model: Any, rows: int, context: int, kv_bytes: int | None = None)
             other += p.numel() * p.element_size()
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * (kv_bytes or emb.element_size()) * context
+    kv = int(2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * (kv_bytes or emb.element_size())
+             * context)
     return linear + quantized_bytes(model) + other + rows * (emb.shape[1] * emb.element_size() + kv)
 
 

@@ -29,7 +29,7 @@ from kvrag.kv.attention import IMPL
 from kvrag.kv.chunk import ChunkKV
 from kvrag.kv.pieces import Pace, PrepareJob, SuffixPrefill, forward_pieces
 from kvrag.kv.rope import Rope
-from kvrag.kv.spec import KVSpec, dtype_name, text_config
+from kvrag.kv.spec import KVSpec, text_config
 from kvrag.kv.window import context_limit
 from kvrag.prompting import render_chat
 
@@ -99,8 +99,10 @@ class KVRAGEngine(ChunkCaching):
         self._spaces = {kind: self.chunk_key((), kind) for kind in ("chunk", "prefix")}
         self._lock = hf_cache.model_lock(self.model)  # shared by every engine on this model (forwards, probe)
         self.default_method = shared_method(self.config.method)
-        kv_dtype = batched.decode_kv_dtype(self.model, self.config.kv_dtype, batched.batchable(self.model, IMPL))
-        per_token = self.spec.with_dtype(dtype_name(kv_dtype)).bytes_per_token  # what a request decodes over
+        kv_dtype = batched.decode_kv_dtype(self.model, self.config.kv_dtype, batched.batchable(self.model, IMPL),
+                                           self.spec.head_dim)
+        spec = self.spec  # what a request decodes over:
+        per_token = hf_cache.KVBuffer.bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, kv_dtype)
         kv_bytes = self.config.kv_memory_bytes or default_kv_bytes(per_token, int(self.max_context),
                                                                    self.config.max_batch_size, self.model.device)
         self.runner = Runner(self.model, self.tokenizer, KVBudget(kv_bytes, per_token, kv_dtype),

@@ -101,8 +101,9 @@ class Lease:
         dtype = self.budget.dtype or buf.keys.dtype
         own = self.buffer
         if own is None or own.keys.dtype != dtype:
-            layers, heads, _, dim = buf.keys.shape
-            own = self.buffer = KVBuffer(layers, heads, dim, self.positions, dtype, buf.keys.device, fixed=True)
+            layers, heads = buf.keys.shape[:2]
+            own = self.buffer = KVBuffer(layers, heads, buf.head_dim, self.positions, dtype, buf.keys.device,
+                                         fixed=True)
         own.put(buf, length)
         return Row(own, length)
 

@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 from transformers.cache_utils import Cache
 
-from kvrag.kv import direct, row_attention, step_backend
+from kvrag.kv import direct, int8kv, row_attention, step_backend
 from kvrag.kv.aligned import aligned_attention
 from kvrag.kv.hf_cache import KVBuffer
 from kvrag.kv.window import first_key, layer_windows
@@ -72,15 +72,14 @@ class Row:
     def for_decode(cls, buf: KVBuffer, length: int, capacity: int, dtype: torch.dtype | None = None) -> Row:
         """The row a request decodes in: room for ``capacity`` positions, the first ``length`` those of ``buf``, its
         K/V in ``dtype`` (None: ``buf``'s) -- ``buf`` itself (grown where short) in its own dtype, else a new buffer
-        holding those positions rounded to ``dtype``: the prompt's K/V are computed (and chunk caches repaired) in the
-        model's dtype, and only decode reads the narrower copy."""
+        holding those positions rounded (or quantized) to ``dtype``: the prompt's K/V are computed (and chunk caches
+        repaired) in the model's dtype, and only decode reads the narrower copy."""
         if dtype is None or dtype == buf.keys.dtype:
             buf.reserve(capacity)
             return cls(buf, length)
-        layers, heads, _, d = buf.keys.shape
-        new = KVBuffer(layers, heads, d, max(capacity, length), dtype, buf.keys.device)
-        new.keys[:, :, :length].copy_(buf.keys[:, :, :length])
-        new.values[:, :, :length].copy_(buf.values[:, :, :length])
+        layers, heads = buf.keys.shape[:2]
+        new = KVBuffer(layers, heads, buf.head_dim, max(capacity, length), dtype, buf.keys.device)
+        new.put(buf, length)
         return cls(new, length)
 
     def cache(self, dtype: torch.dtype) -> Cache:
@@ -140,6 +139,10 @@ def _write_fresh(row: Row, layer: int, key: torch.Tensor, value: torch.Tensor, o
     ``layer``."""
     n = row.length
     kb, vb = row.buffer.keys[layer], row.buffer.values[layer]
+    if row.buffer.quantized:  # each fresh position quantized once, as the fused step's kernel writes it
+        kb[:, n : n + q].copy_(int8kv.quantize(key[0, :, o : o + q]))
+        vb[:, n : n + q].copy_(int8kv.quantize(value[0, :, o : o + q]))
+        return kb, vb
     kb[:, n : n + q].copy_(key[0, :, o : o + q])
     vb[:, n : n + q].copy_(value[0, :, o : o + q])
     return kb, vb
@@ -183,11 +186,12 @@ def _attend(layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     kv_dtype = keys[0][0].dtype  # the rows' buffers: the model's dtype, or narrower (KVBuffer.for_decode)
     if row_attention.serves(query, kv_dtype):  # every query of the layer in one call of kvrag's kernel
         row_attention.attend(query, keys, out, scaling)
-    else:  # K/V narrower than the query widened to its dtype first
+    else:  # K/V narrower than the query widened (int8: de-quantized) to its dtype first
+        wide = int8kv.dequantize if kv_dtype == torch.int8 else (lambda x: x)
         for i, (kb, vb, s0, end) in enumerate(keys):
             a = torch.nn.functional.scaled_dot_product_attention(
-                query[:, :, i : i + 1], kb[None, :, s0:end].to(query.dtype), vb[None, :, s0:end].to(query.dtype),
-                scale=scaling, enable_gqa=True)
+                query[:, :, i : i + 1], wide(kb[None, :, s0:end]).to(query.dtype),
+                wide(vb[None, :, s0:end]).to(query.dtype), scale=scaling, enable_gqa=True)
             out[0, i].copy_(a[0, :, 0])
     return out.view(len(step.rows), 1, *out.shape[2:]) if plain else out
 
@@ -200,6 +204,8 @@ def _attend_prefill(step: _Active, layer: int, query: torch.Tensor, key: torch.T
     row's bits are those of a prefill of its whole prompt. The row's result depends on its own tokens and buffer
     only, never on the rows packed beside it."""
     counts = step.fed()
+    if any(row.buffer.quantized for row in step.rows):
+        raise ValueError("a suffix prefill computes a prompt's K/V in the model's dtype, not into int8 K/V")
     out = torch.empty((1, query.shape[2], query.shape[1], value.shape[-1]), dtype=query.dtype, device=query.device)
     kind, size = step.windows[layer]
     o = 0
@@ -242,10 +248,12 @@ def batchable(model: PreTrainedModel, impl: str) -> str | None:
     return None
 
 
-def decode_kv_dtype(model: PreTrainedModel, setting: str, unbatchable: str | None) -> torch.dtype:
+def decode_kv_dtype(model: PreTrainedModel, setting: str, unbatchable: str | None,
+                    head_dim: int | None = None) -> torch.dtype:
     """The dtype of the K/V buffer a request of ``model`` decodes over, for ``EngineConfig.kv_dtype`` ``setting``
     ("auto": the model's dtype); ConfigError where the steps cannot read it: batched steps read float32 or bfloat16
-    K/V under a float32 model and the model's dtype otherwise (``unbatchable``: why rows are stepped alone, through
+    K/V under a float32 model, the model's dtype otherwise, and int8 K/V (:mod:`kvrag.kv.int8kv`) under a float32
+    or bfloat16 model where kvrag's row attention serves them (``unbatchable``: why rows are stepped alone, through
     the model's own forward, which reads its own dtype)."""
     from kvrag.errors import ConfigError
 
@@ -253,9 +261,17 @@ def decode_kv_dtype(model: PreTrainedModel, setting: str, unbatchable: str | Non
     want: torch.dtype = mdtype if setting == "auto" else getattr(torch, setting)
     if want == mdtype:
         return want
-    if (mdtype, want) != (torch.float32, torch.bfloat16):
-        msg = (f"kv_dtype={setting!r} under a {mdtype} model: decode K/V are the model's dtype, or bfloat16 under a "
-               "float32 model; use kv_dtype='auto'")
+    if want == torch.int8:
+        why = (f"float32 and bfloat16 models only, not {mdtype}" if mdtype not in (torch.float32, torch.bfloat16)
+               else f"heads of {head_dim}, not a multiple of 16" if head_dim is not None and head_dim % 16
+               else row_attention.why_not(mdtype, torch.int8))
+        if why is not None:
+            msg = (f"kv_dtype='int8': kvrag's row attention does not read int8 K/V here ({why}); use "
+                   "kv_dtype='auto'")
+            raise ConfigError(msg)
+    elif (mdtype, want) != (torch.float32, torch.bfloat16):
+        msg = (f"kv_dtype={setting!r} under a {mdtype} model: decode K/V are the model's dtype, bfloat16 under a "
+               "float32 model, or int8; use kv_dtype='auto'")
         raise ConfigError(msg)
     if unbatchable is not None:
         msg = (f"kv_dtype={setting!r}: this model's rows decode through its own forward ({unbatchable}), which reads "

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from kvrag.kv import native, quant, row_attention, step_layout
+from kvrag.kv import int8kv, native, quant, row_attention, step_layout
 from kvrag.kv.window import first_key
 
 if TYPE_CHECKING:
@@ -220,10 +220,10 @@ def _plan(model: PreTrainedModel) -> _Plan:
 
 
 def _kv_dtype(plan: _Plan, rows: Sequence[StepRow]) -> torch.dtype:
-    """The K/V dtype of a step's rows: the model's, or bfloat16 under a float32 model (every row alike)."""
+    """The K/V dtype of a step's rows: the model's, bfloat16 under a float32 model, or int8 (every row alike)."""
     kinds = {r.buffer.keys.dtype for r in rows}
     kv = kinds.pop() if len(kinds) == 1 else None
-    if kv is None or (kv != plan.dtype and (plan.dtype, kv) != (torch.float32, torch.bfloat16)):
+    if kv is None or (kv not in (plan.dtype, torch.int8) and (plan.dtype, kv) != (torch.float32, torch.bfloat16)):
         msg = f"rows' K/V buffers of {sorted(map(str, kinds | {kv}))} under a {plan.dtype} model"
         raise ValueError(msg)
     if kv != plan.dtype:
@@ -254,14 +254,15 @@ def _entries(plan: _Plan, rows: Sequence[StepRow], counts: Sequence[int],
     """int64 [layers, queries, 5]: each query's keys / values address of the layer, K/V head stride, position and
     first attended position (``kvrag_rope_attend``'s entries)."""
     el = torch.empty((), dtype=kv_dtype).element_size()
+    pd = int8kv.width(plan.d, kv_dtype)  # elements a position takes
     per_query = []
     for r, q in zip(rows, counts, strict=True):
         k, v = r.buffer.keys, r.buffer.values
-        if (k.dtype != kv_dtype or v.dtype != kv_dtype or k.stride() != v.stride() or k.stride()[2:] != (plan.d, 1)
+        if (k.dtype != kv_dtype or v.dtype != kv_dtype or k.stride() != v.stride() or k.stride()[2:] != (pd, 1)
                 or k.shape != v.shape or k.shape[0] < len(plan.layers)
-                or k.shape[1] != plan.kv_heads or k.shape[3] != plan.d or not k.is_cpu):
+                or k.shape[1] != plan.kv_heads or k.shape[3] != pd or not k.is_cpu):
             msg = (f"a row's K/V buffer ({k.dtype}, {tuple(k.shape)}, strides {k.stride()}) is not the step's "
-                   f"dtype or layout ({kv_dtype}, [{len(plan.layers)}, {plan.kv_heads}, T, {plan.d}])")
+                   f"dtype or layout ({kv_dtype}, [{len(plan.layers)}, {plan.kv_heads}, T, {pd}])")
             raise ValueError(msg)
         if r.length + q > k.shape[2]:
             msg = f"a row of {r.length} positions has no room for {q} more (capacity {k.shape[2]})"

@@ -12,6 +12,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from kvrag.errors import LeaseExceededError
+from kvrag.kv import int8kv
 
 
 class KVBuffer:
@@ -24,14 +25,25 @@ class KVBuffer:
     A ``fixed`` buffer -- a request's, sized by its KV lease (:mod:`kvrag.engine.lease`) -- never grows: asking it
     for more than ``capacity`` positions raises :class:`~kvrag.errors.LeaseExceededError`. Any other buffer (a
     wrapped cache, a tool's scratch) grows past ``capacity`` by one copy, at least doubling.
+
+    A buffer of ``dtype`` int8 holds decode K/V in :mod:`kvrag.kv.int8kv`'s layout ([L, H_kv, capacity, width]:
+    each position's int8 values and float32 group scales). Only the batched steps read and write it (the fused step's
+    kernel, or the batched attention, which quantize each fresh position as they write it); :meth:`put` quantizes
+    a model-dtype buffer's positions into it, and a transformers cache over it (:meth:`as_cache`) is refused.
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int,
                  dtype: torch.dtype, device: torch.device | str, *, fixed: bool = False) -> None:
-        shape = (num_layers, num_kv_heads, max(1, capacity), head_dim)
+        shape = (num_layers, num_kv_heads, max(1, capacity), int8kv.width(head_dim, dtype))
         self.keys = torch.empty(shape, dtype=dtype, device=device)
         self.values = torch.empty(shape, dtype=dtype, device=device)
         self.fixed = fixed
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """Bytes of keys and values one position takes in a buffer of ``dtype`` (int8: with its scales)."""
+        el = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * num_kv_heads * int8kv.width(head_dim, dtype) * el
 
     @classmethod
     def wrap(cls, keys: torch.Tensor, values: torch.Tensor) -> KVBuffer:
@@ -43,6 +55,16 @@ class KVBuffer:
     @property
     def capacity(self) -> int:
         return int(self.keys.shape[2])
+
+    @property
+    def head_dim(self) -> int:
+        """Dimensions of a head (an int8 position's scales not counted)."""
+        return int8kv.head_dim_of(int(self.keys.shape[3])) if self.quantized else int(self.keys.shape[3])
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the buffer holds int8 K/V (:mod:`kvrag.kv.int8kv`)."""
+        return self.keys.dtype == torch.int8
 
     def reserve(self, n: int) -> None:
         """Make room for ``n`` positions: a no-op within ``capacity``; past it a fixed buffer refuses
@@ -63,11 +85,18 @@ class KVBuffer:
 
     def put(self, src: KVBuffer, length: int) -> None:
         """Copy the first ``length`` positions of ``src`` into this buffer's first ``length`` (rounded to this
-        buffer's dtype); ``length`` must fit."""
+        buffer's dtype; into or out of int8, quantized or de-quantized a layer at a time); ``length`` must fit."""
         self.reserve(length)
-        if src.keys.data_ptr() != self.keys.data_ptr():
-            self.keys[:, :, :length].copy_(src.keys[:, :, :length])
-            self.values[:, :, :length].copy_(src.values[:, :, :length])
+        if src.keys.data_ptr() == self.keys.data_ptr():
+            return
+        if src.quantized != self.quantized:
+            conv = int8kv.dequantize if src.quantized else int8kv.quantize
+            for i in range(self.keys.shape[0]):
+                self.keys[i, :, :length].copy_(conv(src.keys[i, :, :length]))
+                self.values[i, :, :length].copy_(conv(src.values[i, :, :length]))
+            return
+        self.keys[:, :, :length].copy_(src.keys[:, :, :length])
+        self.values[:, :, :length].copy_(src.values[:, :, :length])
 
     def context(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views keys, values [L, H_kv, n, D] of the first ``n`` positions (no copy)."""
@@ -76,6 +105,10 @@ class KVBuffer:
 
     def as_cache(self, length: int) -> Cache:
         """A transformers cache over the first ``length`` positions that appends in place (batch size 1)."""
+        if self.quantized:
+            msg = ("a transformers cache over int8 K/V: only kvrag's batched steps read them (a model decoding "
+                   "through its own forward needs kv_dtype='auto')")
+            raise ValueError(msg)
         self.reserve(length)
         return Cache(layers=[BufferLayer(self, i, length) for i in range(self.keys.shape[0])])
 

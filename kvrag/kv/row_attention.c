@@ -49,8 +49,9 @@ static const float EXP_P[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e
 
 /* ------------------------------------------------------------------------------------------------- bfloat16 */
 #define BF __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
+#define I8 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl"))) /* int8 K/V; a subset of BF */
 
-BF static inline __m512 exp512(__m512 x) { /* x <= 0 */
+I8 static inline __m512 exp512(__m512 x) { /* x <= 0 */
     x = _mm512_max_ps(x, _mm512_set1_ps(EXP_MIN));
     __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(EXP_LOG2E)),
                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -68,7 +69,7 @@ BF static inline __m512 widen16(const uint16_t *p, __mmask16 m) {
 }
 
 /* softmax weights of s[0 .. n) in place; returns their sum */
-BF static float softmax512(float *s, int64_t n) {
+I8 static float softmax512(float *s, int64_t n) {
     __m512 mv = _mm512_set1_ps(-INFINITY);
     for (int64_t t = 0; t < n; t += 16) {
         __mmask16 m = n - t >= 16 ? 0xffff : (__mmask16)((1u << (n - t)) - 1);
@@ -85,7 +86,7 @@ BF static float softmax512(float *s, int64_t n) {
 }
 
 /* the sums of a0 .. a3's lanes, in that order */
-BF static inline __m128 sum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+I8 static inline __m128 sum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
     __m512 x01 = _mm512_add_ps(_mm512_shuffle_f32x4(a0, a1, 0x44), _mm512_shuffle_f32x4(a0, a1, 0xEE));
     __m512 x23 = _mm512_add_ps(_mm512_shuffle_f32x4(a2, a3, 0x44), _mm512_shuffle_f32x4(a2, a3, 0xEE));
     __m512 y = _mm512_add_ps(_mm512_shuffle_f32x4(x01, x23, 0x88), _mm512_shuffle_f32x4(x01, x23, 0xDD));
@@ -390,31 +391,195 @@ static void head_f32_any(const float *q, int64_t qh, const void *k, const void *
 }
 
 /* The dtypes of a call (`mode`): float32 throughout, bfloat16 throughout, or float32 queries and outputs over
- * bfloat16 keys and values (a decode buffer narrower than the model's dtype). */
+ * bfloat16 keys and values (a decode buffer narrower than the model's dtype), or float32 / bfloat16 queries over
+ * int8 keys and values with a float32 scale per position (head_i8). */
 #define MODE_F32 0
 #define MODE_BF16 1
 #define MODE_F32_BF16KV 2
+#define MODE_F32_I8KV 3
+#define MODE_BF16_I8KV 4
+#define IS_I8(mode) ((mode) == MODE_F32_I8KV || (mode) == MODE_BF16_I8KV)
+#define Q_BF16(mode) ((mode) == MODE_BF16 || (mode) == MODE_BF16_I8KV)
 
 /* ------------------------------------------------------------------------------------------------- portable */
 static inline uint16_t round_bf16(float f);
 static inline float widen_bf16(uint16_t h);
 
+/* ---------------------------------------------------------------------------------------------------- int8 K/V */
+/* int8 keys and values (EngineConfig.kv_dtype="int8"): a position of a KV head is its d int8 values followed by one
+ * float32 scale per group of I8_GROUP dimensions (one group of d where d is not a multiple of it): d + 4 * groups
+ * bytes, x ~= value * its group's scale, symmetric absmax over the group (llama.cpp's q8_0 cache scales blocks of 32
+ * the same way). Queries in float32 or bfloat16 are widened to float32 once per call; each int8 value is widened to
+ * float32 exactly as it is loaded and multiplied by its group's scale; a score is scale * (q . k) and a weighted sum
+ * accumulates (p * value scale) * v8, float32 FMAs in a fixed order -- so, as on the other paths, an entry's result
+ * depends on its own query, keys and values only. Needs AVX512-F/BW/DQ/VL; d a multiple of 16. */
+#define I8_GROUP 32
+
+static inline int64_t i8_group(int64_t d) { return d % I8_GROUP ? d : I8_GROUP; }
+static inline int64_t i8_width(int64_t d) { return d + 4 * (d / i8_group(d)); } /* bytes of a position */
+
+static inline float i8_scale(const int8_t *pos, int64_t d, int64_t group) { /* the scale of group `group` */
+    float s;
+    memcpy(&s, pos + d + 4 * group, sizeof s);
+    return s;
+}
+
+I8 static inline __m512 widen_i8(const int8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+
+I8 static inline __attribute__((always_inline)) void scores_i8(const float *q, const int8_t *k, int64_t n, int64_t d,
+                                                               int gb, float scale, float *s) {
+    const int64_t pd = i8_width(d), gs = i8_group(d);
+    const __m128 sc = _mm_set1_ps(scale);
+    int64_t t = 0;
+    for (; t + 4 <= n; t += 4) { /* four keys at a time, their sums reduced together */
+        __m512 acc[GB][4];
+        for (int g = 0; g < GB; g++)
+            for (int j = 0; j < 4; j++) acc[g][j] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < d; c += 16) {
+            __m512 kv[4];
+            for (int j = 0; j < 4; j++) {
+                const int8_t *kt = k + (t + j) * pd;
+                kv[j] = _mm512_mul_ps(widen_i8(kt + c), _mm512_set1_ps(i8_scale(kt, d, c / gs)));
+            }
+            for (int g = 0; g < GB; g++)
+                if (g < gb) {
+                    __m512 qv = _mm512_loadu_ps(q + g * d + c);
+                    for (int j = 0; j < 4; j++) acc[g][j] = _mm512_fmadd_ps(qv, kv[j], acc[g][j]);
+                }
+        }
+        for (int g = 0; g < GB; g++)
+            if (g < gb) _mm_storeu_ps(s + g * n + t, _mm_mul_ps(sum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]), sc));
+    }
+    for (; t < n; t++) {
+        __m512 acc[GB];
+        for (int g = 0; g < GB; g++) acc[g] = _mm512_setzero_ps();
+        const int8_t *kt = k + t * pd;
+        for (int64_t c = 0; c < d; c += 16) {
+            __m512 kv = _mm512_mul_ps(widen_i8(kt + c), _mm512_set1_ps(i8_scale(kt, d, c / gs)));
+            for (int g = 0; g < GB; g++)
+                if (g < gb) acc[g] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * d + c), kv, acc[g]);
+        }
+        for (int g = 0; g < GB; g++) /* the same sums as sum4's lane 0 */
+            if (g < gb) {
+                __m512 z = _mm512_setzero_ps();
+                s[g * n + t] = _mm_cvtss_f32(sum4(acc[g], z, z, z)) * scale;
+            }
+    }
+}
+
+I8 static inline __attribute__((always_inline)) void values_i8(const float *p, const float *sums, const int8_t *v,
+                                                               int64_t n, int64_t d, int gb, void *out, int bf16) {
+    const int64_t pd = i8_width(d), gs = i8_group(d);
+    for (int64_t d0 = 0; d0 < d; d0 += 64) { /* 64 dims of each position per pass */
+        const int w = d - d0 < 64 ? (int)((d - d0) / 16) : 4;
+        __m512 acc[GB][4];
+        for (int g = 0; g < GB; g++)
+            for (int c = 0; c < 4; c++) acc[g][c] = _mm512_setzero_ps();
+        for (int64_t t = 0; t < n; t++) {
+            const int8_t *vt = v + t * pd;
+            __m512 vv[4];
+            for (int c = 0; c < 4; c++)
+                vv[c] = c < w ? _mm512_mul_ps(widen_i8(vt + d0 + 16 * c),
+                                              _mm512_set1_ps(i8_scale(vt, d, (d0 + 16 * c) / gs)))
+                              : _mm512_setzero_ps();
+            for (int g = 0; g < GB; g++)
+                if (g < gb) {
+                    __m512 pb = _mm512_set1_ps(p[g * n + t]);
+                    for (int c = 0; c < 4; c++)
+                        if (c < w) acc[g][c] = _mm512_fmadd_ps(pb, vv[c], acc[g][c]);
+                }
+        }
+        for (int g = 0; g < GB; g++)
+            if (g < gb) {
+                __m512 l = _mm512_set1_ps(sums[g]);
+                for (int c = 0; c < 4; c++)
+                    if (c < w) {
+                        __m512 o = _mm512_div_ps(acc[g][c], l);
+                        if (bf16) { /* round to nearest even, as round_bf16 (no NaN can arise from finite K/V) */
+                            __m512i u = _mm512_castps_si512(o);
+                            __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)),
+                                                         _mm512_and_si512(_mm512_srli_epi32(u, 16),
+                                                                          _mm512_set1_epi32(1)));
+                            _mm256_storeu_si256((__m256i *)((uint16_t *)out + g * d + d0 + 16 * c),
+                                                _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+                        } else {
+                            _mm512_storeu_ps((float *)out + g * d + d0 + 16 * c, o);
+                        }
+                    }
+            }
+    }
+}
+
+/* One KV head's query heads (float32, or bfloat16 with `bf16`; `qh` elements apart) over n int8 positions, into
+ * `out` [heads, d] in the queries' dtype. */
+I8 static void head_i8(int bf16, const void *q, int64_t qh, const int8_t *k, const int8_t *v, int64_t n, int64_t d,
+                       int heads, float scale, void *out, float *s) {
+    float sums[GB], qf[GB * d];
+    for (int g0 = 0; g0 < heads; g0 += GB) {
+        int gb = heads - g0 < GB ? heads - g0 : GB;
+        for (int g = 0; g < gb; g++)
+            for (int64_t j = 0; j < d; j++)
+                qf[g * d + j] = bf16 ? widen_bf16(((const uint16_t *)q)[(g0 + g) * qh + j])
+                                     : ((const float *)q)[(g0 + g) * qh + j];
+        if (d == 64 && gb == 3) scores_i8(qf, k, n, 64, 3, scale, s); /* SmolLM2, Llama-3.2, Qwen: inlined */
+        else if (d == 128 && gb == 4) scores_i8(qf, k, n, 128, 4, scale, s);
+        else scores_i8(qf, k, n, d, gb, scale, s);
+        for (int g = 0; g < gb; g++) sums[g] = softmax512(s + g * n, n);
+        char *o = (char *)out + (size_t)(g0 * d) * (bf16 ? 2 : 4);
+        if (d == 64 && gb == 3) values_i8(s, sums, v, n, 64, 3, o, bf16);
+        else if (d == 128 && gb == 4) values_i8(s, sums, v, n, 128, 4, o, bf16);
+        else values_i8(s, sums, v, n, d, gb, o, bf16);
+    }
+}
+
+/* A position's int8 values and group scales from float32 `x` [d]: per group, scale = max |x| / 127 (1 where that
+ * is 0), values round(x / scale) (nearest even) within -127 .. 127 -- the operations kvrag.kv.int8kv.quantize runs in
+ * torch, so the same bytes. */
+static void put_i8(const float *x, int64_t d, int8_t *y) {
+    const int64_t gs = i8_group(d);
+    for (int64_t g0 = 0; g0 < d; g0 += gs) {
+        float amax = 0.0f;
+        for (int64_t j = g0; j < g0 + gs; j++) {
+            float a = fabsf(x[j]);
+            amax = a > amax ? a : amax;
+        }
+        float scale = amax / 127.0f;
+        scale = scale > 0.0f ? scale : 1.0f;
+        for (int64_t j = g0; j < g0 + gs; j++) {
+            float r = nearbyintf(x[j] / scale);
+            y[j] = (int8_t)(r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r);
+        }
+        memcpy(y + d + 4 * (g0 / gs), &scale, sizeof scale);
+    }
+}
+
 /* The same function in plain C, one query head at a time, its sums in double (in key / dimension order; libm's
- * exp; `kv16`: bfloat16 keys and values): any x86 CPU, for testing the bfloat16 and float32 callers where the SIMD paths cannot run
+ * exp; `kv`: float32, bfloat16 or int8 keys and values): any x86 CPU, for testing the bfloat16 and float32 callers where the SIMD paths cannot run
  * (kvrag_row_attention_portable). Its results differ from the SIMD paths' in the last bits; like theirs, an item's
  * never depend on the other items of a call. */
 static float load_el(int bf16, const void *p, int64_t i) {
     return bf16 ? widen_bf16(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
-static void head_portable(int bf16, int kv16, const void *q, int64_t qh, const void *k, const void *v, int64_t n, int64_t d,
+/* element j of position t of float32 (kv 0), bfloat16 (1) or int8 (2: times the position's scale) K/V */
+static float load_kv(int kv, const void *p, int64_t t, int64_t j, int64_t d) {
+    if (kv == 2) {
+        const int8_t *pos = (const int8_t *)p + t * i8_width(d);
+        return (float)pos[j] * i8_scale(pos, d, j / i8_group(d));
+    }
+    return load_el(kv, p, t * d + j);
+}
+
+static void head_portable(int bf16, int kv, const void *q, int64_t qh, const void *k, const void *v, int64_t n, int64_t d,
                           int heads, float scale, void *out, float *s) {
     for (int g = 0; g < heads; g++) {
         float mx = -INFINITY;
         double l = 0.0;
         for (int64_t t = 0; t < n; t++) {
             double acc = 0.0;
-            for (int64_t j = 0; j < d; j++) acc += (double)load_el(bf16, q, g * qh + j) * load_el(kv16, k, t * d + j);
+            for (int64_t j = 0; j < d; j++) acc += (double)load_el(bf16, q, g * qh + j) * load_kv(kv, k, t, j, d);
             s[t] = (float)(acc * scale);
             mx = s[t] > mx ? s[t] : mx;
         }
@@ -424,7 +589,7 @@ static void head_portable(int bf16, int kv16, const void *q, int64_t qh, const v
         }
         for (int64_t j = 0; j < d; j++) {
             double acc = 0.0;
-            for (int64_t t = 0; t < n; t++) acc += (double)s[t] * load_el(kv16, v, t * d + j);
+            for (int64_t t = 0; t < n; t++) acc += (double)s[t] * load_kv(kv, v, t, j, d);
             if (bf16) ((uint16_t *)out)[g * d + j] = round_bf16((float)(acc / l));
             else ((float *)out)[g * d + j] = (float)(acc / l);
         }
@@ -443,7 +608,9 @@ static int attend_head(int mode, const void *q, int64_t q_head, const void *k, c
     float *s = malloc(sizeof(float) * (size_t)(groups < GB ? groups : GB) * (size_t)n);
     if (!s) return -1;
     if (portable)
-        head_portable(mode == MODE_BF16, mode != MODE_F32, q, q_head, k, v, n, d, groups, scale, out, s);
+        head_portable(Q_BF16(mode), IS_I8(mode) ? 2 : mode != MODE_F32, q, q_head, k, v, n, d, groups, scale, out, s);
+    else if (IS_I8(mode))
+        head_i8(mode == MODE_BF16_I8KV, q, q_head, (const int8_t *)k, (const int8_t *)v, n, d, groups, scale, out, s);
     else if (mode == MODE_BF16)
         head_bf16((const uint16_t *)q, q_head, (const uint16_t *)k, (const uint16_t *)v, n, d, groups, scale,
                   (uint16_t *)out, s);
@@ -455,12 +622,14 @@ static int attend_head(int mode, const void *q, int64_t q_head, const void *k, c
 
 /* ------------------------------------------------------------------------------------------------------ entry */
 
-/* mode: MODE_BF16 (needs AVX512-BF16; d even), MODE_F32 or MODE_F32_BF16KV (need AVX2 + FMA; d a multiple of 8).
+/* mode: MODE_BF16 (needs AVX512-BF16; d even), MODE_F32 or MODE_F32_BF16KV (need AVX2 + FMA; d a multiple of 8),
+ * MODE_F32_I8KV or MODE_BF16_I8KV (need AVX512-F/BW/DQ/VL; d a multiple of 16; positions i8_width(d) bytes
+ * apart).
  * Work items (entry, KV head) are split between `threads` OpenMP threads. Returns 0, or -1 when out of memory. */
 int kvrag_row_attention(int mode, const int64_t *entries, int64_t count, int64_t heads, int64_t kv_heads, int64_t d,
                         int64_t q_head, float scale, int threads) {
     const int64_t groups = heads / kv_heads, items = count * kv_heads;
-    const size_t el = mode == MODE_BF16 ? 2 : 4, kvel = mode == MODE_F32 ? 4 : 2;
+    const size_t el = Q_BF16(mode) ? 2 : 4, kvel = IS_I8(mode) ? 1 : mode == MODE_F32 ? 4 : 2;
     int failed = 0;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && items > 1)
     for (int64_t it = 0; it < items; it++) {
@@ -596,8 +765,9 @@ int kvrag_rope_attend(int mode, const int64_t *entries, int64_t count, const voi
                       const void *cos, const void *sin, int64_t cs_row, int64_t heads, int64_t kv_heads, int64_t d,
                       float scale, void *qbuf, void *out, int threads, int rope) {
     const int64_t groups = heads / kv_heads, items = count * kv_heads;
-    const int bf16 = mode == MODE_BF16;
-    const size_t el = bf16 ? 2 : 4, kvel = mode == MODE_F32 ? 4 : 2, cel = (rope & ROPE_WIDE) ? 4 : el;
+    const int bf16 = Q_BF16(mode), i8 = IS_I8(mode);
+    const int64_t pd = i8 ? i8_width(d) : d; /* elements between positions */
+    const size_t el = bf16 ? 2 : 4, kvel = i8 ? 1 : mode == MODE_F32 ? 4 : 2, cel = (rope & ROPE_WIDE) ? 4 : el;
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1 && items > 1)
     {
@@ -611,8 +781,12 @@ int kvrag_rope_attend(int mode, const int64_t *entries, int64_t count, const voi
             const char *kx = row + (size_t)((heads + h) * d) * el;
             const char *vx = row + (size_t)((heads + kv_heads + h) * d) * el;
             char *qy = (char *)qbuf + (size_t)((i * heads + h * groups) * d) * el;
-            const size_t at = (size_t)(h * e[2] + e[3] * d) * kvel;
+            const size_t at = (size_t)(h * e[2] + e[3] * pd) * kvel;
             char *ky = (char *)(intptr_t)e[0] + at, *vy = (char *)(intptr_t)e[1] + at;
+            float kf[i8 ? d : 1], vf[i8 ? d : 1];
+            uint16_t kh[i8 && bf16 ? d : 1];
+            /* int8: the rotated key in the queries' dtype first (kh or kf), then quantized */
+            char *kd = !i8 ? ky : bf16 ? (char *)kh : (char *)kf;
             if (mode == MODE_F32_BF16KV) { /* float32 q and k, rounded to bfloat16 as they are written */
                 float kr[d];
                 if (!cos) {
@@ -633,19 +807,28 @@ int kvrag_rope_attend(int mode, const int64_t *entries, int64_t count, const voi
             }
             if (!cos) { /* a layer without RoPE: q and k as they are */
                 memcpy(qy, qx, (size_t)(groups * d) * el);
-                memcpy(ky, kx, (size_t)d * el);
+                memcpy(kd, kx, (size_t)d * el);
             } else if (rope) {
                 rope_other(qx, d, groups, d, c, s, qy, d, bf16, rope);
-                rope_other(kx, d, 1, d, c, s, ky, d, bf16, rope);
+                rope_other(kx, d, 1, d, c, s, kd, d, bf16, rope);
             } else if (bf16) {
                 rope_bf16((const uint16_t *)qx, d, groups, d, (const uint16_t *)c, (const uint16_t *)s,
                           (uint16_t *)qy, d);
-                rope_bf16((const uint16_t *)kx, d, 1, d, (const uint16_t *)c, (const uint16_t *)s, (uint16_t *)ky, d);
+                rope_bf16((const uint16_t *)kx, d, 1, d, (const uint16_t *)c, (const uint16_t *)s, (uint16_t *)kd, d);
             } else {
                 rope_f32((const float *)qx, d, groups, d, (const float *)c, (const float *)s, (float *)qy, d);
-                rope_f32((const float *)kx, d, 1, d, (const float *)c, (const float *)s, (float *)ky, d);
+                rope_f32((const float *)kx, d, 1, d, (const float *)c, (const float *)s, (float *)kd, d);
             }
-            memcpy(vy, vx, (size_t)d * el);
+            if (!i8) {
+                memcpy(vy, vx, (size_t)d * el);
+                continue;
+            }
+            for (int64_t j = 0; j < d; j++) { /* widened exactly */
+                if (bf16) kf[j] = widen_bf16(kh[j]);
+                vf[j] = bf16 ? widen_bf16(((const uint16_t *)vx)[j]) : ((const float *)vx)[j];
+            }
+            put_i8(kf, d, (int8_t *)ky);
+            put_i8(vf, d, (int8_t *)vy);
         }
         /* the loop's closing barrier: every K/V is written before any query attends. Head-major: a verify step's
          * positions of one row attend over the same KV head one after the other, while it is in cache. */
@@ -653,7 +836,7 @@ int kvrag_rope_attend(int mode, const int64_t *entries, int64_t count, const voi
         for (int64_t it = 0; it < items; it++) {
             const int64_t i = it % count, h = it / count, *e = entries + i * 5;
             const char *q = (const char *)qbuf + (size_t)((i * heads + h * groups) * d) * el;
-            const size_t at = (size_t)(h * e[2] + e[4] * d) * kvel;
+            const size_t at = (size_t)(h * e[2] + e[4] * pd) * kvel;
             const char *k = (const char *)(intptr_t)e[0] + at, *v = (const char *)(intptr_t)e[1] + at;
             char *o = (char *)out + (size_t)((i * heads + h * groups) * d) * el;
             if (attend_head(mode, q, d, k, v, e[3] - e[4] + 1, d, (int)groups, scale, o))
@@ -663,4 +846,4 @@ int kvrag_rope_attend(int mode, const int64_t *entries, int64_t count, const voi
     return failed ? -1 : 0;
 }
 
-int kvrag_row_attention_abi(void) { return 6; }
+int kvrag_row_attention_abi(void) { return 7; }

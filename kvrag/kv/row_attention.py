@@ -18,7 +18,10 @@ row's tokens do not depend on its batch).
 Paths: bfloat16 with AVX512-BF16 (head dim even), float32 with AVX2 + FMA (head dim a multiple of 8), and float32
 queries over bfloat16 keys and values (a decode buffer narrower than a float32 model, :mod:`kvrag.kv.hf_cache`'s
 ``KVBuffer.for_decode``) with AVX2 + FMA: each bfloat16 element widened to float32 exactly as it is loaded, then the
-float32 path's arithmetic -- the same bits as the float32 path over the widened K/V. CPU tensors only. Anything else, no C compiler, a failed self-check, or
+float32 path's arithmetic -- the same bits as the float32 path over the widened K/V; and float32 or bfloat16 queries
+over int8 K/V (:mod:`kvrag.kv.int8kv`'s layout, ``EngineConfig.kv_dtype="int8"``) with AVX512-F/BW/DQ/VL (head dim a
+multiple of 16): each int8 value widened exactly and scaled by its group's scale, float32 arithmetic. CPU
+tensors only. Anything else, no C compiler, a failed self-check, or
 ``KVRAG_ROW_ATTENTION=torch`` leaves torch's SDPA in place for every call of that dtype, with the reason in
 :func:`why_not`. ``KVRAG_ROW_ATTENTION=portable`` serves every path on any x86 CPU through the kernel's plain-C
 code (slower; for testing the callers where the SIMD paths cannot run).
@@ -37,17 +40,21 @@ from pathlib import Path
 import torch
 
 from kvrag.errors import ConfigError
-from kvrag.kv import native
+from kvrag.kv import int8kv, native
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("row_attention.c")
-_ABI = 6
-_NEEDS = {(torch.bfloat16, torch.bfloat16): ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16"),
+_ABI = 7
+_AVX512 = ("avx512f", "avx512bw", "avx512dq", "avx512vl")
+_NEEDS = {(torch.bfloat16, torch.bfloat16): (*_AVX512, "avx512_bf16"),
           (torch.float32, torch.float32): ("avx2", "fma"),
-          (torch.float32, torch.bfloat16): ("avx2", "fma")}
+          (torch.float32, torch.bfloat16): ("avx2", "fma"),
+          (torch.float32, torch.int8): _AVX512,
+          (torch.bfloat16, torch.int8): _AVX512}
 """The CPU flags each path -- (query dtype, K/V dtype) -- is compiled for (row_attention.c's target attributes)."""
-_MODES = {(torch.float32, torch.float32): 0, (torch.bfloat16, torch.bfloat16): 1, (torch.float32, torch.bfloat16): 2}
+_MODES = {(torch.float32, torch.float32): 0, (torch.bfloat16, torch.bfloat16): 1, (torch.float32, torch.bfloat16): 2,
+          (torch.float32, torch.int8): 3, (torch.bfloat16, torch.int8): 4}
 """row_attention.c's ``mode`` of each path."""
 
 
@@ -134,6 +141,8 @@ def serves(query: torch.Tensor, kv_dtype: torch.dtype | None = None) -> bool:
     d = query.shape[-1]
     if (query.dtype == torch.bfloat16 and d % 2) or (query.dtype == torch.float32 and d % 8):
         return False
+    if kv_dtype == torch.int8 and d % 16:
+        return False
     return _load(query.dtype, kv_dtype)[0] is not None
 
 
@@ -155,10 +164,11 @@ def attend(query: torch.Tensor, keys: Sequence[tuple[torch.Tensor, torch.Tensor,
 
     Args:
         query: [1, H, Q, D] (any strides); keys: per query, (K, V, start, stop) with K / V [H_kv, T, D] (D
-            contiguous, positions D apart) and the query attending to positions ``start .. stop - 1``.
+            contiguous, positions D apart; int8: [H_kv, T, width], :mod:`kvrag.kv.int8kv`) and the query attending
+            to positions ``start .. stop - 1``.
         out: [1, Q, H, D] contiguous, the query's dtype.
 
-    K / V are in the query's dtype, or bfloat16 under float32 queries.
+    K / V are in the query's dtype, bfloat16 under float32 queries, or int8.
 
     Returns:
         ``out``.
@@ -181,6 +191,7 @@ def _call(lib: _Lib, query: torch.Tensor, keys: Sequence[tuple[torch.Tensor, tor
     el = query.element_size()
     kv_dtype = keys[0][0].dtype
     kvel = torch.empty((), dtype=kv_dtype).element_size()
+    pd = int8kv.width(d, kv_dtype)  # elements between positions
     q0, qs, o0, os_ = query.data_ptr(), query.stride(2) * el, out.data_ptr(), out.stride(1) * el
     flat, keep = array.array("q"), []
     for i, (k, v, start, stop) in enumerate(keys):
@@ -188,11 +199,14 @@ def _call(lib: _Lib, query: torch.Tensor, keys: Sequence[tuple[torch.Tensor, tor
         if k.dtype != kv_dtype or v.dtype != kv_dtype:
             msg = f"keys / values of {k.dtype} / {v.dtype} beside {kv_dtype} in one call"
             raise ValueError(msg)
-        if ks[1:] != (d, 1) or v.stride() != ks:
+        if k.shape[-1] != pd:
+            msg = f"keys of {k.shape[-1]} elements a position for heads of {d} ({kv_dtype} K/V take {pd})"
+            raise ValueError(msg)
+        if ks[1:] != (pd, 1) or v.stride() != ks:
             k, v = k.contiguous(), v.contiguous()
             keep.append((k, v))  # alive until the call returns
             ks = k.stride()
-        flat.extend((q0 + i * qs, k.data_ptr() + start * d * kvel, v.data_ptr() + start * d * kvel, ks[0],
+        flat.extend((q0 + i * qs, k.data_ptr() + start * pd * kvel, v.data_ptr() + start * pd * kvel, ks[0],
                      stop - start, o0 + i * os_))
     lib.run(mode(query.dtype, kv_dtype), flat, len(keys), heads, kv_heads, d, query.stride(1), scale, threads)
     return out
@@ -209,16 +223,24 @@ def reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale
 
 def _self_check(lib: _Lib, dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
     """The kernel against float64 arithmetic for several key counts, each query alone and in one call; float32
-    queries over bfloat16 K/V also bit for bit against the float32 path over the same K/V widened."""
+    queries over bfloat16 K/V also bit for bit against the float32 path over the same K/V widened (int8 K/V: the
+    float64 reference runs over them de-quantized)."""
     gen = torch.Generator().manual_seed(0)
     heads, kv_heads, d = 6, 2, 64
     lengths = (1, 7, 33, 300)
     q = torch.randn(1, heads, len(lengths), d, generator=gen).to(dtype)
-    kv = [(torch.randn(kv_heads, n + 3, d, generator=gen).to(kv_dtype),
-           torch.randn(kv_heads, n + 3, d, generator=gen).to(kv_dtype), 2, n + 2) for n in lengths]
+
+    def kv_of(x: torch.Tensor) -> torch.Tensor:
+        return int8kv.quantize(x) if kv_dtype == torch.int8 else x.to(kv_dtype)
+
+    def widened(x: torch.Tensor) -> torch.Tensor:
+        return int8kv.dequantize(x) if kv_dtype == torch.int8 else x
+
+    kv = [(kv_of(torch.randn(kv_heads, n + 3, d, generator=gen)), kv_of(torch.randn(kv_heads, n + 3, d, generator=gen)),
+           2, n + 2) for n in lengths]
     out = torch.empty(1, len(lengths), heads, d, dtype=dtype)
     _call(lib, q, kv, out, 0.125, 2)
-    if kv_dtype != dtype:
+    if kv_dtype not in (dtype, torch.int8):
         wide = torch.empty_like(out)
         _call(lib, q, [(k.to(dtype), v.to(dtype), a, b) for k, v, a, b in kv], wide, 0.125, 2)
         if not torch.equal(wide, out):
@@ -226,7 +248,7 @@ def _self_check(lib: _Lib, dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
             raise AssertionError(msg)
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
     for i, (k, v, a, b) in enumerate(kv):
-        ref = reference(q[0, :, i], k[:, a:b], v[:, a:b], 0.125)
+        ref = reference(q[0, :, i], widened(k[:, a:b]), widened(v[:, a:b]), 0.125)
         err = (out[0, i].double() - ref).abs().max().item()
         if not err <= tol:
             msg = f"self-check ({dtype}): max error {err:.3g} against float64 over {b - a} keys > {tol}"

@@ -9,7 +9,7 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any
 
-from kvrag.config import DEFAULT_METHOD
+from kvrag.config import DEFAULT_METHOD, KV_DTYPES
 from kvrag.errors import ConfigError
 from kvrag.extras import require
 from kvrag.serve.config import ServeConfig, keys_from_env
@@ -43,6 +43,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pack-suffixes", action=argparse.BooleanOptionalAction, default=True,
                         help="prefill the question suffixes of requests arriving together in one forward (default "
                              "on): a burst ends sooner and its first tokens come together; answers are the same")
+    parser.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES,
+                        help="precision of the K/V requests decode over (default auto: the compute dtype, so full "
+                             "answers as model.generate does); int8 holds about half of bfloat16's bytes per "
+                             "request at a measured next-token cost (docs/results/kv_precision.md)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads of the engine's runner, which runs every forward (default: torch's, the "
                              "machine's cores); the server's other threads run torch work on one thread")
@@ -106,7 +110,7 @@ def run(args: argparse.Namespace, model: str | None, store: str, chunk_prefix: s
                                 max_batch_size=args.max_batch_size, speculative_tokens=args.speculative_tokens,
                                 speculative_max_batch=args.speculative_max_batch,
                                 pack_suffixes=args.pack_suffixes, conversation_cache_bytes=args.conversation_cache_bytes,
-                                move_history=args.move_history, warm=args.warm_up)
+                                move_history=args.move_history, kv_dtype=args.kv_dtype, warm=args.warm_up)
     keys = tuple(args.api_key) if args.api_key else keys_from_env()
     try:
         cfg = ServeConfig(model_id=args.model_id, max_queue=args.max_queue, default_max_tokens=args.default_max_tokens,

@@ -132,3 +132,19 @@ def test_int4_batched_logits_within_the_quantization_noise_floor(int4_engine: KV
     assert 0 < floor and batched_vs_alone <= BF16_TOLERANCE * floor
     sequential = [int4_engine.answer_plan(p, "stale", GEN).token_ids for p in plans]
     assert _concurrent_answers(int4_engine, plans) == sequential
+
+
+def test_int8_kv_concurrent_answers_equal_sequential() -> None:
+    """kv_dtype="int8" on the real model in kvrag's defaults: each row's bits do not depend on its batch there
+    either (quantized once as written, read per entry), so concurrent greedy answers equal sequential ones."""
+    from kvrag.kv import row_attention
+
+    lm = load_model(None)
+    why = row_attention.why_not(lm.dtype, torch.int8)
+    if why is not None:
+        pytest.skip(f"kvrag's row attention does not read int8 K/V here: {why}")
+    engine = KVRAGEngine(lm, MemoryStore(), EngineConfig(kv_dtype="int8"))
+    plans = _plans(engine)
+    sequential = [engine.answer_plan(p, "stale", GEN).token_ids for p in plans]
+    assert all(sequential)
+    assert _concurrent_answers(engine, plans) == sequential

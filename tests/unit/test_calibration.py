@@ -103,9 +103,12 @@ def test_calibrate_writes_a_loadable_cost_model_that_auto_prefers(tmp_path: Path
     assert all(d.e2e_s[m] == pytest.approx(d.ttft_s[m] + 32 * d.decode_ms_per_token / 1000) for m in d.ttft_s)
     assert d.cost_model is not None
     if row_attention.why_not(torch.float32, torch.bfloat16) is None:  # K/V precision measured in float32
-        assert set(d.kv_decode_ms_per_token) == {"float32", "bfloat16"} and min(d.kv_decode_ms_per_token.values()) > 0
+        int8 = {"int8"} if row_attention.why_not(torch.float32, torch.int8) is None else set()
+        assert set(d.kv_decode_ms_per_token) == {"float32", "bfloat16"} | int8
+        assert min(d.kv_decode_ms_per_token.values()) > 0
         assert 0 < d.kv_kl["bfloat16"] < 1e-3
-        assert d.preferred_kv_dtype() in ("float32", "bfloat16")
+        assert set(d.kv_kl) == {"bfloat16"} | int8 and all(0 < v < 1e-2 for v in d.kv_kl.values())
+        assert d.preferred_kv_dtype() in {"float32", "bfloat16"} | int8
     cm = CostModel.from_dict(d.cost_model)
     assert (cm.machine_kind, cm.dtype) == (kind, "float32")
     assert cm.candidates["relaxkv:r=0.3"].kl == 0.12 and cm.candidates["stale"].kl == 0.5  # KL from the base

@@ -336,7 +336,8 @@ def test_serve_options_reach_the_engine(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setattr(kvrag.serve, "create_app", lambda *a, **kw: app)
     monkeypatch.setattr(kvrag.serve, "serve", lambda *a, **kw: None)
     for argv, on in (([], False), (["--no-pack-suffixes", "--speculative-tokens", "0", "--speculative-max-batch", "5",
-                                    "--conversation-cache-bytes", "0", "--no-warm-up", "--no-move-history"], True)):
+                                    "--conversation-cache-bytes", "0", "--no-warm-up", "--no-move-history",
+                                    "--kv-dtype", "int8"], True)):
         args = parser.parse_args(argv)
         args.verbose = False
         warmed.clear()
@@ -346,6 +347,7 @@ def test_serve_options_reach_the_engine(monkeypatch: pytest.MonkeyPatch) -> None
         assert seen["speculative_max_batch"] == (5 if on else 8)
         assert seen["conversation_cache_bytes"] == (0 if on else None)
         assert seen["move_history"] is not on
+        assert seen["kv_dtype"] == ("int8" if on else "auto")
     import torch
 
     saved = torch.get_num_threads()
