@@ -239,3 +239,56 @@ def test_torch_attention_reads_int8_rows_dequantized(monkeypatch: pytest.MonkeyP
     finally:
         step_backend.choose(lm.model, "decode", None)
     assert (got - ref).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("mode", ["simd", "portable"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_paths_simd_and_portable_threads_and_entries(mode: str, dtype: torch.dtype) -> None:
+    """Both int8 paths of the C library (the AVX512 one, and the plain-C one any x86 CPU runs): within rounding of
+    float64 attention over the de-quantized K/V (heads of 64, two groups; of 48, one group), and an entry's bits do
+    not depend on the other entries of its call or the thread split."""
+    import os
+
+    from kvrag.calibration import cpu_flags
+
+    if mode == "simd" and not set(row_attention._NEEDS[(dtype, torch.int8)]) <= cpu_flags():
+        pytest.skip("this CPU lacks AVX512-F/BW/DQ/VL for the int8 SIMD path")
+    lib = row_attention._Lib(portable=mode == "portable")
+    try:
+        gen = torch.Generator().manual_seed(3)
+        for heads, kv_heads, d in ((6, 2, 64), (4, 2, 48)):
+            lengths = [1, 33, 300, 7]
+            q = torch.randn(1, heads, len(lengths), d, generator=gen).to(dtype)
+            keys = [(int8kv.quantize(torch.randn(kv_heads, n + 4, d, generator=gen)),
+                     int8kv.quantize(torch.randn(kv_heads, n + 4, d, generator=gen)), 2, n + 2) for n in lengths]
+            out = torch.empty(1, len(lengths), heads, d, dtype=dtype)
+            row_attention._call(lib, q, keys, out, d**-0.5, 3)
+            for i, (k, v, a, b) in enumerate(keys):
+                ref = row_attention.reference(q[0, :, i].float(), int8kv.dequantize(k[:, a:b]),
+                                              int8kv.dequantize(v[:, a:b]), d**-0.5)
+                bound = 2**-8 * ref.abs().max().item() if dtype == torch.bfloat16 else 2e-6
+                assert (out[0, i].double() - ref).abs().max().item() <= bound
+                alone = torch.empty(1, 1, heads, d, dtype=dtype)
+                row_attention._call(lib, q[:, :, i : i + 1], [keys[i]], alone, d**-0.5, 1)
+                assert torch.equal(alone[0, 0], out[0, i])
+    finally:  # the process's own kernel (the same library) as this process's setting has it
+        lib.portable(int(os.environ.get("KVRAG_ROW_ATTENTION", "").strip().lower() == "portable"))
+
+
+def test_int8_fused_step_tests_pass_through_the_portable_path() -> None:
+    """This file's fused-step and engine tests in a process whose row attention takes the plain-C paths (what an
+    x86 CPU without AVX512 can run): the C writes still equal torch's quantization bit for bit; none skips."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "KVRAG_ROW_ATTENTION": "portable", "OMP_NUM_THREADS": "1"}
+    res = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", "-rs", str(Path(__file__)),
+         "-k", "fused_step_over_int8_rows or engine_decodes_over_int8"],
+        env=env, cwd=root, capture_output=True, text=True, timeout=600, check=False)
+    tail = res.stdout[-3000:] + res.stderr[-2000:]
+    assert res.returncode == 0, tail
+    assert " passed" in tail and "skipped" not in tail, tail
