@@ -35,3 +35,32 @@ def test_decode_bench_on_a_tiny_model(tmp_path: Path) -> None:
     assert cells[(48, 2, "none")]["bytes_per_step"] > cells[(48, 1, "none")]["bytes_per_step"]
     assert (out / "decode.png").stat().st_size > 0 and "| 96 | 2 | int4 |" in (out / "decode.md").read_text()
     assert res["peer"] is None and res["formats"] == ["none", "int4"]
+
+
+def test_decode_bench_counts_int8_kv_bytes_and_kv_kl_measures_the_floor(tmp_path: Path) -> None:
+    """``--kv-dtypes int8``: int8 rows are timed and read fewer bytes (values plus their scales); ``kvrag bench
+    kv-kl --floor`` on the same model reports int8 and the noise row."""
+    import torch
+
+    from kvrag.kv import row_attention
+
+    if row_attention.why_not(torch.float32, torch.int8) is not None:
+        import pytest
+
+        pytest.skip("kvrag's row attention does not read int8 K/V here")
+    _, res = _bench(tmp_path, "48", "none", "--kv-dtypes", "int8")
+    cells = {(c["batch"], c["format"]): c for c in res["cells"]}
+    assert cells[(2, "none kv=int8")]["step_ms"] > 0
+    assert cells[(2, "none kv=int8")]["bytes_per_step"] < cells[(2, "none")]["bytes_per_step"]
+    qa = tmp_path / "qa.jsonl"
+    qa.write_text(json.dumps({"id": "q0", "question": "Who jumps?", "answers": ["fox"],
+                              "contexts": [{"title": "Fox", "text": "The quick brown fox jumps over the lazy dog."}]})
+                  + "\n")
+    out = tmp_path / "kl"
+    rc = main(["bench", "kv-kl", "--model", str(tmp_path / "m"), "--dtype", "float32", "--data", str(qa),
+               "--limit", "1", "--kv-dtypes", "int8", "--floor", "--tokens", "4", "--threads", "1", "--out", str(out)])
+    assert rc == 0
+    kl = json.loads((out / "kv_kl.json").read_text())
+    assert set(kl["kv_dtypes"]) == {"int8", "noise"} and "--floor" in kl["command"]
+    # the bench's KL is computed in the logits' own dtype (float32 here): >= 0 up to its rounding
+    assert all(-1e-6 < m["kl_mean"] < 1 and m["requests"] == 1 for m in kl["kv_dtypes"].values())

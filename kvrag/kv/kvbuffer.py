@@ -29,7 +29,8 @@ class KVBuffer:
     A buffer of ``dtype`` int8 holds decode K/V in :mod:`kvrag.kv.int8kv`'s layout ([L, H_kv, capacity, width]:
     each position's int8 values and float32 group scales). Only the batched steps read and write it (the fused step's
     kernel, or the batched attention, which quantize each fresh position as they write it); :meth:`put` quantizes
-    a model-dtype buffer's positions into it, and a transformers cache over it (:meth:`as_cache`) is refused.
+    a model-dtype buffer's positions into it (and de-quantizes them out of it, for the cache handed back after an
+    answer), and a transformers cache over it (:meth:`as_cache`) is refused.
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int,
