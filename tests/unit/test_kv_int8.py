@@ -15,7 +15,7 @@ from kvrag.errors import ConfigError
 from kvrag.kv import batched, hf_cache, int8kv, row_attention, step_backend
 from kvrag.prompting import RagTemplate
 from kvrag.store import MemoryStore
-from kvrag_testing.rows import DOCS, paired_rows
+from kvrag_testing.rows import DOCS, assert_fused_is_the_models_forward, drift, narrowed, paired_rows
 from kvrag_testing.tiny import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -92,10 +92,6 @@ def test_kernel_refuses_a_position_of_the_wrong_width() -> None:
         row_attention.attend(q, [(k, k, 0, 4)], torch.empty(1, 1, 2, 16), None)
 
 
-def _int8_rows(rows: list[batched.Row]) -> list[batched.Row]:
-    return [batched.Row.for_decode(r.buffer, r.length, r.buffer.capacity, torch.int8) for r in rows]
-
-
 @pytest.mark.parametrize(("family", "dtype", "quantize", "window"), [
     ("llama", torch.float32, None, None), ("qwen3", torch.float32, "int4", None),
     ("gemma3", torch.float32, None, 8), ("llama", torch.bfloat16, None, None), ("qwen3", torch.bfloat16, None, None),
@@ -111,34 +107,9 @@ def test_fused_step_over_int8_rows_is_the_models_forward(family: str, dtype: tor
     eng = KVRAGEngine(lm, MemoryStore(), EngineConfig())
     eng.ingest(DOCS)
     a, b, toks = paired_rows(eng, 12)
-    a, b = _int8_rows(a), _int8_rows(b)
-    wins = batched.windows(lm.model)
-    try:
-        for _ in range(4):
-            step_backend.choose(lm.model, "decode", "fused")
-            got = batched.decode_step(lm.model, a, toks, wins)
-            step_backend.choose(lm.model, "decode", "hf")
-            ref = batched.decode_step(lm.model, b, toks, wins)
-            assert torch.equal(got, ref)
-            for ra, rb in zip(a, b, strict=True):
-                n = ra.length + 1
-                assert ra.buffer.quantized
-                assert torch.equal(ra.buffer.keys[:, :, :n], rb.buffer.keys[:, :, :n])
-                assert torch.equal(ra.buffer.values[:, :, :n], rb.buffer.values[:, :, :n])
-                ra.length += 1
-                rb.length += 1
-            toks = [int(t) for t in ref.argmax(-1)]
-        feeds = [[t, 7, 9][: i + 1] for i, t in enumerate(toks)]
-        step_backend.choose(lm.model, "decode", "fused")
-        got = batched.verify_step(lm.model, a, feeds, wins)
-        step_backend.choose(lm.model, "decode", "hf")
-        assert torch.equal(got, batched.verify_step(lm.model, b, feeds, wins))
-        for ra, rb, feed in zip(a, b, feeds, strict=True):
-            n = ra.length + len(feed)
-            assert torch.equal(ra.buffer.keys[:, :, :n], rb.buffer.keys[:, :, :n])
-            assert torch.equal(ra.buffer.values[:, :, :n], rb.buffer.values[:, :, :n])
-    finally:
-        step_backend.choose(lm.model, "decode", None)
+    a, b = narrowed(a, torch.int8), narrowed(b, torch.int8)
+    assert a[0].buffer.quantized
+    assert_fused_is_the_models_forward(lm.model, a, b, toks)
 
 
 INT8_KV_LOGIT_BOUND = 0.15
@@ -154,19 +125,7 @@ def test_int8_kv_moves_logits_by_a_bounded_amount() -> None:
     eng = KVRAGEngine(lm, MemoryStore(), EngineConfig())
     eng.ingest(DOCS)
     a, b, toks = paired_rows(eng, 12)
-    b = _int8_rows(b)
-    wins = batched.windows(lm.model)
-    worst, kl, same = 0.0, 0.0, True
-    for _ in range(8):
-        ref = batched.decode_step(lm.model, a, toks, wins)
-        got = batched.decode_step(lm.model, b, toks, wins)
-        worst = max(worst, (got - ref).abs().max().item())
-        lp, lq = ref.log_softmax(-1), got.log_softmax(-1)
-        kl = max(kl, (lp.exp() * (lp - lq)).sum(-1).max().item())
-        same = same and torch.equal(got, ref)
-        for r in a + b:
-            r.length += 1
-        toks = [int(t) for t in ref.argmax(-1)]
+    worst, kl, same = drift(lm.model, a, narrowed(b, torch.int8), toks)
     assert not same
     assert worst < INT8_KV_LOGIT_BOUND
     assert kl < 1e-3
@@ -229,7 +188,7 @@ def test_torch_attention_reads_int8_rows_dequantized(monkeypatch: pytest.MonkeyP
     eng = KVRAGEngine(lm, MemoryStore(), EngineConfig())
     eng.ingest(DOCS)
     a, b, toks = paired_rows(eng, 4)
-    a, b = _int8_rows(a), _int8_rows(b)
+    a, b = narrowed(a, torch.int8), narrowed(b, torch.int8)
     wins = batched.windows(lm.model)
     step_backend.choose(lm.model, "decode", "hf")
     try:

@@ -16,7 +16,7 @@ from kvrag.errors import ConfigError
 from kvrag.kv import batched, hf_cache, row_attention, step_backend
 from kvrag.prompting import RagTemplate
 from kvrag.store import MemoryStore
-from kvrag_testing.rows import DOCS, paired_rows
+from kvrag_testing.rows import DOCS, assert_fused_is_the_models_forward, drift, narrowed, paired_rows
 from kvrag_testing.tiny import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -56,10 +56,6 @@ def test_mixed_kv_dtypes_in_one_call_are_refused() -> None:
         row_attention.attend(q, [(k16, k16, 0, 4), (k32, k32, 0, 4)], torch.empty(1, 2, 2, 64), None)
 
 
-def _bf16_rows(rows: list[batched.Row]) -> list[batched.Row]:
-    return [batched.Row.for_decode(r.buffer, r.length, r.buffer.capacity, torch.bfloat16) for r in rows]
-
-
 @pytest.mark.parametrize(("family", "quantize", "window"), [
     ("llama", None, None), ("qwen3", "int4", None), ("gemma3", None, 8), ("smollm3", None, None),
     ("mistral", "int8", 40),
@@ -75,30 +71,9 @@ def test_fused_step_over_bf16_rows_is_the_models_forward(family: str, quantize: 
     eng = KVRAGEngine(lm, MemoryStore(), EngineConfig())
     eng.ingest(DOCS)
     a, b, toks = paired_rows(eng, 12)
-    a, b = _bf16_rows(a), _bf16_rows(b)
-    wins = batched.windows(lm.model)
-    try:
-        for _ in range(4):
-            step_backend.choose(lm.model, "decode", "fused")
-            got = batched.decode_step(lm.model, a, toks, wins)
-            step_backend.choose(lm.model, "decode", "hf")
-            ref = batched.decode_step(lm.model, b, toks, wins)
-            assert torch.equal(got, ref)
-            for ra, rb in zip(a, b, strict=True):
-                n = ra.length + 1
-                assert ra.buffer.keys.dtype == torch.bfloat16
-                assert torch.equal(ra.buffer.keys[:, :, :n], rb.buffer.keys[:, :, :n])
-                assert torch.equal(ra.buffer.values[:, :, :n], rb.buffer.values[:, :, :n])
-                ra.length += 1
-                rb.length += 1
-            toks = [int(t) for t in ref.argmax(-1)]
-        feeds = [[t, 7, 9][: i + 1] for i, t in enumerate(toks)]
-        step_backend.choose(lm.model, "decode", "fused")
-        got = batched.verify_step(lm.model, a, feeds, wins)
-        step_backend.choose(lm.model, "decode", "hf")
-        assert torch.equal(got, batched.verify_step(lm.model, b, feeds, wins))
-    finally:
-        step_backend.choose(lm.model, "decode", None)
+    a, b = narrowed(a, torch.bfloat16), narrowed(b, torch.bfloat16)
+    assert a[0].buffer.keys.dtype == torch.bfloat16
+    assert_fused_is_the_models_forward(lm.model, a, b, toks)
 
 
 BF16_KV_LOGIT_BOUND = 0.05
@@ -114,19 +89,7 @@ def test_bf16_kv_moves_float32_logits_by_a_bounded_amount() -> None:
     eng = KVRAGEngine(lm, MemoryStore(), EngineConfig())
     eng.ingest(DOCS)
     a, b, toks = paired_rows(eng, 12)
-    b = _bf16_rows(b)
-    wins = batched.windows(lm.model)
-    worst, kl, same = 0.0, 0.0, True
-    for _ in range(8):
-        ref = batched.decode_step(lm.model, a, toks, wins)
-        got = batched.decode_step(lm.model, b, toks, wins)
-        worst = max(worst, (got - ref).abs().max().item())
-        lp, lq = ref.log_softmax(-1), got.log_softmax(-1)
-        kl = max(kl, (lp.exp() * (lp - lq)).sum(-1).max().item())
-        same = same and torch.equal(got, ref)
-        for r in a + b:
-            r.length += 1
-        toks = [int(t) for t in ref.argmax(-1)]
+    worst, kl, same = drift(lm.model, a, narrowed(b, torch.bfloat16), toks)
     assert not same
     assert worst < BF16_KV_LOGIT_BOUND
     assert kl < 1e-4
@@ -191,7 +154,7 @@ def test_torch_attention_reads_bf16_rows_widened(monkeypatch: pytest.MonkeyPatch
     eng = KVRAGEngine(lm, MemoryStore(), EngineConfig())
     eng.ingest(DOCS)
     a, b, toks = paired_rows(eng, 4)
-    a, b = _bf16_rows(a), _bf16_rows(b)
+    a, b = narrowed(a, torch.bfloat16), narrowed(b, torch.bfloat16)
     wins = batched.windows(lm.model)
     step_backend.choose(lm.model, "decode", "hf")
     try:
