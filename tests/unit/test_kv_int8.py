@@ -12,7 +12,7 @@ import torch
 from kvrag.config import EngineConfig, GenerationConfig
 from kvrag.engine.engine import KVRAGEngine
 from kvrag.errors import ConfigError
-from kvrag.kv import batched, hf_cache, int8kv, row_attention, step_backend
+from kvrag.kv import batched, hf_cache, int8kv, row_attention
 from kvrag.prompting import RagTemplate
 from kvrag.store import MemoryStore
 from kvrag_testing.rows import DOCS, assert_fused_is_the_models_forward, drift, narrowed, paired_rows
@@ -178,26 +178,6 @@ def test_int8_buffer_round_trips_and_refuses_other_readers() -> None:
     assert hf_cache.KVBuffer.bytes_per_token(2, 3, 16, torch.int8) == 2 * 2 * 3 * 20
     with pytest.raises(ValueError, match="only kvrag's batched steps"):
         q.as_cache(4)
-
-
-def test_torch_attention_reads_int8_rows_dequantized(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where kvrag's kernel does not serve, torch's SDPA reads the int8 rows de-quantized to the queries' dtype:
-    the kernel's logits up to float32 summation order."""
-    _need()
-    lm = tiny_model("llama", init_std=0.1)
-    eng = KVRAGEngine(lm, MemoryStore(), EngineConfig())
-    eng.ingest(DOCS)
-    a, b, toks = paired_rows(eng, 4)
-    a, b = narrowed(a, torch.int8), narrowed(b, torch.int8)
-    wins = batched.windows(lm.model)
-    step_backend.choose(lm.model, "decode", "hf")
-    try:
-        ref = batched.decode_step(lm.model, a, toks, wins)
-        monkeypatch.setattr(row_attention, "serves", lambda *_: False)
-        got = batched.decode_step(lm.model, b, toks, wins)
-    finally:
-        step_backend.choose(lm.model, "decode", None)
-    assert (got - ref).abs().max().item() < 1e-4
 
 
 @pytest.mark.parametrize("mode", ["simd", "portable"])
