@@ -13,8 +13,8 @@ quantized once, when it is written, and never again:
 operations in C, so both write the same bytes (a decode step through either matches the other bit for bit, which
 the step backends' first-step check verifies). The scales sit beside their values so that an attention entry's keys
 and values stay one address each and a position is one contiguous read. Groups of 32 rather than one scale per
-head: keys carry a few large channels, and one scale over the head spends the int8 steps on them (next-token cost
-of both layouts in docs/results/kv_precision.md).
+head: a scale sets the rounding step of every value it covers from the largest of them, and groups confine a large
+value's coarse step to its own 32 dims (next-token cost of both layouts in docs/results/epyc/kv_int8.md).
 """
 
 from __future__ import annotations
