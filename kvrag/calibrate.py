@@ -209,10 +209,15 @@ def _kv_precision(engine: KVRAGEngine, plan: Plan, steps: int,
     model = engine.model
     if batched.batchable(model, IMPL) is not None:
         return {}, {}
-    kvs = [model.dtype] + [k for k in (torch.bfloat16, torch.int8) if k != model.dtype and (
-        (k == torch.bfloat16 and model.dtype == torch.float32 and row_attention.why_not(model.dtype, k) is None)
-        or (k == torch.int8 and model.dtype in (torch.float32, torch.bfloat16) and engine.spec.head_dim % 16 == 0
-            and row_attention.why_not(model.dtype, k) is None))]
+
+    def measured(k: torch.dtype) -> bool:  # the engine would decode over it, and kvrag's kernel reads it
+        try:
+            batched.decode_kv_dtype(model, dtype_label(k), None, engine.spec.head_dim)
+        except ConfigError:
+            return False
+        return row_attention.why_not(model.dtype, k) is None
+
+    kvs = [model.dtype] + [k for k in (torch.bfloat16, torch.int8) if k != model.dtype and measured(k)]
     if len(kvs) == 1:
         return {}, {}
     prep = engine.prepare(plan, "stale", reserve=steps + 2)

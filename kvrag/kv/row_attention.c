@@ -392,7 +392,7 @@ static void head_f32_any(const float *q, int64_t qh, const void *k, const void *
 
 /* The dtypes of a call (`mode`): float32 throughout, bfloat16 throughout, or float32 queries and outputs over
  * bfloat16 keys and values (a decode buffer narrower than the model's dtype), or float32 / bfloat16 queries over
- * int8 keys and values with a float32 scale per position (head_i8). */
+ * int8 keys and values with a float32 scale per group of 32 dims of a position (head_i8). */
 #define MODE_F32 0
 #define MODE_BF16 1
 #define MODE_F32_BF16KV 2
@@ -783,28 +783,12 @@ int kvrag_rope_attend(int mode, const int64_t *entries, int64_t count, const voi
             char *qy = (char *)qbuf + (size_t)((i * heads + h * groups) * d) * el;
             const size_t at = (size_t)(h * e[2] + e[3] * pd) * kvel;
             char *ky = (char *)(intptr_t)e[0] + at, *vy = (char *)(intptr_t)e[1] + at;
-            float kf[i8 ? d : 1], vf[i8 ? d : 1];
+            /* K/V narrower than the queries (bfloat16 under float32, or int8): the rotated key in the queries' dtype
+             * first (kf, or kh for bfloat16 queries), then rounded or quantized as it is written */
+            const int narrow = i8 || mode == MODE_F32_BF16KV;
+            float kf[narrow ? d : 1], vf[i8 ? d : 1];
             uint16_t kh[i8 && bf16 ? d : 1];
-            /* int8: the rotated key in the queries' dtype first (kh or kf), then quantized */
-            char *kd = !i8 ? ky : bf16 ? (char *)kh : (char *)kf;
-            if (mode == MODE_F32_BF16KV) { /* float32 q and k, rounded to bfloat16 as they are written */
-                float kr[d];
-                if (!cos) {
-                    memcpy(qy, qx, (size_t)(groups * d) * el);
-                    memcpy(kr, kx, (size_t)d * el);
-                } else if (rope) {
-                    rope_other(qx, d, groups, d, c, s, qy, d, 0, rope);
-                    rope_other(kx, d, 1, d, c, s, kr, d, 0, rope);
-                } else {
-                    rope_f32((const float *)qx, d, groups, d, (const float *)c, (const float *)s, (float *)qy, d);
-                    rope_f32((const float *)kx, d, 1, d, (const float *)c, (const float *)s, kr, d);
-                }
-                for (int64_t j = 0; j < d; j++) {
-                    ((uint16_t *)ky)[j] = round_bf16(kr[j]);
-                    ((uint16_t *)vy)[j] = round_bf16(((const float *)vx)[j]);
-                }
-                continue;
-            }
+            char *kd = !narrow ? ky : bf16 ? (char *)kh : (char *)kf;
             if (!cos) { /* a layer without RoPE: q and k as they are */
                 memcpy(qy, qx, (size_t)(groups * d) * el);
                 memcpy(kd, kx, (size_t)d * el);
@@ -818,6 +802,13 @@ int kvrag_rope_attend(int mode, const int64_t *entries, int64_t count, const voi
             } else {
                 rope_f32((const float *)qx, d, groups, d, (const float *)c, (const float *)s, (float *)qy, d);
                 rope_f32((const float *)kx, d, 1, d, (const float *)c, (const float *)s, (float *)kd, d);
+            }
+            if (mode == MODE_F32_BF16KV) { /* float32 k and v, rounded to bfloat16 as they are written */
+                for (int64_t j = 0; j < d; j++) {
+                    ((uint16_t *)ky)[j] = round_bf16(kf[j]);
+                    ((uint16_t *)vy)[j] = round_bf16(((const float *)vx)[j]);
+                }
+                continue;
             }
             if (!i8) {
                 memcpy(vy, vx, (size_t)d * el);
