@@ -187,7 +187,8 @@ def _attend(layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     if row_attention.serves(query, kv_dtype):  # every query of the layer in one call of kvrag's kernel
         row_attention.attend(query, keys, out, scaling)
     else:  # K/V narrower than the query widened (int8: de-quantized) to its dtype first
-        wide = int8kv.dequantize if kv_dtype == torch.int8 else (lambda x: x)
+        d = query.shape[-1]
+        wide = (lambda x: int8kv.dequantize(x, d)) if kv_dtype == torch.int8 else (lambda x: x)
         for i, (kb, vb, s0, end) in enumerate(keys):
             a = torch.nn.functional.scaled_dot_product_attention(
                 query[:, :, i : i + 1], wide(kb[None, :, s0:end]).to(query.dtype),

@@ -38,15 +38,6 @@ def width(head_dim: int, dtype: torch.dtype) -> int:
     return head_dim + SCALE_BYTES * (head_dim // group(head_dim)) if dtype == torch.int8 else head_dim
 
 
-def head_dim_of(width_: int) -> int:
-    """The head dim whose int8 positions take ``width_`` bytes (the inverse of :func:`width`)."""
-    for d in (width_ * GROUP // (GROUP + SCALE_BYTES), width_ - SCALE_BYTES):
-        if d > 0 and width(d, torch.int8) == width_:
-            return d
-    msg = f"{width_} bytes is no int8 K/V position's width"
-    raise ValueError(msg)
-
-
 def quantize(x: torch.Tensor) -> torch.Tensor:
     """``x`` [..., D] (any float dtype) as int8 positions [..., width(D)]: each position's values and its groups'
     scales."""
@@ -59,12 +50,16 @@ def quantize(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([q, safe.reshape(*x.shape[:-1], d // gs).contiguous().view(torch.int8)], -1)
 
 
-def dequantize(q: torch.Tensor) -> torch.Tensor:
-    """int8 positions [..., width(D)] as float32 [..., D] (values times their groups' scales)."""
-    d = head_dim_of(q.shape[-1])
+def dequantize(q: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """int8 positions [..., width(head_dim)] as float32 [..., head_dim] (values times their groups' scales). The
+    head dim is passed, not derived from the width: two head dims can share one (160 and 176 both take 180 bytes)."""
+    d = head_dim
+    if q.shape[-1] != width(d, torch.int8):
+        msg = f"int8 positions of {q.shape[-1]} bytes for heads of {d} (which take {width(d, torch.int8)})"
+        raise ValueError(msg)
     gs = group(d)
     scale = q[..., d:].contiguous().view(torch.float32)  # [..., groups]
     return (q[..., :d].float().reshape(*q.shape[:-1], d // gs, gs) * scale[..., None]).reshape(*q.shape[:-1], d)
 
 
-__all__ = ["GROUP", "SCALE_BYTES", "dequantize", "group", "head_dim_of", "quantize", "width"]
+__all__ = ["GROUP", "SCALE_BYTES", "dequantize", "group", "quantize", "width"]

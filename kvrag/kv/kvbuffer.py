@@ -39,6 +39,7 @@ class KVBuffer:
         self.keys = torch.empty(shape, dtype=dtype, device=device)
         self.values = torch.empty(shape, dtype=dtype, device=device)
         self.fixed = fixed
+        self.head_dim = head_dim  # kept: an int8 position's width does not always tell it
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -50,17 +51,12 @@ class KVBuffer:
     def wrap(cls, keys: torch.Tensor, values: torch.Tensor) -> KVBuffer:
         """A (growable) buffer that owns the given contiguous keys/values [L, H_kv, T, D] (no copy)."""
         buf = cls.__new__(cls)
-        buf.keys, buf.values, buf.fixed = keys, values, False
+        buf.keys, buf.values, buf.fixed, buf.head_dim = keys, values, False, int(keys.shape[3])
         return buf
 
     @property
     def capacity(self) -> int:
         return int(self.keys.shape[2])
-
-    @property
-    def head_dim(self) -> int:
-        """Dimensions of a head (an int8 position's scales not counted)."""
-        return int8kv.head_dim_of(int(self.keys.shape[3])) if self.quantized else int(self.keys.shape[3])
 
     @property
     def quantized(self) -> bool:
@@ -91,7 +87,11 @@ class KVBuffer:
         if src.keys.data_ptr() == self.keys.data_ptr():
             return
         if src.quantized != self.quantized:
-            conv = int8kv.dequantize if src.quantized else int8kv.quantize
+            d = self.head_dim
+
+            def conv(x: torch.Tensor) -> torch.Tensor:
+                return int8kv.dequantize(x, d) if src.quantized else int8kv.quantize(x)
+
             for i in range(self.keys.shape[0]):
                 self.keys[i, :, :length].copy_(conv(src.keys[i, :, :length]))
                 self.values[i, :, :length].copy_(conv(src.values[i, :, :length]))

@@ -234,7 +234,7 @@ def _self_check(lib: _Lib, dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
         return int8kv.quantize(x) if kv_dtype == torch.int8 else x.to(kv_dtype)
 
     def widened(x: torch.Tensor) -> torch.Tensor:
-        return int8kv.dequantize(x) if kv_dtype == torch.int8 else x
+        return int8kv.dequantize(x, d) if kv_dtype == torch.int8 else x
 
     kv = [(kv_of(torch.randn(kv_heads, n + 3, d, generator=gen)), kv_of(torch.randn(kv_heads, n + 3, d, generator=gen)),
            2, n + 2) for n in lengths]

@@ -33,13 +33,29 @@ def test_group_layout() -> None:
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
     x[:, 5] = 40.0
     q = int8kv.quantize(x)
-    assert q.shape == (3, 72) and int8kv.width(64, torch.int8) == 72 and int8kv.head_dim_of(72) == 64
+    assert q.shape == (3, 72) and int8kv.width(64, torch.int8) == 72
     scale = q[:, 64:].contiguous().view(torch.float32)
     assert torch.equal(scale[:, 0], x[:, :32].abs().amax(-1) / 127)
     assert torch.equal(scale[:, 1], x[:, 32:].abs().amax(-1) / 127)
-    back = int8kv.dequantize(q)
+    back = int8kv.dequantize(q, 64)
     assert ((back[:, 32:] - x[:, 32:]).abs() <= scale[:, 1:] * 0.5 + 1e-7).all()
     assert int8kv.group(16) == 16 and int8kv.group(256) == 32 and int8kv.width(256, torch.int8) == 288
+
+
+def test_a_buffer_keeps_its_head_dim_where_widths_coincide() -> None:
+    """Heads of 160 (five groups) and of 176 (one group: not a multiple of 32) both take 180 bytes a position; an
+    int8 buffer keeps the head dim it was made with, and the cache handed back de-quantizes with it."""
+    assert int8kv.width(160, torch.int8) == int8kv.width(176, torch.int8) == 180
+    for d in (160, 176):
+        src = hf_cache.KVBuffer(1, 1, d, 3, torch.float32, "cpu")
+        src.keys.normal_()
+        src.values.normal_()
+        row = batched.Row.for_decode(src, 3, 3, torch.int8)
+        assert row.buffer.head_dim == d
+        back, _ = hf_cache.cache_to_tensors(row.cache(torch.float32))
+        assert back.shape[-1] == d and torch.equal(back, int8kv.dequantize(int8kv.quantize(src.keys[:, :, :3]), d))
+    with pytest.raises(ValueError, match="for heads of 64"):
+        int8kv.dequantize(torch.zeros(2, 20, dtype=torch.int8), 64)
 
 
 def test_quantize_layout_and_round_trip() -> None:
@@ -54,7 +70,7 @@ def test_quantize_layout_and_round_trip() -> None:
     assert torch.equal(scale[0, 0, 0], x[0, 0, 0].abs().amax(-1, keepdim=True) / 127)
     assert scale[1, 2, 4].item() == 1.0 and not q[1, 2, 4, :16].any()
     assert q[..., :16].abs().amax(-1)[0].eq(127).all()
-    back = int8kv.dequantize(q)
+    back = int8kv.dequantize(q, 16)
     assert back.shape == x.shape
     assert ((back - x).abs() <= scale * 0.5 + 1e-7).all()
     assert int8kv.width(16, torch.int8) == 20 and int8kv.width(16, torch.bfloat16) == 16
@@ -76,8 +92,8 @@ def test_int8_kernel_against_float64_over_the_dequantized_kv(dtype: torch.dtype,
     row_attention.attend(q, keys, out, None)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     for i, (k, v, a, b) in enumerate(keys):
-        ref = row_attention.reference(q[0, :, i].float(), int8kv.dequantize(k[:, a:b]), int8kv.dequantize(v[:, a:b]),
-                                      1 / math.sqrt(d))
+        ref = row_attention.reference(q[0, :, i].float(), int8kv.dequantize(k[:, a:b], d),
+                                      int8kv.dequantize(v[:, a:b], d), 1 / math.sqrt(d))
         assert (out[0, i].double() - ref).abs().max().item() < tol
         alone = torch.empty(1, 1, heads, d, dtype=dtype)
         row_attention.attend(q[:, :, i : i + 1], [keys[i]], alone, None)
@@ -174,7 +190,7 @@ def test_int8_buffer_round_trips_and_refuses_other_readers() -> None:
     assert q.quantized and q.head_dim == 16 and q.capacity == 9 and q.keys.shape[-1] == 20
     assert torch.equal(q.keys[:, :, :4], int8kv.quantize(src.keys[:, :, :4]))
     back, _ = hf_cache.cache_to_tensors(row.cache(torch.float32))
-    assert torch.equal(back, int8kv.dequantize(q.keys[:, :, :4]))
+    assert torch.equal(back, int8kv.dequantize(q.keys[:, :, :4], 16))
     assert hf_cache.KVBuffer.bytes_per_token(2, 3, 16, torch.int8) == 2 * 2 * 3 * 20
     with pytest.raises(ValueError, match="only kvrag's batched steps"):
         q.as_cache(4)
@@ -203,8 +219,8 @@ def test_int8_paths_simd_and_portable_threads_and_entries(mode: str, dtype: torc
             out = torch.empty(1, len(lengths), heads, d, dtype=dtype)
             row_attention._call(lib, q, keys, out, d**-0.5, 3)
             for i, (k, v, a, b) in enumerate(keys):
-                ref = row_attention.reference(q[0, :, i].float(), int8kv.dequantize(k[:, a:b]),
-                                              int8kv.dequantize(v[:, a:b]), d**-0.5)
+                ref = row_attention.reference(q[0, :, i].float(), int8kv.dequantize(k[:, a:b], d),
+                                              int8kv.dequantize(v[:, a:b], d), d**-0.5)
                 bound = 2**-8 * ref.abs().max().item() if dtype == torch.bfloat16 else 2e-6
                 assert (out[0, i].double() - ref).abs().max().item() <= bound
                 alone = torch.empty(1, 1, heads, d, dtype=dtype)
