@@ -263,6 +263,14 @@ class Runner:
     def piece_budget_s(self) -> float | None:  # a prepare piece's seconds now (kvrag.kv.pieces); None: none decodes
         return pieces.PIECE_OF_STEP * self._step_s if self.scheduler.decoding() else None
 
+    def prepare_cancelled(self) -> bool:
+        """Whether the prepare in progress was cancelled (its caller left): its pace ends the piece at the next
+        checkpoint and the scheduler drops it at that boundary, also when nobody decodes. Asked from the forward's
+        thread at every checkpoint, so it reads without the lock (single attribute and dict reads)."""
+        rid = self.scheduler.preparing
+        req = self.scheduler.requests.get(rid) if rid is not None else None
+        return req is not None and req.cancel_requested is not None
+
     def _lease_released(self, lease: Lease) -> None:
         """A lease let go outside the scheduler (a Prepared dropped): from any thread or a finalizer, so just a note."""
         if lease.rid is not None:

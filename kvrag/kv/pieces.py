@@ -16,8 +16,11 @@ when the piece is due, parks until the next piece. Only one of the two threads e
 waits, so the runner's "one forward at a time" holds. What must not be in effect while other requests step (the
 attention probe of :func:`kvrag.kv.hf_cache.capture_attention`) is entered around each piece, not around the call.
 
-When nobody is decoding (the pace's budget is None) none of this happens: the forward runs whole, in the calling
-thread.
+When nobody is decoding (the pace's budget is None) a piece never ends for time. A prepare whose caller can leave
+(a pace with ``cancelled``, the runner's) still runs at the checkpoints, so that a cancellation -- a client that
+disconnected or timed out -- ends the piece at the next one and the runner drops the prepare there instead of
+finishing a long prefill nobody waits for; a question-sized forward (at most :data:`SHORT_FORWARD` tokens) runs whole.
+Without ``cancelled`` and with nobody decoding the forward runs whole, in the calling thread.
 """
 
 from __future__ import annotations
@@ -45,6 +48,10 @@ while a prepare runs in pieces, a running stream waits one step plus one piece p
 latency stays near one and a half steady steps (a piece may pass its budget when a unit of work takes longer than it did
 in the previous decoder layer)."""
 
+SHORT_FORWARD = 64
+"""A forward of at most this many tokens runs whole while nobody decodes, even when it could be cancelled: it ends
+sooner than a cancellation would be noticed matters, and the checkpoints' per-call cost is a larger share of it."""
+
 Budget = Callable[[], "float | None"]
 """``budget()``: the seconds a piece may take now, or None when no other request waits for the model (then a
 prepare runs as one piece)."""
@@ -57,6 +64,8 @@ class Pace:
         budget: the seconds a piece may take, asked at every check (None: never end a piece).
         device: the model's device; on an accelerator each check waits for the queued kernels, so the clock
             measures work done, not work launched.
+        cancelled: whether the work was cancelled, asked at every check: then the piece ends there (the runner
+            drops the prepare at that boundary). With it the work runs at the checkpoints also while nobody decodes.
 
     Attributes:
         paused_s: seconds spent between pieces (other requests' decode steps): callers subtract them from the
@@ -64,17 +73,23 @@ class Pace:
         pieces: how many times a piece ended.
     """
 
-    def __init__(self, budget: Budget | None = None, device: torch.device | str = "cpu") -> None:
+    def __init__(self, budget: Budget | None = None, device: torch.device | str = "cpu",
+                 cancelled: Callable[[], bool] | None = None) -> None:
         self._budget = budget
+        self._cancelled = cancelled
         self.device = torch.device(device)
         self.paused_s = 0.0
         self.pieces = 0
         self._start = self._last = time.perf_counter()
         self._paused_at = 0.0
 
-    def active(self) -> bool:
-        """Whether pieces are worth it now (another request waits for the model)."""
+    def waited_for(self) -> bool:
+        """Whether another request waits for the model now (the budget is a number)."""
         return self._budget is not None and self._budget() is not None
+
+    def active(self) -> bool:
+        """Whether to run at the checkpoints: another request waits for the model, or the work can be cancelled."""
+        return self._cancelled is not None or self.waited_for()
 
     def clock(self) -> float:
         """``time.perf_counter()``, after the queued kernels on an accelerator."""
@@ -87,7 +102,10 @@ class Pace:
     def due(self, next_s: float | None = None) -> bool:
         """Whether the piece should end here: someone waits for the model and the next unit of work -- ``next_s``
         seconds when the caller knows (e.g. the same linear layer's time in the previous decoder layer), else
-        estimated as long as the time since the previous check -- would take the piece past its budget."""
+        estimated as long as the time since the previous check -- would take the piece past its budget; or the work
+        was cancelled."""
+        if self._cancelled is not None and self._cancelled():
+            return True
         if self._budget is None:
             return False
         budget = self._budget()
@@ -251,14 +269,15 @@ class _Parked:
 
 def call_pieces(
     fn: Callable[[], T], pace: Pace, each_piece: Callable[[], contextlib.AbstractContextManager[object]] | None = None,
+    *, short: bool = False,
 ) -> Generator[None, None, T]:
     """``fn()`` (model work) in pieces that end at :data:`CHECKPOINTS` where ``pace`` is due; the same computation
     as ``fn()`` itself, in the same order (see the module docstring). Runs ``fn()`` directly, in one piece, when the
-    pace is not active.
+    pace is not active, or when ``short`` work is waited for by nobody.
 
     ``each_piece``: a context manager factory entered (in the calling thread) around each piece, e.g.
     :func:`kvrag.kv.hf_cache.capture_attention`, which must not be in effect while other requests step."""
-    if not pace.active():
+    if not pace.active() or (short and not pace.waited_for()):
         with contextlib.ExitStack() as stack:
             if each_piece is not None:
                 stack.enter_context(each_piece())
@@ -273,8 +292,9 @@ def forward_pieces(model: PreTrainedModel, input_ids: torch.Tensor, cache: Cache
     from kvrag.kv import hf_cache
 
     return (yield from call_pieces(
-        lambda: hf_cache.forward(model, input_ids, cache, start=start, logits_to_keep=logits_to_keep), pace))
+        lambda: hf_cache.forward(model, input_ids, cache, start=start, logits_to_keep=logits_to_keep), pace,
+        short=input_ids.shape[-1] <= SHORT_FORWARD))
 
 
-__all__ = ["CHECKPOINTS", "PIECE_OF_STEP", "WHOLE", "Budget", "Pace", "PrepareJob", "SuffixPrefill", "call_pieces", "forward_pieces",
-           "run_whole"]
+__all__ = ["CHECKPOINTS", "PIECE_OF_STEP", "SHORT_FORWARD", "WHOLE", "Budget", "Pace", "PrepareJob", "SuffixPrefill",
+           "call_pieces", "forward_pieces", "run_whole"]

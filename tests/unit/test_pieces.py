@@ -1,7 +1,7 @@
 """Long prepares in pieces (:mod:`kvrag.kv.pieces`): a method's pieces compute exactly what its whole call
 computes (every family, float32 and bfloat16), the runner steps the running requests between the pieces of a
-``full`` / ``relaxkv`` prepare, a prepare with nobody decoding is one piece, and a cancel between two pieces stops
-the prepare and frees its lease."""
+``full`` / ``relaxkv`` prepare, a prepare with nobody decoding is one piece, and a cancel between two pieces -- or
+inside a long forward with nobody decoding -- stops the prepare and frees its lease."""
 
 from __future__ import annotations
 
@@ -264,3 +264,46 @@ def test_a_cancel_between_two_pieces_stops_the_prepare_and_frees_its_lease(monke
     running.close()
     assert _wait_for(lambda: not eng.runner.stats()["states"] and eng.runner.stats()["kv"]["used"] == 0)
     assert not [t for t in threading.enumerate() if t.name == "kvrag-prepare-piece"]
+
+
+@pytest.mark.parametrize(("method", "at"), [("full", 1), ("relaxkv:r=0.3", 2)])
+def test_a_cancel_while_nobody_decodes_stops_a_long_prepare_at_the_next_checkpoint(method: str, at: int) -> None:
+    """A client that leaves during a long prefill on an otherwise idle engine: the prefill stops at the next
+    checkpoint instead of running to its end while the requests behind it wait. ``at``: the first layer's call
+    during which the client leaves (relaxkv's first forward is its question-sized scoring pass, which runs whole)."""
+    eng = _engine()
+    plan = _plan(eng)
+    assert plan.context_len > pieces.SHORT_FORWARD  # a forward long enough to run at the checkpoints
+    layers = eng.model.model.layers
+    token, out, calls = CancelToken(), {}, {"first": 0, "last after": 0}
+
+    def leave(*_: Any) -> None:
+        calls["first"] += 1
+        if calls["first"] == at:
+            token.cancel()
+
+    def count(*_: Any) -> None:
+        calls["last after"] += token.cancelled
+
+    hooks = [layers[0].register_forward_pre_hook(leave), layers[-1].register_forward_pre_hook(count)]
+    try:
+        def cold() -> None:
+            try:
+                with cancel_scope(token):
+                    out["value"] = eng.prepare(plan, method, reserve=GEN.max_new_tokens)
+            except RequestCancelledError as e:
+                out["error"] = e
+
+        t = threading.Thread(target=cold, daemon=True)
+        t.start()
+        t.join(20)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert isinstance(out.get("error"), RequestCancelledError) and "value" not in out
+    assert calls["last after"] == 0  # the forward stopped inside the first layer
+    assert _wait_for(lambda: not eng.runner.stats()["states"] and eng.runner.stats()["kv"]["used"] == 0)
+    assert not [t for t in threading.enumerate() if t.name == "kvrag-prepare-piece"]
+    # the engine serves the next request, and a prepare nobody cancels still computes what it did
+    ref = eng.answer_plan(_plan(eng), method, GEN).token_ids
+    assert eng.answer_plan(_plan(eng), method, GEN).token_ids == ref
