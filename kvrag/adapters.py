@@ -432,6 +432,17 @@ def token_usage(prep: Prepared) -> tuple[int, int | None]:
     return int(prep.plan.total_len), None if generated is None else int(generated)
 
 
+def finish_reason(prep: Prepared, max_new_tokens: int) -> str:
+    """OpenAI's ``finish_reason`` of an answered request: ``"stop"`` when EOS or a stop string ended it (also at its
+    last allowed token), ``"length"`` when ``max_new_tokens`` did -- the decoder's own record
+    (``Stats.finish_reason``); a token count alone cannot tell a stop string completed by the last allowed token
+    from a cut-off answer."""
+    if prep.stats.finish_reason is not None:
+        return prep.stats.finish_reason
+    generated = prep.stats.generated_tokens or len(prep.token_ids)
+    return "length" if generated >= max_new_tokens else "stop"
+
+
 __all__ = [
     "CHUNK_KEY_METADATA",
     "RecentChunks",
@@ -442,6 +453,7 @@ __all__ = [
     "clear_chunks",
     "current_chunks",
     "ensure_chunks",
+    "finish_reason",
     "generation_config",
     "history_segments",
     "recent",

@@ -455,6 +455,7 @@ class KVRAGEngine(ChunkCaching):
         prepared.stats.decode_forwards = req.spec.decode_forwards
         prepared.stats.drafted_tokens = req.spec.drafted_tokens
         prepared.stats.accepted_tokens = req.spec.accepted_tokens
+        prepared.stats.finish_reason = getattr(req.state, "reason", None)
         keep_answered(self.conversations, prepared)  # the next turn of this conversation reuses it
 
     def close(self, *, cancel: bool = False, timeout: float | None = None) -> None:

@@ -136,6 +136,8 @@ class DecodeState:
         self.steps = 0
         self.last: int | None = None
         self.finished = False
+        self.reason: str | None = None
+        """Why the answer ended: ``"stop"`` (EOS or a stop string) or ``"length"`` (``max_new_tokens``)."""
 
     def advance(self, logits: torch.Tensor | None, token: int | None = None) -> list[tuple[int, str]]:
         """Choose the next token from ``logits`` [V] (or take ``token``, a greedy choice the caller made for a
@@ -143,16 +145,16 @@ class DecodeState:
         tok = int(token) if token is not None else select_token(logits, self.cfg, self.generator)  # type: ignore[arg-type]
         self.steps += 1
         if tok in self.eos:
-            self.finished = True
+            self.finished, self.reason = True, "stop"
             return self._flush()
         self.last = tok
         delta, stopped = self.stop.add(self.detok.push(tok))
-        if stopped:
-            self.finished = True
+        if stopped:  # a stop string completed, also at the last allowed token: OpenAI's finish_reason "stop"
+            self.finished, self.reason = True, "stop"
             return [(tok, delta)]
         items = [(tok, delta)]
         if self.steps >= self.cfg.max_new_tokens:
-            self.finished = True
+            self.finished, self.reason = True, "length"
             items += self._flush()
         return items
 

@@ -113,6 +113,8 @@ class Stats(_Fields):
     decode_forwards: int | None = None
     drafted_tokens: int | None = None
     accepted_tokens: int | None = None
+    finish_reason: str | None = None
+    """``"stop"`` (EOS or a stop string) or ``"length"`` (``max_new_tokens``); set when the stream ends."""
 
     def to_dict(self) -> JSONObject:
         """JSON form: every field, ``method_stats`` as :meth:`MethodStats.to_dict` writes it."""

@@ -45,9 +45,8 @@ def usage(job: Job) -> JSONObject:
 
 
 def finish_reason(job: Job) -> str:
-    """``"length"`` when the answer used all of its ``max_tokens``, else ``"stop"`` (EOS or a stop string)."""
-    generated = job.prep.stats.generated_tokens or len(job.prep.token_ids)
-    return "length" if generated >= job.gen.max_new_tokens else "stop"
+    """``"stop"`` (EOS or a stop string, also at the last allowed token) or ``"length"`` (``max_tokens``)."""
+    return adapters.finish_reason(job.prep, job.gen.max_new_tokens)
 
 
 def full_body(job: Job, text: str) -> JSONObject:

@@ -126,26 +126,44 @@ def test_sampling_at_temperature_one_is_not_greedy(client: Any) -> None:
     assert {first_token_text(client, temperature=1.0, top_p=1e-6, seed=s) for s in range(4)} == {greedy}
 
 
+def _answer(client: Any, stream: bool, max_tokens: int = 12, **kw: Any) -> tuple[str, str, int]:
+    """(text, finish_reason, completion tokens) of a chat completion, streamed or not."""
+    body = chat(max_tokens=max_tokens, **kw)
+    if not stream:
+        out = client.post("/v1/chat/completions", json=body).json()
+        return (out["choices"][0]["message"]["content"], out["choices"][0]["finish_reason"],
+                out["usage"]["completion_tokens"])
+    import json
+
+    with client.stream("POST", "/v1/chat/completions",
+                       json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+        events = [json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: {")]
+    content = "".join(e["choices"][0]["delta"].get("content", "") for e in events if e["choices"])
+    finish = [e["choices"][0]["finish_reason"] for e in events if e["choices"] and e["choices"][0]["finish_reason"]]
+    assert len(finish) == 1
+    return content, finish[0], events[-1]["usage"]["completion_tokens"]
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_finish_reason_length_and_stop(client: Any, stream: bool) -> None:
     def answer(**kw: Any) -> tuple[str, str, int]:
-        body = chat(max_tokens=12, **kw)
-        if not stream:
-            out = client.post("/v1/chat/completions", json=body).json()
-            return (out["choices"][0]["message"]["content"], out["choices"][0]["finish_reason"],
-                    out["usage"]["completion_tokens"])
-        import json
-
-        with client.stream("POST", "/v1/chat/completions",
-                           json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
-            events = [json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: {")]
-        content = "".join(e["choices"][0]["delta"].get("content", "") for e in events if e["choices"])
-        finish = [e["choices"][0]["finish_reason"] for e in events if e["choices"] and e["choices"][0]["finish_reason"]]
-        assert len(finish) == 1
-        return content, finish[0], events[-1]["usage"]["completion_tokens"]
+        return _answer(client, stream, **kw)
 
     full, reason, n = answer()
     assert (reason, n) == ("length", 12) and full  # the tiny model does not stop by itself within 12 tokens
     cut = full[4:7]
     stopped, reason, n = answer(stop=cut)
     assert reason == "stop" and stopped == full.split(cut)[0] and n < 12
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_string_completed_by_the_last_allowed_token_is_stop(client: Any, stream: bool) -> None:
+    """OpenAI answers ``"stop"`` whenever a stop sequence ended the output, also when the token that completed it
+    was the last one ``max_tokens`` allowed; a client reads ``"length"`` as a cut-off answer to continue."""
+    texts = [_answer(client, stream, max_tokens=k)[0] for k in range(1, 9)]  # the greedy answer, token by token
+    cases = [(k, texts[k - 1][len(texts[k - 2]):]) for k in range(2, 9)]
+    cases = [(k, last) for k, last in cases if last.strip() and last not in texts[k - 2]]
+    assert cases  # some token's text is new in the answer, so it can be a stop string
+    for k, last in cases[:2]:
+        assert _answer(client, stream, max_tokens=k, stop=last) == (texts[k - 2], "stop", k)
+        assert _answer(client, stream, max_tokens=k - 1)[1:] == ("length", k - 1)

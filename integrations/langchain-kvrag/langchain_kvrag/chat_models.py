@@ -186,7 +186,7 @@ class ChatKVCached(BaseChatModel):
                 "token_ids": details["token_ids"]}
         meta = {
             "model_name": self.model_name,
-            "finish_reason": "length" if generated >= req["gen"].max_new_tokens else "stop",
+            "finish_reason": adapters.finish_reason(prep, req["gen"].max_new_tokens),
             "kvrag": info,
         }
         usage = {"input_tokens": prompt_tokens, "output_tokens": generated, "total_tokens": prompt_tokens + generated}
