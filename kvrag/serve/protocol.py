@@ -1,8 +1,10 @@
 """The OpenAI request bodies ``kvrag serve`` accepts, validated with pydantic, and its error responses.
 
 Every field OpenAI defines for ``/v1/chat/completions`` and ``/v1/completions`` is either honoured, accepted at its
-neutral value only (``n`` = 1, penalties 0, no logprobs, ...), or refused: an unknown or unsupported field (``tools``,
-``response_format``, ``logit_bias`` ...) is a 400 whose ``error.param`` names it. kvrag's own options travel in the
+neutral value only (``n`` = 1, penalties 0, no logprobs, ``response_format`` text, ``tool_choice`` none, no tools,
+``store`` false, ...: what clients that always send their defaults send), or refused: an unknown or unsupported field
+(tools, JSON response formats, a non-empty ``logit_bias`` ...) is a 400 whose ``error.param`` names it. An assistant
+message sent back as the ``openai`` SDK dumps it (``refusal``, ``tool_calls``, ``audio`` ... all null) is accepted. kvrag's own options travel in the
 extra body field ``kvrag`` (:class:`KvragOptions`; ``extra_body={"kvrag": {...}}`` with the ``openai`` SDK).
 """
 
@@ -11,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Annotated, Literal, TypedDict, TypeVar
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 """Roles a chat message may have (``developer`` is rendered as ``system``); tool and function messages are refused."""
@@ -78,6 +80,13 @@ def _only(value: _V | None, allowed: tuple[_V, ...], field: str) -> _V | None:
     return value
 
 
+def _empty(value: object, field: str, why: str) -> object:
+    """A field accepted only when it says nothing (None, ``[]``, ``{}``, ``""``)."""
+    if value:
+        raise ValueError(f"{field} is not supported by kvrag serve ({why}); send it empty or omit it")
+    return value
+
+
 class KvragOptions(BaseModel):
     """kvrag's own per-request options (the ``kvrag`` body field).
 
@@ -108,17 +117,20 @@ class _Sampling(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: Text
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, strict=True)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
     stop: Text | list[Text] | None = None
-    stream: bool | None = False
+    stream: bool | None = Field(default=False, strict=True)
     stream_options: StreamOptions | None = None
-    seed: int | None = Field(default=None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
+    seed: int | None = Field(default=None, ge=SEED_RANGE[0], le=SEED_RANGE[1], strict=True)
     user: Text | None = None
-    n: int | None = None
+    n: int | None = Field(default=None, strict=True)
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    store: bool | None = Field(default=None, strict=True)
+    metadata: dict[Text, Text] | None = None
     kvrag: KvragOptions | None = None
 
     @field_validator("n")
@@ -139,6 +151,24 @@ class _Sampling(BaseModel):
             raise ValueError(f"stop takes at most 4 sequences, got {len(stops)}")
         return v
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        _empty(v, "logit_bias", "token biases are not applied")
+        return v
+
+    @field_validator("store")
+    @classmethod
+    def _store(cls, v: bool | None) -> bool | None:
+        return _only(v, (False,), "store")
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(cls, v: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if v is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed with stream: true (as OpenAI answers); drop it")
+        return v
+
     def stops(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
@@ -155,13 +185,20 @@ class TextPart(BaseModel):
 
 class ChatMessage(BaseModel):
     """One chat message: text content only (a string or ``{"type": "text"}`` parts). ``name`` is accepted and not
-    rendered (chat templates have no place for it)."""
+    rendered (chat templates have no place for it). The fields the ``openai`` SDK's dump of an assistant message
+    carries (``refusal``, ``tool_calls``, ``function_call``, ``audio``, ``annotations``) are accepted while they
+    say nothing; a tool call or audio is refused."""
 
     model_config = ConfigDict(extra="forbid")
 
     role: str
     content: Text | list[TextPart] | None = None
     name: Text | None = None
+    refusal: Text | None = None
+    tool_calls: list[object] | None = None
+    function_call: None = None
+    audio: None = None
+    annotations: list[object] | None = None
 
     @field_validator("role")
     @classmethod
@@ -172,9 +209,31 @@ class ChatMessage(BaseModel):
             raise ValueError(msg)
         return v
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts(cls, v: object) -> object:
+        for part in v if isinstance(v, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind is not None and kind != "text":
+                raise ValueError(f"content parts of type {kind!r} are not supported by kvrag serve (text only: "
+                                 "a string or {'type': 'text', 'text': ...} parts)")
+        return v
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _no_tool_calls(cls, v: list[object] | None) -> list[object] | None:
+        _empty(v, "tool_calls", "tool calling is not supported: send the assistant turn's text only")
+        return v
+
+    @model_validator(mode="after")
+    def _content_where_needed(self) -> ChatMessage:
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content (a string or text parts)")
+        return self
+
     def text(self) -> str:
         if self.content is None:
-            return ""
+            return self.refusal or ""
         if isinstance(self.content, str):
             return self.content
         return "".join(p.text for p in self.content)
@@ -184,9 +243,40 @@ class ChatCompletionRequest(_Sampling):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool | None = None
+    max_completion_tokens: int | None = Field(default=None, ge=1, strict=True)
+    logprobs: bool | None = Field(default=None, strict=True)
     top_logprobs: int | None = None
+    response_format: dict[str, object] | None = None
+    tools: list[object] | None = None
+    tool_choice: str | None = None
+    parallel_tool_calls: bool | None = None
+    modalities: list[str] | None = None
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, v: list[object] | None) -> list[object] | None:
+        _empty(v, "tools", "tool calling is not supported")
+        return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _response_format(cls, v: dict[str, object] | None) -> dict[str, object] | None:
+        if v is not None and v != {"type": "text"}:
+            raise ValueError(f"response format {v.get('type')!r} is not supported by kvrag serve (no constrained "
+                             "decoding); use {'type': 'text'} or omit response_format")
+        return v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, v: str | None) -> str | None:
+        return _only(v, ("none",), "tool_choice")
+
+    @field_validator("modalities")
+    @classmethod
+    def _modalities(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and v != ["text"]:
+            raise ValueError(f"modalities={v!r} is not supported by kvrag serve (accepted: ['text'] or omitted)")
+        return v
 
     @field_validator("logprobs")
     @classmethod
@@ -267,6 +357,9 @@ def validation_error_body(errors: Sequence[ValidationErrorItem]) -> ErrorBody:
         where = first.get("loc", ("body", None))[-1]
         return openai_error(f"the request body is not valid JSON ({first.get('msg', 'invalid')}"
                             + (f", at byte {where})" if isinstance(where, int) else ")"), code="invalid_json")
+    if param is None and kind in ("model_attributes_type", "dict_type", "model_type"):
+        return openai_error("the request body must be a JSON object sent with 'Content-Type: application/json' "
+                            "(curl: -H 'content-type: application/json')", code="invalid_json")
     if kind == "extra_forbidden":
         message = (f"unsupported field {param!r}: kvrag serve does not implement it (tools, function calling, "
                    "response formats, logit bias and audio are not supported); remove it")

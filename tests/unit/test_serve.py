@@ -167,7 +167,7 @@ def test_openai_sdk_sync_async_stream(engine: KVRAGEngine, server: LiveServer, c
 
 @pytest.mark.parametrize(("body", "status", "param"), [
     ({"n": 2}, 400, "n"),
-    ({"tools": []}, 400, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ({"response_format": {"type": "json_object"}}, 400, "response_format"),
     ({"logprobs": True}, 400, "logprobs"),
     ({"kvrag": {"method": "nonsense"}}, 400, "kvrag.method"),

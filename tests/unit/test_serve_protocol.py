@@ -77,6 +77,21 @@ BOUNDS = [
     ("chat", "seed", 2**63, 2**63 - 1),
     ("chat", "seed", -(2**63) - 1, -(2**63)),
     ("chat", "temperature", float("nan"), 1.0),
+    # sent by clients that always send their defaults: accepted at the neutral value only
+    ("chat", "response_format", {"type": "json_object"}, {"type": "text"}),
+    ("chat", "tools", [{"type": "function", "function": {"name": "f"}}], []),
+    ("chat", "tool_choice", "auto", "none"),
+    ("chat", "store", True, False),
+    ("chat", "logit_bias", {"50256": -100}, {}),
+    ("text", "logit_bias", {"1": 5}, {}),
+    ("chat", "modalities", ["text", "audio"], ["text"]),
+    # types as OpenAI checks them: no string or boolean stands in for another type
+    ("chat", "stream", "yes", False),
+    ("text", "stream", 1, False),
+    ("chat", "max_tokens", "3", 3),
+    ("chat", "max_tokens", True, 1),
+    ("chat", "max_completion_tokens", 2.0, 2),
+    ("chat", "n", "1", 1),
 ]
 
 
@@ -167,3 +182,53 @@ def test_a_stop_string_completed_by_the_last_allowed_token_is_stop(client: Any, 
     for k, last in cases[:2]:
         assert _answer(client, stream, max_tokens=k, stop=last) == (texts[k - 2], "stop", k)
         assert _answer(client, stream, max_tokens=k - 1)[1:] == ("length", k - 1)
+
+
+def test_neutral_client_defaults_and_an_sdk_dumped_assistant_turn_are_answered(client: Any) -> None:
+    """What SDKs and frameworks send without being asked: ``parallel_tool_calls``, ``metadata``, ``user``, and an
+    assistant turn sent back as ``ChatCompletionMessage.model_dump()`` dumps it (null refusal, tool_calls, audio,
+    function_call, annotations)."""
+    dumped = {"role": "assistant", "content": "Paris.", "refusal": None, "tool_calls": None, "function_call": None,
+              "audio": None, "annotations": []}
+    messages = [{"role": "user", "content": "Name a city."}, dumped, {"role": "user", "content": "Another one."}]
+    r = client.post("/v1/chat/completions", json=chat(messages=messages, parallel_tool_calls=False,
+                                                      metadata={"session": "a"}, user="u1"))
+    assert r.status_code == 200, r.text
+    plain = [{"role": "user", "content": "Name a city."}, {"role": "assistant", "content": "Paris."},
+             {"role": "user", "content": "Another one."}]
+    assert r.json()["choices"][0] == client.post("/v1/chat/completions", json=chat(messages=plain)).json()["choices"][0]
+
+
+@pytest.mark.parametrize(("body", "param", "says"), [
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function"}]}]},
+     "messages.0.tool_calls", "tool calling"),
+    ({"messages": [{"role": "user", "content": None}]}, "messages.0", "needs content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/a.png"}}]}]},
+     "messages.0.content", "'image_url'"),
+    ({"stream_options": {"include_usage": True}}, "stream_options", "stream: true"),
+    ({"metadata": {"k": 1}}, "metadata.k", "string"),
+])
+def test_unsupported_message_fields_name_the_problem(client: Any, body: dict[str, Any], param: str, says: str) -> None:
+    r = client.post("/v1/chat/completions", json=chat(**body))
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and says in err["message"], err
+
+
+@pytest.mark.parametrize(("content", "headers"), [
+    (b'[{"model": "tiny-qwen2"}]', {"content-type": "application/json"}),  # JSON, not an object
+    (b"model=tiny-qwen2&max_tokens=1", {"content-type": "application/x-www-form-urlencoded"}),  # curl -d without -H
+])
+def test_a_body_that_is_not_a_json_object_says_how_to_send_one(client: Any, content: bytes,
+                                                                headers: dict[str, str]) -> None:
+    r = client.post("/v1/chat/completions", content=content, headers=headers)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "invalid_json" and "JSON" in err["message"], err
+
+
+def test_a_body_of_invalid_utf8_is_invalid_json(client: Any) -> None:
+    r = client.post("/v1/chat/completions", content=b'{"model": "\xff\xfe"}', headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "invalid_json", r.text
+
