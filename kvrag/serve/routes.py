@@ -15,6 +15,7 @@ from starlette.types import Receive, Scope, Send
 from kvrag import adapters
 from kvrag.serve import bodies
 from kvrag.serve.bodies import JSONObject, Kind
+from kvrag.serve.errors import HTTPProblem
 from kvrag.serve.protocol import ChatCompletionRequest, ChunksRequest, CompletionRequest
 from kvrag.serve.service import KVRAGService
 
@@ -98,10 +99,24 @@ async def completions(body: CompletionRequest, request: Request, svc: Service) -
     return await _complete(svc, request, body, body.text(), "text")
 
 
+def _model_card(svc: KVRAGService) -> JSONObject:
+    return {"id": svc.model_id, "object": "model", "created": 0, "owned_by": "kvrag",
+            "max_model_len": int(svc.engine.max_context)}
+
+
 @router.get("/v1/models")
+@router.head("/v1/models", include_in_schema=False)  # load balancers and probes use HEAD
 async def models(svc: Service) -> JSONObject:
-    return {"object": "list", "data": [{"id": svc.model_id, "object": "model", "created": 0,
-                                        "owned_by": "kvrag", "max_model_len": int(svc.engine.max_context)}]}
+    return {"object": "list", "data": [_model_card(svc)]}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def model(model_id: str, svc: Service) -> JSONObject:
+    """OpenAI's ``GET /v1/models/{model}`` (the SDK's ``models.retrieve``): the served model, else 404."""
+    if model_id != svc.model_id:
+        raise HTTPProblem(404, f"model {model_id!r} is not served here; this server serves {svc.model_id!r}",
+                          param="model", code="model_not_found")
+    return _model_card(svc)
 
 
 @router.post("/v1/kvrag/chunks")
@@ -118,6 +133,7 @@ async def register_chunks(body: ChunksRequest, request: Request, svc: Service) -
 
 
 @router.get("/health")
+@router.head("/health", include_in_schema=False)  # load balancers and probes use HEAD
 async def health(svc: Service) -> JSONResponse:
     """200 while the engine makes progress; 503 when it is stalled or wedged (``problems`` says which)."""
     problems, body = svc.health()
@@ -125,6 +141,7 @@ async def health(svc: Service) -> JSONResponse:
 
 
 @router.get("/health/ready")
+@router.head("/health/ready", include_in_schema=False)  # load balancers and probes use HEAD
 async def ready(svc: Service) -> JSONResponse:
     """For load balancers: 200 when a request sent now would be taken (healthy, not draining, queue not full)."""
     problems, body = svc.health()

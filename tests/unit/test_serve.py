@@ -149,6 +149,9 @@ def test_openai_sdk_sync_async_stream(engine: KVRAGEngine, server: LiveServer, c
     msgs = [{"role": "user", "content": user_text()}]
     sdk = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
     assert [m.id for m in sdk.models.list()] == [MODEL]
+    assert sdk.models.retrieve(MODEL).id == MODEL  # what some frameworks call to check the model exists
+    with pytest.raises(openai.NotFoundError, match="model_not_found"):
+        sdk.models.retrieve("gpt-4o")
     r = sdk.chat.completions.create(model=MODEL, messages=msgs, max_tokens=N, temperature=0)
     assert r.choices[0].message.content == ref and r.usage.prompt_tokens_details.cached_tokens > 0
     stream = sdk.chat.completions.create(model=MODEL, messages=msgs, max_completion_tokens=N, stream=True)

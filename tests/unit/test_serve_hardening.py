@@ -259,6 +259,10 @@ def test_api_keys(engine: KVRAGEngine) -> None:
                 is_openai_error(r, 401, code="invalid_api_key")
                 assert r.headers["WWW-Authenticate"] == "Bearer"
         assert c.get("/health").status_code == 200 and c.get("/health/ready").status_code == 200
+        assert c.head("/health").status_code == 200 and c.head("/health/ready").status_code == 200  # load balancers
+        is_openai_error(c.get(f"/v1/models/{MODEL}"), 401, code="invalid_api_key")
+        assert c.head("/v1/models").status_code == 401
+        assert c.head("/v1/models", headers={"Authorization": "Bearer key-one"}).status_code == 200
         for key in ("key-one", "key-two"):
             r = c.post("/v1/chat/completions", json=chat(), headers={"Authorization": f"Bearer {key}"})
             assert r.status_code == 200
