@@ -37,7 +37,8 @@ def select_token(logits: torch.Tensor, cfg: GenerationConfig, generator: torch.G
         kth = torch.topk(x, min(cfg.top_k, x.shape[-1])).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))
     if cfg.top_p < 1.0:
-        probs_sorted, idx = torch.sort(torch.softmax(x, -1), descending=True)
+        # stable: tied tokens keep index order, so the top token is argmax's (top_p -> 0 is greedy, ties too)
+        probs_sorted, idx = torch.sort(torch.softmax(x, -1), descending=True, stable=True)
         cum = probs_sorted.cumsum(-1)
         drop = cum - probs_sorted > cfg.top_p  # keep the smallest set whose mass reaches top_p
         x[idx[drop]] = float("-inf")

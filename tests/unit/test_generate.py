@@ -112,3 +112,18 @@ def test_max_new_tokens_and_seeded_sampling(tok) -> None:
         st = DecodeState(tok, cfg, [])
         runs.append([t for row in logits for t, _ in st.advance(row) if t >= 0])
     assert runs[0] == runs[1] and len(set(runs[0])) > 1
+
+
+def test_the_smallest_top_p_is_greedy_also_between_tied_tokens() -> None:
+    """Two tokens with exactly equal largest logits (it happens in bfloat16): top_p -> 0 keeps the one argmax
+    (greedy, ``model.generate``) picks, the lower index, in a large vocabulary where an unstable sort often puts the
+    other first."""
+    from kvrag.engine.generate import select_token
+
+    gen = torch.Generator().manual_seed(0)
+    cfg = GenerationConfig(max_new_tokens=1, do_sample=True, temperature=1.0, top_p=1e-6)
+    for seed in range(20):
+        x = torch.randn(49152, generator=torch.Generator().manual_seed(seed))
+        i, j = sorted(random.Random(seed).sample(range(49152), 2))
+        x[i] = x[j] = 10.0
+        assert select_token(x.clone(), cfg, gen) == int(torch.argmax(x)) == i
