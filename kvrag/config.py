@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from kvrag.errors import ConfigError
 
@@ -45,6 +46,25 @@ class GenerationConfig:
         if self.top_k < 0:
             raise ConfigError(f"top_k must be >= 0, got {self.top_k}")
         self.stop = tuple(s for s in (self.stop or ()) if s)
+
+    @classmethod
+    def of(cls, gen: GenerationConfig | None = None, **kwargs: Any) -> GenerationConfig:
+        """``gen``, or a config from keywords (``max_new_tokens=16, do_sample=True, temperature=0.7``): what a call
+        that takes either (:meth:`KVRAGEngine.answer`) decodes with.
+
+        Raises:
+            ConfigError: ``gen`` and keywords together (the keywords would be ignored), or ``temperature`` /
+                ``top_p`` / ``top_k`` without ``do_sample=True`` (greedy decoding would ignore them)."""
+        if gen is not None and kwargs:
+            msg = (f"pass either gen= or generation keywords, not both (got gen and {sorted(kwargs)}): the keywords "
+                   "would be ignored")
+            raise ConfigError(msg)
+        sampling = sorted(k for k in ("temperature", "top_p", "top_k") if k in kwargs)
+        if sampling and not kwargs.get("do_sample"):
+            msg = (f"{', '.join(sampling)} only apply when sampling: pass do_sample=True to sample, or leave them out "
+                   "for greedy decoding (the default)")
+            raise ConfigError(msg)
+        return gen if gen is not None else cls(**kwargs)
 
 
 @dataclasses.dataclass

@@ -34,6 +34,14 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def texts_not_one_str(texts: object, what: str) -> None:
+    """A str is a sequence of its characters: refuse one where a list of texts is expected, instead of taking
+    every character for a chunk."""
+    if isinstance(texts, str):
+        msg = f"{what} must be a list of texts, got one str ({texts[:40]!r}): wrap it in a list, [text]"
+        raise ConfigError(msg)
+
+
 class ChunkCaching:
     """Chunk identity and the store-filling path of an engine (mixed into ``KVRAGEngine``, which sets the fields)."""
 
@@ -143,9 +151,11 @@ class ChunkCaching:
         model's).
 
         Raises:
-            ConfigError: a chunk is neither a str nor a RegisteredChunk, or holds text that is not valid Unicode.
+            ConfigError: a chunk is neither a str nor a RegisteredChunk, or holds text that is not valid Unicode;
+                ``chunks`` is one str (a sequence of its characters) rather than a list of texts.
             ContextLengthError: a chunk does not fit the context window (all are checked before any is returned).
         """
+        texts_not_one_str(chunks, "chunks")
         space = self.key_space(kind)
         out: list[RegisteredChunk | None] = []
         for i, c in enumerate(chunks):

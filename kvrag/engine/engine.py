@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, cast
 from kvrag.config import EngineConfig, GenerationConfig
 from kvrag.engine.admission import default_kv_bytes
 from kvrag.engine.assemble import assemble, context_only_input
-from kvrag.engine.caching import ChunkCaching
+from kvrag.engine.caching import ChunkCaching, texts_not_one_str
 from kvrag.engine.chunks import RegisteredChunk
 from kvrag.engine.conversation import ConversationCache, keep_answered, prepare_hit
 from kvrag.engine.lease import KVBudget, Lease
@@ -158,6 +158,9 @@ class KVRAGEngine(ChunkCaching):
         Chunks given as :class:`RegisteredChunk` (from :meth:`ensure` / :meth:`identify`) keep their identity: their
         stored ids are spliced in, their key is used for the fetch, and a cache they hold is used as it is.
         """
+        if not isinstance(prompt, str):
+            raise ConfigError(f"prompt must be a str (a rendered prompt), got {type(prompt).__name__}")
+        texts_not_one_str(chunks, "chunks")
         texts, ids_of, derived = self._registered(chunks)
         plan = plan_prompt(prompt, texts, self.tokenize, ids_of, decode=self._decode,
                            strict=self.config.strict_tokenization)
@@ -487,10 +490,9 @@ class KVRAGEngine(ChunkCaching):
 
     def answer(self, prompt: str, chunks: Sequence[str] = (), method: str | FusionMethod | None = None,
                gen: GenerationConfig | None = None, **gen_kwargs: Any) -> Response:
-        """Answer a fully rendered prompt; ``chunks`` are the registered chunk texts to find and reuse."""
-        if gen is None:
-            gen = GenerationConfig(**gen_kwargs)
-        return self.answer_plan(self.plan(prompt, chunks), method, gen)
+        """Answer a fully rendered prompt; ``chunks`` are the registered chunk texts to find and reuse; generation
+        settings as ``gen`` or as keywords (:meth:`GenerationConfig.of`)."""
+        return self.answer_plan(self.plan(prompt, chunks), method, GenerationConfig.of(gen, **gen_kwargs))
 
     def chat_prompt(self, user: str, system: str | None = None) -> str:
         """Render one user turn with the tokenizer's chat template (plus the generation prompt)."""

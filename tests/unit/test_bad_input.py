@@ -262,3 +262,30 @@ def test_no_pickle_anywhere() -> None:
                 if "weights_only=True" not in m.group(1):
                     offenders.append(f"{p.relative_to(ROOT)}: torch.load without weights_only=True")
     assert offenders == []
+
+
+# ---- arguments a call would otherwise take silently in another sense ----------------------------------------------
+def test_one_str_where_a_list_of_texts_is_expected_is_refused(eng: KVRAGEngine) -> None:
+    """A str is a sequence of its characters: taken as chunks it made every character a chunk."""
+    prompt = RagTemplate().render(eng.tokenizer, PASSAGES[:1], "Capital?")
+    for call in (lambda: eng.answer(prompt, PASSAGES[0], "stale", GEN), lambda: eng.ingest(PASSAGES[0]),
+                 lambda: eng.ensure(PASSAGES[0]), lambda: eng.plan(prompt, PASSAGES[0])):
+        with pytest.raises(ConfigError, match=r"got one str .*wrap it in a list"):
+            call()
+    assert eng.store.stats()["entries"] == 0  # nothing was ingested
+    with pytest.raises(ConfigError, match="prompt must be a str"):
+        eng.answer(None, PASSAGES, "stale", GEN)  # type: ignore[arg-type]
+
+
+def test_generation_keywords_that_would_be_ignored_are_refused(eng: KVRAGEngine) -> None:
+    prompt = RagTemplate().render(eng.tokenizer, PASSAGES, "Capital?")
+    with pytest.raises(ConfigError, match=r"temperature only apply when sampling: pass do_sample=True"):
+        eng.answer(prompt, PASSAGES, "stale", temperature=0.8, max_new_tokens=4)
+    with pytest.raises(ConfigError, match=r"top_k, top_p only apply when sampling"):
+        eng.answer(prompt, PASSAGES, "stale", top_p=0.5, top_k=3, max_new_tokens=4)
+    with pytest.raises(ConfigError, match=r"either gen= or generation keywords, not both .*'max_new_tokens'"):
+        eng.answer(prompt, PASSAGES, "stale", GEN, max_new_tokens=10)
+    sampled = eng.answer(prompt, PASSAGES, "stale", do_sample=True, temperature=0.8, seed=3, max_new_tokens=4)
+    assert sampled.token_ids == eng.answer(prompt, PASSAGES, "stale", do_sample=True, temperature=0.8, seed=3,
+                                           max_new_tokens=4).token_ids
+    assert len(eng.answer(prompt, PASSAGES, "stale", max_new_tokens=3, seed=1).token_ids) <= 3  # a seed alone: greedy
