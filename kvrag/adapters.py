@@ -374,8 +374,17 @@ def chunk_texts(chunks: Sequence[RegisteredChunk]) -> list[str]:
 # ------------------------------------------------------------------------------------------------- generation
 def generation_config(*, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                       seed: int | None = None, stop: Sequence[str] | None = ()) -> GenerationConfig:
-    """Framework sampling fields -> :class:`~kvrag.config.GenerationConfig`; ``temperature`` 0 means greedy."""
+    """Framework sampling fields -> :class:`~kvrag.config.GenerationConfig`; ``temperature`` 0 means greedy.
+
+    ``stop`` may be one string (OpenAI's API and many callers pass ``stop="\\n"``): it is one stop string, not a
+    sequence of one-character stop strings.
+    """
     temperature = float(temperature)
+    if temperature < 0:
+        msg = f"temperature must be >= 0 (0 is greedy), got {temperature}"
+        raise ConfigError(msg)
+    if isinstance(stop, str):
+        stop = (stop,)
     return GenerationConfig(
         max_new_tokens=int(max_new_tokens),
         do_sample=temperature > 0,

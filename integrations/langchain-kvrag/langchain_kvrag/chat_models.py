@@ -10,6 +10,7 @@ runs the steps of a chain in separate contexts — the recently registered chunk
 from __future__ import annotations
 
 import collections
+import warnings
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
@@ -101,14 +102,18 @@ class ChatKVCached(BaseChatModel):
                     "change every turn.",
     )
 
-    _engine: Any = PrivateAttr(default=None)
+    # a field, not a private attribute: LangChain rebuilds the model from its fields (configurable_fields,
+    # with_config(configurable=...)), and a private engine was lost there, so a second model was loaded silently
+    # with an empty memory:// store
+    kv_engine: Any = Field(default=None, exclude=True, repr=False, description="The KVRAGEngine passed as engine=.")
     _history: Any = PrivateAttr(default=None)
 
     def __init__(self, engine: Any = None, **kwargs: Any) -> None:
         if engine is not None:
-            kwargs.setdefault("model", engine.loaded.name)
+            kwargs["kv_engine"] = engine
+        if kwargs.get("kv_engine") is not None and "model" not in kwargs and "model_name" not in kwargs:
+            kwargs["model"] = kwargs["kv_engine"].loaded.name  # (setdefault("model") clashed with model_name=)
         super().__init__(**kwargs)
-        self._engine = engine
         self._history = collections.deque(maxlen=32)
         from kvrag.fusion import get_method
 
@@ -117,9 +122,9 @@ class ChatKVCached(BaseChatModel):
     @property
     def engine(self) -> Any:
         """The :class:`kvrag.KVRAGEngine` (loaded on first use when none was passed)."""
-        if self._engine is None:
-            self._engine = adapters.shared_engine(self.model_name, self.store)
-        return self._engine
+        if self.kv_engine is None:
+            self.kv_engine = adapters.shared_engine(self.model_name, self.store)
+        return self.kv_engine
 
     @property
     def history(self) -> list[dict[str, Any]]:
@@ -149,6 +154,26 @@ class ChatKVCached(BaseChatModel):
         params["ls_model_name"] = model if isinstance(model, str) else self.model_name
         return params
 
+    # ------------------------------------------------------------------------------------------- token counting
+    def get_token_ids(self, text: str) -> list[int]:
+        """The model's own token ids (LangChain's fallback is GPT-2's tokenizer, which offline counts 0 tokens)."""
+        if self.custom_get_token_ids is not None:
+            return self.custom_get_token_ids(text)
+        return list(self.engine.tokenizer.encode(text, add_special_tokens=False))
+
+    def get_num_tokens_from_messages(self, messages: list[BaseMessage], tools: Sequence[Any] | None = None) -> int:
+        """Tokens of the prompt the model sees for ``messages`` (chat template and generation prompt included)."""
+        if tools:
+            msg = "ChatKVCached does not support tools"
+            raise NotImplementedError(msg)
+        return len(self.get_token_ids(self.render(messages)))
+
+    def bind_tools(self, tools: Sequence[Any], **kwargs: Any) -> Any:
+        """Not supported: kvrag runs a plain local chat model without a tool-calling protocol."""
+        msg = ("ChatKVCached does not support tool calling (bind_tools / agents); for structured answers put the "
+               "format in the prompt and parse the text, e.g. PydanticOutputParser or JsonOutputParser")
+        raise NotImplementedError(msg)
+
     # ------------------------------------------------------------------------------------------- requests
     def render(self, messages: Sequence[BaseMessage]) -> str:
         """The prompt string the model sees (chat template with the generation prompt)."""
@@ -163,8 +188,9 @@ class ChatKVCached(BaseChatModel):
         chunks = adapters.resolve_chunks(prompt, kw.pop("chunks", None), use_recent=use_recent, only_found=use_recent)
         if kw.pop("reuse_history", self.reuse_history):
             chunks = adapters.with_history(chunks, messages_to_dicts(messages))
+        max_new = kw.pop("max_tokens", kw.pop("max_new_tokens", kw.pop("max_completion_tokens", self.max_tokens)))
         gen = adapters.generation_config(
-            max_new_tokens=kw.pop("max_tokens", kw.pop("max_new_tokens", self.max_tokens)),
+            max_new_tokens=max_new,
             temperature=kw.pop("temperature", self.temperature),
             top_p=kw.pop("top_p", self.top_p),
             top_k=kw.pop("top_k", self.top_k),
@@ -172,6 +198,8 @@ class ChatKVCached(BaseChatModel):
             stop=stop if stop is not None else self.stop,
         )
         method = self.engine.method(kw.pop("method", self.method), **kw.pop("method_params", self.method_params))
+        if kw:  # a misspelled per-call option must not pass silently (the constructor forbids extra fields)
+            warnings.warn(f"ChatKVCached ignores unknown call options {sorted(kw)}", stacklevel=4)
         return {"prompt": prompt, "chunks": adapters.chunk_texts(chunks), "refs": chunks, "gen": gen, "method": method}
 
     def _prepare(self, req: dict[str, Any]) -> Any:

@@ -77,3 +77,57 @@ def test_reuse_history_offers_the_earlier_messages_as_segments(engine) -> None:
     assert kv["chunks_registered"] == 3 and kv["chunks_found"] == 3
     kv = model.invoke(msgs, chunks=[passages[0]], reuse_history=False).response_metadata["kvrag"]
     assert kv["chunks_registered"] == 1
+
+
+def test_model_name_with_an_engine_counts_tokens_and_names_what_it_does_not_do(engine) -> None:
+    """``model_name`` is the documented field; token counting uses the model's tokenizer (LangChain's fallback,
+    GPT-2's, counts 0 offline, so ``trim_messages(token_counter=llm)`` trimmed nothing); tools get a clear error."""
+    from langchain_core.messages import AIMessage, SystemMessage, trim_messages
+
+    llm = ChatKVCached(engine=engine, model_name="my-label", max_tokens=4)
+    assert llm.model_name == "my-label" and llm.engine is engine
+    text = "How much is a day pass?"
+    assert llm.get_num_tokens(text) == len(engine.tokenizer.encode(text, add_special_tokens=False)) > 0
+    msgs = [SystemMessage("Be brief."), HumanMessage("word " * 30), AIMessage("ok " * 30), HumanMessage(text)]
+    assert llm.get_num_tokens_from_messages(msgs) == len(engine.tokenizer.encode(llm.render(msgs),
+                                                                                 add_special_tokens=False))
+    kept = trim_messages(msgs, max_tokens=llm.get_num_tokens_from_messages(msgs[-1:]) + 20, token_counter=llm,
+                         strategy="last", include_system=False)
+    assert kept == msgs[-1:]
+    with pytest.raises(NotImplementedError, match="does not support tool calling"):
+        llm.bind_tools([{"type": "function", "function": {"name": "f", "parameters": {}}}])
+
+
+def test_per_call_max_completion_tokens_and_unknown_options(engine) -> None:
+    llm = ChatKVCached(engine=engine, max_tokens=12)
+    msgs = prompt(CHUNKS, "How much is a day pass?")
+    assert llm.invoke(msgs, max_completion_tokens=2).usage_metadata["output_tokens"] <= 2
+    with pytest.warns(UserWarning, match=r"ignores unknown call options \['bogus_kw'\]"):
+        llm.invoke(msgs, bogus_kw=1, max_tokens=1)
+
+
+def test_one_stop_string_is_one_stop_string(engine) -> None:
+    llm = ChatKVCached(engine=engine, max_tokens=12)
+    msgs = prompt(CHUNKS, "How often does T2 run?")
+    text = str(llm.invoke(msgs).content)
+    # a pair first seen at i, one of whose characters occurs before i: cut at its characters, the answer ends sooner
+    cut = next((text[i:i + 2] for i in range(1, len(text) - 1) if text[i:i + 2].strip() and text[i:i + 2] not in
+                text[:i + 1] and (text[i] in text[:i] or text[i + 1] in text[:i])), None)
+    assert cut is not None, text
+    assert llm.invoke(msgs, stop=cut).content == text.split(cut)[0]  # not cut at its first character
+    assert llm.bind(stop=[cut]).invoke(msgs).content == text.split(cut)[0]
+
+
+def test_configurable_fields_keep_the_engine(engine) -> None:
+    """LangChain rebuilds a configurable model from its fields: the engine passed in must come along, not a second
+    model loaded by name over an empty in-memory store."""
+    from langchain_core.runnables import ConfigurableField
+
+    from kvrag import adapters
+
+    loaded = dict(adapters._ENGINES)
+    llm = ChatKVCached(engine=engine, max_tokens=3).configurable_fields(
+        max_tokens=ConfigurableField(id="n", name="max tokens"))
+    out = llm.with_config(configurable={"n": 2}).invoke(prompt(CHUNKS, "Fare?"))
+    assert out.usage_metadata["output_tokens"] <= 2
+    assert adapters._ENGINES == loaded

@@ -80,3 +80,44 @@ def test_reuse_history_offers_the_earlier_messages_as_segments(engine, passages)
     assert kw["chunks_registered"] == 3 and kw["chunks_found"] == 3
     llm.chat(msgs, chunks=[passages[0]], reuse_history=False)
     assert llm.last_info["additional_kwargs"]["chunks_registered"] == 1
+
+
+def test_repr_pickle_and_copy_of_the_llm(engine) -> None:
+    """Showing the LLM (a notebook cell, a log line, a pydantic error) printed it through its own default prompt
+    functions, bound to it: endless recursion; pickling it (LlamaIndex's __getstate__) deleted fields of the live
+    object; a model_copy kept formatting with the original's system prompt."""
+    import pickle
+
+    llm = KVCachedLLM(engine=engine, max_new_tokens=N, system_prompt="Be brief.")
+    for show in (repr, str):
+        assert "KVCachedLLM" in show(llm) or "max_new_tokens" in show(llm)
+    msgs = [ChatMessage(role="user", content="Hi")]
+    before = llm.messages_to_prompt(msgs)
+    pickle.dumps(llm)
+    assert llm.messages_to_prompt(msgs) == before and llm.completion_to_prompt("Hi")  # the live object is intact
+    other = llm.model_copy(update={"system_prompt": "Answer in French."})
+    assert "Answer in French." in other.completion_to_prompt("Hi") and "Be brief." in llm.completion_to_prompt("Hi")
+    again = pickle.loads(pickle.dumps(other))  # (the engine stays behind: it is loaded again by name when used)
+    assert again.system_prompt == "Answer in French." and again.completion_to_prompt.owner() is again
+
+
+def test_max_tokens_is_max_new_tokens_and_unknown_arguments_are_refused(engine, passages) -> None:
+    """``max_tokens`` is what most LlamaIndex LLMs call it; a misspelled argument was dropped without a word."""
+    llm = KVCachedLLM(engine=engine, max_tokens=3)
+    assert llm.max_new_tokens == 3 and llm.metadata.num_output == 3
+    long = KVCachedLLM(engine=engine, max_new_tokens=12)
+    assert len(long.complete("Hello", max_tokens=2).raw["token_ids"]) <= 2
+    with pytest.raises(TypeError, match=r"'max_new_tokns' \(did you mean 'max_new_tokens'\?\)"):
+        KVCachedLLM(engine=engine, max_new_tokns=3)
+
+
+def test_one_stop_string_is_one_stop_string(engine) -> None:
+    """``stop="ab"`` (OpenAI's API takes a string too) stops at "ab", not at every "a" or "b"."""
+    llm = KVCachedLLM(engine=engine, max_new_tokens=12)
+    text = llm.complete("Hello").text
+    # a pair first seen at i, one of whose characters occurs before i: cut at its characters, the answer ends sooner
+    cut = next((text[i:i + 2] for i in range(1, len(text) - 1) if text[i:i + 2].strip() and text[i:i + 2] not in
+                text[:i + 1] and (text[i] in text[:i] or text[i + 1] in text[:i])), None)
+    assert cut is not None, text
+    assert llm.complete("Hello", stop=cut).text == text.split(cut)[0]
+    assert llm.complete("Hello", stop=[cut]).text == text.split(cut)[0]

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import collections
 import contextvars
+import difflib
 import logging
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -42,6 +44,37 @@ log = logging.getLogger(__name__)
 
 _LAST: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("kvrag_llamaindex_last", default=None)
 _GEN_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+
+
+class _OwnTemplate:
+    """A :class:`KVCachedLLM`'s default ``messages_to_prompt`` / ``completion_to_prompt``: its own chat template,
+    reached through a weak reference. Not the bound method itself: pydantic shows a field's value in the model's
+    repr, and a bound method's repr is its object's, so ``repr(llm)`` recursed forever; LlamaIndex's ``__getstate__``
+    then deleted fields of the live object while pickling it. A copy or an unpickled LLM is bound to itself
+    (:meth:`KVCachedLLM._own_templates`)."""
+
+    def __init__(self, llm: Any, name: str) -> None:
+        self.owner = weakref.ref(llm)
+        self.name = name
+
+    def __call__(self, arg: Any) -> str:
+        llm = self.owner()
+        if llm is None:
+            msg = f"this default {self.name} belongs to a KVCachedLLM that no longer exists; use the LLM's own"
+            raise RuntimeError(msg)
+        return str(getattr(llm, self.name)(arg))
+
+    def __repr__(self) -> str:
+        return f"<KVCachedLLM's own {self.name.strip('_')}>"
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return (type(None), ())  # pickled as None; the unpickled LLM binds its own (KVCachedLLM.__setstate__)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _OwnTemplate:
+        return self  # the copy binds its own (KVCachedLLM.model_copy)
+
+
+_TEMPLATES = (("messages_to_prompt", "_chat_template"), ("completion_to_prompt", "_completion_template"))
 
 
 class KVCachedLLM(CustomLLM):
@@ -93,15 +126,22 @@ class KVCachedLLM(CustomLLM):
     _history: Any = PrivateAttr(default=None)
 
     def __init__(self, engine: Any = None, **kwargs: Any) -> None:
+        if "max_tokens" in kwargs:  # the name most LlamaIndex LLMs (OpenAI, Anthropic, ...) use
+            kwargs.setdefault("max_new_tokens", kwargs.pop("max_tokens"))
+        unknown = sorted(k for k in kwargs if k not in type(self).model_fields)
+        if unknown:  # pydantic's default would drop them silently: KVCachedLLM(max_tokns=16) generating 256 tokens
+            hints = {k: difflib.get_close_matches(k, type(self).model_fields, n=1) for k in unknown}
+            msg = "KVCachedLLM got unknown arguments " + ", ".join(
+                f"{k!r}" + (f" (did you mean {h[0]!r}?)" if h else "") for k, h in hints.items())
+            raise TypeError(msg)
         if engine is not None:
             kwargs.setdefault("model_name", engine.loaded.name)
         kwargs.setdefault("messages_to_prompt", None)
         kwargs.setdefault("completion_to_prompt", None)
         super().__init__(**kwargs)
-        if kwargs.get("messages_to_prompt") is None:
-            self.messages_to_prompt = self._chat_template
-        if kwargs.get("completion_to_prompt") is None:
-            self.completion_to_prompt = self._completion_template
+        for field, name in _TEMPLATES:
+            if kwargs.get(field) is None:
+                setattr(self, field, _OwnTemplate(self, name))
         self._engine = engine
         self._history = collections.deque(maxlen=self.history_size or None)
         from kvrag.fusion import get_method
@@ -154,8 +194,26 @@ class KVCachedLLM(CustomLLM):
             msgs.insert(0, ChatMessage(role="system", content=self.system_prompt))
         return self._chat_template(msgs)
 
+    def _own_templates(self) -> None:
+        """Bind the default prompt functions to this LLM (a copy or an unpickled LLM held the original's, or none)."""
+        for field, name in _TEMPLATES:
+            f = getattr(self, field, None)
+            if f is None or (isinstance(f, _OwnTemplate) and f.owner() is not self):
+                setattr(self, field, _OwnTemplate(self, name))
+
+    def model_copy(self, *, update: Any = None, deep: bool = False) -> KVCachedLLM:
+        copy = super().model_copy(update=update, deep=deep)
+        copy._own_templates()
+        return copy
+
+    def __setstate__(self, state: Any) -> None:
+        super().__setstate__(state)
+        self._own_templates()
+
     # ------------------------------------------------------------------------------------------- requests
     def _gen_config(self, kw: dict[str, Any]) -> Any:
+        if "max_tokens" in kw:  # per-call alias, as in the constructor
+            kw.setdefault("max_new_tokens", kw.pop("max_tokens"))
         return adapters.generation_config(**{k: kw.pop(k) if k in kw else getattr(self, k) for k in _GEN_KEYS})
 
     def _method(self, kw: dict[str, Any]) -> Any:
@@ -170,8 +228,9 @@ class KVCachedLLM(CustomLLM):
         req = {"prompt": full, "chunks": adapters.chunk_texts(chunks), "refs": chunks, "method": self._method(kw),
                "gen": self._gen_config(kw)}
         kw.pop("formatted", None)
-        if kw:
-            log.debug("KVCachedLLM ignores unknown keyword arguments %s", sorted(kw))
+        if kw:  # frameworks pass extra keywords through; say so where a user can see it
+            log.warning("KVCachedLLM ignores unknown keyword arguments %s (generation options: %s, max_tokens)",
+                        sorted(kw), ", ".join(_GEN_KEYS))
         return req
 
     def _chat_request(self, messages: Sequence[ChatMessage], kw: dict[str, Any]) -> dict[str, Any]:
