@@ -216,6 +216,11 @@ def cmd_store(args: argparse.Namespace) -> int:
     from kvrag.store.factory import store_from_url
 
     url = _store_url(args)
+    local = url[len("file://"):] if url.startswith("file://") else (url if "://" not in url else None)
+    if local is not None and not Path(local).expanduser().is_dir():
+        # opening a file store creates its folder: a mistyped path would report an empty store (and leave a folder)
+        print(f"error: no KV store at {local} (no such directory); check --store / --persist", file=sys.stderr)
+        return 2
     store = store_from_url(url)
     progress = not args.json
     if args.action == "stats":

@@ -54,3 +54,13 @@ def test_store_stats_reports_size_of_a_persisted_index(tmp_path: Path, capsys: p
     assert cli.main(["store", "stats", "--persist", str(tmp_path / "idx"), "--store", url]) == 0
     out = capsys.readouterr().out
     assert "size: 5 entries" in out and "bytes per token" in out and "100K such chunks would take" in out
+
+
+@pytest.mark.parametrize("action", ["stats", "verify", "gc"])
+def test_a_store_path_that_does_not_exist_is_an_error_not_an_empty_store(tmp_path: Path, action: str,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """Opening a file store creates its folder: a mistyped path reported an empty, healthy store and left a folder."""
+    typo = tmp_path / "no" / "such-store"
+    for url in (str(typo), f"file://{typo}"):
+        assert cli.main(["store", action, "--store", url]) == 2
+        assert "no KV store at" in capsys.readouterr().err and not typo.exists()
