@@ -121,3 +121,11 @@ def test_one_stop_string_is_one_stop_string(engine) -> None:
     assert cut is not None, text
     assert llm.complete("Hello", stop=cut).text == text.split(cut)[0]
     assert llm.complete("Hello", stop=[cut]).text == text.split(cut)[0]
+
+
+def test_last_info_is_the_instances_own(engine) -> None:
+    """``last_info`` of an LLM never called is None, not another instance's record made in the same thread."""
+    used = KVCachedLLM(engine=engine, max_new_tokens=2)
+    used.complete("Hello")
+    assert used.last_info is not None and KVCachedLLM(engine=engine, max_new_tokens=2).last_info is None
+

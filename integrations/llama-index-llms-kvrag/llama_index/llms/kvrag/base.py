@@ -42,7 +42,10 @@ from kvrag.default_model import DEFAULT_MODEL
 
 log = logging.getLogger(__name__)
 
-_LAST: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("kvrag_llamaindex_last", default=None)
+_LAST: contextvars.ContextVar[tuple[int, dict[str, Any]] | None] = contextvars.ContextVar(
+    "kvrag_llamaindex_last", default=None)
+"""(the id of the KVCachedLLM that made it, the latest request record in this context): one variable for every
+instance, so a record says whose it is."""
 _GEN_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop")
 
 
@@ -181,7 +184,10 @@ class KVCachedLLM(CustomLLM):
     @property
     def last_info(self) -> dict[str, Any] | None:
         """The latest request record made in the caller's context (thread / task), else the latest overall."""
-        return _LAST.get() or (self._history[-1] if self._history else None)
+        mine = _LAST.get()
+        if mine is not None and mine[0] == id(self):
+            return mine[1]
+        return self._history[-1] if self._history else None
 
     # ------------------------------------------------------------------------------------------- templates
     def _chat_template(self, messages: Sequence[ChatMessage]) -> str:
@@ -266,7 +272,7 @@ class KVCachedLLM(CustomLLM):
 
     def _record(self, info: dict[str, Any]) -> None:
         self._history.append(info)
-        _LAST.set(info)
+        _LAST.set((id(self), info))
 
     def _run(self, req: dict[str, Any]) -> CompletionResponse:
         prep = self.engine.prepare(self._plan(req), req["method"], reserve=req["gen"].max_new_tokens)
