@@ -173,6 +173,16 @@ def clear_chunks() -> None:
     _REQUEST.set(None)
 
 
+def release_caches(prompt: str) -> None:
+    """Let the current context stop holding the caches of its request chunks that occur in ``prompt``: the request
+    being made of it took them (it holds them while it runs), so the context keeps only their identities and a
+    finished query leaves no cache behind in its thread. Chunks not in the prompt keep theirs for the query's later
+    calls (a refine step per chunk)."""
+    cur = _REQUEST.get()
+    if cur and any(c.kv is not None and c.text in prompt for c in cur):
+        _REQUEST.set(tuple(c.identity() if c.text in prompt else c for c in cur))
+
+
 def current_chunks() -> tuple[RegisteredChunk, ...]:
     """The request chunks registered in the current context (empty when none)."""
     return _REQUEST.get() or ()
@@ -466,6 +476,7 @@ __all__ = [
     "generation_config",
     "history_segments",
     "recent",
+    "release_caches",
     "register_chunks",
     "render_chat",
     "reset_chunks",

@@ -129,3 +129,20 @@ def test_last_info_is_the_instances_own(engine) -> None:
     used.complete("Hello")
     assert used.last_info is not None and KVCachedLLM(engine=engine, max_new_tokens=2).last_info is None
 
+
+
+def test_a_request_takes_the_caches_it_uses_from_the_callers_context(engine, passages) -> None:
+    """The postprocessor registers the retrieved chunks with their caches (one store round trip); the request made
+    of them takes the caches of the chunks in its prompt, so a finished query leaves none held by its thread, and a
+    chunk not in this prompt keeps its cache for a later call of the same query (refine)."""
+    llm = KVCachedLLM(engine=engine, max_new_tokens=N)
+    held = [c for c, _ in engine.ensure(passages, fetch=True)]
+    assert all(c.kv is not None for c in held)
+    prompt = context_prompt(llm, passages[:2], "How much is a day pass?")
+    with adapters.chunk_scope(held):
+        r = llm.complete(prompt, formatted=True)
+        left = {c.text: c.kv for c in adapters.current_chunks()}
+    assert r.additional_kwargs["chunk_hits"] == 2
+    assert left[passages[0]] is None and left[passages[1]] is None and left[passages[2]] is not None
+    again = llm.complete(prompt, formatted=True, chunks=passages[:2])
+    assert again.raw["token_ids"] == r.raw["token_ids"]  # the same answer from the stored caches

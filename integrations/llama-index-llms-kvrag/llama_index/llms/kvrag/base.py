@@ -233,6 +233,8 @@ class KVCachedLLM(CustomLLM):
         chunks = adapters.resolve_chunks(full, explicit, use_recent=bool(kw.pop("use_recent_chunks", self.use_recent_chunks)))
         req = {"prompt": full, "chunks": adapters.chunk_texts(chunks), "refs": chunks, "method": self._method(kw),
                "gen": self._gen_config(kw)}
+        if explicit is None:
+            adapters.release_caches(full)  # the request holds them now; the caller's thread keeps none after it
         kw.pop("formatted", None)
         if kw:  # frameworks pass extra keywords through; say so where a user can see it
             log.warning("KVCachedLLM ignores unknown keyword arguments %s (generation options: %s, max_tokens)",
