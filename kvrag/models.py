@@ -27,7 +27,7 @@ from kvrag.default_model import (
     prepare_default_model,
     prepare_gguf,
 )
-from kvrag.errors import ConfigError
+from kvrag.errors import ConfigError, UnsupportedModelError
 from kvrag.extras import require
 from kvrag.fingerprint import model_fingerprint, tokenizer_fingerprint
 from kvrag.gguf_load import use_int4
@@ -83,8 +83,8 @@ def default_dtype(device: torch.device) -> torch.dtype:
        runs).
     5. Any other CPU: float32. Without AVX512-BF16 torch emulates bf16 matmuls, far slower than fp32.
 
-    The other dtype is one argument away (``load_model(dtype=...)``, ``KVRAGEngine.from_pretrained(dtype=...)``,
-    ``--dtype`` on the CLI).
+    The other dtype is one argument away (``load_model(dtype=...)``, ``KVRAGEngine.from_pretrained(dtype=...)``;
+    ``KVRAG_DTYPE`` for the CLI and the server).
     """
     env = os.environ.get(DTYPE_ENV, "").strip()
     if env:
@@ -251,6 +251,7 @@ def wrap_model(
             tag = f"{tag}-bf16"  # ... on AVX512-BF16 (kvrag_dequant_dot_bf16): bits of its own
     # each layer re-positioned exactly, measured on the weights as they will run (after any quantization)
     check_rerotation(model, Rope.from_model(model), name=name)
+    check_finite(model, tokenizer, name=name)
     param = next(model.parameters())
     dtype = dtype or param.dtype
     return LoadedModel(
@@ -263,6 +264,20 @@ def wrap_model(
         dtype=dtype,
         quantize=mode,
     )
+
+
+@torch.inference_mode()
+def check_finite(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, name: str) -> None:
+    """Refuse a model whose logits on a short prompt (with its special tokens: a BOS token is where e.g. Gemma's
+    activations peak) are not finite in the dtype it was loaded in: every answer would be token 0 repeated and every
+    cache it writes NaN. float16 overflows this way for Gemma."""
+    ids = tokenizer("The capital of France is", return_tensors="pt")["input_ids"].to(next(model.parameters()).device)
+    logits = model(input_ids=ids).logits
+    if not bool(torch.isfinite(logits).all()):
+        dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        msg = (f"{name} ({type(model).__name__}) computes non-finite logits in {dtype} (its activations overflow in "
+               "this dtype); load it in bfloat16 or float32 (dtype=... / KVRAG_DTYPE)")
+        raise UnsupportedModelError(msg)
 
 
 def load_model(

@@ -57,6 +57,7 @@ log = logging.getLogger(__name__)
 
 _WARNED: set[tuple[str, str, str]] = set()
 _WARNED_LOCK = threading.Lock()
+_NO_REPAIRER_WARNED: set[str] = set()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,8 +88,9 @@ class Auto(FusionMethod):
             first decode step is confident (:mod:`kvrag.fusion.escalate`); default none (pick by the budget).
         levels: the escalation ladder for ``agree``, '/'-separated recompute ratios (0: CacheRepair, between:
             ``hybrid:r``, 1: ``full``; default 0/1).
-        checkpoint: the CacheRepair checkpoint the ladder uses (default: the shipped one for the model; a model
-            without one starts from the stale cache).
+        checkpoint: the CacheRepair checkpoint the ladder, or a chosen ``cacherepair`` / ``hybrid``, uses
+            (default: the shipped one for the model; without one the ladder starts from the stale cache and a
+            choice by budget is among the training-free candidates).
         thresholds: a thresholds JSON for ``agree`` (``{"thresholds": {"0.9": [0.45], ...}}``, as
             ``kvrag_bench.fidelity_probe calibrate --write`` writes it; default: the shipped calibration for the
             model, else the default model's, :func:`kvrag.fusion.escalate.agree_table`).
@@ -217,8 +219,11 @@ class Auto(FusionMethod):
         preds = self.predictions(inp.model.config, inp.context_len, s, cm, online, speed)
         if self.agree is not None:
             return (yield from self._escalate(inp, pace, preds))
+        if not self._has_repairer(inp):  # a model without a repairer: only the training-free candidates
+            preds = [q for q in preds if not q.spec.startswith(("cacherepair", "hybrid"))] or preds
         p = self.pick(preds)
-        method = shared_method(p.spec)  # the process's instance (a checkpoint the engine loaded is not loaded again)
+        given = {"checkpoint": self.checkpoint} if self.checkpoint and p.spec.startswith(("cacherepair", "hybrid")) else {}
+        method = shared_method(p.spec, **given)  # the process's instance (a checkpoint loaded is not loaded again)
         chunks = sum(sp.kind == "chunk" for sp in inp.spans)
         log.info("auto: %s for %d context tokens in %d chunks (predicted TTFT %.2fx full, correction %.2f, "
                  "budget %.2f)", p.spec, inp.context_len, chunks, p.ratio, p.correction, self.budget)
@@ -227,6 +232,27 @@ class Auto(FusionMethod):
                                         auto_budget=self.budget, auto_margin=self.margin, auto_chunks=chunks,
                                         auto_correction=p.correction)
         return out
+
+    def _has_repairer(self, inp: FusionInput) -> bool:
+        """Whether CacheRepair (and so ``hybrid``) can run for ``inp``'s model: an explicit ``checkpoint`` is
+        trusted (a mismatch is an error there), else a shipped repairer must exist for the model."""
+        if self.checkpoint:
+            return True
+        from kvrag.errors import KVRAGError
+        from kvrag.fusion.cacherepair import CacheRepair
+
+        repair = shared_method(CacheRepair())
+        assert isinstance(repair, CacheRepair)
+        try:
+            repair.checkpoint_for(inp)
+        except KVRAGError:
+            with _WARNED_LOCK:
+                if inp.spec.model_fingerprint not in _NO_REPAIRER_WARNED:
+                    _NO_REPAIRER_WARNED.add(inp.spec.model_fingerprint)
+                    log.warning("auto: no repairer for this model; choosing among the training-free candidates "
+                                "only (train one with `kvrag train-repairer` and pass auto:checkpoint=DIR)")
+            return False
+        return True
 
     def ladder_allowed(self, preds: list[Prediction]) -> Callable[[str, list[str]], bool]:
         """Whether the ladder may run ``spec`` after the ``ran`` ones: their predicted TTFT ratios added up (a

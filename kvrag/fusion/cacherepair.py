@@ -94,6 +94,13 @@ class CacheRepair(FusionMethod):
         self._paths: dict[tuple[str, str], Path] = {}
         self._warned: set[tuple[str, tuple[int, ...]]] = set()
 
+    def checkpoint_for(self, inp: FusionInput) -> Path:
+        """The repairer checkpoint this method uses for ``inp``'s model.
+
+        Raises:
+            KVRAGError: none fits the model (no shipped repairer; a given one trained for other weights)."""
+        return self._resolve(inp)
+
     def _resolve(self, inp: FusionInput) -> Path:
         """The checkpoint directory for ``inp``'s model (resolved once per model identity)."""
         wfp = weights_fingerprint(inp.model)

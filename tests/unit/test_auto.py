@@ -104,3 +104,27 @@ def test_missing_cost_model_is_a_clear_error(tmp_path: Path) -> None:
         get_method(f"auto:costs={tmp_path / 'nope.json'}").cost_model()
     with pytest.raises(ConfigError, match="budget"):
         get_method("auto:budget=0")
+
+
+def test_a_model_without_a_repairer_chooses_among_the_training_free_candidates(tmp_path: Path) -> None:
+    """A cost model that favours CacheRepair (and hybrid) within the budget: a model with no repairer (any model
+    but the default) answers with the best training-free candidate instead of failing with CacheRepair's error."""
+    summary = _summary()
+    summary["methods"]["cacherepair"] = {"ttft_ratio": 0.1, "flop_share": 0.05, "kl": 0.01,
+                                         "method_stats_mean": {"recomputed_fraction": 0.0}}
+    summary["methods"]["hybrid:r=0.015"] = {"ttft_ratio": 0.2, "flop_share": 0.1, "kl": 0.005,
+                                            "method_stats_mean": {"recomputed_fraction": 0.05}}
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps(fit_cost_model(summary, machine_kind="cpu-avx2", dtype="float32")))
+    case = fusion_case("qwen2", 4)
+    auto = get_method(f"auto:budget=0.3,costs={path}")
+    cfg, tc = case.model.config, case.fusion_input().context_len
+    assert auto.choose(cfg, tc, 4)[0] in ("cacherepair", "hybrid:r=0.015")  # what it would pick with a repairer
+    out = auto.fuse(case.fusion_input())
+    assert out.stats.auto_choice == "epic:k=16"  # the best training-free one within the budget
+    # a repairer given to auto is the one its chosen cacherepair / hybrid runs (here one that does not exist)
+    from kvrag.errors import KVRAGError
+
+    given = get_method(f"auto:budget=0.3,costs={path},checkpoint={tmp_path / 'my-repairer'}")
+    with pytest.raises(KVRAGError, match="my-repairer"):
+        given.fuse(case.fusion_input())

@@ -277,3 +277,15 @@ def test_a_calibrated_machine_defaults_to_its_faster_dtype(monkeypatch, tmp_path
     assert models.resolve_dtype(None, cpu) == torch.float32
     monkeypatch.setenv(models.DTYPE_ENV, "bfloat16")
     assert models.resolve_dtype(None, cpu) == torch.bfloat16
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_a_model_whose_logits_overflow_in_its_dtype_is_refused(dtype: torch.dtype) -> None:
+    """Gemma 3 in float16 overflows at its BOS token: every logit NaN, every answer token 0, every cache written
+    NaN, and nothing said. The loader refuses such a model, naming the dtypes to use."""
+    lm = tiny_model("llama", dtype=dtype)
+    with torch.no_grad():
+        lm.model.model.norm.weight.fill_(float(torch.finfo(dtype).max)).mul_(4)  # the last activations overflow
+    with pytest.raises(UnsupportedModelError, match="non-finite logits .*load it in bfloat16 or float32"):
+        models.wrap_model(lm.model, lm.tokenizer, name="tiny-overflow")
+    models.wrap_model(tiny_model("llama", dtype=dtype).model, lm.tokenizer, name="tiny-fine")  # a sound one loads
