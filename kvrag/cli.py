@@ -12,9 +12,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvrag.config import DEFAULT_METHOD
-from kvrag.errors import KVRAGError
+from kvrag.errors import ConfigError, KVRAGError
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
     from importlib.metadata import EntryPoint
 
     from kvrag.engine.engine import KVRAGEngine
@@ -43,6 +44,30 @@ def _store_url(args: argparse.Namespace) -> str:
     if recorded:
         return str(recorded)
     return "file://" + str((Path(args.persist) / "kv").resolve())
+
+
+def _model_arg(model: str | None) -> str | None:
+    """--model as load_model takes it: None for the embedded default ('default' too, as `pull`, `store` and
+    `calibrate` accept it), an existing path made absolute (it is recorded in the index manifest and must still
+    name the same file when `ask` runs from another directory), else as given (a Hub id)."""
+    if model in (None, "", "default", "smollm2-135m-instruct"):
+        return None
+    p = Path(model).expanduser()
+    return str(p.resolve()) if p.exists() else model
+
+
+def _index_model(args: argparse.Namespace, manifest: Mapping[str, object]) -> str | None:
+    """--model, else the model the index at --persist was built with (its manifest's)."""
+    if args.model:
+        return _model_arg(args.model)
+    recorded = manifest.get("model")
+    model = _model_arg(str(recorded) if recorded else None)
+    if model and not Path(model).is_absolute() and model.endswith(".gguf"):
+        # an index written before paths were recorded absolute: relative to the directory ingest ran in
+        msg = (f"the index {args.persist} was built with --model {model}, a relative path that does not exist from "
+               "here; pass --model with the file's path")
+        raise ConfigError(msg)
+    return model
 
 
 def _engine(model: str | None, store: str, chunk_prefix: str = "template", method: str = DEFAULT_METHOD,
@@ -94,7 +119,8 @@ def cmd_ingest(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     # ingest always fails on store errors (its job is to fill the store), whatever on_store_error says
-    eng = _engine(args.model, _store_url(args), args.chunk_prefix, on_store_error="raise", quantize=args.quantize)
+    model = _model_arg(args.model)
+    eng = _engine(model, _store_url(args), args.chunk_prefix, on_store_error="raise", quantize=args.quantize)
     chunks = make_chunks(docs, lambda t: len(eng.tokenize(t)), args.chunk_tokens)
     if not chunks:
         print("no non-empty chunks found", file=sys.stderr)
@@ -113,7 +139,7 @@ def cmd_ingest(args: argparse.Namespace) -> int:
         keys = eng.ingest(texts, progress=True, batch_size=args.batch_size)
     embedder = load_embedder()
     manifest: IndexManifest = {
-        "model": args.model or "smollm2-135m-instruct",
+        "model": model or "smollm2-135m-instruct",
         "model_fingerprint": eng.loaded.fingerprint,
         "chunk_prefix": args.chunk_prefix,
         "chunk_tokens": args.chunk_tokens,
@@ -138,10 +164,14 @@ def cmd_ask(args: argparse.Namespace) -> int:
     _require_index_extras()
     index = ChunkIndex.load(args.persist)
     man = index.manifest
-    model = args.model or (None if man.get("model") == "smollm2-135m-instruct" else man.get("model"))
+    model = _index_model(args, man)
     store = args.store or man.get("store") or _store_url(args)
     eng = _engine(model, store, man.get("chunk_prefix", "template"), on_store_error=args.on_store_error,
                   quantize=args.quantize)
+    built_fp = man.get("model_fingerprint")
+    if built_fp and built_fp != eng.loaded.fingerprint:
+        print(f"note: the index {args.persist} was built with another model (or dtype) than the one loaded; its "
+              "chunk caches are not reused and are computed again for this model", file=sys.stderr)
     hits = index.search(load_embedder(), args.question, args.top_k)
     passages = [render_passage(c.text) for c, _ in hits]
     template = RagTemplate() if args.template is None else get_template(args.template)
@@ -293,7 +323,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvrag.serve import cli as serve_cli
 
     man = _manifest(args.persist)
-    model = args.model or (None if man.get("model") in (None, "smollm2-135m-instruct") else man.get("model"))
+    model = _index_model(args, man)
     if args.store:
         store = args.store
     elif args.persist:

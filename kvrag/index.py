@@ -43,6 +43,22 @@ class Chunk:
     num_tokens: int
 
 
+def _split_word(word: str, count_tokens: Callable[[str], int], chunk_tokens: int) -> list[str]:
+    """``word`` cut into the longest character runs of at most ``chunk_tokens`` tokens each (binary search)."""
+    out = []
+    while word:
+        lo, hi = 1, min(len(word), chunk_tokens * 32)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if count_tokens(word[:mid]) <= chunk_tokens:
+                lo = mid
+            else:
+                hi = mid - 1
+        out.append(word[:lo])
+        word = word[lo:]
+    return out
+
+
 def split_text(text: str, count_tokens: Callable[[str], int], chunk_tokens: int) -> list[str]:
     """Greedy paragraph/sentence packing into chunks of at most ``chunk_tokens`` tokens.
 
@@ -68,6 +84,9 @@ def split_text(text: str, count_tokens: Callable[[str], int], chunk_tokens: int)
                 if cur and count_tokens(" ".join([*cur, w])) > chunk_tokens:
                     units.append(" ".join(cur))
                     cur = []
+                if not cur and count_tokens(w) > chunk_tokens:  # one "word" over the limit (a URL, base64, a
+                    units.extend(_split_word(w, count_tokens, chunk_tokens))  # table row without spaces)
+                    continue
                 cur.append(w)
             if cur:
                 units.append(" ".join(cur))

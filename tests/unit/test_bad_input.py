@@ -289,3 +289,33 @@ def test_generation_keywords_that_would_be_ignored_are_refused(eng: KVRAGEngine)
     assert sampled.token_ids == eng.answer(prompt, PASSAGES, "stale", do_sample=True, temperature=0.8, seed=3,
                                            max_new_tokens=4).token_ids
     assert len(eng.answer(prompt, PASSAGES, "stale", max_new_tokens=3, seed=1).token_ids) <= 3  # a seed alone: greedy
+
+
+def test_a_word_longer_than_a_chunk_is_cut_to_the_chunk_size(tmp_path: Path, eng: KVRAGEngine) -> None:
+    """A run of text without spaces (base64, a long URL) was one chunk of any size: the ingest failed on the context
+    window with advice the user could not act on (kvrag's own splitter had made the chunk)."""
+    import base64
+    import random
+
+    blob = base64.b64encode(random.Random(0).randbytes(6000)).decode()
+    (tmp_path / "d.md").write_text(f"Intro text.\n\n{blob}\n\nOutro text.")
+    count = lambda t: len(eng.tokenize(t))  # noqa: E731
+    chunks = make_chunks(read_documents(tmp_path), count, 64)
+    assert len(chunks) > 10 and all(count(c.text.rstrip()) <= 64 for c in chunks)  # (+ the blank line after each)
+    assert blob in "".join(c.text for c in chunks).replace("\n", "")  # every character kept, in order
+
+
+def test_the_model_an_index_was_built_with(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--model default is the embedded model everywhere; an existing model path is recorded absolute, so `ask` from
+    another directory finds it; an index that recorded a relative path says what to pass."""
+    import argparse
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    assert cli._model_arg("default") is None and cli._model_arg(None) is None
+    assert cli._model_arg("m.gguf") == str(tmp_path / "m.gguf") and cli._model_arg("org/name") == "org/name"
+    args = argparse.Namespace(model=None, persist="idx")
+    assert cli._index_model(args, {"model": str(tmp_path / "m.gguf")}) == str(tmp_path / "m.gguf")
+    assert cli._index_model(args, {"model": "smollm2-135m-instruct"}) is None
+    with pytest.raises(ConfigError, match="relative path that does not exist from here; pass --model"):
+        cli._index_model(args, {"model": "models/elsewhere.gguf"})
