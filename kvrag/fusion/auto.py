@@ -215,6 +215,8 @@ class Auto(FusionMethod):
     def fuse_pieces(self, inp: FusionInput, pace: pieces.Pace) -> Generator[None, None, FusionOutput]:
         """The chosen method's pieces (:meth:`FusionMethod.fuse_pieces`), or the ladder's with ``agree``."""
         s = int(inp.suffix_ids.shape[0])
+        if self.agree is not None and self.cap is None:  # the ladder without a TTFT cap reads no cost model
+            return (yield from self._escalate(inp, pace, []))
         cm, online, speed, _, _ = self._context(inp.model, inp.keys.device, inp.keys.dtype)
         preds = self.predictions(inp.model.config, inp.context_len, s, cm, online, speed)
         if self.agree is not None:
@@ -312,6 +314,8 @@ class Auto(FusionMethod):
         nothing about one candidate's speed and is not learned from."""
         spec = obs.stats.auto_choice
         if spec is None or self.adapt <= 0 or len(obs.stats.auto_levels or [spec]) > 1:
+            return
+        if self.agree is not None and self.cap is None:  # its choices read no predictions (nor a cost model)
             return
         param = next(obs.model.parameters())
         cm, online, speed, _, _ = self._context(obs.model, param.device, param.dtype)

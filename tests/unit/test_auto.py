@@ -128,3 +128,34 @@ def test_a_model_without_a_repairer_chooses_among_the_training_free_candidates(t
     given = get_method(f"auto:budget=0.3,costs={path},checkpoint={tmp_path / 'my-repairer'}")
     with pytest.raises(KVRAGError, match="my-repairer"):
         given.fuse(case.fusion_input())
+
+
+def test_the_agreement_ladder_without_a_cap_reads_no_cost_model(caplog: pytest.LogCaptureFixture) -> None:
+    """The default method (``auto:agree=0.9``, no budget) chooses by the first token's confidence, not by predicted
+    TTFT: it neither loads a cost model nor warns, in every process, that the shipped one was fitted elsewhere."""
+    import logging
+
+    from kvrag.fusion import auto as auto_module
+
+    case = fusion_case("qwen2", 4)
+    method = get_method("auto:agree=0.9")
+    calls = []
+    orig = type(method).cost_model
+    type(method).cost_model = lambda self, *a, **k: calls.append(a) or orig(self, *a, **k)  # type: ignore[method-assign]
+    try:
+        with caplog.at_level(logging.WARNING, logger=auto_module.log.name):
+            out = method.fuse(case.fusion_input())
+            from kvrag.config import EngineConfig
+            from kvrag.engine.engine import KVRAGEngine
+            from kvrag.prompting import RagTemplate
+            from kvrag.store import MemoryStore
+            from kvrag_testing.tiny import tiny_model
+
+            eng = KVRAGEngine(tiny_model("qwen2"), MemoryStore(), EngineConfig())  # the default method, observed
+            docs = ["The ferry leaves at nine.\n\n", "A day pass costs nine marks.\n\n"]
+            eng.ingest(docs)
+            r = eng.answer(RagTemplate().render(eng.tokenizer, docs, "When?"), docs, max_new_tokens=2)
+    finally:
+        type(method).cost_model = orig  # type: ignore[method-assign]
+    assert out.stats.auto_choice is not None and r.stats.method_stats is not None and calls == []
+    assert not [r for r in caplog.records if "cost model" in r.getMessage()]
