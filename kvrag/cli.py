@@ -162,6 +162,14 @@ def cmd_ask(args: argparse.Namespace) -> int:
     from kvrag.prompting import RagTemplate, get_template, render_passage
 
     _require_index_extras()
+    # argument errors before the (slow) model load
+    from kvrag.fusion import get_method
+
+    get_method(args.method)  # ConfigError naming the valid methods
+    for flag, value in (("--top-k", args.top_k), ("--max-new-tokens", args.max_new_tokens)):
+        if value < 1:
+            print(f"error: {flag} must be >= 1, got {value}", file=sys.stderr)
+            return 2
     index = ChunkIndex.load(args.persist)
     man = index.manifest
     model = _index_model(args, man)
@@ -511,6 +519,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("store migrate needs --to URL (the destination store)")
     try:
         return int(args.func(args) or 0)
+    except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback from inside a kernel
+        print("interrupted", file=sys.stderr)
+        return 130
     except KVRAGError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -319,3 +319,27 @@ def test_the_model_an_index_was_built_with(tmp_path: Path, monkeypatch: pytest.M
     assert cli._index_model(args, {"model": "smollm2-135m-instruct"}) is None
     with pytest.raises(ConfigError, match="relative path that does not exist from here; pass --model"):
         cli._index_model(args, {"model": "models/elsewhere.gguf"})
+
+
+def test_ask_checks_its_arguments_before_loading_a_model_and_ctrl_c_is_one_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("faiss")
+    import kvrag.models
+
+    def no_model(*a: Any, **k: Any) -> Any:
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(kvrag.models, "load_model", no_model)
+    missing = str(tmp_path / "no-index")
+    assert cli.main(["ask", "q", "--persist", missing, "--method", "stael"]) == 2
+    assert "valid methods" in capsys.readouterr().err
+    for flag in ("--top-k", "--max-new-tokens"):
+        assert cli.main(["ask", "q", "--persist", missing, flag, "0"]) == 2
+        assert f"{flag} must be >= 1, got 0" in capsys.readouterr().err
+
+    def interrupted(args: Any) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "cmd_ask", interrupted)  # Ctrl-C anywhere in a command, e.g. inside a kernel
+    assert cli.main(["ask", "q", "--persist", missing]) == 130
+    assert capsys.readouterr().err.strip() == "interrupted"
