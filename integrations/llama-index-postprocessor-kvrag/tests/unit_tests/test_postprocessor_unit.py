@@ -65,3 +65,20 @@ def test_persisted_index_and_caches_reload_without_recomputing(tmp_path, engine,
                            similarity_top_k=1).query(Q)
     kw = llm.last_info["additional_kwargs"]
     assert kw["chunk_hits"] == 1 and kw["chunk_misses"] == 0 and kw["hit_rate"] == 1.0
+
+
+def test_a_transform_copied_into_a_worker_process_says_why_it_cannot_run(engine, docs, splitter) -> None:
+    """IngestionPipeline(num_workers > 1) pickles its transformations into worker processes; the engine does not
+    travel (LlamaIndex's __getstate__ drops it), and the copy failed with an AttributeError on a private field."""
+    import pytest
+    from llama_index.postprocessor.kvrag import KVCacheTransform
+
+    from kvrag.errors import ConfigError
+
+    t = KVCacheTransform(engine=engine)
+    copy = KVCacheTransform.__new__(KVCacheTransform)
+    copy.__setstate__(t.__getstate__())  # what unpickling in the worker does
+    with pytest.raises(ConfigError, match="num_workers=1"):
+        copy(splitter.get_nodes_from_documents(docs[:1]))
+    assert t(splitter.get_nodes_from_documents(docs[:1]))  # the original still runs
+

@@ -18,6 +18,7 @@ from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore, QueryBundle, TransformComponent
 
 from kvrag import adapters
+from kvrag.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -149,10 +150,16 @@ class KVCacheTransform(TransformComponent):
 
     @property
     def engine(self) -> Any:
-        return self._engine
+        engine = getattr(self, "_engine", None)  # absent in a copy made by pickling: the engine does not travel
+        if engine is None:
+            msg = ("KVCacheTransform has no engine here: it was copied into another process (IngestionPipeline with "
+                   "num_workers > 1 pickles its transformations), and the engine's model and store do not travel; "
+                   "run the pipeline with num_workers=1 (the transform batches its prefills itself)")
+            raise ConfigError(msg)
+        return engine
 
     def __call__(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
         progress = bool(kwargs.get("show_progress", self.show_progress))
-        ensure_node_caches(self._engine, nodes, key_name=self.metadata_key, progress=progress,
+        ensure_node_caches(self.engine, nodes, key_name=self.metadata_key, progress=progress,
                            batch_size=self.batch_size)
         return nodes
