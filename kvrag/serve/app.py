@@ -107,6 +107,11 @@ def create_app(engine: KVRAGEngine, config: ServeConfig | None = None, *, persis
     app.include_router(router)
     app.add_middleware(Guard, api_keys=cfg.api_keys, max_body_bytes=cfg.max_body_bytes,
                        server_header=f"{socket.gethostname()}:{os.getpid()}" if cfg.server_header else None)
+    if cfg.allowed_origins:  # outside the guard: a browser's preflight carries no API key
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(cfg.allowed_origins), allow_methods=["GET", "POST", "HEAD"],
+                           allow_headers=["Authorization", "Content-Type"], expose_headers=["Retry-After", "Warning"])
     return app
 
 

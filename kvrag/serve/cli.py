@@ -79,6 +79,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--docs", action="store_true", help="serve the API's /docs and /openapi.json pages")
     parser.add_argument("--server-header", action="store_true",
                         help="add X-Kvrag-Server: host:pid to every response (which replica answered)")
+    parser.add_argument("--allowed-origins", action="append", metavar="ORIGIN", default=None,
+                        help="a web origin whose browser pages may call the server (CORS), e.g. "
+                             "http://localhost:3000, or '*' for any; repeat for several (default: none)")
     parser.add_argument("--stall-timeout", type=float, default=limits.stall_timeout_s,
                         help="/health answers 503 when the engine made no progress this many seconds with requests "
                              "waiting")
@@ -118,7 +121,7 @@ def run(args: argparse.Namespace, model: str | None, store: str, chunk_prefix: s
                           max_messages=args.max_messages, max_texts=args.max_texts,
                           max_text_bytes=args.max_text_bytes, max_registered_bytes=args.max_registered_bytes,
                           max_store_bytes=args.max_store_bytes, docs=args.docs, server_header=args.server_header,
-                          stall_timeout_s=args.stall_timeout)
+                          stall_timeout_s=args.stall_timeout, allowed_origins=tuple(args.allowed_origins or ()))
     except ConfigError as e:
         print(f"kvrag serve: {e}", file=sys.stderr)
         return 2

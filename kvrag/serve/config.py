@@ -56,6 +56,8 @@ class ServeConfig:
             balancer); off by default, as it names the machine.
         stall_timeout_s: ``/health`` answers 503 when the engine has made no progress (no decode step, no prepare
             piece) for this long while requests wait.
+        allowed_origins: web origins whose browser pages may call the server (CORS, e.g. ``http://localhost:3000``;
+            ``*`` for any); empty (the default): no cross-origin headers, browsers refuse other origins' calls.
     """
 
     model_id: str | None = None
@@ -75,6 +77,7 @@ class ServeConfig:
     docs: bool = False
     server_header: bool = False
     stall_timeout_s: float = 60.0
+    allowed_origins: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("max_queue", "default_max_tokens", "max_body_bytes", "max_messages", "max_texts",
@@ -88,6 +91,12 @@ class ServeConfig:
             raise ConfigError(f"drain_timeout_s must be >= 0 seconds, got {self.drain_timeout_s!r}")
         if not self.stall_timeout_s > 0:
             raise ConfigError(f"stall_timeout_s must be > 0 seconds, got {self.stall_timeout_s!r}")
+        self.allowed_origins = (self.allowed_origins,) if isinstance(self.allowed_origins, str) else tuple(
+            self.allowed_origins)
+        if any(not isinstance(o, str) or not (o == "*" or o.startswith(("http://", "https://")))
+               for o in self.allowed_origins):
+            raise ConfigError(f"allowed_origins takes '*' or origins such as http://localhost:3000, got "
+                              f"{list(self.allowed_origins)!r}")
         if isinstance(self.api_keys, str):
             self.api_keys = keys_from_env(self.api_keys)
         self.api_keys = tuple(self.api_keys)

@@ -26,6 +26,7 @@ httpx = pytest.importorskip("httpx")
 from kvrag.config import EngineConfig  # noqa: E402
 from kvrag.engine import generate  # noqa: E402
 from kvrag.engine.engine import KVRAGEngine  # noqa: E402
+from kvrag.errors import ConfigError  # noqa: E402
 from kvrag.serve import LiveServer, ServeConfig, create_app  # noqa: E402
 from kvrag.store.memory import MemoryStore  # noqa: E402
 from kvrag_testing.tiny import tiny_model  # noqa: E402
@@ -266,6 +267,27 @@ def test_api_keys(engine: KVRAGEngine) -> None:
         for key in ("key-one", "key-two"):
             r = c.post("/v1/chat/completions", json=chat(), headers={"Authorization": f"Bearer {key}"})
             assert r.status_code == 200
+
+
+def test_allowed_origins_let_a_browser_page_call_the_server(engine: KVRAGEngine, client: Any) -> None:
+    """A web page on another origin (a chat UI on localhost:3000) needs CORS headers, and its preflight carries no
+    API key; without --allowed-origins the server sends none (browsers then refuse the call)."""
+    ui = "http://localhost:3000"
+    preflight = {"Origin": ui, "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}
+    assert "access-control-allow-origin" not in client.get("/v1/models", headers={"Origin": ui}).headers
+    assert client.options("/v1/chat/completions", headers=preflight).status_code == 405
+    with served(engine, api_keys=("key-one",), allowed_origins=(ui,)) as (_, c):
+        r = c.options("/v1/chat/completions", headers=preflight)
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == ui
+        assert "authorization" in r.headers["access-control-allow-headers"].lower()
+        r = c.get("/v1/models", headers={"Origin": ui, "Authorization": "Bearer key-one"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == ui
+        is_openai_error(c.get("/v1/models", headers={"Origin": ui}), 401, code="invalid_api_key")  # still guarded
+        assert "access-control-allow-origin" not in c.get("/v1/models", headers={
+            "Origin": "http://evil.example", "Authorization": "Bearer key-one"}).headers
+    with pytest.raises(ConfigError, match="allowed_origins"):
+        ServeConfig(allowed_origins=("localhost:3000",))
 
 
 def test_cli_keys_from_option_and_environment_and_warning(monkeypatch: pytest.MonkeyPatch,
