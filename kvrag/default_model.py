@@ -432,8 +432,25 @@ def prepare_gguf(path: str | os.PathLike[str], *, progress: bool = True) -> Path
     sha256 = _sha256_file(gguf)
     target = gguf_checkpoint_dir(gguf, sha256)
     if _marker_matches(target, gguf, sha256=sha256):
+        _remember_location(target, gguf)  # a moved or copied file: found by the fast look-up from now on
         return target
     return _prepare(gguf, target, name=gguf.name, progress=progress, sha256=sha256)
+
+
+def _remember_location(target: Path, gguf: Path) -> None:
+    """Record ``gguf``'s path, size and mtime in ``target``'s marker (atomically; best effort), so that the next
+    load of the file at this path skips hashing it (a multi-GB file takes seconds to hash on every load)."""
+    marker = _read_marker(target)
+    if marker is None:
+        return
+    st = gguf.stat()
+    marker["gguf_path"], marker["gguf_size"], marker["gguf_mtime_ns"] = str(gguf), st.st_size, st.st_mtime_ns
+    tmp = target / f"{_MARKER}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        tmp.write_text(json.dumps(marker, indent=2, sort_keys=True))
+        os.replace(tmp, target / _MARKER)
+    except OSError:  # a read-only models folder: the next load hashes the file again, nothing worse
+        tmp.unlink(missing_ok=True)
 
 
 def load_prepared_gguf(gguf: Path, prepared: Path, config: PretrainedConfig, *, dtype: torch.dtype,

@@ -84,6 +84,9 @@ def test_gguf_file_loads_by_path_and_matches_the_model(tiny, home: Path, tmp_pat
     (tmp_path / "moved").mkdir()
     moved = Path(shutil.move(gguf, tmp_path / "moved" / gguf.name))
     assert default_model.prepare_gguf(moved, progress=False) == target
+    # ... and from then on the moved file is found by its path again, not hashed on every load (seconds for GBs)
+    monkeypatch.setattr(default_model, "_sha256_file", lambda *a: (_ for _ in ()).throw(AssertionError("hashed")))
+    assert default_model.prepare_gguf(moved, progress=False) == target
 
 
 def test_open_engine_and_cli_take_a_gguf_path(tiny, home: Path, tmp_path: Path, capsys) -> None:
