@@ -49,8 +49,8 @@ latency stays near one and a half steady steps (a piece may pass its budget when
 in the previous decoder layer)."""
 
 SHORT_FORWARD = 64
-"""A forward of at most this many tokens runs whole while nobody decodes, even when it could be cancelled: it ends
-sooner than a cancellation would be noticed matters, and the checkpoints' per-call cost is a larger share of it."""
+"""A forward of at most this many tokens runs whole while nobody decodes, even when it could be cancelled: a
+question-sized forward ends soon anyway, and the checkpoints' per-call cost would be a larger share of it."""
 
 Budget = Callable[[], "float | None"]
 """``budget()``: the seconds a piece may take now, or None when no other request waits for the model (then a
