@@ -63,13 +63,12 @@ def _http(request: Request, exc: Exception) -> JSONResponse:
         message = f"no such endpoint: {request.method} {request.url.path} (see docs/serve.md for the endpoints)"
     elif status == 405:
         message = f"method {request.method} is not allowed on {request.url.path}"
-    elif status == 400 and exc.detail == "There was an error parsing the body":  # FastAPI's own, e.g. bad UTF-8
-        message = "the request body could not be parsed as JSON (invalid UTF-8, or nested too deeply): send a JSON object"
     else:
         message = str(exc.detail)
     code = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}.get(status)
-    if status == 400 and message.startswith("the request body could not be parsed"):
-        code = "invalid_json"
+    if status == 400 and exc.detail == "There was an error parsing the body":  # FastAPI's own, e.g. bad UTF-8
+        message, code = ("the request body could not be parsed as JSON (invalid UTF-8, or nested too deeply): send "
+                         "a JSON object"), "invalid_json"
     return HTTPProblem(status, message, code=code, headers=dict(exc.headers or {})).response()
 
 

@@ -4,8 +4,9 @@ Every field OpenAI defines for ``/v1/chat/completions`` and ``/v1/completions`` 
 neutral value only (``n`` = 1, penalties 0, no logprobs, ``response_format`` text, ``tool_choice`` none, no tools,
 ``store`` false, ...: what clients that always send their defaults send), or refused: an unknown or unsupported field
 (tools, JSON response formats, a non-empty ``logit_bias`` ...) is a 400 whose ``error.param`` names it. An assistant
-message sent back as the ``openai`` SDK dumps it (``refusal``, ``tool_calls``, ``audio`` ... all null) is accepted. kvrag's own options travel in the
-extra body field ``kvrag`` (:class:`KvragOptions`; ``extra_body={"kvrag": {...}}`` with the ``openai`` SDK).
+message sent back as the ``openai`` SDK dumps it (``refusal``, ``tool_calls``, ``audio`` ... all null) is accepted.
+kvrag's own options travel in the extra body field ``kvrag`` (:class:`KvragOptions`; ``extra_body={"kvrag": {...}}``
+with the ``openai`` SDK).
 """
 
 from __future__ import annotations
