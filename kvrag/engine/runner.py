@@ -19,7 +19,8 @@ model work themselves:
   (:func:`cancel_scope`) when a request was made; kvrag's asyncio bridges (:func:`kvrag.adapters.to_thread`,
   :func:`kvrag.adapters.aiter_in_thread`) cancel theirs when the awaiting task is cancelled or the async iterator
   is closed. A waiting request leaves at once, a decoding one before the next step, a preparing one at its next
-  piece boundary (right after the piece in flight); each gives its slot and its KV lease back.
+  piece boundary -- a long forward's next checkpoint (:meth:`Scheduler.preparing_cancelled`); each gives its slot
+  and its KV lease back.
 * **Lifetime**: the thread starts when there is work and exits when a plan is empty -- both decided under the
   lock, and nothing runs after the exit decision, so there is never a second loop over the same requests.
   :meth:`Runner.close` drains (or cancels) and joins it; after ``os.fork`` the child gets a fresh, empty runner
@@ -262,14 +263,6 @@ class Runner:
 
     def piece_budget_s(self) -> float | None:  # a prepare piece's seconds now (kvrag.kv.pieces); None: none decodes
         return pieces.PIECE_OF_STEP * self._step_s if self.scheduler.decoding() else None
-
-    def prepare_cancelled(self) -> bool:
-        """Whether the prepare in progress was cancelled (its caller left): its pace ends the piece at the next
-        checkpoint and the scheduler drops it at that boundary, also when nobody decodes. Asked from the forward's
-        thread at every checkpoint, so it reads without the lock (single attribute and dict reads)."""
-        rid = self.scheduler.preparing
-        req = self.scheduler.requests.get(rid) if rid is not None else None
-        return req is not None and req.cancel_requested is not None
 
     def _lease_released(self, lease: Lease) -> None:
         """A lease let go outside the scheduler (a Prepared dropped): from any thread or a finalizer, so just a note."""

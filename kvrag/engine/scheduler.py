@@ -274,6 +274,14 @@ class Scheduler:
         return (self.preparing is None and bool(self.waiting) and len(self.parked) < self.max_parked
                 and self.budget.fits(self.requests[self.waiting[0]].kv_bytes))
 
+    def preparing_cancelled(self) -> bool:
+        """Whether the prepare in progress was cancelled (its caller left): its pace ends the piece at the next
+        checkpoint (:class:`kvrag.kv.pieces.Pace`) and :meth:`schedule` drops it there, also when nobody decodes.
+        Asked from the forward's thread at every checkpoint, so it reads without the runner's lock (an attribute
+        and a dict read)."""
+        req = self.requests.get(self.preparing) if self.preparing is not None else None
+        return req is not None and req.cancel_requested is not None
+
     def decoding(self) -> bool:
         """Some request decodes or waits to join the batch (then a long prepare runs in pieces)."""
         return bool(self.running or self.queued)
