@@ -451,7 +451,11 @@ def summary_markdown(summary: dict[str, Any]) -> str:
     reasons = summary.get("skip_reasons") or {s: "not registered" for s in summary.get("skipped_methods") or []}
     for spec, why in reasons.items():
         lines.append(f"- skipped `{spec}`: {why}")
-    if reasons:
+    too_long = summary.get("skipped_requests_too_long") or []
+    if too_long:
+        lines.append(f"- skipped {len(too_long)} request(s) longer than the context window: "
+                     + ", ".join(f"`{i}`" for i in too_long))
+    if reasons or too_long:
         lines.append("")
     return "\n".join(lines)
 

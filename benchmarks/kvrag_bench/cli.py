@@ -55,7 +55,10 @@ def _add_qa_args(p: argparse.ArgumentParser) -> None:
                         "(parameters of one method are separated by ',' too: a token with '=' belongs to the "
                         "method before it)")
     p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--template", default=None, help="prompt template name (default: the selected default)")
+    from kvrag.prompting import DEFAULT_TEMPLATE, TEMPLATES
+
+    p.add_argument("--template", default=None,
+                   help=f"prompt template name: {', '.join(TEMPLATES)} (default: {DEFAULT_TEMPLATE})")
     p.add_argument("--out", default="runs/bench", help="output directory (resumable)")
     p.add_argument("--peer", default=None, choices=["llamaindex-hf"], help="also run a peer stack on the same prompts")
     p.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples (0: no intervals)")
@@ -102,7 +105,7 @@ def add_bench_arguments(subparsers: Any) -> argparse.ArgumentParser:
     )
     _add_qa_args(p)
     p.set_defaults(func=_pinned(run_bench))
-    sub = p.add_subparsers(dest="bench_command", metavar="{sweep,store,load,chat,decode,memory,big-model,speculate,quant-kl,kv-kl,llamaindex-kl,dtype-kl,ingest,templates,plot}")
+    sub = p.add_subparsers(dest="bench_command", metavar="{sweep,store,load,chat,decode,memory,big-model,speculate,quant-kl,kv-kl,llamaindex-kl,dtype-kl,ingest,templates,plot,fit-auto,merge}")
 
     s = sub.add_parser("sweep", help="TTFT and memory vs context length and vs chunk count, every method")
     s.add_argument("--data", default=None, help="QA JSONL whose passages supply the text (default: built-in text)")
@@ -350,7 +353,12 @@ def run_bench(args: argparse.Namespace) -> int:
     bench = QABenchmark(cfg)
     for spec in bench.skipped:
         print(f"warning: skipping method {spec!r}: not a registered fusion method", file=sys.stderr)
-    summary = bench.run()
+    try:
+        summary = bench.run()
+    finally:  # join the engine's runner thread (also on Ctrl-C): a daemon thread still inside a torch kernel at
+        # interpreter exit aborts the process ("terminate called without an active exception", exit 134)
+        if bench._engine is not None:
+            bench._engine.close(cancel=True, timeout=30)
     for spec, why in bench.skip_reasons.items():
         if why != "not a registered fusion method":
             print(f"warning: skipped method {spec!r}: {why}", file=sys.stderr)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import logging
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from kvrag.errors import ConfigError
@@ -87,6 +89,11 @@ class BenchConfig:
             msg = f"unknown peer {self.peer!r}; valid peers: llamaindex-hf"
             raise ConfigError(msg)
         get_template(self.template)  # validates the name
+        out = Path(self.out)
+        for p in (out, *out.parents):  # checked before the model loads: a file where a folder must go
+            if p.exists() and not p.is_dir():
+                msg = f"--out {self.out!r}: {str(p)!r} is a file, not a directory; pass a directory path for the results"
+                raise ConfigError(msg)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -134,8 +141,9 @@ def resolve_methods(specs: Sequence[str]) -> tuple[dict[str, FusionMethod], list
     for label, spec in zip(method_labels(specs), specs, strict=True):
         name, _ = parse_method_spec(spec)
         if name not in registered:
-            log.warning("skipping method %r: %r is not a registered fusion method (registered: %s)",
-                        spec, name, ", ".join(sorted(registered)))
+            near = difflib.get_close_matches(name, sorted(registered), n=1)
+            log.warning("skipping method %r: %r is not a registered fusion method%s (registered: %s)",
+                        spec, name, f"; did you mean {near[0]!r}?" if near else "", ", ".join(sorted(registered)))
             skipped.append(spec)
             continue
         methods[label] = get_method(spec)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from kvrag.errors import ConfigError
 from kvrag.prompting import render_passage
+from kvrag_bench.metrics import normalize_answer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,20 +39,41 @@ def load_requests(path: str | os.PathLike[str], limit: int | None = None, offset
         raise ConfigError(msg)
     out: list[QARequest] = []
     seen: set[str] = set()
-    with p.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with p.open("rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:  # utf-8-sig: a BOM at the start of the file (Windows editors) is dropped
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                msg = (f"{p}:{lineno}: not UTF-8 text ({e.reason} at byte {e.start}); save the QA file as UTF-8 JSONL "
+                       "(decompress a .gz file first)")
+                raise ConfigError(msg) from e
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
+                if not isinstance(row, dict):
+                    raise ValueError(f"a row must be one JSON object, got a JSON {type(row).__name__}")
+                missing = [k for k in ("id", "question", "answers", "contexts") if k not in row]
+                if missing:
+                    raise ValueError(f"missing key(s) {missing}")
+                if not isinstance(row["id"], str | int) or isinstance(row["id"], bool) or not str(row["id"]).strip():
+                    raise ValueError(f"'id' must be a non-empty string or an integer, got {row['id']!r}")
                 rid = str(row["id"])
                 q = str(row["question"])
+                if not q.strip():
+                    raise ValueError("'question' is empty")
                 answers = row["answers"]
                 ctx = row["contexts"]
                 if isinstance(answers, str) or not answers or not all(isinstance(a, str) for a in answers):
                     raise ValueError("'answers' must be a non-empty list of strings")
+                empty = [a for a in answers if not normalize_answer(a)]
+                if empty:  # SQuAD scoring would count an empty prediction as a correct answer to it
+                    raise ValueError(f"gold answer(s) {empty} are empty after SQuAD normalization")
                 if not isinstance(ctx, list) or not ctx:
                     raise ValueError("'contexts' must be a non-empty list of {title, text} objects")
+                for i, c in enumerate(ctx):
+                    if not isinstance(c, dict) or not isinstance(c.get("text"), str):
+                        raise ValueError(f"contexts[{i}] must be an object with a string 'text', got {c!r:.60}")
                 contexts = tuple((str(c.get("title") or ""), str(c["text"])) for c in ctx)
             except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
                 msg = (f"{p}:{lineno}: bad QA row ({e}); expected "

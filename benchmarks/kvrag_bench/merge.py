@@ -36,11 +36,13 @@ def merge_runs(out: str | os.PathLike[str], runs: Sequence[str | os.PathLike[str
         if not (p / "run.json").is_file() or not (p / "results.jsonl").is_file():
             raise ConfigError(f"{p} is not a kvrag bench --out directory (run.json and results.jsonl expected)")
         metas.append(json.loads((p / "run.json").read_text()))
-    labels = metas[0]["config"]["methods"]
-    for p, m in zip(paths[1:], metas[1:], strict=True):
-        if m["config"]["methods"] != labels:
-            raise ConfigError(f"{p} ran methods {m['config']['methods']}, {paths[0]} ran {labels}; merge runs of one "
+    labels_of = [_run_labels(p, m) for p, m in zip(paths, metas, strict=True)]
+    labels = labels_of[0]
+    for p, lbls in zip(paths[1:], labels_of[1:], strict=True):
+        if lbls != labels:
+            raise ConfigError(f"{p} ran methods {lbls}, {paths[0]} ran {labels}; merge runs of one "
                               "method list")
+    for p, m in zip(paths[1:], metas[1:], strict=True):
         if m.get("resume_key") != metas[0].get("resume_key"):
             raise ConfigError(f"{p} used another model, template or token budget than {paths[0]} (run.json "
                               "resume_key differs); such runs cannot be merged")
@@ -71,8 +73,20 @@ def merge_runs(out: str | os.PathLike[str], runs: Sequence[str | os.PathLike[str
     summary = aggregate.summarize(rows, labels, config=cfg, env=envs[0], n_boot=n_boot, seed=seed,
                                   extra={"merged_from": parts, "merged_hardware": [e["hardware"] for e in envs],
                                          **({"machine": envs[0]["machine"]} if envs[0].get("machine") else {})})
+    if not summary["n_requests"]:
+        raise ConfigError(f"no request row of {[str(p) for p in paths]} holds every method {labels}; nothing to merge")
     Path(out).mkdir(parents=True, exist_ok=True)
     aggregate.write_summary(out, summary)
     if make_plots:
         plots.pareto_plots(summary, out)
     return summary
+
+
+def _run_labels(path: Path, meta: dict[str, Any]) -> list[str]:
+    """The method labels a run's rows hold: its specs as given (``method_labels``) less the ones it skipped
+    (unregistered, or dropped by the first request's probe: listed in its summary.json)."""
+    from kvrag_bench.config import method_labels
+
+    sp = path / "summary.json"
+    skipped = set(json.loads(sp.read_text()).get("skipped_methods") or []) if sp.is_file() else set()
+    return [lbl for lbl in method_labels(meta["config"]["methods"]) if lbl not in skipped]

@@ -70,6 +70,13 @@ def ensure_cached(engine: Any, plans: Sequence[Any], progress: bool = False) -> 
     return computed
 
 
+def request_digest(req: QARequest) -> str:
+    """What a finished row's numbers depend on in its data row: question, gold answers, passages (a resumed run
+    reruns a request whose row changed in the data file since, instead of reporting the old scores)."""
+    blob = json.dumps([req.question, list(req.answers), [list(c) for c in req.contexts]], ensure_ascii=False)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
 def region_masks(plan: Any, boundary_tokens: int) -> dict[str, torch.Tensor]:
     """Bool masks [Tc] over context positions: ``first`` chunk, ``boundary`` / ``interior`` of later chunks, ``all``.
 
@@ -178,7 +185,11 @@ class QABenchmark:
         }
 
     def _prepare_out_dir(self) -> list[dict[str, Any]]:
-        self.out.mkdir(parents=True, exist_ok=True)
+        try:
+            self.out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            msg = f"cannot create the output directory {str(self.out)!r} ({e.strerror}); pass another --out"
+            raise ConfigError(msg) from e
         key = self.resume_key()
         digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
         info_path = self.out / RUN_INFO
@@ -188,7 +199,8 @@ class QABenchmark:
         if results.exists() and info_path.exists():
             old = json.loads(info_path.read_text())
             if old.get("resume_digest") != digest:
-                diff = sorted(k for k in key if old.get("resume_key", {}).get(k) != key[k])
+                now = json.loads(json.dumps(key))  # as stored: tuples (the template's examples) become lists
+                diff = sorted(k for k in now if old.get("resume_key", {}).get(k) != now[k])
                 msg = (f"{self.out} holds results of a different configuration (differs in {diff}); "
                        "use another --out directory or pass --overwrite")
                 raise ConfigError(msg)
@@ -230,7 +242,11 @@ class QABenchmark:
             text = "".join(eng.stream(prep, gen or self.gen))
         tokens = list(prep.token_ids)
         k, v = hf_cache.cache_to_tensors(prep.cache)  # [L, H_kv, T, D] incl. generated tokens
-        t0 = plan.total_len
+        # the prompt length this method prefilled: `full` prefills the prompt's own tokenization
+        # (plan.as_prompt_tokenized()), which differs from the spliced plan when a chunk is inexact (e.g. an empty
+        # passage); cutting at the spliced length would keep generated tokens in full's cache and corrupt the
+        # teacher-forced reference of every method's KL
+        t0 = prep.plan.total_len
         k, v = k[:, :, :t0], v[:, :, :t0]
         answer = self.extract(text)
         stats = prep.stats.to_dict()
@@ -312,6 +328,7 @@ class QABenchmark:
         self.fidelity(plan, runs, ref)
         return {
             "id": req.id,
+            "request_digest": request_digest(req),
             "source": req.source,
             "question": req.question,
             "answers": list(req.answers),
@@ -331,9 +348,18 @@ class QABenchmark:
 
         cfg = self.cfg
         reqs = list(requests) if requests is not None else load_requests(cfg.data, cfg.limit, cfg.offset)
+        if not reqs:
+            msg = (f"no QA requests selected from {cfg.data} (offset={cfg.offset}, limit={cfg.limit}): the file has no "
+                   "rows or --offset is past its end")
+            raise ConfigError(msg)
         rows = self._prepare_out_dir()
         self._probe_first(reqs)  # drops methods that cannot run, before deciding which requests are finished
-        done = {r["id"] for r in rows if self._done(r)}
+        by_id = {r.id: r for r in reqs}
+        changed = [r["id"] for r in rows if r.get("id") in by_id and not _same_request(r, by_id[r["id"]])]
+        for rid in changed:
+            log.warning("request %s changed in %s since %s/%s was written (question, answers or passages); "
+                        "running it again", rid, cfg.data, self.out, RESULTS)
+        done = {r["id"] for r in rows if self._done(r) and r["id"] not in changed}
         todo, plans, too_long = [], {}, []
         for r in reqs:
             if r.id in done:
@@ -352,6 +378,11 @@ class QABenchmark:
             todo.append(r)
             plans[r.id] = plan
         log.info("%d requests: %d finished earlier, %d to run, %d too long", len(reqs), len(done), len(todo), len(too_long))
+        if not todo and not any(r.id in done for r in reqs):
+            msg = (f"every selected request is too long for the model's context window {self.engine.max_context} "
+                   f"with {cfg.max_new_tokens} new tokens: {too_long}; use shorter or fewer passages or a model "
+                   "with a longer window")
+            raise ConfigError(msg)
         upfront = self._cache_bytes([plans[r.id] for r in todo]) <= cfg.cache_budget_bytes
         if todo and upfront:
             self.ensure_cached([plans[r.id] for r in todo], progress=cfg.progress)
@@ -434,3 +465,13 @@ class QABenchmark:
 
             plots.pareto_plots(summary, self.out)
         return summary
+
+
+
+def _same_request(row: dict[str, Any], req: QARequest) -> bool:
+    """Whether a results row was computed from this data row (rows written before the digest: question and
+    answers, which they store)."""
+    d = row.get("request_digest")
+    if d is not None:
+        return bool(d == request_digest(req))
+    return bool(row.get("question") == req.question and row.get("answers") == list(req.answers))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -339,3 +340,65 @@ def test_memory_bench_markdown_reports_kvrags_memory_by_stage() -> None:
     assert "| | kvrag / llama.cpp | 2.82x |" in md
     assert ("m.gguf, kvrag's resident memory: 250 MB before the model (Python, torch, transformers, kvrag), 535 MB "
             "loaded (630 MB at the load's peak), 705 MB at the peak with the answer.") in md
+
+
+# ------------------------------------------------------------------ an evaluator's own QA file
+def _qa_row(rid: str = "x", **kw) -> dict:
+    return {"id": rid, "question": "Where?", "answers": ["Paris"], "contexts": [{"title": "P", "text": "In Paris."}],
+            **kw}
+
+
+@pytest.mark.parametrize(("line", "says"), [
+    ('["not", "an", "object"]', "a row must be one JSON object"),
+    (json.dumps({"question": "q", "answers": ["a"], "contexts": [{"text": "t"}]}), "missing key(s) ['id']"),
+    (json.dumps(_qa_row(id=None)), "'id' must be a non-empty string"),
+    (json.dumps(_qa_row(question="  ")), "'question' is empty"),
+    (json.dumps(_qa_row(answers=["", "The"])), "empty after SQuAD normalization"),  # F1 of an empty answer was 1.0
+    (json.dumps(_qa_row(contexts=["a plain string"])), "contexts[0] must be an object"),
+])
+def test_a_bad_row_is_refused_naming_the_line_and_why(tmp_path: Path, line: str, says: str) -> None:
+    p = tmp_path / "mine.jsonl"
+    p.write_text(json.dumps(_qa_row("ok")) + "\n" + line + "\n")
+    with pytest.raises(ConfigError, match=f"mine.jsonl:2: bad QA row .*{re.escape(says)}"):
+        load_requests(p)
+
+
+def test_encodings_of_an_evaluators_file(tmp_path: Path) -> None:
+    p = tmp_path / "bom.jsonl"
+    p.write_bytes("\ufeff".encode() + json.dumps(_qa_row()).encode() + b"\r\n")  # a Windows editor's UTF-8 with CRLF
+    assert [r.id for r in load_requests(p)] == ["x"]
+    p.write_bytes(json.dumps(_qa_row(question="Où ?"), ensure_ascii=False).encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"bom.jsonl:1: not UTF-8 text .*save the QA file as UTF-8"):
+        load_requests(p)
+
+
+def test_an_empty_selection_and_an_out_path_that_is_a_file_fail_at_once(engine: KVRAGEngine, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"no QA requests selected .*offset=10"):
+        QABenchmark(_cfg(tmp_path, "full,stale", offset=10), engine).run()
+    (tmp_path / "taken").write_text("a file")
+    with pytest.raises(ConfigError, match="is a file, not a directory"):
+        BenchConfig(data=str(DATA), out=str(tmp_path / "taken" / "run"), methods="full")
+
+
+def test_a_resumed_run_reruns_a_row_the_evaluator_changed(engine: KVRAGEngine, tmp_path: Path) -> None:
+    data = tmp_path / "mine.jsonl"
+    data.write_text(json.dumps(_qa_row("r", answers=["Paris"])) + "\n")
+    cfg = BenchConfig(data=str(data), out=str(tmp_path / "out"), methods="full", max_new_tokens=2, kl_tokens=2,
+                      bootstrap=0, progress=False, warmup=0, plots=False)
+    QABenchmark(cfg, engine).run()
+    data.write_text(json.dumps(_qa_row("r", answers=["London"])) + "\n")  # the gold answer fixed
+    QABenchmark(cfg, engine).run()
+    rows = aggregate.read_jsonl(tmp_path / "out" / "results.jsonl")
+    assert rows[-1]["answers"] == ["London"]
+
+
+def test_merge_of_runs_that_skipped_a_method_merges_the_methods_that_ran(engine: KVRAGEngine, tmp_path: Path) -> None:
+    """A method a run skipped (a typo, or dropped by its first request's probe) held no row of it, so the merge
+    found no row with every method: 0 requests, exit 0."""
+    from kvrag_bench.merge import merge_runs
+
+    methods = "full,stale,stael"
+    QABenchmark(dataclasses.replace(_cfg(tmp_path, methods, limit=1), out=str(tmp_path / "a")), engine).run()
+    QABenchmark(dataclasses.replace(_cfg(tmp_path, methods, limit=1, offset=1), out=str(tmp_path / "b")), engine).run()
+    merged = merge_runs(tmp_path / "m", [tmp_path / "a", tmp_path / "b"], make_plots=False, n_boot=0)
+    assert merged["n_requests"] == 2 and set(merged["methods"]) == {"full", "stale"}
