@@ -46,11 +46,16 @@ def _store_url(args: argparse.Namespace) -> str:
     return "file://" + str((Path(args.persist) / "kv").resolve())
 
 
+def _is_default_model(model: str | None) -> bool:
+    """--model naming the embedded default model: omitted, 'default' (every command takes it) or its name."""
+    return model in (None, "", "default", "smollm2-135m-instruct")
+
+
 def _model_arg(model: str | None) -> str | None:
     """--model as load_model takes it: None for the embedded default ('default' too, as `pull`, `store` and
     `calibrate` accept it), an existing path made absolute (it is recorded in the index manifest and must still
     name the same file when `ask` runs from another directory), else as given (a Hub id)."""
-    if model in (None, "", "default", "smollm2-135m-instruct"):
+    if model is None or _is_default_model(model):
         return None
     p = Path(model).expanduser()
     return str(p.resolve()) if p.exists() else model
@@ -88,8 +93,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
     from kvrag.default_model import prepare_default_model
     from kvrag.models import load_model
 
-    default = args.model in (None, "default", "smollm2-135m-instruct")
-    if default:
+    if _is_default_model(args.model):
         path = prepare_default_model(progress=True)
         print(f"default model ready at {path}")
         return 0
@@ -222,7 +226,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()] if args.dtypes else [None]
     quantizes = [q.strip() for q in args.quantize.split(",") if q.strip()] if args.quantize else ["default"]
-    cal, path = run_calibration(None if args.model in (None, "default") else args.model, dtypes=dtypes,
+    cal, path = run_calibration(None if _is_default_model(args.model) else args.model, dtypes=dtypes,
                                 quantizes=quantizes, device=args.device, threads=args.threads or None, costs=args.costs, out=args.out,
                                 progress=not args.quiet)
     print(format_report(cal, path))
@@ -236,7 +240,7 @@ def _keep_fingerprints(args: argparse.Namespace) -> list[str] | None:
     if model:
         from kvrag.models import load_model
 
-        fps.append(load_model(None if model == "default" else model).fingerprint)
+        fps.append(load_model(None if _is_default_model(model) else model).fingerprint)
     if not fps:
         recorded = _manifest(getattr(args, "persist", None)).get("model_fingerprint")
         if recorded:
