@@ -57,7 +57,7 @@ log = logging.getLogger(__name__)
 
 _WARNED: set[tuple[str, str, str]] = set()
 _WARNED_LOCK = threading.Lock()
-_NO_REPAIRER_WARNED: set[str] = set()
+_NO_REPAIRER: set[str] = set()  # model fingerprints found without a repairer: not searched for again, warned once
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,6 +240,8 @@ class Auto(FusionMethod):
         trusted (a mismatch is an error there), else a shipped repairer must exist for the model."""
         if self.checkpoint:
             return True
+        if inp.spec.model_fingerprint in _NO_REPAIRER:  # (a found one is memoized by CacheRepair itself)
+            return False
         from kvrag.errors import KVRAGError
         from kvrag.fusion.cacherepair import CacheRepair
 
@@ -249,8 +251,8 @@ class Auto(FusionMethod):
             repair.checkpoint_for(inp)
         except KVRAGError:
             with _WARNED_LOCK:
-                if inp.spec.model_fingerprint not in _NO_REPAIRER_WARNED:
-                    _NO_REPAIRER_WARNED.add(inp.spec.model_fingerprint)
+                if inp.spec.model_fingerprint not in _NO_REPAIRER:
+                    _NO_REPAIRER.add(inp.spec.model_fingerprint)
                     log.warning("auto: no repairer for this model; choosing among the training-free candidates "
                                 "only (train one with `kvrag train-repairer` and pass auto:checkpoint=DIR)")
             return False
