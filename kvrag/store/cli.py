@@ -11,7 +11,7 @@ from pathlib import Path
 
 from kvrag.store import maintenance
 from kvrag.store.base import redact_url
-from kvrag.store.factory import store_from_url
+from kvrag.store.factory import local_directory, store_from_url
 from kvrag.store.sizing import collection_size, human
 
 
@@ -25,7 +25,7 @@ def run(args: argparse.Namespace, url: str, index_tokens: list[int] | None,
     ``args.json``, ``args.dry_run``, ``args.to``, ``args.overwrite``); ``index_tokens``: the token counts of the
     index at ``--persist`` (stats projects its size); ``keep_fingerprints()``: the models whose entries to keep
     (verify, gc, migrate; None: every model's). Returns the exit status."""
-    local = url[len("file://"):] if url.startswith("file://") else (url if "://" not in url else None)
+    local = local_directory(url)
     if local is not None and not Path(local).expanduser().is_dir():
         # opening a file store creates its folder: a mistyped path would report an empty store (and leave a folder)
         print(f"error: no KV store at {local} (no such directory); check --store / --persist", file=sys.stderr)

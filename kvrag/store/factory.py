@@ -60,6 +60,10 @@ def _parse_number(name: str, value: object) -> Any:
     return value
 
 
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
+"""A store URL's scheme; a string without one is a plain filesystem path (a DiskStore's directory)."""
+
+
 def _split_opts(url: str, opts: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     """Move kvrag's query parameters from ``url`` into the options (explicit ``opts`` take precedence)."""
     parts = urlsplit(url)
@@ -84,10 +88,8 @@ def _memory(url: str, opts: dict[str, Any]) -> KVStore:
     return MemoryStore(**opts)
 
 
-def _file(url: str, opts: dict[str, Any]) -> KVStore:
-    from kvrag.store.disk import DiskStore
-
-    rest, opts = _split_opts(url, opts)
+def _file_path(rest: str, url: str) -> str:
+    """The absolute directory of a ``file://`` URL (``rest``: ``url`` without kvrag's options)."""
     parts = urlsplit(rest)
     if parts.netloc not in ("", "localhost"):
         msg = f"file store URL {url!r} names host {parts.netloc!r}; expected file:///absolute/path (three slashes)"
@@ -96,7 +98,26 @@ def _file(url: str, opts: dict[str, Any]) -> KVStore:
     if not path.startswith("/"):
         msg = f"file store URL {url!r} needs an absolute path; expected file:///absolute/path"
         raise ConfigError(msg)
-    return DiskStore(path, **opts)
+    return path
+
+
+def _file(url: str, opts: dict[str, Any]) -> KVStore:
+    from kvrag.store.disk import DiskStore
+
+    rest, opts = _split_opts(url, opts)
+    return DiskStore(_file_path(rest, url), **opts)
+
+
+def local_directory(url: str) -> str | None:
+    """The directory a file store URL names (``file:///abs/path[?options]`` or a plain path), as
+    :func:`store_from_url` opens it; None for a store that is not a local directory (memory, Redis ...).
+
+    Raises:
+        ConfigError: a malformed ``file://`` URL (the message says what is expected)."""
+    m = _SCHEME.match(url)
+    if m is None:
+        return url
+    return _file_path(_split_opts(url, {})[0], url) if m.group(1).lower() == "file" else None
 
 
 def _redis(url: str, opts: dict[str, Any]) -> KVStore:
@@ -127,7 +148,7 @@ def store_from_url(url: str, **opts: Any) -> KVStore:
     if not isinstance(url, str) or not url:
         msg = f"store URL must be a non-empty string, got {url!r}; expected e.g. memory://, file:///path, redis://..."
         raise ConfigError(msg)
-    m = re.match(r"^([A-Za-z][A-Za-z0-9+.\-]*)://", url)
+    m = _SCHEME.match(url)
     if m is None:
         # A plain path (relative or absolute) is a directory for a DiskStore.
         from kvrag.store.disk import DiskStore

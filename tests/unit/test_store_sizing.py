@@ -64,3 +64,6 @@ def test_a_store_path_that_does_not_exist_is_an_error_not_an_empty_store(tmp_pat
     for url in (str(typo), f"file://{typo}"):
         assert cli.main(["store", action, "--store", url]) == 2
         assert "no KV store at" in capsys.readouterr().err and not typo.exists()
+    DiskStore(tmp_path / "a store")  # an existing one, addressed as store_from_url reads it: quoted, with options
+    assert cli.main(["store", action, "--store", f"file://{tmp_path}/a%20store?codec=int8"]) == 0
+    assert "no KV store at" not in capsys.readouterr().err
