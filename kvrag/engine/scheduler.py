@@ -23,9 +23,9 @@ The policy, written once in :meth:`Scheduler.schedule`:
   decode step, so a decoding request waits at most one piece per token. A prepare may come in pieces (while
   requests decode: about half a step each, :mod:`kvrag.kv.pieces`): the one in progress gets the next plan's piece
   until it is done, then the next request in line is admitted.
-* **Arrivals' question suffixes in one forward** (``pack_suffixes``, off by default). A prepare whose last part is a
-  plain suffix prefill (``stale``, ``cacherepair``, ...) *parks* there (:meth:`Scheduler.park`); without packing it
-  goes right after its piece, alone. With it, while nobody decodes, the next request in line is
+* **Arrivals' question suffixes in one forward** (``pack_suffixes``; the engine turns it on,
+  ``EngineConfig.pack_suffixes``). A prepare whose last part is a plain suffix prefill (``stale``,
+  ``cacherepair``, ...) *parks* there (:meth:`Scheduler.park`); without packing it goes right after its piece, alone. With it, while nobody decodes, the next request in line is
   admitted meanwhile, and when none would be admitted next (nobody waits, the head does not fit, a long prepare is
   in progress, or ``max_batch_size`` requests are parked), :meth:`Scheduler.flush` hands every parked request to
   one suffix forward (:func:`kvrag.kv.batched.prefill_rows`): a burst's arrivals share the forward's overhead and

@@ -64,7 +64,8 @@ def full_body(job: Job, text: str) -> JSONObject:
 
 def chunk_body(job: Job, delta: str | None, finish: str | None = None, *, role: bool = False,
                with_usage: bool = False) -> JSONObject:
-    """One streamed chunk: a text delta, the role (first chat chunk), the finish, or the usage (``choices`` [])."""
+    """One streamed chunk: a text delta, the role (first chat chunk), the finish, or the usage (``choices`` []);
+    with ``include_usage`` the others carry ``"usage": null``."""
     choices: list[JSONObject] = []
     if not with_usage:
         if job.kind == "chat":
@@ -78,6 +79,8 @@ def chunk_body(job: Job, delta: str | None, finish: str | None = None, *, role: 
                        "created": job.created, "model": job.model, "choices": choices}
     if with_usage:
         out["usage"] = usage(job)
+    elif job.include_usage:  # as OpenAI's: with include_usage every chunk before the usage chunk has a null usage
+        out["usage"] = None
     if finish is not None:
         out["kvrag"] = adapters.response_summary(job.prep)
     return out

@@ -113,6 +113,7 @@ def test_register_chat_completion_stream_equal_in_process(engine: KVRAGEngine, c
     assert text == local(engine).text
     assert chunks[-2]["choices"][0]["finish_reason"] in ("stop", "length")
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert all("usage" in c and c["usage"] is None for c in chunks[:-1])  # as OpenAI's chunks before the usage one
 
 
 def test_completions_use_the_prompt_as_given(engine: KVRAGEngine, client: Any) -> None:
