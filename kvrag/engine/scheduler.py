@@ -18,21 +18,22 @@ The policy, written once in :meth:`Scheduler.schedule`:
 * **Arrival-order admission.** Only the oldest WAITING request may be admitted, when its KV (sized once at
   arrival: prompt + ``reserve`` positions, :mod:`kvrag.engine.lease`) fits the budget; a request larger than the
   whole budget is admitted when nothing else holds memory. Later arrivals never pass it, so a large request is not
-  starved by a stream of small ones. A wait limit is the caller's: it cancels a request that is still WAITING with the reason ``"busy"``.
+  starved by a stream of small ones. A wait limit is the caller's: it cancels a request that is still WAITING with
+  the reason ``"busy"``.
 * **One prepare piece between two decode steps.** A plan holds at most one piece of one prepare and at most one
   decode step, so a decoding request waits at most one piece per token. A prepare may come in pieces (while
   requests decode: about half a step each, :mod:`kvrag.kv.pieces`): the one in progress gets the next plan's piece
   until it is done, then the next request in line is admitted.
 * **Arrivals' question suffixes in one forward** (``pack_suffixes``; the engine turns it on,
-  ``EngineConfig.pack_suffixes``). A prepare whose last part is a plain suffix prefill (``stale``,
-  ``cacherepair``, ...) *parks* there (:meth:`Scheduler.park`); without packing it goes right after its piece, alone. With it, while nobody decodes, the next request in line is
-  admitted meanwhile, and when none would be admitted next (nobody waits, the head does not fit, a long prepare is
-  in progress, or ``max_batch_size`` requests are parked), :meth:`Scheduler.flush` hands every parked request to
-  one suffix forward (:func:`kvrag.kv.batched.prefill_rows`): a burst's arrivals share the forward's overhead and
-  weight reads and get their first tokens together. While requests decode, a parked request goes right after its
-  piece (holding it across decode steps for later arrivals would cost it a step per arrival, and a large packed
-  forward would stall the running streams). A parked request holds its lease and stays PREPARING; a cancelled one
-  leaves at the next plan.
+  ``EngineConfig.pack_suffixes``). A prepare whose last part is a plain suffix prefill (``stale``, ``cacherepair``,
+  ...) *parks* there (:meth:`Scheduler.park`); without packing it goes right after its piece, alone. With it, while
+  nobody decodes, the next request in line is admitted meanwhile, and when none would be admitted next (nobody waits,
+  the head does not fit, a long prepare is in progress, or ``max_batch_size`` requests are parked),
+  :meth:`Scheduler.flush` hands every parked request to one suffix forward (:func:`kvrag.kv.batched.prefill_rows`): a
+  burst's arrivals share the forward's overhead and weight reads and get their first tokens together. While requests
+  decode, a parked request goes right after its piece (holding it across decode steps for later arrivals would cost it
+  a step per arrival, and a large packed forward would stall the running streams). A parked request holds its lease
+  and stays PREPARING; a cancelled one leaves at the next plan.
 * **Continuous batching.** QUEUED requests join RUNNING at a plan boundary, up to ``max_batch_size``, in the order
   their streams started; every RUNNING request is in every step (each exactly once).
 * **Cancellation between steps.** A RUNNING or PREPARING request that is cancelled leaves at the next plan (its
