@@ -46,6 +46,18 @@ def _store_url(args: argparse.Namespace) -> str:
     return "file://" + str((Path(args.persist) / "kv").resolve())
 
 
+def _missing_folders(url: str) -> list[Path]:
+    """The folders a local store at ``url`` would create, innermost first (none for other stores)."""
+    from kvrag.store.factory import local_directory
+
+    path, made = local_directory(url), []
+    p = None if path is None else Path(path).expanduser().resolve()
+    while p is not None and not p.exists():
+        made.append(p)
+        p = p.parent
+    return made
+
+
 def _is_default_model(model: str | None) -> bool:
     """--model naming the embedded default model: omitted, 'default' (every command takes it) or its name."""
     return model in (None, "", "default", "smollm2-135m-instruct")
@@ -124,7 +136,14 @@ def cmd_ingest(args: argparse.Namespace) -> int:
         return 2
     # ingest always fails on store errors (its job is to fill the store), whatever on_store_error says
     model = _model_arg(args.model)
-    eng = _engine(model, _store_url(args), args.chunk_prefix, on_store_error="raise", quantize=args.quantize)
+    made = _missing_folders(_store_url(args))
+    try:
+        eng = _engine(model, _store_url(args), args.chunk_prefix, on_store_error="raise", quantize=args.quantize)
+    except BaseException:  # a model that does not load leaves no empty store folder (PERSIST/kv) behind
+        for folder in made:
+            if folder.is_dir() and not any(folder.iterdir()):
+                folder.rmdir()
+        raise
     chunks = make_chunks(docs, lambda t: len(eng.tokenize(t)), args.chunk_tokens)
     if not chunks:
         print("no non-empty chunks found", file=sys.stderr)

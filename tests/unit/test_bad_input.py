@@ -88,6 +88,24 @@ def test_empty_and_whitespace_documents(tmp_path: Path, eng: KVRAGEngine, capsys
         read_documents(tmp_path / "missing")
 
 
+def test_ingest_with_a_model_that_does_not_load_leaves_no_store_folder(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """The store is opened before the model loads (a bad store URL fails first); a model that then fails to load
+    left an empty PERSIST/kv behind, which looked like an ingested index's store."""
+    pytest.importorskip("faiss")
+    pytest.importorskip("sentence_transformers")
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.md").write_text("Some text to ingest.")
+    missing = str(tmp_path / "missing.gguf")
+    assert cli.main(["ingest", str(tmp_path / "docs"), "--persist", str(tmp_path / "idx"), "--model", missing]) == 2
+    assert "no GGUF file" in capsys.readouterr().err
+    assert not (tmp_path / "idx").exists()
+    (tmp_path / "kept").mkdir()  # a folder that was there stays, with whatever it holds
+    (tmp_path / "kept" / "notes.txt").write_text("mine")
+    assert cli.main(["ingest", str(tmp_path / "docs"), "--persist", str(tmp_path / "kept"), "--model", missing]) == 2
+    assert sorted(p.name for p in (tmp_path / "kept").iterdir()) == ["notes.txt"]
+
+
 # ---- lengths ---------------------------------------------------------------------------------------------------------
 def test_chunk_longer_than_the_context_window(lm: Any) -> None:
     eng = KVRAGEngine(lm, MemoryStore(), EngineConfig(max_context=32, chunk_prefix="none"))
