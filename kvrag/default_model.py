@@ -402,7 +402,8 @@ def load_prepared_gguf(gguf: Path, prepared: Path, config: PretrainedConfig, *, 
         raise ConfigError(msg) from e
     model = gguf_load.load_resident(gguf, table, config, architecture=str(marker.get("gguf_architecture", "llama")),
                                     dtype=dtype, attn_implementation=attn_implementation)
-    model.__dict__["_kvrag_digest_memo"] = prepared / _DIGESTS  # weights fingerprints computed once per file (kvrag.fingerprint)
+    # weights and tokenizer fingerprints computed once per prepared folder (kvrag.fingerprint)
+    model.__dict__["_kvrag_digest_memo"] = prepared / _DIGESTS
     return model
 
 

@@ -31,6 +31,7 @@ from kvrag.errors import ConfigError, UnsupportedModelError
 from kvrag.extras import require
 from kvrag.fingerprint import model_fingerprint, tokenizer_fingerprint
 from kvrag.gguf_load import use_int4
+from kvrag.kv import hf_cache
 from kvrag.kv.attention import use_gqa_sdpa
 from kvrag.kv.compute import check_rerotation
 from kvrag.kv.gguf_quant import GGUFLinear
@@ -259,7 +260,7 @@ def wrap_model(
         tokenizer=tokenizer,
         name=name,
         fingerprint=model_fingerprint(model, dtype, tag),
-        tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
+        tokenizer_fingerprint=tokenizer_fingerprint(tokenizer, getattr(model, "_kvrag_digest_memo", None)),
         device=param.device,
         dtype=dtype,
         quantize=mode,
@@ -268,14 +269,17 @@ def wrap_model(
 
 @torch.inference_mode()
 def check_finite(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, name: str) -> None:
-    """Refuse a model whose logits on a short prompt (with its special tokens: a BOS token is where e.g. Gemma's
-    activations peak) are not finite in the dtype it was loaded in: every answer would be token 0 repeated and every
-    cache it writes NaN. float16 overflows this way for Gemma."""
-    ids = tokenizer("The capital of France is", return_tensors="pt")["input_ids"].to(next(model.parameters()).device)
-    logits = model(input_ids=ids).logits
-    if not bool(torch.isfinite(logits).all()):
+    """Refuse a model whose next-token logits or K/V on a short prompt (with its special tokens: a BOS token is where
+    e.g. Gemma's activations peak) are not finite in the dtype it was loaded in: every answer would be token 0
+    repeated and every cache it writes NaN. float16 overflows this way for Gemma. An overflow that matters reaches
+    one of the two; the logits of every position would add a vocabulary-sized row each to the load's memory."""
+    ids = tokenizer("The capital of France is", return_tensors="pt")["input_ids"][0]
+    logits, cache = hf_cache.forward(model, ids, None, start=0, logits_to_keep=1)
+    keys, values = hf_cache.cache_to_tensors(cache)
+    if not (bool(torch.isfinite(logits).all()) and bool(torch.isfinite(keys).all())
+            and bool(torch.isfinite(values).all())):
         dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-        msg = (f"{name} ({type(model).__name__}) computes non-finite logits in {dtype} (its activations overflow in "
+        msg = (f"{name} ({type(model).__name__}) computes non-finite logits or K/V in {dtype} (its activations overflow in "
                "this dtype); load it in bfloat16 or float32 (dtype=... / KVRAG_DTYPE)")
         raise UnsupportedModelError(msg)
 

@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
-import torch
+import json
+import os
+from pathlib import Path
 
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from kvrag import fingerprint
 from kvrag.fingerprint import model_fingerprint, tokenizer_fingerprint, weights_fingerprint
 from kvrag_testing.tiny import CHAT_TEMPLATE, tiny_model, tiny_tokenizer
 
@@ -63,6 +70,38 @@ def test_tokenizer_fingerprint() -> None:
     c = tiny_tokenizer()
     c.backend_tokenizer.enable_truncation(16)  # runtime setting, does not change token ids of a chunk
     assert tokenizer_fingerprint(c) == tokenizer_fingerprint(a)
+
+
+def test_tokenizer_fingerprint_memo_is_the_digest_and_follows_the_files(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prepared folder keeps its tokenizer's digest (a 262K-token vocabulary is not serialized on every load); the
+    memo answers only for a tokenizer loaded from that folder, as its files and runtime state are."""
+    tiny_tokenizer().save_pretrained(tmp_path)
+    memo = tmp_path / "weights_digests.json"
+    load = lambda: AutoTokenizer.from_pretrained(str(tmp_path))  # noqa: E731
+    truth = tokenizer_fingerprint(load())
+    assert tokenizer_fingerprint(load(), memo) == truth  # computed, then kept
+    assert [k for k in json.loads(memo.read_text()) if k.startswith("tokenizer-fp")]
+    calls: list[object] = []
+    real = fingerprint._tokenizer_digest
+    monkeypatch.setattr(fingerprint, "_tokenizer_digest", lambda t: calls.append(t) or real(t))
+    assert tokenizer_fingerprint(load(), memo) == truth and calls == []  # from the memo
+    changed = load()
+    changed.chat_template = "{{ messages }}"  # runtime state is in the key
+    assert tokenizer_fingerprint(changed, memo) == tokenizer_fingerprint(changed) != truth
+    grown = load()
+    grown.add_tokens(["<extra>"])
+    assert tokenizer_fingerprint(grown, memo) == tokenizer_fingerprint(grown) != truth
+    # an edited file (another vocabulary written in its place) is digested again
+    tiny_tokenizer(vocab_size=200).save_pretrained(tmp_path)
+    os.utime(tmp_path / "tokenizer.json", ns=(1, 1))
+    edited = load()
+    assert tokenizer_fingerprint(edited, memo) == tokenizer_fingerprint(edited) != truth
+    # a tokenizer from another folder never reads this memo
+    other = tmp_path / "other"
+    tiny_tokenizer().save_pretrained(other)
+    calls.clear()
+    assert tokenizer_fingerprint(AutoTokenizer.from_pretrained(str(other)), memo) == truth and len(calls) == 1
 
 
 def test_weights_fingerprint_is_dtype_independent() -> None:

@@ -286,6 +286,6 @@ def test_a_model_whose_logits_overflow_in_its_dtype_is_refused(dtype: torch.dtyp
     lm = tiny_model("llama", dtype=dtype)
     with torch.no_grad():
         lm.model.model.norm.weight.fill_(float(torch.finfo(dtype).max)).mul_(4)  # the last activations overflow
-    with pytest.raises(UnsupportedModelError, match="non-finite logits .*load it in bfloat16 or float32"):
+    with pytest.raises(UnsupportedModelError, match="non-finite logits or K/V .*load it in bfloat16 or float32"):
         models.wrap_model(lm.model, lm.tokenizer, name="tiny-overflow")
     models.wrap_model(tiny_model("llama", dtype=dtype).model, lm.tokenizer, name="tiny-fine")  # a sound one loads
