@@ -294,7 +294,7 @@ def load_model(
     """Load a causal LM for kvrag.
 
     Args:
-        model: None or :data:`DEFAULT_MODEL` for the embedded default (prepared once, see
+        model: None, "default" or :data:`DEFAULT_MODEL` for the embedded default (prepared once, see
             :func:`prepare_default_model`; weights resident in the file's blocks, :mod:`kvrag.gguf_load`); a path to
             a ``.gguf`` file (prepared once into ``kvrag_home()/models``,
             see :func:`kvrag.default_model.prepare_gguf`); otherwise a Hugging Face model id or a local checkpoint
@@ -320,7 +320,7 @@ def load_model(
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     gguf_file = model is not None and is_gguf_path(model)
-    is_default = model is None or str(model) == DEFAULT_MODEL
+    is_default = model is None or str(model) in (DEFAULT_MODEL, "default")  # "default": as the CLI's --model
     mode = (default_quantize(dev, dt, gguf=is_default or gguf_file) if quantize == DEFAULT_QUANTIZE
             else parse_mode(quantize))
     gguf: Path | None = None

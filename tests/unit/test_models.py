@@ -162,6 +162,20 @@ def test_missing_default_wheel_names_pip_command(monkeypatch: pytest.MonkeyPatch
         models.load_embedder()
 
 
+@pytest.mark.parametrize("name", [None, "default", default_model.DEFAULT_MODEL])
+def test_every_name_of_the_embedded_model_loads_it(monkeypatch: pytest.MonkeyPatch, name: str | None) -> None:
+    """The CLI's --model takes 'default'; load_model("default") asked the Hugging Face Hub for a model named so."""
+    class Reached(Exception):
+        pass
+
+    def prepare(*a: object, **k: object) -> None:
+        raise Reached
+
+    monkeypatch.setattr(models, "prepare_default_model", prepare)
+    with pytest.raises(Reached):
+        models.load_model(name)
+
+
 def test_prepare_default_model_uses_marker(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """A finished conversion is reused; a half-written dir (no marker) or another GGUF triggers a conversion."""
     gguf = tmp_path / "fake.gguf"
