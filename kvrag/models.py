@@ -279,8 +279,8 @@ def check_finite(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, 
     if not (bool(torch.isfinite(logits).all()) and bool(torch.isfinite(keys).all())
             and bool(torch.isfinite(values).all())):
         dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-        msg = (f"{name} ({type(model).__name__}) computes non-finite logits or K/V in {dtype} (its activations overflow in "
-               "this dtype); load it in bfloat16 or float32 (dtype=... / KVRAG_DTYPE)")
+        msg = (f"{name} ({type(model).__name__}) computes non-finite logits or K/V in {dtype} (its activations "
+               "overflow in this dtype); load it in bfloat16 or float32 (dtype=... / KVRAG_DTYPE)")
         raise UnsupportedModelError(msg)
 
 
