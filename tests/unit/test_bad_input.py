@@ -88,6 +88,41 @@ def test_empty_and_whitespace_documents(tmp_path: Path, eng: KVRAGEngine, capsys
         read_documents(tmp_path / "missing")
 
 
+def test_a_store_password_is_never_written_to_the_index(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """`kvrag ingest --store redis://:PASSWORD@...` wrote the URL, password and all, into PERSIST/index.json (a
+    file indexes are copied and shared with). The index records the URL without it; a later command that would
+    read it from there is told to pass --store."""
+    pytest.importorskip("faiss")
+    pytest.importorskip("sentence_transformers")
+    from kvrag.store import factory
+
+    opened: list[str] = []
+
+    def secret_store(url: str, opts: dict[str, Any]) -> DiskStore:  # stands in for a password-protected Redis
+        opened.append(url)
+        return DiskStore(tmp_path / "kv")
+
+    monkeypatch.setitem(factory._REGISTRY, "pwtest", secret_store)
+    model = tmp_path / "model"
+    lm = tiny_model("llama")
+    lm.model.save_pretrained(model)
+    lm.tokenizer.save_pretrained(model)
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.md").write_text("The ferry leaves the harbour at dawn and returns at dusk.")
+    url, persist = "pwtest://:s3cret@127.0.0.1:6379/0?password=s3cret", str(tmp_path / "idx")
+    assert cli.main(["ingest", str(tmp_path / "docs"), "--persist", persist, "--store", url, "--model", str(model),
+                     "--chunk-tokens", "32"]) == 0
+    manifest = (tmp_path / "idx" / "index.json").read_text()
+    assert "s3cret" not in manifest and "pwtest://:***@127.0.0.1:6379/0?password=***" in manifest
+    capsys.readouterr()
+    ask = ["ask", "When does the ferry leave?", "--persist", persist, "--max-new-tokens", "2", "--json"]
+    assert cli.main(ask) == 2
+    assert "recorded without its password; pass the whole URL with --store" in capsys.readouterr().err
+    assert cli.main([*ask, "--store", url]) == 0 and opened[-1] == url
+    assert '"hit_rate": 1.0' in capsys.readouterr().out
+
+
 def test_ingest_with_a_model_that_does_not_load_leaves_no_store_folder(tmp_path: Path,
                                                                       capsys: pytest.CaptureFixture[str]) -> None:
     """The store is opened before the model loads (a bad store URL fails first); a model that then fails to load

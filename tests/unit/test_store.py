@@ -399,10 +399,21 @@ def test_redis_unreachable_names_url_without_password() -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]  # closed again: nothing listens there
-    with pytest.raises(StoreError) as ei:
-        store_from_url(f"redis://user:s3cret@127.0.0.1:{port}/0", socket_timeout=1.0)
-    msg = str(ei.value)
-    assert f"127.0.0.1:{port}" in msg and "s3cret" not in msg and "redis-server" in msg
+    for url in (f"redis://user:s3cret@127.0.0.1:{port}/0", f"redis://127.0.0.1:{port}/0?password=s3cret"):
+        with pytest.raises(StoreError) as ei:  # redis-py takes the password from user-info or ?password=
+            store_from_url(url, socket_timeout=1.0)
+        msg = str(ei.value)
+        assert f"127.0.0.1:{port}" in msg and "s3cret" not in msg and "redis-server" in msg
+
+
+def test_redact_url_hides_every_password() -> None:
+    from kvrag.store.base import has_secret, redact_url
+
+    assert redact_url("redis://u:pw@h:1/0?password=x&db=2") == "redis://u:***@h:1/0?password=***&db=2"
+    assert redact_url("rediss+cluster://h:1?Password=a%20b&prefix=p") == "rediss+cluster://h:1?Password=***&prefix=p"
+    for plain in ("redis://h/0?socket_timeout=2", "file:///tmp/x?codec=int8", "/tmp/plain", "memory://"):
+        assert redact_url(plain) == plain and not has_secret(plain)
+    assert has_secret("redis://:pw@h/0") and has_secret("redis://h/0?password=pw")
 
 
 def test_redis_corrupt_value_is_dropped(redis_url: str) -> None:
