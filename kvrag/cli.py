@@ -253,17 +253,20 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def _keep_fingerprints(args: argparse.Namespace) -> list[str] | None:
-    """Model fingerprints whose entries to keep: --keep-fingerprint, --model (loaded), or PERSIST's manifest."""
+    """Model fingerprints whose entries to keep: --keep-fingerprint, --model (loaded), or PERSIST's manifest when the
+    store is the index's own folder (None: every model's)."""
     fps = list(getattr(args, "keep_fingerprint", None) or [])
     model = getattr(args, "model", None)
     if model:
         from kvrag.models import load_model
 
         fps.append(load_model(None if _is_default_model(model) else model).fingerprint)
-    if not fps:
-        recorded = _manifest(getattr(args, "persist", None)).get("model_fingerprint")
-        if recorded:
-            fps.append(str(recorded))
+    persist = getattr(args, "persist", None)
+    recorded = _manifest(persist).get("model_fingerprint")
+    # the manifest speaks for the index's own file store only: a store named by --store or the manifest may be
+    # shared by other indexes, models, dtypes (a Redis), whose entries are theirs, not damage
+    if not fps and recorded and _store_url(args) == "file://" + str((Path(persist) / "kv").resolve()):
+        fps.append(str(recorded))
     return fps or None
 
 

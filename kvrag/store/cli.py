@@ -71,8 +71,9 @@ def run(args: argparse.Namespace, url: str, index_tokens: list[int] | None,
               f"{g.total_removed} ({why}), {_mb(g.bytes_freed)}" +
               (f"; removed {g.temp_files_removed} abandoned temp files" if g.temp_files_removed else ""))
         if keep is None:
-            print("note: entries of every model were kept; pass --model, --keep-fingerprint or --persist (with an "
-                  "index manifest) to also remove entries of other models", file=sys.stderr)
+            print("note: entries of every model were kept (a shared store holds other indexes', models' and dtypes' "
+                  "caches); pass --model or --keep-fingerprint to also remove entries of other models",
+                  file=sys.stderr)
         return 0
     # migrate
     dst = store_from_url(args.to)

@@ -150,6 +150,24 @@ def test_migrate_removes_copies_that_do_not_read_back(tmp_path: Path) -> None:
     assert list(dst.iter_keys()) == []
 
 
+def test_cli_store_gc_on_a_shared_store_keeps_other_models(tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """`kvrag store gc --persist IDX` took the index's model as the only one to keep, also on a store the index
+    names (a Redis shared by several indexes, models and dtypes): it removed their caches as "other model". The
+    manifest speaks for the index's own folder only; elsewhere --model / --keep-fingerprint say what to remove."""
+    shared, own = tmp_path / "shared", tmp_path / "idx" / "kv"
+    keys, own_keys = populate(DiskStore(shared)), populate(DiskStore(own))
+    (tmp_path / "idx" / "index.json").write_text(json.dumps({"model_fingerprint": A, "store": f"file://{shared}"}))
+    assert cli.main(["store", "gc", "--persist", str(tmp_path / "idx"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["removed"]["other_model"] == 0
+    assert all(DiskStore(shared).contains(k) for k in keys["b"])
+    assert cli.main(["store", "gc", "--persist", str(tmp_path / "idx"), "--keep-fingerprint", A, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["removed"]["other_model"] == len(keys["b"])
+    (tmp_path / "idx" / "index.json").write_text(json.dumps({"model_fingerprint": A}))  # its own PERSIST/kv
+    assert cli.main(["store", "gc", "--persist", str(tmp_path / "idx"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["removed"]["other_model"] == len(own_keys["b"])
+
+
 def test_cli_store_verify_gc_migrate(tmp_path: Path, redis_srv: Any, capsys: pytest.CaptureFixture[str]) -> None:
     src_dir = tmp_path / "src"
     keys = populate(DiskStore(src_dir))
