@@ -165,26 +165,27 @@ class IngestWorker:
         store: shared store URL.
         chunk_prefix: ``EngineConfig.chunk_prefix`` (must match the driver's).
         dtype: compute dtype name (None: kvrag's default for the device).
+        quantize: the driver's weight quantization ("int4" / "int8", None: dense), as it loaded its model.
         torch_threads: torch intra-op threads in this worker.
         expect_fingerprint: the driver's model fingerprint; a worker that loads different weights refuses to run.
         expect_prefix: the driver's ``chunk_prefix_ids``.
     """
 
-    def __init__(self, model: str | None, store: str, chunk_prefix: str, dtype: str | None, torch_threads: int,
-                 expect_fingerprint: str, expect_prefix: Sequence[int]) -> None:
+    def __init__(self, model: str | None, store: str, chunk_prefix: str, dtype: str | None, quantize: str | None,
+                 torch_threads: int, expect_fingerprint: str, expect_prefix: Sequence[int]) -> None:
         import torch
 
         torch.set_num_threads(max(1, torch_threads))
         from kvrag.engine.engine import KVRAGEngine
 
         self.engine = KVRAGEngine.from_pretrained(model, store, dtype=dtype, chunk_prefix=chunk_prefix,
-                                                  on_store_error="raise")
+                                                  quantize=quantize, on_store_error="raise")
         fp = self.engine.loaded.fingerprint
         if fp != expect_fingerprint or tuple(self.engine.chunk_prefix_ids) != tuple(expect_prefix):
             msg = (f"Ray worker loaded model {model!r} with fingerprint {fp[:16]} (prefix of "
-                   f"{len(self.engine.chunk_prefix_ids)} tokens) but the driver keys chunks for {expect_fingerprint[:16]} "
-                   f"({len(expect_prefix)} tokens); give the workers the same model path/id, dtype and chunk_prefix "
-                   "(a path must exist on every node)")
+                   f"{len(self.engine.chunk_prefix_ids)} tokens) but the driver keys chunks for "
+                   f"{expect_fingerprint[:16]} ({len(expect_prefix)} tokens); give the workers the same model "
+                   "path/id, dtype, quantization and chunk_prefix (a path must exist on every node)")
             raise ConfigError(msg)
 
     def pid(self) -> int:
@@ -265,8 +266,8 @@ class RayIngest:
         from kvrag.kv.spec import dtype_name
 
         remote = self.ray.remote(num_cpus=torch_threads, max_restarts=max_retries, max_task_retries=max_retries)(IngestWorker)
-        args = (self.model, self.store, engine.config.chunk_prefix, dtype_name(engine.loaded.dtype), torch_threads,
-                engine.loaded.fingerprint, tuple(engine.chunk_prefix_ids))
+        args = (self.model, self.store, engine.config.chunk_prefix, dtype_name(engine.loaded.dtype),
+                engine.loaded.quantize, torch_threads, engine.loaded.fingerprint, tuple(engine.chunk_prefix_ids))
         self.actors = [remote.remote(*args) for _ in range(workers)]
         try:
             self.pids = [[int(p)] for p in self.ray.get([a.pid.remote() for a in self.actors])]

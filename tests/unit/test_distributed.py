@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from kvrag.engine.engine import KVRAGEngine
 from kvrag.errors import ConfigError
@@ -117,6 +118,22 @@ def test_cli_ingest_on_ray_resumes_a_partial_store_and_every_chunk_is_served(
     assert cli.main(["ask", "When does the ferry leave?", "--persist", str(persist), "--top-k", "3",
                      "--max-new-tokens", "2", "--json"]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["hit_rate"] == 1.0
+
+
+def test_cli_ingest_on_ray_gives_the_workers_the_drivers_quantization(
+    tmp_path: Path, model_dir: Path, ray_local: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`kvrag ingest --ray --quantize none` (or another mode than the model's default) failed: the workers loaded
+    the model with the default quantization, another model fingerprint, and refused to run."""
+    from kvrag import cli
+    from kvrag.models import default_quantize
+
+    other = "none" if default_quantize(torch.device("cpu"), torch.float32, gguf=False) else "int8"
+    docs = Path(__file__).parents[1] / "data" / "docs"
+    assert cli.main(["ingest", str(docs), "--persist", str(tmp_path / "idx"), "--store", f"file://{tmp_path / 'kv'}",
+                     "--model", str(model_dir), "--chunk-tokens", "64", "--quantize", other, "--ray",
+                     "--workers", "1"]) == 0, capsys.readouterr().err
+    assert verify_store(DiskStore(tmp_path / "kv")).ok > 0
 
 
 def test_bad_arguments_name_the_fix(tmp_path: Path) -> None:
