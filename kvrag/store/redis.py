@@ -11,6 +11,7 @@ import contextlib
 import logging
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 from kvrag.errors import ConfigError, StoreError
 from kvrag.extras import require
@@ -97,6 +98,7 @@ class RedisStore(KVStore):
         if check_connection:
             with self._errors("PING"):
                 self._client.ping()
+            self._check_not_a_cluster_node(url)
 
     def _connect(self, url: str, socket_timeout: float) -> Any:
         scheme = url.split("://", 1)[0].lower() if "://" in url else ""
@@ -105,6 +107,11 @@ class RedisStore(KVStore):
             msg = f"RedisStore URL {self.url!r} has scheme {scheme!r}; expected one of {valid}"
             raise ConfigError(msg)
         kw = {"socket_timeout": socket_timeout, "socket_connect_timeout": socket_timeout}
+        db = urlsplit(url).path.strip("/")
+        if scheme in _PLAIN_SCHEMES and scheme != "unix" and db and not db.isdigit():
+            # redis-py takes a path that is not a number for database 0 without a word
+            msg = f"Redis database {db!r} in {self.url!r} is not a number; expected e.g. redis://localhost:6379/0"
+            raise ConfigError(msg)
         try:
             with self._errors("connect"):
                 if scheme in _CLUSTER_SCHEMES:
@@ -114,6 +121,21 @@ class RedisStore(KVStore):
         except (ValueError, TypeError) as e:
             msg = f"bad Redis URL {self.url!r}: {e}; expected e.g. redis://localhost:6379/0"
             raise ConfigError(msg) from e
+
+    def _check_not_a_cluster_node(self, url: str) -> None:
+        """A plain URL on a Redis Cluster node reaches one node: reads of keys on the others fail (MOVED) and the
+        store looks empty or broken. Refuse it, naming the cluster scheme (a server that hides INFO passes)."""
+        if isinstance(self._client, self._redis.cluster.RedisCluster):
+            return
+        try:
+            enabled = int(self._client.info("cluster").get("cluster_enabled", 0))
+        except (self._redis.exceptions.RedisError, ValueError, TypeError):
+            return
+        if enabled:
+            scheme = url.split("://", 1)[0].lower()
+            msg = (f"Redis at {self.url} is a Redis Cluster node: use {scheme}+cluster://HOST:PORT (any node) so that "
+                   "every key goes to the node that holds it")
+            raise ConfigError(msg)
 
     @contextlib.contextmanager
     def _errors(self, op: str) -> Iterator[None]:

@@ -15,7 +15,7 @@ import pytest
 
 from kvrag.config import EngineConfig
 from kvrag.engine.engine import KVRAGEngine
-from kvrag.errors import StoreError
+from kvrag.errors import ConfigError, StoreError
 from kvrag.prompting import RagTemplate, render_passage
 from kvrag.store.base import KVStore
 from kvrag_testing.store_suite import KVStoreTests
@@ -67,6 +67,16 @@ class TestRedisClusterStore(KVStoreTests):
         from kvrag.store.factory import store_from_url
 
         return store_from_url(self.url, prefix=_prefix(), **opts)
+
+
+def test_a_plain_url_on_a_cluster_node_names_the_cluster_scheme(redis_cluster: Any) -> None:
+    """redis://NODE reached one node: every key another node holds failed with a MOVED reply mid-ingest, and reads
+    fell back to recomputing everything."""
+    from kvrag.store.factory import store_from_url
+
+    plain = redis_cluster.url.replace("redis+cluster://", "redis://") + "/0"
+    with pytest.raises(ConfigError, match=r"is a Redis Cluster node: use redis\+cluster://"):
+        store_from_url(plain)
 
 
 def test_cluster_url_spreads_keys_over_every_master_and_serves_them(redis_cluster: Any) -> None:

@@ -392,6 +392,9 @@ def test_factory_redis_urls(redis_url: str) -> None:
     s.close()
     with pytest.raises(StoreError, match="cluster|Cluster"):
         store_from_url(redis_url.replace("redis://", "redis+cluster://"))
+    # redis-py reads a database that is not a number as database 0, without a word
+    with pytest.raises(ConfigError, match="database 'O' .* is not a number"):
+        store_from_url(redis_url[: -len("0")] + "O")
 
 
 def test_redis_unreachable_names_url_without_password() -> None:
