@@ -4,7 +4,8 @@ Wraps another store. While the inner store works it is a transparent pass-throug
 :class:`~kvrag.errors.StoreError`, the failure is logged once (a WARNING naming the store and the error), reads
 answer "miss", writes are dropped and ``contains`` is False, so callers compute what they need and answer without
 the store. For ``retry_s`` seconds after a failure the inner store is not touched at all (no connect timeouts per
-request); then the next operation tries it again, and the first success logs that the store is back.
+request); then the next operation tries it again, and the first success logs that the store is back. A store that
+only refuses writes (full, read-only) keeps serving reads meanwhile: only its writes are skipped.
 
 :class:`~kvrag.engine.engine.KVRAGEngine` puts one in front of its store unless ``on_store_error="raise"``.
 """
@@ -15,7 +16,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from kvrag.config import ON_STORE_ERROR  # "recompute" | "raise"
 from kvrag.errors import ConfigError, StoreError
@@ -25,6 +26,10 @@ from kvrag.store.base import KVStore, StoreStats
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+WRITES = frozenset({"put", "delete"})
+"""Operations that change the store: a store that refuses them (full: Redis ``maxmemory`` with ``noeviction``, a
+read-only replica, a full disk) may still answer reads."""
 
 
 class FallbackStore(KVStore):
@@ -60,6 +65,7 @@ class FallbackStore(KVStore):
         self._last_error = ""
         self._warned_at: float | None = None
         self._outage_warned = False
+        self._writes_only = False  # the outage so far is writes refused: reads still go to the store
 
     # ---- state -------------------------------------------------------------------------------------------------
     @property
@@ -76,6 +82,7 @@ class FallbackStore(KVStore):
             self._retry_at = now + self.retry_s
             self._last_error = f"{op}: {error}"
             first = self._down_since is None
+            self._writes_only = op in WRITES and (first or self._writes_only)
             loud = False
             if first:
                 self._down_since = now
@@ -106,30 +113,48 @@ class FallbackStore(KVStore):
             logger.log(level, "KV store %r works again after %.1f s; using it again", self.inner,
                        time.monotonic() - since)
 
-    def _call(self, op: str, fn: Callable[[], T], default: T) -> T:
+    def _call(self, op: str, fn: Callable[[], T], default: T, skipped: Callable[[], T] | None = None) -> T:
+        """``fn()`` on the inner store; ``default`` when it fails, or ``skipped()`` (else ``default``) while it is
+        skipped."""
+        write = op in WRITES
         with self._state:
-            skip = self._down_since is not None and time.monotonic() < self._retry_at
+            reads_go = self._writes_only and not write  # a store that refuses writes still serves what it holds
+            skip = self._down_since is not None and time.monotonic() < self._retry_at and not reads_go
             if skip:
                 self._skipped += 1
         if skip:
-            return default
+            return default if skipped is None else skipped()
         try:
             out = fn()
         except StoreError as e:
             self.mark_down(op, e)
+            partial = getattr(e, "partial", None)  # what a tiered store's front tier found before its back failed
+            if op == "get" and isinstance(partial, list) and isinstance(default, list) and len(partial) == len(default):
+                return cast("T", partial)
             return default
-        self._mark_up()
+        if not reads_go:  # a read that works says nothing about the writes that failed
+            self._mark_up()
         return out
 
     # ---- primitives --------------------------------------------------------------------------------------------
+    def _front(self, keys: Sequence[str], shared: bool) -> list[ChunkKV | None]:
+        """While the store is skipped: what a tiered store's front tier (memory) holds, else nothing."""
+        from kvrag.store.tiered import TieredStore
+
+        if isinstance(self.inner, TieredStore):
+            return self.inner.front.get_many(keys, shared=shared)
+        return [None] * len(keys)
+
     def _get(self, key: str) -> ChunkKV | None:
-        return self._call("get", lambda: self.inner.get(key), None)
+        return self._call("get", lambda: self.inner.get(key), None, lambda: self._front([key], False)[0])
 
     def _get_many(self, keys: Sequence[str]) -> list[ChunkKV | None]:
-        return self._call("get", lambda: self.inner.get_many(keys), [None] * len(keys))
+        return self._call("get", lambda: self.inner.get_many(keys), [None] * len(keys),
+                          lambda: self._front(keys, False))
 
     def _get_many_shared(self, keys: Sequence[str]) -> list[ChunkKV | None]:
-        return self._call("get", lambda: self.inner.get_many(keys, shared=True), [None] * len(keys))
+        return self._call("get", lambda: self.inner.get_many(keys, shared=True), [None] * len(keys),
+                          lambda: self._front(keys, True))
 
     def _put(self, key: str, chunk: ChunkKV) -> None:
         self._call("put", lambda: self.inner.put(key, chunk), None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
+from kvrag.errors import StoreError
 from kvrag.kv.chunk import ChunkKV
 from kvrag.store.base import KVStore, StoreStats
 
@@ -45,7 +46,11 @@ class TieredStore(KVStore):
         out = self.front.get_many(keys, shared=shared)
         missing = [i for i, c in enumerate(out) if c is None]
         if missing:
-            found = self.back.get_many([keys[i] for i in missing])
+            try:
+                found = self.back.get_many([keys[i] for i in missing])
+            except StoreError as e:  # the front tier's hits still stand (FallbackStore answers with them)
+                e.partial = list(out)  # type: ignore[attr-defined]
+                raise
             fill: list[tuple[str, ChunkKV]] = []
             for i, c in zip(missing, found, strict=True):
                 if c is not None:

@@ -265,3 +265,64 @@ def test_fallback_store_passes_through_and_exposes_inner(tmp_path: Path) -> None
     s = fb.stats()
     assert s["entries"] == 1 and s["degraded"] is False and s["store_errors"] == 0
     assert FallbackStore(MemoryStore()).get_many([]) == []
+
+
+class _FullStore(MemoryStore):
+    """A store that answers reads but refuses writes while ``full`` (Redis at maxmemory with noeviction, a
+    read-only replica)."""
+
+    full = False
+
+    def _put(self, key: str, chunk: Any) -> None:
+        if self.full:
+            raise StoreError("OOM command not allowed when used memory > 'maxmemory'")
+        super()._put(key, chunk)
+
+
+def test_a_store_that_refuses_writes_still_serves_what_it_holds() -> None:
+    """A refused write took the whole store down for retry_s: under steady traffic every request missed entries
+    the store still held, and recomputed them."""
+    inner = _FullStore()
+    fb = FallbackStore(inner, retry_s=60)
+    a, b = (random_chunk(make_spec(), T=4, seed=s) for s in (1, 2))
+    fb.put(chunk_key(a), a)
+    inner.full = True
+    fb.put(chunk_key(b), b)  # refused: dropped
+    assert fb.degraded
+    assert_chunks_equal(fb.get(chunk_key(a)), a)  # reads still go to the store
+    assert fb.get(chunk_key(b)) is None and fb.degraded  # a read that works does not end a writes outage
+    skipped = fb.stats()["skipped"]
+    fb.put(chunk_key(b), b)  # writes are skipped for retry_s
+    assert fb.stats()["skipped"] == skipped + 1
+    inner.full = False
+    fb.retry_s, fb._retry_at = 0.0, 0.0
+    fb.put(chunk_key(b), b)  # the next write that works ends it
+    assert not fb.degraded and inner.contains(chunk_key(b))
+
+
+class _DownStore(MemoryStore):
+    """A durable tier that cannot be reached."""
+
+    def _get_many(self, keys: Any) -> Any:
+        raise StoreError("cannot reach Redis")
+
+    def _get(self, key: str) -> Any:
+        raise StoreError("cannot reach Redis")
+
+
+def test_a_tiered_stores_memory_tier_answers_while_its_durable_tier_is_down() -> None:
+    """docs' TieredStore(MemoryStore(), store_from_url("redis://...")): with Redis down, a prompt whose chunks were
+    all in the memory tier hit, but one more chunk that was not threw the memory tier's hits away, and for retry_s
+    afterwards the memory tier was skipped too."""
+    from kvrag.store import TieredStore
+
+    tiered = TieredStore(MemoryStore(), _DownStore())
+    fb = FallbackStore(tiered, retry_s=60)
+    a, c = (random_chunk(make_spec(), T=4, seed=s) for s in (1, 3))
+    tiered.front.put(chunk_key(a), a)
+    got = fb.get_many([chunk_key(a), chunk_key(c)])  # the back tier fails on c
+    assert fb.degraded and got[1] is None
+    assert_chunks_equal(got[0], a)
+    again = fb.get_many([chunk_key(a)])  # within retry_s: the back tier is skipped, the front still answers
+    assert_chunks_equal(again[0], a)
+    assert_chunks_equal(fb.get(chunk_key(a)), a)
