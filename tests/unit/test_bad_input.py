@@ -12,6 +12,7 @@ Covered elsewhere (not repeated here):
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from pathlib import Path
@@ -19,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from kvrag import adapters, cli
+from kvrag import adapters, cli, cli_index
 from kvrag.config import EngineConfig, GenerationConfig
 from kvrag.engine.engine import KVRAGEngine
 from kvrag.errors import ConfigError, ContextLengthError
@@ -121,6 +122,34 @@ def test_a_store_password_is_never_written_to_the_index(tmp_path: Path, monkeypa
     assert "recorded without its password; pass the whole URL with --store" in capsys.readouterr().err
     assert cli.main([*ask, "--store", url]) == 0 and opened[-1] == url
     assert '"hit_rate": 1.0' in capsys.readouterr().out
+
+
+def test_ask_loads_the_quantization_the_index_was_built_with(tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """An index ingested with --quantize int8 was asked with the default quantization: another model fingerprint,
+    so every cache was computed again (hit rate 0). The manifest records the dtype and quantization; ask and
+    serve load the index's quantization unless --quantize says otherwise, and say so when the model differs."""
+    pytest.importorskip("faiss")
+    pytest.importorskip("sentence_transformers")
+    model = tmp_path / "model"
+    lm = tiny_model("llama")
+    lm.model.save_pretrained(model)
+    lm.tokenizer.save_pretrained(model)
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.md").write_text("The ferry leaves the harbour at dawn and returns at dusk.")
+    persist = str(tmp_path / "idx")
+    assert cli.main(["ingest", str(tmp_path / "docs"), "--persist", persist, "--model", str(model),
+                     "--chunk-tokens", "32", "--quantize", "int8"]) == 0
+    man = json.loads((tmp_path / "idx" / "index.json").read_text())
+    assert man["quantize"] == "int8" and man["dtype"] in ("float32", "bfloat16")
+    capsys.readouterr()
+    ask = ["ask", "When does the ferry leave?", "--persist", persist, "--max-new-tokens", "2", "--json"]
+    assert cli.main(ask) == 0
+    out = capsys.readouterr()
+    assert '"hit_rate": 1.0' in out.out and "note:" not in out.err
+    assert cli.main([*ask, "--quantize", "none"]) == 0  # asked for: loaded, and the note says why nothing is reused
+    out = capsys.readouterr()
+    assert '"hit_rate": 0.0' in out.out and "weights int8" in out.err and "weights none" in out.err
 
 
 def test_ingest_with_a_model_that_does_not_load_leaves_no_store_folder(tmp_path: Path,
@@ -365,13 +394,13 @@ def test_the_model_an_index_was_built_with(tmp_path: Path, monkeypatch: pytest.M
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "m.gguf").write_bytes(b"GGUF")
-    assert cli._model_arg("default") is None and cli._model_arg(None) is None
-    assert cli._model_arg("m.gguf") == str(tmp_path / "m.gguf") and cli._model_arg("org/name") == "org/name"
+    assert cli_index.model_arg("default") is None and cli_index.model_arg(None) is None
+    assert cli_index.model_arg("m.gguf") == str(tmp_path / "m.gguf") and cli_index.model_arg("org/name") == "org/name"
     args = argparse.Namespace(model=None, persist="idx")
-    assert cli._index_model(args, {"model": str(tmp_path / "m.gguf")}) == str(tmp_path / "m.gguf")
-    assert cli._index_model(args, {"model": "smollm2-135m-instruct"}) is None
+    assert cli_index.index_model(args, {"model": str(tmp_path / "m.gguf")}) == str(tmp_path / "m.gguf")
+    assert cli_index.index_model(args, {"model": "smollm2-135m-instruct"}) is None
     with pytest.raises(ConfigError, match="relative path that does not exist from here; pass --model"):
-        cli._index_model(args, {"model": "models/elsewhere.gguf"})
+        cli_index.index_model(args, {"model": "models/elsewhere.gguf"})
 
 
 def test_ask_checks_its_arguments_before_loading_a_model_and_ctrl_c_is_one_line(
