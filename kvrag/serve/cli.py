@@ -28,7 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                             "and its manifest names the store and model")
     parser.add_argument("--store", default=None, help="store URL (default: the index's store, else memory://)")
     parser.add_argument("--model", default=None, help="model name or path (default: the index's, else the embedded one)")
-    parser.add_argument("--model-id", default=None, help="the model name clients send (default: the model's name)")
+    parser.add_argument("--model-id", default=None,
+                        help="the model name clients send (default: the model's name; for a local file or folder, its "
+                             "own name, e.g. model.gguf, never its path)")
     parser.add_argument("--method", default=DEFAULT_METHOD,
                         help=f"default fusion method spec (default {DEFAULT_METHOD}; e.g. stale, auto:budget=0.3)")
     parser.add_argument("--host", default="127.0.0.1")
@@ -65,8 +67,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="on shutdown, seconds to let requests in flight finish")
     parser.add_argument("--api-key", action="append", default=None, metavar="KEY",
                         help="a key clients must send as 'Authorization: Bearer KEY' (repeat for several; default: "
-                             "$KVRAG_API_KEY, keys separated by commas); every endpoint but /health answers 401 "
-                             "without one")
+                             "$KVRAG_API_KEY, keys separated by commas); every endpoint but /health and /health/ready "
+                             "answers 401 without one")
     limits = ServeConfig()
     for name, what in (("max_body_bytes", "bytes of a request body (413)"),
                        ("max_messages", "messages of a chat completion (400)"),
@@ -189,6 +191,9 @@ def _serve_on_ray(args: argparse.Namespace, factory: Callable[[], KVRAGEngine], 
                         autoscaling_config=autoscaling)
     print(f"kvrag serve on Ray Serve: {url}/v1 ({'autoscaling' if autoscaling else f'{args.replicas} replicas'})",
           file=sys.stderr)
+    if url != f"http://{args.host}:{args.port}":
+        print(f"note: Ray Serve's proxy was already running on {url}: --host {args.host} --port {args.port} were "
+              "ignored (run `serve shutdown` to start it on another address)", file=sys.stderr)
     stop = {signal.SIGINT, signal.SIGTERM}
     signal.pthread_sigmask(signal.SIG_BLOCK, stop)  # after Ray started: its processes keep the default handling
     signal.sigwait(stop)

@@ -38,7 +38,8 @@ class ServeConfig:
     """Server settings (the engine's own settings are :class:`~kvrag.config.EngineConfig`).
 
     Attributes:
-        model_id: the model name clients send and ``/v1/models`` lists (default: the engine's model name).
+        model_id: the model name clients send and ``/v1/models`` lists (default: the engine's model name; a model
+            loaded from a local file or folder is served as its own name, ``model.gguf``, never its path).
         method: default fusion method spec for requests that name none (default: the engine's ``method``).
         max_queue: most requests the server holds at once (completions decoding or waiting, and chunk
             registrations); more get 429 with ``Retry-After``.

@@ -11,6 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvrag.errors import StoreError
 from kvrag.serve.protocol import openai_error, validation_error_body
 
 log = logging.getLogger(__name__)
@@ -31,6 +32,29 @@ class HTTPProblem(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body, status_code=self.status, headers=self.headers)
+
+
+STORE_UNAVAILABLE = ("the KV store is unavailable: retry later (the server's log has the details; a server started "
+                     "with --on-store-error recompute answers without its store)")
+"""The message of a request failed by the store (503 ``store_unavailable``): it names no host, the log does."""
+
+INTERNAL_ERROR = "internal error: the request failed unexpectedly; the server's log has the details"
+"""The message of a 500 (the exception's text, which may name hosts and paths, goes to the log only)."""
+
+
+def unexpected(exc: BaseException, where: str, svc: object = None) -> HTTPProblem:
+    """The answer to an exception no handler expected, logged with its traceback: 503 ``store_unavailable`` for a
+    :class:`~kvrag.errors.StoreError` (a store that fails with ``on_store_error="raise"``; the app's service ``svc``
+    is told, so that ``/health`` says the store is degraded), else a 500. The answer names neither the exception
+    nor its text (hosts, paths): the log has them. ``where``: the request (``"POST /v1/chat/completions"``)."""
+    if isinstance(exc, StoreError):
+        failed = getattr(svc, "store_failed", None)
+        if failed is not None:
+            failed()
+        log.error("the KV store failed answering %s", where, exc_info=exc)
+        return HTTPProblem(503, STORE_UNAVAILABLE, code="store_unavailable")
+    log.error("unexpected failure answering %s", where, exc_info=exc)
+    return HTTPProblem(500, INTERNAL_ERROR, code="internal_error")
 
 
 class ClientGone(Exception):
@@ -77,8 +101,9 @@ def _gone(request: Request, exc: Exception) -> Response:
 
 
 def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-    log.error("unexpected failure answering %s %s", request.method, request.url.path, exc_info=exc)
-    return HTTPProblem(500, f"internal error: {type(exc).__name__}: {exc}").response()
+    """The last resort (:class:`~kvrag.serve.middleware.Guard` answers what passes it before a response started)."""
+    svc = getattr(request.app.state, "kvrag", None)
+    return unexpected(exc, f"{request.method} {request.url.path}", svc).response()
 
 
 def install(app: FastAPI) -> None:
@@ -90,4 +115,4 @@ def install(app: FastAPI) -> None:
     app.add_exception_handler(Exception, _unexpected)
 
 
-__all__ = ["ClientGone", "HTTPProblem", "ShuttingDown", "install"]
+__all__ = ["INTERNAL_ERROR", "STORE_UNAVAILABLE", "ClientGone", "HTTPProblem", "ShuttingDown", "install", "unexpected"]

@@ -1,5 +1,5 @@
 """The app's outer layer (plain ASGI, so streamed responses and disconnects pass through untouched): API keys, the
-request body limit, and the optional ``X-Kvrag-Server`` header."""
+request body limit, the optional ``X-Kvrag-Server`` header, and the answer to a failure no handler answered."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 from starlette.exceptions import HTTPException
 
-from kvrag.serve.errors import HTTPProblem
+from kvrag.serve.errors import HTTPProblem, unexpected
 
 Message = MutableMapping[str, Any]
 Scope = MutableMapping[str, Any]
@@ -101,6 +101,13 @@ class Guard:
         except _TooLarge:
             if not started:
                 await _answer(_too_large(limit, seen), scope, receive, send)
+        except Exception as e:
+            if started:
+                raise
+            # what no handler of the app answered: OpenAI's error object, logged here; answered without re-raising,
+            # so that the server keeps the client's connection (the app's last-resort handler would drop it)
+            svc = getattr(getattr(scope.get("app"), "state", None), "kvrag", None)
+            await _answer(unexpected(e, f"{scope.get('method')} {scope.get('path')}", svc), scope, receive, send)
 
 
 def _too_large(limit: int, got: int) -> HTTPProblem:

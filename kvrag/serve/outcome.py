@@ -11,7 +11,9 @@ error, the client gone, the server shutting down, an exception nobody expected -
   too), and the duration of an answered request observed.
 
 An exception that is not an :class:`~kvrag.serve.errors.HTTPProblem` leaves the block as one (OpenAI's error object,
-500 or 503), so no path answers a bare error.
+500 or 503), so no path answers a bare error: kvrag's own errors keep their messages (a 400 names the field), an
+unexpected one is logged with its traceback and answered without its text (:func:`kvrag.serve.errors.unexpected`;
+a store that fails with ``--on-store-error raise``: 503 ``store_unavailable``).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from kvrag.engine.cancel import CancelToken, cancel_scope
 from kvrag.errors import ConfigError, ContextLengthError, EngineBusyError, EngineClosedError, RequestCancelledError
-from kvrag.serve.errors import ClientGone, HTTPProblem, ShuttingDown
+from kvrag.serve.errors import ClientGone, HTTPProblem, ShuttingDown, unexpected
 
 if TYPE_CHECKING:
     import collections
@@ -59,6 +61,10 @@ class Host(Protocol):
     aborted: asyncio.Event
 
     def retry_after(self) -> int: ...
+
+    def store_failed(self) -> None: ...
+
+    def store_worked(self, since: float) -> None: ...
 
 class Outcome:
     """A request's outcome (``async with service.outcome(endpoint, request) as out``).
@@ -115,6 +121,7 @@ class Outcome:
             if status == 499:
                 svc.metrics.cancelled.inc()
             elif status == 200 and self._admitted:
+                svc.store_worked(self.arrived)
                 d = time.perf_counter() - self.arrived
                 svc.durations.append(d)
                 svc.metrics.duration.observe(d)
@@ -222,7 +229,8 @@ class Outcome:
             return HTTPProblem(503, str(exc), code="engine_closed")
         if isinstance(exc, RequestCancelledError):  # by the engine's owner (engine.close(cancel=True)), not a client
             return HTTPProblem(503, str(exc), code="request_cancelled")
-        return HTTPProblem(500, f"internal error: {type(exc).__name__}: {exc}")
+        where = self.endpoint if self.request is None else f"{self.request.method} {self.request.url.path}"
+        return unexpected(exc, where, self.svc)  # logged with its traceback; the answer names no host or path
 
 
 __all__ = ["POLL_S", "Outcome"]

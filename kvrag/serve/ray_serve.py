@@ -10,8 +10,11 @@ Each replica builds its own engine (``engine_factory``, called in the replica) a
   actor call; only the new texts travel).
 
 Serve's own settings pass through: ``max_ongoing_requests`` (per replica) and ``autoscaling_config`` (instead of a
-fixed ``num_replicas``). ``/metrics`` and ``/health`` describe the replica that answered (``X-Kvrag-Server``, with
-``ServeConfig(server_header=True)`` / ``kvrag serve --server-header``).
+fixed ``num_replicas``); a replica that is stopped has ``ServeConfig.drain_timeout_s`` (``--drain-timeout``) plus
+:data:`SHUTDOWN_MARGIN_S` to finish its requests (``graceful_shutdown_timeout_s``). :func:`run` refuses to replace an
+application of the same name that Serve already runs, and returns the address of Serve's proxy (a Serve started
+before keeps its own host and port). ``/metrics`` and ``/health`` describe the replica that answered
+(``X-Kvrag-Server``, with ``ServeConfig(server_header=True)`` / ``kvrag serve --server-header``).
 Needs ``pip install 'kvrag[ray-serve]'``.
 """
 
@@ -20,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from kvrag.errors import ConfigError
 from kvrag.extras import require
 
 if TYPE_CHECKING:
@@ -30,6 +34,9 @@ if TYPE_CHECKING:
     from kvrag.serve.config import ServeConfig
 
 TABLE_NAME = "kvrag-serve-chunks"
+
+SHUTDOWN_MARGIN_S = 2.0
+"""Seconds a stopped replica gets past the drain timeout (``graceful_shutdown_timeout_s``) before Ray kills it."""
 
 
 class ChunkTable:
@@ -96,6 +103,8 @@ def application(engine_factory: Callable[[], KVRAGEngine], config: ServeConfig |
         return app
 
     opts: dict[str, object] = {"name": name}
+    if config is not None:  # a replica being stopped gets the app's drain timeout, not Ray's default
+        opts["graceful_shutdown_timeout_s"] = float(config.drain_timeout_s) + SHUTDOWN_MARGIN_S
     if autoscaling_config:
         opts["autoscaling_config"] = autoscaling_config
     else:
@@ -115,8 +124,26 @@ def run(engine_factory: Callable[[], KVRAGEngine], config: ServeConfig | None = 
     serve = require("ray.serve", "ray-serve", "kvrag serve --ray")
     if not ray.is_initialized():
         ray.init(address=address, namespace="kvrag", log_to_driver=False)
+    running = serve.status().applications
+    if name in running:
+        state = getattr(running[name], "status", "")
+        msg = (f"Ray Serve on this cluster already runs an application named {name!r} ({state}); deploying would "
+               "replace it: stop the `kvrag serve --ray` that deployed it (Ctrl-C), or run `serve shutdown` "
+               "against the cluster, then start again")
+        raise ConfigError(msg)
     serve.start(http_options={"host": host, "port": int(port)})
     serve.run(application(engine_factory, config, name=name, **kw), name=name, route_prefix="/")
+    return proxy_url(serve, host, int(port))
+
+
+def proxy_url(serve: Any, host: str, port: int) -> str:
+    """The base URL of Serve's HTTP proxy: its own host and port (a cluster whose Serve was started before keeps
+    its proxy and ignores the ones asked for), else ``host:port``."""
+    try:
+        cfg = serve.context._get_global_client().http_config
+        host, port = str(cfg.host), int(cfg.port)
+    except Exception:  # noqa: BLE001 - Ray's client is not public API: fall back to what was asked for
+        pass
     return f"http://{host}:{port}"
 
 
@@ -131,4 +158,5 @@ def shutdown(name: str = "kvrag") -> None:
         pass
 
 
-__all__ = ["TABLE_NAME", "ChunkTable", "RayChunkSync", "application", "run", "shutdown"]
+__all__ = ["SHUTDOWN_MARGIN_S", "TABLE_NAME", "ChunkTable", "RayChunkSync", "application", "proxy_url", "run",
+           "shutdown"]

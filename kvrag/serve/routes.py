@@ -54,7 +54,7 @@ class EventStream(StreamingResponse):
 
 
 def _headers(svc: KVRAGService) -> dict[str, str]:
-    if svc.store_degraded():
+    if svc.store_recomputing():
         svc.metrics.store_degraded.inc()
         return {"Warning": STORE_WARNING}
     return {}
@@ -120,16 +120,17 @@ async def model(model_id: str, svc: Service) -> JSONObject:
 
 
 @router.post("/v1/kvrag/chunks")
-async def register_chunks(body: ChunksRequest, request: Request, svc: Service) -> JSONObject:
+async def register_chunks(body: ChunksRequest, request: Request, svc: Service) -> JSONResponse:
     """Register passages and cache the missing ones; one ``{"key", "cached", "tokens"}`` per text, in order. The
-    registration holds a place in the queue and stops when its client leaves."""
+    registration holds a place in the queue and stops when its client leaves. With the store down the caches are
+    computed but not kept: the response carries the ``Warning`` header of :data:`STORE_WARNING`."""
     svc.check_texts(body.texts)
     async with svc.outcome("chunks", request) as out:
         out.admit()
         data = await out.run(svc.register, body.texts)
         if svc.sync is not None:
             await out.guard(svc.sync.push([t for t, d in zip(body.texts, data, strict=True) if d["key"] is not None]))
-        return {"object": "list", "data": data, "registered": len(svc.chunks)}
+        return JSONResponse({"object": "list", "data": data, "registered": len(svc.chunks)}, headers=_headers(svc))
 
 
 @router.get("/health")

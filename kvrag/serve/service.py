@@ -16,6 +16,7 @@ import os
 import statistics
 import time
 from collections.abc import AsyncGenerator, Iterator, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from kvrag import adapters
@@ -71,6 +72,20 @@ def refuse_paths(spec: str | None, params: Mapping[str, object]) -> None:
                               code="path_not_allowed")
 
 
+def default_model_id(name: str) -> str:
+    """The id a model loaded by ``name`` is served as (without ``--model-id``): a local file or folder's own name
+    (``/models/gemma-3-270m-q4_k_m.gguf`` -> ``gemma-3-270m-q4_k_m.gguf``: clients are not told the server's
+    paths), else ``name`` as it is (an alias or a Hugging Face id such as ``HuggingFaceTB/SmolLM2-135M-Instruct``)."""
+    path = Path(name).expanduser()
+    local = path.suffix.lower() == ".gguf" or path.is_absolute() or name.startswith((".", "~"))
+    if not local:
+        try:
+            local = os.sep in name and path.exists()
+        except OSError:  # a name the filesystem cannot look up (too long, bad characters) is no path of ours
+            local = False
+    return path.name if local and path.name else name
+
+
 class KVRAGService:
     """The endpoints' state and work.
 
@@ -82,7 +97,7 @@ class KVRAGService:
     def __init__(self, engine: KVRAGEngine, config: ServeConfig | None = None) -> None:
         self.engine = engine
         self.config = config or ServeConfig()
-        self.model_id = self.config.model_id or str(getattr(engine.loaded, "name", "kvrag"))
+        self.model_id = self.config.model_id or default_model_id(str(getattr(engine.loaded, "name", "kvrag")))
         self.chunks = adapters.RecentChunks(self.config.max_registered_chunks, self.config.max_registered_chars)
         self.metrics = Metrics(engine)
         self.held = 0
@@ -96,6 +111,7 @@ class KVRAGService:
         self.draining = False
         self.aborted = asyncio.Event()
         self._progress: tuple[int, float] = (-1, time.monotonic())
+        self._store_failed_at: float | None = None
         self.default_method = engine.method(self.config.method) if self.config.method else None
 
     def outcome(self, endpoint: str, request: Request | None = None) -> Outcome:
@@ -234,8 +250,27 @@ class KVRAGService:
         self.metrics.observe_prepared(prep, out.arrived)
         return job
 
-    def store_degraded(self) -> bool:
+    def store_recomputing(self) -> bool:
+        """True while the engine's :class:`~kvrag.store.fallback.FallbackStore` answers without the store
+        (``on_store_error="recompute"``): responses carry the ``Warning`` header."""
         return bool(getattr(self.engine.serving_store, "degraded", False))
+
+    def store_degraded(self) -> bool:
+        """True while the store is down (``/health``'s ``store``): the engine recomputes (:meth:`store_recomputing`),
+        or, with ``on_store_error="raise"``, a request failed on the store (:meth:`store_failed`) and no request that
+        arrived since has succeeded (:meth:`store_worked`)."""
+        return self._store_failed_at is not None or self.store_recomputing()
+
+    def store_failed(self) -> None:
+        """A request failed on the store (a :class:`~kvrag.errors.StoreError` reached the server)."""
+        self._store_failed_at = time.perf_counter()
+
+    def store_worked(self, since: float) -> None:
+        """A request that arrived at ``since`` (``time.perf_counter()``) succeeded: a store failure before then is
+        over."""
+        failed = self._store_failed_at
+        if failed is not None and since > failed:
+            self._store_failed_at = None
 
     async def tokens(self, job: Job, arrived: float) -> AsyncGenerator[str, None]:
         """The request's text deltas, decoded in the engine's batch (one worker thread drives the stream; closing
@@ -326,4 +361,4 @@ class KVRAGService:
         return problems, body
 
 
-__all__ = ["PATH_PARAMS", "REGISTER_BATCH", "ChunkSync", "KVRAGService", "refuse_paths"]
+__all__ = ["PATH_PARAMS", "REGISTER_BATCH", "ChunkSync", "KVRAGService", "default_model_id", "refuse_paths"]

@@ -318,6 +318,8 @@ def test_store_down_recomputes_with_a_warning_header(lm: Any, redis_server: Any)
         assert down.status_code == 200 and down.headers["Warning"] == STORE_WARNING
         assert down.json()["choices"] == ok.json()["choices"] and down.json()["kvrag"]["chunk_misses"] == 2
         assert c.get("/health").json()["store"] == "degraded"
+        reg = c.post("/v1/kvrag/chunks", json={"texts": PASSAGES})  # computed, not stored: flagged the same way
+        assert reg.status_code == 200 and reg.headers["Warning"] == STORE_WARNING
     store.close()
 
 

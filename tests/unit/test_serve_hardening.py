@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import json
+import logging
 import os
 import threading
 from collections.abc import Iterator
@@ -105,25 +106,31 @@ def test_seed_overflow_repeated_leaves_no_kv_and_chat_still_answers(engine: KVRA
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_failure_after_prepare_releases_the_lease_and_answers_openai_error(
-        engine: KVRAGEngine, client: Any, monkeypatch: pytest.MonkeyPatch, stream: bool) -> None:
+        engine: KVRAGEngine, client: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        stream: bool) -> None:
     """The stream cannot start after prepare reserved KV (the sampler's generator refuses its seed, as a seed past
-    64 bits did): the lease goes back, the answer is OpenAI's error object (a 500, or an error event)."""
+    64 bits did): the lease goes back, the answer is OpenAI's error object (a 500, or an error event) that says
+    nothing of the exception (its text can name hosts and paths), and the server logs it with its traceback."""
     before = metric(client, 'kvrag_requests_total{endpoint="chat",status="500"}')
 
     def refuse(self: Any, *a: Any, **kw: Any) -> None:
-        raise ValueError("Overflow when unpacking long long")
+        raise ValueError("Overflow when unpacking long long at /srv/secret/path")
 
     monkeypatch.setattr(generate.DecodeState, "__init__", refuse)
+    caplog.set_level(logging.ERROR, logger="kvrag.serve")
     if stream:
         with client.stream("POST", "/v1/chat/completions", json=chat(stream=True)) as r:
             assert r.status_code == 200
             events = [json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: {")]
         err = events[-1]["error"]
-        assert err["type"] == "server_error" and "ValueError" in err["message"]
+        assert err["type"] == "server_error" and err["code"] == "internal_error"
     else:
         r = client.post("/v1/chat/completions", json=chat())
-        assert "ValueError" in is_openai_error(r, 500)["message"]
+        err = is_openai_error(r, 500, code="internal_error")
         assert metric(client, 'kvrag_requests_total{endpoint="chat",status="500"}') == before + 1
+    assert "server's log" in err["message"] and "ValueError" not in err["message"] and "/srv" not in err["message"]
+    logged = [rec for rec in caplog.records if rec.exc_info and "Overflow" in str(rec.exc_info[1])]
+    assert len(logged) == 1 and "POST /v1/chat/completions" in logged[0].getMessage(), caplog.records
     monkeypatch.undo()
     wait_until(lambda: idle(engine))
     assert client.get("/health").json()["in_flight"] == 0
