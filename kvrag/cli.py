@@ -241,7 +241,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         store = "memory://"
         print("note: no --persist or --store: chunk caches live in memory and are lost when the server stops",
               file=sys.stderr)
-    return serve_cli.run(args, model, store, man.get("chunk_prefix", "template"))
+    return serve_cli.run(args, model, store, man.get("chunk_prefix", "template"), index_quantize(args, man))
 
 
 def build_parser() -> argparse.ArgumentParser:

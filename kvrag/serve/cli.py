@@ -28,6 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                             "and its manifest names the store and model")
     parser.add_argument("--store", default=None, help="store URL (default: the index's store, else memory://)")
     parser.add_argument("--model", default=None, help="model name or path (default: the index's, else the embedded one)")
+    parser.add_argument("--quantize", default="default", choices=["default", "none", "int8", "int4"],
+                        help="weights of the decode-sized products (default: the index's, else kvrag's choice for the "
+                             "model on this machine; docs/quantization.md)")
     parser.add_argument("--model-id", default=None,
                         help="the model name clients send (default: the model's name; for a local file or folder, its "
                              "own name, e.g. model.gguf, never its path)")
@@ -100,9 +103,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              '\'{"min_replicas": 1, "max_replicas": 4}\'')
 
 
-def run(args: argparse.Namespace, model: str | None, store: str, chunk_prefix: str) -> int:
-    """Serve until SIGINT/SIGTERM (``model`` / ``store`` / ``chunk_prefix`` resolved by the caller from the options
-    and the ``--persist`` manifest)."""
+def run(args: argparse.Namespace, model: str | None, store: str, chunk_prefix: str, quantize: str = "default") -> int:
+    """Serve until SIGINT/SIGTERM (``model`` / ``store`` / ``chunk_prefix`` / ``quantize`` resolved by the caller from
+    the options and the ``--persist`` manifest)."""
     require("fastapi", "serve", "kvrag serve")  # before loading a model for nothing
     require("uvicorn", "serve", "kvrag serve")
     from kvrag.serve import create_app, serve
@@ -115,7 +118,8 @@ def run(args: argparse.Namespace, model: str | None, store: str, chunk_prefix: s
                                 max_batch_size=args.max_batch_size, speculative_tokens=args.speculative_tokens,
                                 speculative_max_batch=args.speculative_max_batch,
                                 pack_suffixes=args.pack_suffixes, conversation_cache_bytes=args.conversation_cache_bytes,
-                                move_history=args.move_history, kv_dtype=args.kv_dtype, warm=args.warm_up)
+                                move_history=args.move_history, kv_dtype=args.kv_dtype, warm=args.warm_up,
+                                quantize=quantize)
     keys = tuple(args.api_key) if args.api_key else keys_from_env()
     try:
         cfg = ServeConfig(model_id=args.model_id, max_queue=args.max_queue, default_max_tokens=args.default_max_tokens,
@@ -133,7 +137,12 @@ def run(args: argparse.Namespace, model: str | None, store: str, chunk_prefix: s
               "docs/serve.md#deploying)", file=sys.stderr)
     if args.ray is not None:
         return _serve_on_ray(args, factory, cfg, store)
-    app = create_app(factory(), cfg, persist=args.persist, close_engine=True)
+    engine = factory()
+    if args.persist:
+        from kvrag.cli_index import manifest, note_other_model
+
+        note_other_model(args.persist, manifest(args.persist), engine)
+    app = create_app(engine, cfg, persist=args.persist, close_engine=True)
     print(f"kvrag serve: {app.state.kvrag.model_id} ({args.method}) on http://{args.host}:{args.port}/v1, "
           f"{len(app.state.kvrag.chunks)} chunks registered", file=sys.stderr)
     serve(app, args.host, args.port, drain_timeout_s=args.drain_timeout, log_level="debug" if args.verbose else "info")

@@ -13,6 +13,7 @@ import json
 import threading
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -321,6 +322,36 @@ def test_store_down_recomputes_with_a_warning_header(lm: Any, redis_server: Any)
         reg = c.post("/v1/kvrag/chunks", json={"texts": PASSAGES})  # computed, not stored: flagged the same way
         assert reg.status_code == 200 and reg.headers["Warning"] == STORE_WARNING
     store.close()
+
+
+def test_serve_loads_the_quantization_its_index_was_built_with(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """`kvrag serve --persist IDX` loaded the default quantization whatever the index was built with (another model
+    fingerprint: every cache computed again, silently) and had no --quantize."""
+    import types
+
+    import torch
+
+    import kvrag.serve
+    from kvrag import cli
+
+    seen: dict[str, Any] = {}
+
+    def load(*a: Any, **kw: Any) -> Any:
+        seen.update(kw)
+        return types.SimpleNamespace(loaded=types.SimpleNamespace(
+            fingerprint=f"fp-{kw['quantize']}", dtype=torch.bfloat16, quantize=kw["quantize"]))
+
+    monkeypatch.setattr(KVRAGEngine, "from_pretrained", load)
+    app = types.SimpleNamespace(state=types.SimpleNamespace(kvrag=types.SimpleNamespace(model_id="m", chunks=[])))
+    monkeypatch.setattr(kvrag.serve, "create_app", lambda *a, **kw: app)
+    monkeypatch.setattr(kvrag.serve, "serve", lambda *a, **kw: None)
+    (tmp_path / "index.json").write_text(json.dumps({"quantize": "int8", "model_fingerprint": "fp-int8",
+                                                    "dtype": "bfloat16"}))
+    assert cli.main(["serve", "--persist", str(tmp_path), "--no-warm-up"]) == 0
+    assert seen["quantize"] == "int8" and "note:" not in capsys.readouterr().err
+    assert cli.main(["serve", "--persist", str(tmp_path), "--no-warm-up", "--quantize", "none"]) == 0
+    assert seen["quantize"] == "none" and "weights int8" in capsys.readouterr().err
 
 
 def test_serve_options_reach_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
