@@ -72,6 +72,10 @@ def refuse_paths(spec: str | None, params: Mapping[str, object]) -> None:
                               code="path_not_allowed")
 
 
+STORE_USAGE_TTL_S = 10.0
+"""Seconds a reading of the store's size serves the ``--max-store-bytes`` quota (see ``KVRAGService._check_store``)."""
+
+
 def default_model_id(name: str) -> str:
     """The id a model loaded by ``name`` is served as (without ``--model-id``): a local file or folder's own name
     (``/models/gemma-3-270m-q4_k_m.gguf`` -> ``gemma-3-270m-q4_k_m.gguf``: clients are not told the server's
@@ -112,6 +116,7 @@ class KVRAGService:
         self.aborted = asyncio.Event()
         self._progress: tuple[int, float] = (-1, time.monotonic())
         self._store_failed_at: float | None = None
+        self._store_usage: tuple[float, int] | None = None  # (time.monotonic(), bytes) of the last quota reading
         self.default_method = engine.method(self.config.method) if self.config.method else None
 
     def outcome(self, endpoint: str, request: Request | None = None) -> Outcome:
@@ -153,10 +158,16 @@ class KVRAGService:
         return encoded
 
     def _check_store(self) -> None:
+        """The ``--max-store-bytes`` quota. Reading a store's size can scan it (every key of a Redis), so a reading is
+        reused for :data:`STORE_USAGE_TTL_S` unless this server stored new caches since (other servers sharing the
+        store are seen within that time)."""
         limit = self.config.max_store_bytes
         if limit is None:
             return
-        used = self.engine.serving_store.stats().get("bytes") or 0
+        now = time.monotonic()
+        if self._store_usage is None or now - self._store_usage[0] >= STORE_USAGE_TTL_S:
+            self._store_usage = (now, int(self.engine.serving_store.stats().get("bytes") or 0))
+        used = self._store_usage[1]
         if used >= limit:
             raise HTTPProblem(413, f"the KV store holds {used} bytes, its quota is {limit} (--max-store-bytes): "
                                    "nothing more is registered", param="texts", code="store_quota_exceeded")
@@ -178,6 +189,8 @@ class KVRAGService:
                 if c is not None and hash(t) not in self._known:
                     self._known.add(hash(t))
                     self.registered_bytes += len(t.encode())
+            if any(c is not None and not was for c, was in got):
+                self._store_usage = None  # this server stored new caches: the next quota check reads the store again
             out += [{"key": None if c is None else c.key, "cached": bool(was),
                      "tokens": 0 if c is None or c.token_ids is None else len(c.token_ids)} for c, was in got]
         return out
@@ -361,4 +374,4 @@ class KVRAGService:
         return problems, body
 
 
-__all__ = ["PATH_PARAMS", "REGISTER_BATCH", "ChunkSync", "KVRAGService", "default_model_id", "refuse_paths"]
+__all__ = ["PATH_PARAMS", "REGISTER_BATCH", "STORE_USAGE_TTL_S", "ChunkSync", "KVRAGService", "default_model_id", "refuse_paths"]
