@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -31,7 +32,7 @@ ANSWER_TOKENS = 24
 
 
 @torch.inference_mode()
-def decode(model: torch.nn.Module, stop: set[int], keys: torch.Tensor, values: torch.Tensor,
+def decode(model: Any, stop: set[int], keys: torch.Tensor, values: torch.Tensor,
            suffix: list[int]) -> tuple[list[int], torch.Tensor]:
     """Greedy answer tokens after the context K/V [L, H, T, D] and the suffix, and the first step's log-probs."""
     start = keys.shape[2]
@@ -55,7 +56,7 @@ def main(data: str, offset: int, limit: int, ks: list[int], out: Path) -> None:
     eos = model.generation_config.eos_token_id
     stop = set(eos if isinstance(eos, list) else [eos]) | {tok.eos_token_id}
     layers = len(hf_cache.decoder_layers(model))
-    rows = []
+    rows: list[dict[str, Any]] = []
     for i, req in enumerate(load_requests(data, limit, offset)):
         plan, _ = bench.plan(req)
         if not bench._fits(plan):
@@ -75,7 +76,7 @@ def main(data: str, offset: int, limit: int, ks: list[int], out: Path) -> None:
         suffix = list(plan.suffix.token_ids)
         ref_tokens, ref_lp = decode(model, stop, *caches.pop("full"), suffix)
         ref_answer = bench.extract(tok.decode(ref_tokens, skip_special_tokens=True))
-        row: dict[str, object] = {"row": offset + i, "context_tokens": t}
+        row: dict[str, Any] = {"row": offset + i, "context_tokens": t}
         for name, (kk, vv) in caches.items():
             tokens, lp = decode(model, stop, kk, vv, suffix)
             answer = bench.extract(tok.decode(tokens, skip_special_tokens=True))
