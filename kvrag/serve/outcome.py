@@ -66,6 +66,7 @@ class Host(Protocol):
 
     def store_worked(self, since: float) -> None: ...
 
+
 class Outcome:
     """A request's outcome (``async with service.outcome(endpoint, request) as out``).
 
