@@ -154,6 +154,10 @@ class FilePages:
             self.mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
+def _needs_grad(x: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and x.requires_grad
+
+
 class GGUFLinear(torch.nn.Module):
     """A linear layer whose weight is a GGUF tensor's raw blocks (``blocks``: uint8 [out, row bytes]), see the
     module docstring. ``weight`` is a meta tensor of the weight's shape and compute dtype (for code that reads
@@ -244,7 +248,9 @@ class GGUFLinear(torch.nn.Module):
         inner: torch.Tensor | None = self.bias  # in the blocks' row order, added in each product as a dense layer does
         if inner is not None and self.order is not None:
             inner = torch.empty_like(inner).index_copy_(0, self.order, inner)
-        own = self.scratch.lock.acquire(blocking=False)
+        # a product autograd records keeps its weight tile for backward: a tile of its own, not the shared scratch
+        # buffer the next tile overwrites
+        own = not any(_needs_grad(x) for x in flats) and self.scratch.lock.acquire(blocking=False)
         try:
             if step >= self.out_features:
                 w = self.dense_tile(0, self.out_features, dtype, own)
@@ -264,7 +270,10 @@ class GGUFLinear(torch.nn.Module):
                 self.pages.give_back()
 
     def _decode_sized(self, x: torch.Tensor) -> bool:
-        """Whether :meth:`forward` multiplies ``x`` on the decode products (int4 weights, or the de-quantizing dot)."""
+        """Whether :meth:`forward` multiplies ``x`` on the decode products (int4 weights, or the de-quantizing dot);
+        never where autograd needs the product (the kernels have no backward): the dense route then."""
+        if _needs_grad(x):
+            return False
         small = x.numel() <= quant.MAX_ROWS * x.shape[-1]
         return x.is_cpu and ((self.dot is not None and 0 < x.numel() and small)
                              or (self.int4 is not None and (self.all_rows or small)))

@@ -292,6 +292,27 @@ def test_dense_route_takes_strided_and_batched_inputs_tile_by_tile(blocks_file: 
             torch.testing.assert_close(y, torch.nn.functional.linear(x, weight), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_gradients_through_a_resident_layer_are_the_dense_layers(blocks_file: Path, monkeypatch, qtype: str) -> None:
+    """Autograd through a GGUF layer (training soft tokens or a probe through the frozen model) gave wrong input
+    gradients without an error: each weight tile was de-quantized into the model's shared scratch buffer, which the
+    next tile overwrote before backward read it; decode-sized products took kernels without autograd. With
+    gradients wanted the layer computes on tiles of its own, for any number of rows."""
+    raw, _ = _resident(blocks_file)[qtype]
+    weight = gguf_quant.dequantize(raw, qtype, COLS)
+    monkeypatch.setattr(gguf_quant, "TILE_WEIGHTS", 16 * COLS)  # several tiles
+    lin = GGUFLinear(raw, qtype, COLS, torch.float32, gguf_quant.Scratch())
+    lin.use_int4()
+    for rows in (3, 40):  # a decode-sized product and a prefill-sized one
+        x = torch.randn(rows, COLS, generator=torch.Generator().manual_seed(rows), requires_grad=True)
+        up = torch.randn(rows, weight.shape[0], generator=torch.Generator().manual_seed(7))
+        (lin(x) * up).sum().backward()
+        ref = x.detach().clone().requires_grad_(True)
+        (torch.nn.functional.linear(ref, weight) * up).sum().backward()
+        assert x.grad is not None and ref.grad is not None
+        torch.testing.assert_close(x.grad, ref.grad, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize(("qtype", "dtype"), [("Q4_K", torch.float32), ("Q4_K", torch.bfloat16),
                                                ("Q6_K", torch.bfloat16), ("Q8_0", torch.float32)])
 def test_segments_get_the_products_they_get_alone_from_one_de_quantization(blocks_file: Path, monkeypatch,
