@@ -21,6 +21,7 @@ Needs ``pip install 'kvrag[ray-serve]'``.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from kvrag.errors import ConfigError
@@ -136,8 +137,8 @@ def run(engine_factory: Callable[[], KVRAGEngine], config: ServeConfig | None = 
     return proxy_url(serve, host, int(port))
 
 
-def proxy_url(serve: Any, host: str, port: int) -> str:
-    """The base URL of Serve's HTTP proxy: its own host and port (a cluster whose Serve was started before keeps
+def proxy_url(serve: ModuleType, host: str, port: int) -> str:
+    """The base URL of Serve's HTTP proxy (``serve``: the ``ray.serve`` module): its own host and port (a cluster whose Serve was started before keeps
     its proxy and ignores the ones asked for), else ``host:port``."""
     try:
         cfg = serve.context._get_global_client().http_config
