@@ -89,6 +89,19 @@ def test_empty_and_whitespace_documents(tmp_path: Path, eng: KVRAGEngine, capsys
         read_documents(tmp_path / "missing")
 
 
+def _saved_model_and_docs(tmp_path: Path) -> Path:
+    """A tiny model saved as a checkpoint folder (what ``--model`` takes) and one document in ``tmp_path/docs``."""
+    pytest.importorskip("faiss")
+    pytest.importorskip("sentence_transformers")
+    model = tmp_path / "model"
+    lm = tiny_model("llama")
+    lm.model.save_pretrained(model)
+    lm.tokenizer.save_pretrained(model)
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.md").write_text("The ferry leaves the harbour at dawn and returns at dusk.")
+    return model
+
+
 def test_a_store_password_is_never_written_to_the_index(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                        capsys: pytest.CaptureFixture[str]) -> None:
     """`kvrag ingest --store redis://:PASSWORD@...` wrote the URL, password and all, into PERSIST/index.json (a
@@ -105,12 +118,7 @@ def test_a_store_password_is_never_written_to_the_index(tmp_path: Path, monkeypa
         return DiskStore(tmp_path / "kv")
 
     monkeypatch.setitem(factory._REGISTRY, "pwtest", secret_store)
-    model = tmp_path / "model"
-    lm = tiny_model("llama")
-    lm.model.save_pretrained(model)
-    lm.tokenizer.save_pretrained(model)
-    (tmp_path / "docs").mkdir()
-    (tmp_path / "docs" / "a.md").write_text("The ferry leaves the harbour at dawn and returns at dusk.")
+    model = _saved_model_and_docs(tmp_path)
     url, persist = "pwtest://:s3cret@127.0.0.1:6379/0?password=s3cret", str(tmp_path / "idx")
     assert cli.main(["ingest", str(tmp_path / "docs"), "--persist", persist, "--store", url, "--model", str(model),
                      "--chunk-tokens", "32"]) == 0
@@ -131,12 +139,7 @@ def test_ask_loads_the_quantization_the_index_was_built_with(tmp_path: Path,
     serve load the index's quantization unless --quantize says otherwise, and say so when the model differs."""
     pytest.importorskip("faiss")
     pytest.importorskip("sentence_transformers")
-    model = tmp_path / "model"
-    lm = tiny_model("llama")
-    lm.model.save_pretrained(model)
-    lm.tokenizer.save_pretrained(model)
-    (tmp_path / "docs").mkdir()
-    (tmp_path / "docs" / "a.md").write_text("The ferry leaves the harbour at dawn and returns at dusk.")
+    model = _saved_model_and_docs(tmp_path)
     persist = str(tmp_path / "idx")
     assert cli.main(["ingest", str(tmp_path / "docs"), "--persist", persist, "--model", str(model),
                      "--chunk-tokens", "32", "--quantize", "int8"]) == 0
