@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
 
 def manifest(persist: str | None) -> IndexManifest:
+    """The index's ``index.json`` at ``persist`` (empty when there is none or it does not parse as an object)."""
     if not persist:
         return {}
     p = Path(persist) / "index.json"
@@ -65,11 +66,11 @@ def model_arg(model: str | None) -> str | None:
     return str(p.resolve()) if p.exists() else model
 
 
-def index_model(args: argparse.Namespace, manifest: Mapping[str, object]) -> str | None:
-    """--model, else the model the index at --persist was built with (its manifest's)."""
+def index_model(args: argparse.Namespace, man: Mapping[str, object]) -> str | None:
+    """--model, else the model the index at --persist was built with (its manifest ``man``'s)."""
     if args.model:
         return model_arg(args.model)
-    recorded = manifest.get("model")
+    recorded = man.get("model")
     model = model_arg(str(recorded) if recorded else None)
     if model and not Path(model).is_absolute() and model.endswith(".gguf"):
         # an index written before paths were recorded absolute: relative to the directory ingest ran in
