@@ -270,10 +270,10 @@ def test_ray_run_refuses_to_replace_a_running_kvrag_app(monkeypatch: pytest.Monk
 
 
 def test_ray_run_reports_the_proxys_own_address(monkeypatch: pytest.MonkeyPatch) -> None:
-    serve = FakeServe({"other": types.SimpleNamespace(status="RUNNING")}, ("0.0.0.0", 8000))
+    serve = FakeServe({"other": types.SimpleNamespace(status="RUNNING")}, ("127.0.0.2", 8000))
     fake_ray(monkeypatch, serve)
     url = ray_serve.run(lambda: None, ServeConfig(), port=8001)  # type: ignore[arg-type,return-value]
-    assert url == "http://0.0.0.0:8000"  # the proxy Serve already ran, not the port asked for
+    assert url == "http://127.0.0.2:8000"  # the proxy Serve already ran, not the port asked for
     assert [c for c, _ in serve.calls] == ["start", "run"]
 
 
