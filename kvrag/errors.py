@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class KVRAGError(Exception):
     """Base class of every error kvrag raises on purpose."""
@@ -24,7 +26,14 @@ class CacheMismatchError(KVRAGError):
 
 
 class StoreError(KVRAGError):
-    """A storage backend failed (unreachable, disk full, permission)."""
+    """A storage backend failed (unreachable, disk full, permission).
+
+    Attributes:
+        partial: for a read of several keys, what was found before the failure (one entry per key, None where
+            nothing was), when the store could tell -- a tiered store's front tier; None otherwise.
+    """
+
+    partial: list[Any] | None = None
 
 
 class ContextLengthError(KVRAGError, ValueError):

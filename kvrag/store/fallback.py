@@ -128,8 +128,8 @@ class FallbackStore(KVStore):
             out = fn()
         except StoreError as e:
             self.mark_down(op, e)
-            partial = getattr(e, "partial", None)  # what a tiered store's front tier found before its back failed
-            if op == "get" and isinstance(partial, list) and isinstance(default, list) and len(partial) == len(default):
+            partial = e.partial  # what a tiered store's front tier found before its back failed
+            if op == "get" and partial is not None and isinstance(default, list) and len(partial) == len(default):
                 return cast("T", partial)
             return default
         if not reads_go:  # a read that works says nothing about the writes that failed

@@ -49,7 +49,7 @@ class TieredStore(KVStore):
             try:
                 found = self.back.get_many([keys[i] for i in missing])
             except StoreError as e:  # the front tier's hits still stand (FallbackStore answers with them)
-                e.partial = list(out)  # type: ignore[attr-defined]
+                e.partial = list(out)
                 raise
             fill: list[tuple[str, ChunkKV]] = []
             for i, c in zip(missing, found, strict=True):
