@@ -245,13 +245,11 @@ def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase, memo: str | os.Pat
     versions and the tokenizer's cheap runtime state (its length, added tokens, special tokens, chat template,
     padding / truncation); a tokenizer loaded from elsewhere is digested as without it.
     """
-    key = _tokenizer_memo_key(tokenizer, memo) if memo is not None else None
-    if key is not None and memo is not None:
-        got = _memo_read(memo).get(key)
-        if isinstance(got, str):
-            return got
-    digest = _tokenizer_digest(tokenizer)
-    return _memo_write(memo, key, digest) if key is not None and memo is not None else digest
+    key = None if memo is None else _tokenizer_memo_key(tokenizer, memo)
+    if memo is None or key is None:
+        return _tokenizer_digest(tokenizer)
+    got = _memo_read(memo).get(key)
+    return got if isinstance(got, str) else _memo_write(memo, key, _tokenizer_digest(tokenizer))
 
 
 def _tokenizer_digest(tokenizer: PreTrainedTokenizerBase) -> str:
