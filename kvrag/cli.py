@@ -18,9 +18,10 @@ from kvrag.cli_index import (
     manifest,
     model_arg,
     note_other_model,
+    own_store_url,
     store_url,
 )
-from kvrag.config import DEFAULT_METHOD
+from kvrag.config import DEFAULT_METHOD, DEFAULT_MODEL
 from kvrag.errors import KVRAGError
 
 if TYPE_CHECKING:
@@ -110,7 +111,7 @@ def cmd_ingest(args: argparse.Namespace) -> int:
         keys = eng.ingest(texts, progress=True, batch_size=args.batch_size)
     embedder = load_embedder()
     record: IndexManifest = {
-        "model": model or "smollm2-135m-instruct",
+        "model": model or DEFAULT_MODEL,
         "model_fingerprint": eng.loaded.fingerprint,
         "chunk_prefix": args.chunk_prefix,
         "chunk_tokens": args.chunk_tokens,
@@ -212,7 +213,7 @@ def _keep_fingerprints(args: argparse.Namespace) -> list[str] | None:
     recorded = manifest(persist).get("model_fingerprint")
     # the manifest speaks for the index's own file store only: a store named by --store or the manifest may be
     # shared by other indexes, models, dtypes (a Redis), whose entries are theirs, not damage
-    if not fps and recorded and persist and store_url(args) == "file://" + str((Path(persist) / "kv").resolve()):
+    if not fps and recorded and persist and store_url(args) == own_store_url(persist):
         fps.append(str(recorded))
     return fps or None
 
@@ -241,7 +242,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         store = "memory://"
         print("note: no --persist or --store: chunk caches live in memory and are lost when the server stops",
               file=sys.stderr)
-    return serve_cli.run(args, model, store, man.get("chunk_prefix", "template"), index_quantize(args, man))
+    return serve_cli.run(args, model, store, man.get("chunk_prefix", "template"), index_quantize(args, man), man)
 
 
 def build_parser() -> argparse.ArgumentParser:

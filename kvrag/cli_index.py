@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvrag.config import names_default_model
 from kvrag.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -48,12 +49,17 @@ def store_url(args: argparse.Namespace) -> str:
         raise ConfigError(msg)
     if recorded:
         return str(recorded)
-    return "file://" + str((Path(args.persist) / "kv").resolve())
+    return own_store_url(args.persist)
+
+
+def own_store_url(persist: str) -> str:
+    """The index's own file store, ``PERSIST/kv`` (``kvrag ingest``'s default)."""
+    return "file://" + str((Path(persist) / "kv").resolve())
 
 
 def is_default_model(model: str | None) -> bool:
     """--model naming the embedded default model: omitted, 'default' (every command takes it) or its name."""
-    return model in (None, "", "default", "smollm2-135m-instruct")
+    return model == "" or names_default_model(model)
 
 
 def model_arg(model: str | None) -> str | None:
@@ -101,4 +107,4 @@ def note_other_model(persist: str, man: IndexManifest, eng: KVRAGEngine) -> None
 
 
 __all__ = ["index_model", "index_quantize", "is_default_model", "manifest", "model_arg", "note_other_model",
-           "store_url"]
+           "own_store_url", "store_url"]

@@ -7,6 +7,16 @@ from typing import Any
 
 from kvrag.errors import ConfigError
 
+DEFAULT_MODEL = "smollm2-135m-instruct"
+"""Alias of the embedded default model (``load_model()`` / ``load_model(DEFAULT_MODEL)``; :mod:`kvrag.default_model`
+prepares it)."""
+
+
+def names_default_model(model: object) -> bool:
+    """Whether ``model`` names the embedded default model: None, ``"default"`` (as the CLI's ``--model``) or
+    :data:`DEFAULT_MODEL`."""
+    return model is None or str(model) in ("default", DEFAULT_MODEL)
+
 DEFAULT_METHOD = "auto:agree=0.9"
 """The engine's default fusion method (and the CLI's, the server's and the adapters'): the one that keeps the answer
 ``full`` gives (by measurement, see docs/results/fidelity.md), escalating the repair per request, up to ``full``,

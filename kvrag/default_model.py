@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvrag.config import DEFAULT_MODEL  # re-exported: the name is kvrag.config's, which the CLI reads without torch
 from kvrag.errors import ConfigError, UnsupportedModelError
 from kvrag.extras import require
 from kvrag.gguf_marker import CONVERSION_FORMAT as _CONVERSION_FORMAT
@@ -45,9 +46,6 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_MODEL = "smollm2-135m-instruct"
-"""Alias of the embedded default model (``load_model()`` / ``load_model(DEFAULT_MODEL)``)."""
 
 DEFAULT_MODEL_DESCRIPTION = "SmolLM2-135M-Instruct (135M parameters, from a 4-bit Q4_1 GGUF)"
 """What the default model is, in the words the README and ``make demo`` use."""

@@ -34,6 +34,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict
 
+from kvrag.config import names_default_model
 from kvrag.errors import ConfigError, KVRAGError
 from kvrag.extras import require
 
@@ -260,7 +261,7 @@ class RayIngest:
         self.store = shared_store_url(store)
         self.workers = workers
         name = engine.loaded.name if model is None else model
-        self.model = None if name in (None, "default", "smollm2-135m-instruct") else name
+        self.model = None if names_default_model(name) else name
         if self.model is not None and Path(self.model).expanduser().is_dir():  # workers may run in another cwd
             self.model = str(Path(self.model).expanduser().resolve())
         from kvrag.kv.spec import dtype_name

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvrag.calibration import cpu_flags, load_calibration, machine_kind
+from kvrag.config import names_default_model
 from kvrag.default_model import (
     DEFAULT_MODEL,
     default_embedder_path,
@@ -320,7 +321,7 @@ def load_model(
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     gguf_file = model is not None and is_gguf_path(model)
-    is_default = model is None or str(model) in (DEFAULT_MODEL, "default")  # "default": as the CLI's --model
+    is_default = names_default_model(model)
     mode = (default_quantize(dev, dt, gguf=is_default or gguf_file) if quantize == DEFAULT_QUANTIZE
             else parse_mode(quantize))
     gguf: Path | None = None

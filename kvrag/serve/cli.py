@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from kvrag.engine.engine import KVRAGEngine
+    from kvrag.index import IndexManifest
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -103,9 +104,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              '\'{"min_replicas": 1, "max_replicas": 4}\'')
 
 
-def run(args: argparse.Namespace, model: str | None, store: str, chunk_prefix: str, quantize: str = "default") -> int:
+def run(args: argparse.Namespace, model: str | None, store: str, chunk_prefix: str, quantize: str = "default",
+        index: IndexManifest | None = None) -> int:
     """Serve until SIGINT/SIGTERM (``model`` / ``store`` / ``chunk_prefix`` / ``quantize`` resolved by the caller from
-    the options and the ``--persist`` manifest)."""
+    the options and the manifest ``index`` of ``--persist``, whose model the loaded one is checked against)."""
     require("fastapi", "serve", "kvrag serve")  # before loading a model for nothing
     require("uvicorn", "serve", "kvrag serve")
     from kvrag.serve import create_app, serve
@@ -138,10 +140,10 @@ def run(args: argparse.Namespace, model: str | None, store: str, chunk_prefix: s
     if args.ray is not None:
         return _serve_on_ray(args, factory, cfg, store)
     engine = factory()
-    if args.persist:
-        from kvrag.cli_index import manifest, note_other_model
+    if args.persist and index:
+        from kvrag.cli_index import note_other_model
 
-        note_other_model(args.persist, manifest(args.persist), engine)
+        note_other_model(args.persist, index, engine)
     app = create_app(engine, cfg, persist=args.persist, close_engine=True)
     print(f"kvrag serve: {app.state.kvrag.model_id} ({args.method}) on http://{args.host}:{args.port}/v1, "
           f"{len(app.state.kvrag.chunks)} chunks registered", file=sys.stderr)
