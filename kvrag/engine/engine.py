@@ -337,9 +337,9 @@ class KVRAGEngine(ChunkCaching):
         the runner's budget (:meth:`Runner.piece_budget_s`), ending one after a computed chunk cache or inside a
         repair that recomputes context (:meth:`FusionMethod.fuse_pieces`, :mod:`kvrag.kv.pieces`) and the suffix
         prefill after it; else in one piece (a cancelled prepare still stops at the next checkpoint of a long
-        forward: :meth:`Scheduler.preparing_cancelled`). After a short repair (``stale``, ``cacherepair``, ...) it parks at the
-        suffix prefill (yields a :class:`~kvrag.kv.pieces.SuffixPrefill`): the runner prefills the suffix -- alone,
-        or with ``EngineConfig.pack_suffixes`` in one forward with other arrivals' -- and sends back the logits.
+        forward: :meth:`Scheduler.preparing_cancelled`). After a short repair (``stale``, ``cacherepair``, ...) it
+        parks at the suffix prefill (yields a :class:`~kvrag.kv.pieces.SuffixPrefill`): the runner prefills it --
+        alone, or with ``EngineConfig.pack_suffixes`` with other arrivals' -- and sends back the logits.
         Timings leave out the decode steps between pieces; a packed suffix prefill counts the request's share of
         the shared forward (by tokens), not the wait for the other arrivals (like the wait for the turn, TTFT
         leaves it out). The prompt's K/V are computed in the lease's buffer (:meth:`Lease.prompt_buffer`)."""

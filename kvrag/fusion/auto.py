@@ -224,7 +224,8 @@ class Auto(FusionMethod):
         if not self._has_repairer(inp):  # a model without a repairer: only the training-free candidates
             preds = [q for q in preds if not q.spec.startswith(("cacherepair", "hybrid"))] or preds
         p = self.pick(preds)
-        given = {"checkpoint": self.checkpoint} if self.checkpoint and p.spec.startswith(("cacherepair", "hybrid")) else {}
+        learned = p.spec.startswith(("cacherepair", "hybrid"))
+        given = {"checkpoint": self.checkpoint} if self.checkpoint and learned else {}
         method = shared_method(p.spec, **given)  # the process's instance (a checkpoint loaded is not loaded again)
         chunks = sum(sp.kind == "chunk" for sp in inp.spans)
         log.info("auto: %s for %d context tokens in %d chunks (predicted TTFT %.2fx full, correction %.2f, "

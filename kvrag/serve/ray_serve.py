@@ -138,8 +138,8 @@ def run(engine_factory: Callable[[], KVRAGEngine], config: ServeConfig | None = 
 
 
 def proxy_url(serve: ModuleType, host: str, port: int) -> str:
-    """The base URL of Serve's HTTP proxy (``serve``: the ``ray.serve`` module): its own host and port (a cluster whose Serve was started before keeps
-    its proxy and ignores the ones asked for), else ``host:port``."""
+    """The base URL of Serve's HTTP proxy (``serve``: the ``ray.serve`` module): its own host and port (a cluster
+    whose Serve was started before keeps its proxy and ignores the ones asked for), else ``host:port``."""
     try:
         cfg = serve.context._get_global_client().http_config
         host, port = str(cfg.host), int(cfg.port)

@@ -374,4 +374,5 @@ class KVRAGService:
         return problems, body
 
 
-__all__ = ["PATH_PARAMS", "REGISTER_BATCH", "STORE_USAGE_TTL_S", "ChunkSync", "KVRAGService", "default_model_id", "refuse_paths"]
+__all__ = ["PATH_PARAMS", "REGISTER_BATCH", "STORE_USAGE_TTL_S", "ChunkSync", "KVRAGService", "default_model_id",
+           "refuse_paths"]
