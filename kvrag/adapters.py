@@ -10,14 +10,18 @@ retriever (``integrations/langchain-kvrag``) all call this module for the behavi
   - *request scope* (``contextvars``): :func:`register_chunks` replaces the current context's request chunks and
     :func:`current_chunks` reads them. Each thread and each asyncio task has its own context, so concurrent
     requests never see each other's chunks. LlamaIndex query/chat engines retrieve, postprocess and synthesize in
-    one context, so this is all they need;
+    one context, so this is all they need. A registration outlives its query in the thread; once every one of its
+    chunks has been in some call's prompt, a later call whose prompt holds none of them is not offered them
+    (:func:`resolve_chunks`): an unrelated call after a query is not counted against chunks it never asked for;
   - *recent chunks* (process-wide, bounded LRU): every registration is also remembered here.
     :meth:`RecentChunks.found_in` returns the remembered texts that occur verbatim in a prompt. LangChain's LCEL
     runs each step of a chain in a *copy* of the caller's context (``RunnableParallel`` even in worker threads),
     so a retriever's context-local registration is not visible to the chat model later in the same chain; the
     chat model adapter therefore also looks up recent chunks by content. This cannot mix up requests: a chunk is
     used only where its exact text is in the prompt, and caches are content-addressed, so the cache is the same
-    whichever request registered it;
+    whichever request registered it. A chunk found by content alone is spliced only where its own token ids occur
+    in the prompt's tokenization (:func:`found_by_content`, ``KVRAGEngine.plan(exact=...)``): a short text that
+    happens to occur inside a question is then left to the prompt, never spliced with ids of its own;
   - *explicit passing*: adapters accept the chunk texts as an argument; explicit chunks win over both scopes.
 
   The planner still decides everything: registered texts that are not found verbatim are simply prefilled as
@@ -27,28 +31,22 @@ retriever (``integrations/langchain-kvrag``) all call this module for the behavi
   :func:`generation_config` (framework sampling fields -> :class:`~kvrag.config.GenerationConfig`).
 * **Response metadata**: :func:`response_summary`, :func:`response_details` and :func:`token_usage` turn an
   engine request's timings and stats into what the adapters attach to framework responses.
-* **Async bridge**: :func:`to_thread` runs a blocking request from asyncio and :func:`aiter_in_thread` drives a
-  blocking token stream, each in a worker thread of its own, so that concurrent async callers (``aquery``,
-  ``achat``, ``abatch``, ``astream``, ``asyncio.gather``) are all in flight at once and decode in the engine's
-  shared batch (:mod:`kvrag.engine.runner`) instead of queueing for the default executor's few workers. Each call
-  runs under its own :class:`~kvrag.engine.runner.CancelToken`: cancelling the awaiting task (``task.cancel()``,
-  a timeout) or closing the async iterator cancels the engine request too, which frees its batch slot and KV.
+* **Async bridge** (:mod:`kvrag.async_bridge`, re-exported): :func:`to_thread` and :func:`aiter_in_thread` run a
+  blocking request or token stream from asyncio in a worker thread of its own, cancellable with the awaiting task.
 """
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import contextlib
 import contextvars
-import functools
+import dataclasses
 import threading
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
+from kvrag.async_bridge import MAX_WORKER_THREADS, aiter_in_thread, to_thread
 from kvrag.config import GenerationConfig
-from kvrag.engine.cancel import CancelToken, current_token, use_token
 from kvrag.engine.chunks import RegisteredChunk
 from kvrag.errors import ConfigError
 from kvrag.jsontypes import JSONObject
@@ -59,17 +57,27 @@ if TYPE_CHECKING:
     from kvrag.engine.results import Prepared
     from kvrag.store.base import KVStore
 
-T = TypeVar("T")
-
 CHUNK_KEY_METADATA = "kvrag_chunk_key"
 """Metadata field that carries a node's / document's chunk key (excluded from what the LLM and embedder see)."""
 
 
 ChunkLike = str | RegisteredChunk | tuple[str, str | None]
 
-_REQUEST: contextvars.ContextVar[tuple[RegisteredChunk, ...] | None] = contextvars.ContextVar(
-    "kvrag_request_chunks", default=None
-)
+
+
+@dataclasses.dataclass(eq=False)
+class _Registration:
+    """One :func:`register_chunks` call's chunks and the texts that some call's prompt has contained since (shared
+    by the context copies a request's worker threads run in)."""
+
+    chunks: tuple[RegisteredChunk, ...]
+    used: set[str] = dataclasses.field(default_factory=set)
+
+    def finished(self) -> bool:
+        return all(c.text in self.used for c in self.chunks)
+
+
+_REQUEST: contextvars.ContextVar[_Registration | None] = contextvars.ContextVar("kvrag_request_chunks", default=None)
 
 
 def _as_chunk(c: object) -> RegisteredChunk:
@@ -159,8 +167,8 @@ def register_chunks(chunks: Iterable[ChunkLike], *, replace: bool = True) -> con
     new = _normalize(chunks)
     recent.add(new)
     if not replace:
-        new = _normalize((*(_REQUEST.get() or ()), *new))
-    return _REQUEST.set(new)
+        new = _normalize((*current_chunks(), *new))
+    return _REQUEST.set(_Registration(new))
 
 
 def reset_chunks(token: contextvars.Token) -> None:
@@ -178,14 +186,22 @@ def release_caches(prompt: str) -> None:
     being made of it took them (it holds them while it runs), so the context keeps only their identities and a
     finished query leaves no cache behind in its thread. Chunks not in the prompt keep theirs for the query's later
     calls (a refine step per chunk)."""
-    cur = _REQUEST.get()
-    if cur and any(c.kv is not None and c.text in prompt for c in cur):
-        _REQUEST.set(tuple(c.identity() if c.text in prompt else c for c in cur))
+    reg = _REQUEST.get()
+    if reg is not None and any(c.kv is not None and c.text in prompt for c in reg.chunks):
+        reg.chunks = tuple(c.identity() if c.text in prompt else c for c in reg.chunks)
 
 
 def current_chunks() -> tuple[RegisteredChunk, ...]:
     """The request chunks registered in the current context (empty when none)."""
-    return _REQUEST.get() or ()
+    reg = _REQUEST.get()
+    return reg.chunks if reg is not None else ()
+
+
+def found_by_content(chunks: Iterable[RegisteredChunk]) -> frozenset[str]:
+    """The texts among ``chunks`` that the current context's registration does not name: found in the prompt by
+    content alone (:data:`recent`), so held to exact splicing (``KVRAGEngine.plan(exact=...)``)."""
+    mine = {c.text for c in current_chunks()}
+    return frozenset(c.text for c in chunks if c.text not in mine)
 
 
 @contextlib.contextmanager
@@ -212,13 +228,18 @@ def resolve_chunks(
     ``use_recent``, the recently registered chunks that occur verbatim in the prompt. ``only_found`` drops
     context chunks that are not in the prompt: for frameworks whose context does not delimit a request (LangChain,
     where a context registration may be left over from an earlier call in the same thread), so that they do not
-    count as registered-but-missing in the hit rate.
+    count as registered-but-missing in the hit rate. A registration every chunk of which some earlier call's prompt
+    held is over: a prompt holding none of them is not offered them.
     """
     if explicit is not None:
         return _normalize(explicit)
-    out: list[RegisteredChunk] = list(current_chunks()) if use_context else []
-    if only_found:
-        out = [c for c in out if c.text in prompt]
+    out: list[RegisteredChunk] = []
+    reg = _REQUEST.get() if use_context else None
+    if reg is not None:
+        here = [c for c in reg.chunks if c.text in prompt]
+        if here or not reg.finished():
+            out = here if only_found else list(reg.chunks)
+        reg.used.update(c.text for c in here)
     if use_recent:
         out.extend(recent.found_in(prompt))
     return _normalize(out)
@@ -282,98 +303,6 @@ def ensure_chunks(engine: KVRAGEngine, texts: Sequence[str], *, fetch: bool = Fa
         ``(None, False)`` and are not cached.
     """
     return engine.ensure(texts, fetch=fetch, batch_size=batch_size, progress=progress)
-
-
-# ------------------------------------------------------------------------------------------------- async helper
-MAX_WORKER_THREADS = 256
-"""Most worker threads of :func:`to_thread` (each waits on one request; the engine bounds the work itself)."""
-_POOL: concurrent.futures.ThreadPoolExecutor | None = None
-_POOL_LOCK = threading.Lock()
-
-
-def _pool() -> concurrent.futures.ThreadPoolExecutor:
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None:
-            _POOL = concurrent.futures.ThreadPoolExecutor(MAX_WORKER_THREADS, thread_name_prefix="kvrag-request")
-        return _POOL
-
-
-async def to_thread(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
-    """``asyncio.to_thread`` on kvrag's own thread pool (in a copy of the caller's context, request chunks
-    included).
-
-    asyncio's default executor has ``min(32, cpu_count + 4)`` workers (cpu_count + 4 on small machines), so an 8-way
-    ``asyncio.gather`` of blocking requests would run at most 6 at once; the engine batches whatever is in flight,
-    and the requests wait in the engine's scheduler (batch size and KV memory bounds), not in a thread pool.
-    """
-    loop = asyncio.get_running_loop()
-    ctx = contextvars.copy_context()
-    token = ctx.run(_fresh_token)
-    try:
-        return await loop.run_in_executor(_pool(), functools.partial(ctx.run, fn, *args, **kwargs))
-    except asyncio.CancelledError:
-        token.cancel()  # the engine drops the request: out of line, before its next step, or right after its prepare
-        raise
-
-
-def _fresh_token() -> CancelToken:
-    """A :class:`~kvrag.engine.runner.CancelToken` for one async call, set in the current context (a copy made for
-    the call's worker thread); cancelling it also cancels the caller's own token, if any."""
-    outer = current_token()
-    token = CancelToken()
-    if outer is not None:
-        outer.on_cancel(token.cancel)
-    use_token(token)
-    return token
-
-
-async def aiter_in_thread(factory: Callable[[], Iterator[T]]) -> AsyncIterator[T]:
-    """Iterate a blocking generator in ONE worker thread and yield its items asynchronously.
-
-    One thread drives the whole generator (no executor hop per item) and runs in a copy of the caller's context
-    (request chunks included).
-    """
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[tuple[T] | BaseException | None] = asyncio.Queue()  # an item, what failed, or the end
-    stop = threading.Event()
-    ctx = contextvars.copy_context()
-    token = ctx.run(_fresh_token)
-
-    def put(item: tuple[T] | BaseException | None) -> None:
-        with contextlib.suppress(RuntimeError):  # the consumer left and its loop closed: nobody to tell
-            loop.call_soon_threadsafe(queue.put_nowait, item)
-
-    def work() -> None:
-        try:
-            it = factory()
-            try:
-                for item in it:
-                    put((item,))
-                    if stop.is_set():
-                        break
-            finally:
-                close = getattr(it, "close", None)
-                if close is not None:
-                    close()
-        except BaseException as e:  # noqa: BLE001  (re-raised in the consumer)
-            put(e)
-            return
-        put(None)
-
-    thread = threading.Thread(target=ctx.run, args=(work,), name="kvrag-stream", daemon=True)
-    thread.start()
-    try:
-        while True:
-            got = await queue.get()
-            if isinstance(got, BaseException):
-                raise got
-            if got is None:
-                break
-            yield got[0]
-    finally:
-        stop.set()
-        token.cancel()  # closed or cancelled early: the thread's request leaves the batch (no-op once it ended)
 
 
 def chunk_texts(chunks: Sequence[RegisteredChunk]) -> list[str]:
@@ -464,6 +393,7 @@ def finish_reason(prep: Prepared, max_new_tokens: int) -> str:
 
 __all__ = [
     "CHUNK_KEY_METADATA",
+    "MAX_WORKER_THREADS",
     "RecentChunks",
     "RegisteredChunk",
     "aiter_in_thread",
@@ -473,6 +403,7 @@ __all__ = [
     "current_chunks",
     "ensure_chunks",
     "finish_reason",
+    "found_by_content",
     "generation_config",
     "history_segments",
     "recent",

@@ -7,7 +7,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Collection, Generator, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 from kvrag.config import EngineConfig, GenerationConfig
@@ -152,18 +152,18 @@ class KVRAGEngine(ChunkCaching):
         return eng
 
     # ----------------------------------------------------------------- query
-    def plan(self, prompt: str, chunks: Sequence[str | RegisteredChunk]) -> Plan:
+    def plan(self, prompt: str, chunks: Sequence[str | RegisteredChunk], *, exact: Collection[str] = ()) -> Plan:
         """Split a rendered prompt around the registered chunks (exact substring search of their text).
 
-        Chunks given as :class:`RegisteredChunk` (from :meth:`ensure` / :meth:`identify`) keep their identity: their
-        stored ids are spliced in, their key is used for the fetch, and a cache they hold is used as it is.
-        """
+        Chunks given as :class:`RegisteredChunk` (from :meth:`ensure` / :meth:`identify`) keep their identity (stored
+        ids spliced in, key fetched, a held cache used as it is); ``exact``: chunk texts held to the strict rule of
+        ``EngineConfig.strict_tokenization`` whatever it says."""
         if not isinstance(prompt, str):
             raise ConfigError(f"prompt must be a str (a rendered prompt), got {type(prompt).__name__}")
         texts_not_one_str(chunks, "chunks")
         texts, ids_of, derived = self._registered(chunks)
         plan = plan_prompt(prompt, texts, self.tokenize, ids_of, decode=self._decode,
-                           strict=self.config.strict_tokenization)
+                           strict=self.config.strict_tokenization, exact=frozenset(exact))
         return self._with_identity(plan, derived)
 
     def plan_parts(self, prefix: str, chunks: Sequence[str | RegisteredChunk], suffix: str,

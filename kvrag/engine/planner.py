@@ -10,13 +10,14 @@ a chunk splices exactly where its stored ids occur there verbatim, so for prompt
 :func:`kvrag.prompting.render_passage` passages the plan's ids *equal* ``tokenize(prompt)``. A chunk whose ids do
 not occur (its boundary token merges with the neighbouring text, e.g. a passage placed after indentation) is
 spliced anyway with its own ids and counted in ``Plan.inexact_chunks`` (the field's usual practice: reuse wins
-over one boundary token), or with ``strict`` prefilled as text and not counted as found.
+over one boundary token), or with ``strict`` prefilled as text and not counted as found. ``exact`` names chunk
+texts held to the strict rule whatever ``strict`` says (a framework adapter's chunks found by content alone).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from kvrag.errors import ConfigError
@@ -196,6 +197,7 @@ def align_to_whole(
     *,
     tokenize: Tokenize | None = None,
     strict: bool = True,
+    exact: Collection[str] = (),
 ) -> list[tuple[TextPiece, tuple[int, ...], bool]]:
     """Re-derive (piece, ids, exact) so that the ids follow ``whole`` (see the module docstring).
 
@@ -207,7 +209,8 @@ def align_to_whole(
     indentation) is, with ``strict``, left to the surrounding text (prefilled, not a hit). Without ``strict`` it is
     spliced anyway with its own ids, marked inexact (``exact=False``): the text before it is tokenized alone and
     the rest of the prompt is tokenized afresh from the chunk's end (``tokenize`` is required), so only the ids at
-    that chunk's two boundaries differ from the whole-string tokenization.
+    that chunk's two boundaries differ from the whole-string tokenization. A chunk whose text is in ``exact`` is
+    treated as with ``strict``.
     """
     if not strict and tokenize is None:
         raise ValueError("align_to_whole(strict=False) needs tokenize")
@@ -228,7 +231,7 @@ def align_to_whole(
             text_piece(rest[start:j], "prefix" if not out else "text")
             out.append((piece, ids, True))
             start = j + len(ids)
-        elif piece.kind == "chunk" and ids and not strict:
+        elif piece.kind == "chunk" and ids and not strict and piece.text not in exact:
             assert tokenize is not None
             before = "".join(pending)
             if before:
@@ -245,7 +248,8 @@ def align_to_whole(
 
 def plan_pieces(pieces: Sequence[TextPiece], tokenize: Tokenize, token_ids_of: Callable[[str], Sequence[int]] | None = None,
                 registered: int | None = None, whole: Sequence[int] | None = None,
-                decode: Callable[[Sequence[int]], str] | None = None, strict: bool = False) -> Plan:
+                decode: Callable[[Sequence[int]], str] | None = None, strict: bool = False,
+                exact: Collection[str] = ()) -> Plan:
     """Tokenize pieces (chunks through ``token_ids_of`` when given: the stored, fixed ids) and assign positions.
 
     Args:
@@ -254,6 +258,7 @@ def plan_pieces(pieces: Sequence[TextPiece], tokenize: Tokenize, token_ids_of: C
         decode: ids -> text, for the text of re-derived segments (else the pieces' own text is joined).
         strict: a chunk whose ids do not occur in ``whole`` is prefilled as text (True) or spliced with its own
             ids and counted in ``Plan.inexact_chunks`` (False, default: reuse wins over a boundary token).
+        exact: chunk texts held to the ``strict`` rule whatever ``strict`` says.
 
     Raises:
         ConfigError: the suffix is empty (there must be something after the last chunk to prefill).
@@ -267,14 +272,14 @@ def plan_pieces(pieces: Sequence[TextPiece], tokenize: Tokenize, token_ids_of: C
         tokenized.append((p, ids))
     aligned: list[tuple[TextPiece, tuple[int, ...], bool]] = [(p, ids, True) for p, ids in tokenized]
     if whole is not None and tuple(t for _, ids in tokenized for t in ids) != tuple(whole):
-        aligned = align_to_whole(tokenized, whole, decode, tokenize=tokenize, strict=strict)
+        aligned = align_to_whole(tokenized, whole, decode, tokenize=tokenize, strict=strict, exact=exact)
     segs: list[PlannedSegment] = []
     pos = 0
     found = inexact = 0
-    for p, ids, exact in aligned:
+    for p, ids, spliced_exactly in aligned:
         if p.kind == "chunk":
             found += 1
-            inexact += not exact
+            inexact += not spliced_exactly
         if not ids and p.kind != "suffix":
             continue
         segs.append(PlannedSegment(p.kind, p.text, ids, pos))
@@ -301,12 +306,18 @@ def plan_pieces(pieces: Sequence[TextPiece], tokenize: Tokenize, token_ids_of: C
 
 def plan_prompt(prompt: str, chunk_texts: Sequence[str], tokenize: Tokenize,
                 token_ids_of: Callable[[str], Sequence[int]] | None = None, *, align: bool = True,
-                strict: bool = False, decode: Callable[[Sequence[int]], str] | None = None) -> Plan:
+                strict: bool = False, decode: Callable[[Sequence[int]], str] | None = None,
+                exact: Collection[str] = ()) -> Plan:
     """Split + plan in one step (see :func:`split_prompt` and :func:`plan_pieces`).
 
     With ``align`` (default) the plan's ids follow ``tokenize(prompt)`` (equal to it unless a chunk is spliced
-    inexactly, see ``strict``).
+    inexactly, see ``strict``). ``exact``: chunk texts offered only because they occur in the prompt (a framework
+    adapter's lookup by content), held to the strict rule; one that does not splice is not counted as registered.
     """
     pieces, _ = split_prompt(prompt, chunk_texts)
-    return plan_pieces(pieces, tokenize, token_ids_of, registered=len({t for t in chunk_texts if t and t.strip()}),
-                       whole=tokenize(prompt) if align else None, decode=decode, strict=strict)
+    offered = {t for t in chunk_texts if t and t.strip()}
+    plan = plan_pieces(pieces, tokenize, token_ids_of, registered=len(offered),
+                       whole=tokenize(prompt) if align else None, decode=decode, strict=strict, exact=exact)
+    spliced = {s.text for s in plan.context if s.kind == "chunk"}
+    unspliced = {t for t in offered & set(exact) if t not in spliced}
+    return dataclasses.replace(plan, registered=plan.registered - len(unspliced)) if unspliced else plan

@@ -123,6 +123,19 @@ def test_chunk_whose_boundary_merges() -> None:
         "bcd") + merging_tok(" tail")
 
 
+def test_exact_holds_named_chunks_to_the_strict_rule() -> None:
+    # "bcd" merges with its neighbour, "CHUNK" does not: only the texts named in exact are held to exact splicing
+    prompt = "xabcd CHUNK\n\nQ?"
+    loose = plan_prompt(prompt, ["bcd", "CHUNK"], merging_tok)
+    assert (loose.found, loose.inexact_chunks) == (2, 1)
+    held = plan_prompt(prompt, ["bcd", "CHUNK"], merging_tok, exact={"bcd"})
+    assert (held.found, held.registered, held.inexact_chunks) == (1, 1, 0)  # offered by content, not spliced
+    assert [s.text for s in held.context if s.kind == "chunk"] == ["CHUNK"]
+    assert list(held.token_ids) == merging_tok(prompt)
+    both = plan_prompt(prompt, ["bcd", "CHUNK"], merging_tok, exact={"bcd", "CHUNK"})
+    assert (both.found, both.inexact_chunks) == (1, 0)  # an exact chunk is spliced as before
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     chunks=st.lists(st.text(alphabet="ab\n c", min_size=1, max_size=8), min_size=1, max_size=4),

@@ -184,8 +184,12 @@ class ChatKVCached(BaseChatModel):
         kw = dict(kwargs)
         prompt = self.render(messages)
         use_recent = bool(kw.pop("use_recent_chunks", self.use_recent_chunks))
+        explicit = kw.pop("chunks", None)
         # LCEL gives no request-scoped context: count only registered chunks that this prompt contains
-        chunks = adapters.resolve_chunks(prompt, kw.pop("chunks", None), use_recent=use_recent, only_found=use_recent)
+        chunks = adapters.resolve_chunks(prompt, explicit, use_recent=use_recent, only_found=use_recent)
+        # chunks found by content alone splice only where their own ids are the prompt's (a short retrieved text
+        # inside a question is the question's)
+        exact = adapters.found_by_content(chunks) if explicit is None else frozenset()
         if kw.pop("reuse_history", self.reuse_history):
             chunks = adapters.with_history(chunks, messages_to_dicts(messages))
         max_new = kw.pop("max_tokens", kw.pop("max_new_tokens", kw.pop("max_completion_tokens", self.max_tokens)))
@@ -200,10 +204,11 @@ class ChatKVCached(BaseChatModel):
         method = self.engine.method(kw.pop("method", self.method), **kw.pop("method_params", self.method_params))
         if kw:  # a misspelled per-call option must not pass silently (the constructor forbids extra fields)
             warnings.warn(f"ChatKVCached ignores unknown call options {sorted(kw)}", stacklevel=4)
-        return {"prompt": prompt, "chunks": adapters.chunk_texts(chunks), "refs": chunks, "gen": gen, "method": method}
+        return {"prompt": prompt, "chunks": adapters.chunk_texts(chunks), "refs": chunks, "gen": gen, "method": method,
+                "exact": exact}
 
     def _prepare(self, req: dict[str, Any]) -> Any:
-        return self.engine.prepare(self.engine.plan(req["prompt"], req["refs"]), req["method"],
+        return self.engine.prepare(self.engine.plan(req["prompt"], req["refs"], exact=req["exact"]), req["method"],
                                    reserve=req["gen"].max_new_tokens)
 
     def _metadata(self, req: dict[str, Any], prep: Any) -> tuple[dict[str, Any], dict[str, int]]:

@@ -131,3 +131,29 @@ def test_configurable_fields_keep_the_engine(engine) -> None:
     out = llm.with_config(configurable={"n": 2}).invoke(prompt(CHUNKS, "Fare?"))
     assert out.usage_metadata["output_tokens"] <= 2
     assert adapters._ENGINES == loaded
+
+
+def test_a_recent_chunk_inside_a_question_is_never_spliced_with_its_own_ids(engine) -> None:
+    from kvrag import adapters
+
+    short = "ast fe"  # a retrieved text that also occurs in a later question, across the tiny tokenizer's merges
+    question = "When does the last ferry leave?"
+    doc = "\n\nThe ferry to Tamsin Isle leaves at 9:00 in summer."
+    engine.ingest([short, doc])
+    llm = ChatKVCached(engine=engine, max_tokens=3)
+    try:
+        adapters.recent.add([short, doc])
+        got = llm.invoke([HumanMessage(question)])
+        kv = got.response_metadata["kvrag"]
+        assert kv["chunks_registered"] == kv["chunks_found"] == kv["chunk_hits"] == 0
+        prompt = llm.history[-1]["prompt"]
+        assert kv["token_ids"] == engine.answer(prompt, [], "stale", max_new_tokens=3).token_ids
+        # the same text passed explicitly is the caller's choice: spliced with its own ids, reported inexact
+        plan = engine.plan(prompt, [short])
+        assert (plan.found, plan.inexact_chunks) == (1, 1)
+        # a chunk found by content whose ids occur in the prompt's tokenization is reused as before
+        hit = llm.invoke([HumanMessage("Context:" + doc + "\n\nQuestion: " + question)])
+        kv = hit.response_metadata["kvrag"]
+        assert kv["chunks_registered"] == kv["chunk_hits"] == 1 and kv["hit_rate"] == 1.0
+    finally:
+        adapters.recent.clear()

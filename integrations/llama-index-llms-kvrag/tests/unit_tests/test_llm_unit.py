@@ -145,3 +145,23 @@ def test_a_request_takes_the_caches_it_uses_from_the_callers_context(engine, pas
     assert left[passages[0]] is None and left[passages[1]] is None and left[passages[2]] is not None
     again = llm.complete(prompt, formatted=True, chunks=passages[:2])
     assert again.raw["token_ids"] == r.raw["token_ids"]  # the same answer from the stored caches
+
+
+def test_a_finished_registration_is_not_offered_to_a_later_unrelated_call(engine, passages) -> None:
+    llm = KVCachedLLM(engine=engine, max_new_tokens=2)
+    token = adapters.register_chunks(passages)  # as a query's postprocessor does, in this thread's context
+    try:
+        unfound = llm.complete("Say hello.").additional_kwargs  # none in the prompt yet: counted (a reformat shows)
+        assert (unfound["chunks_registered"], unfound["chunks_found"]) == (len(passages), 0)
+        # a refine-like query: one call per chunk; the chunks not in a call's prompt are still the query's
+        first = llm.complete(context_prompt(llm, passages[:1], "Q?"), formatted=True).additional_kwargs
+        assert (first["chunks_registered"], first["chunks_found"]) == (len(passages), 1)
+        for p in passages[1:]:
+            llm.complete(context_prompt(llm, [p], "Q?"), formatted=True)
+        # every chunk has been in a prompt: the query is over, an unrelated call is not counted against them
+        later = llm.complete("Say hello.").additional_kwargs
+        assert later["chunks_registered"] == later["hit_rate"] == 0
+        again = llm.complete(context_prompt(llm, passages[:1], "Q?"), formatted=True).additional_kwargs
+        assert (again["chunks_registered"], again["chunk_hits"]) == (len(passages), 1)  # one of them again
+    finally:
+        adapters.reset_chunks(token)

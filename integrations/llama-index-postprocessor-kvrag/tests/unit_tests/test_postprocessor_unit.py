@@ -82,3 +82,58 @@ def test_a_transform_copied_into_a_worker_process_says_why_it_cannot_run(engine,
         copy(splitter.get_nodes_from_documents(docs[:1]))
     assert t(splitter.get_nodes_from_documents(docs[:1]))  # the original still runs
 
+
+
+def _bag_of_words_embedding():
+    """A normalized hashed bag of words: texts that share words are similar (cosine), the same text scores 1."""
+    import hashlib
+    import math
+
+    from llama_index.core.embeddings import BaseEmbedding
+
+    def embed(text: str) -> list[float]:
+        v = [0.0] * 64
+        for w in text.lower().split():
+            v[int(hashlib.sha256(w.encode()).hexdigest(), 16) % 64] += 1.0
+        n = math.sqrt(sum(x * x for x in v)) or 1.0
+        return [x / n for x in v]
+
+    class BagOfWords(BaseEmbedding):
+        def _get_text_embedding(self, text: str) -> list[float]:
+            return embed(text)
+
+        def _get_query_embedding(self, query: str) -> list[float]:
+            return embed(query)
+
+        async def _aget_query_embedding(self, query: str) -> list[float]:
+            return embed(query)
+
+    return BagOfWords()
+
+
+def test_node_scores_are_similarities_so_cutoffs_keep_the_closest(engine, docs, splitter) -> None:
+    from llama_index.core.postprocessor import SimilarityPostprocessor
+    from llama_index.core.schema import QueryBundle
+
+    index = build_index(docs, engine=engine, embed_model=_bag_of_words_embedding(), transformations=[splitter])
+    target = next(iter(index.docstore.docs.values())).get_content()
+    got = index.as_retriever(similarity_top_k=3).retrieve(target)
+    scores = [n.score for n in got]
+    assert got[0].node.get_content() == target and scores[0] > 0.99  # itself (+ metadata): cosine ~1 (L2 gave ~0)
+    assert scores == sorted(scores, reverse=True)
+    kept = SimilarityPostprocessor(similarity_cutoff=0.99).postprocess_nodes(got, QueryBundle(target))
+    assert [n.node.node_id for n in kept] == [got[0].node.node_id]
+
+
+def test_another_vector_store_supports_deletes_and_reloads(tmp_path, engine, docs, splitter) -> None:
+    from llama_index.core.vector_stores import SimpleVectorStore
+
+    emb = _bag_of_words_embedding()
+    eng = open_engine(tmp_path, loaded=engine.loaded)
+    index = build_index(docs, engine=eng, embed_model=emb, transformations=[splitter], persist_dir=tmp_path,
+                        vector_store=SimpleVectorStore())
+    index.delete_ref_doc(docs[0].doc_id, delete_from_docstore=True)  # FAISS raises NotImplementedError here
+    index.storage_context.persist(persist_dir=str(tmp_path))
+    again = load_index(tmp_path, embed_model=emb)
+    assert {n.ref_doc_id for n in again.docstore.docs.values()} == {d.doc_id for d in docs[1:]}
+    assert again.as_retriever(similarity_top_k=1).retrieve(Q)

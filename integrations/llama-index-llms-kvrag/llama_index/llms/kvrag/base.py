@@ -232,7 +232,8 @@ class KVCachedLLM(CustomLLM):
         explicit = kw.pop("chunks", None)
         chunks = adapters.resolve_chunks(full, explicit, use_recent=bool(kw.pop("use_recent_chunks", self.use_recent_chunks)))
         req = {"prompt": full, "chunks": adapters.chunk_texts(chunks), "refs": chunks, "method": self._method(kw),
-               "gen": self._gen_config(kw)}
+               "gen": self._gen_config(kw),
+               "exact": adapters.found_by_content(chunks) if explicit is None else frozenset()}
         if explicit is None:
             adapters.release_caches(full)  # the request holds them now; the caller's thread keeps none after it
         kw.pop("formatted", None)
@@ -255,7 +256,8 @@ class KVCachedLLM(CustomLLM):
         if "parts" in req:
             prefix, chunks, suffix, sep = req["parts"]
             return self.engine.plan_parts(prefix, chunks, suffix, sep)
-        return self.engine.plan(req["prompt"], req["refs"])  # keys, ids and held caches travel with the chunks
+        # keys, ids and held caches travel with the chunks; those found by content alone splice only exactly
+        return self.engine.plan(req["prompt"], req["refs"], exact=req.get("exact", ()))
 
     @staticmethod
     def _extra(prep: Any) -> dict[str, Any]:

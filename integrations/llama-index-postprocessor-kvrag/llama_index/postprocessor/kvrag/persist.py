@@ -46,11 +46,20 @@ def open_engine(persist_dir: str | os.PathLike[str], loaded: Any = None, model: 
 
 
 def _faiss_storage(embed_model: Any) -> StorageContext:
+    """A FAISS inner-product index: a node's score is its similarity (higher is closer), as LlamaIndex's
+    postprocessors (``SimilarityPostprocessor``, ``LongContextReorder``) read it; with a normalizing embedder (the
+    default of ``HuggingFaceEmbedding``) it is the cosine similarity. An L2 index would give distances (lower is
+    closer), which those postprocessors invert."""
     import faiss
+    import numpy as np
     from llama_index.vector_stores.faiss import FaissVectorStore
 
-    dim = len(embed_model.get_text_embedding("dimension probe"))
-    return StorageContext.from_defaults(vector_store=FaissVectorStore(faiss_index=faiss.IndexFlatL2(dim)))
+    probe = np.asarray(embed_model.get_text_embedding("dimension probe"), dtype=np.float64)
+    if abs(float(np.linalg.norm(probe)) - 1.0) > 1e-3:
+        log.warning("the embedding model does not normalize its vectors (norm %.3f): node scores are inner products, "
+                    "not cosine similarities; normalize them (e.g. HuggingFaceEmbedding(normalize=True)) for "
+                    "similarity cutoffs", float(np.linalg.norm(probe)))
+    return StorageContext.from_defaults(vector_store=FaissVectorStore(faiss_index=faiss.IndexFlatIP(len(probe))))
 
 
 def _check_store(engine: Any, persist_dir: str | os.PathLike[str] | None) -> None:
@@ -73,8 +82,9 @@ def build_index(
     persist_dir: str | os.PathLike[str] | None = None,
     show_progress: bool = False,
     batch_size: int | None = None,
+    vector_store: Any = None,
 ) -> VectorStoreIndex:
-    """Split, cache and embed documents (or ready nodes) into a FAISS-backed ``VectorStoreIndex``.
+    """Split, cache and embed documents (or ready nodes) into a ``VectorStoreIndex`` (FAISS by default).
 
     Args:
         documents: documents to split with ``transformations`` (default: LlamaIndex's default node parser).
@@ -84,12 +94,16 @@ def build_index(
         transformations: node parser(s); a :class:`KVCacheTransform` is appended.
         persist_dir: when set, the index is persisted there (the caches already are, through the engine's store).
         batch_size: chunks per cache-prefill forward (None: kvrag's default; see ``KVRAGEngine.ingest``).
+        vector_store: any LlamaIndex vector store instead of the default FAISS inner-product index (e.g.
+            ``SimpleVectorStore()``, which supports metadata filters, ``delete_ref_doc`` and ``refresh_ref_docs``;
+            FAISS supports none of them). Reload a persisted one with ``load_index(..., vector_store=...)``.
     """
     if (documents is None) == (nodes is None):
         msg = "build_index needs exactly one of documents=... or nodes=..."
         raise ValueError(msg)
     _check_store(engine, persist_dir)
-    storage = _faiss_storage(embed_model)
+    storage = _faiss_storage(embed_model) if vector_store is None else StorageContext.from_defaults(
+        vector_store=vector_store)
     kv = KVCacheTransform(engine, show_progress=show_progress, batch_size=batch_size)
     if documents is not None:
         from llama_index.core import Settings
@@ -113,13 +127,30 @@ def persist_index(index: VectorStoreIndex, persist_dir: str | os.PathLike[str]) 
     index.storage_context.persist(persist_dir=str(persist_dir))
 
 
-def load_index(persist_dir: str | os.PathLike[str], *, embed_model: Any) -> VectorStoreIndex:
-    """Reload an index written by :func:`build_index` / :func:`persist_index` (the caches stay in ``kvcache/``)."""
+def load_index(persist_dir: str | os.PathLike[str], *, embed_model: Any, vector_store: Any = None) -> VectorStoreIndex:
+    """Reload an index written by :func:`build_index` / :func:`persist_index` (the caches stay in ``kvcache/``).
+
+    LlamaIndex's own ``load_index_from_storage(StorageContext.from_defaults(persist_dir=...))`` cannot read the
+    FAISS index (it takes the binary vector file for JSON); this reads it with ``FaissVectorStore``. An index built
+    with another ``vector_store`` is reloaded from a persist dir with ``vector_store=None`` only when that store is
+    LlamaIndex's ``SimpleVectorStore``; pass other stores (their own reloaded instance) as ``vector_store``.
+    """
     from llama_index.vector_stores.faiss import FaissVectorStore
 
     d = str(persist_dir)
     if not Path(d, "docstore.json").exists():
         msg = f"{d!r} holds no persisted LlamaIndex index (no docstore.json); build it with build_index(..., persist_dir=...)"
         raise FileNotFoundError(msg)
-    storage = StorageContext.from_defaults(vector_store=FaissVectorStore.from_persist_dir(d), persist_dir=d)
+    if vector_store is None and _is_faiss(Path(d)):
+        vector_store = FaissVectorStore.from_persist_dir(d)
+    storage = StorageContext.from_defaults(vector_store=vector_store, persist_dir=d)
     return load_index_from_storage(storage, embed_model=embed_model)
+
+
+def _is_faiss(d: Path) -> bool:
+    """Whether the persisted default vector store is a FAISS index (binary) rather than LlamaIndex's JSON one."""
+    f = d / "default__vector_store.json"
+    if not f.exists():
+        return False
+    with f.open("rb") as fh:
+        return fh.read(1) not in (b"{", b"")
