@@ -145,6 +145,10 @@ class ChatKVCached(BaseChatModel):
             "temperature": self.temperature,
             "top_p": self.top_p,
             "top_k": self.top_k,
+            "seed": self.seed,
+            "stop_sequences": self.stop,  # the field ("stop" is the call's, set by LangChain over it)
+            "use_recent_chunks": self.use_recent_chunks,
+            "reuse_history": self.reuse_history,
         }
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> Any:

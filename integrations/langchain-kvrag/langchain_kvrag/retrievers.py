@@ -56,8 +56,12 @@ class KVCacheRetriever(BaseRetriever):
 
     @classmethod
     def from_vectorstore(cls, vectorstore: Any, engine: Any = None, llm: Any = None, k: int = 4,
-                         **search_kwargs: Any) -> KVCacheRetriever:
-        return cls(retriever=vectorstore.as_retriever(search_kwargs={"k": k, **search_kwargs}), engine=engine, llm=llm, k=k)
+                         search_type: str = "similarity", **search_kwargs: Any) -> KVCacheRetriever:
+        """``vectorstore.as_retriever(search_type=..., search_kwargs={"k": k, **search_kwargs})`` wrapped
+        (``search_type``: ``"similarity"``, ``"mmr"`` or ``"similarity_score_threshold"``, whose
+        ``score_threshold`` goes in ``search_kwargs`` as in LangChain)."""
+        inner = vectorstore.as_retriever(search_type=search_type, search_kwargs={"k": k, **search_kwargs})
+        return cls(retriever=inner, engine=engine, llm=llm, k=k)
 
     @property
     def engine(self) -> Any:

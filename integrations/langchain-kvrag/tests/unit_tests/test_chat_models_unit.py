@@ -157,3 +157,10 @@ def test_a_recent_chunk_inside_a_question_is_never_spliced_with_its_own_ids(engi
         assert kv["chunks_registered"] == kv["chunk_hits"] == 1 and kv["hit_rate"] == 1.0
     finally:
         adapters.recent.clear()
+
+
+def test_the_llm_cache_key_names_every_setting_that_changes_the_answer(engine) -> None:
+    base = ChatKVCached(engine=engine, temperature=1.0, seed=1)
+    for other in ({"seed": 2}, {"stop": ["\n"]}, {"use_recent_chunks": False}, {"reuse_history": True}):
+        changed = ChatKVCached(engine=engine, temperature=1.0, **{"seed": 1, **other})
+        assert changed._get_llm_string() != base._get_llm_string(), other

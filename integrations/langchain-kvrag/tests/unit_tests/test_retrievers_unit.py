@@ -40,3 +40,11 @@ def test_lcel_chain_reuses_every_retrieved_chunk(engine, vectorstore) -> None:
     kv = llm.history[-1]["response_metadata"]["kvrag"]
     assert kv["chunks_found"] == kv["chunk_hits"] == 2 and kv["hit_rate"] == 1.0
     assert sorted(kv["chunk_keys"]) == sorted(d.metadata[CHUNK_KEY_METADATA] for d in retriever.invoke(Q))
+
+
+def test_from_vectorstore_passes_the_search_type_on(engine, vectorstore) -> None:
+    mmr = KVCacheRetriever.from_vectorstore(vectorstore, engine=engine, k=2, search_type="mmr", fetch_k=4)
+    assert mmr.retriever.search_type == "mmr" and mmr.retriever.search_kwargs == {"k": 2, "fetch_k": 4}
+    assert len(mmr.invoke(Q)) == 2
+    plain = KVCacheRetriever.from_vectorstore(vectorstore, engine=engine, k=3)
+    assert plain.retriever.search_type == "similarity" and plain.retriever.search_kwargs == {"k": 3}

@@ -165,3 +165,13 @@ def test_a_finished_registration_is_not_offered_to_a_later_unrelated_call(engine
         assert (again["chunks_registered"], again["chunk_hits"]) == (len(passages), 1)  # one of them again
     finally:
         adapters.reset_chunks(token)
+
+
+def test_an_image_block_is_refused_not_dropped(engine) -> None:
+    from llama_index.core.base.llms.types import ImageBlock, TextBlock
+
+    llm = KVCachedLLM(engine=engine, max_new_tokens=2)
+    msg = ChatMessage(role="user", blocks=[TextBlock(text="What is in this picture?"),
+                                           ImageBlock(url="https://example.com/a.png")])
+    with pytest.raises(ValueError, match="ImageBlock"):
+        llm.chat([msg])

@@ -137,3 +137,40 @@ def test_another_vector_store_supports_deletes_and_reloads(tmp_path, engine, doc
     again = load_index(tmp_path, embed_model=emb)
     assert {n.ref_doc_id for n in again.docstore.docs.values()} == {d.doc_id for d in docs[1:]}
     assert again.as_retriever(similarity_top_k=1).retrieve(Q)
+
+
+def test_an_ingestion_cache_does_not_take_another_store_for_done(engine, docs, splitter) -> None:
+    from llama_index.core.ingestion import IngestionCache, IngestionPipeline
+    from llama_index.postprocessor.kvrag import KVCacheTransform
+
+    from kvrag.engine.engine import KVRAGEngine
+    from kvrag.store.memory import MemoryStore
+
+    cache = IngestionCache()
+    engines = [KVRAGEngine(engine.loaded, MemoryStore(), engine.config) for _ in range(2)]
+    for eng in engines:
+        IngestionPipeline(transformations=[splitter, KVCacheTransform(engine=eng)], cache=cache).run(documents=docs[:1])
+    assert engines[0].store.stats()["entries"] == engines[1].store.stats()["entries"] > 0
+
+
+def test_kv_query_engine_aquery_runs_off_the_event_loop(index, engine) -> None:
+    import asyncio
+    import threading
+
+    llm = KVCachedLLM(engine=engine, max_new_tokens=2)
+    qe = KVQueryEngine.from_index(index, llm, similarity_top_k=2)
+    threads: list[int] = []
+    sync = qe.custom_query
+
+    def spy(query: str):
+        threads.append(threading.get_ident())
+        return sync(query)
+
+    object.__setattr__(qe, "custom_query", spy)
+
+    async def main():
+        r = await qe.aquery(Q)
+        return r, threading.get_ident()
+
+    r, loop_thread = asyncio.run(main())
+    assert r.metadata["kvrag"]["hit_rate"] == 1.0 and threads and threads[0] != loop_thread

@@ -80,6 +80,10 @@ class _OwnTemplate:
 _TEMPLATES = (("messages_to_prompt", "_chat_template"), ("completion_to_prompt", "_completion_template"))
 
 
+_MEDIA_BLOCKS = frozenset({"ImageBlock", "AudioBlock", "VideoBlock", "DocumentBlock"})
+"""Content blocks a text-only model cannot see (``ChatMessage.content`` leaves them out)."""
+
+
 class KVCachedLLM(CustomLLM):
     """Local Hugging Face causal LM with reusable chunk KV caches.
 
@@ -191,6 +195,12 @@ class KVCachedLLM(CustomLLM):
 
     # ------------------------------------------------------------------------------------------- templates
     def _chat_template(self, messages: Sequence[ChatMessage]) -> str:
+        for m in messages:
+            other = [type(b).__name__ for b in getattr(m, "blocks", ()) if type(b).__name__ in _MEDIA_BLOCKS]
+            if other:  # m.content is the text blocks alone: an image would be dropped without a word
+                msg = (f"KVCachedLLM accepts text content only; got {', '.join(sorted(set(other)))} in a "
+                       f"{getattr(m.role, 'value', m.role)} message (images, audio and documents are not supported)")
+                raise ValueError(msg)
         msgs = [{"role": getattr(m.role, "value", str(m.role)), "content": m.content or ""} for m in messages]
         return adapters.render_chat(self.tokenizer, msgs)
 

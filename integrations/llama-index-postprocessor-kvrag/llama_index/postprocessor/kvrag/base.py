@@ -33,6 +33,16 @@ def resolve_engine(engine: Any = None, llm: Any = None) -> Any:
     raise ValueError(msg)
 
 
+def cache_target(engine: Any) -> str:
+    """The engine's chunk key space and store, as text: what a cached ingestion step must be keyed by. A store that
+    lives only in this process (``memory://``) adds its identity: another instance is empty."""
+    from kvrag.store.memory import MemoryStore
+
+    store = engine.store
+    own = f" @{id(store):x}" if isinstance(store, MemoryStore) else ""
+    return f"{engine.key_space()} | {store!r}{own}"
+
+
 def exclude_key(node: BaseNode, key_name: str = adapters.CHUNK_KEY_METADATA) -> None:
     """Hide the chunk-key metadata from the LLM and embedding renderings of ``node``."""
     if key_name not in node.excluded_llm_metadata_keys:
@@ -137,12 +147,16 @@ class KVCacheTransform(TransformComponent):
     metadata_key: str = Field(default=adapters.CHUNK_KEY_METADATA)
     show_progress: bool = Field(default=False, description="Show a progress bar.")
     batch_size: int | None = Field(default=None, ge=1, description="Chunks per prefill forward (None: kvrag's default).")
+    target: str = Field(default="", description="Where the caches go: the engine's key space (model, tokenizer, dtype, "
+                        "codec) and store. Set from the engine; part of what LlamaIndex's IngestionCache hashes, so "
+                        "another model or store is not taken for already done.")
 
     _engine: Any = PrivateAttr(default=None)
 
     def __init__(self, engine: Any = None, llm: Any = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._engine = resolve_engine(engine, llm)
+        self.target = cache_target(self._engine)
 
     @classmethod
     def class_name(cls) -> str:

@@ -21,6 +21,8 @@ from llama_index.core.query_engine import CustomQueryEngine
 from llama_index.core.schema import NodeWithScore, QueryBundle
 from llama_index.postprocessor.kvrag.base import KVCachePostprocessor, ensure_node_caches
 
+from kvrag import adapters
+
 _MARK = "\u2063KVRAG_CONTEXT\u2063"
 
 
@@ -80,3 +82,9 @@ class KVQueryEngine(CustomQueryEngine):
                     yield r.delta
 
         return StreamingResponse(response_gen=deltas(), source_nodes=nodes, metadata=meta)
+
+    async def acustom_query(self, query_str: str) -> Response | StreamingResponse:
+        """:meth:`custom_query` in a worker thread (LlamaIndex's fallback ran it on the event loop, blocking every
+        other task); concurrent ``aquery`` calls are in flight at once and decode in the engine's shared batch, and
+        cancelling the awaiting task cancels the engine request."""
+        return await adapters.to_thread(self.custom_query, query_str)
