@@ -229,6 +229,10 @@ def cmd_store(args: argparse.Namespace) -> int:
     return store_cli.run(args, store_url(args), index_tokens, lambda: _keep_fingerprints(args))
 
 
+SERVE_MEMORY_STORE_BYTES = 2 << 30
+"""``kvrag serve``'s default store: ``memory://`` bounded to this many bytes (``--store memory://?max_bytes=N``)."""
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from kvrag.serve import cli as serve_cli
 
@@ -238,10 +242,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         store = args.store
     elif args.persist:
         store = store_url(args)
-    else:
-        store = "memory://"
-        print("note: no --persist or --store: chunk caches live in memory and are lost when the server stops",
-              file=sys.stderr)
+    else:  # bounded: every request's misses are stored, and a memory store without a bound only grows
+        store = f"memory://?max_bytes={SERVE_MEMORY_STORE_BYTES}"
+        print(f"note: no --persist or --store: chunk caches live in memory ({SERVE_MEMORY_STORE_BYTES >> 20} MiB, "
+              "least recently used evicted) and are lost when the server stops", file=sys.stderr)
     return serve_cli.run(args, model, store, man.get("chunk_prefix", "template"), index_quantize(args, man), man)
 
 

@@ -33,6 +33,8 @@ def select_token(logits: torch.Tensor, cfg: GenerationConfig, generator: torch.G
     if not cfg.do_sample:
         return int(torch.argmax(logits))
     x = logits.float() / cfg.temperature
+    if not bool(torch.isfinite(x.max())):  # a temperature so small that logits / T overflow: its limit, greedy
+        return int(torch.argmax(logits))
     if cfg.top_k > 0:
         kth = torch.topk(x, min(cfg.top_k, x.shape[-1])).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))

@@ -308,13 +308,17 @@ def plan_prompt(prompt: str, chunk_texts: Sequence[str], tokenize: Tokenize,
                 token_ids_of: Callable[[str], Sequence[int]] | None = None, *, align: bool = True,
                 strict: bool = False, decode: Callable[[Sequence[int]], str] | None = None,
                 exact: Collection[str] = ()) -> Plan:
-    """Split + plan in one step (see :func:`split_prompt` and :func:`plan_pieces`).
+    """Split + plan in one step (see :func:`split_prompt` and :func:`plan_pieces`). A chunk text that ends the
+    prompt is prefilled as its suffix (a prompt needs text after its last chunk), registered but not found.
 
     With ``align`` (default) the plan's ids follow ``tokenize(prompt)`` (equal to it unless a chunk is spliced
     inexactly, see ``strict``). ``exact``: chunk texts offered only because they occur in the prompt (a framework
     adapter's lookup by content), held to the strict rule; one that does not splice is not counted as registered.
     """
     pieces, _ = split_prompt(prompt, chunk_texts)
+    last = next((p for p in reversed(pieces) if p.text), None)
+    if last is not None and last.kind == "chunk":  # nothing after it to prefill: that text is the suffix
+        pieces, _ = split_prompt(prompt, [t for t in chunk_texts if t != last.text])
     offered = {t for t in chunk_texts if t and t.strip()}
     plan = plan_pieces(pieces, tokenize, token_ids_of, registered=len(offered),
                        whole=tokenize(prompt) if align else None, decode=decode, strict=strict, exact=exact)

@@ -8,6 +8,7 @@ built from specs such as ``"relaxkv:r=0.15"``.
 from __future__ import annotations
 
 import abc
+import collections
 import dataclasses
 import importlib
 import threading
@@ -211,7 +212,7 @@ class FusionMethod(abc.ABC):
             raw = kwargs.get(k, default)
             try:
                 val = typ(raw) if raw is not None else None
-            except (TypeError, ValueError) as e:
+            except (TypeError, ValueError, ArithmeticError) as e:  # int(inf): OverflowError
                 msg = f"method {self.name!r}: parameter {k}={raw!r} is not a valid {typ.__name__}"
                 raise ConfigError(msg) from e
             setattr(self, k, val)
@@ -296,8 +297,11 @@ def parse_method_spec(spec: str) -> tuple[str, dict[str, str]]:
     return name, params
 
 
-_SHARED: dict[str, FusionMethod] = {}
+_SHARED: collections.OrderedDict[str, FusionMethod] = collections.OrderedDict()
 _SHARED_LOCK = threading.Lock()
+SHARED_METHODS = 256
+"""Most instances :func:`shared_method` keeps (least recently used dropped: a server's clients may ask for many
+parameter values)."""
 
 
 def shared_method(spec: str | FusionMethod, **overrides: Any) -> FusionMethod:
@@ -308,8 +312,13 @@ def shared_method(spec: str | FusionMethod, **overrides: Any) -> FusionMethod:
     new ones. Instances are safe to share between engines and models (per-model state is keyed by the model).
     """
     built = spec if isinstance(spec, FusionMethod) and not overrides else get_method(spec, **overrides)
+    key = repr(built)
     with _SHARED_LOCK:
-        return _SHARED.setdefault(repr(built), built)
+        kept = _SHARED.setdefault(key, built)
+        _SHARED.move_to_end(key)
+        while len(_SHARED) > SHARED_METHODS:
+            _SHARED.popitem(last=False)
+        return kept
 
 
 def get_method(spec: str | FusionMethod, **overrides: Any) -> FusionMethod:

@@ -111,7 +111,7 @@ def create_app(engine: KVRAGEngine, config: ServeConfig | None = None, *, persis
         from starlette.middleware.cors import CORSMiddleware
 
         app.add_middleware(CORSMiddleware, allow_origins=list(cfg.allowed_origins), allow_methods=["GET", "POST", "HEAD"],
-                           allow_headers=["Authorization", "Content-Type"], expose_headers=["Retry-After", "Warning"])
+                           allow_headers=["*"], expose_headers=["Retry-After", "Warning"])
     return app
 
 

@@ -95,8 +95,10 @@ class Metrics:
             self.chunks_registered.inc(st.chunks_registered)
             self.chunk_hits.inc(st.chunk_hits)
             self.hit_rate.observe(st.hit_rate)
-        chosen = st.method_stats.auto_choice or repr(prep.method)
-        self.method.labels(method=repr(prep.method), chosen=chosen).inc()
+        # labelled by name (a client's parameter values would make a series each); auto's choice is a level of its
+        # server-side ladder
+        chosen = st.method_stats.auto_choice or prep.method.name
+        self.method.labels(method=prep.method.name, chosen=chosen).inc()
 
     def render(self) -> tuple[bytes, str]:
         return self._generate(self.registry), self._content_type

@@ -124,13 +124,18 @@ async def register_chunks(body: ChunksRequest, request: Request, svc: Service) -
     """Register passages and cache the missing ones; one ``{"key", "cached", "tokens"}`` per text, in order. The
     registration holds a place in the queue and stops when its client leaves. With the store down the caches are
     computed but not kept: the response carries the ``Warning`` header of :data:`STORE_WARNING`."""
-    svc.check_texts(body.texts)
-    async with svc.outcome("chunks", request) as out:
-        out.admit()
-        data = await out.run(svc.register, body.texts)
-        if svc.sync is not None:
-            await out.guard(svc.sync.push([t for t, d in zip(body.texts, data, strict=True) if d["key"] is not None]))
-        return JSONResponse({"object": "list", "data": data, "registered": len(svc.chunks)}, headers=_headers(svc))
+    reserved = svc.check_texts(body.texts)
+    try:
+        async with svc.outcome("chunks", request) as out:
+            out.admit()
+            data = await out.run(svc.register, body.texts)
+            if svc.sync is not None:
+                pushed = [t for t, d in zip(body.texts, data, strict=True) if d["key"] is not None]
+                await out.guard(svc.sync.push(pushed))
+            return JSONResponse({"object": "list", "data": data, "registered": len(svc.chunks)},
+                                headers=_headers(svc))
+    finally:
+        svc.unreserve(reserved)
 
 
 @router.get("/health")

@@ -36,11 +36,12 @@ if TYPE_CHECKING:
     from starlette.requests import Request
 
     from kvrag.engine.engine import KVRAGEngine
+    from kvrag.engine.planner import Plan
     from kvrag.fusion.base import FusionMethod
 
-PATH_PARAMS = frozenset({"costs", "checkpoint", "calibration", "path", "file", "dir", "root"})
-"""Method parameters that name files (``auto``'s cost model, ``cacherepair``'s and ``hybrid``'s checkpoint):
-server-side configuration (``kvrag serve --method``), refused from clients."""
+PATH_PARAMS = frozenset({"costs", "checkpoint", "thresholds", "calibration", "path", "file", "dir", "root"})
+"""Method parameters that name files (``auto``'s cost model and agreement thresholds, ``cacherepair``'s and
+``hybrid``'s checkpoint): server-side configuration (``kvrag serve --method``), refused from clients."""
 
 REGISTER_BATCH = 8
 """Texts cached per step of a registration (a client that leaves stops it at the next step)."""
@@ -112,6 +113,7 @@ class KVRAGService:
         plan (texts registered elsewhere since the last pull)."""
         self.registered_bytes = 0
         self._known: set[int] = set()
+        self._reserved_bytes = 0  # new bytes of registrations checked and still running (check_texts)
         self.draining = False
         self.aborted = asyncio.Event()
         self._progress: tuple[int, float] = (-1, time.monotonic())
@@ -138,24 +140,50 @@ class KVRAGService:
             out.token.cancel()
 
     # ------------------------------------------------------------------------------------------- chunks
-    def check_texts(self, texts: list[str]) -> list[bytes]:
+    def check_sizes(self, texts: list[str], param: str = "texts") -> list[bytes]:
+        """413 for more than ``--max-texts`` texts or one over ``--max-text-bytes`` (a registration's texts, a
+        request's ``kvrag.chunks``: both are cached and stored). Returns the texts' UTF-8 bytes."""
         cfg = self.config
         if len(texts) > cfg.max_texts:
-            raise HTTPProblem(413, f"{len(texts)} texts in one registration; the limit is {cfg.max_texts} "
-                                   "(--max-texts): send them in several requests", param="texts",
+            raise HTTPProblem(413, f"{len(texts)} texts in {param}; the limit is {cfg.max_texts} "
+                                   "(--max-texts): send them in several requests", param=param,
                               code="too_many_texts")
         encoded = [t.encode() for t in texts]
         for i, b in enumerate(encoded):
             if len(b) > cfg.max_text_bytes:
-                raise HTTPProblem(413, f"texts[{i}] has {len(b)} bytes; the limit is {cfg.max_text_bytes} "
-                                       "(--max-text-bytes): register passages, not documents", param=f"texts.{i}",
+                raise HTTPProblem(413, f"{param}[{i}] has {len(b)} bytes; the limit is {cfg.max_text_bytes} "
+                                       "(--max-text-bytes): register passages, not documents", param=f"{param}.{i}",
                                   code="text_too_large")
-        new = sum(len(b) for t, b in zip(texts, encoded, strict=True) if hash(t) not in self._known)
-        if self.registered_bytes + new > cfg.max_registered_bytes:
-            raise HTTPProblem(413, f"registering {new} new bytes would pass the server's quota of "
-                                   f"{cfg.max_registered_bytes} registered bytes ({self.registered_bytes} used; "
-                                   "--max-registered-bytes)", param="texts", code="registered_bytes_quota")
         return encoded
+
+    def check_texts(self, texts: list[str]) -> int:
+        """A registration's limits (:meth:`check_sizes`, ``--max-registered-bytes``), checked and its new bytes
+        reserved at once (on the event loop, so concurrent registrations cannot all pass one check); give the
+        returned reservation back with :meth:`unreserve` when the registration ends."""
+        encoded = self.check_sizes(texts)
+        cfg = self.config
+        new = sum(len(b) for t, b in zip(texts, encoded, strict=True) if hash(t) not in self._known)
+        used = self.registered_bytes + self._reserved_bytes
+        if used + new > cfg.max_registered_bytes:
+            raise HTTPProblem(413, f"registering {new} new bytes would pass the server's quota of "
+                                   f"{cfg.max_registered_bytes} registered bytes ({used} used or being registered; "
+                                   "--max-registered-bytes)", param="texts", code="registered_bytes_quota")
+        self._reserved_bytes += new
+        return new
+
+    def unreserve(self, reserved: int) -> None:
+        self._reserved_bytes -= reserved
+
+    def check_lengths(self, texts: list[str], param: str = "texts") -> None:
+        """400 naming the first text longer than a chunk can be (the context window less the chunk prefix), before
+        any of them is cached."""
+        eng = self.engine
+        limit = int(eng.max_context) - len(eng.chunk_prefix_ids)
+        for i, t in enumerate(texts):
+            n = len(eng.tokenize(t))
+            if n > limit:
+                raise HTTPProblem(400, f"{param}[{i}] has {n} tokens; a chunk of this model takes at most {limit}: "
+                                       "split it into passages", param=f"{param}.{i}", code="text_too_long")
 
     def _check_store(self) -> None:
         """The ``--max-store-bytes`` quota. Reading a store's size can scan it (every key of a Redis), so a reading is
@@ -177,6 +205,7 @@ class KVRAGService:
         cancel token is cancelled; one ``{"key", "cached", "tokens"}`` per text (key None for whitespace-only texts,
         which are neither cached nor registered)."""
         self._check_store()
+        self.check_lengths(texts)
         token = current_token()
         out: list[JSONObject] = []
         for i in range(0, len(texts), REGISTER_BATCH):
@@ -223,7 +252,7 @@ class KVRAGService:
             refuse_paths(opts.method, opts.params)
             try:
                 method = self.engine.method(opts.method or self.config.method, **opts.params)
-            except (ConfigError, TypeError, ValueError) as e:
+            except (ConfigError, TypeError, ValueError, ArithmeticError) as e:
                 raise HTTPProblem(400, f"kvrag.method: {e}", param="kvrag.method") from e
         requested = body.requested_tokens()
         try:
@@ -235,6 +264,19 @@ class KVRAGService:
             raise HTTPProblem(400, str(e)) from e
         return method, gen
 
+    def _plan(self, prompt: str, explicit: list[str] | None) -> Plan:
+        """The request's plan (in a worker thread: searching the prompt for every registered text and tokenizing it
+        take time that the event loop must not wait for). Registered texts found by content splice only where their
+        own ids are the prompt's (``KVRAGEngine.plan(exact=...)``); a client's explicit ``kvrag.chunks`` as given,
+        within the registration limits (their missing caches are stored too)."""
+        if explicit is not None:
+            self.check_sizes(explicit, "kvrag.chunks")
+            self._check_store()
+            self.check_lengths(explicit, "kvrag.chunks")
+            return self.engine.plan(prompt, adapters.resolve_chunks(prompt, explicit, use_context=False))
+        refs = self.chunks.found_in(prompt)
+        return self.engine.plan(prompt, refs, exact=[c.text for c in refs])
+
     async def start(self, out: Outcome, body: ChatCompletionRequest | CompletionRequest, prompt: str,
                     kind: Kind) -> Job:
         """Admit, plan and prepare a checked request (400 for a prompt over the context window)."""
@@ -244,9 +286,7 @@ class KVRAGService:
         explicit = body.kvrag.chunks if body.kvrag is not None else None
         if self.sync is not None:
             self.chunks.add(await out.guard(self.sync.pull()))
-        refs = adapters.resolve_chunks(prompt, explicit, use_context=False) if explicit is not None \
-            else self.chunks.found_in(prompt)
-        plan = await out.run(eng.plan, prompt, refs)
+        plan = await out.run(self._plan, prompt, explicit)
         room = int(eng.max_context) - int(plan.total_len)
         where = "messages" if kind == "chat" else "prompt"
         if room < 1:

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvrag.engine.planner import plan_pieces, plan_prompt, split_prompt
+from kvrag.engine.planner import TextPiece, plan_pieces, plan_prompt, split_prompt
 from kvrag.errors import ConfigError
 
 
@@ -50,9 +50,16 @@ def test_stored_ids_are_spliced_not_retokenized() -> None:
     assert chunk.token_ids == (7, 7)
 
 
-def test_prompt_ending_in_chunk_is_refused() -> None:
-    with pytest.raises(ConfigError, match="after the last chunk"):
-        plan_prompt("pre CHUNK", ["CHUNK"], tok)
+def test_a_chunk_ending_the_prompt_is_prefilled_as_its_suffix() -> None:
+    # a served prompt is searched for every registered text: one that ends it (a chat template's generation
+    # prompt registered as a "passage") must not make every request fail
+    plan = plan_prompt("pre CHUNK", ["CHUNK"], tok)
+    assert plan.found == 0 and plan.registered == 1 and plan.context_len + len(plan.suffix.token_ids) == len(
+        tok("pre CHUNK")) and plan.suffix.token_ids
+    both = plan_prompt("A pre B", ["A", "B"], tok)
+    assert both.found == 1 and [s.text for s in both.context if s.kind == "chunk"] == ["A"]
+    with pytest.raises(ConfigError, match="after the last chunk"):  # explicit parts still say so
+        plan_pieces([TextPiece("prefix", "pre "), TextPiece("chunk", "CHUNK")], tok)
 
 
 def test_no_chunk_moves_text_to_suffix() -> None:

@@ -159,6 +159,8 @@ def test_engine_gives_the_lease_back_when_a_stream_cannot_start(engine: KVRAGEng
 
 # ----------------------------------------------------------------------------------------------- 2: no files
 @pytest.mark.parametrize("kvrag", [
+    {"method": "auto", "params": {"agree": 0.9, "thresholds": "thr.json"}},
+    {"method": "auto:agree=0.9,thresholds=thr.json"},
     {"method": "auto", "params": {"costs": "FILE"}},
     {"method": "auto:costs=FILE"},
     {"method": "cacherepair", "params": {"checkpoint": "FILE"}},
@@ -315,6 +317,9 @@ def test_allowed_origins_let_a_browser_page_call_the_server(engine: KVRAGEngine,
         r = c.options("/v1/chat/completions", headers=preflight)
         assert r.status_code == 200 and r.headers["access-control-allow-origin"] == ui
         assert "authorization" in r.headers["access-control-allow-headers"].lower()
+        sdk = {**preflight, "Access-Control-Request-Headers": "authorization,content-type,x-stainless-os"}
+        r = c.options("/v1/chat/completions", headers=sdk)  # the openai JS SDK's own headers
+        assert r.status_code == 200 and "x-stainless-os" in r.headers["access-control-allow-headers"].lower()
         r = c.get("/v1/models", headers={"Origin": ui, "Authorization": "Bearer key-one"})
         assert r.status_code == 200 and r.headers["access-control-allow-origin"] == ui
         is_openai_error(c.get("/v1/models", headers={"Origin": ui}), 401, code="invalid_api_key")  # still guarded
@@ -446,3 +451,62 @@ def test_every_error_is_openai_error_and_nothing_is_exposed(engine: KVRAGEngine,
     with served(engine, docs=True, server_header=True) as (_, c):
         assert c.get("/openapi.json").status_code == 200 and c.get("/docs").status_code == 200
         assert c.get("/health").headers["X-Kvrag-Server"].endswith(f":{os.getpid()}")
+
+
+# ----------------------------------------------------------------------------------------------- 8: one client, all
+def test_a_registered_text_that_ends_every_prompt_does_not_break_the_server(engine: KVRAGEngine) -> None:
+    """A chat template's generation prompt registered as a "passage" ends every chat prompt: every chat was a 400
+    ("the prompt ends with a cached chunk") until the server restarted. Now that text is prefilled as the suffix."""
+    tail = engine.tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False,
+                                                add_generation_prompt=True).split("x")[-1]
+    with served(engine) as (_, c):
+        assert c.post("/v1/kvrag/chunks", json={"texts": [tail, *PASSAGES]}).status_code == 200
+        r = c.post("/v1/chat/completions", json=chat("Context:" + "".join(PASSAGES) + "\n\nWhich is in France?"))
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the passages still reused
+        assert c.post("/v1/chat/completions", json=chat(kvrag={"method": "full"})).status_code == 200
+
+
+def test_concurrent_registrations_cannot_all_pass_one_quota_check(engine: KVRAGEngine) -> None:
+    texts = [[f"\n\nPassage {i}: " + "word " * 60] for i in range(4)]  # ~315 bytes each: one fits
+    with served(engine, max_registered_bytes=500) as (_, c):
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            codes = [r.status_code for r in pool.map(lambda t: c.post("/v1/kvrag/chunks", json={"texts": t}), texts)]
+        assert codes.count(200) == 1 and codes.count(413) == 3, codes
+        assert c.get("/health").json()["registered_chunks"] == 1
+
+
+def test_a_registration_with_one_text_too_long_names_it_and_registers_nothing(engine: KVRAGEngine) -> None:
+    texts = [f"\n\nShort passage {i}." for i in range(9)] + ["word " * 2000]  # 2000+ tokens > 512
+    with served(engine) as (_, c):
+        err = is_openai_error(c.post("/v1/kvrag/chunks", json={"texts": texts}), 400, code="text_too_long",
+                              param="texts.9")
+        assert "texts[9]" in err["message"]
+        assert c.get("/health").json()["registered_chunks"] == 0
+
+
+def test_a_requests_own_chunks_are_held_to_the_registration_limits(client: Any) -> None:
+    body = chat(kvrag={"chunks": ["x" * 70_000]})
+    is_openai_error(client.post("/v1/chat/completions", json=body), 413, code="text_too_large",
+                    param="kvrag.chunks.0")
+
+
+@pytest.mark.parametrize(("field", "value"), [("temperature", 1e-300), ("temperature", 5e-324)])
+def test_a_vanishing_temperature_answers_greedily(client: Any, field: str, value: float) -> None:
+    greedy = client.post("/v1/chat/completions", json=chat()).json()["choices"][0]["message"]["content"]
+    r = client.post("/v1/chat/completions", json=chat(**{field: value}))
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == greedy
+
+
+@pytest.mark.parametrize("kvrag", [{"method": "epic", "params": {"k": 1e308 * 10}}, {"method": "epic:k=1e400"}])
+def test_an_infinite_method_parameter_is_a_400(client: Any, kvrag: dict[str, Any]) -> None:
+    raw = json.dumps(chat(kvrag=kvrag)).replace("Infinity", "1e400")
+    r = client.post("/v1/chat/completions", content=raw.encode(), headers={"content-type": "application/json"})
+    is_openai_error(r, 400, param="kvrag.method")
+
+
+def test_method_metrics_are_labelled_by_name_not_by_parameter_values(client: Any) -> None:
+    for i in range(3):
+        assert client.post("/v1/chat/completions", json=chat(kvrag={"method": f"relaxkv:r=0.1{i}1"})).status_code == 200
+    lines = [ln for ln in client.get("/metrics").text.splitlines() if ln.startswith("kvrag_method_requests_total{")]
+    assert not any("r=0.1" in ln for ln in lines) and any('method="relaxkv"' in ln for ln in lines)
