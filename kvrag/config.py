@@ -149,7 +149,9 @@ class EngineConfig:
         conversation_cache_bytes: most bytes of KV kept from answered requests, so that a later prompt extending
             one's prompt and answer (the next turn of a chat) reuses it and prefills only the new text
             (:mod:`kvrag.engine.conversation`); counted in ``kv_memory_bytes`` and given back when a request needs
-            the room. None (default): a quarter of the KV bound; 0: off.
+            the room. None (default): a quarter of the KV bound; 0: off. Off with a ``kv_dtype`` narrower than the
+            compute dtype: the prompt's K/V are quantized when decoding starts, so a kept turn would not have a
+            prefill's bits.
         conversation_cache_entries: most answered requests kept (least recently used leave first).
         move_history: when a prompt holds a kept conversation's history after other chunks (a chat whose retrieved
             passages changed), reuse its kept K/V at the new position, repaired by the request's method, instead of

@@ -115,7 +115,7 @@ class KVRAGEngine(ChunkCaching):
                                                            min_ngram=min(self.config.speculative_min_ngram,
                                                                          self.config.speculative_ngram)))
         self.batcher = self.runner  # the earlier name
-        conv = self.config.conversation_cache_bytes
+        conv = 0 if kv_dtype not in (None, self.model.dtype) else self.config.conversation_cache_bytes  # see config
         self.conversations = ConversationCache(lambda: self.runner.budget, kv_bytes // 4 if conv is None else conv,
                                                self.config.conversation_cache_entries)
 
@@ -291,12 +291,12 @@ class KVRAGEngine(ChunkCaching):
             raise ConfigError(f"reserve must be >= 0 new tokens, got {reserve}")
         if plan.positions >= self.max_context:
             msg = (f"the prompt has {plan.positions} tokens ({plan.context_len} context + {len(plan.suffix.token_ids)} "
-                   f"suffix) but the model's context window is {self.max_context}; retrieve fewer or shorter chunks")
+                   f"suffix) but the model's context window is {self.max_context}; fewer or shorter chunks or turns")
             raise ContextLengthError(msg)
         if plan.positions + reserve > self.max_positions:
             msg = (f"the prompt has {plan.positions} tokens and {reserve} new tokens are asked for, but the model "
                    f"handles {self.max_positions} positions (EngineConfig.max_context or the model's "
-                   f"max_position_embeddings); retrieve fewer or shorter chunks or ask for at most "
+                   f"max_position_embeddings); fewer or shorter chunks or turns, or ask for at most "
                    f"{max(0, self.max_positions - plan.positions)} new tokens")
             raise ContextLengthError(msg)
         hit = self.conversations.match(plan.token_ids, repr(m), plan.context_len if m.reads_cache else 0,
@@ -410,7 +410,7 @@ class KVRAGEngine(ChunkCaching):
             chunk_misses=counts["chunk_misses"],
             other_hits=counts["other_hits"],
             other_misses=counts["other_misses"],
-            reused_tokens=0 if m.name == "full" or out.prompt_tokenized else counts["reused_tokens"],
+            reused_tokens=0 if out.prompt_tokenized or out.stats.recomputed_fraction >= 1 else counts["reused_tokens"],
             hit_rate=(counts["chunk_hits"] / plan.registered) if plan.registered else 0.0,
             method_stats=out.stats,
         )

@@ -83,8 +83,8 @@ class Stats(_Fields):
             and how many of those were spliced with ids that differ at a boundary from the whole-prompt ids.
         chunk_hits / chunk_misses / other_hits / other_misses: store hits and misses of chunk and of other
             (prefix / in-between text) segments.
-        reused_tokens: tokens whose KV was reused: from the store (0 for methods that read no cache) or from a
-            kept conversation.
+        reused_tokens: tokens whose KV was reused: from the store or from a kept conversation; 0 where the whole
+            prompt was recomputed (``full``, and ``auto`` escalated to it: nothing reused reached the answer).
         conversation_tokens: tokens whose KV came from an earlier answered request that this prompt continues
             (:mod:`kvrag.engine.conversation`; then only the rest of the prompt was prefilled).
         hit_rate: chunk hits / chunks registered.

@@ -42,6 +42,8 @@ class _BatcherCollector:
                                 value=st.get("joining", 0))
         kv = st.get("kv", {})
         yield GaugeMetricFamily("kvrag_kv_bytes_used", "KV bytes leased by requests in flight", value=kv.get("used", 0))
+        yield GaugeMetricFamily("kvrag_kv_bytes_cached", "KV bytes held by kept conversations (within the bound; "
+                                "given back when a request needs the room)", value=kv.get("cached", 0))
         yield GaugeMetricFamily("kvrag_kv_bytes_limit", "The engine's KV memory bound", value=kv.get("limit", 0))
         yield GaugeMetricFamily("kvrag_kv_leases", "KV leases held (requests holding memory)", value=kv.get("leases", 0))
 

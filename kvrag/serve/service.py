@@ -291,7 +291,7 @@ class KVRAGService:
         where = "messages" if kind == "chat" else "prompt"
         if room < 1:
             raise HTTPProblem(400, f"the prompt has {plan.total_len} tokens but the model's context window is "
-                                   f"{eng.max_context}; send fewer or shorter passages", param=where,
+                                   f"{eng.max_context}; send fewer or shorter passages or earlier turns", param=where,
                               code="context_length_exceeded")
         gen.max_new_tokens = min(gen.max_new_tokens, room)
         try:
@@ -408,7 +408,8 @@ class KVRAGService:
             "status": "unhealthy" if problems else ("draining" if self.draining else "ok"), "model": self.model_id,
             "in_flight": self.held, "max_queue": self.config.max_queue,
             "store": "degraded" if self.store_degraded() else "ok", "registered_chunks": len(self.chunks),
-            "kv_bytes_used": int(kv.get("used", 0)), "kv_bytes_limit": int(kv.get("limit", 0))}
+            "kv_bytes_used": int(kv.get("used", 0)), "kv_bytes_cached": int(kv.get("cached", 0)),
+            "kv_bytes_limit": int(kv.get("limit", 0))}
         if problems:
             body["problems"] = problems
         return problems, body

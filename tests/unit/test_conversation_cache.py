@@ -394,3 +394,21 @@ def test_a_kept_conversation_is_the_bits_of_one_prefill_of_the_whole_history(dty
     with torch.inference_mode():
         keys, values = hf_cache.prefill_kv(eng.model, torch.tensor(entry.ids[: entry.prompt_len]))
     assert torch.equal(entry.keys, keys) and torch.equal(entry.values, values)
+
+
+def test_auto_escalated_to_full_reports_nothing_reused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The whole prompt recomputed by auto's last level: no token's K/V came from the store or a kept turn, so the
+    stats (and kvrag serve's cached_tokens) say 0, as for ``full`` -- also over an exact splice."""
+    from kvrag.fusion import escalate
+
+    monkeypatch.setitem(escalate.AGREE_THRESHOLDS, 0.9, (1.01,))  # every ladder ends at full
+    eng = make()
+    prompt = render_chat(eng.tokenizer, [{"role": "system", "content": "Documents:" + "".join(PASSAGES)},
+                                         {"role": "user", "content": QUESTIONS[0]}])
+    eng.ingest(PASSAGES, progress=False)
+    assert eng.plan(prompt, PASSAGES).inexact_chunks == 0  # the case under test: nothing re-tokenized
+    stale = eng.answer(prompt, PASSAGES, "stale", max_new_tokens=2)
+    assert stale.stats.reused_tokens > 0
+    r = eng.answer(prompt, PASSAGES, "auto:agree=0.9", max_new_tokens=2)
+    assert r.stats.method_stats.auto_choice == "full" and r.stats.chunk_hits == len(PASSAGES)
+    assert r.stats.reused_tokens == 0 and r.stats.conversation_tokens == 0

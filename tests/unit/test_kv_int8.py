@@ -247,3 +247,15 @@ def test_int8_fused_step_tests_pass_through_the_portable_path() -> None:
     tail = res.stdout[-3000:] + res.stderr[-2000:]
     assert res.returncode == 0, tail
     assert " passed" in tail and "skipped" not in tail, tail
+
+
+def test_int8_kv_keeps_no_conversation() -> None:
+    """The prompt's K/V are quantized when decoding starts: a kept turn would reuse rounded K/V (and be counted at
+    int8's bytes while held in the model dtype), so the conversation cache is off with int8 K/V."""
+    _need(torch.float32)
+    lm = tiny_model("llama", init_std=0.1)
+    eng = KVRAGEngine(lm, MemoryStore(), EngineConfig(kv_dtype="int8", conversation_cache_bytes=1 << 30))
+    assert not eng.conversations.enabled
+    eng.answer("Hello there, how are you?", [], "full", max_new_tokens=3)
+    assert not eng.conversations._entries
+    assert KVRAGEngine(lm, MemoryStore(), EngineConfig()).conversations.enabled

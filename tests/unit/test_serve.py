@@ -300,7 +300,10 @@ def test_metrics_report_latency_hits_and_method(client: Any) -> None:
     assert value("kvrag_chunk_hits_total") > 0 and value('kvrag_chunk_hit_rate_bucket{le="1.0"}') >= 1
     assert value('kvrag_method_requests_total{chosen="stale",method="stale"}') >= 1
     assert value("kvrag_decode_steps_total") >= 1 and value("kvrag_kv_bytes_limit") > 0
-    assert client.get("/health").json()["status"] == "ok"
+    health = client.get("/health").json()
+    assert health["status"] == "ok"
+    # answered chats keep their prompt's K/V (counted in the bound, not leased): reported beside the leases
+    assert value("kvrag_kv_bytes_cached") == health["kv_bytes_cached"] > 0
 
 
 def test_store_down_recomputes_with_a_warning_header(lm: Any, redis_server: Any) -> None:

@@ -175,3 +175,22 @@ def test_an_image_block_is_refused_not_dropped(engine) -> None:
                                            ImageBlock(url="https://example.com/a.png")])
     with pytest.raises(ValueError, match="ImageBlock"):
         llm.chat([msg])
+
+
+def test_last_info_after_an_awaited_call_is_that_call(engine) -> None:
+    llm = KVCachedLLM(engine=engine, max_new_tokens=2)
+    llm.chat([ChatMessage(role="user", content="Say hi")])
+
+    async def run() -> list[str]:
+        seen = []
+        await llm.achat([ChatMessage(role="user", content="What is two plus two?")])
+        seen.append(llm.last_info["prompt"])
+        await llm.acomplete("Name a colour.")
+        seen.append(llm.last_info["prompt"])
+        async for _ in await llm.astream_chat([ChatMessage(role="user", content="Count to three.")]):
+            pass
+        seen.append(llm.last_info["prompt"])
+        return seen
+
+    got = asyncio.run(run())
+    assert ["two plus two" in got[0], "colour" in got[1], "three" in got[2]] == [True, True, True], got

@@ -284,15 +284,27 @@ class KVCachedLLM(CustomLLM):
             "text": text,
         }
 
-    def _record(self, info: dict[str, Any]) -> None:
+    def _record(self, info: dict[str, Any], req: dict[str, Any] | None = None) -> None:
         self._history.append(info)
         _LAST.set((id(self), info))
+        if req is not None:  # for an async caller, whose context the worker thread's copy does not reach
+            req["info"] = info
+
+    def _adopt(self, req: dict[str, Any]) -> None:
+        """Make the record of ``req`` (run in a worker thread) the caller's :attr:`last_info`."""
+        if "info" in req:
+            _LAST.set((id(self), req["info"]))
+
+    async def _astream(self, req: dict[str, Any]) -> CompletionResponseAsyncGen:
+        async for r in adapters.aiter_in_thread(lambda: self._run_stream(req)):
+            yield r
+        self._adopt(req)
 
     def _run(self, req: dict[str, Any]) -> CompletionResponse:
         prep = self.engine.prepare(self._plan(req), req["method"], reserve=req["gen"].max_new_tokens)
         text = "".join(self.engine.stream(prep, req["gen"]))
         info = self._info(req, prep, text)
-        self._record(info)
+        self._record(info, req)
         return CompletionResponse(text=text, raw=info["raw"], additional_kwargs=info["additional_kwargs"])
 
     def _run_stream(self, req: dict[str, Any]) -> CompletionResponseGen:
@@ -302,7 +314,7 @@ class KVCachedLLM(CustomLLM):
             text += delta
             yield CompletionResponse(text=text, delta=delta, additional_kwargs=self._extra(prep))
         info = self._info(req, prep, text)
-        self._record(info)
+        self._record(info, req)
         # a final empty delta carries the complete timings and stats
         yield CompletionResponse(text=text, delta="", raw=info["raw"], additional_kwargs=info["additional_kwargs"])
 
@@ -352,17 +364,21 @@ class KVCachedLLM(CustomLLM):
     @llm_completion_callback()
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
         req = self._new_request(prompt, formatted, kwargs)
-        return await adapters.to_thread(self._run, req)
+        r = await adapters.to_thread(self._run, req)
+        self._adopt(req)
+        return r
 
     @llm_completion_callback()
     async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
         req = self._new_request(prompt, formatted, kwargs)
-        return adapters.aiter_in_thread(lambda: self._run_stream(req))
+        return self._astream(req)
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         req = self._chat_request(messages, kwargs)
-        return completion_response_to_chat_response(await adapters.to_thread(self._run, req))
+        r = await adapters.to_thread(self._run, req)
+        self._adopt(req)
+        return completion_response_to_chat_response(r)
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
@@ -370,7 +386,7 @@ class KVCachedLLM(CustomLLM):
 
         async def gen() -> ChatResponseAsyncGen:
             text = ""
-            async for r in adapters.aiter_in_thread(lambda: self._run_stream(req)):
+            async for r in self._astream(req):
                 text = r.text
                 yield ChatResponse(
                     message=ChatMessage(role="assistant", content=text),
