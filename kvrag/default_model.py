@@ -222,6 +222,11 @@ def _check_gguf_config(gguf: Path, name: str) -> PretrainedConfig:
     except (OSError, ValueError, KeyError) as e:
         msg = f"GGUF file {gguf.name}: transformers cannot build a model config from its header: {e}"
         raise UnsupportedModelError(msg) from e
+    from gguf import GGUFReader
+
+    from kvrag.gguf_rope import apply_rope_freqs
+
+    apply_rope_freqs(GGUFReader(gguf), config, gguf.name)  # Llama 3.x: its RoPE scaling is a tensor, not a key
     check_rope_support(config, name=name)
     return config
 
@@ -340,8 +345,18 @@ def prepare_default_model(progress: bool = True) -> Path:
 
 
 def is_gguf_path(model: str | os.PathLike[str]) -> bool:
-    """True when ``model`` names a GGUF file (by its ``.gguf`` suffix), whether or not it exists."""
-    return str(model).lower().endswith(".gguf")
+    """True when ``model`` names a GGUF file: by its ``.gguf`` suffix (whether or not it exists), or an existing file
+    that starts with GGUF's magic bytes (Ollama keeps its models as ``blobs/sha256-...``, without a suffix)."""
+    if str(model).lower().endswith(".gguf"):
+        return True
+    path = Path(model).expanduser()
+    try:
+        if path.is_file():
+            with path.open("rb") as f:
+                return f.read(4) == b"GGUF"
+    except OSError:
+        return False
+    return False
 
 
 def gguf_checkpoint_dir(gguf: str | os.PathLike[str], sha256: str) -> Path:
@@ -410,7 +425,12 @@ def _prepare(gguf: Path, target: Path, *, name: str, progress: bool, sha256: str
     """Convert ``gguf`` into ``target`` under a per-target file lock, unless another process just did."""
     from filelock import FileLock, Timeout
 
-    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        msg = (f"cannot write the prepared folder of {name!r} under {target.parent} ({e}); set KVRAG_HOME to a "
+               "writable directory")
+        raise ConfigError(msg) from e
     lock = FileLock(str(target.parent / f".{target.name}.lock"))
     try:
         lock.acquire(timeout=0)

@@ -35,6 +35,7 @@ from kvrag.gguf_load import use_int4
 from kvrag.kv import hf_cache
 from kvrag.kv.attention import use_gqa_sdpa
 from kvrag.kv.compute import check_rerotation
+from kvrag.kv.gguf_blocks import FLOAT_TYPES
 from kvrag.kv.gguf_quant import GGUFLinear
 from kvrag.kv.linear import pack_linears
 from kvrag.kv.quant import parse_mode, quant_tag, quantize_linears
@@ -229,18 +230,23 @@ def wrap_model(
     name: str,
     dtype: torch.dtype | None = None,
     quantize: str | None = None,
+    resident_only: bool = False,
 ) -> LoadedModel:
     """Validate an already constructed model and compute its fingerprints (used by :func:`load_model` and tests).
 
     ``quantize`` ("int4" / "int8") gives its linear layers quantized weights for short products
     (:func:`kvrag.kv.quant.quantize_linears`); the fingerprint records it, so caches never cross quantizations.
+    ``resident_only``: only a GGUF file's quantized blocks take that route; its float tensors stay dense (a float
+    GGUF, or a file's F16 layers, is not re-quantized unless asked), and a model with no quantized block is dense.
     """
     mode = parse_mode(quantize)
+    if resident_only and not any(isinstance(m, GGUFLinear) and m.qtype not in FLOAT_TYPES for m in model.modules()):
+        mode = None
     check_rope_support(model, name=name)
     model.eval()
     use_gqa_sdpa(model)  # SDPA without repeated K/V heads for masked grouped-query calls (kvrag.kv.attention)
     pack_linears(model)  # bf16 on the CPU: weights packed once for oneDNN, bit-identical outputs (kvrag.kv.linear)
-    quantize_linears(model, mode)  # after packing: longer inputs fall back to the packed / dense forward
+    quantize_linears(model, None if resident_only else mode)  # after packing: longer inputs take the dense forward
     tag = quant_tag(mode)
     if mode == "int4" and use_int4(model):  # GGUF-resident layers: the file's own blocks for decode-sized products
         tag = f"{tag}+gguf-blocks"  # int4 groups taken from the file, not re-quantized from its floats
@@ -252,7 +258,12 @@ def wrap_model(
                for m in model.modules()):
             tag = f"{tag}-bf16"  # ... on AVX512-BF16 (kvrag_dequant_dot_bf16): bits of its own
     # each layer re-positioned exactly, measured on the weights as they will run (after any quantization)
-    check_rerotation(model, Rope.from_model(model), name=name)
+    try:
+        check_rerotation(model, Rope.from_model(model), name=name)
+    except (AttributeError, IndexError, ValueError, RuntimeError) as e:  # a layout kvrag's probe cannot read
+        msg = (f"{name}: kvrag cannot read this model's attention layout to re-position its keys "
+               f"({type(e).__name__}: {e}); see the supported families in docs/models.md")
+        raise UnsupportedModelError(msg) from e
     check_finite(model, tokenizer, name=name)
     param = next(model.parameters())
     dtype = dtype or param.dtype
@@ -351,17 +362,29 @@ def load_model(
             msg = f"cannot load model {name!r}: expected a Hugging Face model id or a checkpoint directory{hint}: {e}"
             raise ConfigError(msg) from e
         check_rope_support(config, name=name)  # fail before reading any weights
-        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=offline)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=offline)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"cannot load the tokenizer of model {name!r}: {e}") from e
+        if len(tokenizer) < 2:  # transformers builds a one-token tokenizer for a folder without tokenizer files
+            msg = (f"model {name!r} has no tokenizer (its folder holds no tokenizer.json / tokenizer_config.json); "
+                   "save the model's tokenizer into it (tokenizer.save_pretrained(folder))")
+            raise ConfigError(msg)
         if gguf is not None:  # the file's own blocks, resident (kvrag.gguf_load)
             lm = load_prepared_gguf(gguf, Path(source), config, dtype=dt,
                                     attn_implementation=attention_implementation(config))
         else:
-            lm = AutoModelForCausalLM.from_pretrained(
-                source, config=config, dtype=dt, attn_implementation=attention_implementation(config),
-                local_files_only=offline,
-            )
+            try:
+                lm = AutoModelForCausalLM.from_pretrained(
+                    source, config=config, dtype=dt, attn_implementation=attention_implementation(config),
+                    local_files_only=offline,
+                )
+            except OSError as e:  # no weights file in the folder, or not in the local cache
+                raise ConfigError(f"cannot load the weights of model {name!r}: {e}") from e
     lm.to(dev)  # type: ignore[arg-type]  # transformers wraps nn.Module.to; mypy misreads the wrapper
-    loaded = wrap_model(lm, tokenizer, name=name, dtype=dt, quantize=mode)
+    chosen = quantize == DEFAULT_QUANTIZE and not os.environ.get(QUANTIZE_ENV)  # kvrag's choice, not the user's
+    loaded = wrap_model(lm, tokenizer, name=name, dtype=dt, quantize=mode, resident_only=gguf is not None and chosen)
+    mode = loaded.quantize
     logger.info("loaded %s on %s (%s%s) in %.1f s", name, dev, dtype_name(dt), f", {mode} weights" if mode else "",
                 time.perf_counter() - t0)
     return loaded

@@ -60,8 +60,11 @@ def rope_parameters(config: PretrainedConfig) -> dict[str, Any] | None:
     ``{"rope_type": <their common type, else "per-layer">, "_per_layer": {layer type: parameters}}``; :class:`Rope`
     then rotates each layer with its own frequencies.
     """
-    params = getattr(config, "rope_parameters", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config  # a multimodal model's LM
+    params = getattr(text, "rope_parameters", None) or getattr(config, "rope_parameters", None)
     if not params:
+        if getattr(text, "rope_theta", None) is not None or getattr(text, "rope_scaling", None):
+            config = text
         scaling = getattr(config, "rope_scaling", None)
         theta = getattr(config, "rope_theta", None)
         if not scaling and theta is None:
@@ -225,10 +228,12 @@ def check_rope_support(config_or_model: PretrainedConfig | PreTrainedModel, *, n
     label = _model_label(config, name)
     model_type = getattr(config, "model_type", "?")
     params = rope_parameters(config)
-    if params is None:
+    if params is None or getattr(config, "alibi", False):
+        declares = ("uses ALiBi (alibi=True in its config)" if params is not None else
+                    "declares no rope_parameters / rope_theta")
         msg = (
-            f"{label} (model_type={model_type!r}) has no rotary position embeddings (its config declares no "
-            f"rope_parameters / rope_theta); kvrag re-positions cached keys by re-rotating them, which needs RoPE. "
+            f"{label} (model_type={model_type!r}) has no rotary position embeddings (its config {declares}); kvrag "
+            "re-positions cached keys by re-rotating them, which needs RoPE. "
             "Use a RoPE model such as Llama, Qwen2/3, Mistral or the default 'smollm2-135m-instruct'"
         )
         raise UnsupportedModelError(msg)

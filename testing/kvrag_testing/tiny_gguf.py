@@ -61,7 +61,7 @@ def _add_tokenizer(writer: Any, tokenizer: Any) -> None:
 
 
 def write_tiny_gguf(path: str | os.PathLike[str], lm: LoadedModel, *, name: str = "tiny-llama",
-                    quantization: str = "F32") -> Path:
+                    quantization: str = "F32", extra: dict[str, np.ndarray] | None = None) -> Path:
     """Write a Llama :class:`~kvrag.models.LoadedModel` (e.g. ``tiny_model("llama")``) as a GGUF file.
 
     Args:
@@ -70,6 +70,7 @@ def write_tiny_gguf(path: str | os.PathLike[str], lm: LoadedModel, *, name: str 
         name: ``general.name`` (transformers reads a name containing "mistral" as a Mistral model).
         quantization: the type of its 2D weights, quantized by the ``gguf`` package's own quantizer (``F32``,
             ``F16``, ``BF16``, ``Q4_0``, ``Q4_1``, ``Q8_0``); norms stay F32.
+        extra: more float32 tensors by GGUF name (e.g. llama.cpp's ``rope_freqs.weight``).
 
     Returns:
         ``path``.
@@ -113,6 +114,8 @@ def write_tiny_gguf(path: str | os.PathLike[str], lm: LoadedModel, *, name: str 
             writer.add_tensor(f"{gguf_name}.{suffix}", gguf.quants.quantize(data, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(f"{gguf_name}.{suffix}", data)
+    for gguf_name, data in (extra or {}).items():
+        writer.add_tensor(gguf_name, np.asarray(data, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

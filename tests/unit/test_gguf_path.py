@@ -155,3 +155,72 @@ def test_a_conversion_parses_the_file_once_and_leaves_gguf_as_it_was(tiny, home:
     load_model(str(path), dtype="float32", device="cpu")  # the conversion: config, tokenizer, weights, inspection
     assert len(parses) == 1, parses
     assert (gguf_pkg.GGUFReader, gguf_pkg.get_tensor_name_map) == (original_reader, original_names)
+
+
+def test_a_float_gguf_stays_as_published_unless_asked(tiny, home: Path, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """kvrag's default int4 route is the file's own 4-bit blocks; a float GGUF has none, and its weights were
+    re-quantized to int4 on machines whose default is int4. Asked for (quantize="int4"), they still are."""
+    from kvrag import models
+
+    monkeypatch.delenv(models.QUANTIZE_ENV, raising=False)
+    monkeypatch.setattr(models, "default_quantize", lambda *a, **k: "int4")  # the default on a bf16-native CPU
+    path = write_tiny_gguf(tmp_path / "tiny-llama.F16.gguf", tiny, quantization="F16")
+    lm = models.load_model(str(path), dtype="float32", device="cpu")
+    assert lm.quantize is None
+    assert not any(getattr(m, "_kvrag_quant", None) for m in lm.model.modules())
+    asked = models.load_model(str(path), dtype="float32", device="cpu", quantize="int4")
+    assert asked.quantize == "int4" and asked.fingerprint != lm.fingerprint
+    quantized = models.load_model(str(write_tiny_gguf(tmp_path / "tiny-llama.Q8_0.gguf", tiny, quantization="Q8_0")),
+                                  dtype="float32", device="cpu")
+    assert quantized.quantize == "int4"  # the file's own blocks
+
+
+def test_a_llama3_rope_freqs_tensor_becomes_the_configs_rope_scaling(tiny, home: Path, tmp_path: Path) -> None:
+    """llama.cpp writes Llama 3.x's RoPE scaling as the tensor rope_freqs.weight, which transformers' GGUF reader
+    ignores: such a file loaded as plain RoPE, another model. kvrag reads it back as the llama3 parameters."""
+    from transformers import LlamaForCausalLM
+
+    from kvrag import gguf_rope
+    from kvrag.errors import UnsupportedModelError
+    from kvrag.models import load_model
+
+    config = tiny.model.config
+    base, dim = float(config.rope_parameters["rope_theta"]), config.head_dim
+    divisors = gguf_rope.llama3_divisors(base, dim, 8.0, 1.0, 4.0, 8192)
+    assert 1.0 < divisors.max() and divisors.min() == 1.0 and len(set(divisors.tolist())) > 2  # all three regimes
+    path = write_tiny_gguf(tmp_path / "tiny-llama31.gguf", tiny, extra={gguf_rope.ROPE_FREQS: divisors})
+    lm = load_model(str(path), dtype="float32", device="cpu", quantize=None)
+    params = lm.model.config.rope_parameters
+    assert params["rope_type"] == "llama3" and params["factor"] == 8.0
+    ref_config = type(config).from_dict({**config.to_dict(), "rope_parameters": dict(params)})
+    ref = LlamaForCausalLM(ref_config).model.rotary_emb.inv_freq
+    assert torch.allclose(lm.model.model.rotary_emb.inv_freq, ref)
+    assert not torch.allclose(ref, tiny.model.model.rotary_emb.inv_freq)  # the scaling changes the positions
+    odd = write_tiny_gguf(tmp_path / "tiny-odd.gguf", tiny, extra={gguf_rope.ROPE_FREQS: divisors[::-1].copy()})
+    with pytest.raises(UnsupportedModelError, match="rope_freqs"):
+        load_model(str(odd), dtype="float32", device="cpu", quantize=None)
+
+
+def test_a_gguf_without_its_suffix_is_read_as_one(tiny, home: Path, tmp_path: Path) -> None:
+    """Ollama keeps its models as blobs/sha256-<digest>: a GGUF file is known by its magic bytes too."""
+    from kvrag.default_model import is_gguf_path
+    from kvrag.models import load_model
+
+    blob = tmp_path / "blobs" / "sha256-3bc7f0e1"
+    blob.parent.mkdir()
+    write_tiny_gguf(tmp_path / "tiny.gguf", tiny).rename(blob)
+    assert is_gguf_path(blob) and not is_gguf_path(tmp_path) and not is_gguf_path(tmp_path / "missing")
+    lm = load_model(str(blob), dtype="float32", device="cpu", quantize=None)
+    ids = torch.tensor([tiny.tokenizer(TEXT)["input_ids"]])
+    assert torch.equal(_logits(lm, ids), _logits(tiny, ids))
+
+
+def test_an_unwritable_home_is_named(tiny, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvrag.models import load_model
+
+    (tmp_path / "a-file").write_text("x")
+    monkeypatch.setenv("KVRAG_HOME", str(tmp_path / "a-file" / "home"))  # under a file: cannot be created
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", tiny)
+    with pytest.raises(ConfigError, match="KVRAG_HOME to a writable directory"):
+        load_model(str(path), dtype="float32", device="cpu")

@@ -125,6 +125,31 @@ def test_load_model_rejects_unsupported_before_loading_weights(tmp_path: Path) -
         load_model(str(tmp_path), device="cpu")
 
 
+def test_a_folder_without_tokenizer_or_weights_is_named(tmp_path: Path) -> None:
+    """transformers builds a one-token tokenizer for a folder without tokenizer files (the load then failed deep in
+    the model: "cannot reshape tensor of 0 elements"), and a folder without weights raised its OSError."""
+    src = tiny_model("qwen3")
+    (no_tok := tmp_path / "no-tokenizer").mkdir()
+    src.model.save_pretrained(no_tok)
+    with pytest.raises(ConfigError, match="no tokenizer.*tokenizer.save_pretrained"):
+        load_model(str(no_tok), device="cpu")
+    (no_weights := tmp_path / "no-weights").mkdir()
+    src.model.config.save_pretrained(no_weights)
+    src.tokenizer.save_pretrained(no_weights)
+    with pytest.raises(ConfigError, match="cannot load the weights"):
+        load_model(str(no_weights), device="cpu")
+
+
+def test_an_alibi_model_is_refused_as_having_no_rope() -> None:
+    from transformers import FalconConfig
+
+    from kvrag.kv.rope import check_rope_support
+
+    with pytest.raises(UnsupportedModelError, match="ALiBi"):
+        check_rope_support(FalconConfig(alibi=True, hidden_size=64, num_attention_heads=4, num_hidden_layers=2))
+    check_rope_support(FalconConfig(alibi=False, hidden_size=64, num_attention_heads=4, num_hidden_layers=2))
+
+
 def test_load_model_missing(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ConfigError, match="cannot load model"):
