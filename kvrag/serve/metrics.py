@@ -66,6 +66,9 @@ class Metrics:
                                        buckets=LATENCY_BUCKETS, registry=r)
         self.requests = prom.Counter("kvrag_requests", "Requests by endpoint and HTTP status",
                                      ["endpoint", "status"], registry=r)
+        self.responses = prom.Counter("kvrag_http_responses", "Every HTTP response by status, also those given before "
+                                      "a request is handled (401, 413, 404, a body that is not valid)",
+                                      ["status"], registry=r)
         self.cancelled = prom.Counter("kvrag_cancelled_requests", "Requests whose client went away before the end",
                                       registry=r)
         self.in_flight = prom.Gauge("kvrag_requests_in_flight", "Requests held by the server (decoding or waiting)",

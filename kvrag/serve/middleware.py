@@ -61,6 +61,15 @@ class Guard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        svc = getattr(getattr(scope.get("app"), "state", None), "kvrag", None)
+        if svc is not None:  # every response counted (kvrag_http_responses_total), also those answered here
+            outer, responses = send, svc.metrics.responses
+
+            async def send(message: Message) -> None:
+                if message["type"] == "http.response.start":
+                    responses.labels(status=str(message.get("status", 0))).inc()
+                await outer(message)
+
         if self.header is not None:
             inner_send, header = send, self.header
 
@@ -106,7 +115,6 @@ class Guard:
                 raise
             # what no handler of the app answered: OpenAI's error object, logged here; answered without re-raising,
             # so that the server keeps the client's connection (the app's last-resort handler would drop it)
-            svc = getattr(getattr(scope.get("app"), "state", None), "kvrag", None)
             await _answer(unexpected(e, f"{scope.get('method')} {scope.get('path')}", svc), scope, receive, send)
 
 

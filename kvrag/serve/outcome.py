@@ -6,7 +6,9 @@ error, the client gone, the server shutting down, an exception nobody expected -
 
 * the request's KV lease is given back (idempotent: a finished answer gave it already) and its engine work is
   cancelled (a prepare at its next piece, a decode before the next step);
-* its place in the queue is given back;
+* its place in the queue is given back -- once the threads of :meth:`Outcome.run` it started have returned (work
+  that cannot stop at once, e.g. tokenizing a huge prompt, keeps the place: a client that leaves does not free room
+  for more work than the queue bounds);
 * its status is set and counted in ``kvrag_requests_total`` (499 for a client gone, ``kvrag_cancelled_requests``
   too), and the duration of an answered request observed.
 
@@ -85,6 +87,8 @@ class Outcome:
         self.job: Job | None = None
         self.token = CancelToken()
         self._admitted = False
+        self._workers = 0  # threads of run() still working (a request's queue place is held until they end)
+        self._place_pending = False
 
     # ------------------------------------------------------------------------------------------- lifetime
     async def __aenter__(self) -> Outcome:
@@ -115,9 +119,9 @@ class Outcome:
                 self.job.prep.kv_lease.release()
         finally:
             svc.outcomes.discard(self)
-            if self._admitted:
-                svc.held -= 1
-                svc.metrics.in_flight.set(svc.held)
+            if self._admitted:  # its place in the queue: now, or when the work its client left behind stops
+                self._place_pending = True
+                self._give_place_back()
             svc.metrics.requests.labels(endpoint=self.endpoint, status=str(status)).inc()
             if status == 499:
                 svc.metrics.cancelled.inc()
@@ -126,6 +130,16 @@ class Outcome:
                 d = time.perf_counter() - self.arrived
                 svc.durations.append(d)
                 svc.metrics.duration.observe(d)
+
+    def _give_place_back(self) -> None:
+        if self._place_pending and self._workers == 0:
+            self._place_pending = False
+            self.svc.held -= 1
+            self.svc.metrics.in_flight.set(self.svc.held)
+
+    def _worker_done(self) -> None:
+        self._workers -= 1
+        self._give_place_back()
 
     def admit(self) -> None:
         """Take a place in the server's queue (429 with ``Retry-After`` when it is full)."""
@@ -203,7 +217,11 @@ class Outcome:
                 deliver(e)
             else:
                 deliver((out,))
+            finally:
+                with contextlib.suppress(RuntimeError):  # the loop is closed: nothing to give back
+                    loop.call_soon_threadsafe(self._worker_done)
 
+        self._workers += 1
         threading.Thread(target=contextvars.copy_context().run, args=(work,), name="kvrag-serve-request",
                          daemon=True).start()
         try:

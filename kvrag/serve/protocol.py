@@ -119,16 +119,16 @@ class _Sampling(BaseModel):
 
     model: Text
     max_tokens: int | None = Field(default=None, ge=1, strict=True)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0, allow_inf_nan=False)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0, allow_inf_nan=False, strict=True)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False, strict=True)
     stop: Text | list[Text] | None = None
     stream: bool | None = Field(default=False, strict=True)
     stream_options: StreamOptions | None = None
     seed: int | None = Field(default=None, ge=SEED_RANGE[0], le=SEED_RANGE[1], strict=True)
     user: Text | None = None
     n: int | None = Field(default=None, strict=True)
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
+    frequency_penalty: float | None = Field(default=None, strict=True)
+    presence_penalty: float | None = Field(default=None, strict=True)
     logit_bias: dict[str, float] | None = None
     store: bool | None = Field(default=None, strict=True)
     metadata: dict[Text, Text] | None = None
@@ -246,7 +246,7 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1, strict=True)
     logprobs: bool | None = Field(default=None, strict=True)
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, strict=True)
     response_format: dict[str, object] | None = None
     tools: list[object] | None = None
     tool_choice: str | None = None

@@ -44,7 +44,10 @@ PATH_PARAMS = frozenset({"costs", "checkpoint", "thresholds", "calibration", "pa
 ``hybrid``'s checkpoint): server-side configuration (``kvrag serve --method``), refused from clients."""
 
 REGISTER_BATCH = 8
-"""Texts cached per step of a registration (a client that leaves stops it at the next step)."""
+"""Most texts cached per step of a registration (a client that leaves stops it at the next step)."""
+REGISTER_TOKENS = 2048
+"""Most tokens a step of a registration prefills (a longer text is a step alone): the model is the engine's between
+steps, so running streams keep decoding, and each step counts as progress for ``/health``."""
 
 
 class ChunkSync(Protocol):
@@ -71,6 +74,20 @@ def refuse_paths(spec: str | None, params: Mapping[str, object]) -> None:
             raise HTTPProblem(400, f"{where}: the method parameter {key!r} names a file; files are the server's "
                                    "configuration (kvrag serve --method ...), not a request's", param=where,
                               code="path_not_allowed")
+
+
+def _steps(texts: list[str], lengths: list[int]) -> Iterator[list[str]]:
+    """``texts`` in registration steps of at most :data:`REGISTER_BATCH` texts and :data:`REGISTER_TOKENS` tokens."""
+    part: list[str] = []
+    tokens = 0
+    for t, n in zip(texts, lengths, strict=True):
+        if part and (len(part) == REGISTER_BATCH or tokens + n > REGISTER_TOKENS):
+            yield part
+            part, tokens = [], 0
+        part.append(t)
+        tokens += n
+    if part:
+        yield part
 
 
 STORE_USAGE_TTL_S = 10.0
@@ -114,6 +131,7 @@ class KVRAGService:
         self.registered_bytes = 0
         self._known: set[int] = set()
         self._reserved_bytes = 0  # new bytes of registrations checked and still running (check_texts)
+        self.register_steps = 0  # registration steps done (progress for /health)
         self.draining = False
         self.aborted = asyncio.Event()
         self._progress: tuple[int, float] = (-1, time.monotonic())
@@ -174,16 +192,18 @@ class KVRAGService:
     def unreserve(self, reserved: int) -> None:
         self._reserved_bytes -= reserved
 
-    def check_lengths(self, texts: list[str], param: str = "texts") -> None:
+    def check_lengths(self, texts: list[str], param: str = "texts") -> list[int]:
         """400 naming the first text longer than a chunk can be (the context window less the chunk prefix), before
-        any of them is cached."""
+        any of them is cached; else the texts' token counts."""
         eng = self.engine
         limit = int(eng.max_context) - len(eng.chunk_prefix_ids)
+        lengths = []
         for i, t in enumerate(texts):
-            n = len(eng.tokenize(t))
+            lengths.append(n := len(eng.tokenize(t)))
             if n > limit:
                 raise HTTPProblem(400, f"{param}[{i}] has {n} tokens; a chunk of this model takes at most {limit}: "
                                        "split it into passages", param=f"{param}.{i}", code="text_too_long")
+        return lengths
 
     def _check_store(self) -> None:
         """The ``--max-store-bytes`` quota. Reading a store's size can scan it (every key of a Redis), so a reading is
@@ -205,14 +225,14 @@ class KVRAGService:
         cancel token is cancelled; one ``{"key", "cached", "tokens"}`` per text (key None for whitespace-only texts,
         which are neither cached nor registered)."""
         self._check_store()
-        self.check_lengths(texts)
+        lengths = self.check_lengths(texts)
         token = current_token()
         out: list[JSONObject] = []
-        for i in range(0, len(texts), REGISTER_BATCH):
+        for part in _steps(texts, lengths):
             if token is not None and token.cancelled:
                 raise RequestCancelledError("the registration was cancelled (its client left)")
-            part = texts[i:i + REGISTER_BATCH]
             got = adapters.ensure_chunks(self.engine, part)
+            self.register_steps += 1
             self.chunks.add([c for c, _ in got if c is not None])
             for t, (c, _) in zip(part, got, strict=True):
                 if c is not None and hash(t) not in self._known:
@@ -390,7 +410,8 @@ class KVRAGService:
         st = self.engine.runner.stats()
         kv = st.get("kv", {})
         now = time.monotonic()
-        progress = int(st.get("steps", 0)) + int(st.get("prepare_pieces", 0)) + int(st.get("suffix_prefills", 0))
+        progress = int(st.get("steps", 0)) + int(st.get("prepare_pieces", 0)) + int(st.get("suffix_prefills", 0)) \
+            + self.register_steps
         if progress != self._progress[0]:
             self._progress = (progress, now)
         states = st.get("states", {})

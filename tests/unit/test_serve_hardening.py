@@ -510,3 +510,82 @@ def test_method_metrics_are_labelled_by_name_not_by_parameter_values(client: Any
         assert client.post("/v1/chat/completions", json=chat(kvrag={"method": f"relaxkv:r=0.1{i}1"})).status_code == 200
     lines = [ln for ln in client.get("/metrics").text.splitlines() if ln.startswith("kvrag_method_requests_total{")]
     assert not any("r=0.1" in ln for ln in lines) and any('method="relaxkv"' in ln for ln in lines)
+
+
+def test_a_registration_prefills_in_token_budgeted_steps() -> None:
+    """Eight passages of ~1,500 tokens were one forward, holding the model for tens of seconds while every stream
+    waited (and /health called the engine stalled); steps now hold at most REGISTER_TOKENS tokens (a longer text
+    is a step alone) and count as progress."""
+    from kvrag.serve import service
+
+    texts = [f"t{i}" for i in range(11)]
+    lengths = [1500, 400, 300, 2000, 5000, 10, 10, 10, 10, 10, 10]
+    steps = list(service._steps(texts, lengths))
+    assert [t for s in steps for t in s] == texts
+    assert all(len(s) <= service.REGISTER_BATCH for s in steps)
+    for s in steps:
+        n = sum(lengths[texts.index(t)] for t in s)
+        assert n <= service.REGISTER_TOKENS or len(s) == 1
+    assert steps[:4] == [["t0", "t1"], ["t2"], ["t3"], ["t4"]]
+
+
+def test_registration_steps_count_as_progress(engine: KVRAGEngine) -> None:
+    app = create_app(engine, ServeConfig(model_id=MODEL))
+    svc = app.state.kvrag
+    before = svc.register_steps
+    svc.register(list(PASSAGES))
+    assert svc.register_steps > before
+    svc.health()
+    progress = svc._progress[0]
+    svc.register(["\n\nAnother passage about Rome, the capital of Italy."])
+    svc.health()
+    assert svc._progress[0] > progress
+
+
+def test_a_client_that_leaves_keeps_its_queue_place_until_its_work_stops(engine: KVRAGEngine,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Work that cannot stop at once (tokenizing a megabyte prompt) went on after its client left while its place in
+    --max-queue was given back: waves of such clients ran many times the queue's work at once."""
+    from kvrag.serve import service
+
+    release = threading.Event()
+    entered = threading.Event()
+    plan = service.KVRAGService._plan
+
+    def slow_plan(self: Any, prompt: str, explicit: Any) -> Any:
+        entered.set()
+        release.wait(30)
+        return plan(self, prompt, explicit)
+
+    monkeypatch.setattr(service.KVRAGService, "_plan", slow_plan)
+    with served(engine, max_queue=1) as (_, c):
+        with pytest.raises(httpx.TimeoutException):
+            c.post("/v1/chat/completions", json=chat(), timeout=1.0)
+        assert entered.wait(10)
+        wait_until(lambda: metric(c, 'kvrag_requests_total{endpoint="chat",status="499"}') >= 1)
+        assert c.get("/health").json()["in_flight"] == 1  # the abandoned plan still runs: its place is held
+        is_openai_error(c.post("/v1/chat/completions", json=chat(), timeout=20), 429)
+        release.set()
+        wait_until(lambda: c.get("/health").json()["in_flight"] == 0)
+        assert c.post("/v1/chat/completions", json=chat(), timeout=20).status_code == 200
+
+
+@pytest.mark.parametrize(("field", "value"), [("temperature", "0.5"), ("temperature", True), ("top_p", "1"),
+                                              ("presence_penalty", "0"), ("frequency_penalty", False),
+                                              ("top_logprobs", "0")])
+def test_numbers_sent_as_strings_or_booleans_are_refused_as_openai_does(client: Any, field: str, value: Any) -> None:
+    is_openai_error(client.post("/v1/chat/completions", json=chat(**{field: value})), 400, param=field)
+    ok = {"temperature": 1, "top_p": 1, "presence_penalty": 0, "frequency_penalty": 0.0, "top_logprobs": 0}[field]
+    assert client.post("/v1/chat/completions", json=chat(**{field: ok})).status_code == 200
+
+
+def test_every_response_is_counted_also_those_refused_before_handling(engine: KVRAGEngine) -> None:
+    with served(engine, api_keys=("key-one",)) as (_, c):
+        key = {"Authorization": "Bearer key-one"}
+        c.post("/v1/chat/completions", json=chat())  # 401: no key
+        c.post("/v1/chat/completions", json={"model": MODEL}, headers=key)  # 400: no messages
+        c.get("/v1/nothing-here", headers=key)  # 404
+        assert c.post("/v1/chat/completions", json=chat(), headers=key).status_code == 200
+        text = c.get("/metrics", headers=key).text
+        for status in ("401", "400", "404", "200"):
+            assert f'kvrag_http_responses_total{{status="{status}"}} 1.0' in text, status
