@@ -99,8 +99,9 @@ def note_other_model(persist: str, man: IndexManifest, eng: KVRAGEngine) -> None
 
     built_fp = man.get("model_fingerprint")
     if built_fp and built_fp != eng.loaded.fingerprint:
-        loaded = f"{dtype_name(eng.loaded.dtype)}, weights {eng.loaded.quantize or 'none'}"
-        built = f"{man.get('dtype', '?')}, weights {man.get('quantize', '?')}" if man.get("dtype") else "unrecorded"
+        loaded = f"{eng.loaded.name}, {dtype_name(eng.loaded.dtype)}, weights {eng.loaded.quantize or 'none'}"
+        built = (f"{man.get('model', '?')}, {man.get('dtype', '?')}, weights {man.get('quantize', '?')}"
+                 if man.get("dtype") else f"{man.get('model', '?')}, dtype unrecorded")
         print(f"note: the index {persist} was built with another model, dtype or weight quantization ({built}) "
               f"than the one loaded ({loaded}); its chunk caches are not reused and are computed again (match them "
               "with --model, KVRAG_DTYPE and --quantize)", file=sys.stderr)

@@ -184,6 +184,11 @@ def inspect_gguf(path: str | os.PathLike[str]) -> GGUFInfo:
     if not isinstance(arch, str):
         msg = f"{path} has no general.architecture in its header; it is not a GGUF model file"
         raise ConfigError(msg)
+    parts = _gguf_field(reader, "split.count")
+    if isinstance(parts, int) and parts > 1:
+        msg = (f"{path.name} is one of {parts} parts of a split GGUF model; merge them into one file first "
+               f"(llama.cpp: llama-gguf-split --merge {path.name} merged.gguf) and pass that")
+        raise ConfigError(msg)
     name = _gguf_field(reader, "general.name")
     supported = _gguf_architectures()
     if arch not in supported:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import shlex
 import threading
 import time
 from pathlib import Path
@@ -35,8 +36,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_TRAIN_HINT = ("train one with `kvrag train-repairer --data CORPUS.jsonl --out DIR --preset small` (CORPUS: one "
-               '{"titles": [...], "passages": [...]} object a line) and use `cacherepair:checkpoint=DIR`')
+def _train_hint(model: PreTrainedModel) -> str:
+    """How to train a repairer for ``model`` (its own name in ``--model``: without it the command trains one for the
+    embedded default model)."""
+    name = str(getattr(model.config, "name_or_path", "") or getattr(model.config, "_name_or_path", "") or "MODEL")
+    return (f"train one with `kvrag train-repairer --model {shlex.quote(name)} --data CORPUS.jsonl --out DIR --preset small` "
+            '(CORPUS: one {"titles": [...], "passages": [...]} object a line) and use `cacherepair:checkpoint=DIR`')
 
 
 def model_dir_name(model: PreTrainedModel) -> str:
@@ -120,14 +125,13 @@ class CacheRepair(FusionMethod):
             found = find_shipped_checkpoint(inp.model, fp, root=path, weights_fingerprint=wfp)
             if found is None:
                 msg = (f"cacherepair: no repairer in {path} ({CONFIG_NAME} not found there nor in a subdirectory for "
-                       f"this model); {_TRAIN_HINT}")
+                       f"this model); {_train_hint(inp.model)}")
                 raise ConfigError(msg)
             return found
         found = find_shipped_checkpoint(inp.model, fp, weights_fingerprint=wfp)
         if found is None:
-            name = model_dir_name(inp.model) or "<model-name>"
-            msg = (f"cacherepair: no repairer for this model (fingerprint {fp[:16] or '?'}) "
-                   f"is shipped in {SHIPPED_DIR / name}; {_TRAIN_HINT}")
+            msg = (f"cacherepair: no repairer for this model (fingerprint {fp[:16] or '?'}) ships with kvrag "
+                   f"({SHIPPED_DIR} holds the embedded default model's); {_train_hint(inp.model)}")
             raise ConfigError(msg)
         return found
 
@@ -150,7 +154,7 @@ class CacheRepair(FusionMethod):
         c, s = rep.cfg, inp.spec
         if (c.num_layers, c.num_kv_heads, c.head_dim) != (s.num_layers, s.num_kv_heads, s.head_dim):
             msg = (f"the repairer in {path} expects KV [L={c.num_layers}, H_kv={c.num_kv_heads}, D={c.head_dim}], "
-                   f"the model has [L={s.num_layers}, H_kv={s.num_kv_heads}, D={s.head_dim}]; {_TRAIN_HINT}")
+                   f"the model has [L={s.num_layers}, H_kv={s.num_kv_heads}, D={s.head_dim}]; {_train_hint(inp.model)}")
             raise CheckpointMismatchError(msg)
         return rep
 

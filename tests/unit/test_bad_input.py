@@ -153,6 +153,7 @@ def test_ask_loads_the_quantization_the_index_was_built_with(tmp_path: Path,
     assert cli.main([*ask, "--quantize", "none"]) == 0  # asked for: loaded, and the note says why nothing is reused
     out = capsys.readouterr()
     assert '"hit_rate": 0.0' in out.out and "weights int8" in out.err and "weights none" in out.err
+    assert out.err.count(str(model)) == 2  # both sides name their model
 
 
 def test_ingest_with_a_model_that_does_not_load_leaves_no_store_folder(tmp_path: Path,

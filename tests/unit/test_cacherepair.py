@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import json
 import random
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -560,10 +561,12 @@ def test_cacherepair_untrained_equals_stale(lm, tmp_path: Path) -> None:
     assert torch.equal(v, stale[1])
 
 
-def test_cacherepair_errors(lm, tmp_path: Path) -> None:
+def test_cacherepair_errors(lm, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     inp, _ = _fusion_input(lm)
-    with pytest.raises(ConfigError, match="train-repairer"):
-        get_method("cacherepair").fuse(inp)  # nothing shipped for a tiny random model
+    monkeypatch.setattr(lm.model.config, "name_or_path", "/models/my model.gguf")
+    with pytest.raises(ConfigError, match=re.escape("train-repairer --model '/models/my model.gguf' ")):
+        get_method("cacherepair").fuse(inp)  # nothing shipped for a tiny random model: the hint names it
+    monkeypatch.undo()
     with pytest.raises(ConfigError, match="train-repairer"):
         get_method(f"cacherepair:checkpoint={tmp_path / 'missing'}").fuse(inp)
     other = RepairModel(RepairConfig.from_preset("tiny", num_layers=2, num_kv_heads=2, head_dim=16, embed_dim=64))

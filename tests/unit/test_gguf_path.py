@@ -224,3 +224,11 @@ def test_an_unwritable_home_is_named(tiny, tmp_path: Path, monkeypatch: pytest.M
     path = write_tiny_gguf(tmp_path / "tiny.gguf", tiny)
     with pytest.raises(ConfigError, match="KVRAG_HOME to a writable directory"):
         load_model(str(path), dtype="float32", device="cpu")
+
+
+def test_one_part_of_a_split_gguf_says_to_merge(tiny, home: Path, tmp_path: Path) -> None:
+    from kvrag.models import load_model
+
+    part = write_tiny_gguf(tmp_path / "tiny-00001-of-00002.gguf", tiny, header={"split.count": 2})
+    with pytest.raises(ConfigError, match="one of 2 parts of a split GGUF.*llama-gguf-split --merge"):
+        load_model(str(part), dtype="float32", device="cpu")
