@@ -89,6 +89,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, svc: S
     """OpenAI chat completions; the messages are rendered with the model's chat template."""
     svc.check(body)
     msgs = [{"role": m.role, "content": m.text()} for m in body.messages]
+    svc.check_messages(msgs)
     prompt = adapters.render_chat(svc.engine.tokenizer, msgs)
     return await _complete(svc, request, body, prompt, "chat")
 

@@ -256,6 +256,25 @@ class KVRAGService:
         return len(texts)
 
     # ------------------------------------------------------------------------------------------- completions
+    @functools.cached_property
+    def control_tokens(self) -> tuple[str, ...]:
+        """The tokenizer's special tokens that its chat template writes around turns (``<|im_start|>``, ...)."""
+        tok = self.engine.tokenizer
+        sample = adapters.render_chat(tok, [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                                            {"role": "user", "content": "c"}])
+        specials = set(tok.all_special_tokens) | {t.content for t in tok.added_tokens_decoder.values() if t.special}
+        return tuple(sorted(t for t in specials if t and t in sample))
+
+    def check_messages(self, messages: list[dict[str, str]]) -> None:
+        """400 for a message whose text holds one of the chat template's control tokens: tokenized as the token
+        itself, it would let a client write turns of its own (a forged system message)."""
+        for i, m in enumerate(messages):
+            hit = next((t for t in self.control_tokens if t in m["content"]), None)
+            if hit is not None:
+                raise HTTPProblem(400, f"messages[{i}].content contains {hit!r}, a control token of the model's chat "
+                                       "template; remove it (send raw prompts to /v1/completions)",
+                                  param=f"messages.{i}.content", code="control_token_in_content")
+
     def check(self, body: ChatCompletionRequest | CompletionRequest) -> tuple[FusionMethod | None, GenerationConfig]:
         """Everything about a completion that can be checked before anything is reserved: the model, the limits,
         the method and its parameters, the sampling fields. Returns the method and a provisional generation config
