@@ -12,7 +12,7 @@ import collections
 import dataclasses
 import logging
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from kvrag.config import EngineConfig
@@ -59,6 +59,18 @@ class ChunkCaching:
     _spaces: dict[str, str]
     _lock: threading.RLock
     _counter_lock: threading.Lock
+    store_gate: Callable[[int], bool] | None = None
+    """Asked before a request's computed misses are stored (their bytes): False keeps them out of the store (the
+    request still uses them). ``kvrag serve --max-store-bytes`` sets it; None stores every miss."""
+
+    def store_computed(self, computed: Sequence[tuple[str, ChunkKV]]) -> None:
+        """Store a request's computed misses (after its model turn), unless :attr:`store_gate` refuses them."""
+        gate = self.store_gate
+        if gate is not None and computed and not gate(sum(ch.nbytes for _, ch in computed)):
+            self._count(misses_not_stored=len(computed))
+            return
+        for k, ch in computed:
+            self.serving_store.put(k, ch)
 
     # ----------------------------------------------------------------- identity
     def _chunk_prefix(self) -> tuple[int, ...]:

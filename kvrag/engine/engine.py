@@ -321,8 +321,7 @@ class KVRAGEngine(ChunkCaching):
         computed: list[tuple[str, ChunkKV]] = []
         prep = self.runner.prepare(plan.positions + reserve,  # the one sizing: the lease holds these positions
                                    lambda lease: self._prepare(plan, m, lease, timings, fetched, computed))
-        for k, ch in computed:  # misses computed in the turn are stored after it
-            self.serving_store.put(k, ch)
+        self.store_computed(computed)  # misses computed in the turn are stored after it
         if moved is not None:
             prep.moved_from = moved.entry
             if prep.stats.reused_tokens:  # counted as the chunk caches are (not when the prompt was recomputed over

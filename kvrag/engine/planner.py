@@ -116,11 +116,19 @@ class Plan:
         return sum(len(s.token_ids) for s in self.context if s.kind == "chunk")
 
 
+def whole_words(text: str, start: int, end: int) -> bool:
+    """Whether ``text[start:end]`` cuts no word: at each end, the characters on the two sides are not both letters
+    or digits."""
+    return not ((start > 0 and text[start - 1].isalnum() and text[start].isalnum())
+                or (end < len(text) and text[end - 1].isalnum() and text[end].isalnum()))
+
+
 def split_prompt(prompt: str, chunk_texts: Sequence[str]) -> tuple[list[TextPiece], int]:
     """Split ``prompt`` around verbatim occurrences of ``chunk_texts``.
 
     Longer chunks are matched first; each registered text claims its first occurrence that does not overlap an
-    already claimed span. Text before the first chunk is the 'prefix', text after the last chunk is the
+    already claimed span and does not cut a word (:func:`whole_words`: a short text such as "on" inside "only" is
+    the word's, not a chunk). Text before the first chunk is the 'prefix', text after the last chunk is the
     'suffix', text between chunks is 'text'. With no chunk found the whole prompt is one prefix + empty suffix
     handled by the caller (everything is prefilled normally).
 
@@ -133,7 +141,7 @@ def split_prompt(prompt: str, chunk_texts: Sequence[str]) -> tuple[list[TextPiec
         pos = prompt.find(text)
         while pos >= 0:
             end = pos + len(text)
-            if all(end <= s or pos >= e for s, e in spans):
+            if whole_words(prompt, pos, end) and all(end <= s or pos >= e for s, e in spans):
                 spans.append((pos, end))
                 break
             pos = prompt.find(text, pos + 1)
@@ -316,9 +324,11 @@ def plan_prompt(prompt: str, chunk_texts: Sequence[str], tokenize: Tokenize,
     adapter's lookup by content), held to the strict rule; one that does not splice is not counted as registered.
     """
     pieces, _ = split_prompt(prompt, chunk_texts)
-    last = next((p for p in reversed(pieces) if p.text), None)
-    if last is not None and last.kind == "chunk":  # nothing after it to prefill: that text is the suffix
-        pieces, _ = split_prompt(prompt, [t for t in chunk_texts if t != last.text])
+    offered_texts = list(chunk_texts)
+    while (last := next((p for p in reversed(pieces) if p.text), None)) is not None and last.kind == "chunk":
+        # nothing after it to prefill: that text is the suffix (and a shorter text it ends with, the same)
+        offered_texts = [t for t in offered_texts if t != last.text]
+        pieces, _ = split_prompt(prompt, offered_texts)
     offered = {t for t in chunk_texts if t and t.strip()}
     plan = plan_pieces(pieces, tokenize, token_ids_of, registered=len(offered),
                        whole=tokenize(prompt) if align else None, decode=decode, strict=strict, exact=exact)

@@ -10,6 +10,7 @@ setting                  ``kvrag serve`` option      status  bounds
 ``max_messages``         ``--max-messages``          400     the messages of one chat completion
 ``max_texts``            ``--max-texts``             413     the texts of one ``POST /v1/kvrag/chunks``
 ``max_text_bytes``       ``--max-text-bytes``        413     the UTF-8 bytes of one registered text
+``max_text_tokens``      ``--max-text-tokens``       400     the tokens of one registered text (one forward each)
 ``max_registered_bytes`` ``--max-registered-bytes``  413     the text bytes registered over the server's life
 ``max_store_bytes``      ``--max-store-bytes``       413     the store's bytes, above which nothing is registered
 ``max_queue``            ``--max-queue``             429     requests held at once (completions and registrations)
@@ -48,7 +49,8 @@ class ServeConfig:
             registered texts are forgotten first; their caches stay in the store).
         drain_timeout_s: on shutdown, seconds to let requests in flight finish; then each is cancelled (at its
             prepare's next piece or its next decode step) and its client answered ``503`` / an error event.
-        max_body_bytes, max_messages, max_texts, max_text_bytes, max_registered_bytes, max_store_bytes: the limits
+        max_body_bytes, max_messages, max_texts, max_text_bytes, max_text_tokens, max_registered_bytes,
+        max_store_bytes: the limits
             of the module docstring (``max_store_bytes`` None: no store quota).
         api_keys: the keys a client must send as ``Authorization: Bearer KEY`` (empty: no key needed); every
             endpoint but ``/health`` and ``/health/ready`` (``middleware.OPEN_PATHS``) answers 401 without one.
@@ -72,6 +74,7 @@ class ServeConfig:
     max_messages: int = 256
     max_texts: int = 256
     max_text_bytes: int = 64 * 2**10
+    max_text_tokens: int = 2048
     max_registered_bytes: int = 2**30
     max_store_bytes: int | None = None
     api_keys: tuple[str, ...] = ()
@@ -82,7 +85,7 @@ class ServeConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_queue", "default_max_tokens", "max_body_bytes", "max_messages", "max_texts",
-                     "max_text_bytes", "max_registered_bytes"):
+                     "max_text_bytes", "max_text_tokens", "max_registered_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")

@@ -14,6 +14,7 @@ import functools
 import math
 import os
 import statistics
+import threading
 import time
 from collections.abc import AsyncGenerator, Iterator, Mapping
 from pathlib import Path
@@ -137,6 +138,10 @@ class KVRAGService:
         self._progress: tuple[int, float] = (-1, time.monotonic())
         self._store_failed_at: float | None = None
         self._store_usage: tuple[float, int] | None = None  # (time.monotonic(), bytes) of the last quota reading
+        self._store_written = 0  # bytes a request's misses added since that reading
+        self._store_lock = threading.Lock()
+        # a request's own misses are stored only within the quota (this server's engine: its gate is this one)
+        engine.store_gate = self.store_room if self.config.max_store_bytes is not None else None
         self.default_method = engine.method(self.config.method) if self.config.method else None
 
     def outcome(self, endpoint: str, request: Request | None = None) -> Outcome:
@@ -193,16 +198,18 @@ class KVRAGService:
         self._reserved_bytes -= reserved
 
     def check_lengths(self, texts: list[str], param: str = "texts") -> list[int]:
-        """400 naming the first text longer than a chunk can be (the context window less the chunk prefix), before
-        any of them is cached; else the texts' token counts."""
+        """400 naming the first text longer than ``--max-text-tokens`` or than a chunk can be (the context window
+        less the chunk prefix), before any of them is cached; else the texts' token counts."""
         eng = self.engine
-        limit = int(eng.max_context) - len(eng.chunk_prefix_ids)
+        room = int(eng.max_context) - len(eng.chunk_prefix_ids)
+        limit = min(room, self.config.max_text_tokens)
         lengths = []
         for i, t in enumerate(texts):
             lengths.append(n := len(eng.tokenize(t)))
             if n > limit:
-                raise HTTPProblem(400, f"{param}[{i}] has {n} tokens; a chunk of this model takes at most {limit}: "
-                                       "split it into passages", param=f"{param}.{i}", code="text_too_long")
+                why = "--max-text-tokens" if limit < room else "a chunk of this model"
+                raise HTTPProblem(400, f"{param}[{i}] has {n} tokens; at most {limit} ({why}): split it into "
+                                       "passages", param=f"{param}.{i}", code="text_too_long")
         return lengths
 
     def _check_store(self) -> None:
@@ -212,13 +219,30 @@ class KVRAGService:
         limit = self.config.max_store_bytes
         if limit is None:
             return
-        now = time.monotonic()
-        if self._store_usage is None or now - self._store_usage[0] >= STORE_USAGE_TTL_S:
-            self._store_usage = (now, int(self.engine.serving_store.stats().get("bytes") or 0))
-        used = self._store_usage[1]
+        used = self._store_used()
         if used >= limit:
             raise HTTPProblem(413, f"the KV store holds {used} bytes, its quota is {limit} (--max-store-bytes): "
                                    "nothing more is registered", param="texts", code="store_quota_exceeded")
+
+    def _store_used(self) -> int:
+        """The store's bytes: the last reading (:data:`STORE_USAGE_TTL_S`) and what requests stored since."""
+        with self._store_lock:
+            now = time.monotonic()
+            if self._store_usage is None or now - self._store_usage[0] >= STORE_USAGE_TTL_S:
+                self._store_usage = (now, int(self.engine.serving_store.stats().get("bytes") or 0))
+                self._store_written = 0
+            return self._store_usage[1] + self._store_written
+
+    def store_room(self, nbytes: int) -> bool:
+        """Whether a request's computed misses (``nbytes``: prefix and between-chunk text, a request's own
+        ``kvrag.chunks``) still fit ``--max-store-bytes``: the engine's :attr:`~kvrag.engine.caching.ChunkCaching.
+        store_gate`. Refused, they serve their request and are not stored."""
+        limit = self.config.max_store_bytes
+        if limit is not None and self._store_used() + nbytes > limit:
+            return False
+        with self._store_lock:
+            self._store_written += nbytes
+        return True
 
     def register(self, texts: list[str]) -> list[JSONObject]:
         """Cache (when missing) and register passages, :data:`REGISTER_BATCH` at a time, stopping when the request's
@@ -303,6 +327,13 @@ class KVRAGService:
             raise HTTPProblem(400, str(e)) from e
         return method, gen
 
+    @functools.cached_property
+    def most_chars(self) -> int:
+        """The most characters a prompt that fits the context window can have: the window times the longest token's
+        characters (a vocabulary entry's length bounds the text it decodes to)."""
+        vocab = self.engine.tokenizer.get_vocab()
+        return int(self.engine.max_context) * max((len(t) for t in vocab), default=1)
+
     def _plan(self, prompt: str, explicit: list[str] | None) -> Plan:
         """The request's plan (in a worker thread: searching the prompt for every registered text and tokenizing it
         take time that the event loop must not wait for). Registered texts found by content splice only where their
@@ -325,9 +356,13 @@ class KVRAGService:
         explicit = body.kvrag.chunks if body.kvrag is not None else None
         if self.sync is not None:
             self.chunks.add(await out.guard(self.sync.pull()))
+        where = "messages" if kind == "chat" else "prompt"
+        if len(prompt) > self.most_chars:  # refused before tokenizing it (seconds for megabytes)
+            raise HTTPProblem(400, f"the prompt has {len(prompt)} characters, more than the model's context window "
+                                   f"({eng.max_context} tokens) can hold; send fewer or shorter passages or earlier "
+                                   "turns", param=where, code="context_length_exceeded")
         plan = await out.run(self._plan, prompt, explicit)
         room = int(eng.max_context) - int(plan.total_len)
-        where = "messages" if kind == "chat" else "prompt"
         if room < 1:
             raise HTTPProblem(400, f"the prompt has {plan.total_len} tokens but the model's context window is "
                                    f"{eng.max_context}; send fewer or shorter passages or earlier turns", param=where,

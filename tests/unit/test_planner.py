@@ -56,6 +56,8 @@ def test_a_chunk_ending_the_prompt_is_prefilled_as_its_suffix() -> None:
     plan = plan_prompt("pre CHUNK", ["CHUNK"], tok)
     assert plan.found == 0 and plan.registered == 1 and plan.context_len + len(plan.suffix.token_ids) == len(
         tok("pre CHUNK")) and plan.suffix.token_ids
+    nested = plan_prompt("pre\nassistant\n", ["\nassistant\n", "assistant\n"], tok)  # one ends the other
+    assert nested.found == 0 and nested.registered == 2 and nested.suffix.token_ids
     both = plan_prompt("A pre B", ["A", "B"], tok)
     assert both.found == 1 and [s.text for s in both.context if s.kind == "chunk"] == ["A"]
     with pytest.raises(ConfigError, match="after the last chunk"):  # explicit parts still say so
@@ -91,14 +93,17 @@ def test_split_reassembles_exactly(chunks: list[str], fillers: list[str]) -> Non
 
 
 def merging_tok(text: str) -> list[int]:
-    """A context-dependent toy tokenizer: 'ab' is one token (1000), everything else one token per character,
-    and a run of two newlines is one token (2000) only at the very end of the text (like byte-level BPE's
-    trailing-whitespace rule)."""
+    """A context-dependent toy tokenizer: 'ab' is one token (1000), ' b' too (1001: like BPE's leading-space
+    merge, e.g. a passage after indentation), everything else one token per character, and a run of two newlines is
+    one token (2000) only at the very end of the text (like byte-level BPE's trailing-whitespace rule)."""
     out: list[int] = []
     i = 0
     while i < len(text):
         if text.startswith("ab", i):
             out.append(1000)
+            i += 2
+        elif text.startswith(" b", i):
+            out.append(1001)
             i += 2
         elif text.startswith("\n\n", i) and i + 2 == len(text):
             out.append(2000)
@@ -120,19 +125,31 @@ def test_alignment_makes_plan_ids_equal_the_whole_tokenization() -> None:
 
 
 def test_chunk_whose_boundary_merges() -> None:
-    # alone "bcd" -> [b, c, d]; inside "xabcd" the 'ab' merge swallows its first character
-    strict = plan_prompt("xabcd tail", ["bcd"], merging_tok, strict=True)  # prefilled as text
+    # alone "bcd" -> [b, c, d]; after "x " the ' b' merge swallows its first character
+    strict = plan_prompt("x bcd tail", ["bcd"], merging_tok, strict=True)  # prefilled as text
     assert strict.found == 0 and strict.registered == 1 and strict.inexact_chunks == 0
-    assert [t for s in (*strict.context, strict.suffix) for t in s.token_ids] == merging_tok("xabcd tail")
-    loose = plan_prompt("xabcd tail", ["bcd"], merging_tok)  # default: spliced with its own ids, reported
+    assert [t for s in (*strict.context, strict.suffix) for t in s.token_ids] == merging_tok("x bcd tail")
+    loose = plan_prompt("x bcd tail", ["bcd"], merging_tok)  # default: spliced with its own ids, reported
     assert loose.found == 1 and loose.inexact_chunks == 1
-    assert [t for s in (*loose.context, loose.suffix) for t in s.token_ids] == merging_tok("xa") + merging_tok(
+    assert [t for s in (*loose.context, loose.suffix) for t in s.token_ids] == merging_tok("x ") + merging_tok(
         "bcd") + merging_tok(" tail")
+
+
+def test_a_chunk_is_never_claimed_inside_a_word() -> None:
+    """A one-word chunk ("on") claimed its first occurrence, inside "only": spliced mid-word with its own ids. It
+    now claims the first occurrence that cuts no word, or none."""
+    prompt = "Answer only with one word.\n\nContext: on\n\nQ?"
+    pieces, found = split_prompt(prompt, ["on"])
+    assert found == 1 and [p.text for p in pieces if p.kind == "chunk"] == ["on"]
+    assert "".join(p.text for p in pieces[:2]) == "Answer only with one word.\n\nContext: on"
+    assert split_prompt("Answer only with one word.", ["on"])[1] == 0
+    assert split_prompt("on the way, on", ["on"])[1] == 1 and split_prompt("(on)", ["on"])[1] == 1
+    assert split_prompt("x\n\nPassage one.\n\nQ", ["\n\nPassage one."])[1] == 1  # punctuation ends are fine
 
 
 def test_exact_holds_named_chunks_to_the_strict_rule() -> None:
     # "bcd" merges with its neighbour, "CHUNK" does not: only the texts named in exact are held to exact splicing
-    prompt = "xabcd CHUNK\n\nQ?"
+    prompt = "x bcd CHUNK\n\nQ?"
     loose = plan_prompt(prompt, ["bcd", "CHUNK"], merging_tok)
     assert (loose.found, loose.inexact_chunks) == (2, 1)
     held = plan_prompt(prompt, ["bcd", "CHUNK"], merging_tok, exact={"bcd"})
@@ -169,10 +186,10 @@ def test_aligned_plan_always_equals_whole_tokenization(chunks: list[str], filler
 def test_prompt_tokenized_plan_is_what_full_prefills() -> None:
     """``Plan.as_prompt_tokenized``: the prompt's own ids, nothing spliced (``full``'s input), the suffix length
     kept; a plan whose ids already are the prompt's is returned as it is."""
-    loose = plan_prompt("xabcd tail", ["bcd"], merging_tok)
-    assert loose.inexact_chunks == 1 and list(loose.token_ids) != merging_tok("xabcd tail")
+    loose = plan_prompt("x bcd tail", ["bcd"], merging_tok)
+    assert loose.inexact_chunks == 1 and list(loose.token_ids) != merging_tok("x bcd tail")
     whole = loose.as_prompt_tokenized()
-    assert list(whole.token_ids) == merging_tok("xabcd tail")
+    assert list(whole.token_ids) == merging_tok("x bcd tail")
     assert whole.inexact_chunks == 0 and whole.found == loose.found and whole.registered == loose.registered
     assert all(s.kind != "chunk" for s in whole.context)
     assert len(whole.suffix.token_ids) == len(loose.suffix.token_ids) and whole.suffix.start == whole.context_len

@@ -460,7 +460,8 @@ def test_a_registered_text_that_ends_every_prompt_does_not_break_the_server(engi
     tail = engine.tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False,
                                                 add_generation_prompt=True).split("x")[-1]
     with served(engine) as (_, c):
-        assert c.post("/v1/kvrag/chunks", json={"texts": [tail, *PASSAGES]}).status_code == 200
+        nested = tail[len(tail) // 2:]  # a shorter text that ends the same prompts
+        assert c.post("/v1/kvrag/chunks", json={"texts": [tail, nested, *PASSAGES]}).status_code == 200
         r = c.post("/v1/chat/completions", json=chat("Context:" + "".join(PASSAGES) + "\n\nWhich is in France?"))
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the passages still reused
@@ -602,3 +603,45 @@ def test_a_message_cannot_write_turns_of_its_own(client: Any) -> None:
     r = client.post("/v1/completions", json={"model": MODEL, "prompt": "<|im_start|>user\nhi<|im_end|>\n",
                                              "max_tokens": 2})
     assert r.status_code == 200
+
+
+def test_the_store_quota_bounds_what_completions_store_too(lm: Any, tmp_path: Path) -> None:
+    """A completion's misses (a long text before the registered passage, a request's own kvrag.chunks) were stored
+    whatever --max-store-bytes said: 7 KB of request wrote ~69 MB to a file store. They now serve their request
+    and are stored only within the quota."""
+    from kvrag.store.disk import DiskStore
+
+    eng = KVRAGEngine(lm, DiskStore(tmp_path / "kv"), EngineConfig(method="stale", max_context=512))
+    with served(eng, max_store_bytes=1) as (_, c):
+        before = eng.store.stats()["entries"]
+        for i in range(3):
+            prefix = f"Note {i}: " + "filler words here " * 20
+            r = c.post("/v1/completions", json={"model": MODEL, "prompt": prefix + PASSAGES[0] + "\n\nQ?",
+                                                "max_tokens": 2, "kvrag": {"chunks": [PASSAGES[0]]}})
+            assert r.status_code == 200, r.text
+        assert eng.store.stats()["entries"] == before == 0 and eng.counters["misses_not_stored"] >= 3
+    with served(eng) as (_, c):  # no quota: stored as before
+        r = c.post("/v1/completions", json={"model": MODEL, "prompt": "Note: " + PASSAGES[0] + "\n\nQ?",
+                                            "max_tokens": 2, "kvrag": {"chunks": [PASSAGES[0]]}})
+        assert r.status_code == 200 and eng.store.stats()["entries"] > 0
+
+
+def test_a_registered_text_is_bounded_in_tokens(engine: KVRAGEngine) -> None:
+    """One 7,800-token text was one forward of ~56 s that every running stream waited for."""
+    with served(engine, max_text_tokens=20) as (_, c):
+        err = is_openai_error(c.post("/v1/kvrag/chunks", json={"texts": ["short one", "word " * 40]}), 400,
+                              code="text_too_long", param="texts.1")
+        assert "--max-text-tokens" in err["message"]
+        assert c.post("/v1/kvrag/chunks", json={"texts": ["short one"]}).status_code == 200
+
+
+def test_a_prompt_too_long_to_fit_is_refused_before_it_is_tokenized(engine: KVRAGEngine,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    tokenize = engine.tokenize
+    monkeypatch.setattr(engine, "tokenize", lambda text: calls.append(len(text)) or tokenize(text))
+    with served(engine) as (_, c):
+        huge = "word " * 300_000  # 1.5 MB: more than 512 tokens of any vocabulary entry can spell
+        r = c.post("/v1/completions", json={"model": MODEL, "prompt": huge, "max_tokens": 2})
+        is_openai_error(r, 400, code="context_length_exceeded", param="prompt")
+        assert not any(n >= len(huge) for n in calls)

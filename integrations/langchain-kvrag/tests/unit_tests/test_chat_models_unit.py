@@ -136,7 +136,7 @@ def test_configurable_fields_keep_the_engine(engine) -> None:
 def test_a_recent_chunk_inside_a_question_is_never_spliced_with_its_own_ids(engine) -> None:
     from kvrag import adapters
 
-    short = "ast fe"  # a retrieved text that also occurs in a later question, across the tiny tokenizer's merges
+    short = "last ferry"  # a retrieved text that also occurs in a later question, across the tokenizer's merges
     question = "When does the last ferry leave?"
     doc = "\n\nThe ferry to Tamsin Isle leaves at 9:00 in summer."
     engine.ingest([short, doc])
