@@ -34,8 +34,8 @@ class Ape(FusionMethod):
 
     def validate(self) -> None:
         check_choice(self.name, "base", self.base, ("stale", "cacherepair"))
-        if not self.t > 0:
-            msg = f"method {self.name!r}: t (the attention temperature) must be > 0, got {self.t}"
+        if not 1e-3 <= self.t <= 1e3:  # beyond, the scaled keys overflow: no answer at all
+            msg = f"method {self.name!r}: t (the attention temperature) must be in [0.001, 1000], got {self.t}"
             raise ConfigError(msg)
 
     def fuse(self, inp: FusionInput) -> FusionOutput:

@@ -109,7 +109,7 @@ class KvragOptions(BaseModel):
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    include_usage: bool = False
+    include_usage: bool = Field(default=False, strict=True)
 
 
 class _Sampling(BaseModel):
@@ -250,7 +250,7 @@ class ChatCompletionRequest(_Sampling):
     response_format: dict[str, object] | None = None
     tools: list[object] | None = None
     tool_choice: str | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: bool | None = Field(default=None, strict=True)
     modalities: list[str] | None = None
 
     @field_validator("tools")
@@ -297,10 +297,10 @@ class CompletionRequest(_Sampling):
     """``POST /v1/completions``: one prompt string (a list of one string is accepted)."""
 
     prompt: Text | list[Text]
-    echo: bool | None = None
+    echo: bool | None = Field(default=None, strict=True)
     suffix: Text | None = None
-    logprobs: int | None = None
-    best_of: int | None = None
+    logprobs: int | None = Field(default=None, strict=True)
+    best_of: int | None = Field(default=None, strict=True)
 
     @field_validator("prompt")
     @classmethod

@@ -44,6 +44,9 @@ PATH_PARAMS = frozenset({"costs", "checkpoint", "thresholds", "calibration", "pa
 """Method parameters that name files (``auto``'s cost model and agreement thresholds, ``cacherepair``'s and
 ``hybrid``'s checkpoint): server-side configuration (``kvrag serve --method``), refused from clients."""
 
+NOT_PATHS = frozenset({"levels"})
+"""Method parameters whose values may hold a slash without naming a file (``auto``'s ``levels=0/0.5/1``)."""
+
 REGISTER_BATCH = 8
 """Most texts cached per step of a registration (a client that leaves stops it at the next step)."""
 REGISTER_TOKENS = 2048
@@ -69,7 +72,8 @@ def refuse_paths(spec: str | None, params: Mapping[str, object]) -> None:
         except ConfigError as e:
             raise HTTPProblem(400, f"kvrag.method: {e}", param="kvrag.method") from e
     for key, value in named.items():
-        pathlike = isinstance(value, str) and (os.sep in value or value.startswith(("~", ".")) or "\\" in value)
+        pathlike = key not in NOT_PATHS and isinstance(value, str) and (
+            os.sep in value or value.startswith(("~", ".")) or "\\" in value)
         if key.lower() in PATH_PARAMS or pathlike:
             where = "kvrag.params" if key in params else "kvrag.method"
             raise HTTPProblem(400, f"{where}: the method parameter {key!r} names a file; files are the server's "

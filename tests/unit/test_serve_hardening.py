@@ -645,3 +645,17 @@ def test_a_prompt_too_long_to_fit_is_refused_before_it_is_tokenized(engine: KVRA
         r = c.post("/v1/completions", json={"model": MODEL, "prompt": huge, "max_tokens": 2})
         is_openai_error(r, 400, code="context_length_exceeded", param="prompt")
         assert not any(n >= len(huge) for n in calls)
+
+
+def test_auto_levels_with_slashes_are_not_taken_for_a_path(client: Any) -> None:
+    r = client.post("/v1/chat/completions", json=chat(kvrag={"method": "auto:agree=0.9,levels=0/0.5/1"}))
+    assert r.status_code == 200, r.text
+    is_openai_error(client.post("/v1/chat/completions", json=chat(kvrag={"method": "ape:t=1e-300"})), 400,
+                    param="kvrag.method")
+
+
+@pytest.mark.parametrize("body", [{"stream": True, "stream_options": {"include_usage": "yes"}},
+                                  {"parallel_tool_calls": "yes"}])
+def test_booleans_are_booleans(client: Any, body: dict[str, Any]) -> None:
+    r = client.post("/v1/chat/completions", json=chat(**body))
+    assert r.status_code == 400, r.text
