@@ -64,7 +64,6 @@ CHUNK_KEY_METADATA = "kvrag_chunk_key"
 ChunkLike = str | RegisteredChunk | tuple[str, str | None]
 
 
-
 @dataclasses.dataclass(eq=False)
 class _Registration:
     """One :func:`register_chunks` call's chunks and the texts that some call's prompt has contained since (shared

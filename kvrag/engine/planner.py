@@ -116,11 +116,17 @@ class Plan:
         return sum(len(s.token_ids) for s in self.context if s.kind == "chunk")
 
 
+def _in_word(c: str) -> bool:
+    """A letter or digit of a script that spaces its words (Latin, Greek, Cyrillic, Armenian): elsewhere (CJK, Thai)
+    text runs on without spaces, and no boundary can be told from the characters."""
+    return c.isalnum() and ord(c) < 0x0590
+
+
 def whole_words(text: str, start: int, end: int) -> bool:
-    """Whether ``text[start:end]`` cuts no word: at each end, the characters on the two sides are not both letters
-    or digits."""
-    return not ((start > 0 and text[start - 1].isalnum() and text[start].isalnum())
-                or (end < len(text) and text[end - 1].isalnum() and text[end].isalnum()))
+    """Whether ``text[start:end]`` cuts no word: at each end, the characters on the two sides are not both inside a
+    word (:func:`_in_word`)."""
+    return not ((start > 0 and _in_word(text[start - 1]) and _in_word(text[start]))
+                or (end < len(text) and _in_word(text[end - 1]) and _in_word(text[end])))
 
 
 def split_prompt(prompt: str, chunk_texts: Sequence[str]) -> tuple[list[TextPiece], int]:

@@ -40,8 +40,9 @@ def _train_hint(model: PreTrainedModel) -> str:
     """How to train a repairer for ``model`` (its own name in ``--model``: without it the command trains one for the
     embedded default model)."""
     name = str(getattr(model.config, "name_or_path", "") or getattr(model.config, "_name_or_path", "") or "MODEL")
-    return (f"train one with `kvrag train-repairer --model {shlex.quote(name)} --data CORPUS.jsonl --out DIR --preset small` "
-            '(CORPUS: one {"titles": [...], "passages": [...]} object a line) and use `cacherepair:checkpoint=DIR`')
+    return (f"train one with `kvrag train-repairer --model {shlex.quote(name)} --data CORPUS.jsonl --out DIR "
+            '--preset small` (CORPUS: one {"titles": [...], "passages": [...]} object a line) and use '
+            "`cacherepair:checkpoint=DIR`")
 
 
 def model_dir_name(model: PreTrainedModel) -> str:
@@ -154,7 +155,8 @@ class CacheRepair(FusionMethod):
         c, s = rep.cfg, inp.spec
         if (c.num_layers, c.num_kv_heads, c.head_dim) != (s.num_layers, s.num_kv_heads, s.head_dim):
             msg = (f"the repairer in {path} expects KV [L={c.num_layers}, H_kv={c.num_kv_heads}, D={c.head_dim}], "
-                   f"the model has [L={s.num_layers}, H_kv={s.num_kv_heads}, D={s.head_dim}]; {_train_hint(inp.model)}")
+                   f"the model has [L={s.num_layers}, H_kv={s.num_kv_heads}, D={s.head_dim}]; "
+                   f"{_train_hint(inp.model)}")
             raise CheckpointMismatchError(msg)
         return rep
 

@@ -145,6 +145,7 @@ def test_a_chunk_is_never_claimed_inside_a_word() -> None:
     assert split_prompt("Answer only with one word.", ["on"])[1] == 0
     assert split_prompt("on the way, on", ["on"])[1] == 1 and split_prompt("(on)", ["on"])[1] == 1
     assert split_prompt("x\n\nPassage one.\n\nQ", ["\n\nPassage one."])[1] == 1  # punctuation ends are fine
+    assert split_prompt("以下是文章東京是日本的首都。問題", ["東京是日本的首都。"])[1] == 1  # no spaces to tell words by
 
 
 def test_exact_holds_named_chunks_to_the_strict_rule() -> None:
