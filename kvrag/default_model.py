@@ -229,9 +229,11 @@ def _check_gguf_config(gguf: Path, name: str) -> PretrainedConfig:
         raise UnsupportedModelError(msg) from e
     from gguf import GGUFReader
 
-    from kvrag.gguf_rope import apply_rope_freqs
+    from kvrag.gguf_rope import apply_rope_freqs, apply_rope_scaling
 
-    apply_rope_freqs(GGUFReader(gguf), config, gguf.name)  # Llama 3.x: its RoPE scaling is a tensor, not a key
+    reader = GGUFReader(gguf)
+    if not apply_rope_freqs(reader, config, gguf.name):  # Llama 3.x: its RoPE scaling is a tensor, not a key
+        apply_rope_scaling(reader, config, gguf.name)  # the header's linear / YaRN scaling
     check_rope_support(config, name=name)
     return config
 

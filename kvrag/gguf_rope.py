@@ -1,10 +1,13 @@
-"""A GGUF file's RoPE frequency factors (``rope_freqs.weight``) as the model config's RoPE scaling.
+"""A GGUF file's RoPE scaling (``rope_freqs.weight``, the ``{arch}.rope.scaling.*`` header keys) as the model
+config's.
 
 llama.cpp's converter writes Llama 3.1 / 3.2 / 3.3's ``llama3`` RoPE scaling not as header keys but as a tensor of
 per-frequency divisors, ``rope_freqs.weight`` (``convert_hf_to_gguf.py``, ``LlamaModel.generate_extra_tensors``).
 transformers' GGUF config reader ignores it, so such a file loaded as a plain-RoPE model: another model, whose
 positions differ from the published one's at every position. :func:`apply_rope_freqs` recovers the ``llama3``
 parameters that give exactly those divisors and sets them on the config, or refuses the file naming the tensor.
+The header's linear and YaRN scalings (Gemma 3 4B-27B, long-context Qwen2.5), which that reader reads for few
+architectures, likewise (:func:`apply_rope_scaling`).
 """
 
 from __future__ import annotations
@@ -78,4 +81,45 @@ def apply_rope_freqs(reader: GGUFReader, config: PretrainedConfig, file_name: st
     raise UnsupportedModelError(msg)
 
 
-__all__ = ["LLAMA3_DEFAULTS", "ROPE_FREQS", "apply_rope_freqs", "llama3_divisors"]
+def _field(reader: GGUFReader, key: str) -> object:
+    field = reader.fields.get(key)
+    return None if field is None else field.contents()
+
+
+def apply_rope_scaling(reader: GGUFReader, config: PretrainedConfig, file_name: str) -> bool:
+    """Set ``config``'s RoPE scaling from the header's ``{arch}.rope.scaling.*`` keys (linear, as Gemma 3 4B-27B;
+    YaRN, as long-context Qwen2.5), which transformers' GGUF reader reads for few architectures. A model with
+    sliding-window layers (per-layer-type RoPE) scales its full-attention layers only, as llama.cpp does. Returns
+    whether it set one.
+
+    Raises:
+        UnsupportedModelError: a scaling type or parameters kvrag cannot map.
+    """
+    arch = _field(reader, "general.architecture")
+    kind = _field(reader, f"{arch}.rope.scaling.type")
+    if kind in (None, "none"):
+        return False
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    nested = {k: v for k, v in params.items() if isinstance(v, dict)}
+    flat = params if not nested else nested.get("full_attention")
+    if flat is None or flat.get("rope_type", "default") != "default":
+        if flat is not None:
+            return False  # transformers already read the scaling (gpt-oss)
+        msg = f"GGUF file {file_name}: RoPE scaling {kind!r} on a model without full-attention layers kvrag can scale"
+        raise UnsupportedModelError(msg)
+    factor = _field(reader, f"{arch}.rope.scaling.factor")
+    original = _field(reader, f"{arch}.rope.scaling.original_context_length")
+    if kind == "linear" and isinstance(factor, float) and factor > 0:
+        scaled = {**flat, "rope_type": "linear", "factor": factor}
+    elif kind == "yarn" and isinstance(factor, float) and factor > 0 and isinstance(original, int) and original > 0:
+        scaled = {**flat, "rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original}
+    else:
+        msg = (f"GGUF file {file_name}: its RoPE scaling ({arch}.rope.scaling.type={kind!r}, factor {factor!r}, "
+               f"original context {original!r}) is not one kvrag reads (linear, yarn); it would position keys unlike "
+               "llama.cpp. Use the model's Hugging Face checkpoint folder")
+        raise UnsupportedModelError(msg)
+    config.rope_parameters = {**params, "full_attention": scaled} if nested else scaled
+    return True
+
+
+__all__ = ["LLAMA3_DEFAULTS", "ROPE_FREQS", "apply_rope_freqs", "apply_rope_scaling", "llama3_divisors"]

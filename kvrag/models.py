@@ -296,6 +296,10 @@ def check_finite(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, 
         raise UnsupportedModelError(msg)
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "tekken.json")
+"""Files one of which a checkpoint folder's tokenizer is read from (without any, transformers builds an empty one)."""
+
+
 def load_model(
     model: str | os.PathLike[str] | None = None,
     *,
@@ -362,6 +366,10 @@ def load_model(
             msg = f"cannot load model {name!r}: expected a Hugging Face model id or a checkpoint directory{hint}: {e}"
             raise ConfigError(msg) from e
         check_rope_support(config, name=name)  # fail before reading any weights
+        if local and not any((Path(source) / f).is_file() for f in TOKENIZER_FILES):
+            msg = (f"model {name!r} has no tokenizer (its folder holds none of {', '.join(TOKENIZER_FILES)}); save the "
+                   "model's tokenizer into it (tokenizer.save_pretrained(folder))")
+            raise ConfigError(msg)
         try:
             tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=offline)
         except (OSError, ValueError) as e:

@@ -40,6 +40,11 @@ def _train_hint(model: PreTrainedModel) -> str:
     """How to train a repairer for ``model`` (its own name in ``--model``: without it the command trains one for the
     embedded default model)."""
     name = str(getattr(model.config, "name_or_path", "") or getattr(model.config, "_name_or_path", "") or "MODEL")
+    from kvrag.gguf_marker import read_marker
+
+    marker = read_marker(Path(name)) if Path(name).is_dir() else None  # a GGUF's prepared folder: name the file
+    if marker is not None and marker.get("gguf_path"):
+        name = str(marker["gguf_path"])
     return (f"train one with `kvrag train-repairer --model {shlex.quote(name)} --data CORPUS.jsonl --out DIR "
             '--preset small` (CORPUS: one {"titles": [...], "passages": [...]} object a line) and use '
             "`cacherepair:checkpoint=DIR`")

@@ -62,7 +62,7 @@ def _add_tokenizer(writer: Any, tokenizer: Any) -> None:
 
 def write_tiny_gguf(path: str | os.PathLike[str], lm: LoadedModel, *, name: str = "tiny-llama",
                     quantization: str = "F32", extra: dict[str, np.ndarray] | None = None,
-                    header: dict[str, int] | None = None) -> Path:
+                    header: dict[str, int | float | str] | None = None) -> Path:
     """Write a Llama :class:`~kvrag.models.LoadedModel` (e.g. ``tiny_model("llama")``) as a GGUF file.
 
     Args:
@@ -72,7 +72,8 @@ def write_tiny_gguf(path: str | os.PathLike[str], lm: LoadedModel, *, name: str 
         quantization: the type of its 2D weights, quantized by the ``gguf`` package's own quantizer (``F32``,
             ``F16``, ``BF16``, ``Q4_0``, ``Q4_1``, ``Q8_0``); norms stay F32.
         extra: more float32 tensors by GGUF name (e.g. llama.cpp's ``rope_freqs.weight``).
-        header: more header keys with uint16 values (e.g. ``split.count``).
+        header: more header keys (int as uint16, float as float32, str), e.g. ``split.count`` or
+            ``llama.rope.scaling.type``.
 
     Returns:
         ``path``.
@@ -102,7 +103,12 @@ def write_tiny_gguf(path: str | os.PathLike[str], lm: LoadedModel, *, name: str 
     writer.add_vocab_size(config.vocab_size)
     _add_tokenizer(writer, lm.tokenizer)
     for key, value in (header or {}).items():
-        writer.add_uint16(key, value)
+        if isinstance(value, str):
+            writer.add_string(key, value)
+        elif isinstance(value, float):
+            writer.add_float32(key, value)
+        else:
+            writer.add_uint16(key, value)
     for hf_name, tensor in lm.model.state_dict().items():
         base, suffix = hf_name.rsplit(".", 1)
         gguf_name = name_map.get_name(base)

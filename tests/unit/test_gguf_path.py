@@ -8,8 +8,10 @@ GGUF of an unsupported architecture, RoPE or quantization type is refused by nam
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -232,3 +234,42 @@ def test_one_part_of_a_split_gguf_says_to_merge(tiny, home: Path, tmp_path: Path
     part = write_tiny_gguf(tmp_path / "tiny-00001-of-00002.gguf", tiny, header={"split.count": 2})
     with pytest.raises(ConfigError, match="one of 2 parts of a split GGUF.*llama-gguf-split --merge"):
         load_model(str(part), dtype="float32", device="cpu")
+
+
+@pytest.mark.parametrize(("header", "expected"), [
+    ({"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0}, {"rope_type": "linear", "factor": 4.0}),
+    ({"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0,
+      "llama.rope.scaling.original_context_length": 256},
+     {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}),
+])
+def test_the_headers_rope_scaling_becomes_the_configs(tiny, home: Path, tmp_path: Path, header: dict[str, Any],
+                                                      expected: dict[str, Any]) -> None:
+    """llama.cpp writes linear (Gemma 3 4B-27B) and YaRN (long-context Qwen2.5) RoPE scaling as header keys, which
+    transformers' GGUF reader read for gpt-oss only: such files loaded as plain-RoPE models, other models."""
+    path = write_tiny_gguf(tmp_path / "tiny-scaled.gguf", tiny, header=header)
+    lm = load_model(str(path), dtype="float32", device="cpu", quantize=None)
+    params = lm.model.config.rope_parameters
+    assert {k: params[k] for k in expected} == expected
+    assert not torch.allclose(lm.model.model.rotary_emb.inv_freq, tiny.model.model.rotary_emb.inv_freq) or \
+        expected["rope_type"] == "yarn"  # linear divides the frequencies; YaRN scales them by band
+    ids = torch.tensor([tiny.tokenizer(TEXT)["input_ids"]])
+    assert not torch.equal(_logits(lm, ids), _logits(tiny, ids))  # another model than the unscaled one
+
+
+def test_a_rope_scaling_kvrag_cannot_read_is_refused(tiny, home: Path, tmp_path: Path) -> None:
+    from kvrag.models import load_model
+
+    path = write_tiny_gguf(tmp_path / "tiny-longrope.gguf", tiny,
+                           header={"llama.rope.scaling.type": "longrope", "llama.rope.scaling.factor": 4.0})
+    with pytest.raises(UnsupportedModelError, match="longrope"):
+        load_model(str(path), dtype="float32", device="cpu")
+
+
+def test_the_no_repairer_hint_names_the_gguf_file(tiny, home: Path, tmp_path: Path) -> None:
+    """The hint named the prepared folder (config.name_or_path), which holds no weights: the command failed."""
+    path = write_tiny_gguf(tmp_path / "mine.gguf", tiny)
+    eng = KVRAGEngine.from_pretrained(str(path), dtype="float32", device="cpu", quantize=None)
+    eng.ingest(["\n\nA day pass costs 9 marks."])
+    with pytest.raises(ConfigError, match=f"--model {re.escape(str(path))} "):
+        eng.answer("Context:\n\nA day pass costs 9 marks.\n\nQ: cost?", ["\n\nA day pass costs 9 marks."],
+                   "cacherepair", max_new_tokens=1)

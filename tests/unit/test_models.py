@@ -128,11 +128,12 @@ def test_load_model_rejects_unsupported_before_loading_weights(tmp_path: Path) -
 def test_a_folder_without_tokenizer_or_weights_is_named(tmp_path: Path) -> None:
     """transformers builds a one-token tokenizer for a folder without tokenizer files (the load then failed deep in
     the model: "cannot reshape tensor of 0 elements"), and a folder without weights raised its OSError."""
+    for family in ("qwen3", "gemma3"):  # Gemma's class built a 5-token tokenizer from nothing
+        (no_tok := tmp_path / f"no-tokenizer-{family}").mkdir()
+        tiny_model(family).model.save_pretrained(no_tok)
+        with pytest.raises(ConfigError, match="no tokenizer.*tokenizer.save_pretrained"):
+            load_model(str(no_tok), device="cpu")
     src = tiny_model("qwen3")
-    (no_tok := tmp_path / "no-tokenizer").mkdir()
-    src.model.save_pretrained(no_tok)
-    with pytest.raises(ConfigError, match="no tokenizer.*tokenizer.save_pretrained"):
-        load_model(str(no_tok), device="cpu")
     (no_weights := tmp_path / "no-weights").mkdir()
     src.model.config.save_pretrained(no_weights)
     src.tokenizer.save_pretrained(no_weights)
