@@ -151,6 +151,18 @@ def test_an_alibi_model_is_refused_as_having_no_rope() -> None:
     check_rope_support(FalconConfig(alibi=False, hidden_size=64, num_attention_heads=4, num_hidden_layers=2))
 
 
+def test_a_multimodal_config_is_refused_for_its_text_models_rope() -> None:
+    """Qwen2-VL keeps its RoPE in its text config: it was refused as having none, not for its multimodal RoPE."""
+    from transformers import Qwen2VLConfig
+
+    from kvrag.kv.rope import check_rope_support
+
+    config = Qwen2VLConfig(text_config={"rope_parameters": {"rope_type": "default", "mrope_section": [16, 24, 24],
+                                                            "rope_theta": 1e6}})
+    with pytest.raises(UnsupportedModelError, match="mrope_section"):
+        check_rope_support(config, name="qwen2-vl")
+
+
 def test_load_model_missing(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ConfigError, match="cannot load model"):
