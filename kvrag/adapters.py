@@ -11,8 +11,8 @@ retriever (``integrations/langchain-kvrag``) all call this module for the behavi
     :func:`current_chunks` reads them. Each thread and each asyncio task has its own context, so concurrent
     requests never see each other's chunks. LlamaIndex query/chat engines retrieve, postprocess and synthesize in
     one context, so this is all they need. A registration outlives its query in the thread; once every one of its
-    chunks has been in some call's prompt it is over, and the next call forgets it (:func:`resolve_chunks`): an
-    unrelated call after a query is not counted against chunks it never asked for;
+    chunks has been in some call's prompt it is over, and the next call whose prompt holds none of them forgets it
+    (:func:`resolve_chunks`): an unrelated call after a query is not counted against chunks it never asked for;
   - *recent chunks* (process-wide, bounded LRU): every registration is also remembered here.
     :meth:`RecentChunks.found_in` returns the remembered texts that occur verbatim in a prompt. LangChain's LCEL
     runs each step of a chain in a *copy* of the caller's context (``RunnableParallel`` even in worker threads),
@@ -228,19 +228,19 @@ def resolve_chunks(
     context chunks that are not in the prompt: for frameworks whose context does not delimit a request (LangChain,
     where a context registration may be left over from an earlier call in the same thread), so that they do not
     count as registered-but-missing in the hit rate. A registration every chunk of which some earlier call's prompt
-    held is over: it is forgotten (its texts are then found by content alone, with ``use_recent``).
+    held is over: a prompt holding none of them forgets it (its texts are then found by content alone).
     """
     if explicit is not None:
         return _normalize(explicit)
     out: list[RegisteredChunk] = []
     reg = _REQUEST.get() if use_context else None
-    if reg is not None and reg.chunks and reg.finished():
-        _REQUEST.set(None)  # its query is over: its texts are found by content from now on, like any other
-        reg = None
     if reg is not None:
         here = [c for c in reg.chunks if c.text in prompt]
-        out = here if only_found else list(reg.chunks)
-        reg.used.update(c.text for c in here)
+        if not here and reg.chunks and reg.finished():
+            _REQUEST.set(None)  # its query is over: forgotten (its texts are found by content from now on)
+        else:
+            out = here if only_found else list(reg.chunks)
+            reg.used.update(c.text for c in here)
     if use_recent:
         out.extend(recent.found_in(prompt))
     return _normalize(out)

@@ -100,9 +100,8 @@ class Metrics:
             self.chunks_registered.inc(st.chunks_registered)
             self.chunk_hits.inc(st.chunk_hits)
             self.hit_rate.observe(st.hit_rate)
-        # labelled by name (a client's parameter values would make a series each); auto's choice is a level of its
-        # server-side ladder
-        chosen = st.method_stats.auto_choice or prep.method.name
+        # labelled by names (a client's parameter values, in a method or in auto's levels, would make a series each)
+        chosen = (st.method_stats.auto_choice or prep.method.name).split(":")[0]  # a level's name, not its values
         self.method.labels(method=prep.method.name, chosen=chosen).inc()
 
     def render(self) -> tuple[bytes, str]:

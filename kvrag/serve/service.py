@@ -72,7 +72,7 @@ def refuse_paths(spec: str | None, params: Mapping[str, object]) -> None:
         except ConfigError as e:
             raise HTTPProblem(400, f"kvrag.method: {e}", param="kvrag.method") from e
     for key, value in named.items():
-        pathlike = key not in NOT_PATHS and isinstance(value, str) and (
+        pathlike = key.lower() not in NOT_PATHS and isinstance(value, str) and (
             os.sep in value or value.startswith(("~", ".")) or "\\" in value)
         if key.lower() in PATH_PARAMS or pathlike:
             where = "kvrag.params" if key in params else "kvrag.method"
@@ -96,7 +96,7 @@ def _steps(texts: list[str], lengths: list[int]) -> Iterator[list[str]]:
 
 
 STORE_USAGE_TTL_S = 10.0
-"""Seconds a reading of the store's size serves the ``--max-store-bytes`` quota (see ``KVRAGService._check_store``)."""
+"""Seconds a reading of the store's size serves the ``--max-store-bytes`` quota (see ``KVRAGService._store_used``)."""
 
 
 def default_model_id(name: str) -> str:
@@ -143,7 +143,7 @@ class KVRAGService:
         self._store_failed_at: float | None = None
         self._store_usage: tuple[float, int] | None = None  # (time.monotonic(), bytes) of the last quota reading
         self._store_written = 0  # bytes a request's misses added since that reading
-        self._store_lock = threading.Lock()
+        self._store_lock = threading.RLock()
         # a request's own misses are stored only within the quota (this server's engine: its gate is this one)
         engine.store_gate = self.store_room if self.config.max_store_bytes is not None else None
         self.default_method = engine.method(self.config.method) if self.config.method else None
@@ -216,17 +216,22 @@ class KVRAGService:
                                        "passages", param=f"{param}.{i}", code="text_too_long")
         return lengths
 
-    def _check_store(self) -> None:
-        """The ``--max-store-bytes`` quota. Reading a store's size can scan it (every key of a Redis), so a reading is
-        reused for :data:`STORE_USAGE_TTL_S` unless this server stored new caches since (other servers sharing the
-        store are seen within that time)."""
+    def _reserve_store(self, tokens: int) -> None:
+        """The ``--max-store-bytes`` quota for a registration of ``tokens`` tokens: 413 unless the store's bytes
+        (:meth:`_store_used`) and about what these texts' caches take (the model's KV bytes per token; texts already
+        cached counted too) fit, which is then counted as stored -- checked and counted at once, so concurrent
+        registrations cannot all pass one reading."""
         limit = self.config.max_store_bytes
         if limit is None:
             return
-        used = self._store_used()
-        if used >= limit:
-            raise HTTPProblem(413, f"the KV store holds {used} bytes, its quota is {limit} (--max-store-bytes): "
-                                   "nothing more is registered", param="texts", code="store_quota_exceeded")
+        need = int(tokens) * int(self.engine.runner.budget.bytes_per_token)
+        with self._store_lock:
+            used = self._store_used()
+            if used + need > limit:
+                raise HTTPProblem(413, f"the KV store holds {used} bytes and these texts' caches take about {need}; "
+                                       f"its quota is {limit} (--max-store-bytes): nothing more is registered",
+                                  param="texts", code="store_quota_exceeded")
+            self._store_written += need
 
     def _store_used(self) -> int:
         """The store's bytes: the last reading (:data:`STORE_USAGE_TTL_S`) and what requests stored since."""
@@ -252,8 +257,8 @@ class KVRAGService:
         """Cache (when missing) and register passages, :data:`REGISTER_BATCH` at a time, stopping when the request's
         cancel token is cancelled; one ``{"key", "cached", "tokens"}`` per text (key None for whitespace-only texts,
         which are neither cached nor registered)."""
-        self._check_store()
         lengths = self.check_lengths(texts)
+        self._reserve_store(sum(lengths))
         token = current_token()
         out: list[JSONObject] = []
         for part in _steps(texts, lengths):
@@ -342,10 +347,9 @@ class KVRAGService:
         """The request's plan (in a worker thread: searching the prompt for every registered text and tokenizing it
         take time that the event loop must not wait for). Registered texts found by content splice only where their
         own ids are the prompt's (``KVRAGEngine.plan(exact=...)``); a client's explicit ``kvrag.chunks`` as given,
-        within the registration limits (their missing caches are stored too)."""
+        within the registration limits (their missing caches are stored within ``--max-store-bytes`` only)."""
         if explicit is not None:
-            self.check_sizes(explicit, "kvrag.chunks")
-            self._check_store()
+            self.check_sizes(explicit, "kvrag.chunks")  # the store quota: their caches are stored within it only
             self.check_lengths(explicit, "kvrag.chunks")
             return self.engine.plan(prompt, adapters.resolve_chunks(prompt, explicit, use_context=False))
         refs = self.chunks.found_in(prompt)

@@ -343,7 +343,7 @@ def test_serve_loads_the_quantization_its_index_was_built_with(monkeypatch: pyte
     def load(*a: Any, **kw: Any) -> Any:
         seen.update(kw)
         return types.SimpleNamespace(loaded=types.SimpleNamespace(
-            fingerprint=f"fp-{kw['quantize']}", dtype=torch.bfloat16, quantize=kw["quantize"]))
+            name="m", fingerprint=f"fp-{kw['quantize']}", dtype=torch.bfloat16, quantize=kw["quantize"]))
 
     monkeypatch.setattr(KVRAGEngine, "from_pretrained", load)
     app = types.SimpleNamespace(state=types.SimpleNamespace(kvrag=types.SimpleNamespace(model_id="m", chunks=[])))

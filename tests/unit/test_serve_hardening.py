@@ -226,10 +226,20 @@ def test_limits_on_messages_text_bytes_and_quotas(engine: KVRAGEngine, lm: Any) 
         r = c.post("/v1/kvrag/chunks", json={"texts": [PASSAGES[1]]})
         is_openai_error(r, 413, code="registered_bytes_quota", param="texts")
     fresh = KVRAGEngine(lm, MemoryStore(), EngineConfig(method="stale", max_context=512))  # an empty store
-    with served(fresh, max_store_bytes=1) as (_, c):
-        assert c.post("/v1/kvrag/chunks", json={"texts": ["\n\nA first passage about trains."]}).status_code == 200
-        r = c.post("/v1/kvrag/chunks", json={"texts": ["\n\nA second passage about boats."]})
+    first, second = "\n\nA first passage about trains.", "\n\nA second passage about boats."
+    quota = int(1.5 * len(fresh.tokenize(first)) * fresh.runner.budget.bytes_per_token)  # room for about one
+    with served(fresh, max_store_bytes=quota) as (_, c):
+        assert c.post("/v1/kvrag/chunks", json={"texts": [first]}).status_code == 200
+        r = c.post("/v1/kvrag/chunks", json={"texts": [second]})
         is_openai_error(r, 413, code="store_quota_exceeded")
+    # one registration of many texts was checked once, before any was cached: ten times the quota got stored
+    fresh = KVRAGEngine(lm, MemoryStore(), EngineConfig(method="stale", max_context=512))
+    many = [f"\n\nPassage {i} about the harbour and its ferries." for i in range(6)]
+    quota = 3 * len(fresh.tokenize(many[0])) * fresh.runner.budget.bytes_per_token
+    with served(fresh, max_store_bytes=quota) as (_, c):
+        is_openai_error(c.post("/v1/kvrag/chunks", json={"texts": many}), 413, code="store_quota_exceeded")
+        assert fresh.store.stats()["entries"] == 0
+        assert c.post("/v1/kvrag/chunks", json={"texts": many[:2]}).status_code == 200
 
 
 class _CountingStore(MemoryStore):
@@ -506,11 +516,19 @@ def test_an_infinite_method_parameter_is_a_400(client: Any, kvrag: dict[str, Any
     is_openai_error(r, 400, param="kvrag.method")
 
 
-def test_method_metrics_are_labelled_by_name_not_by_parameter_values(client: Any) -> None:
+def test_method_metrics_are_labelled_by_name_not_by_parameter_values(client: Any,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvrag.fusion import auto
+
+    monkeypatch.setattr(auto, "thresholds_for", lambda agree, levels, table=None: (0.0,) * (levels - 1))
     for i in range(3):
         assert client.post("/v1/chat/completions", json=chat(kvrag={"method": f"relaxkv:r=0.1{i}1"})).status_code == 200
+    for i in range(2):  # auto's levels chosen by the client: its choice is labelled by the level's name
+        assert client.post("/v1/chat/completions", json=chat(kvrag={"method": f"auto:agree=0.9,levels=0.0{i}3/1"})
+                           ).status_code == 200
     lines = [ln for ln in client.get("/metrics").text.splitlines() if ln.startswith("kvrag_method_requests_total{")]
-    assert not any("r=0.1" in ln for ln in lines) and any('method="relaxkv"' in ln for ln in lines)
+    assert not any(":" in ln.split("}")[0] or "r=0" in ln for ln in lines), lines
+    assert any('method="relaxkv"' in ln for ln in lines) and any('chosen="relaxkv",method="auto"' in ln for ln in lines)
 
 
 def test_a_registration_prefills_in_token_budgeted_steps() -> None:

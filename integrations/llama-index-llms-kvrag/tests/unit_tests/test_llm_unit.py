@@ -158,8 +158,11 @@ def test_a_finished_registration_is_not_offered_to_a_later_unrelated_call(engine
         assert (first["chunks_registered"], first["chunks_found"]) == (len(passages), 1)
         for p in passages[1:]:
             llm.complete(context_prompt(llm, [p], "Q?"), formatted=True)
-        # every chunk has been in a prompt: the query is over and forgotten, an unrelated call is not counted
-        # against them, nor is a later prompt holding one of them offered it as registered
+        # the same prompt again in the query (a retried or streamed call): still offered
+        again = llm.complete(context_prompt(llm, passages, "Q?"), formatted=True).additional_kwargs
+        assert again["chunks_registered"] == again["chunk_hits"] == len(passages)
+        # every chunk has been in a prompt: a call holding none of them ends the query, which is forgotten: it is
+        # not counted against them, nor is a later prompt holding one of them offered it as registered
         later = llm.complete("Say hello.").additional_kwargs
         assert later["chunks_registered"] == later["hit_rate"] == 0 and not adapters.current_chunks()
         again = llm.complete(context_prompt(llm, passages[:1], "Q?"), formatted=True).additional_kwargs
