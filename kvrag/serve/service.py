@@ -16,7 +16,7 @@ import os
 import statistics
 import threading
 import time
-from collections.abc import AsyncGenerator, Iterator, Mapping
+from collections.abc import AsyncGenerator, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -24,11 +24,11 @@ from kvrag import adapters
 from kvrag.config import GenerationConfig
 from kvrag.engine.cancel import current_token
 from kvrag.errors import ConfigError, ContextLengthError, RequestCancelledError
-from kvrag.fusion.base import parse_method_spec
 from kvrag.serve import bodies
 from kvrag.serve.bodies import Job, JSONObject, Kind
 from kvrag.serve.config import ServeConfig
 from kvrag.serve.errors import HTTPProblem
+from kvrag.serve.method_files import refuse_paths
 from kvrag.serve.metrics import Metrics
 from kvrag.serve.outcome import Outcome
 from kvrag.serve.protocol import ChatCompletionRequest, CompletionRequest
@@ -39,13 +39,6 @@ if TYPE_CHECKING:
     from kvrag.engine.engine import KVRAGEngine
     from kvrag.engine.planner import Plan
     from kvrag.fusion.base import FusionMethod
-
-PATH_PARAMS = frozenset({"costs", "checkpoint", "thresholds", "calibration", "path", "file", "dir", "root"})
-"""Method parameters that name files (``auto``'s cost model and agreement thresholds, ``cacherepair``'s and
-``hybrid``'s checkpoint): server-side configuration (``kvrag serve --method``), refused from clients."""
-
-NOT_PATHS = frozenset({"levels"})
-"""Method parameters whose values may hold a slash without naming a file (``auto``'s ``levels=0/0.5/1``)."""
 
 REGISTER_BATCH = 8
 """Most texts cached per step of a registration (a client that leaves stops it at the next step)."""
@@ -60,25 +53,6 @@ class ChunkSync(Protocol):
     async def push(self, texts: list[str]) -> None: ...
 
     async def pull(self) -> list[str]: ...
-
-
-def refuse_paths(spec: str | None, params: Mapping[str, object]) -> None:
-    """400 when a client's method spec or params name a file (a parameter of :data:`PATH_PARAMS`, or a value that
-    looks like a path): no request makes the server open one."""
-    named = dict(params)
-    if spec:
-        try:
-            named.update(parse_method_spec(spec)[1])
-        except ConfigError as e:
-            raise HTTPProblem(400, f"kvrag.method: {e}", param="kvrag.method") from e
-    for key, value in named.items():
-        pathlike = key.lower() not in NOT_PATHS and isinstance(value, str) and (
-            os.sep in value or value.startswith(("~", ".")) or "\\" in value)
-        if key.lower() in PATH_PARAMS or pathlike:
-            where = "kvrag.params" if key in params else "kvrag.method"
-            raise HTTPProblem(400, f"{where}: the method parameter {key!r} names a file; files are the server's "
-                                   "configuration (kvrag serve --method ...), not a request's", param=where,
-                              code="path_not_allowed")
 
 
 def _steps(texts: list[str], lengths: list[int]) -> Iterator[list[str]]:
@@ -498,5 +472,4 @@ class KVRAGService:
         return problems, body
 
 
-__all__ = ["PATH_PARAMS", "REGISTER_BATCH", "STORE_USAGE_TTL_S", "ChunkSync", "KVRAGService", "default_model_id",
-           "refuse_paths"]
+__all__ = ["REGISTER_BATCH", "REGISTER_TOKENS", "STORE_USAGE_TTL_S", "ChunkSync", "KVRAGService", "default_model_id"]
