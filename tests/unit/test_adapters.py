@@ -6,6 +6,8 @@ import asyncio
 import threading
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvrag import adapters
 from kvrag.adapters import RecentChunks, RegisteredChunk
@@ -86,6 +88,33 @@ def test_recent_table_and_resolve():
     got = adapters.resolve_chunks(prompt, use_recent=True)
     assert [c.text for c in got] == ["gamma chunk", "alpha chunk"]
     assert [c.text for c in adapters.resolve_chunks(prompt, use_recent=True, only_found=True)] == ["alpha chunk"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(texts=st.lists(st.text(alphabet="ab c\n", min_size=1, max_size=40), min_size=0, max_size=150),
+       prompt=st.text(alphabet="ab c\n", max_size=300), cap=st.integers(1, 200), readd=st.integers(0, 20))
+def test_a_large_tables_indexed_lookup_finds_what_a_search_per_text_finds(texts: list[str], prompt: str, cap: int,
+                                                                           readd: int) -> None:
+    """Past SCAN_BELOW texts the table is looked up through its prefix index: the same texts, most recent first,
+    as searching the prompt for each text (what a small table does), through additions, re-additions and
+    evictions."""
+    r = RecentChunks(max_entries=cap, max_chars=10_000)
+    r.add(texts)
+    r.add(texts[:readd])  # re-registered: most recent again
+    prompt = prompt + "".join(texts[::7])  # some texts certainly in it
+    got = [c.text for c in r.found_in(prompt)]
+    naive = [t for t in reversed(r._items) if t in prompt]
+    assert got == naive
+
+
+def test_a_large_table_is_looked_up_once_per_prompt_position() -> None:
+    r = RecentChunks(max_entries=100_000, max_chars=10**9)
+    r.add([f"\n\nPassage number {i} about something." for i in range(20_000)])
+    prompt = "Context:\n\nPassage number 17 about something.\n\nPassage number 19999 about something.\n\nQ?"
+    assert [c.text for c in r.found_in(prompt)] == ["\n\nPassage number 19999 about something.",
+                                                    "\n\nPassage number 17 about something."]
+    r.clear()
+    assert r.found_in(prompt) == () and len(r) == 0
 
 
 def test_recent_is_bounded():
