@@ -338,9 +338,10 @@ def shared_engine(model: str | None = None, store: str | KVStore = "memory://", 
         return eng
 
 
-def ensure_chunks(engine: KVRAGEngine, texts: Sequence[str], *, fetch: bool = False, progress: bool = False,
-                  batch_size: int | None = None) -> list[tuple[RegisteredChunk | None, bool]]:
-    """Make sure every text has a stored cache (:meth:`KVRAGEngine.ensure` on the engine's serving store).
+def ensure_chunks(engine: KVRAGEngine, texts: Sequence[str | RegisteredChunk], *, fetch: bool = False,
+                  progress: bool = False, batch_size: int | None = None) -> list[tuple[RegisteredChunk | None, bool]]:
+    """Make sure every text has a stored cache (:meth:`KVRAGEngine.ensure` on the engine's serving store); a
+    :class:`RegisteredChunk` from :meth:`KVRAGEngine.identify` is not tokenized again.
 
     One store round trip for all texts; missing caches are prefilled in batches. With ``fetch`` the returned chunks
     hold their caches, so that a request answered in the same scope reads nothing more from the store.

@@ -16,9 +16,9 @@ import os
 import statistics
 import threading
 import time
-from collections.abc import AsyncGenerator, Iterator
+from collections.abc import AsyncGenerator, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from kvrag import adapters
 from kvrag.config import GenerationConfig
@@ -36,9 +36,12 @@ from kvrag.serve.protocol import ChatCompletionRequest, CompletionRequest
 if TYPE_CHECKING:
     from starlette.requests import Request
 
+    from kvrag.engine.chunks import RegisteredChunk
     from kvrag.engine.engine import KVRAGEngine
     from kvrag.engine.planner import Plan
     from kvrag.fusion.base import FusionMethod
+
+T = TypeVar("T")
 
 REGISTER_BATCH = 8
 """Most texts cached per step of a registration (a client that leaves stops it at the next step)."""
@@ -55,9 +58,9 @@ class ChunkSync(Protocol):
     async def pull(self) -> list[str]: ...
 
 
-def _steps(texts: list[str], lengths: list[int]) -> Iterator[list[str]]:
+def _steps(texts: Sequence[T], lengths: list[int]) -> Iterator[list[T]]:
     """``texts`` in registration steps of at most :data:`REGISTER_BATCH` texts and :data:`REGISTER_TOKENS` tokens."""
-    part: list[str] = []
+    part: list[T] = []
     tokens = 0
     for t, n in zip(texts, lengths, strict=True):
         if part and (len(part) == REGISTER_BATCH or tokens + n > REGISTER_TOKENS):
@@ -175,20 +178,27 @@ class KVRAGService:
     def unreserve(self, reserved: int) -> None:
         self._reserved_bytes -= reserved
 
-    def check_lengths(self, texts: list[str], param: str = "texts") -> list[int]:
+    def check_lengths(self, texts: list[str], param: str = "texts") -> list[RegisteredChunk | None]:
         """400 naming the first text longer than ``--max-text-tokens`` or than a chunk can be (the context window
-        less the chunk prefix), before any of them is cached; else the texts' token counts."""
+        less the chunk prefix), before any of them is cached; else the texts' identities (``KVRAGEngine.identify``:
+        token ids and keys, which caching and planning then use without tokenizing again; None for whitespace)."""
         eng = self.engine
         room = int(eng.max_context) - len(eng.chunk_prefix_ids)
         limit = min(room, self.config.max_text_tokens)
-        lengths = []
+        refs: list[RegisteredChunk | None] = []
         for i, t in enumerate(texts):
-            lengths.append(n := len(eng.tokenize(t)))
+            try:
+                (ref,) = eng.identify([t])
+            except ContextLengthError:  # over the context window: counted again only to say by how much
+                ref, n = None, len(eng.tokenize(t))
+            else:
+                n = 0 if ref is None or ref.token_ids is None else len(ref.token_ids)
             if n > limit:
                 why = "--max-text-tokens" if limit < room else "a chunk of this model"
                 raise HTTPProblem(400, f"{param}[{i}] has {n} tokens; at most {limit} ({why}): split it into "
                                        "passages", param=f"{param}.{i}", code="text_too_long")
-        return lengths
+            refs.append(ref)
+        return refs
 
     def _reserve_store(self, tokens: int) -> None:
         """The ``--max-store-bytes`` quota for a registration of ``tokens`` tokens: 413 unless the store's bytes
@@ -231,20 +241,21 @@ class KVRAGService:
         """Cache (when missing) and register passages, :data:`REGISTER_BATCH` at a time, stopping when the request's
         cancel token is cancelled; one ``{"key", "cached", "tokens"}`` per text (key None for whitespace-only texts,
         which are neither cached nor registered)."""
-        lengths = self.check_lengths(texts)
+        refs = self.check_lengths(texts)
+        lengths = [0 if r is None or r.token_ids is None else len(r.token_ids) for r in refs]
         self._reserve_store(sum(lengths))
         token = current_token()
         out: list[JSONObject] = []
-        for part in _steps(texts, lengths):
+        for part in _steps([t if r is None else r for t, r in zip(texts, refs, strict=True)], lengths):
             if token is not None and token.cancelled:
                 raise RequestCancelledError("the registration was cancelled (its client left)")
             got = adapters.ensure_chunks(self.engine, part)
             self.register_steps += 1
             self.chunks.add([c for c, _ in got if c is not None])
-            for t, (c, _) in zip(part, got, strict=True):
-                if c is not None and hash(t) not in self._known:
-                    self._known.add(hash(t))
-                    self.registered_bytes += len(t.encode())
+            for c, _ in got:
+                if c is not None and hash(c.text) not in self._known:
+                    self._known.add(hash(c.text))
+                    self.registered_bytes += len(c.text.encode())
             if any(c is not None and not was for c, was in got):
                 self._store_usage = None  # this server stored new caches: the next quota check reads the store again
             out += [{"key": None if c is None else c.key, "cached": bool(was),
@@ -324,8 +335,8 @@ class KVRAGService:
         within the registration limits (their missing caches are stored within ``--max-store-bytes`` only)."""
         if explicit is not None:
             self.check_sizes(explicit, "kvrag.chunks")  # the store quota: their caches are stored within it only
-            self.check_lengths(explicit, "kvrag.chunks")
-            return self.engine.plan(prompt, adapters.resolve_chunks(prompt, explicit, use_context=False))
+            own = [r for r in self.check_lengths(explicit, "kvrag.chunks") if r is not None]
+            return self.engine.plan(prompt, adapters.resolve_chunks(prompt, own, use_context=False))
         refs = self.chunks.found_in(prompt)
         return self.engine.plan(prompt, refs, exact=[c.text for c in refs])
 

@@ -677,3 +677,14 @@ def test_auto_levels_with_slashes_are_not_taken_for_a_path(client: Any) -> None:
 def test_booleans_are_booleans(client: Any, body: dict[str, Any]) -> None:
     r = client.post("/v1/chat/completions", json=chat(**body))
     assert r.status_code == 400, r.text
+
+
+def test_a_registration_tokenizes_each_text_once(engine: KVRAGEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The length check's token ids are the ones cached (KVRAGEngine.identify), not a second tokenization."""
+    texts = [f"\n\nA passage about the {w} line, which runs every ten minutes." for w in ("red", "blue", "green")]
+    seen: list[str] = []
+    tokenize = engine.tokenize
+    monkeypatch.setattr(engine, "tokenize", lambda text: seen.append(text) or tokenize(text))
+    app = create_app(engine, ServeConfig(model_id=MODEL))
+    app.state.kvrag.register(texts)
+    assert sorted(t for t in seen if t in texts) == sorted(texts)
