@@ -38,11 +38,10 @@ from kvrag.gguf_marker import marker_matches as _marker_matches
 from kvrag.gguf_marker import read_marker as _read_marker
 from kvrag.gguf_marker import remember_location as _remember_location
 from kvrag.gguf_marker import sha256_file as _sha256_file
-from kvrag.gguf_reading import parsed_once, quiet_gguf_bar
+from kvrag.gguf_reading import header_field, parsed_once, quiet_gguf_bar
 from kvrag.paths import hf_offline, kvrag_home
 
 if TYPE_CHECKING:
-    from gguf import GGUFReader
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
@@ -152,11 +151,6 @@ def _gguf_architectures() -> set[str]:
     return archs - {"general", "tokenizer"}  # metadata sections of transformers' mapping, not architectures
 
 
-def _gguf_field(reader: GGUFReader, key: str) -> object:
-    field = reader.fields.get(key)
-    return None if field is None else field.contents()
-
-
 def inspect_gguf(path: str | os.PathLike[str]) -> GGUFInfo:
     """Read a GGUF file's header and check that kvrag can convert it, before any weight is de-quantized.
 
@@ -177,19 +171,19 @@ def inspect_gguf(path: str | os.PathLike[str]) -> GGUFInfo:
 
     try:
         reader = GGUFReader(path)
-        arch = _gguf_field(reader, "general.architecture")
+        arch = header_field(reader, "general.architecture")
     except (OSError, ValueError, KeyError, IndexError) as e:
         msg = f"{path} is not a readable GGUF file ({e}); pass a .gguf model file from llama.cpp, Ollama or LM Studio"
         raise ConfigError(msg) from e
     if not isinstance(arch, str):
         msg = f"{path} has no general.architecture in its header; it is not a GGUF model file"
         raise ConfigError(msg)
-    parts = _gguf_field(reader, "split.count")
+    parts = header_field(reader, "split.count")
     if isinstance(parts, int) and parts > 1:
         msg = (f"{path.name} is one of {parts} parts of a split GGUF model; merge them into one file first "
                f"(llama.cpp: llama-gguf-split --merge {path.name} merged.gguf) and pass that")
         raise ConfigError(msg)
-    name = _gguf_field(reader, "general.name")
+    name = header_field(reader, "general.name")
     supported = _gguf_architectures()
     if arch not in supported:
         msg = (f"GGUF file {path.name}: architecture {arch!r} is not supported: transformers, which kvrag reads GGUF "

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from gguf import MODEL_ARCH
+    from gguf import MODEL_ARCH, GGUFReader
 
 _memo: contextvars.ContextVar[dict[tuple[object, ...], object] | None] = contextvars.ContextVar("kvrag_gguf_memo",
                                                                                                default=None)
@@ -90,6 +90,12 @@ def parsed_once() -> Iterator[None]:
                     setattr(gguf, name, original)
 
 
+def header_field(reader: GGUFReader, key: str) -> object:
+    """A GGUF header field's value (None when the file has no such key)."""
+    field = reader.fields.get(key)
+    return None if field is None else field.contents()
+
+
 @contextlib.contextmanager
 def quiet_gguf_bar() -> Iterator[None]:
     """Disable the raw tqdm bar transformers' GGUF reader shows regardless of its progress-bar setting."""
@@ -109,4 +115,4 @@ def quiet_gguf_bar() -> Iterator[None]:
         gguf_utils.tqdm = original
 
 
-__all__ = ["parsed_once", "quiet_gguf_bar"]
+__all__ = ["header_field", "parsed_once", "quiet_gguf_bar"]

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvrag.errors import UnsupportedModelError
+from kvrag.gguf_reading import header_field
 
 if TYPE_CHECKING:
     from gguf import GGUFReader
@@ -81,11 +82,6 @@ def apply_rope_freqs(reader: GGUFReader, config: PretrainedConfig, file_name: st
     raise UnsupportedModelError(msg)
 
 
-def _field(reader: GGUFReader, key: str) -> object:
-    field = reader.fields.get(key)
-    return None if field is None else field.contents()
-
-
 def apply_rope_scaling(reader: GGUFReader, config: PretrainedConfig, file_name: str) -> bool:
     """Set ``config``'s RoPE scaling from the header's ``{arch}.rope.scaling.*`` keys (linear, as Gemma 3 4B-27B;
     YaRN, as long-context Qwen2.5), which transformers' GGUF reader reads for few architectures. A model with
@@ -95,8 +91,8 @@ def apply_rope_scaling(reader: GGUFReader, config: PretrainedConfig, file_name: 
     Raises:
         UnsupportedModelError: a scaling type or parameters kvrag cannot map.
     """
-    arch = _field(reader, "general.architecture")
-    kind = _field(reader, f"{arch}.rope.scaling.type")
+    arch = header_field(reader, "general.architecture")
+    kind = header_field(reader, f"{arch}.rope.scaling.type")
     if kind in (None, "none"):
         return False
     params = dict(getattr(config, "rope_parameters", None) or {})
@@ -107,8 +103,8 @@ def apply_rope_scaling(reader: GGUFReader, config: PretrainedConfig, file_name: 
             return False  # transformers already read the scaling (gpt-oss)
         msg = f"GGUF file {file_name}: RoPE scaling {kind!r} on a model without full-attention layers kvrag can scale"
         raise UnsupportedModelError(msg)
-    factor = _field(reader, f"{arch}.rope.scaling.factor")
-    original = _field(reader, f"{arch}.rope.scaling.original_context_length")
+    factor = header_field(reader, f"{arch}.rope.scaling.factor")
+    original = header_field(reader, f"{arch}.rope.scaling.original_context_length")
     if kind == "linear" and isinstance(factor, float) and factor > 0:
         scaled = {**flat, "rope_type": "linear", "factor": factor}
     elif kind == "yarn" and isinstance(factor, float) and factor > 0 and isinstance(original, int) and original > 0:
