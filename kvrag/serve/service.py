@@ -231,9 +231,9 @@ class KVRAGService:
         ``kvrag.chunks``) still fit ``--max-store-bytes``: the engine's :attr:`~kvrag.engine.caching.ChunkCaching.
         store_gate`. Refused, they serve their request and are not stored."""
         limit = self.config.max_store_bytes
-        if limit is not None and self._store_used() + nbytes > limit:
-            return False
-        with self._store_lock:
+        with self._store_lock:  # checked and counted at once, as a registration's reservation is
+            if limit is not None and self._store_used() + nbytes > limit:
+                return False
             self._store_written += nbytes
         return True
 
