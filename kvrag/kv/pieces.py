@@ -35,6 +35,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 from torch.overrides import TorchFunctionMode
 
+from kvrag.threads import set_own_threads
+
 if TYPE_CHECKING:
     from transformers import Cache, PreTrainedModel
 
@@ -207,6 +209,7 @@ class _Parked:
         self.done = False
         self.result: Any = None
         self.error: BaseException | None = None
+        self.threads = torch.get_num_threads()  # the driving thread's (the runner's own count, EngineConfig.runner_threads)
         self.thread = threading.Thread(target=self._run, name="kvrag-prepare-piece", daemon=True)
 
     def _checkpoint(self, key: Hashable) -> None:
@@ -227,6 +230,8 @@ class _Parked:
         try:
             if self.pace.device.type == "cuda" and self.pace.device.index is not None:  # the current device is per thread
                 torch.cuda.set_device(self.pace.device)
+            if torch.get_num_threads() != self.threads:  # a new thread starts at torch's default, not the runner's
+                set_own_threads(self.threads)
             with torch.inference_mode(), _Checkpoints(self._checkpoint):
                 self.result = self.fn()
         except _Abort:

@@ -29,6 +29,7 @@ from kvrag.prompting import RagTemplate, render_passage
 from kvrag.repair.config import RepairConfig
 from kvrag.repair.model import RepairModel
 from kvrag.store import MemoryStore
+from kvrag.threads import set_own_threads
 from kvrag_bench.ablations import register_ablations
 from kvrag_testing.tiny import ALL_FAMILIES, FAMILIES, tiny_model
 
@@ -141,6 +142,30 @@ def test_hybrid_in_pieces_computes_exactly_its_whole_call(tmp_path: Path) -> Non
                               lambda: None)
         assert n >= 3
         _same(split, whole)
+
+
+def test_a_forward_in_pieces_runs_on_the_driving_threads_torch_threads() -> None:
+    """The runner runs on its own thread count (``EngineConfig.runner_threads``, e.g. ``kvrag serve``: the cores,
+    every other thread one); the helper thread a forward runs on in pieces takes the runner's count, not torch's
+    default for new threads (which ran every long prefill of ``kvrag serve`` on one core)."""
+    seen: dict[str, int] = {}
+
+    def runner() -> None:
+        set_own_threads(2)
+        seen["runner"] = torch.get_num_threads()
+
+        def fn() -> torch.Tensor:
+            seen["helper"] = torch.get_num_threads()
+            return torch.nn.functional.linear(torch.ones(3, 4), torch.ones(5, 4))
+
+        out, n = _in_pieces(pieces.call_pieces(fn, pieces.Pace(lambda: 0.0, cancelled=lambda: False)), lambda: None)
+        assert n >= 1 and torch.equal(out, torch.full((3, 5), 4.0))
+
+    assert torch.get_num_threads() == 1  # the module's fixture: torch's default for new threads
+    t = threading.Thread(target=runner)
+    t.start()
+    t.join(20)
+    assert seen == {"runner": 2, "helper": 2}
 
 
 def test_pace() -> None:
