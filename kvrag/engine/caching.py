@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import threading
-from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Generator, Iterable, Sequence
+from typing import TYPE_CHECKING, TypeVar
 
 from kvrag.config import EngineConfig
 from kvrag.engine.chunks import RegisteredChunk
@@ -28,10 +29,14 @@ from kvrag.prompting import chat_preamble
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+    from kvrag.engine.lease import Lease
+    from kvrag.engine.runner import Runner
     from kvrag.models import LoadedModel
     from kvrag.store.base import KVStore
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 def texts_not_one_str(texts: object, what: str) -> None:
@@ -59,6 +64,7 @@ class ChunkCaching:
     _spaces: dict[str, str]
     _lock: threading.RLock
     _counter_lock: threading.Lock
+    runner: Runner
     store_gate: Callable[[int], bool] | None = None
     """Asked before a request's computed misses are stored (their bytes): False keeps them out of the store (the
     request still uses them). ``kvrag serve --max-store-bytes`` sets it; None stores every miss."""
@@ -131,10 +137,35 @@ class ChunkCaching:
     def compute(self, token_ids: Sequence[int], kind: str = "chunk") -> ChunkKV:
         """Compute a chunk's canonical cache (no store access)."""
         prefix = () if kind == "prefix" else self.chunk_prefix_ids
-        with self._lock:
-            out = compute_chunk_kv(self.model, self.rope, self.spec, token_ids, prefix)
+        out = self._model_work(lambda: compute_chunk_kv(self.model, self.rope, self.spec, token_ids, prefix))
         self._count(chunks_computed=1)
         return out
+
+    def _model_work(self, fn: Callable[[], T]) -> T:
+        """``fn()``, model work outside a request (caching chunks: a registration, a retriever's misses). While
+        requests are in flight it runs in the runner's turn, in pieces between their decode steps
+        (:func:`kvrag.kv.pieces.call_pieces`: the same computation as one call), so that a long text does not stall
+        running streams for its whole forward, and it stops at the next checkpoint when its caller's
+        :class:`~kvrag.engine.cancel.CancelToken` is cancelled. Else (an idle engine, or called inside a prepare)
+        it runs here, holding the model."""
+        runner = getattr(self, "runner", None)
+        if runner is None or runner.scheduler.idle() or self._lock._is_owned():  # type: ignore[attr-defined]
+            with self._lock:
+                return fn()
+        from kvrag.kv.pieces import Pace, call_pieces
+
+        pace = Pace(runner.piece_budget_s, self.model.device, runner.scheduler.preparing_cancelled)
+        leases = []
+
+        def job(lease: Lease) -> Generator[None, None, T]:
+            leases.append(lease)  # one position: the turn is what this work needs, not KV
+            return call_pieces(fn, pace)
+
+        try:
+            return runner.prepare(0, job)
+        finally:
+            for lease in leases:
+                lease.release()
 
     def _chunk_ids(self, text: str) -> list[int]:
         """Token ids of a chunk, or [] for an empty / whitespace-only one (never cached)."""
@@ -309,9 +340,10 @@ class ChunkCaching:
             order = sorted(range(len(items)), key=lambda i: -len(items[i][1]))  # similar lengths pad little
             for start in range(0, len(order), bs):
                 part = [items[i] for i in order[start : start + bs]]
-                with self._lock:  # per batch, so answering threads interleave with a long ingest
-                    chunks = compute_chunk_kvs(self.model, self.rope, self.spec, [ids for _, ids in part],
-                                               self.chunk_prefix_ids, bs, prefix_kv=prefix_kv)
+                # per batch (and in pieces while requests decode): answering threads interleave with a long ingest
+                chunks = self._model_work(functools.partial(
+                    compute_chunk_kvs, self.model, self.rope, self.spec, [ids for _, ids in part],
+                    self.chunk_prefix_ids, bs, prefix_kv=prefix_kv))
                 done = [(k, ch) for (k, _), ch in zip(part, chunks, strict=True)]
                 store.put_many(done)
                 if keep:

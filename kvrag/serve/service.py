@@ -46,8 +46,9 @@ T = TypeVar("T")
 REGISTER_BATCH = 8
 """Most texts cached per step of a registration (a client that leaves stops it at the next step)."""
 REGISTER_TOKENS = 2048
-"""Most tokens a step of a registration prefills (a longer text is a step alone): the model is the engine's between
-steps, so running streams keep decoding, and each step counts as progress for ``/health``."""
+"""Most tokens a step of a registration prefills (a longer text is a step alone); each step counts as progress for
+``/health``. A step's forward runs in the engine's turn, in pieces between running streams' decode steps
+(:meth:`kvrag.engine.caching.ChunkCaching._model_work`)."""
 
 
 class ChunkSync(Protocol):

@@ -262,6 +262,62 @@ def test_running_requests_step_between_the_pieces_of_a_long_prepare(method: str,
     assert _wait_for(lambda: not eng.runner.stats()["states"])
 
 
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_running_requests_step_between_the_pieces_of_a_chunk_registration(batch_size: int, monkeypatch: Any) -> None:
+    """Chunk caches computed outside a request (a ``kvrag serve`` registration, a retriever's misses) while a
+    stream decodes: in the runner's turn, in pieces with a decode step between two, the same K/V as on an idle
+    engine, and no lease left behind."""
+    eng = _engine()
+    texts = [render_passage(f"Registered passage {i}: " + "the night ferry leaves pier four at noon. " * 6, f"R{i}")
+             for i in range(3)]
+    ref = eng.ensure(texts, store=MemoryStore(), fetch=True, batch_size=batch_size)  # idle: here, holding the model
+    monkeypatch.setattr(pieces, "PIECE_OF_STEP", 0.0)  # every possible boundary is one
+    running = eng.stream(eng.prepare(_plan(eng, "Where?"), "stale", reserve=2000), GenerationConfig(max_new_tokens=2000))
+    next(running)
+    events = _events(eng)
+    got = eng.ensure(texts, fetch=True, batch_size=batch_size)
+    pieces_at = [i for i, (kind, _) in enumerate(events) if kind == "piece"]
+    assert len(pieces_at) >= 4
+    for a, b in zip(pieces_at, pieces_at[1:], strict=False):  # the running stream steps between two pieces
+        assert ("step", 1) in events[a + 1 : b]
+    for (r, _), (g, was) in zip(ref, got, strict=True):
+        assert r is not None and g is not None and r.kv is not None and g.kv is not None and not was
+        assert torch.equal(r.kv.keys, g.kv.keys) and torch.equal(r.kv.values, g.kv.values)
+    running.close()
+    assert _wait_for(lambda: not eng.runner.stats()["states"] and eng.runner.stats()["kv"]["used"] == 0)
+
+
+def test_a_registration_whose_client_leaves_stops_between_two_pieces(monkeypatch: Any) -> None:
+    eng = _engine()
+    monkeypatch.setattr(pieces, "PIECE_OF_STEP", 0.0)
+    running = eng.stream(eng.prepare(_plan(eng, "Where?"), "stale", reserve=2000), GenerationConfig(max_new_tokens=2000))
+    next(running)
+    events = _events(eng)
+    text = render_passage("A long registered passage: " + "the night ferry leaves pier four at noon. " * 12, "R")
+    token, out = CancelToken(), {}
+
+    def register() -> None:
+        try:
+            with cancel_scope(token):
+                out["value"] = eng.ensure([text], batch_size=1)
+        except RequestCancelledError as e:
+            out["error"] = e
+
+    t = threading.Thread(target=register, daemon=True)
+    t.start()
+    assert _wait_for(lambda: sum(kind == "piece" for kind, _ in events) >= 2)
+    token.cancel()
+    at_cancel = len(events)
+    t.join(20)
+    assert isinstance(out.get("error"), RequestCancelledError)
+    assert sum(kind == "piece" for kind, _ in events[at_cancel:]) <= 2  # stopped at the next piece boundary
+    key = eng.identify([text])[0]
+    assert key is not None and not eng.serving_store.contains_many([str(key.key)])[0]  # nothing half-done stored
+    running.close()
+    assert _wait_for(lambda: not eng.runner.stats()["states"] and eng.runner.stats()["kv"]["used"] == 0)
+    assert not [t for t in threading.enumerate() if t.name == "kvrag-prepare-piece"]
+
+
 def test_a_cancel_between_two_pieces_stops_the_prepare_and_frees_its_lease(monkeypatch: Any) -> None:
     eng = _engine()
     monkeypatch.setattr(pieces, "PIECE_OF_STEP", 0.0)
