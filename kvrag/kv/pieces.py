@@ -210,9 +210,22 @@ class _Parked:
         self.result: Any = None
         self.error: BaseException | None = None
         self.threads = torch.get_num_threads()  # the driving thread's (the runner's own count, EngineConfig.runner_threads)
+        self._own_threads = 0  # the count this helper runs on now (_fit_threads)
         self.thread = threading.Thread(target=self._run, name="kvrag-prepare-piece", daemon=True)
 
+    def _fit_threads(self) -> None:
+        """Run on the driving thread's count while nobody decodes, on one thread while others do: each OS thread
+        that runs parallel work has its own OpenMP team, and once the teams outnumber the cores GNU OpenMP stops
+        spinning between parallel regions, so every small operation of the decode steps between the pieces would
+        pay a wake-up (see :mod:`kvrag.threads`). A count changed at a checkpoint takes effect at the next parallel
+        region; a row's bits do not depend on it."""
+        want = 1 if self.pace.waited_for() else self.threads
+        if want != self._own_threads:
+            set_own_threads(want)
+            self._own_threads = want
+
     def _checkpoint(self, key: Hashable) -> None:
+        self._fit_threads()
         now = self.pace.clock()
         if self._key is not None:
             self._units[self._key] = now - self._t  # what the unit that began at the previous checkpoint took
@@ -224,14 +237,14 @@ class _Parked:
             if self._abort:
                 raise _Abort
             self.pace.resume()
+            self._fit_threads()
         self._t = time.perf_counter()
 
     def _run(self) -> None:
         try:
             if self.pace.device.type == "cuda" and self.pace.device.index is not None:  # the current device is per thread
                 torch.cuda.set_device(self.pace.device)
-            if torch.get_num_threads() != self.threads:  # a new thread starts at torch's default, not the runner's
-                set_own_threads(self.threads)
+            self._fit_threads()  # a new thread starts at torch's default count, not the runner's
             with torch.inference_mode(), _Checkpoints(self._checkpoint):
                 self.result = self.fn()
         except _Abort:

@@ -144,10 +144,13 @@ def test_hybrid_in_pieces_computes_exactly_its_whole_call(tmp_path: Path) -> Non
         _same(split, whole)
 
 
-def test_a_forward_in_pieces_runs_on_the_driving_threads_torch_threads() -> None:
+@pytest.mark.parametrize(("step_s", "helper"), [(None, 2), (0.0, 1)])
+def test_a_forward_in_pieces_runs_on_the_runners_threads_while_nobody_decodes(step_s: float | None,
+                                                                            helper: int) -> None:
     """The runner runs on its own thread count (``EngineConfig.runner_threads``, e.g. ``kvrag serve``: the cores,
-    every other thread one); the helper thread a forward runs on in pieces takes the runner's count, not torch's
-    default for new threads (which ran every long prefill of ``kvrag serve`` on one core)."""
+    every other thread one). The helper thread a forward runs on in pieces takes the runner's count while nobody
+    decodes (torch's default for new threads ran every long prefill of ``kvrag serve`` on one core), and one thread
+    while requests decode between its pieces (a second OpenMP team beside the runner's would outnumber the cores)."""
     seen: dict[str, int] = {}
 
     def runner() -> None:
@@ -155,17 +158,19 @@ def test_a_forward_in_pieces_runs_on_the_driving_threads_torch_threads() -> None
         seen["runner"] = torch.get_num_threads()
 
         def fn() -> torch.Tensor:
+            x = torch.nn.functional.linear(torch.ones(3, 4), torch.ones(5, 4))  # a checkpoint: the count is fitted
             seen["helper"] = torch.get_num_threads()
-            return torch.nn.functional.linear(torch.ones(3, 4), torch.ones(5, 4))
+            return x
 
-        out, n = _in_pieces(pieces.call_pieces(fn, pieces.Pace(lambda: 0.0, cancelled=lambda: False)), lambda: None)
-        assert n >= 1 and torch.equal(out, torch.full((3, 5), 4.0))
+        pace = pieces.Pace(lambda: step_s, cancelled=lambda: False)
+        out, _ = _in_pieces(pieces.call_pieces(fn, pace), lambda: None)
+        assert torch.equal(out, torch.full((3, 5), 4.0))
 
     assert torch.get_num_threads() == 1  # the module's fixture: torch's default for new threads
     t = threading.Thread(target=runner)
     t.start()
     t.join(20)
-    assert seen == {"runner": 2, "helper": 2}
+    assert seen == {"runner": 2, "helper": helper}
 
 
 def test_pace() -> None:
