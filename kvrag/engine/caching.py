@@ -142,14 +142,15 @@ class ChunkCaching:
         return out
 
     def _model_work(self, fn: Callable[[], T]) -> T:
-        """``fn()``, model work outside a request (caching chunks: a registration, a retriever's misses). While
-        requests are in flight it runs in the runner's turn, in pieces between their decode steps
-        (:func:`kvrag.kv.pieces.call_pieces`: the same computation as one call), so that a long text does not stall
-        running streams for its whole forward, and it stops at the next checkpoint when its caller's
-        :class:`~kvrag.engine.cancel.CancelToken` is cancelled. Else (an idle engine, or called inside a prepare)
-        it runs here, holding the model."""
+        """``fn()``, model work outside a request (caching chunks: ingest, a registration, a retriever's misses),
+        in a turn of the runner's like a request's prepare: on the runner's threads (``EngineConfig.runner_threads``:
+        ``kvrag serve`` gives the runner the cores and a request's thread one), in pieces between running requests'
+        decode steps (:func:`kvrag.kv.pieces.call_pieces`: the same computation as one call), so that a long text
+        does not stall running streams for its whole forward, and stopping at the next checkpoint when its caller's
+        :class:`~kvrag.engine.cancel.CancelToken` is cancelled. Called inside a prepare (holding the model) it runs
+        here."""
         runner = getattr(self, "runner", None)
-        if runner is None or runner.scheduler.idle() or self._lock._is_owned():  # type: ignore[attr-defined]
+        if runner is None or self._lock._is_owned():  # type: ignore[attr-defined]
             with self._lock:
                 return fn()
         from kvrag.kv.pieces import Pace, call_pieces

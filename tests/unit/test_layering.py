@@ -148,9 +148,10 @@ def test_the_cycle_check_sees_type_checking_and_in_function_imports(tmp_path: Pa
 
 def test_layers_point_down() -> None:
     """kv is the bottom layer (it reads only the machine's facts: the CPU flags and kvrag's data directory, for its
-    int4 kernel); repair (the learned network and its data) sits below fusion, fusion below engine."""
+    int4 kernel, and the OpenMP runtime's per-thread count, for a prepare's pieces); repair (the learned network and
+    its data) sits below fusion, fusion below engine."""
     edges = _graph(2)
-    assert edges["kvrag.kv"] <= {"kvrag.errors", "kvrag.calibration", "kvrag.paths"}
+    assert edges["kvrag.kv"] <= {"kvrag.errors", "kvrag.calibration", "kvrag.paths", "kvrag.threads"}
     assert not edges["kvrag.repair"] & {"kvrag.engine", "kvrag.fusion", "kvrag.adapters"}
     assert not edges["kvrag.fusion"] & {"kvrag.engine", "kvrag.adapters"}
     assert not edges["kvrag.store"] & {"kvrag.engine", "kvrag.fusion", "kvrag.repair", "kvrag.models"}

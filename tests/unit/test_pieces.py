@@ -275,7 +275,7 @@ def test_running_requests_step_between_the_pieces_of_a_chunk_registration(batch_
     eng = _engine()
     texts = [render_passage(f"Registered passage {i}: " + "the night ferry leaves pier four at noon. " * 6, f"R{i}")
              for i in range(3)]
-    ref = eng.ensure(texts, store=MemoryStore(), fetch=True, batch_size=batch_size)  # idle: here, holding the model
+    ref = eng.ensure(texts, store=MemoryStore(), fetch=True, batch_size=batch_size)  # nobody decodes: one piece
     monkeypatch.setattr(pieces, "PIECE_OF_STEP", 0.0)  # every possible boundary is one
     running = eng.stream(eng.prepare(_plan(eng, "Where?"), "stale", reserve=2000), GenerationConfig(max_new_tokens=2000))
     next(running)

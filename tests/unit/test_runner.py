@@ -186,6 +186,7 @@ def test_a_prepared_request_is_streamed_once() -> None:
 
 def test_prompt_plus_new_tokens_past_the_window_is_refused_before_any_work() -> None:
     eng = _engine()
+    assert _wait_for(lambda: _quiet(eng))  # the ingest's turns (chunk caches are computed in the runner's turn) ended
     plan = _plan(eng, 0)
     room = eng.max_positions - plan.total_len
     before = eng.runner.stats()
