@@ -21,11 +21,26 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from pathlib import Path
 
 from kvrag.errors import ConfigError
 
 API_KEY_ENV = "KVRAG_API_KEY"
 """Environment variable with the server's API keys (several separated by commas or whitespace)."""
+
+
+def default_model_id(name: str) -> str:
+    """The id a model loaded by ``name`` is served as (without ``--model-id``): a local file or folder's own name
+    (``/models/gemma-3-270m-q4_k_m.gguf`` -> ``gemma-3-270m-q4_k_m.gguf``: clients are not told the server's
+    paths), else ``name`` as it is (an alias or a Hugging Face id such as ``HuggingFaceTB/SmolLM2-135M-Instruct``)."""
+    path = Path(name).expanduser()
+    local = path.suffix.lower() == ".gguf" or path.is_absolute() or name.startswith((".", "~"))
+    if not local:
+        try:
+            local = os.sep in name and path.exists()
+        except OSError:  # a name the filesystem cannot look up (too long, bad characters) is no path of ours
+            local = False
+    return path.name if local and path.name else name
 
 
 def keys_from_env(value: str | None = None) -> tuple[str, ...]:
@@ -108,4 +123,4 @@ class ServeConfig:
             raise ConfigError("api_keys must be non-empty strings without surrounding whitespace")
 
 
-__all__ = ["API_KEY_ENV", "ServeConfig", "keys_from_env"]
+__all__ = ["API_KEY_ENV", "ServeConfig", "default_model_id", "keys_from_env"]

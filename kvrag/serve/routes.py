@@ -133,7 +133,7 @@ async def register_chunks(body: ChunksRequest, request: Request, svc: Service) -
             if svc.sync is not None:
                 pushed = [t for t, d in zip(body.texts, data, strict=True) if d["key"] is not None]
                 await out.guard(svc.sync.push(pushed))
-            return JSONResponse({"object": "list", "data": data, "registered": len(svc.chunks)},
+            return JSONResponse({"object": "list", "data": data, "registered": svc.registered},
                                 headers=_headers(svc))
     finally:
         svc.unreserve(reserved)

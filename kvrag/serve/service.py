@@ -12,12 +12,10 @@ import asyncio
 import collections
 import functools
 import math
-import os
 import statistics
 import threading
 import time
 from collections.abc import AsyncGenerator, Iterator, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from kvrag import adapters
@@ -26,7 +24,7 @@ from kvrag.engine.cancel import current_token
 from kvrag.errors import ConfigError, ContextLengthError, RequestCancelledError
 from kvrag.serve import bodies
 from kvrag.serve.bodies import Job, JSONObject, Kind
-from kvrag.serve.config import ServeConfig
+from kvrag.serve.config import ServeConfig, default_model_id
 from kvrag.serve.errors import HTTPProblem
 from kvrag.serve.method_files import refuse_paths
 from kvrag.serve.metrics import Metrics
@@ -77,20 +75,6 @@ STORE_USAGE_TTL_S = 10.0
 """Seconds a reading of the store's size serves the ``--max-store-bytes`` quota (see ``KVRAGService._store_used``)."""
 
 
-def default_model_id(name: str) -> str:
-    """The id a model loaded by ``name`` is served as (without ``--model-id``): a local file or folder's own name
-    (``/models/gemma-3-270m-q4_k_m.gguf`` -> ``gemma-3-270m-q4_k_m.gguf``: clients are not told the server's
-    paths), else ``name`` as it is (an alias or a Hugging Face id such as ``HuggingFaceTB/SmolLM2-135M-Instruct``)."""
-    path = Path(name).expanduser()
-    local = path.suffix.lower() == ".gguf" or path.is_absolute() or name.startswith((".", "~"))
-    if not local:
-        try:
-            local = os.sep in name and path.exists()
-        except OSError:  # a name the filesystem cannot look up (too long, bad characters) is no path of ours
-            local = False
-    return path.name if local and path.name else name
-
-
 class KVRAGService:
     """The endpoints' state and work.
 
@@ -104,6 +88,9 @@ class KVRAGService:
         self.config = config or ServeConfig()
         self.model_id = self.config.model_id or default_model_id(str(getattr(engine.loaded, "name", "kvrag")))
         self.chunks = adapters.RecentChunks(self.config.max_registered_chunks, self.config.max_registered_chars)
+        self.index_chunks: adapters.RecentChunks | None = None
+        """The ``--persist`` index's chunks (:meth:`register_index`), apart from the clients' registrations, which
+        are bounded by the server's limits and so could otherwise push the index's texts out."""
         self.metrics = Metrics(engine)
         self.held = 0
         self.outcomes: set[Outcome] = set()
@@ -271,8 +258,24 @@ class KVRAGService:
 
         index = ChunkIndex.load(persist)
         texts = [render_passage(c.text) for c in index.chunks]
-        self.chunks.add(texts)
+        table = adapters.RecentChunks(max(1, len(texts)), max(1, sum(map(len, texts))))  # holds them all
+        table.add(texts)
+        self.index_chunks = table
         return len(texts)
+
+    def found_chunks(self, prompt: str) -> tuple[RegisteredChunk, ...]:
+        """The registered chunks whose text occurs in ``prompt``: the clients' (most recent first), then the
+        ``--persist`` index's."""
+        refs = self.chunks.found_in(prompt)
+        if self.index_chunks is None:
+            return refs
+        mine = {c.text for c in refs}
+        return refs + tuple(c for c in self.index_chunks.found_in(prompt) if c.text not in mine)
+
+    @property
+    def registered(self) -> int:
+        """Texts registered: the clients' and the ``--persist`` index's."""
+        return len(self.chunks) + (len(self.index_chunks) if self.index_chunks is not None else 0)
 
     # ------------------------------------------------------------------------------------------- completions
     @functools.cached_property
@@ -338,7 +341,7 @@ class KVRAGService:
             self.check_sizes(explicit, "kvrag.chunks")  # the store quota: their caches are stored within it only
             own = [r for r in self.check_lengths(explicit, "kvrag.chunks") if r is not None]
             return self.engine.plan(prompt, adapters.resolve_chunks(prompt, own, use_context=False))
-        refs = self.chunks.found_in(prompt)
+        refs = self.found_chunks(prompt)
         return self.engine.plan(prompt, refs, exact=[c.text for c in refs])
 
     async def start(self, out: Outcome, body: ChatCompletionRequest | CompletionRequest, prompt: str,
@@ -476,7 +479,7 @@ class KVRAGService:
         body: JSONObject = {
             "status": "unhealthy" if problems else ("draining" if self.draining else "ok"), "model": self.model_id,
             "in_flight": self.held, "max_queue": self.config.max_queue,
-            "store": "degraded" if self.store_degraded() else "ok", "registered_chunks": len(self.chunks),
+            "store": "degraded" if self.store_degraded() else "ok", "registered_chunks": self.registered,
             "kv_bytes_used": int(kv.get("used", 0)), "kv_bytes_cached": int(kv.get("cached", 0)),
             "kv_bytes_limit": int(kv.get("limit", 0))}
         if problems:
@@ -484,4 +487,4 @@ class KVRAGService:
         return problems, body
 
 
-__all__ = ["REGISTER_BATCH", "REGISTER_TOKENS", "STORE_USAGE_TTL_S", "ChunkSync", "KVRAGService", "default_model_id"]
+__all__ = ["REGISTER_BATCH", "REGISTER_TOKENS", "STORE_USAGE_TTL_S", "ChunkSync", "KVRAGService"]

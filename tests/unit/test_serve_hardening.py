@@ -688,3 +688,27 @@ def test_a_registration_tokenizes_each_text_once(engine: KVRAGEngine, monkeypatc
     app = create_app(engine, ServeConfig(model_id=MODEL))
     app.state.kvrag.register(texts)
     assert sorted(t for t in seen if t in texts) == sorted(texts)
+
+
+def test_clients_registrations_never_push_the_indexs_chunks_out(engine: KVRAGEngine, tmp_path: Path) -> None:
+    """``kvrag serve --persist IDX``: the index's chunks are kept apart from the clients' registrations, which the
+    server bounds (``--max-registered-chunks``) and which would otherwise evict the index's texts (hit rate 0)."""
+    import faiss
+    import numpy as np
+
+    from kvrag.index import INDEX_FORMAT, Chunk, ChunkIndex
+    from kvrag.prompting import render_passage
+    from kvrag.serve.service import KVRAGService
+
+    docs = ["The night ferry leaves pier four at noon.", "The day ferry leaves pier two at dawn."]
+    vectors = faiss.IndexFlatIP(2)
+    vectors.add(np.eye(2, dtype="float32"))
+    ChunkIndex([Chunk(f"d#{i}", "d", t, 10) for i, t in enumerate(docs)], vectors, {"format": INDEX_FORMAT}).save(
+        tmp_path / "idx")
+    svc = KVRAGService(engine, ServeConfig(model_id=MODEL, max_registered_chunks=2))
+    assert svc.register_index(str(tmp_path / "idx")) == 2
+    svc.register(list(PASSAGES[:2]))  # the clients' table is full
+    svc.register(["\n\nRome is the capital of Italy. It is an old city."])
+    assert svc.registered == 4 and len(svc.chunks) == 2
+    prompt = "Context:" + "".join(render_passage(t) for t in docs) + PASSAGES[1] + "\n\nQuestion: when?"
+    assert {c.text for c in svc.found_chunks(prompt)} == {render_passage(t) for t in docs} | {PASSAGES[1]}

@@ -30,7 +30,7 @@ from kvrag.engine.engine import KVRAGEngine  # noqa: E402
 from kvrag.errors import ConfigError, StoreError  # noqa: E402
 from kvrag.kv.chunk import ChunkKV  # noqa: E402
 from kvrag.serve import STORE_WARNING, LiveServer, ServeConfig, cli, create_app, ray_serve  # noqa: E402
-from kvrag.serve.service import default_model_id  # noqa: E402
+from kvrag.serve.config import default_model_id  # noqa: E402
 from kvrag.store.memory import MemoryStore  # noqa: E402
 from kvrag_testing.tiny import tiny_model  # noqa: E402
 
