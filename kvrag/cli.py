@@ -233,13 +233,26 @@ SERVE_MEMORY_STORE_BYTES = 2 << 30
 """``kvrag serve``'s default store: ``memory://`` bounded to this many bytes (``--store memory://?max_bytes=N``)."""
 
 
+def bounded_memory_store(url: str) -> str:
+    """``url``, with :data:`SERVE_MEMORY_STORE_BYTES` as its bound where it names a ``memory://`` store without one
+    (every request's misses are stored, so an unbounded memory store grows with what clients send)."""
+    from urllib.parse import parse_qs, urlsplit
+
+    parts = urlsplit(url)
+    if parts.scheme != "memory" or "max_bytes" in parse_qs(parts.query):
+        return url
+    print(f"note: --store {url} has no max_bytes: bounded to {SERVE_MEMORY_STORE_BYTES >> 20} MiB (least recently "
+          "used evicted); give memory://?max_bytes=N for another bound", file=sys.stderr)
+    return f"{url}{'&' if parts.query else '?'}max_bytes={SERVE_MEMORY_STORE_BYTES}"
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from kvrag.serve import cli as serve_cli
 
     man = manifest(args.persist)
     model = index_model(args, man)
     if args.store:
-        store = args.store
+        store = bounded_memory_store(args.store)
     elif args.persist:
         store = store_url(args)
     else:  # bounded: every request's misses are stored, and a memory store without a bound only grows

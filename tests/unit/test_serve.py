@@ -404,3 +404,26 @@ def test_serve_options_reach_the_engine(monkeypatch: pytest.MonkeyPatch) -> None
         assert serve_cli.run(args, None, "memory://", "template") == 2
     finally:
         torch.set_num_threads(saved)
+
+
+@pytest.mark.parametrize(("given", "served"), [
+    (None, "memory://?max_bytes=2147483648"),
+    ("memory://", "memory://?max_bytes=2147483648"),  # an explicit memory store was unbounded: clients filled it
+    ("memory://?codec=int8", "memory://?codec=int8&max_bytes=2147483648"),
+    ("memory://?max_bytes=1000", "memory://?max_bytes=1000"),
+    ("file:///tmp/kv", "file:///tmp/kv"),
+])
+def test_serve_bounds_a_memory_store_given_without_a_bound(monkeypatch: pytest.MonkeyPatch, given: str | None,
+                                                           served: str) -> None:
+    from kvrag import cli
+    from kvrag.serve import cli as serve_cli
+
+    seen: dict[str, str] = {}
+
+    def run(args: Any, model: Any, store: str, *a: Any, **kw: Any) -> int:
+        seen["store"] = store
+        return 0
+
+    monkeypatch.setattr(serve_cli, "run", run)
+    assert cli.main(["serve", "--no-warm-up", *(["--store", given] if given else [])]) == 0
+    assert seen["store"] == served
