@@ -95,3 +95,69 @@ def one_model_ab(lm: Any, sides: list[Any], names: tuple[str, str], contexts: li
             (ref, new), agree = interleaved_steps(sides, rows, [500 + i for i in range(b)], steps)
             print(f"context {ctx:5d} batch {b}: {names[0]} {1e3 * ref:.1f} ms, {names[1]} {1e3 * new:.1f} ms "
                   f"({new / ref:.3f}x); greedy tokens agree {agree}/{steps * b}", flush=True)
+
+
+STEP_MIN_S = 5e-4
+"""Token gaps shorter than this are tokens of one decode step (prompt-lookup speculation accepts several a step)."""
+
+
+class BackgroundStream:
+    """A greedy stream (``"stale"``) decoding ``plan`` in a thread while the caller times other work:
+    ``with BackgroundStream(eng, plan) as s:`` starts it and returns after its 8th token; after the block (the stream
+    stopped), ``s.gaps(t0, t1)`` gives the gaps between two steps' tokens before ``t0`` and those overlapping
+    ``[t0, t1]``. The plan must ask for an answer longer than the work lasts."""
+
+    def __init__(self, eng: Any, plan: Any, max_new_tokens: int = 1500) -> None:
+        import threading
+
+        self.eng, self.plan, self.max_new_tokens = eng, plan, max_new_tokens
+        self.times: list[float] = []
+        self._started, self._stop = threading.Event(), threading.Event()
+        self._thread = threading.Thread(target=self._run)
+
+    def _run(self) -> None:
+        from kvrag.config import GenerationConfig
+
+        gen = GenerationConfig(max_new_tokens=self.max_new_tokens)
+        it = self.eng.stream(self.eng.prepare(self.plan, "stale", reserve=gen.max_new_tokens), gen)
+        for _ in it:
+            self.times.append(time.perf_counter())
+            if len(self.times) == 8:
+                self._started.set()
+            if self._stop.is_set():
+                break
+        it.close()
+        self._started.set()
+
+    def __enter__(self) -> "BackgroundStream":
+        self._thread.start()
+        self._started.wait()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        time.sleep(0.3)  # the gap spanning the timed work's end lands
+        self._stop.set()
+        self._thread.join()
+
+    def gaps(self, t0: float, t1: float) -> tuple[list[float], list[float]]:
+        steps = [(a, b) for a, b in zip(self.times, self.times[1:], strict=False) if b - a > STEP_MIN_S]
+        during = [b - a for a, b in steps if b > t0 and a < t1]
+        if len(during) < 2:
+            raise SystemExit(f"the stream ended early ({len(self.times)} tokens): its prompt must ask for a longer "
+                             "answer")
+        return [b - a for a, b in steps if b <= t0], during
+
+
+def dev_plans(eng: Any, data: str, offset: int, n: int) -> list[Any]:
+    """Plans of ``n`` dev questions from row ``offset`` (the bench's default template over their passages), the
+    passages' caches ingested."""
+    from kvrag.prompting import get_template
+    from kvrag_bench.data import load_requests
+
+    template = get_template(None)
+    plans = []
+    for req in load_requests(data, limit=n, offset=offset):
+        prefix, passages, suffix = template.parts(eng.tokenizer, req.passages(), req.question)
+        eng.ingest(passages, progress=False)
+        plans.append(eng.plan_parts(prefix, passages, suffix))
+    return plans

@@ -17,9 +17,8 @@ import torch
 from kvrag.config import EngineConfig, GenerationConfig
 from kvrag.engine.engine import KVRAGEngine
 from kvrag.models import load_model
-from kvrag.prompting import get_template
 from kvrag.store import MemoryStore
-from kvrag_bench.data import load_requests
+from kvrag_bench.prof import dev_plans
 
 
 def burst(eng, plans, gen):
@@ -51,12 +50,7 @@ def main():
     store = MemoryStore()
     engines = {pack: KVRAGEngine(loaded, store, EngineConfig(pack_suffixes=pack)) for pack in (True, False)}
     eng = engines[True]
-    template = get_template(None)
-    plans = []
-    for req in load_requests(data, limit=n, offset=offset):
-        prefix, passages, suffix = template.parts(eng.tokenizer, req.passages(), req.question)
-        eng.ingest(passages, progress=False)
-        plans.append(eng.plan_parts(prefix, passages, suffix))
+    plans = dev_plans(eng, data, offset, n)
     gen = GenerationConfig(max_new_tokens=new)
     burst(engines[False], plans[:2], gen)  # warm-up
     got = {True: [], False: []}

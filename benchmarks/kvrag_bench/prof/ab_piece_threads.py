@@ -9,24 +9,22 @@ As ``kvrag serve`` runs: this thread and torch's default on one thread, the runn
 long list). Prints per setting the medians of the prefill's wall time alone and beside the stream, and the stream's
 gap between two steps' tokens, p50 before the prefill and p50 / p90 during it; and whether both settings gave the same logits bit for bit.
 """
+import contextlib
 import statistics
 import sys
-import threading
 import time
 
 import torch
 
-from kvrag.config import EngineConfig, GenerationConfig
+from kvrag.config import EngineConfig
 from kvrag.engine.engine import KVRAGEngine
 from kvrag.kv import pieces
 from kvrag.models import load_model
 from kvrag.prompting import get_template
 from kvrag.store import MemoryStore
-from kvrag_bench.data import load_requests
+from kvrag_bench.prof import BackgroundStream, dev_plans
 
 CORES = torch.get_num_threads()
-STEP_MIN_S = 5e-4
-"""Token gaps shorter than this are tokens of one step (prompt-lookup speculation accepts several a step)."""
 SETTING = {"helper threads": CORES}
 _init = pieces._Parked.__init__
 
@@ -37,40 +35,20 @@ def _patched_init(self, *args, **kwargs):
 
 
 def one(eng, plan, stream_plan, with_stream):
-    times, started, stop = [], threading.Event(), threading.Event()
-    gen = GenerationConfig(max_new_tokens=1500)
-
-    def stream():
-        it = eng.stream(eng.prepare(stream_plan, "stale", reserve=gen.max_new_tokens), gen)
-        for _ in it:
-            times.append(time.perf_counter())
-            if len(times) == 8:
-                started.set()
-            if stop.is_set():
-                break
-        it.close()
-        started.set()
-
-    th = threading.Thread(target=stream)
-    if with_stream:
-        th.start()
-        started.wait()
-    t0 = time.perf_counter()
-    prep = eng.prepare(plan, "full", reserve=8)
-    t1 = time.perf_counter()
-    logits = prep.last_logits.clone()
-    del prep
-    if not with_stream:
+    """``full``'s prepare of ``plan``: seconds, the stream's gaps (before p50, during p50, during p90) beside it or
+    None, the logits."""
+    with contextlib.ExitStack() as stack:
+        stream = stack.enter_context(BackgroundStream(eng, stream_plan)) if with_stream else None
+        t0 = time.perf_counter()
+        prep = eng.prepare(plan, "full", reserve=8)
+        t1 = time.perf_counter()
+        logits = prep.last_logits.clone()
+        del prep
+    if stream is None:
         return t1 - t0, None, logits
-    stop.set()
-    th.join()
-    gaps = [(a, b - a) for a, b in zip(times, times[1:], strict=False) if b - a > STEP_MIN_S]  # per step (speculation emits several)
-    before = [g for a, g in gaps if a + g <= t0]
-    during = [g for a, g in gaps if a + g > t0 and a < t1]
-    if len(during) < 2 or len(times) < 10:
-        raise SystemExit(f"the stream ended early ({len(times)} tokens): its prompt must ask for a longer answer")
+    before, during = stream.gaps(t0, t1)
     return t1 - t0, (statistics.median(before), statistics.median(during),
-                     statistics.quantiles(during, n=10)[-1]), logits
+                     statistics.quantiles(during, n=10, method="inclusive")[-1]), logits
 
 
 def main():
@@ -79,13 +57,8 @@ def main():
     pieces._Parked.__init__ = _patched_init
     loaded = load_model(None)
     eng = KVRAGEngine(loaded, MemoryStore(), EngineConfig(runner_threads=CORES))
-    template = get_template(None)
-    plans = []
-    for req in load_requests(data, limit=n, offset=offset):
-        prefix, passages, suffix = template.parts(eng.tokenizer, req.passages(), req.question)
-        eng.ingest(passages, progress=False)
-        plans.append(eng.plan_parts(prefix, passages, suffix))
-    stream_plan = eng.plan(template.render(eng.tokenizer, [], "List the numbers from 1 to 1000, one per line."), [])
+    plans = dev_plans(eng, data, offset, n)
+    stream_plan = eng.plan(get_template(None).render(eng.tokenizer, [], "List the numbers from 1 to 1000, one per line."), [])
     settings = {"runner's": CORES, "default": 1}
     one(eng, plans[0], stream_plan, True)  # warm-up
     got = {s: {"alone": [], "beside": [], "gaps": []} for s in settings}

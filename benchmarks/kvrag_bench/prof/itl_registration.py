@@ -14,21 +14,19 @@ during the call, its gap p50 before it; and whether the two settings computed th
 import json
 import statistics
 import sys
-import threading
 import time
 
 import torch
 
-from kvrag.config import EngineConfig, GenerationConfig
+from kvrag.config import EngineConfig
 from kvrag.engine.engine import KVRAGEngine
 from kvrag.engine.ingest_prefill import DEFAULT_BATCH_SIZE, compute_chunk_kvs, prefill_prefix
 from kvrag.models import load_model
 from kvrag.prompting import get_template
 from kvrag.store import MemoryStore
+from kvrag_bench.prof import BackgroundStream
 
 CORES = torch.get_num_threads()
-STEP_MIN_S = 5e-4
-"""Token gaps shorter than this are tokens of one step (prompt-lookup speculation accepts several a step)."""
 
 
 def chunk_text(tokenizer, data, tokens):
@@ -57,36 +55,14 @@ def in_pieces(eng, text):
 
 
 def one_round(eng, plan, text, cache):
-    times, started, stop = [], threading.Event(), threading.Event()
-    gen = GenerationConfig(max_new_tokens=1500)
-
-    def stream():
-        prep = eng.prepare(plan, "stale", reserve=gen.max_new_tokens)
-        it = eng.stream(prep, gen)
-        for _ in it:
-            times.append(time.perf_counter())
-            if len(times) == 8:
-                started.set()
-            if stop.is_set():
-                break
-        it.close()
-        started.set()
-
-    th = threading.Thread(target=stream)
-    th.start()
-    started.wait()
-    t0 = time.perf_counter()
-    kv = cache(eng, text)
-    t1 = time.perf_counter()
-    time.sleep(0.3)  # the gap that spans the call's end lands
-    stop.set()
-    th.join()
-    gaps = [(a, b) for a, b in zip(times, times[1:], strict=False) if b - a > STEP_MIN_S]  # per step (speculation emits several)
-    before = [b - a for a, b in gaps if b <= t0]
-    during = [b - a for a, b in gaps if b > t0 and a < t1]
-    if not during:
-        raise SystemExit("the stream ended before the caching call did: use fewer chunk tokens")
-    return t1 - t0, max(during), statistics.quantiles(during, n=10, method="inclusive")[-1] if len(during) > 1 else during[0], \
+    """``cache(eng, text)`` beside a stream: seconds, the stream's longest gap and gap p90 during it, its gap p50
+    before it, the K/V."""
+    with BackgroundStream(eng, plan) as stream:
+        t0 = time.perf_counter()
+        kv = cache(eng, text)
+        t1 = time.perf_counter()
+    before, during = stream.gaps(t0, t1)
+    return t1 - t0, max(during), statistics.quantiles(during, n=10, method="inclusive")[-1], \
         statistics.median(before), kv
 
 
