@@ -223,9 +223,11 @@ def _check_gguf_config(gguf: Path, name: str) -> PretrainedConfig:
         raise UnsupportedModelError(msg) from e
     from gguf import GGUFReader
 
+    from kvrag.gguf_attention import apply_attention_shape
     from kvrag.gguf_rope import apply_rope_freqs, apply_rope_scaling
 
     reader = GGUFReader(gguf)
+    apply_attention_shape(reader, config, gguf.name)  # head size, Gemma 27B's query scaling: as llama.cpp reads them
     if not apply_rope_freqs(reader, config, gguf.name):  # Llama 3.x: its RoPE scaling is a tensor, not a key
         apply_rope_scaling(reader, config, gguf.name)  # the header's linear / YaRN scaling
     check_rope_support(config, name=name)

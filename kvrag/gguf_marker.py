@@ -11,10 +11,11 @@ from pathlib import Path
 from typing import TypedDict
 
 MARKER = ".kvrag-converted.json"
-CONVERSION_FORMAT = 5
+CONVERSION_FORMAT = 6
 """Bumped when a prepared folder's content changes (3: the probe digest, prefill attention aligned; 4: the
 tokenizer's class, :mod:`kvrag.prepared_tokenizer`; 5: a ``rope_freqs.weight`` tensor's RoPE scaling in the
-config, :mod:`kvrag.gguf_rope`)."""
+config, :mod:`kvrag.gguf_rope`; 6: the head size and Gemma 2 / 3 27B's query scaling from the header,
+:mod:`kvrag.gguf_attention`)."""
 
 
 def sha256_file(path: Path, bufsize: int = 1 << 20) -> str:

@@ -273,3 +273,53 @@ def test_the_no_repairer_hint_names_the_gguf_file(tiny, home: Path, tmp_path: Pa
     with pytest.raises(ConfigError, match=f"--model {re.escape(str(path))} "):
         eng.answer("Context:\n\nA day pass costs 9 marks.\n\nQ: cost?", ["\n\nA day pass costs 9 marks."],
                    "cacherepair", max_new_tokens=1)
+
+
+def test_a_head_size_other_than_hidden_over_heads_loads(tiny, home: Path, tmp_path: Path) -> None:
+    """A Llama file whose heads are not hidden size / heads wide (Mistral Nemo: 5120 / 32 heads, heads of 128)
+    loads with the file's head size (``{arch}.attention.key_length``, as llama.cpp reads it) and reproduces the
+    model bit for bit."""
+    from transformers import AutoModelForCausalLM
+
+    from kvrag_testing.tiny import wrap_model
+
+    config = tiny.model.config.__class__.from_dict({**tiny.model.config.to_dict(), "head_dim": 32})
+    assert config.head_dim != config.hidden_size // config.num_attention_heads
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(3)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    wide = wrap_model(model, tiny.tokenizer, name="tiny-wide-heads", dtype=torch.float32)
+    path = write_tiny_gguf(tmp_path / "tiny-wide-heads.gguf", wide,
+                           header={"llama.attention.key_length": 32, "llama.attention.value_length": 32})
+    lm = load_model(str(path), dtype="float32", device="cpu")
+    assert lm.config.head_dim == 32
+    ids = torch.tensor([tiny.tokenizer(TEXT)["input_ids"]])
+    assert torch.equal(_logits(lm, ids), _logits(wide, ids))
+
+
+def test_the_header_sets_the_head_size_and_gemma_27bs_query_scaling_as_llama_cpp_does() -> None:
+    """llama.cpp scales a 27B Gemma's queries by hidden size / heads (by layer count: 46 for Gemma 2, 62 for Gemma 3),
+    every other size by the head size (transformers' configs default to 256); it takes the head size from
+    ``{arch}.attention.key_length``, which transformers' reader leaves out for Qwen3."""
+    from types import SimpleNamespace
+
+    from transformers import Gemma2Config, Gemma3TextConfig, Qwen3Config
+
+    from kvrag.gguf_attention import apply_attention_shape
+
+    def reader(arch: str, **keys: int) -> Any:
+        fields = {"general.architecture": arch, **{f"{arch}.attention.{k}": v for k, v in keys.items()}}
+        return SimpleNamespace(fields={k: SimpleNamespace(contents=lambda v=v: v) for k, v in fields.items()})
+
+    cases = [(Gemma3TextConfig, "gemma3", 62, 5376, 32, 128, 168), (Gemma3TextConfig, "gemma3", 26, 1152, 4, 256, 256),
+             (Gemma2Config, "gemma2", 46, 4608, 32, 128, 144), (Gemma2Config, "gemma2", 42, 3584, 16, 256, 256)]
+    for cls, arch, layers, hidden, heads, head, scalar in cases:
+        config = cls(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=heads,
+                     head_dim=head)
+        apply_attention_shape(reader(arch, key_length=head, value_length=head), config, "m.gguf")
+        assert (config.head_dim, config.query_pre_attn_scalar) == (head, scalar), (arch, layers)
+    qwen3 = Qwen3Config()  # transformers reads no head size for Qwen3: the class default, 128
+    apply_attention_shape(reader("qwen3", key_length=64, value_length=64), qwen3, "m.gguf")
+    assert qwen3.head_dim == 64
+    with pytest.raises(UnsupportedModelError, match="keys of 192 and values of 128"):
+        apply_attention_shape(reader("llama", key_length=192, value_length=128), cases[0][0](), "m.gguf")
