@@ -1,9 +1,9 @@
 """A GGUF file's attention shape as llama.cpp reads it, where transformers' GGUF config reader leaves it out.
 
 * The head size: llama.cpp takes ``{arch}.attention.key_length`` (``n_embd_head_k``) when the file has it, else
-  hidden size / heads. transformers' reader maps that key for some architectures only, so a Llama-architecture file
-  whose heads are not hidden size / heads wide (Mistral Nemo: 5120 / 32 = 160, heads of 128) got the wrong width,
-  and Qwen3 files the config class's default of 128 whatever the file says.
+  hidden size / heads. transformers' reader maps that key for some architectures only (for Llama and Mistral it
+  takes the RoPE dimension count, the same width there), so a Qwen3 file got its config class's default of 128
+  whatever the file says.
 * Gemma 2 / Gemma 3's query scaling: llama.cpp scales queries by 1 / sqrt(hidden size / heads) for the 27B models,
   which it recognizes by their layer count (46 for Gemma 2, 62 for Gemma 3), and by 1 / sqrt(head size) for every
   other size; transformers' config classes default ``query_pre_attn_scalar`` to 256, right only where the head size

@@ -27,7 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``kvrag serve``."""
     parser.add_argument("--persist", default=None, help="index directory of `kvrag ingest`: its chunks are registered "
                                                             "and its manifest names the store and model")
-    parser.add_argument("--store", default=None, help="store URL (default: the index's store, else memory:// bounded to 2 GiB, as is a memory:// URL without max_bytes)")
+    parser.add_argument("--store", default=None, help="store URL (default: the index's store, else memory:// "
+                                                          "bounded to 2 GiB, as is a memory:// URL without max_bytes)")
     parser.add_argument("--model", default=None, help="model name or path (default: the index's, else the embedded one)")
     parser.add_argument("--quantize", default="default", choices=["default", "none", "int8", "int4"],
                         help="weights of the decode-sized products (default: the index's, else kvrag's choice for the "

@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 REGISTER_BATCH = 8
-"""Most texts cached per step of a registration (a client that leaves stops it at the next step)."""
+"""Most texts cached per step of a registration (a client that leaves stops it at the next piece of a step)."""
 REGISTER_TOKENS = 2048
 """Most tokens a step of a registration prefills (a longer text is a step alone); each step counts as progress for
 ``/health``. A step's forward runs in the engine's turn, in pieces between running streams' decode steps
