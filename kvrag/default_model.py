@@ -374,8 +374,8 @@ def prepare_gguf(path: str | os.PathLike[str], *, progress: bool = True) -> Path
     file lacks into :func:`gguf_checkpoint_dir` with the same discipline as :func:`prepare_default_model` (temp
     directory, a verified load, marker written last, atomic move, a file lock against concurrent preparations);
     the weights stay in the file (:mod:`kvrag.gguf_load`). Later calls find the
-    conversion by the marker's recorded path, size and mtime without re-reading the file; a moved or touched file
-    is recognised by its sha256.
+    conversion by the marker's recorded path, size and mtime without re-reading the file; a moved, renamed or
+    touched file is recognised by its sha256.
 
     Args:
         path: the ``.gguf`` file (e.g. from llama.cpp, Ollama or LM Studio).
@@ -392,15 +392,18 @@ def prepare_gguf(path: str | os.PathLike[str], *, progress: bool = True) -> Path
         msg = f"no GGUF file at {path}: pass the path of an existing .gguf file"
         raise ConfigError(msg)
     models_dir = kvrag_home() / "models"
-    for done in sorted(models_dir.glob(f"{glob.escape(gguf.stem)}-*")):
-        if _marker_matches(done, gguf, same_path=True):
+    mine = f"{gguf.stem}-"
+    for done in sorted(models_dir.glob("*"), key=lambda d: (not d.name.startswith(mine), d.name)):
+        if _marker_matches(done, gguf, same_path=True):  # by the path, size and mtime a marker records (no hash)
             return done
     require_gguf(f"the GGUF model {gguf.name!r}")
     sha256 = _sha256_file(gguf)
     target = gguf_checkpoint_dir(gguf, sha256)
-    if _marker_matches(target, gguf, sha256=sha256):
-        _remember_location(target, gguf)  # a moved or copied file: found by the fast look-up from now on
-        return target
+    same = [target, *sorted(d for d in models_dir.glob(f"*-{glob.escape(sha256[:12])}") if d != target)]
+    for done in same:  # a moved, copied or renamed file: the folder of its content
+        if _marker_matches(done, gguf, sha256=sha256):
+            _remember_location(done, gguf)  # found by the fast look-up from now on
+            return done
     return _prepare(gguf, target, name=gguf.name, progress=progress, sha256=sha256)
 
 

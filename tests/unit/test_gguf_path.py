@@ -323,3 +323,23 @@ def test_the_header_sets_the_head_size_and_gemma_27bs_query_scaling_as_llama_cpp
     assert qwen3.head_dim == 64
     with pytest.raises(UnsupportedModelError, match="keys of 192 and values of 128"):
         apply_attention_shape(reader("llama", key_length=192, value_length=128), cases[0][0](), "m.gguf")
+
+
+def test_a_renamed_gguf_reuses_its_prepared_folder(tiny, home: Path, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file renamed after its first load is recognised by its content (sha256) instead of prepared again, and from
+    then on found by its new path without hashing (seconds for a multi-GB file)."""
+    gguf = write_tiny_gguf(tmp_path / "tiny-llama.gguf", tiny)
+    target = default_model.prepare_gguf(gguf, progress=False)
+    renamed = gguf.rename(tmp_path / "my-assistant.gguf")
+
+    def no_conversion(*args: object, **kwargs: object) -> None:
+        raise AssertionError("prepared again")
+
+    monkeypatch.setattr(default_model, "_convert_gguf", no_conversion)
+    assert default_model.prepare_gguf(renamed, progress=False) == target
+    monkeypatch.setattr(default_model, "_sha256_file", lambda *a: (_ for _ in ()).throw(AssertionError("hashed")))
+    assert default_model.prepare_gguf(renamed, progress=False) == target
+    lm = load_model(str(renamed), dtype="float32", device="cpu")
+    ids = torch.tensor([tiny.tokenizer(TEXT)["input_ids"]])
+    assert torch.equal(_logits(lm, ids), _logits(tiny, ids))
