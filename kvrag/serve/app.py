@@ -83,7 +83,7 @@ def create_app(engine: KVRAGEngine, config: ServeConfig | None = None, *, persis
     """
     fastapi = require("fastapi", "serve", "kvrag serve")
     from kvrag.serve import errors
-    from kvrag.serve.middleware import Guard
+    from kvrag.serve.middleware import Counted, Guard, cors
     from kvrag.serve.routes import router
     from kvrag.serve.service import KVRAGService
 
@@ -108,10 +108,8 @@ def create_app(engine: KVRAGEngine, config: ServeConfig | None = None, *, persis
     app.add_middleware(Guard, api_keys=cfg.api_keys, max_body_bytes=cfg.max_body_bytes,
                        server_header=f"{socket.gethostname()}:{os.getpid()}" if cfg.server_header else None)
     if cfg.allowed_origins:  # outside the guard: a browser's preflight carries no API key
-        from starlette.middleware.cors import CORSMiddleware
-
-        app.add_middleware(CORSMiddleware, allow_origins=list(cfg.allowed_origins), allow_methods=["GET", "POST", "HEAD"],
-                           allow_headers=["*"], expose_headers=["Retry-After", "Warning"])
+        app.add_middleware(cors, origins=cfg.allowed_origins)
+    app.add_middleware(Counted)  # outermost: every response counted, preflights too
     return app
 
 

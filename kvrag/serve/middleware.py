@@ -1,5 +1,6 @@
 """The app's outer layer (plain ASGI, so streamed responses and disconnects pass through untouched): API keys, the
-request body limit, the optional ``X-Kvrag-Server`` header, and the answer to a failure no handler answered."""
+request body limit, the optional ``X-Kvrag-Server`` header, the answer to a failure no handler answered, CORS, and
+the count of every response."""
 
 from __future__ import annotations
 
@@ -62,14 +63,6 @@ class Guard:
             await self.app(scope, receive, send)
             return
         svc = getattr(getattr(scope.get("app"), "state", None), "kvrag", None)
-        if svc is not None:  # every response counted (kvrag_http_responses_total), also those answered here
-            outer, responses = send, svc.metrics.responses
-
-            async def send(message: Message) -> None:
-                if message["type"] == "http.response.start":
-                    responses.labels(status=str(message.get("status", 0))).inc()
-                await outer(message)
-
         if self.header is not None:
             inner_send, header = send, self.header
 
@@ -118,6 +111,47 @@ class Guard:
             await _answer(unexpected(e, f"{scope.get('method')} {scope.get('path')}", svc), scope, receive, send)
 
 
+class Counted:
+    """The outermost layer: every response counted by status (``kvrag_http_responses_total``), also those answered
+    before the app (a refused key or body, a CORS preflight)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        svc = getattr(getattr(scope.get("app"), "state", None), "kvrag", None)
+        if scope["type"] != "http" or svc is None:
+            await self.app(scope, receive, send)
+            return
+        responses = svc.metrics.responses
+
+        async def counted(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                responses.labels(status=str(message.get("status", 0))).inc()
+            await send(message)
+
+        await self.app(scope, receive, counted)
+
+
+def cors(app: ASGIApp, origins: tuple[str, ...]) -> ASGIApp:
+    """Starlette's CORS layer for ``origins``, whose refused preflight (an origin, method or header not allowed) is
+    an OpenAI error naming the setting instead of a plain-text 400."""
+    from starlette.middleware.cors import CORSMiddleware
+    from starlette.responses import Response
+
+    class _CORS(CORSMiddleware):
+        def preflight_response(self, request_headers: Any) -> Response:
+            refused = super().preflight_response(request_headers)
+            if refused.status_code != 400:
+                return refused
+            why = bytes(refused.body).decode(errors="replace")
+            return HTTPProblem(400, f"CORS preflight refused ({why}); the server allows the origins given with "
+                                    "--allowed-origins", code="cors_preflight_refused").response()
+
+    return _CORS(app, allow_origins=list(origins), allow_methods=["GET", "POST", "HEAD"], allow_headers=["*"],
+                 expose_headers=["Retry-After", "Warning"])
+
+
 def _too_large(limit: int, got: int) -> HTTPProblem:
     return HTTPProblem(413, f"the request body has {got} bytes or more; the limit is {limit} (--max-body-bytes)",
                        code="body_too_large")
@@ -127,4 +161,4 @@ async def _answer(problem: HTTPProblem, scope: Scope, receive: Receive, send: Se
     await problem.response()(scope, receive, send)
 
 
-__all__ = ["OPEN_PATHS", "Guard"]
+__all__ = ["OPEN_PATHS", "Counted", "Guard", "cors"]

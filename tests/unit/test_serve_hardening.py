@@ -335,6 +335,13 @@ def test_allowed_origins_let_a_browser_page_call_the_server(engine: KVRAGEngine,
         is_openai_error(c.get("/v1/models", headers={"Origin": ui}), 401, code="invalid_api_key")  # still guarded
         assert "access-control-allow-origin" not in c.get("/v1/models", headers={
             "Origin": "http://evil.example", "Authorization": "Bearer key-one"}).headers
+        # a refused preflight is an OpenAI error naming the setting (Starlette's was plain text), and counted
+        refused = c.options("/v1/chat/completions", headers={**preflight, "Origin": "http://evil.example"})
+        is_openai_error(refused, 400, code="cors_preflight_refused")
+        assert "--allowed-origins" in refused.json()["error"]["message"]
+        text = c.get("/metrics", headers={"Authorization": "Bearer key-one"}).text
+        assert 'kvrag_http_responses_total{status="400"} 1.0' in text  # the refused preflight
+        assert 'kvrag_http_responses_total{status="200"}' in text
     with pytest.raises(ConfigError, match="allowed_origins"):
         ServeConfig(allowed_origins=("localhost:3000",))
 
