@@ -2,7 +2,8 @@
 
 A request's path:
 
-1. **Guard** (:mod:`kvrag.serve.middleware`): its API key (401) and body size (413), before the app reads it.
+1. **Guard** (:mod:`kvrag.serve.middleware`): its API key (401) and body size (413), before the app reads it;
+   outside it the CORS layer (with ``--allowed-origins``) and the count of every response.
 2. **Checks** (:meth:`KVRAGService.check`): the body's fields (pydantic, :mod:`kvrag.serve.protocol`), the limits
    (:mod:`kvrag.serve.config`), the method and its parameters (none may name a file), the sampling fields. Nothing
    is reserved for a request that fails one.
