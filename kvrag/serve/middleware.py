@@ -136,11 +136,12 @@ class Counted:
 def cors(app: ASGIApp, origins: tuple[str, ...]) -> ASGIApp:
     """Starlette's CORS layer for ``origins``, whose refused preflight (an origin, method or header not allowed) is
     an OpenAI error naming the setting instead of a plain-text 400."""
+    from starlette.datastructures import Headers
     from starlette.middleware.cors import CORSMiddleware
     from starlette.responses import Response
 
     class _CORS(CORSMiddleware):
-        def preflight_response(self, request_headers: Any) -> Response:
+        def preflight_response(self, request_headers: Headers) -> Response:
             refused = super().preflight_response(request_headers)
             if refused.status_code != 400:
                 return refused
