@@ -149,12 +149,12 @@ class ChunkCaching:
         does not stall running streams for its whole forward, and stopping at the next checkpoint when its caller's
         :class:`~kvrag.engine.cancel.CancelToken` is cancelled. Called inside a prepare (holding the model) it runs
         here."""
-        runner = getattr(self, "runner", None)
-        if runner is None or self._lock._is_owned():  # type: ignore[attr-defined]
+        if self._lock._is_owned():  # type: ignore[attr-defined]
             with self._lock:
                 return fn()
         from kvrag.kv.pieces import Pace, call_pieces
 
+        runner = self.runner
         pace = Pace(runner.piece_budget_s, self.model.device, runner.scheduler.preparing_cancelled)
         leases = []
 

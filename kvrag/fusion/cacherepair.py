@@ -36,12 +36,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+
 def _train_hint(model: PreTrainedModel) -> str:
     """How to train a repairer for ``model`` (its own name in ``--model``: without it the command trains one for the
     embedded default model)."""
-    name = str(getattr(model.config, "name_or_path", "") or getattr(model.config, "_name_or_path", "") or "MODEL")
     from kvrag.gguf_marker import read_marker
 
+    name = str(getattr(model.config, "name_or_path", "") or getattr(model.config, "_name_or_path", "") or "MODEL")
     marker = read_marker(Path(name)) if Path(name).is_dir() else None  # a GGUF's prepared folder: name the file
     if marker is not None and marker.get("gguf_path"):
         name = str(marker["gguf_path"])

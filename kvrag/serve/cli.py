@@ -79,8 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        ("max_messages", "messages of a chat completion (400)"),
                        ("max_texts", "texts of one POST /v1/kvrag/chunks (413)"),
                        ("max_text_bytes", "bytes of one registered text (413)"),
-                       ("max_text_tokens", "tokens of one registered text (400; each is one forward that running "
-                                           "streams wait for)"),
+                       ("max_text_tokens", "tokens of one registered text (400; one forward each)"),
                        ("max_registered_bytes", "text bytes registered over the server's life (413)"),
                        ("max_store_bytes", "store bytes above which nothing more is registered (413) nor a "
                                            "completion's own caches stored (default: none)")):

@@ -65,8 +65,7 @@ class ServeConfig:
         drain_timeout_s: on shutdown, seconds to let requests in flight finish; then each is cancelled (at its
             prepare's next piece or its next decode step) and its client answered ``503`` / an error event.
         max_body_bytes, max_messages, max_texts, max_text_bytes, max_text_tokens, max_registered_bytes,
-        max_store_bytes: the limits
-            of the module docstring (``max_store_bytes`` None: no store quota).
+            max_store_bytes: the limits of the module docstring (``max_store_bytes`` None: no store quota).
         api_keys: the keys a client must send as ``Authorization: Bearer KEY`` (empty: no key needed); every
             endpoint but ``/health`` and ``/health/ready`` (``middleware.OPEN_PATHS``) answers 401 without one.
         docs: serve ``/docs`` and ``/openapi.json``.
