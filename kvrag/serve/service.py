@@ -13,7 +13,6 @@ import collections
 import functools
 import math
 import statistics
-import threading
 import time
 from collections.abc import AsyncGenerator, Iterator, Sequence
 from typing import TYPE_CHECKING, Protocol, TypeVar
@@ -30,6 +29,7 @@ from kvrag.serve.method_files import refuse_paths
 from kvrag.serve.metrics import Metrics
 from kvrag.serve.outcome import Outcome
 from kvrag.serve.protocol import ChatCompletionRequest, CompletionRequest
+from kvrag.serve.quota import StoreQuota
 
 if TYPE_CHECKING:
     from starlette.requests import Request
@@ -71,10 +71,6 @@ def _steps(texts: Sequence[T], lengths: list[int]) -> Iterator[list[T]]:
         yield part
 
 
-STORE_USAGE_TTL_S = 10.0
-"""Seconds a reading of the store's size serves the ``--max-store-bytes`` quota (see ``KVRAGService._store_used``)."""
-
-
 class KVRAGService:
     """The endpoints' state and work.
 
@@ -106,11 +102,9 @@ class KVRAGService:
         self.aborted = asyncio.Event()
         self._progress: tuple[int, float] = (-1, time.monotonic())
         self._store_failed_at: float | None = None
-        self._store_usage: tuple[float, int] | None = None  # (time.monotonic(), bytes) of the last quota reading
-        self._store_written = 0  # bytes a request's misses added since that reading
-        self._store_lock = threading.RLock()
+        self.store_quota = StoreQuota(engine, self.config.max_store_bytes)
         # a request's own misses are stored only within the quota (this server's engine: its gate is this one)
-        engine.store_gate = self.store_room if self.config.max_store_bytes is not None else None
+        engine.store_gate = self.store_quota.room if self.config.max_store_bytes is not None else None
         self.default_method = engine.method(self.config.method) if self.config.method else None
 
     def outcome(self, endpoint: str, request: Request | None = None) -> Outcome:
@@ -188,66 +182,33 @@ class KVRAGService:
             refs.append(ref)
         return refs
 
-    def _reserve_store(self, tokens: int) -> None:
-        """The ``--max-store-bytes`` quota for a registration of ``tokens`` tokens: 413 unless the store's bytes
-        (:meth:`_store_used`) and about what these texts' caches take (the model's KV bytes per token; texts already
-        cached counted too) fit, which is then counted as stored -- checked and counted at once, so concurrent
-        registrations cannot all pass one reading."""
-        limit = self.config.max_store_bytes
-        if limit is None:
-            return
-        need = int(tokens) * int(self.engine.runner.budget.bytes_per_token)
-        with self._store_lock:
-            used = self._store_used()
-            if used + need > limit:
-                raise HTTPProblem(413, f"the KV store holds {used} bytes and these texts' caches take about {need}; "
-                                       f"its quota is {limit} (--max-store-bytes): nothing more is registered",
-                                  param="texts", code="store_quota_exceeded")
-            self._store_written += need
-
-    def _store_used(self) -> int:
-        """The store's bytes: the last reading (:data:`STORE_USAGE_TTL_S`) and what requests stored since."""
-        with self._store_lock:
-            now = time.monotonic()
-            if self._store_usage is None or now - self._store_usage[0] >= STORE_USAGE_TTL_S:
-                self._store_usage = (now, int(self.engine.serving_store.stats().get("bytes") or 0))
-                self._store_written = 0
-            return self._store_usage[1] + self._store_written
-
-    def store_room(self, nbytes: int) -> bool:
-        """Whether a request's computed misses (``nbytes``: prefix and between-chunk text, a request's own
-        ``kvrag.chunks``) still fit ``--max-store-bytes``: the engine's :attr:`~kvrag.engine.caching.ChunkCaching.
-        store_gate`. Refused, they serve their request and are not stored."""
-        limit = self.config.max_store_bytes
-        with self._store_lock:  # checked and counted at once, as a registration's reservation is
-            if limit is not None and self._store_used() + nbytes > limit:
-                return False
-            self._store_written += nbytes
-        return True
-
     def register(self, texts: list[str]) -> list[JSONObject]:
         """Cache (when missing) and register passages, :data:`REGISTER_BATCH` at a time, stopping when the request's
         cancel token is cancelled; one ``{"key", "cached", "tokens"}`` per text (key None for whitespace-only texts,
         which are neither cached nor registered)."""
         refs = self.check_lengths(texts)
         lengths = [0 if r is None or r.token_ids is None else len(r.token_ids) for r in refs]
-        self._reserve_store(sum(lengths))
+        held = self.store_quota.reserve(sum(lengths))
+        stored = 0  # tokens of the caches this registration stored
         token = current_token()
         out: list[JSONObject] = []
-        for part in _steps([t if r is None else r for t, r in zip(texts, refs, strict=True)], lengths):
-            if token is not None and token.cancelled:
-                raise RequestCancelledError("the registration was cancelled (its client left)")
-            got = adapters.ensure_chunks(self.engine, part)
-            self.register_steps += 1
-            self.chunks.add([c for c, _ in got if c is not None])
-            for c, _ in got:
-                if c is not None and hash(c.text) not in self._known:
-                    self._known.add(hash(c.text))
-                    self.registered_bytes += len(c.text.encode())
-            if any(c is not None and not was for c, was in got):
-                self._store_usage = None  # this server stored new caches: the next quota check reads the store again
-            out += [{"key": None if c is None else c.key, "cached": bool(was),
-                     "tokens": 0 if c is None or c.token_ids is None else len(c.token_ids)} for c, was in got]
+        try:
+            for part in _steps([t if r is None else r for t, r in zip(texts, refs, strict=True)], lengths):
+                if token is not None and token.cancelled:
+                    raise RequestCancelledError("the registration was cancelled (its client left)")
+                got = adapters.ensure_chunks(self.engine, part)
+                self.register_steps += 1
+                self.chunks.add([c for c, _ in got if c is not None])
+                for c, was in got:
+                    if c is not None and hash(c.text) not in self._known:
+                        self._known.add(hash(c.text))
+                        self.registered_bytes += len(c.text.encode())
+                    if c is not None and not was and c.token_ids is not None:
+                        stored += len(c.token_ids)
+                out += [{"key": None if c is None else c.key, "cached": bool(was),
+                         "tokens": 0 if c is None or c.token_ids is None else len(c.token_ids)} for c, was in got]
+        finally:
+            self.store_quota.settle(held, stored)
         return out
 
     def register_index(self, persist: str) -> int:
@@ -487,4 +448,4 @@ class KVRAGService:
         return problems, body
 
 
-__all__ = ["REGISTER_BATCH", "REGISTER_TOKENS", "STORE_USAGE_TTL_S", "ChunkSync", "KVRAGService"]
+__all__ = ["REGISTER_BATCH", "REGISTER_TOKENS", "ChunkSync", "KVRAGService"]

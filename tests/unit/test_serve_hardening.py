@@ -24,11 +24,14 @@ pytest.importorskip("fastapi", reason="kvrag serve needs the serve extra (pip in
 pytest.importorskip("uvicorn", reason="kvrag serve needs the serve extra (pip install 'kvrag[serve]')")
 httpx = pytest.importorskip("httpx")
 
+from kvrag import adapters  # noqa: E402
 from kvrag.config import EngineConfig  # noqa: E402
 from kvrag.engine import generate  # noqa: E402
 from kvrag.engine.engine import KVRAGEngine  # noqa: E402
 from kvrag.errors import ConfigError  # noqa: E402
 from kvrag.serve import LiveServer, ServeConfig, create_app  # noqa: E402
+from kvrag.serve.errors import HTTPProblem  # noqa: E402
+from kvrag.serve.service import REGISTER_BATCH, KVRAGService  # noqa: E402
 from kvrag.store.memory import MemoryStore  # noqa: E402
 from kvrag_testing.tiny import tiny_model  # noqa: E402
 from kvrag_testing.waiting import wait_until  # noqa: E402
@@ -254,23 +257,60 @@ class _CountingStore(MemoryStore):
 
 def test_the_store_quota_does_not_read_the_stores_size_on_every_registration(lm: Any) -> None:
     """With --max-store-bytes over Redis every registration scanned the whole keyspace (1.5-2.3 s at 100K keys
-    against 7-17 ms without the quota). A reading serves until this server stores new caches or it is old."""
+    against 7-17 ms without the quota). A reading serves until it is old; what this server stores meanwhile is
+    counted by the quota itself."""
     store = _CountingStore()
     eng = KVRAGEngine(lm, store, EngineConfig(method="stale", max_context=512))
     with served(eng, max_store_bytes=10**9) as (_, c):
-        for _ in range(2):  # the first stores its cache; the next reads the size once after it
-            assert c.post("/v1/kvrag/chunks", json={"texts": [PASSAGES[0]]}).status_code == 200
+        assert c.post("/v1/kvrag/chunks", json={"texts": [PASSAGES[0]]}).status_code == 200
         base = _CountingStore.readings
-        for _ in range(3):  # known texts: nothing new stored, the reading stands
-            assert c.post("/v1/kvrag/chunks", json={"texts": [PASSAGES[0]]}).status_code == 200
+        for text in (PASSAGES[0], PASSAGES[1], PASSAGES[1], PASSAGES[0]):  # known texts and a new one
+            assert c.post("/v1/kvrag/chunks", json={"texts": [text]}).status_code == 200
         assert _CountingStore.readings == base
-        assert c.post("/v1/kvrag/chunks", json={"texts": [PASSAGES[1]]}).status_code == 200  # stores a new cache
-        assert c.post("/v1/kvrag/chunks", json={"texts": [PASSAGES[1]]}).status_code == 200  # so it reads again
-        assert _CountingStore.readings == base + 1
+
+
+def test_texts_registered_again_take_no_more_of_the_store_quota(lm: Any) -> None:
+    """A client registering its passages again (every start, every few seconds) stores nothing new: only the first
+    registration's caches count, however often the texts come back before the store is read again."""
+    eng = KVRAGEngine(lm, MemoryStore(), EngineConfig(method="stale", max_context=512))
+    texts = ["\n\nA first passage about trains.", "\n\nA second passage about boats."]
+    quota = 3 * sum(len(eng.tokenize(t)) for t in texts) * eng.runner.budget.bytes_per_token  # room for all, twice
+    with served(eng, max_store_bytes=quota) as (_, c):
+        for _ in range(6):
+            r = c.post("/v1/kvrag/chunks", json={"texts": texts})
+            assert r.status_code == 200, r.text
+        assert eng.store.stats()["entries"] == 2
+
+
+def test_a_running_registration_holds_its_quota_until_it_ends(lm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A registration of several steps holds the bytes of its texts to come: another registration checked after
+    its first step stored caches is held to what is left of the quota (it once saw only the stored step)."""
+    eng = KVRAGEngine(lm, MemoryStore(), EngineConfig(method="stale", max_context=512))
+    first = [f"\n\nPassage {i} about the harbour and its ferries." for i in range(2 * REGISTER_BATCH)]
+    second = [f"\n\nAnother passage {i} about the river and its bridges." for i in range(REGISTER_BATCH)]
+    per_token = eng.runner.budget.bytes_per_token
+    need = [sum(len(eng.tokenize(t)) for t in texts) * per_token for texts in (first, second)]
+    quota = max(need) + min(need) // 2  # either fits alone, not both
+    svc = KVRAGService(eng, ServeConfig(model_id=MODEL, max_store_bytes=quota))
+    real, seen = adapters.ensure_chunks, []
+
+    def steps(engine: Any, part: Any) -> Any:
+        if len(seen) == 1:  # the first registration's second step: its first step is stored
+            with pytest.raises(HTTPProblem) as err:
+                svc.register(second)
+            seen.append(err.value.status)
+        seen.append("step")
+        return real(engine, part)
+
+    monkeypatch.setattr(adapters, "ensure_chunks", steps)
+    svc.register(first)
+    assert seen[1] == 413, seen
+    monkeypatch.setattr(adapters, "ensure_chunks", real)
+    svc.store_quota.limit = 10**9  # the first registration ended: nothing of its hold is left over
+    assert svc.store_quota.used() == need[0]
 
 
 def test_registration_counts_against_the_queue_and_stops_when_its_client_leaves(engine: KVRAGEngine) -> None:
-    from kvrag.serve.service import REGISTER_BATCH
 
     texts = [f"\n\nPassage number {i} is about the river {i}." for i in range(8 * REGISTER_BATCH)]
     lock = engine.batcher.lock
@@ -705,7 +745,6 @@ def test_clients_registrations_never_push_the_indexs_chunks_out(engine: KVRAGEng
 
     from kvrag.index import INDEX_FORMAT, Chunk, ChunkIndex
     from kvrag.prompting import render_passage
-    from kvrag.serve.service import KVRAGService
 
     docs = ["The night ferry leaves pier four at noon.", "The day ferry leaves pier two at dawn."]
     vectors = faiss.IndexFlatIP(2)
