@@ -19,9 +19,9 @@ retriever (``integrations/langchain-kvrag``) all call this module for the behavi
     so a retriever's context-local registration is not visible to the chat model later in the same chain; the
     chat model adapter therefore also looks up recent chunks by content. This cannot mix up requests: a chunk is
     used only where its exact text is in the prompt, and caches are content-addressed, so the cache is the same
-    whichever request registered it. A chunk found by content alone is spliced only where its own token ids occur
-    in the prompt's tokenization (:func:`found_by_content`, ``KVRAGEngine.plan(exact=...)``): a short text that
-    happens to occur inside a question is then left to the prompt, never spliced with ids of its own;
+    whichever request registered it. A chunk found by content alone is reused only when it is passage-sized
+    (:data:`MIN_FOUND_TOKENS`, :func:`passages_found`): a short retrieved text ("Hello", a template line) that
+    happens to occur in an unrelated prompt is left to the prompt;
   - *explicit passing*: adapters accept the chunk texts as an argument; explicit chunks win over both scopes.
 
   The planner still decides everything: registered texts that are not found verbatim are simply prefilled as
@@ -42,7 +42,7 @@ import contextvars
 import dataclasses
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvrag.async_bridge import MAX_WORKER_THREADS, aiter_in_thread, to_thread
@@ -54,6 +54,7 @@ from kvrag.prompting import ROLE_ALIASES, render_chat
 
 if TYPE_CHECKING:
     from kvrag.engine.engine import KVRAGEngine
+    from kvrag.engine.planner import Plan
     from kvrag.engine.results import Prepared
     from kvrag.store.base import KVStore
 
@@ -94,6 +95,8 @@ def _as_chunk(c: object) -> RegisteredChunk:
 
 
 def _normalize(chunks: Iterable[ChunkLike]) -> tuple[RegisteredChunk, ...]:
+    if isinstance(chunks, (str, RegisteredChunk)):  # one chunk, not its characters
+        chunks = (chunks,)
     seen: set[str] = set()
     out = []
     for c in chunks:
@@ -242,11 +245,20 @@ def current_chunks() -> tuple[RegisteredChunk, ...]:
     return reg.chunks if reg is not None else ()
 
 
-def found_by_content(chunks: Iterable[RegisteredChunk]) -> frozenset[str]:
-    """The texts among ``chunks`` that the current context's registration does not name: found in the prompt by
-    content alone (:data:`recent`), so held to exact splicing (``KVRAGEngine.plan(exact=...)``)."""
+MIN_FOUND_TOKENS = 12
+"""Fewest tokens a chunk found in a prompt by content alone (:data:`recent`, not named by the current context's
+registration) needs to be reused there: a passage, not a phrase that other prompts contain as well."""
+
+
+def passages_found(chunks: Iterable[RegisteredChunk], count_tokens: Callable[[str], int]) -> tuple[RegisteredChunk, ...]:
+    """``chunks`` less those found by content alone that are shorter than :data:`MIN_FOUND_TOKENS`
+    (``count_tokens``: the model's token count of a text, for chunks not derived yet)."""
     mine = {c.text for c in current_chunks()}
-    return frozenset(c.text for c in chunks if c.text not in mine)
+
+    def tokens(c: RegisteredChunk) -> int:
+        return len(c.token_ids) if c.token_ids is not None else count_tokens(c.text)
+
+    return tuple(c for c in chunks if c.text in mine or tokens(c) >= MIN_FOUND_TOKENS)
 
 
 @contextlib.contextmanager
@@ -338,6 +350,20 @@ def shared_engine(model: str | None = None, store: str | KVStore = "memory://", 
         return eng
 
 
+def is_shared_engine(engine: object) -> bool:
+    """Whether ``engine`` is one :func:`shared_engine` loaded: an adapter holding it may be pickled without it,
+    since the process that unpickles the adapter loads the same one by model and store."""
+    with _ENGINES_LOCK:
+        return any(e is engine for e in _ENGINES.values())
+
+
+def unpicklable_engine(owner: str, instead: str | None = None) -> TypeError:
+    """The error for pickling an adapter that holds an engine it was given (weights, a store, open files)."""
+    instead = instead or f"a {owner} made without engine= (model= and store= name what the unpickling process loads)"
+    return TypeError(f"{owner}(engine=...) holds a loaded KVRAGEngine (model weights, its store), which cannot be "
+                     f"pickled; pickle {instead}, or build it in each process")
+
+
 def ensure_chunks(engine: KVRAGEngine, texts: Sequence[str | RegisteredChunk], *, fetch: bool = False,
                   progress: bool = False, batch_size: int | None = None) -> list[tuple[RegisteredChunk | None, bool]]:
     """Make sure every text has a stored cache (:meth:`KVRAGEngine.ensure` on the engine's serving store); a
@@ -386,6 +412,14 @@ def generation_config(*, max_new_tokens: int, temperature: float = 0.0, top_p: f
 # ------------------------------------------------------------------------------------------------- metadata
 def _stats(prep: Prepared) -> JSONObject:
     return prep.stats.to_dict()
+
+
+def fit_to_window(engine: KVRAGEngine, plan: Plan, gen: GenerationConfig) -> GenerationConfig:
+    """``gen`` with ``max_new_tokens`` cut to what the model's positions leave after ``plan``'s prompt, as ``kvrag
+    serve`` cuts ``max_tokens`` (the answer then ends with ``finish_reason="length"``); a prompt that leaves no room
+    is left to the engine's :class:`~kvrag.errors.ContextLengthError`."""
+    room = int(engine.max_positions) - int(plan.positions)
+    return dataclasses.replace(gen, max_new_tokens=room) if 1 <= room < gen.max_new_tokens else gen
 
 
 def response_summary(prep: Prepared) -> JSONObject:
@@ -442,6 +476,7 @@ def finish_reason(prep: Prepared, max_new_tokens: int) -> str:
 __all__ = [
     "CHUNK_KEY_METADATA",
     "MAX_WORKER_THREADS",
+    "MIN_FOUND_TOKENS",
     "RecentChunks",
     "RegisteredChunk",
     "aiter_in_thread",
@@ -451,9 +486,11 @@ __all__ = [
     "current_chunks",
     "ensure_chunks",
     "finish_reason",
-    "found_by_content",
+    "fit_to_window",
     "generation_config",
     "history_segments",
+    "is_shared_engine",
+    "passages_found",
     "recent",
     "release_caches",
     "register_chunks",
@@ -461,6 +498,7 @@ __all__ = [
     "reset_chunks",
     "resolve_chunks",
     "to_thread",
+    "unpicklable_engine",
     "with_history",
     "response_details",
     "response_summary",

@@ -15,16 +15,17 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.documents import Document
 from langchain_core.language_models.chat_models import BaseChatModel
-from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, ChatMessage, HumanMessage, SystemMessage
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from pydantic import ConfigDict, Field, PrivateAttr
 
 from kvrag import adapters
-from kvrag.config import DEFAULT_METHOD
 from kvrag.default_model import DEFAULT_MODEL
 
-_ROLES = {"human": "user", "ai": "assistant", "system": "system"}
+# by class, so that streamed pieces (AIMessageChunk, ...) and their sums are the messages they stand for
+_ROLES = ((HumanMessage, "user"), (AIMessage, "assistant"), (SystemMessage, "system"))
 
 
 def _text_content(msg: BaseMessage) -> str:
@@ -48,11 +49,10 @@ def messages_to_dicts(messages: Sequence[BaseMessage]) -> list[dict[str, str]]:
     """LangChain messages -> chat-template dicts (system / user / assistant)."""
     out = []
     for m in messages:
-        if m.type in _ROLES:
-            role = _ROLES[m.type]
-        elif m.type == "chat":
-            role = getattr(m, "role", "user")
-        else:
+        role = next((r for cls, r in _ROLES if isinstance(m, cls)), None)
+        if role is None and isinstance(m, ChatMessage):
+            role = m.role
+        if role is None:
             msg = (f"ChatKVCached does not support {m.type!r} messages (tool calling is not supported); "
                    "use system, human and ai messages")
             raise ValueError(msg)
@@ -81,7 +81,7 @@ class ChatKVCached(BaseChatModel):
 
     model_name: str = Field(default=DEFAULT_MODEL, alias="model")
     store: str = Field(default="memory://", description="KV store URL used when no engine is passed.")
-    method: str = DEFAULT_METHOD
+    method: str | None = Field(default=None, description="None: the engine's method (EngineConfig.method).")
     method_params: dict[str, Any] = Field(default_factory=dict)
     max_tokens: int = Field(default=256, gt=0, alias="max_new_tokens")
     temperature: float = Field(default=0.0, ge=0.0)
@@ -117,7 +117,22 @@ class ChatKVCached(BaseChatModel):
         self._history = collections.deque(maxlen=32)
         from kvrag.fusion import get_method
 
-        get_method(self.method, **self.method_params)  # unknown names raise listing the valid ones
+        if self.method is not None:
+            get_method(self.method, **self.method_params)  # unknown names raise listing the valid ones
+
+    def __deepcopy__(self, memo: dict[int, Any] | None = None) -> ChatKVCached:
+        memo = {} if memo is None else memo
+        if self.kv_engine is not None:  # one loaded model and store: the copy shares it
+            memo[id(self.kv_engine)] = self.kv_engine
+        return super().__deepcopy__(memo)
+
+    def __getstate__(self) -> dict[Any, Any]:
+        state = super().__getstate__()
+        if self.kv_engine is not None:
+            if not adapters.is_shared_engine(self.kv_engine):
+                raise adapters.unpicklable_engine(type(self).__name__)
+            state = {**state, "__dict__": {**state["__dict__"], "kv_engine": None}}  # loaded again by name
+        return state
 
     @property
     def engine(self) -> Any:
@@ -170,6 +185,8 @@ class ChatKVCached(BaseChatModel):
         if tools:
             msg = "ChatKVCached does not support tools"
             raise NotImplementedError(msg)
+        if not messages:  # no conversation, no prompt (trim_messages counts [] too)
+            return 0
         return len(self.get_token_ids(self.render(messages)))
 
     def bind_tools(self, tools: Sequence[Any], **kwargs: Any) -> Any:
@@ -189,31 +206,39 @@ class ChatKVCached(BaseChatModel):
         prompt = self.render(messages)
         use_recent = bool(kw.pop("use_recent_chunks", self.use_recent_chunks))
         explicit = kw.pop("chunks", None)
+        if explicit is not None:  # one text, or the Documents a retriever returned
+            from langchain_kvrag.retrievers import render_document
+
+            explicit = [explicit] if isinstance(explicit, str) else \
+                [render_document(c) if isinstance(c, Document) else c for c in explicit]
         # LCEL gives no request-scoped context: count only registered chunks that this prompt contains
         chunks = adapters.resolve_chunks(prompt, explicit, use_recent=use_recent, only_found=use_recent)
-        # chunks found by content alone splice only where their own ids are the prompt's (a short retrieved text
-        # inside a question is the question's)
-        exact = adapters.found_by_content(chunks) if explicit is None else frozenset()
+        if explicit is None:  # a short text found by content alone is a phrase of this prompt, not a passage
+            chunks = adapters.passages_found(chunks, lambda t: len(self.engine.tokenize(t)))
         if kw.pop("reuse_history", self.reuse_history):
             chunks = adapters.with_history(chunks, messages_to_dicts(messages))
-        max_new = kw.pop("max_tokens", kw.pop("max_new_tokens", kw.pop("max_completion_tokens", self.max_tokens)))
+
+        def field(name: str, *aliases: str) -> Any:  # a call's None is the model's own setting, as elsewhere
+            given = [v for a in (name, *aliases) if (v := kw.pop(a, None)) is not None]
+            return given[0] if given else getattr(self, name)
+
         gen = adapters.generation_config(
-            max_new_tokens=max_new,
-            temperature=kw.pop("temperature", self.temperature),
-            top_p=kw.pop("top_p", self.top_p),
-            top_k=kw.pop("top_k", self.top_k),
-            seed=kw.pop("seed", self.seed),
+            max_new_tokens=field("max_tokens", "max_new_tokens", "max_completion_tokens"),
+            temperature=field("temperature"),
+            top_p=field("top_p"),
+            top_k=field("top_k"),
+            seed=field("seed"),
             stop=stop if stop is not None else self.stop,
         )
         method = self.engine.method(kw.pop("method", self.method), **kw.pop("method_params", self.method_params))
         if kw:  # a misspelled per-call option must not pass silently (the constructor forbids extra fields)
             warnings.warn(f"ChatKVCached ignores unknown call options {sorted(kw)}", stacklevel=4)
-        return {"prompt": prompt, "chunks": adapters.chunk_texts(chunks), "refs": chunks, "gen": gen, "method": method,
-                "exact": exact}
+        return {"prompt": prompt, "chunks": adapters.chunk_texts(chunks), "refs": chunks, "gen": gen, "method": method}
 
     def _prepare(self, req: dict[str, Any]) -> Any:
-        return self.engine.prepare(self.engine.plan(req["prompt"], req["refs"], exact=req["exact"]), req["method"],
-                                   reserve=req["gen"].max_new_tokens)
+        plan = self.engine.plan(req["prompt"], req["refs"])
+        req["gen"] = adapters.fit_to_window(self.engine, plan, req["gen"])  # as kvrag serve cuts max_tokens
+        return self.engine.prepare(plan, req["method"], reserve=req["gen"].max_new_tokens)
 
     def _metadata(self, req: dict[str, Any], prep: Any) -> tuple[dict[str, Any], dict[str, int]]:
         prompt_tokens, generated_or_none = adapters.token_usage(prep)
@@ -226,7 +251,8 @@ class ChatKVCached(BaseChatModel):
             "finish_reason": adapters.finish_reason(prep, req["gen"].max_new_tokens),
             "kvrag": info,
         }
-        usage = {"input_tokens": prompt_tokens, "output_tokens": generated, "total_tokens": prompt_tokens + generated}
+        usage = {"input_tokens": prompt_tokens, "output_tokens": generated, "total_tokens": prompt_tokens + generated,
+                 "input_token_details": {"cache_read": int(prep.stats.reused_tokens)}}
         self._history.append({"prompt": req["prompt"], "chunks": list(req["chunks"]), "response_metadata": meta,
                               "usage_metadata": usage})
         return meta, usage

@@ -14,8 +14,11 @@ from kvrag import adapters
 
 
 def render_document(doc: Document) -> str:
-    """The exact text a document contributes to a prompt (what :func:`format_docs` writes)."""
-    return doc.page_content
+    """The exact text a document contributes to a prompt (what :func:`format_docs` writes): its ``page_content``
+    without leading and trailing whitespace. Loaders leave a file's final newline (or a page's blank lines) on the
+    text; kept, it runs into the separator (``"\n" + "\n\n"`` tokenizes as one newline token and another), so the
+    document's cached token ids would not be the prompt's, and the prompt never reused its cache."""
+    return doc.page_content.strip()
 
 
 def format_docs(docs: Sequence[Document], separator: str = "\n\n") -> str:
@@ -27,7 +30,8 @@ class KVCacheRetriever(BaseRetriever):
     """Any retriever, plus: every returned document has a stored chunk cache and is registered for the request.
 
     The chunk key is added to a copy of each document's metadata (``kvrag_chunk_key``); ``page_content`` is
-    unchanged. Use :func:`format_docs` (or keep ``page_content`` verbatim some other way) in the prompt.
+    unchanged. The cached text is ``page_content`` without leading and trailing whitespace (:func:`render_document`);
+    use :func:`format_docs` in the prompt, or write ``page_content`` some other way that keeps that text whole.
 
     Args:
         retriever: the wrapped retriever (e.g. ``FAISS(...).as_retriever()``).
@@ -62,6 +66,17 @@ class KVCacheRetriever(BaseRetriever):
         ``score_threshold`` goes in ``search_kwargs`` as in LangChain)."""
         inner = vectorstore.as_retriever(search_type=search_type, search_kwargs={"k": k, **search_kwargs})
         return cls(retriever=inner, engine=engine, llm=llm, k=k)
+
+    def __deepcopy__(self, memo: dict[int, Any] | None = None) -> KVCacheRetriever:
+        memo = {} if memo is None else memo
+        if self._engine is not None:  # one loaded model and store: the copy shares it
+            memo[id(self._engine)] = self._engine
+        return super().__deepcopy__(memo)
+
+    def __getstate__(self) -> dict[Any, Any]:
+        if self._engine is not None:  # a retriever made with llm= pickles as that chat model does
+            raise adapters.unpicklable_engine(type(self).__name__, "KVCacheRetriever(llm=ChatKVCached(model=...))")
+        return super().__getstate__()
 
     @property
     def engine(self) -> Any:

@@ -12,6 +12,7 @@ from langchain_core.prompts import ChatPromptTemplate
 from langchain_core.runnables import RunnablePassthrough
 from langchain_kvrag import ChatKVCached, KVCacheRetriever, format_docs
 
+from kvrag import adapters
 from kvrag.adapters import CHUNK_KEY_METADATA, chunk_scope
 from kvrag.fusion import available_methods
 
@@ -147,3 +148,37 @@ def test_rejects_images_and_tools(engine):
     llm = ChatKVCached(engine=engine, max_tokens=2)
     with pytest.raises(ValueError, match="text content only"):
         llm.invoke([HumanMessage(content=[{"type": "image", "url": "http://x/y.png"}])])
+
+
+def test_the_readme_chain_over_whole_files_reuses_them(engine):
+    """The README's snippet: whole files as Documents (read_text keeps each file's final newline). Kept, that newline
+    ran into format_docs' separator, the prompt's ids never held the document's, and the chain reused nothing."""
+    from langchain_core.documents import Document
+    from langchain_core.vectorstores import InMemoryVectorStore
+    from lc_testutil import DATA, DOC_FILES, get_embeddings
+
+    docs = [Document(page_content=(DATA / n).read_text()) for n in DOC_FILES]
+    assert all(d.page_content.endswith("\n") for d in docs)
+    vectors = InMemoryVectorStore.from_documents(docs, get_embeddings())
+    retriever = KVCacheRetriever(retriever=vectors.as_retriever(search_kwargs={"k": 2}), engine=engine)
+    llm = ChatKVCached(engine=engine, method="stale", max_tokens=3)
+    adapters.recent.clear()  # other tests' retrieved splits of the same files would be found in this prompt too
+    adapters.clear_chunks()
+    make_chain(retriever, llm).invoke("When does the last ferry leave?")
+    kv = llm.history[-1]["response_metadata"]["kvrag"]
+    assert kv["chunks_registered"] == kv["chunk_hits"] == 2 and kv["hit_rate"] == 1.0, kv
+    assert kv["reused_tokens"] > 500, kv
+
+
+def test_documents_written_after_labels_are_still_reused(retriever, engine):
+    """A chain that writes each document after a label ("[04_ferries.md] Ferries ...") joins the label's space and
+    the document's first word into other tokens than the document's own: the passage is still reused."""
+    llm = ChatKVCached(engine=engine, method="stale", max_tokens=3)
+
+    def labelled(docs):
+        return "\n".join(f"[{d.metadata['source']}] {d.page_content}" for d in docs)
+
+    chain = {"context": retriever | labelled, "question": RunnablePassthrough()} | PROMPT | llm
+    chain.invoke(Q1)
+    kv = llm.history[-1]["response_metadata"]["kvrag"]
+    assert kv["chunk_hits"] == 2 and kv["reused_tokens"] > 100, kv

@@ -164,3 +164,91 @@ def test_the_llm_cache_key_names_every_setting_that_changes_the_answer(engine) -
     for other in ({"seed": 2}, {"stop": ["\n"]}, {"use_recent_chunks": False}, {"reuse_history": True}):
         changed = ChatKVCached(engine=engine, temperature=1.0, **{"seed": 1, **other})
         assert changed._get_llm_string() != base._get_llm_string(), other
+
+
+def test_streamed_answers_in_the_history_are_the_messages_they_stand_for(engine) -> None:
+    """RunnableWithMessageHistory over .stream() keeps an AIMessageChunk (the sum of the streamed pieces) as the
+    assistant's turn: it is that turn, as ChatOpenAI and ChatHuggingFace take it."""
+    from langchain_core.messages import AIMessage, HumanMessageChunk, SystemMessageChunk
+    from langchain_kvrag.chat_models import messages_to_dicts
+
+    llm = ChatKVCached(engine=engine, max_tokens=3)
+    streamed = sum(llm.stream([HumanMessage("Hi")]), AIMessageChunk(content=""))
+    turns = [SystemMessageChunk(content="Be brief."), HumanMessageChunk(content="Hi"), streamed, HumanMessage("And?")]
+    plain = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+             {"role": "assistant", "content": str(streamed.content)}, {"role": "user", "content": "And?"}]
+    assert messages_to_dicts(turns) == plain
+    assert isinstance(llm.invoke(turns), AIMessage)
+
+
+def test_counting_no_messages_is_zero_so_trim_messages_works(engine) -> None:
+    from langchain_core.messages import trim_messages
+
+    llm = ChatKVCached(engine=engine, max_tokens=3)
+    assert llm.get_num_tokens_from_messages([]) == 0
+    msgs = [HumanMessage("first question " * 20), AIMessageChunk(content="an answer"), HumanMessage("second?")]
+    kept = trim_messages(msgs, token_counter=llm, max_tokens=40, strategy="last", allow_partial=True)
+    assert kept and kept[-1].content == "second?"
+
+
+def test_one_text_or_the_retrievers_documents_as_chunks(engine) -> None:
+    from langchain_core.documents import Document
+
+    engine.ingest(CHUNKS)
+    llm = ChatKVCached(engine=engine, method="stale", max_tokens=3, use_recent_chunks=False)
+    msgs = prompt(CHUNKS, "How much is a day pass?")
+    one = llm.invoke(msgs, chunks=CHUNKS[0]).response_metadata["kvrag"]  # one chunk, not its characters
+    assert one["chunks_registered"] == one["chunk_hits"] == 1, one
+    docs = [Document(page_content=c) for c in CHUNKS]  # their stripped text is what the prompt holds
+    kv = llm.invoke(msgs, chunks=docs).response_metadata["kvrag"]
+    assert kv["chunks_registered"] == kv["chunks_found"] == 2, kv
+
+
+def test_a_calls_none_keeps_the_models_setting(engine) -> None:
+    llm = ChatKVCached(engine=engine, max_tokens=3, temperature=0.0)
+    out = llm.invoke(prompt(CHUNKS, "Fare?"), max_tokens=None, temperature=None, top_p=None, top_k=None, seed=None)
+    assert 0 < out.usage_metadata["output_tokens"] <= 3
+
+
+def test_the_engines_method_is_the_default_and_reuse_is_in_usage() -> None:
+    from kvrag_testing.tiny import tiny_engine
+
+    eng = tiny_engine("qwen2", method="stale")  # EngineConfig.method: what the chat model runs unless told
+    llm = ChatKVCached(engine=eng, max_tokens=3)
+    eng.ingest(CHUNKS)
+    out = llm.invoke(prompt(CHUNKS, "Fare?"), chunks=CHUNKS)
+    kv = out.response_metadata["kvrag"]
+    assert kv["method"] == "stale", kv["method"]
+    assert out.usage_metadata["input_token_details"]["cache_read"] == kv["reused_tokens"] > 0
+
+
+def test_max_tokens_past_the_window_is_cut_to_what_is_left(engine) -> None:
+    llm = ChatKVCached(engine=engine, method="stale", max_tokens=10**6)
+    out = llm.invoke(prompt(CHUNKS, "Fare?"))
+    left = engine.max_positions - out.usage_metadata["input_tokens"]
+    assert 0 < out.usage_metadata["output_tokens"] <= left
+
+
+def test_short_recent_texts_are_not_spliced_into_other_prompts(engine) -> None:
+    """The process-wide table of retrieved texts found "Hello" or a template line in unrelated chats and spliced
+    its stale cache there; a text found by content alone is reused only when passage-sized."""
+    from kvrag import adapters
+
+    engine.ingest(["Hello", "Question:"])
+    llm = ChatKVCached(engine=engine, method="stale", max_tokens=3)
+    try:
+        adapters.recent.add(["Hello", "Question:"])
+        kv = llm.invoke([HumanMessage("Hello there. Question: what is on today?")]).response_metadata["kvrag"]
+        assert kv["chunks_registered"] == kv["chunk_hits"] == 0, kv
+    finally:
+        adapters.recent.clear()
+
+
+def test_copies_share_the_engine_and_pickling_says_what_to_do(engine) -> None:
+    import copy
+    import pickle
+
+    llm = ChatKVCached(engine=engine, max_tokens=3)
+    assert copy.deepcopy(llm).engine is engine
+    with pytest.raises(TypeError, match="cannot be pickled"):
+        pickle.dumps(llm)

@@ -48,3 +48,13 @@ def test_from_vectorstore_passes_the_search_type_on(engine, vectorstore) -> None
     assert len(mmr.invoke(Q)) == 2
     plain = KVCacheRetriever.from_vectorstore(vectorstore, engine=engine, k=3)
     assert plain.retriever.search_type == "similarity" and plain.retriever.search_kwargs == {"k": 3}
+
+
+def test_copies_share_the_engine_and_pickling_one_says_what_to_do(engine, vectorstore) -> None:
+    import copy
+    import pickle
+
+    retriever = KVCacheRetriever(retriever=vectorstore.as_retriever(), engine=engine)
+    assert copy.deepcopy(retriever).engine is engine
+    with pytest.raises(TypeError, match="cannot be pickled"):
+        pickle.dumps(retriever)

@@ -198,3 +198,21 @@ def test_last_info_after_an_awaited_call_is_that_call(engine) -> None:
 
     got = asyncio.run(run())
     assert ["two plus two" in got[0], "colour" in got[1], "three" in got[2]] == [True, True, True], got
+
+
+def test_the_engines_method_is_the_default_and_a_calls_none_keeps_the_setting(passages) -> None:
+    from kvrag_testing.tiny import tiny_engine
+
+    eng = tiny_engine("qwen2", method="stale")  # EngineConfig.method: what the LLM runs unless told
+    llm = KVCachedLLM(engine=eng, max_new_tokens=N)
+    prompt = context_prompt(llm, passages, "How much is a day pass?")
+    r = llm.complete(prompt, formatted=True, max_new_tokens=None, max_tokens=None, temperature=None, seed=None)
+    assert r.additional_kwargs["method"] == "stale"
+    assert 0 < r.additional_kwargs["completion_tokens"] <= N
+
+
+def test_max_new_tokens_past_the_window_is_cut_to_what_is_left(engine, passages) -> None:
+    llm = KVCachedLLM(engine=engine, method="stale", max_new_tokens=10**6)
+    r = llm.complete(context_prompt(llm, passages, "Fare?"), formatted=True)
+    kw = r.additional_kwargs
+    assert 0 < kw["completion_tokens"] <= engine.max_positions - kw["prompt_tokens"]

@@ -37,7 +37,6 @@ from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_ca
 from llama_index.core.llms.custom import CustomLLM
 
 from kvrag import adapters
-from kvrag.config import DEFAULT_METHOD
 from kvrag.default_model import DEFAULT_MODEL
 
 log = logging.getLogger(__name__)
@@ -90,7 +89,8 @@ class KVCachedLLM(CustomLLM):
     Args:
         engine: a :class:`kvrag.KVRAGEngine` to use (shares its model and store); when omitted, one is loaded
             lazily from ``model_name`` and ``store`` (shared process-wide via :func:`kvrag.adapters.shared_engine`).
-        method: fusion method name (``kvrag.fusion.available_methods()``), e.g. ``"stale"``, ``"full"`` (default: ``kvrag.config.DEFAULT_METHOD``).
+        method: fusion method name (``kvrag.fusion.available_methods()``), e.g. ``"stale"``, ``"full"`` (default: the
+            engine's, ``EngineConfig.method``).
         method_params: the method's parameters, e.g. ``{"r": 0.15}``.
 
     Per call, ``complete``/``chat`` accept ``chunks=[...]`` (explicit chunk texts, replacing the registered ones),
@@ -104,7 +104,7 @@ class KVCachedLLM(CustomLLM):
 
     model_name: str = Field(default=DEFAULT_MODEL, description="Model alias, HF id or local path.")
     store: str = Field(default="memory://", description="KV store URL used when no engine is passed.")
-    method: str = Field(default=DEFAULT_METHOD, description="Fusion method (name or 'name:k=v' spec).")
+    method: str | None = Field(default=None, description="Fusion method (name or 'name:k=v' spec); None: the engine's.")
     method_params: dict[str, Any] = Field(default_factory=dict, description="Fusion method parameters.")
     context_window: int | None = Field(default=None, description="Context window (default: the model's).")
     max_new_tokens: int = Field(default=256, gt=0, description="Maximum number of generated tokens.")
@@ -153,7 +153,8 @@ class KVCachedLLM(CustomLLM):
         self._history = collections.deque(maxlen=self.history_size or None)
         from kvrag.fusion import get_method
 
-        get_method(self.method, **self.method_params)  # validate early: unknown names list the valid ones
+        if self.method is not None:
+            get_method(self.method, **self.method_params)  # validate early: unknown names list the valid ones
 
     @classmethod
     def class_name(cls) -> str:
@@ -228,9 +229,11 @@ class KVCachedLLM(CustomLLM):
 
     # ------------------------------------------------------------------------------------------- requests
     def _gen_config(self, kw: dict[str, Any]) -> Any:
-        if "max_tokens" in kw:  # per-call alias, as in the constructor
-            kw.setdefault("max_new_tokens", kw.pop("max_tokens"))
-        return adapters.generation_config(**{k: kw.pop(k) if k in kw else getattr(self, k) for k in _GEN_KEYS})
+        if kw.get("max_new_tokens") is None and "max_tokens" in kw:  # per-call alias, as in the constructor
+            kw["max_new_tokens"] = kw.pop("max_tokens")
+        # a call's None is the model's own setting (max_tokens=args.max_tokens with a None default)
+        return adapters.generation_config(**{k: v if (v := kw.pop(k, None)) is not None else getattr(self, k)
+                                             for k in _GEN_KEYS})
 
     def _method(self, kw: dict[str, Any]) -> Any:
         return self.engine.method(kw.pop("method", self.method), **kw.pop("method_params", self.method_params))
@@ -241,9 +244,10 @@ class KVCachedLLM(CustomLLM):
         full = prompt if formatted else self.completion_to_prompt(prompt)
         explicit = kw.pop("chunks", None)
         chunks = adapters.resolve_chunks(full, explicit, use_recent=bool(kw.pop("use_recent_chunks", self.use_recent_chunks)))
+        if explicit is None:  # a short text found by content alone is a phrase of this prompt, not a passage
+            chunks = adapters.passages_found(chunks, lambda t: len(self.engine.tokenize(t)))
         req = {"prompt": full, "chunks": adapters.chunk_texts(chunks), "refs": chunks, "method": self._method(kw),
-               "gen": self._gen_config(kw),
-               "exact": adapters.found_by_content(chunks) if explicit is None else frozenset()}
+               "gen": self._gen_config(kw)}
         if explicit is None:
             adapters.release_caches(full)  # the request holds them now; the caller's thread keeps none after it
         kw.pop("formatted", None)
@@ -266,8 +270,12 @@ class KVCachedLLM(CustomLLM):
         if "parts" in req:
             prefix, chunks, suffix, sep = req["parts"]
             return self.engine.plan_parts(prefix, chunks, suffix, sep)
-        # keys, ids and held caches travel with the chunks; those found by content alone splice only exactly
-        return self.engine.plan(req["prompt"], req["refs"], exact=req.get("exact", ()))
+        return self.engine.plan(req["prompt"], req["refs"])  # keys, ids and held caches travel with the chunks
+
+    def _prepare(self, req: dict[str, Any]) -> Any:
+        plan = self._plan(req)
+        req["gen"] = adapters.fit_to_window(self.engine, plan, req["gen"])  # as kvrag serve cuts max_tokens
+        return self.engine.prepare(plan, req["method"], reserve=req["gen"].max_new_tokens)
 
     @staticmethod
     def _extra(prep: Any) -> dict[str, Any]:
@@ -301,14 +309,14 @@ class KVCachedLLM(CustomLLM):
         self._adopt(req)
 
     def _run(self, req: dict[str, Any]) -> CompletionResponse:
-        prep = self.engine.prepare(self._plan(req), req["method"], reserve=req["gen"].max_new_tokens)
+        prep = self._prepare(req)
         text = "".join(self.engine.stream(prep, req["gen"]))
         info = self._info(req, prep, text)
         self._record(info, req)
         return CompletionResponse(text=text, raw=info["raw"], additional_kwargs=info["additional_kwargs"])
 
     def _run_stream(self, req: dict[str, Any]) -> CompletionResponseGen:
-        prep = self.engine.prepare(self._plan(req), req["method"], reserve=req["gen"].max_new_tokens)
+        prep = self._prepare(req)
         text = ""
         for delta in self.engine.stream(prep, req["gen"]):
             text += delta
