@@ -8,7 +8,9 @@ padded to the batch's longest chunk and prefilled together after the shared pref
 Why this is exact: attention is causal, so a chunk's real token ``i`` only attends to the prefix and to its own
 tokens ``<= i``; right padding only ever comes *after* a row's real tokens and is masked as well (``attention_mask``
 0), so it cannot reach them. A row's K/V therefore equals its one-at-a-time prefill up to floating-point summation
-order (measured fp32 max abs diff: ~1e-6 on the tiny models, <= 3.4e-5 on SmolLM2-135M; tests use 1e-4).
+order (measured fp32 max abs diff: ~1e-6 on the tiny models, <= 3.4e-5 on SmolLM2-135M; tests use 1e-4). Every
+product takes the dense route (:func:`kvrag.kv.routes.dense_products`), as a chunk alone does: a short chunk's rows
+would otherwise take the decode products alone and the dense ones in a batch.
 
 Like ``hf_cache``, this module touches transformers' ``DynamicCache`` (only to seed it with the shared prefix and to
 read the batch's K/V back); ``hf_cache`` handles batch size 1 only. Sliding-window caches (which drop old tokens)
@@ -28,6 +30,7 @@ from kvrag.kv import hf_cache
 from kvrag.kv.chunk import ChunkKV
 from kvrag.kv.compute import compute_chunk_kv
 from kvrag.kv.rope import Rope
+from kvrag.kv.routes import dense_products
 from kvrag.kv.spec import KVSpec
 
 if TYPE_CHECKING:
@@ -124,10 +127,11 @@ def _prefill_batch(
         cache = _prefix_cache(model, prefix_kv[0], prefix_kv[1], b)
     else:
         cache = hf_cache.new_cache(model)
-    model(
-        input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=pos.to(device), cache=cache,
-        use_cache=True, logits_to_keep=1,
-    )
+    with dense_products():  # the bits a chunk gets alone (kvrag.kv.compute.compute_chunk_kv), whatever the batch
+        model(
+            input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=pos.to(device), cache=cache,
+            use_cache=True, logits_to_keep=1,
+        )
     k, v = _batch_tensors(cache)  # [L, B, H_kv, P+T, D]
     if k.shape[3] != p + t_max:  # a sliding-window layer kept only the last tokens
         return None
@@ -155,7 +159,8 @@ def prefill_prefix(model: PreTrainedModel, prefix_ids: Sequence[int]) -> tuple[t
     """
     if not len(prefix_ids):
         return None
-    return hf_cache.prefill_kv(model, torch.tensor(list(prefix_ids), dtype=torch.long))
+    with dense_products():
+        return hf_cache.prefill_kv(model, torch.tensor(list(prefix_ids), dtype=torch.long))
 
 
 @torch.inference_mode()

@@ -15,6 +15,7 @@ import torch
 from kvrag.kv import hf_cache
 from kvrag.kv.chunk import ChunkKV
 from kvrag.kv.rope import Rope
+from kvrag.kv.routes import dense_products
 from kvrag.kv.spec import KVSpec
 
 if TYPE_CHECKING:
@@ -34,10 +35,14 @@ def compute_chunk_kv(
 
     Returns:
         ChunkKV with keys/values [L, H_kv, T, D] at ``spec.dtype`` on the CPU.
+
+    Every product takes the dense route (:func:`kvrag.kv.routes.dense_products`), so a short chunk gets the bits it
+    gets inside a batch of chunks (:func:`kvrag.engine.ingest_prefill.compute_chunk_kvs`).
     """
     p = len(prefix_ids)
     ids = torch.tensor([*prefix_ids, *token_ids], dtype=torch.long)
-    k, v = hf_cache.prefill_kv(model, ids)  # [L, H_kv, P+T, D]
+    with dense_products():
+        k, v = hf_cache.prefill_kv(model, ids)  # [L, H_kv, P+T, D]
     k, v = k[:, :, p:], v[:, :, p:]
     pos = torch.arange(p, p + len(token_ids))
     k = rope.canonicalize(k, pos)

@@ -49,6 +49,7 @@ from kvrag.kv.gguf_blocks import (
     native_dot_bf16,
     native_for,
 )
+from kvrag.kv.routes import ROUTE
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -274,7 +275,7 @@ class GGUFLinear(torch.nn.Module):
         never where autograd needs the product (the kernels have no backward): the dense route then."""
         if _needs_grad(x):
             return False
-        small = x.numel() <= quant.MAX_ROWS * x.shape[-1]
+        small = x.numel() <= quant.MAX_ROWS * x.shape[-1] and not ROUTE.dense
         return x.is_cpu and ((self.dot is not None and 0 < x.numel() and small)
                              or (self.int4 is not None and (self.all_rows or small)))
 

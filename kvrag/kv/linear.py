@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from kvrag.kv.routes import ROUTE
+
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
@@ -67,7 +69,7 @@ def _packed_forward(module: torch.nn.Linear, state: _Packed, x: torch.Tensor) ->
     # plain dict reads (module.weight goes through nn.Module.__getattr__): this runs for every product of every step
     params: dict[str, torch.Tensor] = module._parameters  # type: ignore[assignment]
     w, bias = params["weight"], params.get("bias")
-    usable = (x.dtype == torch.bfloat16 and x.is_cpu and x.numel() <= MAX_ROWS * x.shape[-1]
+    usable = (x.dtype == torch.bfloat16 and x.is_cpu and x.numel() <= MAX_ROWS * x.shape[-1] and not ROUTE.dense
               and state.valid_for(w) and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)))
     if not usable:
         return F.linear(x, w, bias)

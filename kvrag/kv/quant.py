@@ -45,6 +45,7 @@ import torch
 
 from kvrag.errors import ConfigError
 from kvrag.kv import int4_kernel
+from kvrag.kv.routes import ROUTE
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -236,7 +237,7 @@ def _forward(module: torch.nn.Linear, state: _State, x: torch.Tensor) -> torch.T
     w = params["weight"]
     shape = x.shape
     k = shape[-1]
-    if (not x.is_cpu or x.numel() > MAX_ROWS * k or not state.valid_for(w)
+    if (not x.is_cpu or x.numel() > MAX_ROWS * k or ROUTE.dense or not state.valid_for(w)
             or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
         return state.dense_forward(x)
     flat = x.reshape(-1, k)

@@ -138,3 +138,19 @@ def test_shipped_cacherepair_moves_stale_kv_towards_full(engine, chunks) -> None
         return ((a[:, :, start:tc] - ref[:, :, start:tc]).norm() / ref[:, :, start:tc].norm()).item()
 
     assert err(kr, kf) < err(ks, kf) and err(vr, vf) < err(vs, vf), (err(kr, kf), err(ks, kf), err(vr, vf), err(vs, vf))
+
+
+def test_a_chunks_cache_is_the_same_however_its_passages_were_cached(default_model_int4) -> None:
+    """Passages cached in one call (batched forwards) or one call each (one forward each, prefix and passage
+    together) get the same K/V up to rounding, short ones too, whose forward alone took the int4 decode products
+    (an error ~100x the bound): an answer does not depend on how its passages were registered."""
+    default_model = default_model_int4
+    texts = [render_passage(t) for t in ("Children under six travel free.", "The cable car runs from April.",
+                                         "The day pass costs 9 marks and gives unlimited travel in all three zones.")]
+    together, apart = KVRAGEngine(default_model, MemoryStore()), KVRAGEngine(default_model, MemoryStore())
+    keys = together.ingest(texts)
+    assert [k for t in texts for k in apart.ingest([t])] == keys
+    for key in keys:  # float32: summation order only (measured <= 3.4e-5); bfloat16: exact here, rounding elsewhere
+        a, b = together.store.get(key), apart.store.get(key)
+        for x, y in ((a.keys, b.keys), (a.values, b.values)):
+            assert_close_in_dtype(x, y, default_model.dtype, fp32_atol=1e-4)

@@ -13,6 +13,8 @@ from kvrag.engine.engine import KVRAGEngine
 from kvrag.engine.ingest_prefill import compute_chunk_kvs, plan_batches, prefill_prefix
 from kvrag.errors import ConfigError, ContextLengthError
 from kvrag.kv.compute import compute_chunk_kv
+from kvrag.kv.rope import Rope
+from kvrag.kv.spec import KVSpec
 from kvrag.prompting import render_passage
 from kvrag.store.memory import MemoryStore
 from kvrag_testing.equivalence import BF16_REL  # docs/architecture.md#batched-ingest
@@ -144,3 +146,29 @@ def test_ensure_reports_cached_and_skips_empty() -> None:
     assert [c for _, c in again] == [True, False]
     ref = eng.chunk_ref(eng.tokenize(TEXTS[2]), text=TEXTS[2])
     assert eng.ensure([ref]) == [(again[1][0], True)] and ref == again[1][0]
+
+
+@pytest.mark.parametrize(("dtype", "route"), [(torch.float32, "int4"), (torch.bfloat16, "int4"),
+                                              (torch.bfloat16, "packed")])
+def test_chunk_caches_take_the_dense_products_whatever_their_rows(dtype: torch.dtype, route: str) -> None:
+    """Products of at most 16 rows take the decode route (int4 weights, packed bf16 linears): a chunk of a few tokens
+    prefilled alone got other bits than inside a batch, so the answer to a request depended on how its passages had
+    been registered (one POST or several). Every chunk forward takes the dense products now: the same bits as the
+    same model without the decode route, alone and in batches of any size."""
+    from kvrag.kv.linear import pack_linears
+
+    fast = tiny_model("qwen2", init_std=0.1, dtype=dtype, quantize="int4" if route == "int4" else None)
+    dense = tiny_model("qwen2", init_std=0.1, dtype=dtype)  # the same weights, dense products only
+    if route == "packed" and not pack_linears(fast.model):
+        pytest.skip("no oneDNN bf16 packed linears on this CPU")
+    spec = KVSpec.from_model_config(dense.model.config, dtype=dtype)
+    rope = Rope.from_model(dense.model)
+    prefix = [3, 4, 5]
+    ids = [[7 + i for i in range(n)] for n in (4, 11, 13, 15, 18)]
+    want = [compute_chunk_kv(dense.model, rope, spec, r, prefix) for r in ids]
+    for a, b in zip(want, [compute_chunk_kv(fast.model, rope, spec, r, prefix) for r in ids], strict=True):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values), len(a.token_ids)
+    for batch in (1, 2, 8):
+        got = compute_chunk_kvs(fast.model, rope, spec, ids, prefix, batch)
+        for a, b in zip(compute_chunk_kvs(dense.model, rope, spec, ids, prefix, batch), got, strict=True):
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values), (batch, len(a.token_ids))
