@@ -69,6 +69,13 @@ class ChunkCaching:
     """Asked before a request's computed misses are stored (their bytes): False keeps them out of the store (the
     request still uses them). ``kvrag serve --max-store-bytes`` sets it; None stores every miss."""
 
+    def __getstate__(self) -> object:
+        # at once, not after pickling part of the weights: frameworks try to pickle what they hold (LlamaIndex
+        # drops what does not pickle), and a copy of a loaded model and its store is never what was meant
+        msg = ("a KVRAGEngine cannot be pickled (model weights, threads, its store): open one in each process "
+               "(KVRAGEngine.from_pretrained) on a shared store")
+        raise TypeError(msg)
+
     def store_computed(self, computed: Sequence[tuple[str, ChunkKV]]) -> None:
         """Store a request's computed misses (after its model turn), unless :attr:`store_gate` refuses them."""
         gate = self.store_gate

@@ -43,7 +43,10 @@ def test_registered_chunks_are_reused_and_full_matches_the_engine(engine, passag
     ref = engine.answer(prompt, passages, "full", max_new_tokens=N)
     assert full.raw["token_ids"] == ref.token_ids and full.text == ref.text
     adapters.clear_chunks()
-    assert llm.complete(prompt, formatted=True).additional_kwargs["chunks_registered"] == 0
+    assert llm.complete(prompt, formatted=True, use_recent_chunks=False).additional_kwargs["chunks_registered"] == 0
+    # nothing registered in this context: the passages registered before are found in the prompt by content
+    again = llm.complete(prompt, formatted=True).additional_kwargs
+    assert again["chunks_registered"] == again["chunk_hits"] == 3
 
 
 def test_stream_and_async_equal_complete(engine, passages) -> None:
@@ -96,8 +99,13 @@ def test_repr_pickle_and_copy_of_the_llm(engine) -> None:
     other = llm.model_copy(update={"system_prompt": "Answer in French."})
     assert "Answer in French." in other.completion_to_prompt("Hi") and "Be brief." in llm.completion_to_prompt("Hi")
     again = KVCachedLLM.__new__(KVCachedLLM)
-    again.__setstate__(state)  # unpickled: bound to itself (the engine stays behind, loaded again by name if used)
+    again.__setstate__(state)  # unpickled: bound to itself; the engine it was given stays behind
     assert again.system_prompt == "Be brief." and again.completion_to_prompt.owner() is again
+    with pytest.raises(TypeError, match="engine= again"):  # not a second model over an empty store, unasked
+        again.complete("Hi")
+    import copy
+
+    assert copy.deepcopy(llm).engine is engine  # a copy shares the loaded model and store
 
 
 def test_max_tokens_is_max_new_tokens_and_unknown_arguments_are_refused(engine, passages) -> None:
@@ -165,8 +173,10 @@ def test_a_finished_registration_is_not_offered_to_a_later_unrelated_call(engine
         # not counted against them, nor is a later prompt holding one of them offered it as registered
         later = llm.complete("Say hello.").additional_kwargs
         assert later["chunks_registered"] == later["hit_rate"] == 0 and not adapters.current_chunks()
-        again = llm.complete(context_prompt(llm, passages[:1], "Q?"), formatted=True).additional_kwargs
-        assert again["chunks_registered"] == 0
+        prompt = context_prompt(llm, passages[:1], "Q?")
+        assert llm.complete(prompt, formatted=True, use_recent_chunks=False).additional_kwargs["chunks_registered"] == 0
+        found = llm.complete(prompt, formatted=True).additional_kwargs  # by content, as any unregistered prompt
+        assert found["chunks_registered"] == found["chunk_hits"] == 1
     finally:
         adapters.reset_chunks(token)
 
@@ -216,3 +226,48 @@ def test_max_new_tokens_past_the_window_is_cut_to_what_is_left(engine, passages)
     r = llm.complete(context_prompt(llm, passages, "Fare?"), formatted=True)
     kw = r.additional_kwargs
     assert 0 < kw["completion_tokens"] <= engine.max_positions - kw["prompt_tokens"]
+
+
+def test_a_prompt_past_the_window_is_an_error_llamaindex_does_not_swallow(engine) -> None:
+    """LlamaIndex's synthesizers catch ValueError (ContextLengthError is one) and answered "Empty Response" or
+    dropped chunks without a word when they packed past the window by tiktoken's count."""
+    from llama_index.llms.kvrag import PromptTooLongError
+
+    llm = KVCachedLLM(engine=engine, max_new_tokens=N)
+    with pytest.raises(PromptTooLongError, match="Settings.tokenizer") as err:
+        llm.complete("word " * (engine.max_context + 10))
+    assert not isinstance(err.value, ValueError)
+
+
+def test_chat_statistics_are_on_the_response_and_the_message_in_every_path(engine) -> None:
+    llm = KVCachedLLM(engine=engine, max_new_tokens=N)
+    msgs = [ChatMessage(role="user", content="Say hello.")]
+
+    async def both():
+        last = None
+        async for r in await llm.astream_chat(msgs):
+            last = r
+        return await llm.achat(msgs), last
+
+    responses = [llm.chat(msgs), list(llm.stream_chat(msgs))[-1], *asyncio.run(both())]
+    for r in responses:
+        assert r.additional_kwargs["hit_rate"] == r.message.additional_kwargs["hit_rate"]
+        assert r.raw["usage"]["completion_tokens"] == r.additional_kwargs["completion_tokens"] > 0
+    assert len({r.message.content for r in responses}) == 1
+
+
+def test_chunks_registered_in_another_step_are_found_by_content(engine, passages) -> None:
+    """A workflow's next step, or a stream read in another thread, does not see the registration of the step that
+    retrieved: the chunks its prompt holds are found by content."""
+    import threading
+
+    llm = KVCachedLLM(engine=engine, max_new_tokens=N)
+    prompt = context_prompt(llm, passages, "How much is a day pass?")
+    with adapters.chunk_scope(passages):
+        pass  # registered (and remembered) in this context, which the worker below does not share
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.update(list(llm.stream_complete(prompt, formatted=True))[-1]
+                                                   .additional_kwargs))
+    t.start()
+    t.join()
+    assert out["chunks_registered"] == out["chunk_hits"] == len(passages), out

@@ -3,6 +3,7 @@ mock embeddings: the stock query engine's request path, in seconds."""
 
 from __future__ import annotations
 
+import pytest
 from llama_index.core.schema import MetadataMode
 from llama_index.llms.kvrag import KVCachedLLM
 from llama_index.postprocessor.kvrag import (
@@ -174,3 +175,14 @@ def test_kv_query_engine_aquery_runs_off_the_event_loop(index, engine) -> None:
 
     r, loop_thread = asyncio.run(main())
     assert r.metadata["kvrag"]["hit_rate"] == 1.0 and threads and threads[0] != loop_thread
+
+
+@pytest.mark.parametrize("is_chat_model", [True, False])
+def test_kv_query_engine_builds_the_stock_prompt_for_either_kind_of_llm(index, engine, is_chat_model: bool) -> None:
+    """A completion LLM (is_chat_model=False): the stock engine wraps the QA prompt in the LLM's
+    completion_to_prompt (the chat template); KVQueryEngine sent the bare template."""
+    a, b = (KVCachedLLM(engine=engine, max_new_tokens=2, is_chat_model=is_chat_model) for _ in range(2))
+    stock = index.as_query_engine(llm=a, node_postprocessors=[KVCachePostprocessor(engine=engine)], similarity_top_k=2)
+    stock.query(Q)
+    KVQueryEngine.from_index(index, b, similarity_top_k=2).query(Q)
+    assert a.last_info["prompt"] == b.last_info["prompt"]

@@ -18,10 +18,6 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
-from llama_index.core.base.llms.generic_utils import (
-    completion_response_to_chat_response,
-    stream_completion_response_to_chat_response,
-)
 from llama_index.core.base.llms.types import (
     ChatMessage,
     ChatResponse,
@@ -38,6 +34,7 @@ from llama_index.core.llms.custom import CustomLLM
 
 from kvrag import adapters
 from kvrag.default_model import DEFAULT_MODEL
+from kvrag.errors import ContextLengthError, KVRAGError
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +80,23 @@ _MEDIA_BLOCKS = frozenset({"ImageBlock", "AudioBlock", "VideoBlock", "DocumentBl
 """Content blocks a text-only model cannot see (``ChatMessage.content`` leaves them out)."""
 
 
+class PromptTooLongError(KVRAGError, RuntimeError):
+    """A prompt LlamaIndex packed does not fit the model's context window.
+
+    LlamaIndex counts a prompt's tokens with ``Settings.tokenizer`` (tiktoken unless set), which makes fewer tokens
+    of the same text than most local models' tokenizers (SmolLM2: ~1.1x for English, ~1.6x for Japanese), so its
+    response synthesizers can pack past the window. Not a ``ValueError``: the synthesizers catch those and answer
+    "Empty Response" or drop chunks without a word. The engine's :class:`~kvrag.errors.ContextLengthError` is the
+    cause."""
+
+
+def _chat_response(r: CompletionResponse) -> ChatResponse:
+    """A completion as a chat response, its statistics on the response and on the message alike (LlamaIndex's own
+    converters put them on the message only, and the async stream had them on the response only)."""
+    return ChatResponse(message=ChatMessage(role="assistant", content=r.text, additional_kwargs=r.additional_kwargs),
+                        delta=r.delta, raw=r.raw, additional_kwargs=r.additional_kwargs)
+
+
 class KVCachedLLM(CustomLLM):
     """Local Hugging Face causal LM with reusable chunk KV caches.
 
@@ -117,9 +131,11 @@ class KVCachedLLM(CustomLLM):
         default=True,
         description="Let LlamaIndex send chat messages (rendered with the tokenizer's chat template).",
     )
-    use_recent_chunks: bool = Field(
-        default=False,
-        description="Also reuse recently registered chunks found verbatim in the prompt (see kvrag.adapters).",
+    use_recent_chunks: bool | None = Field(
+        default=None,
+        description="Also reuse recently registered chunks found verbatim in the prompt (see kvrag.adapters): True "
+                    "always, False never, None (default) when no chunks are registered in the caller's context (a "
+                    "workflow's next step, a stream read in another thread).",
     )
     history_size: int = Field(default=32, ge=0, description="How many per-request records to keep in .history.")
     reuse_history: bool = Field(
@@ -130,6 +146,7 @@ class KVCachedLLM(CustomLLM):
     )
 
     _engine: Any = PrivateAttr(default=None)
+    _engine_left: bool = PrivateAttr(default=False)  # unpickled without the engine it was given
     _history: Any = PrivateAttr(default=None)
 
     def __init__(self, engine: Any = None, **kwargs: Any) -> None:
@@ -165,6 +182,10 @@ class KVCachedLLM(CustomLLM):
     def engine(self) -> Any:
         """The :class:`kvrag.KVRAGEngine` (loaded on first use when none was passed)."""
         if self._engine is None:
+            if self._engine_left:  # model_name over an empty store would drop every cache without a word
+                msg = ("this KVCachedLLM was pickled without the KVRAGEngine it was given; pass engine= again "
+                       "(KVCachedLLM(engine=...)), or make it without engine= (model_name and store name what it loads)")
+                raise TypeError(msg)
             self._engine = adapters.shared_engine(self.model_name, self.store)
         return self._engine
 
@@ -224,8 +245,25 @@ class KVCachedLLM(CustomLLM):
         return copy
 
     def __setstate__(self, state: Any) -> None:
-        super().__setstate__(state)
+        super().__setstate__(state)  # LlamaIndex's: __init__ from the fields (private attributes are not restored)
         self._own_templates()
+        self._engine_left = bool((state.get("__pydantic_private__") or {}).get("_engine_left"))
+
+    def __getstate__(self) -> dict[Any, Any]:
+        state = super().__getstate__()  # LlamaIndex leaves out what does not pickle: the engine
+        if self._engine is not None:
+            private = {**(state.get("__pydantic_private__") or {}), "_engine": None}
+            private["_engine_left"] = not adapters.is_shared_engine(self._engine)  # a shared one: loaded by name
+            state = {**state, "__pydantic_private__": private}
+        return state
+
+    def __deepcopy__(self, memo: dict[int, Any] | None = None) -> KVCachedLLM:
+        memo = {} if memo is None else memo
+        if self._engine is not None:  # one loaded model and store: the copy shares it
+            memo[id(self._engine)] = self._engine
+        copy = super().__deepcopy__(memo)
+        copy._own_templates()
+        return copy
 
     # ------------------------------------------------------------------------------------------- requests
     def _gen_config(self, kw: dict[str, Any]) -> Any:
@@ -243,7 +281,11 @@ class KVCachedLLM(CustomLLM):
         kw = dict(kw)
         full = prompt if formatted else self.completion_to_prompt(prompt)
         explicit = kw.pop("chunks", None)
-        chunks = adapters.resolve_chunks(full, explicit, use_recent=bool(kw.pop("use_recent_chunks", self.use_recent_chunks)))
+        # with nothing registered in this context (a workflow's next step, a stream read in another thread), the
+        # chunks registered elsewhere that this prompt holds, as LangChain's adapter finds them
+        use_recent = kw.pop("use_recent_chunks", self.use_recent_chunks)
+        use_recent = not adapters.current_chunks() if use_recent is None else bool(use_recent)
+        chunks = adapters.resolve_chunks(full, explicit, use_recent=use_recent)
         if explicit is None:  # a short text found by content alone is a phrase of this prompt, not a passage
             chunks = adapters.passages_found(chunks, lambda t: len(self.engine.tokenize(t)))
         req = {"prompt": full, "chunks": adapters.chunk_texts(chunks), "refs": chunks, "method": self._method(kw),
@@ -273,9 +315,15 @@ class KVCachedLLM(CustomLLM):
         return self.engine.plan(req["prompt"], req["refs"])  # keys, ids and held caches travel with the chunks
 
     def _prepare(self, req: dict[str, Any]) -> Any:
-        plan = self._plan(req)
-        req["gen"] = adapters.fit_to_window(self.engine, plan, req["gen"])  # as kvrag serve cuts max_tokens
-        return self.engine.prepare(plan, req["method"], reserve=req["gen"].max_new_tokens)
+        try:
+            plan = self._plan(req)
+            req["gen"] = adapters.fit_to_window(self.engine, plan, req["gen"])  # as kvrag serve cuts max_tokens
+            return self.engine.prepare(plan, req["method"], reserve=req["gen"].max_new_tokens)
+        except ContextLengthError as e:
+            msg = (f"{e}. LlamaIndex packs prompts by Settings.tokenizer's count, which is not this model's: set "
+                   "Settings.tokenizer = llm.tokenizer.encode (the model's own count), or retrieve fewer or shorter "
+                   "chunks")
+            raise PromptTooLongError(msg) from e
 
     @staticmethod
     def _extra(prep: Any) -> dict[str, Any]:
@@ -284,9 +332,13 @@ class KVCachedLLM(CustomLLM):
         return {**adapters.response_summary(prep), "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens}
 
     def _info(self, req: dict[str, Any], prep: Any, text: str | None) -> dict[str, Any]:
+        extra = self._extra(prep)
+        usage = {"prompt_tokens": extra["prompt_tokens"], "completion_tokens": extra["completion_tokens"] or 0}
+        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         return {
-            "additional_kwargs": self._extra(prep),
-            "raw": adapters.response_details(prep),
+            "additional_kwargs": extra,
+            # "usage" as OpenAI's responses carry it: LlamaIndex's TokenCountingHandler reads it from raw
+            "raw": {**adapters.response_details(prep), "usage": usage},
             "prompt": req["prompt"],
             "chunks": list(req["chunks"]),
             "text": text,
@@ -362,12 +414,12 @@ class KVCachedLLM(CustomLLM):
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         req = self._chat_request(messages, kwargs)
-        return completion_response_to_chat_response(self._run(req))
+        return _chat_response(self._run(req))
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
         req = self._chat_request(messages, kwargs)
-        return stream_completion_response_to_chat_response(self._run_stream(req))
+        return (_chat_response(r) for r in self._run_stream(req))
 
     @llm_completion_callback()
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
@@ -386,22 +438,15 @@ class KVCachedLLM(CustomLLM):
         req = self._chat_request(messages, kwargs)
         r = await adapters.to_thread(self._run, req)
         self._adopt(req)
-        return completion_response_to_chat_response(r)
+        return _chat_response(r)
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
         req = self._chat_request(messages, kwargs)
 
         async def gen() -> ChatResponseAsyncGen:
-            text = ""
             async for r in self._astream(req):
-                text = r.text
-                yield ChatResponse(
-                    message=ChatMessage(role="assistant", content=text),
-                    delta=r.delta,
-                    raw=r.raw,
-                    additional_kwargs=r.additional_kwargs,
-                )
+                yield _chat_response(r)
 
         return gen()
 

@@ -51,7 +51,10 @@ class KVQueryEngine(CustomQueryEngine):
             msgs = self.text_qa_template.format_messages(llm=llm, context_str=_MARK, query_str=query)
             prompt = llm.messages_to_prompt(llm._extend_messages(msgs))
         else:
-            prompt = llm._extend_prompt(self.text_qa_template.format(llm=llm, context_str=_MARK, query_str=query))
+            # as LLM.predict formats it (LLM._get_prompt): the LLM's completion_to_prompt wraps the template
+            prompt = llm._extend_prompt(self.text_qa_template.format(
+                llm=llm, messages_to_prompt=llm.messages_to_prompt, completion_to_prompt=llm.completion_to_prompt,
+                context_str=_MARK, query_str=query))
         prefix, suffix = prompt.split(_MARK, 1)
         return prefix, suffix
 
