@@ -429,3 +429,14 @@ def test_ask_checks_its_arguments_before_loading_a_model_and_ctrl_c_is_one_line(
     monkeypatch.setattr(cli, "cmd_ask", interrupted)  # Ctrl-C anywhere in a command, e.g. inside a kernel
     assert cli.main(["ask", "q", "--persist", missing]) == 130
     assert capsys.readouterr().err.strip() == "interrupted"
+
+
+def test_an_engine_refuses_pickling_at_once_naming_what_to_do() -> None:
+    """Frameworks try to pickle what they hold (LlamaIndex's __getstate__, multiprocessing); an engine failed only
+    after pickling part of its weights, with "cannot pickle 'mmap.mmap' object"."""
+    import pickle
+
+    from kvrag_testing.tiny import tiny_engine
+
+    with pytest.raises(TypeError, match="open one in each process"):
+        pickle.dumps(tiny_engine("qwen2"))
