@@ -52,9 +52,8 @@ def test_from_vectorstore_passes_the_search_type_on(engine, vectorstore) -> None
 
 def test_copies_share_the_engine_and_pickling_one_says_what_to_do(engine, vectorstore) -> None:
     import copy
-    import pickle
 
     retriever = KVCacheRetriever(retriever=vectorstore.as_retriever(), engine=engine)
     assert copy.deepcopy(retriever).engine is engine
     with pytest.raises(TypeError, match="cannot be pickled"):
-        pickle.dumps(retriever)
+        retriever.__reduce_ex__(4)  # what pickle.dumps calls
