@@ -110,6 +110,13 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     include_usage: bool = Field(default=False, strict=True)
+    include_obfuscation: bool | None = Field(default=None, strict=True)  # OpenAI's padding of events: none here
+    continuous_usage_stats: bool | None = Field(default=None, strict=True)  # vLLM's: usage on the last event only
+
+    @field_validator("continuous_usage_stats")
+    @classmethod
+    def _continuous(cls, v: bool | None) -> bool | None:
+        return _only(v, (False,), "stream_options.continuous_usage_stats")
 
 
 class _Sampling(BaseModel):
@@ -132,6 +139,11 @@ class _Sampling(BaseModel):
     logit_bias: dict[str, float] | None = None
     store: bool | None = Field(default=None, strict=True)
     metadata: dict[Text, Text] | None = None
+    # OpenAI's hints with nothing to do on one local model: accepted and not used
+    prompt_cache_key: Text | None = None  # kvrag's caches are content-addressed already
+    safety_identifier: Text | None = None
+    service_tier: Text | None = None
+    top_k: int | None = Field(default=None, ge=-1, strict=True)  # vLLM's and llama.cpp's extension: 0 or -1 is off
     kvrag: KvragOptions | None = None
 
     @field_validator("n")
@@ -178,7 +190,8 @@ class _Sampling(BaseModel):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # other keys of a text part (LangChain's "id", Anthropic-style "cache_control") say nothing about its text
+    model_config = ConfigDict(extra="ignore")
 
     type: Literal["text"]
     text: Text
@@ -200,6 +213,7 @@ class ChatMessage(BaseModel):
     function_call: None = None
     audio: None = None
     annotations: list[object] | None = None
+    tool_call_id: None = None  # a tool message's; null on the others
 
     @field_validator("role")
     @classmethod
@@ -251,7 +265,20 @@ class ChatCompletionRequest(_Sampling):
     tools: list[object] | None = None
     tool_choice: str | None = None
     parallel_tool_calls: bool | None = Field(default=None, strict=True)
+    functions: list[object] | None = None  # OpenAI's older tools: empty or null only
+    function_call: str | None = None
     modalities: list[str] | None = None
+
+    @field_validator("functions")
+    @classmethod
+    def _functions(cls, v: list[object] | None) -> list[object] | None:
+        _empty(v, "functions", "function calling is not supported")
+        return v
+
+    @field_validator("function_call")
+    @classmethod
+    def _function_call(cls, v: str | None) -> str | None:
+        return _only(v, ("none",), "function_call")
 
     @field_validator("tools")
     @classmethod
@@ -344,11 +371,33 @@ class ChunksRequest(BaseModel):
     texts: list[Text] = Field(min_length=1)
 
 
+_NOT_OPENAI = frozenset({"min_p", "repetition_penalty", "typical_p", "keep_alive", "options", "mirostat"})
+"""Other servers' extensions a client of theirs may send (vLLM, llama.cpp, Ollama)."""
+
+
+def _unsupported(param: str) -> str:
+    """The message for a field the request model does not have."""
+    name = param.rsplit(".", 1)[-1]
+    if param.startswith("kvrag."):
+        return (f"unknown kvrag option {name!r}: the kvrag object takes {', '.join(sorted(KvragOptions.model_fields))}"
+                " (docs/serve.md)")
+    if name in ("reasoning_effort", "verbosity", "reasoning"):
+        return f"{name!r} applies to reasoning models; this server's model is not one: remove it"
+    if name in _NOT_OPENAI:
+        return (f"{name!r} is another server's extension, not one of OpenAI's sampling fields, which kvrag serve "
+                "implements (with top_k): remove it")
+    return (f"unsupported field {param!r}: kvrag serve does not implement it; remove it (docs/serve.md lists the "
+            "fields each endpoint accepts)")
+
+
 def validation_error_body(errors: Sequence[ValidationErrorItem]) -> ErrorBody:
     """A pydantic/FastAPI validation error list -> one OpenAI error naming the first offending field."""
     # a union field reports one error per member: the one a validator raised names the problem best
     none: ValidationErrorItem = {}
-    first = next((e for e in errors if e.get("type") == "value_error"), errors[0] if errors else none)
+    # else the deepest: of a union's members, the one whose type the value has got furthest (a list of text parts
+    # with one bad key: that key, not "Input should be a valid string" from the str member)
+    first = next((e for e in errors if e.get("type") == "value_error"),
+                 max(errors, key=lambda e: len(e.get("loc", ())), default=none))
     # a union's member ("str", "function-after[...]") is not a field: the param is the field's path
     loc = [str(p) for p in first.get("loc", ()) if p != "body" and not (isinstance(p, str) and ("[" in p or p in (
         "str", "int", "float", "bool", "list", "dict", "none")))]
@@ -362,8 +411,7 @@ def validation_error_body(errors: Sequence[ValidationErrorItem]) -> ErrorBody:
         return openai_error("the request body must be a JSON object sent with 'Content-Type: application/json' "
                             "(curl: -H 'content-type: application/json')", code="invalid_json")
     if kind == "extra_forbidden":
-        message = (f"unsupported field {param!r}: kvrag serve does not implement it (tools, function calling, "
-                   "response formats, logit bias and audio are not supported); remove it")
+        message = _unsupported(param or "")
     elif kind == "missing" and param is None:
         message = "the request has no JSON body: send a JSON object with 'Content-Type: application/json'"
     elif kind == "missing":

@@ -30,8 +30,9 @@ connections (time for their 503 responses and error events to go out)."""
 
 def _config(app: ASGIApp, drain_timeout_s: float, log_level: str = "warning") -> uvicorn.Config:
     uvicorn = require("uvicorn", "serve", "kvrag serve")
+    # every request's line (method, path, status) at debug level (`kvrag serve -v`), as uvicorn writes it
     return uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=max(0.0, float(drain_timeout_s)) +
-                          ABORT_GRACE_S, lifespan="on", access_log=False, server_header=False)
+                          ABORT_GRACE_S, lifespan="on", access_log=log_level == "debug", server_header=False)
 
 
 def _server(app: ASGIApp, cfg: uvicorn.Config, drain_timeout_s: float) -> uvicorn.Server:

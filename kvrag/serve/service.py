@@ -281,7 +281,8 @@ class KVRAGService:
             gen = adapters.generation_config(
                 max_new_tokens=requested if requested is not None else self.config.default_max_tokens,
                 temperature=body.temperature if body.temperature is not None else 0.0,
-                top_p=body.top_p if body.top_p is not None else 1.0, seed=body.seed, stop=body.stops())
+                top_p=body.top_p if body.top_p is not None else 1.0, top_k=max(0, body.top_k or 0), seed=body.seed,
+                stop=body.stops())
         except ConfigError as e:
             raise HTTPProblem(400, str(e)) from e
         return method, gen

@@ -85,6 +85,9 @@ BOUNDS = [
     ("chat", "logit_bias", {"50256": -100}, {}),
     ("text", "logit_bias", {"1": 5}, {}),
     ("chat", "modalities", ["text", "audio"], ["text"]),
+    ("chat", "functions", [{"name": "f"}], None),
+    ("chat", "function_call", "auto", None),
+    ("chat", "top_k", -2, -1),
     # types as OpenAI checks them: no string or boolean stands in for another type
     ("chat", "stream", "yes", False),
     ("text", "stream", 1, False),
@@ -207,9 +210,20 @@ def test_neutral_client_defaults_and_an_sdk_dumped_assistant_turn_are_answered(c
      "messages.0.content", "'image_url'"),
     ({"stream_options": {"include_usage": True}}, "stream_options", "stream: true"),
     ({"metadata": {"k": 1}}, "metadata.k", "string"),
+    # a list of parts is judged as a list (not "Input should be a valid string" from the plain-text member)
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "messages.0.content.0.text",
+     "string"),
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages.0.content.0.text", "missing"),
+    ({"min_p": 0.05}, "min_p", "another server's extension"),
+    ({"reasoning_effort": "low"}, "reasoning_effort", "reasoning models"),
+    ({"kvrag": {"methd": "stale"}}, "kvrag.methd", "chunks, method, params"),
+    ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options.continuous_usage_stats",
+     "continuous_usage_stats"),
 ])
 def test_unsupported_message_fields_name_the_problem(client: Any, body: dict[str, Any], param: str, says: str) -> None:
     r = client.post("/v1/chat/completions", json=chat(**body))
+    if body.get("stream"):
+        assert r.status_code == 400, r.text
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and says in err["message"], err
@@ -232,3 +246,23 @@ def test_a_body_of_invalid_utf8_is_invalid_json(client: Any) -> None:
     assert r.status_code == 400, r.text
     assert r.json()["error"]["code"] == "invalid_json", r.text
 
+
+
+def test_openai_hints_and_other_clients_extras_are_answered(client: Any) -> None:
+    """Fields OpenAI's current SDK and LangChain send that mean nothing to one local model (prompt_cache_key and
+    safety_identifier, which replace user; service_tier; include_obfuscation), null tool fields on any message, and
+    the keys LangChain puts on a text part ("id"), were each a 400."""
+    plain = client.post("/v1/chat/completions", json=chat()).json()["choices"][0]
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Name a city.", "id": "b1"}],
+              "tool_call_id": None}]
+    r = client.post("/v1/chat/completions", json=chat(
+        messages=parts, prompt_cache_key="k1", safety_identifier="u-hash", service_tier="auto", functions=None,
+        function_call=None, stream=True, stream_options={"include_usage": True, "include_obfuscation": False}))
+    assert r.status_code == 200, r.text
+    assert plain["message"]["content"] in r.text
+
+
+def test_top_k_one_samples_greedily(client: Any) -> None:
+    """top_k (vLLM's and llama.cpp's extension, which kvrag's sampler has): top_k=1 at temperature 1 is greedy."""
+    greedy = first_token_text(client, max_tokens=1)
+    assert {first_token_text(client, temperature=1.0, top_k=1, seed=s) for s in range(6)} == {greedy}
