@@ -7,7 +7,7 @@ import dataclasses
 import json
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Literal
 
 from kvrag import adapters
@@ -60,6 +60,22 @@ def full_body(job: Job, text: str) -> JSONObject:
     return {"id": job.prefix + job.id, "object": "chat.completion" if job.kind == "chat" else "text_completion",
             "created": job.created, "model": job.model, "choices": [choice], "usage": usage(job),
             "kvrag": adapters.response_summary(job.prep)}
+
+
+def batch_body(done: Sequence[tuple[Job, str]]) -> JSONObject:
+    """One response for a ``/v1/completions`` list of prompts (``done``: each prompt's job and text, in order), as
+    OpenAI answers one: the first job's id, one choice per prompt with its index, the usage summed, and each
+    prompt's ``kvrag`` summary in order (``kvrag.prompts``)."""
+    first = done[0][0]
+    counts = [(*adapters.token_usage(job.prep), int(job.prep.stats.reused_tokens)) for job, _ in done]
+    prompt, generated = sum(c[0] for c in counts), sum(c[1] or 0 for c in counts)
+    return {"id": first.prefix + first.id, "object": "text_completion", "created": first.created,
+            "model": first.model,
+            "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": finish_reason(job)}
+                        for i, (job, text) in enumerate(done)],
+            "usage": {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated,
+                      "prompt_tokens_details": {"cached_tokens": sum(c[2] for c in counts)}},
+            "kvrag": {"prompts": [adapters.response_summary(job.prep) for job, _ in done]}}
 
 
 def chunk_body(job: Job, delta: str | None, finish: str | None = None, *, role: bool = False,

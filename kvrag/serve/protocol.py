@@ -320,8 +320,12 @@ class ChatCompletionRequest(_Sampling):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
+MAX_PROMPTS = 32
+"""Most prompts one ``/v1/completions`` request may list (each is a request of its own in the server's queue)."""
+
+
 class CompletionRequest(_Sampling):
-    """``POST /v1/completions``: one prompt string (a list of one string is accepted)."""
+    """``POST /v1/completions``: a prompt string, or a list of them (one choice each)."""
 
     prompt: Text | list[Text]
     echo: bool | None = Field(default=None, strict=True)
@@ -332,9 +336,16 @@ class CompletionRequest(_Sampling):
     @field_validator("prompt")
     @classmethod
     def _prompt(cls, v: str | list[str]) -> str | list[str]:
-        if isinstance(v, list) and len(v) != 1:
-            raise ValueError(f"prompt must be one string (batches of prompts are not supported), got a list of {len(v)}")
+        if isinstance(v, list) and not 1 <= len(v) <= MAX_PROMPTS:
+            raise ValueError(f"prompt takes a string or a list of 1 to {MAX_PROMPTS} strings, got a list of {len(v)}")
         return v
+
+    @model_validator(mode="after")
+    def _one_prompt_streamed(self) -> CompletionRequest:
+        if self.stream and len(self.prompts()) > 1:
+            raise ValueError("a streamed completion takes one prompt; send the list without stream, or each prompt "
+                             "in a request of its own")
+        return self
 
     @field_validator("echo")
     @classmethod
@@ -358,6 +369,9 @@ class CompletionRequest(_Sampling):
 
     def text(self) -> str:
         return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+
+    def prompts(self) -> list[str]:
+        return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
 
     def requested_tokens(self) -> int:
         return self.max_tokens if self.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS

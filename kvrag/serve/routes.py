@@ -3,6 +3,7 @@ through the :func:`service` dependency."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from typing import Annotated
@@ -72,16 +73,35 @@ async def _streamed(svc: KVRAGService, request: Request, body: ChatCompletionReq
                 yield event
 
 
+async def _answered(svc: KVRAGService, request: Request, body: ChatCompletionRequest | CompletionRequest,
+                    prompt: str, kind: Kind) -> tuple[bodies.Job, str]:
+    async with svc.outcome("chat" if kind == "chat" else "completions", request) as out:
+        job = await svc.start(out, body, prompt, kind)
+        return job, await svc.collect(out, job)
+
+
 async def _complete(svc: KVRAGService, request: Request, body: ChatCompletionRequest | CompletionRequest,
                     prompt: str, kind: Kind) -> Response:
     if body.stream:
         events = _streamed(svc, request, body, prompt, kind)
         await anext(events)  # admitted and prepared, or the error is raised here
         return EventStream(events, _headers(svc))
-    async with svc.outcome("chat" if kind == "chat" else "completions", request) as out:
-        job = await svc.start(out, body, prompt, kind)
-        text = await svc.collect(out, job)
-        return JSONResponse(bodies.full_body(job, text), headers=_headers(svc))
+    job, text = await _answered(svc, request, body, prompt, kind)
+    return JSONResponse(bodies.full_body(job, text), headers=_headers(svc))
+
+
+async def _complete_batch(svc: KVRAGService, request: Request, body: CompletionRequest) -> Response:
+    """A list of prompts (LangChain's ``OpenAI`` LLM sends up to 20): each a request of its own, decoded together;
+    the first failure cancels the others and is the answer."""
+    tasks = [asyncio.ensure_future(_answered(svc, request, body, p, "text")) for p in body.prompts()]
+    try:
+        done = await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)  # their queue places and leases given back
+        raise
+    return JSONResponse(bodies.batch_body(done), headers=_headers(svc))
 
 
 @router.post("/v1/chat/completions")
@@ -96,7 +116,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, svc: S
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request, svc: Service) -> Response:
-    """OpenAI (legacy) completions: the prompt is used as it is, no chat template."""
+    """OpenAI (legacy) completions: the prompt is used as it is, no chat template; a list of prompts gets one
+    choice per prompt."""
+    if len(body.prompts()) > 1:
+        return await _complete_batch(svc, request, body)
     return await _complete(svc, request, body, body.text(), "text")
 
 

@@ -72,7 +72,8 @@ BOUNDS = [
     ("text", "logprobs", 1, 0),
     ("chat", "logprobs", True, False),
     ("chat", "top_logprobs", 2, 0),
-    ("text", "prompt", ["one", "two"], ["one"]),
+    ("text", "prompt", [], ["one", "two"]),
+    ("text", "prompt", ["p"] * 33, ["p"] * 3),
     ("chat", "messages", [], [{"role": "user", "content": "hi"}]),
     ("chat", "seed", 2**63, 2**63 - 1),
     ("chat", "seed", -(2**63) - 1, -(2**63)),
@@ -266,3 +267,34 @@ def test_top_k_one_samples_greedily(client: Any) -> None:
     """top_k (vLLM's and llama.cpp's extension, which kvrag's sampler has): top_k=1 at temperature 1 is greedy."""
     greedy = first_token_text(client, max_tokens=1)
     assert {first_token_text(client, temperature=1.0, top_k=1, seed=s) for s in range(6)} == {greedy}
+
+
+def test_a_list_of_prompts_gets_one_choice_each_as_each_alone(client: Any) -> None:
+    """LangChain's OpenAI LLM sends up to 20 prompts in one request (batch, generate): they were a 400."""
+    prompts = ["The capital of France is", "One, two, three,", "The capital of France is"]
+    alone = [client.post("/v1/completions", json=text(prompt=p, max_tokens=3)).json() for p in prompts]
+    r = client.post("/v1/completions", json=text(prompt=prompts, max_tokens=3))
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2]
+    assert [c["text"] for c in out["choices"]] == [a["choices"][0]["text"] for a in alone]
+    assert [c["finish_reason"] for c in out["choices"]] == [a["choices"][0]["finish_reason"] for a in alone]
+    for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+        assert out["usage"][key] == sum(a["usage"][key] for a in alone)
+    assert len(out["kvrag"]["prompts"]) == 3
+    streamed = client.post("/v1/completions", json=text(prompt=prompts, stream=True))
+    assert streamed.status_code == 400 and "one prompt" in streamed.json()["error"]["message"]
+
+
+def test_a_list_with_one_prompt_too_long_is_its_error_and_leaves_nothing_held(client: Any, engine: KVRAGEngine) -> None:
+    from kvrag_testing.waiting import wait_until
+
+    r = client.post("/v1/completions", json=text(prompt=["The capital of France is", "word " * 2000], max_tokens=3))
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+
+    def idle() -> bool:
+        st = engine.batcher.stats()
+        return st["decoding"] == 0 and st["joining"] == 0 and st["kv"]["leases"] == 0
+
+    wait_until(idle, timeout=30)
+    assert client.post("/v1/completions", json=text()).status_code == 200
