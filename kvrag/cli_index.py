@@ -53,8 +53,12 @@ def store_url(args: argparse.Namespace) -> str:
 
 
 def own_store_url(persist: str) -> str:
-    """The index's own file store, ``PERSIST/kv`` (``kvrag ingest``'s default)."""
-    return "file://" + str((Path(persist) / "kv").resolve())
+    """The index's own file store, ``PERSIST/kv`` (``kvrag ingest``'s default); ``PERSIST/kvcache`` in a LlamaIndex
+    index written by llama-index-postprocessor-kvrag's ``build_index``."""
+    d = Path(persist)
+    if not (d / "kv").exists() and (d / "kvcache").is_dir():
+        return "file://" + str((d / "kvcache").resolve())
+    return "file://" + str((d / "kv").resolve())
 
 
 def is_default_model(model: str | None) -> bool:

@@ -190,7 +190,11 @@ class ChunkIndex:
 
         d = Path(persist)
         if not (d / "index.json").exists():
-            raise ConfigError(f"{str(d)!r} is not a kvrag index (no index.json); create it with `kvrag ingest DOCS --persist {d}`")
+            msg = f"{str(d)!r} is not a kvrag index (no index.json); create it with `kvrag ingest DOCS --persist {d}`"
+            if (d / "docstore.json").exists():  # llama-index-postprocessor-kvrag's build_index wrote it
+                msg += (f"; it is a LlamaIndex index (load it with llama_index.postprocessor.kvrag.load_index), whose "
+                        f"chunk caches the store commands read with --store file://{(d / 'kvcache').resolve()}")
+            raise ConfigError(msg)
         manifest = json.loads((d / "index.json").read_text())
         if manifest.get("format") != INDEX_FORMAT:
             raise ConfigError(f"index format {manifest.get('format')} in {d} is not supported (expected {INDEX_FORMAT}); re-ingest")

@@ -67,3 +67,16 @@ def test_a_store_path_that_does_not_exist_is_an_error_not_an_empty_store(tmp_pat
     DiskStore(tmp_path / "a store")  # an existing one, addressed as store_from_url reads it: quoted, with options
     assert cli.main(["store", action, "--store", f"file://{tmp_path}/a%20store?codec=int8"]) == 0
     assert "no KV store at" not in capsys.readouterr().err
+
+
+def test_a_llamaindex_persist_dir_is_read_by_the_store_commands_and_named_by_ask(tmp_path: Path, capsys) -> None:
+    """llama-index-postprocessor-kvrag's build_index keeps its caches in PERSIST/kvcache (kvrag ingest: PERSIST/kv):
+    `kvrag store stats --persist` said "no KV store", and `kvrag ask --persist` only "not a kvrag index"."""
+    persist = tmp_path / "li"
+    KVRAGEngine(tiny_model("llama"), DiskStore(persist / "kvcache")).ingest(["A passage about the harbour."])
+    (persist / "docstore.json").write_text("{}")
+    assert cli.main(["store", "stats", "--persist", str(persist)]) == 0
+    assert "size: 1 entries" in capsys.readouterr().out
+    assert cli.main(["ask", "Where?", "--persist", str(persist)]) != 0
+    err = capsys.readouterr().err
+    assert "LlamaIndex index" in err and "kvcache" in err, err
