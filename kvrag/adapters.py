@@ -10,9 +10,10 @@ retriever (``integrations/langchain-kvrag``) all call this module for the behavi
   - *request scope* (``contextvars``): :func:`register_chunks` replaces the current context's request chunks and
     :func:`current_chunks` reads them. Each thread and each asyncio task has its own context, so concurrent
     requests never see each other's chunks. LlamaIndex query/chat engines retrieve, postprocess and synthesize in
-    one context, so this is all they need. A registration outlives its query in the thread; once every one of its
-    chunks has been in some call's prompt it is over, and the next call whose prompt holds none of them forgets it
-    (:func:`resolve_chunks`): an unrelated call after a query is not counted against chunks it never asked for;
+    one context, so this is all they need. A registration outlives its query in the thread until a call whose
+    prompt holds none of its chunks forgets it (:func:`resolve_chunks`): an unrelated call after a query (or after
+    a ``retrieve()`` shown as sources) is not counted against chunks it never asked for, and its texts are found by
+    content from then on;
   - *recent chunks* (process-wide, bounded LRU): every registration is also remembered here.
     :meth:`RecentChunks.found_in` returns the remembered texts that occur verbatim in a prompt. LangChain's LCEL
     runs each step of a chain in a *copy* of the caller's context (``RunnableParallel`` even in worker threads),
@@ -41,11 +42,12 @@ import contextlib
 import contextvars
 import dataclasses
 import threading
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvrag.async_bridge import MAX_WORKER_THREADS, aiter_in_thread, to_thread
+from kvrag.chunk_table import ChunkLike, RecentChunks
+from kvrag.chunk_table import normalize as _normalize
 from kvrag.config import GenerationConfig
 from kvrag.engine.chunks import RegisteredChunk
 from kvrag.errors import ConfigError
@@ -62,144 +64,16 @@ CHUNK_KEY_METADATA = "kvrag_chunk_key"
 """Metadata field that carries a node's / document's chunk key (excluded from what the LLM and embedder see)."""
 
 
-ChunkLike = str | RegisteredChunk | tuple[str, str | None]
 
 
 @dataclasses.dataclass(eq=False)
 class _Registration:
-    """One :func:`register_chunks` call's chunks and the texts that some call's prompt has contained since (shared
-    by the context copies a request's worker threads run in)."""
+    """One :func:`register_chunks` call's chunks (shared by the context copies a request's worker threads run in)."""
 
     chunks: tuple[RegisteredChunk, ...]
-    used: set[str] = dataclasses.field(default_factory=set)
-
-    def finished(self) -> bool:
-        return all(c.text in self.used for c in self.chunks)
 
 
 _REQUEST: contextvars.ContextVar[_Registration | None] = contextvars.ContextVar("kvrag_request_chunks", default=None)
-
-
-def _as_chunk(c: object) -> RegisteredChunk:
-    if isinstance(c, RegisteredChunk):
-        return c
-    if isinstance(c, str):
-        return RegisteredChunk(c)
-    if isinstance(c, tuple) and len(c) == 2 and isinstance(c[0], str):
-        return RegisteredChunk(c[0], c[1])
-    text = getattr(c, "text", None)
-    if isinstance(text, str):  # a look-alike (e.g. a pickled older RegisteredChunk): keep what it says of itself
-        return RegisteredChunk(text, getattr(c, "key", None))
-    msg = f"a chunk must be a str, a (text, key) tuple or a RegisteredChunk, got {type(c).__name__}"
-    raise ConfigError(msg)
-
-
-def _normalize(chunks: Iterable[ChunkLike]) -> tuple[RegisteredChunk, ...]:
-    if isinstance(chunks, (str, RegisteredChunk)):  # one chunk, not its characters
-        chunks = (chunks,)
-    seen: set[str] = set()
-    out = []
-    for c in chunks:
-        rc = _as_chunk(c)
-        if rc.text.strip() and rc.text not in seen:
-            seen.add(rc.text)
-            out.append(rc)
-    return tuple(out)
-
-
-class RecentChunks:
-    """Thread-safe, bounded LRU of recently registered chunk texts (process-wide).
-
-    :meth:`found_in` looks every remembered text up in a prompt. A table of many texts (``kvrag serve`` keeps up to
-    100K) is indexed by each text's first :data:`PREFIX` characters, so a lookup reads the prompt once (a dict probe
-    per position) instead of searching the prompt once per text.
-
-    Args:
-        max_entries: most texts kept.
-        max_chars: most characters kept in total.
-    """
-
-    PREFIX = 16
-    """Characters of a text's start that index it (shorter texts are searched for one by one)."""
-    SCAN_BELOW = 64
-    """Tables of fewer texts are searched text by text (no faster with the index)."""
-
-    def __init__(self, max_entries: int = 2048, max_chars: int = 8_000_000) -> None:
-        if max_entries < 1 or max_chars < 1:
-            msg = f"RecentChunks needs max_entries >= 1 and max_chars >= 1, got {max_entries}, {max_chars}"
-            raise ConfigError(msg)
-        self.max_entries = max_entries
-        self.max_chars = max_chars
-        self._lock = threading.Lock()
-        self._items: OrderedDict[str, RegisteredChunk] = OrderedDict()  # text -> identity (never a held cache)
-        self._chars = 0
-        self._stamp: dict[str, int] = {}  # text -> when it was last added (recency order of found_in)
-        self._clock = 0
-        self._by_prefix: dict[str, set[str]] = {}  # a text's first PREFIX characters -> the texts starting so
-        self._short: set[str] = set()  # texts shorter than PREFIX
-
-    def _index(self, text: str) -> None:
-        if len(text) < self.PREFIX:
-            self._short.add(text)
-        else:
-            self._by_prefix.setdefault(text[: self.PREFIX], set()).add(text)
-
-    def _unindex(self, text: str) -> None:
-        self._stamp.pop(text, None)
-        if len(text) < self.PREFIX:
-            self._short.discard(text)
-            return
-        group = self._by_prefix.get(text[: self.PREFIX])
-        if group is not None:
-            group.discard(text)
-            if not group:
-                del self._by_prefix[text[: self.PREFIX]]
-
-    def add(self, chunks: Iterable[ChunkLike]) -> None:
-        with self._lock:
-            for c in _normalize(chunks):
-                c = c.identity()
-                self._clock += 1
-                self._stamp[c.text] = self._clock
-                if c.text in self._items:
-                    self._items.move_to_end(c.text)
-                    if c.key is not None:
-                        self._items[c.text] = c
-                    continue
-                self._items[c.text] = c
-                self._chars += len(c.text)
-                self._index(c.text)
-            while self._items and (len(self._items) > self.max_entries or self._chars > self.max_chars):
-                old, _ = self._items.popitem(last=False)
-                self._chars -= len(old)
-                self._unindex(old)
-
-    def found_in(self, prompt: str) -> tuple[RegisteredChunk, ...]:
-        """The remembered chunks whose exact text occurs in ``prompt`` (most recent first)."""
-        with self._lock:
-            if len(self._items) < self.SCAN_BELOW:
-                items = list(self._items.items())
-                return tuple(c for t, c in reversed(items) if t in prompt)
-            found = {t for t in self._short if t in prompt}
-            k, groups = self.PREFIX, self._by_prefix
-            for i in range(len(prompt) - k + 1):
-                group = groups.get(prompt[i : i + k])
-                if group:
-                    found.update(t for t in group if t not in found and prompt.startswith(t, i))
-            ordered = sorted(found, key=self._stamp.__getitem__, reverse=True)
-            return tuple(self._items[t] for t in ordered)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._items.clear()
-            self._chars = 0
-            self._stamp.clear()
-            self._by_prefix.clear()
-            self._short.clear()
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._items)
 
 
 recent = RecentChunks()
@@ -250,10 +124,13 @@ MIN_FOUND_TOKENS = 12
 registration) needs to be reused there: a passage, not a phrase that other prompts contain as well."""
 
 
-def passages_found(chunks: Iterable[RegisteredChunk], count_tokens: Callable[[str], int]) -> tuple[RegisteredChunk, ...]:
+def passages_found(chunks: Iterable[RegisteredChunk], count_tokens: Callable[[str], int], *,
+                   scoped: bool = True) -> tuple[RegisteredChunk, ...]:
     """``chunks`` less those found by content alone that are shorter than :data:`MIN_FOUND_TOKENS`
-    (``count_tokens``: the model's token count of a text, for chunks not derived yet)."""
-    mine = {c.text for c in current_chunks()}
+    (``count_tokens``: the model's token count of a text, for chunks not derived yet). ``scoped=False``: the
+    context's registration does not delimit a request (LangChain: a retriever called on its own registers in the
+    caller's thread), so its chunks are held to the same length."""
+    mine = {c.text for c in current_chunks()} if scoped else set()
 
     def tokens(c: RegisteredChunk) -> int:
         return len(c.token_ids) if c.token_ids is not None else count_tokens(c.text)
@@ -285,8 +162,8 @@ def resolve_chunks(
     ``use_recent``, the recently registered chunks that occur verbatim in the prompt. ``only_found`` drops
     context chunks that are not in the prompt: for frameworks whose context does not delimit a request (LangChain,
     where a context registration may be left over from an earlier call in the same thread), so that they do not
-    count as registered-but-missing in the hit rate. A registration every chunk of which some earlier call's prompt
-    held is over: a prompt holding none of them forgets it (its texts are then found by content alone).
+    count as registered-but-missing in the hit rate. A prompt holding none of the context's chunks forgets its
+    registration: that call is not the registering query's (its texts are then found by content alone).
     """
     if explicit is not None:
         return _normalize(explicit)
@@ -294,11 +171,10 @@ def resolve_chunks(
     reg = _REQUEST.get() if use_context else None
     if reg is not None:
         here = [c for c in reg.chunks if c.text in prompt]
-        if not here and reg.chunks and reg.finished():
-            _REQUEST.set(None)  # its query is over: forgotten (its texts are found by content from now on)
+        if not here:
+            _REQUEST.set(None)  # not this query's call: forgotten, with its held caches (found by content from now on)
         else:
             out = here if only_found else list(reg.chunks)
-            reg.used.update(c.text for c in here)
     if use_recent:
         out.extend(recent.found_in(prompt))
     return _normalize(out)

@@ -149,7 +149,7 @@ def run(args: argparse.Namespace, model: str | None, store: str, chunk_prefix: s
         note_other_model(args.persist, index, engine)
     app = create_app(engine, cfg, persist=args.persist, close_engine=True)
     print(f"kvrag serve: {app.state.kvrag.model_id} ({args.method}) on http://{args.host}:{args.port}/v1, "
-          f"{len(app.state.kvrag.chunks)} chunks registered", file=sys.stderr)
+          f"{app.state.kvrag.registered} chunks registered", file=sys.stderr)
     serve(app, args.host, args.port, drain_timeout_s=args.drain_timeout, log_level="debug" if args.verbose else "info")
     if _forward_in_flight(app):
         # a prepare that is one long forward cannot be interrupted, and a process that exits under it is aborted by

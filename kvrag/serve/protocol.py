@@ -105,6 +105,13 @@ class KvragOptions(BaseModel):
     params: dict[Text, object] = Field(default_factory=dict)
     chunks: list[Text] | None = None
 
+    @field_validator("method")
+    @classmethod
+    def _method(cls, v: str | None) -> str | None:
+        if v is not None and not v.strip():
+            raise ValueError("an empty method names none: give a method spec (e.g. 'stale') or leave kvrag.method out")
+        return v
+
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")

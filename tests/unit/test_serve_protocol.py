@@ -218,6 +218,7 @@ def test_neutral_client_defaults_and_an_sdk_dumped_assistant_turn_are_answered(c
     ({"min_p": 0.05}, "min_p", "another server's extension"),
     ({"reasoning_effort": "low"}, "reasoning_effort", "reasoning models"),
     ({"kvrag": {"methd": "stale"}}, "kvrag.methd", "chunks, method, params"),
+    ({"kvrag": {"method": " "}}, "kvrag.method", "empty method"),
     ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options.continuous_usage_stats",
      "continuous_usage_stats"),
 ])

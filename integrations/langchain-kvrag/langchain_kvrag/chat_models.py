@@ -141,6 +141,11 @@ class ChatKVCached(BaseChatModel):
             self.kv_engine = adapters.shared_engine(self.model_name, self.store)
         return self.kv_engine
 
+    async def _aload(self) -> None:
+        """Load the engine (first use) off the event loop: seconds the loop's other tasks must not wait."""
+        if self.kv_engine is None:
+            await adapters.to_thread(lambda: self.engine)
+
     @property
     def history(self) -> list[dict[str, Any]]:
         """The latest requests (prompt, chunk texts, response metadata, usage), oldest first (at most 32)."""
@@ -214,7 +219,8 @@ class ChatKVCached(BaseChatModel):
         # LCEL gives no request-scoped context: count only registered chunks that this prompt contains
         chunks = adapters.resolve_chunks(prompt, explicit, use_recent=use_recent, only_found=use_recent)
         if explicit is None:  # a short text found by content alone is a phrase of this prompt, not a passage
-            chunks = adapters.passages_found(chunks, lambda t: len(self.engine.tokenize(t)))
+            # (a retriever invoked on its own registers in this thread, which delimits no request: held alike)
+            chunks = adapters.passages_found(chunks, lambda t: len(self.engine.tokenize(t)), scoped=False)
         if kw.pop("reuse_history", self.reuse_history):
             chunks = adapters.with_history(chunks, messages_to_dicts(messages))
 
@@ -288,12 +294,14 @@ class ChatKVCached(BaseChatModel):
 
     async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                          run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
+        await self._aload()
         req = self._request(messages, stop, kwargs)  # resolve chunks in this task's context
         return await adapters.to_thread(self._run, req)
 
     async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                        run_manager: AsyncCallbackManagerForLLMRun | None = None,
                        **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
+        await self._aload()
         req = self._request(messages, stop, kwargs)
         async for chunk in adapters.aiter_in_thread(lambda: self._stream_request(req)):
             if run_manager and chunk.text:

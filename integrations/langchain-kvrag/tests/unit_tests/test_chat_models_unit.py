@@ -7,6 +7,7 @@ from langchain_core.messages import AIMessageChunk, HumanMessage
 from langchain_kvrag import ChatKVCached
 from pydantic import ValidationError
 
+from kvrag import adapters
 from kvrag.adapters import chunk_scope
 
 CHUNKS = ["\n\nA day pass costs 9 marks.", "\n\nTram T2 runs every 6 minutes."]
@@ -251,3 +252,16 @@ def test_copies_share_the_engine_and_pickling_says_what_to_do(engine) -> None:
     assert copy.deepcopy(llm).engine is engine
     with pytest.raises(TypeError, match="cannot be pickled"):
         llm.__reduce_ex__(4)  # what pickle.dumps calls
+
+
+def test_a_retriever_called_on_its_own_splices_no_short_text_into_later_chats(engine) -> None:
+    """retriever.invoke(...) (to look at what it returns) registers in the caller's thread, which delimits no
+    request: its short texts were then spliced into the thread's later chats, changing their answers."""
+    llm = ChatKVCached(engine=engine, method="stale", max_tokens=3)
+    engine.ingest(["Hello"])
+    token = adapters.register_chunks(["Hello"])  # what KVCacheRetriever.invoke leaves in this thread
+    try:
+        kv = llm.invoke([HumanMessage("Hello")]).response_metadata["kvrag"]
+        assert kv["chunks_registered"] == kv["chunk_hits"] == 0, kv
+    finally:
+        adapters.reset_chunks(token)

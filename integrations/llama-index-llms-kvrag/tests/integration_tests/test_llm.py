@@ -81,9 +81,9 @@ def test_registered_chunks_are_reused(llm, passages):
     assert kw["reused_tokens"] > 0
     assert len(r.raw["chunk_keys"]) == 3
     assert llm.last_info["prompt"] == prompt
-    # outside the scope (and with nothing left registered in this thread) it is a plain prefill
+    # outside the scope (nothing left registered in this thread) without the content lookup it is a plain prefill
     adapters.clear_chunks()
-    r2 = llm.complete(prompt, formatted=True)
+    r2 = llm.complete(prompt, formatted=True, use_recent_chunks=False)
     assert r2.additional_kwargs["chunks_registered"] == 0
 
 

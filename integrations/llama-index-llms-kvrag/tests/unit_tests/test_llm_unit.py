@@ -155,28 +155,28 @@ def test_a_request_takes_the_caches_it_uses_from_the_callers_context(engine, pas
     assert again.raw["token_ids"] == r.raw["token_ids"]  # the same answer from the stored caches
 
 
-def test_a_finished_registration_is_not_offered_to_a_later_unrelated_call(engine, passages) -> None:
+def test_a_registration_ends_at_a_call_that_holds_none_of_its_chunks(engine, passages) -> None:
+    """A query's registration outlives it in the thread: a later call that holds none of its chunks (an unrelated
+    chat, a workflow after a ``retrieve()`` shown as sources) ends it, so it is neither counted against chunks it
+    never asked for nor does it keep that call from finding registered texts by content."""
     llm = KVCachedLLM(engine=engine, max_new_tokens=2)
     token = adapters.register_chunks(passages)  # as a query's postprocessor does, in this thread's context
     try:
-        unfound = llm.complete("Say hello.").additional_kwargs  # none in the prompt yet: counted (a reformat shows)
-        assert (unfound["chunks_registered"], unfound["chunks_found"]) == (len(passages), 0)
-        # a refine-like query: one call per chunk; the chunks not in a call's prompt are still the query's
+        # a refine-like query: one call per chunk; the query's other chunks still count as registered
         first = llm.complete(context_prompt(llm, passages[:1], "Q?"), formatted=True).additional_kwargs
         assert (first["chunks_registered"], first["chunks_found"]) == (len(passages), 1)
-        for p in passages[1:]:
-            llm.complete(context_prompt(llm, [p], "Q?"), formatted=True)
-        # the same prompt again in the query (a retried or streamed call): still offered
         again = llm.complete(context_prompt(llm, passages, "Q?"), formatted=True).additional_kwargs
         assert again["chunks_registered"] == again["chunk_hits"] == len(passages)
-        # every chunk has been in a prompt: a call holding none of them ends the query, which is forgotten: it is
-        # not counted against them, nor is a later prompt holding one of them offered it as registered
-        later = llm.complete("Say hello.").additional_kwargs
+        later = llm.complete("Say hello.").additional_kwargs  # holds none: the query is over
         assert later["chunks_registered"] == later["hit_rate"] == 0 and not adapters.current_chunks()
         prompt = context_prompt(llm, passages[:1], "Q?")
         assert llm.complete(prompt, formatted=True, use_recent_chunks=False).additional_kwargs["chunks_registered"] == 0
         found = llm.complete(prompt, formatted=True).additional_kwargs  # by content, as any unregistered prompt
         assert found["chunks_registered"] == found["chunk_hits"] == 1
+        # a registration whose chunks no call held (a retrieve() shown as sources) ends the same way
+        adapters.register_chunks(passages[1:])
+        other = llm.complete(prompt, formatted=True).additional_kwargs
+        assert other["chunks_registered"] == other["chunk_hits"] == 1 and not adapters.current_chunks()
     finally:
         adapters.reset_chunks(token)
 

@@ -186,3 +186,16 @@ def test_kv_query_engine_builds_the_stock_prompt_for_either_kind_of_llm(index, e
     stock.query(Q)
     KVQueryEngine.from_index(index, b, similarity_top_k=2).query(Q)
     assert a.last_info["prompt"] == b.last_info["prompt"]
+
+
+def test_copies_share_the_engine_and_an_unpickled_postprocessor_says_why_it_cannot_run(engine) -> None:
+    import copy
+
+    from llama_index.postprocessor.kvrag import KVCacheTransform
+
+    pp, t = KVCachePostprocessor(engine=engine), KVCacheTransform(engine=engine)
+    assert copy.deepcopy(pp).engine is engine and copy.deepcopy(t).engine is engine
+    moved = KVCachePostprocessor.__new__(KVCachePostprocessor)
+    moved.__setstate__(pp.__getstate__())  # what unpickling in another process does
+    with pytest.raises(ValueError, match="without its engine"):
+        _ = moved.engine

@@ -189,6 +189,11 @@ class KVCachedLLM(CustomLLM):
             self._engine = adapters.shared_engine(self.model_name, self.store)
         return self._engine
 
+    async def _aload(self) -> None:
+        """Load the engine (first use) off the event loop: seconds the loop's other tasks must not wait."""
+        if self._engine is None:
+            await adapters.to_thread(lambda: self.engine)
+
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
@@ -284,7 +289,8 @@ class KVCachedLLM(CustomLLM):
         # with nothing registered in this context (a workflow's next step, a stream read in another thread), the
         # chunks registered elsewhere that this prompt holds, as LangChain's adapter finds them
         use_recent = kw.pop("use_recent_chunks", self.use_recent_chunks)
-        use_recent = not adapters.current_chunks() if use_recent is None else bool(use_recent)
+        if use_recent is None:  # the context's registration reaches this call only when its prompt holds some of it
+            use_recent = not any(c.text in full for c in adapters.current_chunks())
         chunks = adapters.resolve_chunks(full, explicit, use_recent=use_recent)
         if explicit is None:  # a short text found by content alone is a phrase of this prompt, not a passage
             chunks = adapters.passages_found(chunks, lambda t: len(self.engine.tokenize(t)))
@@ -320,9 +326,9 @@ class KVCachedLLM(CustomLLM):
             req["gen"] = adapters.fit_to_window(self.engine, plan, req["gen"])  # as kvrag serve cuts max_tokens
             return self.engine.prepare(plan, req["method"], reserve=req["gen"].max_new_tokens)
         except ContextLengthError as e:
-            msg = (f"{e}. LlamaIndex packs prompts by Settings.tokenizer's count, which is not this model's: set "
-                   "Settings.tokenizer = llm.tokenizer.encode (the model's own count), or retrieve fewer or shorter "
-                   "chunks")
+            msg = (f"{e}. If a LlamaIndex response synthesizer packed this prompt: it counts tokens with "
+                   "Settings.tokenizer, not this model's tokenizer; set Settings.tokenizer = llm.tokenizer.encode, or "
+                   "retrieve fewer or shorter chunks")
             raise PromptTooLongError(msg) from e
 
     @staticmethod
@@ -423,6 +429,7 @@ class KVCachedLLM(CustomLLM):
 
     @llm_completion_callback()
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        await self._aload()
         req = self._new_request(prompt, formatted, kwargs)
         r = await adapters.to_thread(self._run, req)
         self._adopt(req)
@@ -430,11 +437,13 @@ class KVCachedLLM(CustomLLM):
 
     @llm_completion_callback()
     async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
+        await self._aload()
         req = self._new_request(prompt, formatted, kwargs)
         return self._astream(req)
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        await self._aload()
         req = self._chat_request(messages, kwargs)
         r = await adapters.to_thread(self._run, req)
         self._adopt(req)
@@ -442,6 +451,7 @@ class KVCachedLLM(CustomLLM):
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
+        await self._aload()
         req = self._chat_request(messages, kwargs)
 
         async def gen() -> ChatResponseAsyncGen:

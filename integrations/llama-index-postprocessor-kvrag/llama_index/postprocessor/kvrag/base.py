@@ -33,6 +33,19 @@ def resolve_engine(engine: Any = None, llm: Any = None) -> Any:
     raise ValueError(msg)
 
 
+class _SharesEngine:
+    """Mixed into the components that hold an engine: a deep copy (``copy.deepcopy``, ``model_copy(deep=True)``)
+    shares the loaded model and store instead of copying them (an engine refuses to be copied)."""
+
+    def __deepcopy__(self, memo: dict[int, Any] | None = None) -> Any:
+        memo = {} if memo is None else memo
+        for name in ("_engine", "_llm"):
+            held = getattr(self, name, None)
+            if held is not None:
+                memo[id(held)] = held
+        return super().__deepcopy__(memo)  # type: ignore[misc]
+
+
 def cache_target(engine: Any) -> str:
     """The engine's chunk key space and store, as text: what a cached ingestion step must be keyed by. A store that
     lives only in this process (``memory://``) adds its identity: another instance is empty."""
@@ -84,7 +97,7 @@ def ensure_node_caches(engine: Any, nodes: Sequence[BaseNode], *, key_name: str 
     return out
 
 
-class KVCachePostprocessor(BaseNodePostprocessor):
+class KVCachePostprocessor(_SharesEngine, BaseNodePostprocessor):
     """Ensures a cache for every retrieved node and registers the nodes as the request's chunks.
 
     Put it last in ``node_postprocessors`` (after rerankers / filters): the nodes it sees are the nodes the
@@ -114,7 +127,13 @@ class KVCachePostprocessor(BaseNodePostprocessor):
 
     @property
     def engine(self) -> Any:
-        return resolve_engine(self._engine, self._llm)
+        engine, llm = getattr(self, "_engine", None), getattr(self, "_llm", None)  # absent in a pickled copy
+        if engine is None and llm is None:
+            msg = ("this KVCachePostprocessor was copied out of its process (pickled) without its engine, whose "
+                   "model and store do not travel; make it in the process that queries (KVCachePostprocessor("
+                   "engine=...))")
+            raise ValueError(msg)
+        return resolve_engine(engine, llm)
 
     def _ensure(self, nodes: list[NodeWithScore]) -> list[adapters.RegisteredChunk]:
         # a registered request reads each cache here, once; the LLM then splices the held caches in
@@ -136,7 +155,7 @@ class KVCachePostprocessor(BaseNodePostprocessor):
         return nodes
 
 
-class KVCacheTransform(TransformComponent):
+class KVCacheTransform(_SharesEngine, TransformComponent):
     """Ingestion step that computes and stores the chunk cache of every node (use it after the node parser).
 
     Works in ``IngestionPipeline(transformations=[splitter, KVCacheTransform(engine), embed_model])`` and in
