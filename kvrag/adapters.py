@@ -233,6 +233,14 @@ def is_shared_engine(engine: object) -> bool:
         return any(e is engine for e in _ENGINES.values())
 
 
+def sharing(memo: dict[int, Any] | None, *held: object) -> dict[int, Any]:
+    """A ``copy.deepcopy`` memo under which an adapter's copy shares ``held`` (a loaded engine and its model and
+    store, which are never what a copy of a chat model or retriever means; an engine refuses to be copied)."""
+    memo = {} if memo is None else memo
+    memo.update({id(h): h for h in held if h is not None})
+    return memo
+
+
 def unpicklable_engine(owner: str, instead: str | None = None) -> TypeError:
     """The error for pickling an adapter that holds an engine it was given (weights, a store, open files)."""
     instead = instead or f"a {owner} made without engine= (model= and store= name what the unpickling process loads)"
@@ -379,5 +387,6 @@ __all__ = [
     "response_details",
     "response_summary",
     "shared_engine",
+    "sharing",
     "token_usage",
 ]

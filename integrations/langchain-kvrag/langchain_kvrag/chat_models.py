@@ -121,10 +121,7 @@ class ChatKVCached(BaseChatModel):
             get_method(self.method, **self.method_params)  # unknown names raise listing the valid ones
 
     def __deepcopy__(self, memo: dict[int, Any] | None = None) -> ChatKVCached:
-        memo = {} if memo is None else memo
-        if self.kv_engine is not None:  # one loaded model and store: the copy shares it
-            memo[id(self.kv_engine)] = self.kv_engine
-        return super().__deepcopy__(memo)
+        return super().__deepcopy__(adapters.sharing(memo, self.kv_engine))
 
     def __getstate__(self) -> dict[Any, Any]:
         state = super().__getstate__()

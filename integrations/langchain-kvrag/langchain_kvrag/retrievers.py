@@ -68,10 +68,7 @@ class KVCacheRetriever(BaseRetriever):
         return cls(retriever=inner, engine=engine, llm=llm, k=k)
 
     def __deepcopy__(self, memo: dict[int, Any] | None = None) -> KVCacheRetriever:
-        memo = {} if memo is None else memo
-        if self._engine is not None:  # one loaded model and store: the copy shares it
-            memo[id(self._engine)] = self._engine
-        return super().__deepcopy__(memo)
+        return super().__deepcopy__(adapters.sharing(memo, self._engine))
 
     def __getstate__(self) -> dict[Any, Any]:
         if self._engine is not None:  # a retriever made with llm= pickles as that chat model does

@@ -263,10 +263,7 @@ class KVCachedLLM(CustomLLM):
         return state
 
     def __deepcopy__(self, memo: dict[int, Any] | None = None) -> KVCachedLLM:
-        memo = {} if memo is None else memo
-        if self._engine is not None:  # one loaded model and store: the copy shares it
-            memo[id(self._engine)] = self._engine
-        copy = super().__deepcopy__(memo)
+        copy = super().__deepcopy__(adapters.sharing(memo, self._engine))
         copy._own_templates()
         return copy
 

@@ -38,12 +38,8 @@ class _SharesEngine:
     shares the loaded model and store instead of copying them (an engine refuses to be copied)."""
 
     def __deepcopy__(self, memo: dict[int, Any] | None = None) -> Any:
-        memo = {} if memo is None else memo
-        for name in ("_engine", "_llm"):
-            held = getattr(self, name, None)
-            if held is not None:
-                memo[id(held)] = held
-        return super().__deepcopy__(memo)  # type: ignore[misc]
+        held = (getattr(self, "_engine", None), getattr(self, "_llm", None))
+        return super().__deepcopy__(adapters.sharing(memo, *held))  # type: ignore[misc]
 
 
 def cache_target(engine: Any) -> str:
