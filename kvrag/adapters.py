@@ -64,8 +64,6 @@ CHUNK_KEY_METADATA = "kvrag_chunk_key"
 """Metadata field that carries a node's / document's chunk key (excluded from what the LLM and embedder see)."""
 
 
-
-
 @dataclasses.dataclass(eq=False)
 class _Registration:
     """One :func:`register_chunks` call's chunks (shared by the context copies a request's worker threads run in)."""

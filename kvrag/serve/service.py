@@ -87,6 +87,7 @@ class KVRAGService:
         self.index_chunks: adapters.RecentChunks | None = None
         """The ``--persist`` index's chunks (:meth:`register_index`), apart from the clients' registrations, which
         are bounded by the server's limits and so could otherwise push the index's texts out."""
+        self.index_passages = 0
         self.metrics = Metrics(engine)
         self.held = 0
         self.outcomes: set[Outcome] = set()
@@ -213,16 +214,19 @@ class KVRAGService:
 
     def register_index(self, persist: str) -> int:
         """Register the chunks of a ``kvrag ingest`` index as ``kvrag ask`` renders them into prompts
-        (:func:`kvrag.prompting.render_passage`); their caches are the ones ingest stored. Returns the count."""
+        (:func:`kvrag.prompting.render_passage`; their caches are the ones ingest stored) and as their text alone
+        (a client's template that writes a passage after one newline or a label, as LlamaIndex's QA template does
+        its first node; cached when first found). Returns the count of passages."""
         from kvrag.index import ChunkIndex
         from kvrag.prompting import render_passage
 
         index = ChunkIndex.load(persist)
-        texts = [render_passage(c.text) for c in index.chunks]
+        texts = [render_passage(c.text) for c in index.chunks] + [c.text.strip() for c in index.chunks]
         table = adapters.RecentChunks(max(1, len(texts)), max(1, sum(map(len, texts))))  # holds them all
         table.add(texts)
         self.index_chunks = table
-        return len(texts)
+        self.index_passages = len(index.chunks)
+        return self.index_passages
 
     def found_chunks(self, prompt: str) -> tuple[RegisteredChunk, ...]:
         """The registered chunks whose text occurs in ``prompt``: the clients' (most recent first), then the
@@ -231,12 +235,14 @@ class KVRAGService:
         if self.index_chunks is None:
             return refs
         mine = {c.text for c in refs}
-        return refs + tuple(c for c in self.index_chunks.found_in(prompt) if c.text not in mine)
+        found = [c for c in self.index_chunks.found_in(prompt) if c.text not in mine]
+        # a passage's text alone inside its rendered form found too is the same passage: offered once
+        return refs + tuple(c for c in found if not any(c.text != o.text and c.text in o.text for o in found))
 
     @property
     def registered(self) -> int:
         """Texts registered: the clients' and the ``--persist`` index's."""
-        return len(self.chunks) + (len(self.index_chunks) if self.index_chunks is not None else 0)
+        return len(self.chunks) + self.index_passages
 
     # ------------------------------------------------------------------------------------------- completions
     @functools.cached_property

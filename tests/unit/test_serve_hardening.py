@@ -758,3 +758,10 @@ def test_clients_registrations_never_push_the_indexs_chunks_out(engine: KVRAGEng
     assert svc.registered == 4 and len(svc.chunks) == 2
     prompt = "Context:" + "".join(render_passage(t) for t in docs) + PASSAGES[1] + "\n\nQuestion: when?"
     assert {c.text for c in svc.found_chunks(prompt)} == {render_passage(t) for t in docs} | {PASSAGES[1]}
+    # a client's template that writes a passage after one newline (LlamaIndex's QA template: its first node) finds
+    # it by its text alone, which the planner splices where its ids are the prompt's
+    lone = "Context information is below.\n---------------------\n" + docs[0] + "\n\n" + docs[1] + "\n---\nQ?"
+    refs = svc.found_chunks(lone)
+    assert {c.text for c in refs} == {docs[0], render_passage(docs[1])}  # the second after a blank line, as rendered
+    plan = svc.engine.plan(lone, refs, exact=[c.text for c in refs])
+    assert plan.found == 2 and plan.registered == 2
