@@ -346,7 +346,7 @@ def test_serve_loads_the_quantization_its_index_was_built_with(monkeypatch: pyte
             name="m", fingerprint=f"fp-{kw['quantize']}", dtype=torch.bfloat16, quantize=kw["quantize"]))
 
     monkeypatch.setattr(KVRAGEngine, "from_pretrained", load)
-    app = types.SimpleNamespace(state=types.SimpleNamespace(kvrag=types.SimpleNamespace(model_id="m", chunks=[])))
+    app = types.SimpleNamespace(state=types.SimpleNamespace(kvrag=types.SimpleNamespace(model_id="m", registered=0)))
     monkeypatch.setattr(kvrag.serve, "create_app", lambda *a, **kw: app)
     monkeypatch.setattr(kvrag.serve, "serve", lambda *a, **kw: None)
     (tmp_path / "index.json").write_text(json.dumps({"quantize": "int8", "model_fingerprint": "fp-int8",
@@ -372,7 +372,7 @@ def test_serve_options_reach_the_engine(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setattr(KVRAGEngine, "from_pretrained", lambda *a, **kw: seen.update(kw) or "engine")
     warmed: list[object] = []
     monkeypatch.setattr(warmup, "warm_up", warmed.append)
-    app = types.SimpleNamespace(state=types.SimpleNamespace(kvrag=types.SimpleNamespace(model_id="m", chunks=[])))
+    app = types.SimpleNamespace(state=types.SimpleNamespace(kvrag=types.SimpleNamespace(model_id="m", registered=0)))
     monkeypatch.setattr(kvrag.serve, "create_app", lambda *a, **kw: app)
     monkeypatch.setattr(kvrag.serve, "serve", lambda *a, **kw: None)
     for argv, on in (([], False), (["--no-pack-suffixes", "--speculative-tokens", "0", "--speculative-max-batch", "5",

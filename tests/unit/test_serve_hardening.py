@@ -400,7 +400,7 @@ def test_cli_keys_from_option_and_environment_and_warning(monkeypatch: pytest.Mo
     seen: dict[str, Any] = {}
     monkeypatch.setattr(KVRAGEngine, "from_pretrained", lambda *a, **kw: None)
     monkeypatch.setattr(warmup, "warm_up", lambda engine: 0.0)  # no engine here to warm up
-    app = types.SimpleNamespace(state=types.SimpleNamespace(kvrag=types.SimpleNamespace(model_id="m", chunks=[])))
+    app = types.SimpleNamespace(state=types.SimpleNamespace(kvrag=types.SimpleNamespace(model_id="m", registered=0)))
 
     def create(engine: Any, cfg: ServeConfig, **kw: Any) -> Any:
         seen["cfg"] = cfg
