@@ -37,11 +37,14 @@ class Job:
         return "chatcmpl-" if self.kind == "chat" else "cmpl-"
 
 
-def usage(job: Job) -> JSONObject:
-    prompt, generated = adapters.token_usage(job.prep)
-    generated = generated or 0
+def usage(*jobs: Job) -> JSONObject:
+    """OpenAI's ``usage`` of a response: its job's counts, summed over the jobs of a list of prompts."""
+    prompt = generated = cached = 0
+    for job in jobs:
+        p, g = adapters.token_usage(job.prep)
+        prompt, generated, cached = prompt + p, generated + (g or 0), cached + int(job.prep.stats.reused_tokens)
     return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated,
-            "prompt_tokens_details": {"cached_tokens": int(job.prep.stats.reused_tokens)}}
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def finish_reason(job: Job) -> str:
@@ -49,16 +52,18 @@ def finish_reason(job: Job) -> str:
     return adapters.finish_reason(job.prep, job.gen.max_new_tokens)
 
 
+def _choice(job: Job, text: str, index: int = 0) -> JSONObject:
+    """One answered choice of a non-streamed response."""
+    if job.kind == "chat":
+        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                "finish_reason": finish_reason(job)}
+    return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason(job)}
+
+
 def full_body(job: Job, text: str) -> JSONObject:
     """The non-streamed response."""
-    choice: JSONObject
-    if job.kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": finish_reason(job)}
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason(job)}
     return {"id": job.prefix + job.id, "object": "chat.completion" if job.kind == "chat" else "text_completion",
-            "created": job.created, "model": job.model, "choices": [choice], "usage": usage(job),
+            "created": job.created, "model": job.model, "choices": [_choice(job, text)], "usage": usage(job),
             "kvrag": adapters.response_summary(job.prep)}
 
 
@@ -67,14 +72,9 @@ def batch_body(done: Sequence[tuple[Job, str]]) -> JSONObject:
     OpenAI answers one: the first job's id, one choice per prompt with its index, the usage summed, and each
     prompt's ``kvrag`` summary in order (``kvrag.prompts``)."""
     first = done[0][0]
-    counts = [(*adapters.token_usage(job.prep), int(job.prep.stats.reused_tokens)) for job, _ in done]
-    prompt, generated = sum(c[0] for c in counts), sum(c[1] or 0 for c in counts)
     return {"id": first.prefix + first.id, "object": "text_completion", "created": first.created,
-            "model": first.model,
-            "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": finish_reason(job)}
-                        for i, (job, text) in enumerate(done)],
-            "usage": {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated,
-                      "prompt_tokens_details": {"cached_tokens": sum(c[2] for c in counts)}},
+            "model": first.model, "choices": [_choice(job, text, i) for i, (job, text) in enumerate(done)],
+            "usage": usage(*(job for job, _ in done)),
             "kvrag": {"prompts": [adapters.response_summary(job.prep) for job, _ in done]}}
 
 

@@ -276,22 +276,17 @@ class ChatCompletionRequest(_Sampling):
     function_call: str | None = None
     modalities: list[str] | None = None
 
-    @field_validator("functions")
+    @field_validator("tools", "functions")
     @classmethod
-    def _functions(cls, v: list[object] | None) -> list[object] | None:
-        _empty(v, "functions", "function calling is not supported")
+    def _tools(cls, v: list[object] | None, info: ValidationInfo) -> list[object] | None:
+        kind = "tool" if info.field_name == "tools" else "function"
+        _empty(v, str(info.field_name), f"{kind} calling is not supported")
         return v
 
     @field_validator("function_call")
     @classmethod
     def _function_call(cls, v: str | None) -> str | None:
         return _only(v, ("none",), "function_call")
-
-    @field_validator("tools")
-    @classmethod
-    def _tools(cls, v: list[object] | None) -> list[object] | None:
-        _empty(v, "tools", "tool calling is not supported")
-        return v
 
     @field_validator("response_format")
     @classmethod
