@@ -39,6 +39,39 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+class InFlight:
+    """The chunk keys some thread is computing now, so that a concurrent :meth:`ChunkCaching.ensure` of the same
+    text waits for that cache instead of computing it again (single flight: a burst of clients registering or
+    retrieving the same new passages computes each once)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._events: dict[str, threading.Event] = {}
+
+    def claim(self, keys: Iterable[str]) -> tuple[list[str], dict[str, threading.Event]]:
+        """``(mine, theirs)``: the keys this caller now computes, and for the keys another thread computes, the
+        event set when it is done (stored, failed or cancelled alike: the waiter checks the store after)."""
+        mine: list[str] = []
+        theirs: dict[str, threading.Event] = {}
+        with self._lock:
+            for k in keys:
+                ev = self._events.get(k)
+                if ev is None:
+                    self._events[k] = threading.Event()
+                    mine.append(k)
+                else:
+                    theirs[k] = ev
+        return mine, theirs
+
+    def release(self, keys: Iterable[str]) -> None:
+        """The caller's claimed ``keys`` are done: wake whoever waits on them."""
+        with self._lock:
+            for k in keys:
+                ev = self._events.pop(k, None)
+                if ev is not None:
+                    ev.set()
+
+
 def texts_not_one_str(texts: object, what: str) -> None:
     """A str is a sequence of its characters: refuse one where a list of texts is expected, instead of taking
     every character for a chunk."""
@@ -64,6 +97,7 @@ class ChunkCaching:
     _spaces: dict[str, str]
     _lock: threading.RLock
     _counter_lock: threading.Lock
+    _computing: InFlight
     runner: Runner
     store_gate: Callable[[int], bool] | None = None
     """Asked before a request's computed misses are stored (their bytes): False keeps them out of the store (the
@@ -248,7 +282,9 @@ class ChunkCaching:
 
         Returns:
             One ``(chunk, was_cached)`` per input; ``(None, False)`` for empty / whitespace-only texts (never
-            cached). A text repeated in ``chunks`` is computed once and counts as cached after its first occurrence.
+            cached). A text repeated in ``chunks`` is computed once and counts as cached after its first occurrence;
+            a text another thread is computing at the same time is waited for and counts as cached (each cache is
+            computed once however many callers ask for it).
 
         Raises:
             ContextLengthError: a chunk does not fit the context window (checked first: nothing is computed).
@@ -275,8 +311,25 @@ class ChunkCaching:
         else:
             got = {}
             have = {k for k, ok in zip(ask, store.contains_many(ask), strict=True) if ok}
-        todo = [(k, first[k].token_ids or ()) for k in first if k not in have]
-        computed = self.store_batched(todo, store, bs, progress=progress, kind=kind, keep=fetch)
+        mine, theirs = self._computing.claim(k for k in first if k not in have)
+        try:
+            todo = [(k, first[k].token_ids or ()) for k in mine]
+            computed = self.store_batched(todo, store, bs, progress=progress, kind=kind, keep=fetch)
+        finally:
+            self._computing.release(mine)
+        if theirs:  # computed by another thread meanwhile: read once it is done, computed here only if it failed
+            for ev in theirs.values():
+                ev.wait()
+            waited = list(theirs)
+            if fetch:
+                got.update((k, v) for k, v in zip(waited, store.get_many(waited, shared=True), strict=True)
+                           if v is not None)
+                found = [k for k in waited if k in got]
+            else:
+                found = [k for k, ok in zip(waited, store.contains_many(waited), strict=True) if ok]
+            have.update(found)
+            again = [(k, first[k].token_ids or ()) for k in waited if k not in have]
+            computed.update(self.store_batched(again, store, bs, progress=progress, kind=kind, keep=fetch))
         out: list[tuple[RegisteredChunk | None, bool]] = []
         seen: set[str] = set()
         for r in refs:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, cast
 from kvrag.config import EngineConfig, GenerationConfig
 from kvrag.engine.admission import default_kv_bytes
 from kvrag.engine.assemble import assemble, context_only_input
-from kvrag.engine.caching import ChunkCaching, texts_not_one_str
+from kvrag.engine.caching import ChunkCaching, InFlight, texts_not_one_str
 from kvrag.engine.chunks import RegisteredChunk
 from kvrag.engine.conversation import ConversationCache, keep_answered, prepare_hit
 from kvrag.engine.lease import KVBudget, Lease
@@ -86,7 +86,7 @@ class KVRAGEngine(ChunkCaching):
         # The answering path's view of the store: degrades instead of failing when on_store_error="recompute".
         self.serving_store = with_fallback(store, self.config.on_store_error, retry_s=self.config.store_retry_s)
         self.counters: collections.Counter[str] = collections.Counter()
-        self._counter_lock = threading.Lock()
+        self._counter_lock, self._computing = threading.Lock(), InFlight()
         self.rope = Rope.from_model(self.model)
         text_cfg = text_config(self.model.config)
         mdtype = next(self.model.parameters()).dtype

@@ -4,12 +4,15 @@
 - one store round trip per chunk: ``ensure`` asks once for all chunks; with ``fetch`` the request then reads
   nothing more; without it the request reads each cache once;
 - a chunk derived by an engine with another key space (another model) is derived again, never trusted;
-- answers are the same whether chunks come as texts or as registered chunks.
+- answers are the same whether chunks come as texts or as registered chunks;
+- a text two threads ensure at once is computed once: the second waits for the first's cache.
 """
 
 from __future__ import annotations
 
 import collections
+import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -152,6 +155,71 @@ def test_ensure_fetch_of_missing_chunks_holds_the_computed_cache(lm: Any) -> Non
     assert stored is not None and all(
         (x == y).all() for x, y in ((stored.keys, a.kv.keys), (stored.values, a.kv.values)))
     assert isinstance(a, RegisteredChunk) and eng.counters["chunks_computed"] == 1
+
+
+class GatedStore(MemoryStore):
+    """A MemoryStore whose puts wait for ``go`` (after setting ``entered``): a computed cache stays unstored while
+    another thread asks for the same text; ``reads`` counts lookups."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered, self.go = threading.Event(), threading.Event()
+        self.reads = 0
+
+    def _put(self, key: str, chunk: ChunkKV) -> None:
+        self.entered.set()
+        assert self.go.wait(60)
+        super()._put(key, chunk)
+
+    def _get_many_shared(self, keys: Sequence[str]) -> list[ChunkKV | None]:
+        self.reads += 1
+        return super()._get_many_shared(keys)
+
+    def _contains_many(self, keys: Sequence[str]) -> list[bool]:
+        self.reads += 1
+        return [super(GatedStore, self)._contains(k) for k in keys]
+
+
+@pytest.mark.parametrize("fetch", [False, True])
+def test_concurrent_ensure_of_one_text_computes_it_once(lm: Any, fetch: bool) -> None:
+    store = GatedStore()
+    eng = KVRAGEngine(lm, store)
+    out: dict[str, Any] = {}
+
+    def ask(name: str) -> None:
+        out[name] = eng.ensure([PASSAGES[0]], fetch=fetch, batch_size=1)
+
+    first = threading.Thread(target=ask, args=("first",))
+    first.start()
+    assert store.entered.wait(60) and store.reads == 1  # computed, held before the store
+    second = threading.Thread(target=ask, args=("second",))
+    second.start()
+    for _ in range(600):  # the second caller found nothing stored ...
+        if store.reads == 2:
+            break
+        time.sleep(0.01)
+    time.sleep(0.3)  # ... and now waits for the first one's cache (it used to compute its own)
+    store.go.set()
+    first.join(60)
+    second.join(60)
+    (a, ca), (b, cb) = out["first"][0], out["second"][0]
+    assert eng.counters["chunks_computed"] == 1
+    assert (ca, cb) == (False, True) and a is not None and b is not None and a.key == b.key
+    if fetch:
+        assert a.kv is not None and b.kv is not None
+        assert torch.equal(a.kv.keys, b.kv.keys) and torch.equal(a.kv.values, b.kv.values)
+
+
+def test_concurrent_ensure_computes_what_the_first_caller_left(lm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A first caller whose computation fails (a cancelled registration) wakes the waiter, which computes it."""
+    eng = KVRAGEngine(lm, MemoryStore())
+    (key,) = [str(r.key) for r in eng.identify([PASSAGES[1]]) if r is not None]
+    mine, theirs = eng._computing.claim([key])  # another caller holds the text ...
+    assert mine == [key] and not theirs
+    threading.Timer(0.2, eng._computing.release, args=(mine,)).start()  # ... and gives up without storing it
+    ((r, cached),) = eng.ensure([PASSAGES[1]], fetch=True)
+    assert r is not None and r.kv is not None and not cached and eng.counters["chunks_computed"] == 1
+    assert eng.store.get(key) is not None
 
 
 @pytest.mark.parametrize("method", ["stale", "full", "relaxkv:r=0.5", "cacheblend:r=0.5", "epic:k=4", "prophetkv:r=0.5"])
