@@ -311,9 +311,16 @@ class ChunkCaching:
         else:
             got = {}
             have = {k for k, ok in zip(ask, store.contains_many(ask), strict=True) if ok}
-        mine, theirs = self._computing.claim(k for k in first if k not in have)
-        try:
+        missing = [k for k in first if k not in have]
+        mine: list[str]
+        theirs: dict[str, threading.Event]
+        if self._lock._is_owned():  # type: ignore[attr-defined]  # inside a prepare: never wait on a caller it blocks
+            mine, theirs = [], {}
+            todo = [(k, first[k].token_ids or ()) for k in missing]
+        else:
+            mine, theirs = self._computing.claim(missing)
             todo = [(k, first[k].token_ids or ()) for k in mine]
+        try:
             computed = self.store_batched(todo, store, bs, progress=progress, kind=kind, keep=fetch)
         finally:
             self._computing.release(mine)
