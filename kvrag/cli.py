@@ -239,7 +239,7 @@ def bounded_memory_store(url: str) -> str:
     from urllib.parse import parse_qs, urlsplit
 
     parts = urlsplit(url)
-    if parts.scheme != "memory" or "max_bytes" in parse_qs(parts.query):
+    if not url.lower().startswith("memory://") or "max_bytes" in parse_qs(parts.query):  # memory: is an error later
         return url
     print(f"note: --store {url} has no max_bytes: bounded to {SERVE_MEMORY_STORE_BYTES >> 20} MiB (least recently "
           "used evicted); give memory://?max_bytes=N for another bound", file=sys.stderr)

@@ -2,7 +2,7 @@
 
 =============================================  ==============================================
 ``memory://``  ``memory://?max_bytes=1e9``     :class:`~kvrag.store.memory.MemoryStore`
-``file:///abs/path`` or a plain path           :class:`~kvrag.store.disk.DiskStore`
+``file:///abs/path`` or a plain path           :class:`~kvrag.store.disk.DiskStore` (``/data/kv?codec=int8``)
 ``redis://host:port/db``, ``rediss://``        :class:`~kvrag.store.redis.RedisStore`
 ``redis+cluster://host:port``                  RedisStore over ``redis.cluster.RedisCluster``
 =============================================  ==============================================
@@ -109,6 +109,35 @@ def _file(url: str, opts: dict[str, Any]) -> KVStore:
     return DiskStore(_file_path(rest, url), **opts)
 
 
+_NO_SLASHES = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]+):(?!//)(.*)$", re.DOTALL)
+_OPTS_TAIL = re.compile(r"^(.*)\?((?:[A-Za-z_]+=[^&=?/]*)(?:&[A-Za-z_]+=[^&=?/]*)*)$", re.DOTALL)
+
+
+def _plain_path(url: str) -> tuple[str, dict[str, Any]]:
+    """A plain path's directory and its ``?options`` (``/data/kv?codec=int8``). A known scheme without ``//``
+    (``memory:``, ``redis:host``) or a bare scheme name (``memory``) is an error: it would silently have been a
+    directory of that name."""
+    m = _NO_SLASHES.match(url)
+    bare = url.strip().lower().rstrip(":")
+    scheme = m.group(1).lower() if m is not None else bare
+    if scheme in _REGISTRY and (m is not None or bare == url.strip().lower()):
+        tail = m.group(2).lstrip("/") if m is not None else ""
+        msg = (f"store URL {url!r} is missing '//' after {scheme!r}: write {scheme}://{tail} (a directory of that name: "
+               f"./{url})")
+        raise ConfigError(msg)
+    t = _OPTS_TAIL.match(url)
+    if t is None:
+        return url, {}
+    path, query = t.group(1), t.group(2)
+    opts = dict(parse_qsl(query, keep_blank_values=True))
+    unknown = sorted(set(opts) - set(_KVRAG_OPTS))
+    if unknown:
+        msg = (f"store path {url!r} has options {unknown} a disk store does not take; it takes codec "
+               f"(e.g. {path}?codec=int8)")
+        raise ConfigError(msg)
+    return path, {k: _parse_number(k, v) for k, v in opts.items()}
+
+
 def local_directory(url: str) -> str | None:
     """The directory a file store URL names (``file:///abs/path[?options]`` or a plain path), as
     :func:`store_from_url` opens it; None for a store that is not a local directory (memory, Redis ...).
@@ -117,7 +146,7 @@ def local_directory(url: str) -> str | None:
         ConfigError: a malformed ``file://`` URL (the message says what is expected)."""
     m = _SCHEME.match(url)
     if m is None:
-        return url
+        return _plain_path(url)[0]
     return _file_path(_split_opts(url, {})[0], url) if m.group(1).lower() == "file" else None
 
 
@@ -164,7 +193,12 @@ def store_from_url(url: str, **opts: Any) -> KVStore:
         # A plain path (relative or absolute) is a directory for a DiskStore.
         from kvrag.store.disk import DiskStore
 
-        return DiskStore(url, **opts)
+        path, given = _plain_path(url)
+        try:
+            return DiskStore(path, **{**given, **opts})
+        except TypeError as e:
+            msg = f"bad options for a disk store {url!r} (it takes codec, e.g. {path}?codec=int8): {e}"
+            raise ConfigError(msg) from e
     scheme = m.group(1).lower()
     factory = _REGISTRY.get(scheme)
     if factory is None:

@@ -25,6 +25,7 @@ import pytest
 import kvrag.store.disk as disk_mod
 from kvrag.errors import ConfigError, StoreError
 from kvrag.store import DiskStore, KVStore, MemoryStore, TieredStore, store_from_url
+from kvrag.store.factory import local_directory
 from kvrag_testing.store_suite import (
     KVStoreTests,
     assert_chunks_equal,
@@ -360,6 +361,10 @@ def test_factory_memory_and_file_urls(tmp_path: Path, monkeypatch: pytest.Monkey
     assert store_from_url(str(tmp_path / "plain")).root == tmp_path / "plain"  # type: ignore[attr-defined]
     monkeypatch.chdir(tmp_path)
     assert store_from_url("rel/dir").root == tmp_path / "rel" / "dir"  # type: ignore[attr-defined]
+    p = store_from_url(f"{tmp_path}/opts?codec=int8")  # a plain path takes options as file:// does
+    assert isinstance(p, DiskStore) and p.root == tmp_path / "opts" and p.codec == "int8"
+    assert local_directory(f"{tmp_path}/opts?codec=int8") == f"{tmp_path}/opts"
+    assert store_from_url("./memory").root == tmp_path / "memory"  # type: ignore[attr-defined]
     spec = make_spec()
     assert store_from_url("memory://", expected_spec=spec).expected_spec == spec
 
@@ -373,11 +378,20 @@ def test_factory_memory_and_file_urls(tmp_path: Path, monkeypatch: pytest.Monkey
         ("memory://?max_bytes=lots", "not a number"),
         ("memory://?codec=zip", "unknown KV codec"),
         ("", "non-empty"),
+        # a scheme without // used to be a directory of that name in the working directory, without a word
+        ("memory:", "missing '//'.*write memory://"),
+        ("memory", "missing '//'.*write memory://.*./memory"),
+        ("memory:?max_bytes=1000", "write memory://\\?max_bytes=1000"),
+        ("redis:localhost:6379/0", "write redis://localhost:6379/0"),
+        ("/tmp/kv?max_bytes=10", "disk store.*codec"),
+        ("/tmp/kv?kodec=int8", "'kodec'.*codec"),
     ],
 )
-def test_factory_rejects_bad_urls(url: str, match: str) -> None:
+def test_factory_rejects_bad_urls(url: str, match: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
     with pytest.raises(ConfigError, match=match):
         store_from_url(url)
+    assert not any(tmp_path.iterdir()) and not Path("/tmp/kv").exists()  # nothing created
 
 
 def test_factory_redis_urls(redis_url: str) -> None:
