@@ -240,6 +240,7 @@ def _convert_gguf(gguf: Path, target: Path, *, name: str, progress: bool, sha256
     logits go into the marker), then atomically move it to ``target``. No weight is written."""
     from kvrag import gguf_load, prepared_tokenizer
     from kvrag.kv.attention import use_gqa_sdpa
+    from kvrag.models import attention_implementation
 
     info = inspect_gguf(gguf)
     with hf_offline():
@@ -278,8 +279,8 @@ def _convert_gguf(gguf: Path, target: Path, *, name: str, progress: bool, sha256
             (tmp / gguf_load.TENSORS_FILE).write_text(json.dumps(table))
             bar.update()
             bar.set_postfix_str(steps[2])
-            model = gguf_load.load_resident(gguf, table, config, architecture=info.architecture,
-                                            dtype=torch.float32, attn_implementation="sdpa")
+            model = gguf_load.load_resident(gguf, table, config, architecture=info.architecture, dtype=torch.float32,
+                                            attn_implementation=attention_implementation(config))
             use_gqa_sdpa(model)  # the attention every load runs (kvrag.kv.attention): the digest is of its logits
             probe = probe_logits(model, tokenizer)
             if not torch.isfinite(probe).all():

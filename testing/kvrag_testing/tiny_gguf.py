@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import torch
 
 from kvrag.extras import require
 
@@ -63,11 +64,13 @@ def _add_tokenizer(writer: Any, tokenizer: Any) -> None:
 def write_tiny_gguf(path: str | os.PathLike[str], lm: LoadedModel, *, name: str = "tiny-llama",
                     quantization: str = "F32", extra: dict[str, np.ndarray] | None = None,
                     header: dict[str, int | float | str] | None = None) -> Path:
-    """Write a Llama :class:`~kvrag.models.LoadedModel` (e.g. ``tiny_model("llama")``) as a GGUF file.
+    """Write a Llama or Gemma 2 :class:`~kvrag.models.LoadedModel` (e.g. ``tiny_model("llama")``) as a GGUF file,
+    as llama.cpp's converter does (Llama: q / k rows permuted; Gemma 2: RMSNorm weights stored as ``1 + w``, its
+    window and soft-capping in the header).
 
     Args:
         path: the ``.gguf`` file to write.
-        lm: a Llama-architecture model with a byte-level BPE tokenizer.
+        lm: a Llama- or Gemma 2-architecture model with a byte-level BPE tokenizer.
         name: ``general.name`` (transformers reads a name containing "mistral" as a Mistral model).
         quantization: the type of its 2D weights, quantized by the ``gguf`` package's own quantizer (``F32``,
             ``F16``, ``BF16``, ``Q4_0``, ``Q4_1``, ``Q8_0``); norms stay F32.
@@ -80,13 +83,14 @@ def write_tiny_gguf(path: str | os.PathLike[str], lm: LoadedModel, *, name: str 
     """
     gguf = require("gguf", "gguf", "writing a GGUF file")
     config = lm.model.config
-    if config.model_type != "llama":
-        msg = f"write_tiny_gguf writes Llama models; got model_type {config.model_type!r}"
+    arch = config.model_type
+    if arch not in ("llama", "gemma2"):
+        msg = f"write_tiny_gguf writes Llama and Gemma 2 models; got model_type {arch!r}"
         raise ValueError(msg)
     path = Path(path)
     n_layers, n_head, n_kv = config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads
-    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, n_layers)
-    writer = gguf.GGUFWriter(str(path), "llama")
+    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], n_layers)
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name(name)
     qtype = gguf.GGMLQuantizationType[quantization]
     writer.add_file_type(gguf.LlamaFileType.ALL_F32 if quantization == "F32" else gguf.LlamaFileType[
@@ -101,6 +105,12 @@ def write_tiny_gguf(path: str | os.PathLike[str], lm: LoadedModel, *, name: str 
     writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
+    if arch == "gemma2":
+        writer.add_key_length(config.head_dim)
+        writer.add_value_length(config.head_dim)
+        writer.add_sliding_window(config.sliding_window)
+        writer.add_attn_logit_softcapping(float(config.attn_logit_softcapping))
+        writer.add_final_logit_softcapping(float(config.final_logit_softcapping))
     _add_tokenizer(writer, lm.tokenizer)
     for key, value in (header or {}).items():
         if isinstance(value, str):
@@ -110,15 +120,22 @@ def write_tiny_gguf(path: str | os.PathLike[str], lm: LoadedModel, *, name: str 
         else:
             writer.add_uint16(key, value)
     for hf_name, tensor in lm.model.state_dict().items():
+        if arch == "gemma2" and hf_name == "lm_head.weight":
+            if not torch.equal(tensor, lm.model.state_dict()["model.embed_tokens.weight"]):
+                msg = "llama.cpp's Gemma 2 has no output tensor: tie lm_head to the token embeddings"
+                raise ValueError(msg)
+            continue
         base, suffix = hf_name.rsplit(".", 1)
         gguf_name = name_map.get_name(base)
         if gguf_name is None:
             msg = f"no llama.cpp name for tensor {hf_name!r}"
             raise ValueError(msg)
         data = tensor.detach().float().cpu().numpy().copy()
-        if base.endswith("q_proj"):
+        if arch == "gemma2" and base.endswith("norm"):
+            data = data + 1  # llama.cpp's Gemma RMSNorm multiplies by the stored weight
+        elif arch == "llama" and base.endswith("q_proj"):
             data = _llama_cpp_permute(data, n_head)
-        elif base.endswith("k_proj"):
+        elif arch == "llama" and base.endswith("k_proj"):
             data = _llama_cpp_permute(data, n_kv)
         if data.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
             writer.add_tensor(f"{gguf_name}.{suffix}", gguf.quants.quantize(data, qtype), raw_dtype=qtype)

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from kvrag import KVRAGEngine, default_model
+from kvrag.config import GenerationConfig
 from kvrag.errors import ConfigError, UnsupportedModelError
 from kvrag.models import load_model
 from kvrag_testing.tiny import tiny_model
@@ -157,6 +158,27 @@ def test_a_conversion_parses_the_file_once_and_leaves_gguf_as_it_was(tiny, home:
     load_model(str(path), dtype="float32", device="cpu")  # the conversion: config, tokenizer, weights, inspection
     assert len(parses) == 1, parses
     assert (gguf_pkg.GGUFReader, gguf_pkg.get_tensor_name_map) == (original_reader, original_names)
+
+
+def test_a_gemma2_gguf_loads_with_the_attention_its_family_takes(home: Path, tmp_path: Path) -> None:
+    """Gemma 2 runs eager attention (transformers refuses SDPA for its soft-capping): its GGUF's one-time
+    preparation loaded it with SDPA and every Gemma 2 file failed with transformers' ValueError."""
+    from kvrag import models
+
+    tiny2 = tiny_model("gemma2", init_std=0.1, sliding_window=8)
+    with torch.no_grad():  # llama.cpp's Gemma 2 reads its output from the token embeddings
+        tiny2.model.lm_head.weight.copy_(tiny2.model.get_input_embeddings().weight)
+    gguf = write_tiny_gguf(tmp_path / "tiny-gemma2.F32.gguf", tiny2)
+    eng = KVRAGEngine.from_pretrained(str(gguf), dtype="float32", device="cpu")
+    lm = eng.loaded
+    assert lm.config.model_type == "gemma2"
+    assert models.attention_implementation(lm.config) == "eager" == lm.model.config._attn_implementation
+    ids = torch.tensor([tiny2.tokenizer(TEXT)["input_ids"]])
+    assert len(ids[0]) > 8  # past the window: the sliding layers' mask is read from the file
+    torch.testing.assert_close(_logits(lm, ids), _logits(tiny2, ids), rtol=1e-5, atol=1e-5)  # norms' 1 + w
+    out = eng.answer(TEXT, method="full", gen=GenerationConfig(max_new_tokens=4))
+    ref = lm.model.generate(ids, max_new_tokens=4, do_sample=False)[0, ids.shape[1]:].tolist()
+    assert out.token_ids == ref
 
 
 def test_a_float_gguf_stays_as_published_unless_asked(tiny, home: Path, tmp_path: Path,
