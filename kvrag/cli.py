@@ -208,7 +208,8 @@ def _keep_fingerprints(args: argparse.Namespace) -> list[str] | None:
     if model:
         from kvrag.models import load_model
 
-        fps.append(load_model(None if is_default_model(model) else model).fingerprint)
+        for dtype in getattr(args, "dtype", None) or [None]:  # a dtype's caches are the model's as loaded in it
+            fps.append(load_model(None if is_default_model(model) else model, dtype=dtype).fingerprint)
     persist = getattr(args, "persist", None)
     recorded = manifest(persist).get("model_fingerprint")
     # the manifest speaks for the index's own file store only: a store named by --store or the manifest may be
@@ -337,7 +338,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--store", default=None, help="store URL (file:///path, redis://host:port/db, memory://)")
     sp.add_argument("--to", default=None, help="migrate: destination store URL")
     sp.add_argument("--model", default=None,
-                    help="gc/verify/migrate: keep only this model's entries ('default' for the embedded model)")
+                    help="gc/verify/migrate: keep only this model's entries ('default' for the embedded model), as "
+                         "loaded here (this machine's dtype and weight quantization; --dtype for others)")
+    sp.add_argument("--dtype", action="append", default=None, choices=["float32", "bfloat16", "float16"],
+                    help="with --model: keep its entries computed in this dtype (repeatable; default: this "
+                         "machine's)")
     sp.add_argument("--keep-fingerprint", action="append", default=None, metavar="FP",
                     help="gc/verify/migrate: keep only entries of this model fingerprint (repeatable)")
     sp.add_argument("--dry-run", action="store_true", help="gc/migrate: report what would change, change nothing")

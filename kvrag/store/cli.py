@@ -15,6 +15,11 @@ from kvrag.store.factory import local_directory, store_from_url
 from kvrag.store.sizing import collection_size, human
 
 
+_REASON = {maintenance.CORRUPT: "corrupt", maintenance.FORMAT_VERSION: "format version",
+           maintenance.OTHER_MODEL: "other model, dtype or quantization"}
+"""How a report names each reason an entry is unusable (a model's caches in another dtype are another model's)."""
+
+
 def _mb(n: int) -> str:
     return f"{n / 1e6:.1f} MB"
 
@@ -56,7 +61,7 @@ def run(args: argparse.Namespace, url: str, index_tokens: list[int] | None,
         else:
             for reason, keys in v.bad.items():
                 for k in keys:
-                    print(f"BAD {k} ({reason})")
+                    print(f"BAD {k} ({_REASON.get(reason, reason)})")
             bad = v.scanned - v.ok
             print(f"{v.ok}/{v.scanned} entries ok" + (f"; {bad} unusable (remove them with `kvrag store gc`)" if bad else ""))
         return 0 if v.clean else 1
@@ -66,7 +71,7 @@ def run(args: argparse.Namespace, url: str, index_tokens: list[int] | None,
             print(json.dumps(g.to_dict()))
             return 0
         verb = "would remove" if g.dry_run else "removed"
-        why = ", ".join(f"{n} {r.replace('_', ' ')}" for r, n in g.removed.items())
+        why = ", ".join(f"{n} {_REASON.get(r, r)}" for r, n in g.removed.items())
         print(f"gc{' (dry run)' if g.dry_run else ''}: scanned {g.scanned} entries, kept {g.kept}, {verb} "
               f"{g.total_removed} ({why}), {_mb(g.bytes_freed)}" +
               (f"; removed {g.temp_files_removed} abandoned temp files" if g.temp_files_removed else ""))
@@ -82,7 +87,7 @@ def run(args: argparse.Namespace, url: str, index_tokens: list[int] | None,
     if args.json:
         print(json.dumps(m.to_dict()))
     else:
-        skipped = ", ".join(f"{n} {r.replace('_', ' ')}" for r, n in m.skipped.items())
+        skipped = ", ".join(f"{n} {_REASON.get(r, r)}" for r, n in m.skipped.items())
         print(f"migrate{' (dry run)' if m.dry_run else ''} {redact_url(url)} -> {redact_url(args.to)}: scanned "
               f"{m.scanned}, {'would copy' if m.dry_run else 'copied and verified'} {m.copied} "
               f"({_mb(m.bytes_copied)}), already there {m.skipped_existing}, not copied: {skipped}")

@@ -168,6 +168,32 @@ def test_cli_store_gc_on_a_shared_store_keeps_other_models(tmp_path: Path,
     assert json.loads(capsys.readouterr().out)["removed"]["other_model"] == len(own_keys["b"])
 
 
+def test_cli_store_gc_keeps_the_models_entries_in_the_dtypes_named(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """`kvrag store gc --model M` kept only M as loaded on this machine (its default dtype) and reported M's own
+    caches in another dtype as "other model"; --dtype names the dtypes whose caches to keep, and the report says
+    what such an entry may be."""
+    from kvrag import KVRAGEngine
+    from kvrag_testing.tiny import tiny_model
+
+    model = tmp_path / "model"
+    lm = tiny_model("llama")
+    lm.model.save_pretrained(model)
+    lm.tokenizer.save_pretrained(model)
+    kv = tmp_path / "kv"
+    for dtype in ("float32", "bfloat16"):
+        eng = KVRAGEngine.from_pretrained(str(model), f"file://{kv}", dtype=dtype, device="cpu")
+        eng.ingest(["The ferry leaves the harbour at dawn and returns at dusk."])
+        eng.close()
+    gc = ["store", "gc", "--store", f"file://{kv}", "--model", str(model), "--dry-run"]
+    assert cli.main([*gc, "--dtype", "float32", "--dtype", "bfloat16"]) == 0
+    assert "kept 2, would remove 0 " in capsys.readouterr().out
+    assert cli.main([*gc, "--dtype", "float32"]) == 0
+    assert "kept 1, would remove 1 (0 corrupt, 0 format version, 1 other model, dtype or quantization)" in \
+        capsys.readouterr().out
+    assert len(list(DiskStore(kv).iter_keys())) == 2  # a dry run
+
+
 def test_cli_store_verify_gc_migrate(tmp_path: Path, redis_srv: Any, capsys: pytest.CaptureFixture[str]) -> None:
     src_dir = tmp_path / "src"
     keys = populate(DiskStore(src_dir))
@@ -180,7 +206,7 @@ def test_cli_store_verify_gc_migrate(tmp_path: Path, redis_srv: Any, capsys: pyt
     rc, out = run("verify")
     assert rc == 1 and "3/5 entries ok" in out and f"BAD {keys['bad'][0]} (corrupt)" in out
     rc, out = run("gc", "--dry-run", "--keep-fingerprint", A)
-    assert rc == 0 and "would remove 3 (1 corrupt, 1 format version, 1 other model)" in out
+    assert rc == 0 and "would remove 3 (1 corrupt, 1 format version, 1 other model, dtype or quantization)" in out
     rc, out = run("migrate", "--to", redis_srv.url + "?prefix=kvrag-cli-mig:", "--json")
     rep = json.loads(out)
     assert rc == 0 and rep["copied"] == 3 and rep["ok"] and rep["skipped"]["corrupt"] == 1
