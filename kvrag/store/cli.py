@@ -14,7 +14,6 @@ from kvrag.store.base import redact_url
 from kvrag.store.factory import local_directory, store_from_url
 from kvrag.store.sizing import collection_size, human
 
-
 _REASON = {maintenance.CORRUPT: "corrupt", maintenance.FORMAT_VERSION: "format version",
            maintenance.OTHER_MODEL: "other model, dtype or quantization"}
 """How a report names each reason an entry is unusable (a model's caches in another dtype are another model's)."""
