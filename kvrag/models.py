@@ -351,6 +351,11 @@ def load_model(
         local = Path(source).expanduser().is_dir()
         if local:
             source = str(Path(source).expanduser())
+        elif source.startswith(("/", "./", "../", "~")) or Path(source).expanduser().exists():
+            what = "a file that is not a GGUF file" if Path(source).expanduser().is_file() else "no such folder"
+            msg = (f"cannot load model {name!r}: {what} (a model is a checkpoint folder, a .gguf file or a Hugging "
+                   "Face model id such as HuggingFaceTB/SmolLM2-135M-Instruct)")
+            raise ConfigError(msg)
     offline = local or env_offline()
     t0 = time.perf_counter()
     ctx = hf_offline() if local else contextlib.nullcontext()

@@ -161,7 +161,7 @@ class KVRAGEngine(ChunkCaching):
         if not isinstance(prompt, str):
             raise ConfigError(f"prompt must be a str (a rendered prompt), got {type(prompt).__name__}")
         texts_not_one_str(chunks, "chunks")
-        texts, ids_of, derived = self._registered(chunks)
+        texts, ids_of, derived = self._registered(list(chunks))  # any iterable
         plan = plan_prompt(prompt, texts, self.tokenize, ids_of, decode=self._decode,
                            strict=self.config.strict_tokenization, exact=frozenset(exact))
         return self._with_identity(plan, derived)
@@ -169,7 +169,7 @@ class KVRAGEngine(ChunkCaching):
     def plan_parts(self, prefix: str, chunks: Sequence[str | RegisteredChunk], suffix: str,
                    separator: str = "") -> Plan:
         """Plan from explicit parts (no search): prefix, chunks in order (joined by ``separator``), suffix."""
-        texts, ids_of, derived = self._registered(chunks)
+        texts, ids_of, derived = self._registered(list(chunks))  # any iterable
         pieces = [TextPiece("prefix", prefix)]
         for i, c in enumerate(texts):
             if i and separator:

@@ -124,12 +124,12 @@ class Auto(FusionMethod):
                 msg = f"method {self.name!r}: levels and thresholds belong to agree=...; pass agree too"
                 raise ConfigError(msg)
         else:
-            check_ratio(self.name, "agree", self.agree)
+            check_ratio(self.name, "agree", self.agree, "a target rate of answers equal to full's")
             self.ladder_levels = parse_levels(self.levels) if self.levels is not None else DEFAULT_LEVELS
             if self.thresholds is not None:
                 load_table(self.thresholds)  # a bad file is an error here, not in a request
         if self.budget is not None:
-            check_ratio(self.name, "budget", self.budget)
+            check_ratio(self.name, "budget", self.budget, "a fraction of full's TTFT")
         check_choice(self.name, "margin", self.margin, ("p90", "p50"))
         if not 0.0 <= self.adapt <= 1.0:
             msg = f"method {self.name!r}: adapt (weight of a new measurement) must be in [0, 1], got {self.adapt}"

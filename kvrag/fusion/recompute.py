@@ -35,10 +35,10 @@ if TYPE_CHECKING:
     from transformers import Cache, PreTrainedModel
 
 
-def check_ratio(method: str, name: str, value: float) -> None:
-    """Raise ConfigError unless ``0 < value <= 1``."""
+def check_ratio(method: str, name: str, value: float, what: str = "a fraction of the context") -> None:
+    """Raise ConfigError unless ``0 < value <= 1`` (``what``: what the value is, for the message)."""
     if not (0.0 < value <= 1.0) or math.isnan(value):
-        msg = f"method {method!r}: {name} must be in (0, 1] (a fraction of the context), got {value}"
+        msg = f"method {method!r}: {name} must be in (0, 1] ({what}), got {value}"
         raise ConfigError(msg)
 
 

@@ -84,8 +84,8 @@ def test_levels_and_thresholds() -> None:
 def test_bad_specs_are_clear_errors() -> None:
     with pytest.raises(ConfigError, match="agree"):
         get_method("auto:levels=0/1")
-    with pytest.raises(ConfigError, match="agree"):
-        get_method("auto:agree=0")
+    with pytest.raises(ConfigError, match=r"agree must be in \(0, 1\] \(a target rate of answers equal to full's\)"):
+        get_method("auto:agree=2")
     with pytest.raises(ConfigError, match="levels"):
         get_method("auto:agree=0.9,levels=1/0.5")
     assert get_method("auto").budget == 0.3  # the budget mode keeps its default

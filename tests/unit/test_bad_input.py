@@ -363,6 +363,14 @@ def test_one_str_where_a_list_of_texts_is_expected_is_refused(eng: KVRAGEngine) 
         eng.answer(None, PASSAGES, "stale", GEN)  # type: ignore[arg-type]
 
 
+def test_chunks_as_any_iterable(eng: KVRAGEngine) -> None:
+    """Chunks given as a generator failed inside the planner (zip() of the consumed generator)."""
+    prompt = RagTemplate().render(eng.tokenizer, PASSAGES[:2], "Capital?")
+    listed = eng.answer(prompt, list(PASSAGES[:2]), "stale", GEN)
+    gen = eng.answer(prompt, (p for p in PASSAGES[:2]), "stale", GEN)  # type: ignore[arg-type]
+    assert gen.token_ids == listed.token_ids and gen.stats.chunks_found == 2 == listed.stats.chunks_found
+
+
 def test_generation_keywords_that_would_be_ignored_are_refused(eng: KVRAGEngine) -> None:
     prompt = RagTemplate().render(eng.tokenizer, PASSAGES, "Capital?")
     with pytest.raises(ConfigError, match=r"temperature only apply when sampling: pass do_sample=True"):

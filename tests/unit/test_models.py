@@ -167,6 +167,12 @@ def test_load_model_missing(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ConfigError, match="cannot load model"):
         load_model("kvrag-test/definitely-not-a-model", device="cpu")
+    # a path (not a model id): said so, not the Hub's "Repo id must be in the form 'repo_name'"
+    with pytest.raises(ConfigError, match="cannot load model .*: no such folder"):
+        load_model(str(tmp_path / "missing"), device="cpu")
+    (tmp_path / "notes.txt").write_text("not a model")
+    with pytest.raises(ConfigError, match="a file that is not a GGUF file"):
+        load_model(str(tmp_path / "notes.txt"), device="cpu")
 
 
 def test_dtype_and_device_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
