@@ -70,6 +70,7 @@ def _require_index_extras() -> None:
 
 
 def cmd_ingest(args: argparse.Namespace) -> int:
+    from kvrag.errors import ContextLengthError
     from kvrag.index import ChunkIndex, make_chunks, read_documents
     from kvrag.kv.spec import dtype_name
     from kvrag.models import load_embedder
@@ -101,14 +102,20 @@ def cmd_ingest(args: argparse.Namespace) -> int:
 
     # cache each chunk as a prompt will contain it (the blank line first: see render_passage)
     texts = [render_passage(c.text) for c in chunks]
-    if args.ray is not None:  # prefill on Ray workers that write straight into the shared store
-        from kvrag import distributed
+    try:
+        if args.ray is not None:  # prefill on Ray workers that write straight into the shared store
+            from kvrag import distributed
 
-        keys = distributed.ingest(texts, store_url(args), engine=eng, workers=args.workers,
-                                  address=None if args.ray == "local" else args.ray, batch_size=args.batch_size,
-                                  progress=True).keys
-    else:
-        keys = eng.ingest(texts, progress=True, batch_size=args.batch_size)
+            keys = distributed.ingest(texts, store_url(args), engine=eng, workers=args.workers,
+                                      address=None if args.ray == "local" else args.ray, batch_size=args.batch_size,
+                                      progress=True).keys
+        else:
+            keys = eng.ingest(texts, progress=True, batch_size=args.batch_size)
+    except ContextLengthError as e:  # checked before any chunk is computed
+        room = int(eng.max_context) - len(eng.chunk_prefix_ids)
+        print(f"error: {e}: kvrag ingest --chunk-tokens {min(args.chunk_tokens, room) * 3 // 4} (a chunk of this "
+              f"model holds at most {room} tokens, and passages are packed up to --chunk-tokens)", file=sys.stderr)
+        return 2
     embedder = load_embedder()
     record: IndexManifest = {
         "model": model or DEFAULT_MODEL,
@@ -121,6 +128,11 @@ def cmd_ingest(args: argparse.Namespace) -> int:
         "quantize": eng.loaded.quantize or "none",  # load the same quantization unless told otherwise)
     }
     index = ChunkIndex.build(chunks, embedder, record, progress=True)
+    if (Path(args.persist) / "chunks.jsonl").exists():  # an ingest writes a whole index: say the old one goes
+        old = manifest(args.persist)
+        print(f"note: replacing the index at {args.persist} (built from other documents"
+              f"{'' if old.get('model') == record['model'] else ' with ' + str(old.get('model'))}); its caches stay "
+              "in the store", file=sys.stderr)
     index.save(args.persist)
     c = eng.counters
     print(f"ingested {len(docs)} documents -> {len(chunks)} chunks ({len(set(keys))} caches: "
@@ -131,6 +143,8 @@ def cmd_ingest(args: argparse.Namespace) -> int:
 
 def cmd_ask(args: argparse.Namespace) -> int:
     from kvrag.config import GenerationConfig
+    from kvrag.engine.engine import Response
+    from kvrag.errors import ContextLengthError
     from kvrag.index import ChunkIndex
     from kvrag.models import load_embedder
     from kvrag.prompting import RagTemplate, get_template, render_passage
@@ -140,6 +154,9 @@ def cmd_ask(args: argparse.Namespace) -> int:
     from kvrag.fusion import get_method
 
     get_method(args.method)  # ConfigError naming the valid methods
+    if not args.question.strip():
+        print("error: the question is empty; kvrag ask \"your question\" --persist DIR", file=sys.stderr)
+        return 2
     for flag, value in (("--top-k", args.top_k), ("--max-new-tokens", args.max_new_tokens)):
         if value < 1:
             print(f"error: {flag} must be >= 1, got {value}", file=sys.stderr)
@@ -156,19 +173,20 @@ def cmd_ask(args: argparse.Namespace) -> int:
     template = RagTemplate() if args.template is None else get_template(args.template)
     prompt = template.render(eng.tokenizer, passages, args.question)
     gen = GenerationConfig(max_new_tokens=args.max_new_tokens)
-    if args.json:
-        resp = eng.answer(prompt, passages, args.method, gen)
-    else:
+    try:
         prep = eng.prepare(eng.plan(prompt, passages), args.method, reserve=gen.max_new_tokens)
-        text = []
-        for delta in eng.stream(prep, gen):
-            text.append(delta)
+    except ContextLengthError as e:
+        print(f"error: {e} (kvrag ask: fewer passages, --top-k {max(1, args.top_k - 1)}, fewer --max-new-tokens, or "
+              "an index ingested with a smaller --chunk-tokens)", file=sys.stderr)
+        return 2
+    text = []
+    for delta in eng.stream(prep, gen):
+        text.append(delta)
+        if not args.json:  # the answer as it comes; --json prints it once, below
             print(delta, end="", flush=True)
+    if not args.json:
         print()
-        from kvrag.engine.engine import Response
-
-        resp = Response("".join(text), list(prep.token_ids), repr(prep.method), prep.timings, prep.stats,
-                        prep.chunk_keys)
+    resp = Response("".join(text), list(prep.token_ids), repr(prep.method), prep.timings, prep.stats, prep.chunk_keys)
     out = {
         "answer": resp.text,
         "method": resp.method,

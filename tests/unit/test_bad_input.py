@@ -156,6 +156,29 @@ def test_ask_loads_the_quantization_the_index_was_built_with(tmp_path: Path,
     assert out.err.count(str(model)) == 2  # both sides name their model
 
 
+def test_cli_errors_name_the_option_to_change(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Window errors named no option (`ask`: "fewer or shorter chunks or turns"; `ingest --chunk-tokens` too big:
+    "split it into smaller chunks"), an empty question was answered, and a second ingest replaced an index without
+    a word."""
+    model = _saved_model_and_docs(tmp_path)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 512}))
+    (tmp_path / "docs" / "b.md").write_text(" ".join(f"word{i}" for i in range(600)))  # past that window
+    persist = str(tmp_path / "idx")
+    ingest = ["ingest", str(tmp_path / "docs"), "--persist", persist, "--model", str(model)]
+    assert cli.main([*ingest, "--chunk-tokens", "100000"]) == 2
+    assert "kvrag ingest --chunk-tokens " in capsys.readouterr().err
+    assert cli.main([*ingest, "--chunk-tokens", "120"]) == 0
+    assert "note: replacing" not in capsys.readouterr().err
+    ask = ["ask", "When does the ferry leave?", "--persist", persist, "--max-new-tokens", "2"]
+    assert cli.main([*ask, "--top-k", "8"]) == 2  # 8 chunks of ~120 tokens: past the window
+    assert "--top-k 7" in capsys.readouterr().err
+    assert cli.main(["ask", "  ", "--persist", persist]) == 2
+    assert "the question is empty" in capsys.readouterr().err
+    assert cli.main([*ingest, "--chunk-tokens", "64"]) == 0
+    assert f"note: replacing the index at {persist}" in capsys.readouterr().err
+
+
 def test_ingest_with_a_model_that_does_not_load_leaves_no_store_folder(tmp_path: Path,
                                                                       capsys: pytest.CaptureFixture[str]) -> None:
     """The store is opened before the model loads (a bad store URL fails first); a model that then fails to load
