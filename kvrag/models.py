@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -359,7 +360,7 @@ def load_model(
     offline = local or env_offline()
     t0 = time.perf_counter()
     ctx = hf_offline() if local else contextlib.nullcontext()
-    with ctx:
+    with ctx, _prepared_folder(Path(source) if gguf is not None else None):
         try:
             config = AutoConfig.from_pretrained(source, local_files_only=offline)
         except (OSError, ValueError) as e:
@@ -401,6 +402,20 @@ def load_model(
     logger.info("loaded %s on %s (%s%s) in %.1f s", name, dev, dtype_name(dt), f", {mode} weights" if mode else "",
                 time.perf_counter() - t0)
     return loaded
+
+
+@contextlib.contextmanager
+def _prepared_folder(folder: Path | None) -> Iterator[None]:
+    """Loading from the folder kvrag prepared for a GGUF file (None: any other model, errors as they are): a failure
+    there is a damaged folder (a file deleted or cut short), which preparing it again mends; the error says so."""
+    try:
+        yield
+    except (ConfigError, UnsupportedModelError, OSError, ValueError) as e:
+        if folder is None:
+            raise
+        msg = (f"{e} -- the folder kvrag prepared for this GGUF file, {folder}, looks damaged: delete it and load "
+               "again (it is prepared anew from the file)")
+        raise ConfigError(msg) from e
 
 
 def attention_implementation(config: PretrainedConfig) -> str:

@@ -181,6 +181,23 @@ def test_a_gemma2_gguf_loads_with_the_attention_its_family_takes(home: Path, tmp
     assert out.token_ids == ref
 
 
+@pytest.mark.parametrize("damage", ["config.json", "tokenizer.json"])
+def test_a_damaged_prepared_folder_says_to_delete_it(tiny, home: Path, tmp_path: Path, damage: str) -> None:
+    """A prepared folder with a file cut short or deleted failed with transformers' or the Hub's words ("expected a
+    Hugging Face model id", "Couldn't instantiate the backend tokenizer"); deleting the folder mends it."""
+    gguf = write_tiny_gguf(tmp_path / "tiny-llama.F32.gguf", tiny)
+    load_model(str(gguf), dtype="float32", device="cpu")
+    (folder,) = [p for p in (home / "models").iterdir() if p.is_dir()]
+    if damage == "config.json":
+        (folder / damage).write_text((folder / damage).read_text()[:20])
+    else:
+        (folder / damage).unlink()
+    with pytest.raises(ConfigError, match=f"{re.escape(str(folder))}, looks damaged: delete it and load again"):
+        load_model(str(gguf), dtype="float32", device="cpu")
+    shutil.rmtree(folder)
+    assert load_model(str(gguf), dtype="float32", device="cpu").config.model_type == "llama"
+
+
 def test_a_float_gguf_stays_as_published_unless_asked(tiny, home: Path, tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """kvrag's default int4 route is the file's own 4-bit blocks; a float GGUF has none, and its weights were
