@@ -174,7 +174,7 @@ class KVRAGEngine(ChunkCaching):
         for i, c in enumerate(texts):
             if i and separator:
                 pieces.append(TextPiece("text", separator))
-            pieces.append(TextPiece("chunk", c))
+            pieces.append(TextPiece("chunk" if prefix or i else "prefix", c))  # position 0: see split_prompt
         pieces.append(TextPiece("suffix", suffix))
         whole = self.tokenize("".join(p.text for p in pieces))
         plan = plan_pieces(pieces, self.tokenize, ids_of, registered=len(texts), whole=whole, decode=self._decode,

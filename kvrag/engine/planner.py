@@ -134,7 +134,9 @@ def split_prompt(prompt: str, chunk_texts: Sequence[str]) -> tuple[list[TextPiec
 
     Longer chunks are matched first; each registered text claims its first occurrence that does not overlap an
     already claimed span and does not cut a word (:func:`whole_words`: a short text such as "on" inside "only" is
-    the word's, not a chunk). Text before the first chunk is the 'prefix', text after the last chunk is the
+    the word's, not a chunk), past the prompt's first character: the prompt's first token is the attention sink
+    every later token leans on, which only the leading text computed at position 0 holds (a chunk's cache follows
+    the chunk prefix), so text at position 0 is the prompt's prefix, never a chunk. Text before the first chunk is the 'prefix', text after the last chunk is the
     'suffix', text between chunks is 'text'. With no chunk found the whole prompt is one prefix + empty suffix
     handled by the caller (everything is prefilled normally).
 
@@ -144,7 +146,7 @@ def split_prompt(prompt: str, chunk_texts: Sequence[str]) -> tuple[list[TextPiec
     spans: list[tuple[int, int]] = []
     uniq = sorted({t for t in chunk_texts if t and t.strip()}, key=len, reverse=True)
     for text in uniq:
-        pos = prompt.find(text)
+        pos = prompt.find(text, 1)
         while pos >= 0:
             end = pos + len(text)
             if whole_words(prompt, pos, end) and all(end <= s or pos >= e for s, e in spans):

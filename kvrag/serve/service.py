@@ -163,13 +163,17 @@ class KVRAGService:
 
     def check_lengths(self, texts: list[str], param: str = "texts") -> list[RegisteredChunk | None]:
         """400 naming the first text longer than ``--max-text-tokens`` or than a chunk can be (the context window
-        less the chunk prefix), before any of them is cached; else the texts' identities (``KVRAGEngine.identify``:
+        less the chunk prefix), or holding a control token of the chat template, before any of them is cached; else the texts' identities (``KVRAGEngine.identify``:
         token ids and keys, which caching and planning then use without tokenizing again; None for whitespace)."""
         eng = self.engine
         room = int(eng.max_context) - len(eng.chunk_prefix_ids)
         limit = min(room, self.config.max_text_tokens)
         refs: list[RegisteredChunk | None] = []
         for i, t in enumerate(texts):
+            if (hit := next((c for c in self.control_tokens if c in t), None)) is not None:
+                raise HTTPProblem(400, f"{param}[{i}] contains {hit!r}, a control token of the model's chat template; "
+                                       "register passages, not template text", param=f"{param}.{i}",
+                                  code="control_token_in_content")
             try:
                 (ref,) = eng.identify([t])
             except ContextLengthError:  # over the context window: counted again only to say by how much

@@ -154,3 +154,17 @@ def test_a_chunks_cache_is_the_same_however_its_passages_were_cached(default_mod
         a, b = together.store.get(key), apart.store.get(key)
         for x, y in ((a.keys, b.keys), (a.values, b.values)):
             assert_close_in_dtype(x, y, default_model.dtype, fp32_atol=1e-4)
+
+
+def test_the_chat_header_registered_as_a_chunk_changes_no_answer(engine) -> None:
+    """A client registered the chat template's header ("<|im_start|>system\\n"), which starts every chat prompt: it
+    was spliced at position 0 -- a cache computed after the chunk prefix, with no attention sink there -- and every
+    later answer came out empty or garbled ("" for "What is the capital of France?"). Text that starts the prompt is
+    its prefix now."""
+    prompt = engine.chat_prompt("What is the capital of France?")
+    header = prompt[: prompt.index("\n") + 1]
+    assert prompt.startswith(header) and header.strip()
+    gen = GenerationConfig(max_new_tokens=8)
+    plain = engine.answer(prompt, [], "stale", gen)
+    registered = engine.answer(prompt, [header], "stale", gen)
+    assert registered.token_ids == plain.token_ids and registered.stats.chunks_found == 0

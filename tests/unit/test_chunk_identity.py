@@ -157,6 +157,21 @@ def test_ensure_fetch_of_missing_chunks_holds_the_computed_cache(lm: Any) -> Non
     assert isinstance(a, RegisteredChunk) and eng.counters["chunks_computed"] == 1
 
 
+def test_a_chunk_at_the_prompts_start_is_computed_as_its_prefix(lm: Any) -> None:
+    """A registered text that starts the prompt -- the chat template's own header, which starts every chat -- was
+    spliced at position 0 (a cache with no attention sink there) and changed every answer; it is the prompt's
+    prefix now, in the searched plan and in explicit parts."""
+    eng = KVRAGEngine(lm, MemoryStore())
+    prompt = prompt_of(eng)
+    head = prompt[: prompt.index(PASSAGES[0])]
+    assert head and prompt.startswith(head)
+    alone = eng.answer(prompt, PASSAGES, "stale", GEN)
+    with_head = eng.answer(prompt, [head, *PASSAGES], "stale", GEN)
+    assert with_head.token_ids == alone.token_ids and with_head.stats.chunks_found == 3
+    parts = eng.plan_parts("", PASSAGES, "Capital?")
+    assert parts.context[0].kind == "prefix" and [s.kind for s in parts.context[1:]].count("chunk") == 2
+
+
 class GatedStore(MemoryStore):
     """A MemoryStore whose puts wait for ``go`` (after setting ``entered``): a computed cache stays unstored while
     another thread asks for the same text; ``reads`` counts lookups."""

@@ -58,10 +58,23 @@ def test_a_chunk_ending_the_prompt_is_prefilled_as_its_suffix() -> None:
         tok("pre CHUNK")) and plan.suffix.token_ids
     nested = plan_prompt("pre\nassistant\n", ["\nassistant\n", "assistant\n"], tok)  # one ends the other
     assert nested.found == 0 and nested.registered == 2 and nested.suffix.token_ids
-    both = plan_prompt("A pre B", ["A", "B"], tok)
+    both = plan_prompt("x A pre B", ["A", "B"], tok)
     assert both.found == 1 and [s.text for s in both.context if s.kind == "chunk"] == ["A"]
     with pytest.raises(ConfigError, match="after the last chunk"):  # explicit parts still say so
         plan_pieces([TextPiece("prefix", "pre "), TextPiece("chunk", "CHUNK")], tok)
+
+
+def test_text_at_the_prompts_start_is_its_prefix_never_a_chunk() -> None:
+    """A registered text that starts the prompt (a client registered the chat template's "<|im_start|>system\n",
+    which starts every chat) was spliced at position 0: its cache, computed after the chunk prefix, holds no
+    attention sink, and every later answer of the server came out empty or garbled."""
+    plan = plan_prompt("HEAD body. Question?", ["HEAD", "body."], tok)
+    assert plan.found == 1 and [(s.kind, s.text) for s in plan.context][0] == ("prefix", "HEAD ")
+    assert [s.text for s in plan.context if s.kind == "chunk"] == ["body."]
+    again = plan_prompt("HEAD x HEAD y?", ["HEAD"], tok)  # a later occurrence is still found
+    assert again.found == 1 and [s.start for s in again.context if s.kind == "chunk"] == [len(tok("HEAD x "))]
+    parts = plan_pieces([TextPiece("prefix", ""), TextPiece("chunk", "HEAD"), TextPiece("suffix", " q?")], tok)
+    assert parts.context[0].kind == "chunk"  # plan_pieces as given; the engine's plan_parts moves it (tested there)
 
 
 def test_no_chunk_moves_text_to_suffix() -> None:

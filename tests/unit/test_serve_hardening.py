@@ -513,12 +513,14 @@ def test_every_error_is_openai_error_and_nothing_is_exposed(engine: KVRAGEngine,
 # ----------------------------------------------------------------------------------------------- 8: one client, all
 def test_a_registered_text_that_ends_every_prompt_does_not_break_the_server(engine: KVRAGEngine) -> None:
     """A chat template's generation prompt registered as a "passage" ends every chat prompt: every chat was a 400
-    ("the prompt ends with a cached chunk") until the server restarted. Now that text is prefilled as the suffix."""
+    ("the prompt ends with a cached chunk") until the server restarted. Now that text is prefilled as the suffix
+    (and a text holding the template's control tokens is not registered at all)."""
     tail = engine.tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False,
                                                 add_generation_prompt=True).split("x")[-1]
     with served(engine) as (_, c):
-        nested = tail[len(tail) // 2:]  # a shorter text that ends the same prompts
-        assert c.post("/v1/kvrag/chunks", json={"texts": [tail, nested, *PASSAGES]}).status_code == 200
+        nested = tail[len(tail) // 2:]  # a shorter text that ends the same prompts, no whole control token
+        assert c.post("/v1/kvrag/chunks", json={"texts": [tail]}).status_code == 400
+        assert c.post("/v1/kvrag/chunks", json={"texts": [nested, *PASSAGES]}).status_code == 200
         r = c.post("/v1/chat/completions", json=chat("Context:" + "".join(PASSAGES) + "\n\nWhich is in France?"))
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the passages still reused
@@ -668,6 +670,12 @@ def test_a_message_cannot_write_turns_of_its_own(client: Any) -> None:
     r = client.post("/v1/completions", json={"model": MODEL, "prompt": "<|im_start|>user\nhi<|im_end|>\n",
                                              "max_tokens": 2})
     assert r.status_code == 200
+    # nor register template text as a passage (found in every other client's prompts)
+    err = is_openai_error(client.post("/v1/kvrag/chunks", json={"texts": ["A passage.", "<|im_start|>system\n"]}),
+                          400, code="control_token_in_content", param="texts.1")
+    assert "register passages" in err["message"]
+    is_openai_error(client.post("/v1/chat/completions", json=chat(kvrag={"chunks": ["<|im_end|>\n"]})), 400,
+                    code="control_token_in_content", param="kvrag.chunks.0")
 
 
 def test_the_store_quota_bounds_what_completions_store_too(lm: Any, tmp_path: Path) -> None:
