@@ -47,7 +47,9 @@ T = TypeVar("T")
 
 POLL_S = 0.1
 """How often a request waiting on the engine checks that its client is still connected."""
-
+SIBLING_FAILED = "kvrag: a sibling failed with "
+"""The message a prompt of a ``/v1/completions`` list is cancelled with when another prompt of the list failed,
+followed by the list's status: it ends with that status, not as a client that left (499)."""
 
 
 class Host(Protocol):
@@ -100,7 +102,9 @@ class Outcome:
             self.finish(self.result)
             return
         if isinstance(exc, ClientGone | asyncio.CancelledError | GeneratorExit):
-            self.finish(499)
+            why = exc.args[0] if isinstance(exc, asyncio.CancelledError) and exc.args else ""
+            sibling = isinstance(why, str) and why.startswith(SIBLING_FAILED)
+            self.finish(int(why.removeprefix(SIBLING_FAILED)) if sibling else 499)
             return
         problem = self.problem(exc)
         self.finish(problem.status)
@@ -252,4 +256,4 @@ class Outcome:
         return unexpected(exc, where, self.svc)  # logged with its traceback; the answer names no host or path
 
 
-__all__ = ["POLL_S", "Outcome"]
+__all__ = ["POLL_S", "SIBLING_FAILED", "Outcome"]

@@ -17,6 +17,7 @@ from kvrag import adapters
 from kvrag.serve import bodies
 from kvrag.serve.bodies import JSONObject, Kind
 from kvrag.serve.errors import HTTPProblem
+from kvrag.serve.outcome import SIBLING_FAILED
 from kvrag.serve.protocol import ChatCompletionRequest, ChunksRequest, CompletionRequest
 from kvrag.serve.service import KVRAGService
 
@@ -92,13 +93,24 @@ async def _complete(svc: KVRAGService, request: Request, body: ChatCompletionReq
 
 async def _complete_batch(svc: KVRAGService, request: Request, body: CompletionRequest) -> Response:
     """A list of prompts (LangChain's ``OpenAI`` LLM sends up to 20): each a request of its own, decoded together;
-    the first failure cancels the others and is the answer."""
-    tasks = [asyncio.ensure_future(_answered(svc, request, body, p, "text")) for p in body.prompts()]
+    the first failure cancels the others and is the answer. The list takes its places in the queue together: one
+    longer than ``--max-queue`` is a 400 (retrying could never pass), one that does not fit now a 429."""
+    prompts, cap = body.prompts(), svc.config.max_queue
+    if len(prompts) > cap:
+        raise HTTPProblem(400, f"prompt holds {len(prompts)} prompts, and this server holds at most {cap} requests "
+                               f"at once (--max-queue {cap}): send at most {cap} prompts a request", param="prompt",
+                          code="too_many_prompts")
+    if svc.held + len(prompts) > cap and not svc.draining:
+        raise HTTPProblem(429, f"the server holds {svc.held} requests and these {len(prompts)} prompts would pass its "
+                               f"limit (--max-queue {cap}); retry later", code="queue_full",
+                          headers={"Retry-After": str(svc.retry_after())})
+    tasks = [asyncio.ensure_future(_answered(svc, request, body, p, "text")) for p in prompts]
     try:
         done = await asyncio.gather(*tasks)
-    except BaseException:
+    except BaseException as e:
+        status = getattr(e, "status", 499)  # what the list is answered with: its siblings end with it too
         for t in tasks:
-            t.cancel()
+            t.cancel(f"{SIBLING_FAILED}{status}")
         await asyncio.gather(*tasks, return_exceptions=True)  # their queue places and leases given back
         raise
     return JSONResponse(bodies.batch_body(done), headers=_headers(svc))

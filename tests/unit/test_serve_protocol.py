@@ -290,6 +290,10 @@ def test_a_list_of_prompts_gets_one_choice_each_as_each_alone(client: Any) -> No
 def test_a_list_with_one_prompt_too_long_is_its_error_and_leaves_nothing_held(client: Any, engine: KVRAGEngine) -> None:
     from kvrag_testing.waiting import wait_until
 
+    def cancelled() -> str:
+        return next(ln for ln in client.get("/metrics").text.splitlines() if ln.startswith("kvrag_cancelled_requests"))
+
+    before = cancelled()
     r = client.post("/v1/completions", json=text(prompt=["The capital of France is", "word " * 2000], max_tokens=3))
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
 
@@ -299,3 +303,17 @@ def test_a_list_with_one_prompt_too_long_is_its_error_and_leaves_nothing_held(cl
 
     wait_until(idle, timeout=30)
     assert client.post("/v1/completions", json=text()).status_code == 200
+    assert cancelled() == before  # the other prompt ended with the list's status, not as a client that left
+
+
+def test_a_list_longer_than_the_queue_is_a_400_not_a_429_forever(engine: KVRAGEngine) -> None:
+    """A list of 5 prompts on a server holding at most 4 requests got 429 queue_full ("retry later") when idle,
+    which the openai SDK retried in vain, each attempt admitting 4 prompts and counting them as cancelled."""
+    with LiveServer(create_app(engine, ServeConfig(model_id=MODEL, max_queue=4)), drain_timeout_s=5) as srv, \
+            httpx.Client(base_url=srv.url, timeout=60) as c:
+        r = c.post("/v1/completions", json=text(prompt=["a", "b", "c", "d", "e"], max_tokens=2))
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["code"] == "too_many_prompts" and "--max-queue 4" in err["message"] and err["param"] == "prompt"
+        assert c.post("/v1/completions", json=text(prompt=["a", "b", "c", "d"], max_tokens=2)).status_code == 200
+        assert "kvrag_cancelled_requests_total 0.0" in c.get("/metrics").text
