@@ -84,7 +84,7 @@ def create_app(engine: KVRAGEngine, config: ServeConfig | None = None, *, persis
     """
     fastapi = require("fastapi", "serve", "kvrag serve")
     from kvrag.serve import errors
-    from kvrag.serve.middleware import Counted, Guard, cors
+    from kvrag.serve.middleware import Counted, Guard, OneBody, cors
     from kvrag.serve.routes import router
     from kvrag.serve.service import KVRAGService
 
@@ -101,7 +101,9 @@ def create_app(engine: KVRAGEngine, config: ServeConfig | None = None, *, persis
             await _close(engine)
 
     docs = {} if cfg.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
-    app = fastapi.FastAPI(title="kvrag serve", version="1", lifespan=lifespan, **docs,
+    # no 307 to the path without its trailing slash: built from the Host header, behind a proxy it names an address
+    # the client cannot reach; the 404 says which path was meant (errors._http)
+    app = fastapi.FastAPI(title="kvrag serve", version="1", lifespan=lifespan, **docs, redirect_slashes=False,
                           description="OpenAI-compatible completions with reused, repaired chunk KV caches.")
     app.state.kvrag = svc
     errors.install(app)
@@ -110,6 +112,7 @@ def create_app(engine: KVRAGEngine, config: ServeConfig | None = None, *, persis
                        server_header=f"{socket.gethostname()}:{os.getpid()}" if cfg.server_header else None)
     if cfg.allowed_origins:  # outside the guard: a browser's preflight carries no API key
         app.add_middleware(cors, origins=cfg.allowed_origins)
+    app.add_middleware(OneBody)  # HTTP/1.0: no chunked coding
     app.add_middleware(Counted)  # outermost: every response counted, preflights too
     return app
 

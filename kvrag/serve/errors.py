@@ -10,6 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from kvrag.errors import StoreError
 from kvrag.serve.protocol import openai_error, validation_error_body
@@ -84,7 +85,11 @@ def _http(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
     status = exc.status_code
     if status == 404:
-        message = f"no such endpoint: {request.method} {request.url.path} (see docs/serve.md for the endpoints)"
+        path = request.url.path
+        bare = {**request.scope, "path": path.rstrip("/")}
+        known = path.endswith("/") and any(r.matches(bare)[0] != Match.NONE for r in request.app.router.routes)
+        meant = f"; without the trailing slash: {bare['path']}" if known else " (see docs/serve.md for the endpoints)"
+        message = f"no such endpoint: {request.method} {path}{meant}"
     elif status == 405:
         message = f"method {request.method} is not allowed on {request.url.path}"
     else:

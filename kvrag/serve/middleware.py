@@ -30,8 +30,9 @@ class _TooLarge(HTTPException):
 
 
 class Guard:
-    """Refuses, before the app sees the request: a missing or wrong key (401, when the server has keys) and a body
-    over ``max_body_bytes`` (413, by its ``Content-Length`` at once, else as soon as the bytes read pass it).
+    """Refuses, before the app sees the request: a missing or wrong key (401, when the server has keys), a body
+    in a ``Content-Encoding`` (415: gzip, br ... are not decoded) and a body over ``max_body_bytes`` (413, by its
+    ``Content-Length`` at once, else as soon as the bytes read pass it).
 
     Args:
         app: the ASGI app.
@@ -75,6 +76,12 @@ class Guard:
             await _answer(HTTPProblem(401, "a valid API key is needed: send it as 'Authorization: Bearer KEY' "
                                            "(the openai SDK's api_key)", code="invalid_api_key",
                                       headers={"WWW-Authenticate": "Bearer"}), scope, receive, send)
+            return
+        coding = dict(scope.get("headers") or []).get(b"content-encoding", b"identity").strip().lower()
+        if coding not in (b"", b"identity"):  # the body would be read as JSON as it is: say so instead
+            await _answer(HTTPProblem(415, f"Content-Encoding {coding.decode('latin-1')!r} is not supported: send the "
+                                           "JSON body uncompressed", code="unsupported_content_encoding"),
+                          scope, receive, send)
             return
         limit = self.max_body_bytes
         length = dict(scope.get("headers") or []).get(b"content-length")
@@ -133,6 +140,39 @@ class Counted:
         await self.app(scope, receive, counted)
 
 
+class OneBody:
+    """An HTTP/1.0 client gets every response with a ``Content-Length``: a stream (server-sent events) is sent
+    whole when it ends. HTTP/1.0 has no chunked transfer coding, which uvicorn's httptools protocol writes anyway;
+    1.1 clients (and proxies speaking 1.1 upstream) stream as before."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("http_version") != "1.0":
+            await self.app(scope, receive, send)
+            return
+        start: Message | None = None
+        parts: list[bytes] = []
+
+        async def whole(message: Message) -> None:
+            nonlocal start
+            if message["type"] == "http.response.start":
+                start = message
+                return
+            if message["type"] != "http.response.body" or start is None:
+                await send(message)
+                return
+            parts.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                body = b"".join(parts)
+                headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
+                await send({**start, "headers": [*headers, (b"content-length", str(len(body)).encode())]})
+                await send({"type": "http.response.body", "body": body})
+
+        await self.app(scope, receive, whole)
+
+
 def cors(app: ASGIApp, origins: tuple[str, ...]) -> ASGIApp:
     """Starlette's CORS layer for ``origins``, whose refused preflight (an origin, method or header not allowed) is
     an OpenAI error naming the setting instead of a plain-text 400."""
@@ -147,7 +187,8 @@ def cors(app: ASGIApp, origins: tuple[str, ...]) -> ASGIApp:
                 return refused
             why = bytes(refused.body).decode(errors="replace")
             return HTTPProblem(400, f"CORS preflight refused ({why}); the server allows the origins given with "
-                                    "--allowed-origins", code="cors_preflight_refused").response()
+                                    "--allowed-origins, the methods GET, POST and HEAD, and any header",
+                               code="cors_preflight_refused").response()
 
     return _CORS(app, allow_origins=list(origins), allow_methods=["GET", "POST", "HEAD"], allow_headers=["*"],
                  expose_headers=["Retry-After", "Warning"])
@@ -162,4 +203,4 @@ async def _answer(problem: HTTPProblem, scope: Scope, receive: Receive, send: Se
     await problem.response()(scope, receive, send)
 
 
-__all__ = ["OPEN_PATHS", "Counted", "Guard", "cors"]
+__all__ = ["OPEN_PATHS", "Counted", "Guard", "OneBody", "cors"]

@@ -773,3 +773,46 @@ def test_clients_registrations_never_push_the_indexs_chunks_out(engine: KVRAGEng
     assert {c.text for c in refs} == {docs[0], render_passage(docs[1])}  # the second after a blank line, as rendered
     plan = svc.engine.plan(lone, refs, exact=[c.text for c in refs])
     assert plan.found == 2 and plan.registered == 2
+
+
+def test_a_trailing_slash_or_a_compressed_body_is_a_clear_error(client: Any) -> None:
+    """`POST /v1/chat/completions/` was an empty-bodied 307 to a URL built from the Host header (behind a proxy, an
+    address the client cannot reach); a gzip body was "invalid UTF-8", and a gzip header on a plain body passed."""
+    import gzip
+
+    r = client.post("/v1/chat/completions/", json=chat(), headers={"Host": "llm.example.com"})
+    err = is_openai_error(r, 404, code="not_found")
+    assert "without the trailing slash: /v1/chat/completions" in err["message"] and "location" not in r.headers
+    body = json.dumps(chat()).encode()
+    for data in (gzip.compress(body), body):
+        r = client.post("/v1/chat/completions", content=data,
+                        headers={"Content-Type": "application/json", "Content-Encoding": "gzip"})
+        assert "Content-Encoding 'gzip'" in is_openai_error(r, 415, code="unsupported_content_encoding")["message"]
+    r = client.post("/v1/chat/completions", content=body,
+                    headers={"Content-Type": "application/json", "Content-Encoding": "identity"})
+    assert r.status_code == 200, r.text
+
+
+def test_an_http10_client_gets_a_stream_without_chunked_coding(engine: KVRAGEngine) -> None:
+    """HTTP/1.0 has no chunked transfer coding, which uvicorn wrote for streamed answers anyway: a 1.0 client or
+    proxy read the chunk sizes as content. It gets the whole stream with a Content-Length now; 1.1 still streams."""
+    import socket
+    from urllib.parse import urlsplit
+
+    with served(engine) as (srv, c):
+        u = urlsplit(srv.url)
+        body = json.dumps(chat(stream=True)).encode()
+        with socket.create_connection((u.hostname, u.port), timeout=60) as s:
+            s.sendall(b"POST /v1/chat/completions HTTP/1.0\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            raw = b""
+            while chunk := s.recv(65536):
+                raw += chunk
+        head, _, payload = raw.partition(b"\r\n\r\n")
+        headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(b":") for ln in head.split(b"\r\n")[1:])}
+        assert head.startswith(b"HTTP/1.1 200") and b"transfer-encoding" not in headers
+        assert int(headers[b"content-length"]) == len(payload) and payload.startswith(b"data: {")
+        assert payload.rstrip().endswith(b"data: [DONE]")
+        with c.stream("POST", "/v1/chat/completions", json=chat(stream=True)) as r:  # HTTP/1.1: still chunked
+            assert r.headers.get("transfer-encoding") == "chunked" and "content-length" not in r.headers
+            r.read()
