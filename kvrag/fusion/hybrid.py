@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Generator
 
+from kvrag.errors import ConfigError
 from kvrag.fusion.base import Bool, FusionInput, FusionMethod, FusionOutput, register, shared_method
 from kvrag.fusion.cacherepair import CacheRepair
 from kvrag.fusion.relaxkv import RelaxKV
@@ -44,7 +45,10 @@ class Hybrid(FusionMethod):
 
     def validate(self) -> None:
         relax = {k: getattr(self, k) for k in RelaxKV.params}
-        self.relax = RelaxKV(**relax)  # validates r and the RelaxKV choices
+        try:
+            self.relax = RelaxKV(**relax)  # validates r and the RelaxKV choices
+        except ConfigError as e:  # named as the method asked for
+            raise ConfigError(str(e).replace("method 'relaxkv'", f"method {self.name!r}", 1)) from e
         self.repair = shared_method(CacheRepair(checkpoint=self.checkpoint))  # shares the loaded checkpoint
 
     def fuse(self, inp: FusionInput) -> FusionOutput:

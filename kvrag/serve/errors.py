@@ -96,8 +96,8 @@ def _http(request: Request, exc: Exception) -> JSONResponse:
         message = str(exc.detail)
     code = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}.get(status)
     if status == 400 and exc.detail == "There was an error parsing the body":  # FastAPI's own, e.g. bad UTF-8
-        message, code = ("the request body could not be parsed as JSON (invalid UTF-8, or nested too deeply): send "
-                         "a JSON object"), "invalid_json"
+        message, code = ("the request body could not be parsed as JSON (invalid UTF-8, nested too deeply, or an "
+                         "integer of over 4,300 digits): send a JSON object"), "invalid_json"
     return HTTPProblem(status, message, code=code, headers=dict(exc.headers or {})).response()
 
 

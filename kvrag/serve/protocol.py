@@ -226,8 +226,8 @@ class ChatMessage(BaseModel):
     @classmethod
     def _role(cls, v: str) -> str:
         if v not in CHAT_ROLES:
-            msg = (f"role {v!r} is not supported by kvrag serve (tool calling is not supported); "
-                   f"use one of {', '.join(CHAT_ROLES)}")
+            why = " (tool calling is not supported)" if v in ("tool", "function") else ""
+            msg = f"role {v!r} is not supported by kvrag serve{why}; use one of {', '.join(CHAT_ROLES)}"
             raise ValueError(msg)
         return v
 

@@ -247,6 +247,18 @@ def test_a_body_of_invalid_utf8_is_invalid_json(client: Any) -> None:
     r = client.post("/v1/chat/completions", content=b'{"model": "\xff\xfe"}', headers={"content-type": "application/json"})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["code"] == "invalid_json", r.text
+    huge = b'{"model": "x", "max_tokens": ' + b"9" * 5000 + b"}"  # valid JSON past Python's digit limit
+    r = client.post("/v1/chat/completions", content=huge, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "over 4,300 digits" in r.json()["error"]["message"], r.text
+
+
+def test_a_wrong_role_or_a_nested_methods_parameter_is_named_as_sent(client: Any) -> None:
+    """An unknown role was refused as "tool calling is not supported"; hybrid's bad r was refused as relaxkv's."""
+    r = client.post("/v1/chat/completions", json=chat(messages=[{"role": "wizard", "content": "hi"}]))
+    msg = r.json()["error"]["message"]
+    assert r.status_code == 400 and "role 'wizard'" in msg and "tool calling" not in msg, r.text
+    r = client.post("/v1/chat/completions", json=chat(kvrag={"method": "hybrid:r=1e308"}))
+    assert r.status_code == 400 and "method 'hybrid': r must be in (0, 1]" in r.json()["error"]["message"], r.text
 
 
 
