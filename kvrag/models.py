@@ -401,6 +401,11 @@ def load_model(
     mode = loaded.quantize
     logger.info("loaded %s on %s (%s%s) in %.1f s", name, dev, dtype_name(dt), f", {mode} weights" if mode else "",
                 time.perf_counter() - t0)
+    if not getattr(tokenizer, "chat_template", None):  # e.g. a GGUF file written without tokenizer.chat_template
+        logger.warning("model %s has no chat template: chat prompts are rendered as plain 'role: content' lines "
+                       "(kvrag.prompting.render_chat); an instruction-tuned model answers best in its own format: "
+                       "lm = kvrag.models.load_model(...); lm.tokenizer.chat_template = TEMPLATE; "
+                       "KVRAGEngine(lm, store)", name)
     return loaded
 
 

@@ -347,3 +347,23 @@ def test_a_model_whose_logits_overflow_in_its_dtype_is_refused(dtype: torch.dtyp
     with pytest.raises(UnsupportedModelError, match="non-finite logits or K/V .*load it in bfloat16 or float32"):
         models.wrap_model(lm.model, lm.tokenizer, name="tiny-overflow")
     models.wrap_model(tiny_model("llama", dtype=dtype).model, lm.tokenizer, name="tiny-fine")  # a sound one loads
+
+
+def test_a_model_without_a_chat_template_is_said_to_render_plain_lines(tmp_path: Path,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """A GGUF written without tokenizer.chat_template (the gemma3-270m package's file) rendered chats as plain
+    'role: content' lines without a word; an instruction-tuned model answers worse in them."""
+    lm = tiny_model("llama")
+    lm.model.save_pretrained(tmp_path / "m")
+    lm.tokenizer.save_pretrained(tmp_path / "m")
+    with caplog.at_level("WARNING", logger="kvrag.models"):
+        load_model(str(tmp_path / "m"), device="cpu")
+    assert "no chat template" not in caplog.text
+    cfg = json.loads((tmp_path / "m" / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (tmp_path / "m" / "tokenizer_config.json").write_text(json.dumps(cfg))
+    for extra in ("chat_template.jinja", "chat_template.json"):
+        (tmp_path / "m" / extra).unlink(missing_ok=True)
+    with caplog.at_level("WARNING", logger="kvrag.models"):
+        bare = load_model(str(tmp_path / "m"), device="cpu")
+    assert not bare.tokenizer.chat_template and "has no chat template" in caplog.text
