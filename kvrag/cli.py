@@ -130,8 +130,8 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     index = ChunkIndex.build(chunks, embedder, record, progress=True)
     if (Path(args.persist) / "chunks.jsonl").exists():  # an ingest writes a whole index: say the old one goes
         old = manifest(args.persist)
-        print(f"note: replacing the index at {args.persist} (built from other documents"
-              f"{'' if old.get('model') == record['model'] else ' with ' + str(old.get('model'))}); its caches stay "
+        was = "" if old.get("model") == record["model"] else f", built with {old.get('model')}"
+        print(f"note: replacing the index at {args.persist} (its chunks and manifest{was}); the caches it used stay "
               "in the store", file=sys.stderr)
     index.save(args.persist)
     c = eng.counters
