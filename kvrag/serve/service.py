@@ -163,8 +163,9 @@ class KVRAGService:
 
     def check_lengths(self, texts: list[str], param: str = "texts") -> list[RegisteredChunk | None]:
         """400 naming the first text longer than ``--max-text-tokens`` or than a chunk can be (the context window
-        less the chunk prefix), or holding a control token of the chat template, before any of them is cached; else the texts' identities (``KVRAGEngine.identify``:
-        token ids and keys, which caching and planning then use without tokenizing again; None for whitespace)."""
+        less the chunk prefix), or holding a control token of the chat template, before any of them is cached; else
+        the texts' identities (``KVRAGEngine.identify``: token ids and keys, which caching and planning then use
+        without tokenizing again; None for whitespace)."""
         eng = self.engine
         room = int(eng.max_context) - len(eng.chunk_prefix_ids)
         limit = min(room, self.config.max_text_tokens)
