@@ -239,8 +239,7 @@ def _convert_gguf(gguf: Path, target: Path, *, name: str, progress: bool, sha256
     generation config, tokenizer, the table of its tensors) into a temp dir, load the model from it once (its probe
     logits go into the marker), then atomically move it to ``target``. No weight is written."""
     from kvrag import gguf_load, prepared_tokenizer
-    from kvrag.kv.attention import use_gqa_sdpa
-    from kvrag.models import attention_implementation
+    from kvrag.kv.attention import attention_implementation, use_gqa_sdpa
 
     info = inspect_gguf(gguf)
     with hf_offline():

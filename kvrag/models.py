@@ -34,7 +34,7 @@ from kvrag.extras import require
 from kvrag.fingerprint import model_fingerprint, tokenizer_fingerprint
 from kvrag.gguf_load import use_int4
 from kvrag.kv import hf_cache
-from kvrag.kv.attention import use_gqa_sdpa
+from kvrag.kv.attention import attention_implementation, use_gqa_sdpa
 from kvrag.kv.compute import check_rerotation
 from kvrag.kv.gguf_blocks import FLOAT_TYPES
 from kvrag.kv.gguf_quant import GGUFLinear
@@ -421,16 +421,6 @@ def _prepared_folder(folder: Path | None) -> Iterator[None]:
         msg = (f"{e} -- the folder kvrag prepared for this GGUF file, {folder}, looks damaged: delete it and load "
                "again (it is prepared anew from the file)")
         raise ConfigError(msg) from e
-
-
-def attention_implementation(config: PretrainedConfig) -> str:
-    """The attention implementation kvrag loads a model with: 'sdpa' (switched to ``kvrag_sdpa`` by
-    :func:`wrap_model`), or 'eager' for the families transformers refuses SDPA for (attention logit soft-capping
-    in Gemma 2, attention sinks in GPT-OSS); those decode one request per step (:func:`kvrag.kv.batched.batchable`)."""
-    from transformers import AutoModelForCausalLM
-
-    cls = AutoModelForCausalLM._model_mapping.get(type(config), None)  # type: ignore[attr-defined]
-    return "sdpa" if cls is None or getattr(cls, "_supports_sdpa", True) else "eager"
 
 
 def import_sentence_transformers() -> ModuleType:

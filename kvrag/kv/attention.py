@@ -26,7 +26,7 @@ from kvrag.kv import batched, row_attention
 from kvrag.kv.aligned import aligned_attention
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel
+    from transformers import PretrainedConfig, PreTrainedModel
 
 IMPL = "kvrag_sdpa"
 """The registered implementation name (``model.config._attn_implementation`` after :func:`use_gqa_sdpa`)."""
@@ -92,6 +92,17 @@ def register() -> None:
         AttentionMaskInterface.register(IMPL, sdpa_mask)
 
 
+def attention_implementation(config: PretrainedConfig) -> str:
+    """The attention implementation kvrag loads a model with: 'sdpa' (switched to ``kvrag_sdpa`` by
+    :func:`use_gqa_sdpa`), or 'eager' for the families transformers refuses SDPA for (attention logit soft-capping
+    in Gemma 2, attention sinks in GPT-OSS); those decode one request per step (:func:`kvrag.kv.batched.batchable`).
+    Every load uses it: a checkpoint folder's, a GGUF file's and that file's one-time preparation."""
+    from transformers import AutoModelForCausalLM
+
+    cls = AutoModelForCausalLM._model_mapping.get(type(config), None)  # type: ignore[attr-defined]
+    return "sdpa" if cls is None or getattr(cls, "_supports_sdpa", True) else "eager"
+
+
 def use_gqa_sdpa(model: PreTrainedModel) -> bool:
     """Switch a model that runs transformers' ``sdpa`` to ``kvrag_sdpa``; True when it was switched.
 
@@ -108,4 +119,4 @@ def use_gqa_sdpa(model: PreTrainedModel) -> bool:
     return True
 
 
-__all__ = ["IMPL", "aligned_attention", "gqa_sdpa_attention", "register", "use_gqa_sdpa"]
+__all__ = ["IMPL", "aligned_attention", "attention_implementation", "gqa_sdpa_attention", "register", "use_gqa_sdpa"]

@@ -163,7 +163,7 @@ def test_a_conversion_parses_the_file_once_and_leaves_gguf_as_it_was(tiny, home:
 def test_a_gemma2_gguf_loads_with_the_attention_its_family_takes(home: Path, tmp_path: Path) -> None:
     """Gemma 2 runs eager attention (transformers refuses SDPA for its soft-capping): its GGUF's one-time
     preparation loaded it with SDPA and every Gemma 2 file failed with transformers' ValueError."""
-    from kvrag import models
+    from kvrag.kv.attention import attention_implementation
 
     tiny2 = tiny_model("gemma2", init_std=0.1, sliding_window=8)
     with torch.no_grad():  # llama.cpp's Gemma 2 reads its output from the token embeddings
@@ -172,7 +172,7 @@ def test_a_gemma2_gguf_loads_with_the_attention_its_family_takes(home: Path, tmp
     eng = KVRAGEngine.from_pretrained(str(gguf), dtype="float32", device="cpu")
     lm = eng.loaded
     assert lm.config.model_type == "gemma2"
-    assert models.attention_implementation(lm.config) == "eager" == lm.model.config._attn_implementation
+    assert attention_implementation(lm.config) == "eager" == lm.model.config._attn_implementation
     ids = torch.tensor([tiny2.tokenizer(TEXT)["input_ids"]])
     assert len(ids[0]) > 8  # past the window: the sliding layers' mask is read from the file
     torch.testing.assert_close(_logits(lm, ids), _logits(tiny2, ids), rtol=1e-5, atol=1e-5)  # norms' 1 + w
