@@ -170,7 +170,7 @@ def test_kvrag_serve_command_answers_and_stops_on_sigterm(tmp_path: Path) -> Non
         wait_until_up(proc, url)
         assert httpx.post(url + "/v1/kvrag/chunks", json={"texts": PASSAGES[:1]}, timeout=60).status_code == 200
         # a passage after some leading text: text that starts a prompt is its prefix, never a chunk
-        body = {"model": MODEL, "prompt": f"Context: {PASSAGES[0]}\n\nQ: {QUESTION}\nA:", "max_tokens": 4}
+        body = {"model": MODEL, "prompt": f"Context:\n\n{PASSAGES[0]}\n\nQ: {QUESTION}\nA:", "max_tokens": 4}
         out = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
         assert out["kvrag"]["hit_rate"] == 1.0 and out["usage"]["completion_tokens"] >= 1
         assert len(list((tmp_path / "kv").rglob("*"))) > 0  # caches went to the file store
