@@ -31,6 +31,18 @@ def test_metadata_and_chat_template(engine) -> None:
     assert llm.messages_to_prompt([ChatMessage(role="user", content="Hi")]) == expected
 
 
+def test_a_max_new_tokens_past_the_window_leaves_room_to_pack_prompts(engine) -> None:
+    """num_output was max_new_tokens as given: 100000 made LlamaIndex's prompt packing fail in every query engine
+    ("Calculated available context size -91911 was not non-negative")."""
+    from llama_index.core.indices.prompt_helper import PromptHelper
+
+    llm = KVCachedLLM(engine=engine, max_new_tokens=100_000)
+    md = llm.metadata
+    assert md.num_output == engine.max_context // 2
+    helper = PromptHelper.from_llm_metadata(md)
+    assert helper.context_window - helper.num_output > 0
+
+
 def test_registered_chunks_are_reused_and_full_matches_the_engine(engine, passages) -> None:
     llm = KVCachedLLM(engine=engine, max_new_tokens=N)
     prompt = context_prompt(llm, passages, "How much is a day pass?")

@@ -200,9 +200,12 @@ class KVCachedLLM(CustomLLM):
 
     @property
     def metadata(self) -> LLMMetadata:
+        window = self.context_window or self.engine.max_context
         return LLMMetadata(
-            context_window=self.context_window or self.engine.max_context,
-            num_output=self.max_new_tokens,
+            context_window=window,
+            # what LlamaIndex's prompt packing leaves for the answer: at most half the window (a max_new_tokens past
+            # the window made every query engine fail, "available context size -91911"; generation cuts it anyway)
+            num_output=min(self.max_new_tokens, window // 2),
             is_chat_model=self.is_chat_model,
             model_name=self.model_name,
         )
