@@ -41,6 +41,8 @@ def apply_attention_shape(reader: GGUFReader, config: PretrainedConfig, file_nam
         raise UnsupportedModelError(msg)
     if isinstance(key, int) and key > 0 and hasattr(text, "head_dim"):
         text.head_dim = key
+    elif hasattr(text, "head_dim"):  # as llama.cpp: hidden size / heads (not the config class's default, Gemma's 256)
+        text.head_dim = text.hidden_size // text.num_attention_heads
     layers = GEMMA_27B_LAYERS.get(str(arch))
     if layers is not None and hasattr(text, "query_pre_attn_scalar"):
         head = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads

@@ -63,7 +63,7 @@ def _add_tokenizer(writer: Any, tokenizer: Any) -> None:
 
 def write_tiny_gguf(path: str | os.PathLike[str], lm: LoadedModel, *, name: str = "tiny-llama",
                     quantization: str = "F32", extra: dict[str, np.ndarray] | None = None,
-                    header: dict[str, int | float | str] | None = None) -> Path:
+                    header: dict[str, int | float | str] | None = None, head_size: bool = True) -> Path:
     """Write a Llama or Gemma 2 :class:`~kvrag.models.LoadedModel` (e.g. ``tiny_model("llama")``) as a GGUF file,
     as llama.cpp's converter does (Llama: q / k rows permuted; Gemma 2: RMSNorm weights stored as ``1 + w``, its
     window and soft-capping in the header).
@@ -77,6 +77,8 @@ def write_tiny_gguf(path: str | os.PathLike[str], lm: LoadedModel, *, name: str 
         extra: more float32 tensors by GGUF name (e.g. llama.cpp's ``rope_freqs.weight``).
         header: more header keys (int as uint16, float as float32, str), e.g. ``split.count`` or
             ``llama.rope.scaling.type``.
+        head_size: write Gemma 2's ``attention.key_length`` / ``value_length`` (llama.cpp's converter does; a file
+            without them has heads of hidden size / heads, as llama.cpp reads it).
 
     Returns:
         ``path``.
@@ -105,9 +107,10 @@ def write_tiny_gguf(path: str | os.PathLike[str], lm: LoadedModel, *, name: str 
     writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
-    if arch == "gemma2":
+    if arch == "gemma2" and head_size:
         writer.add_key_length(config.head_dim)
         writer.add_value_length(config.head_dim)
+    if arch == "gemma2":
         writer.add_sliding_window(config.sliding_window)
         writer.add_attn_logit_softcapping(float(config.attn_logit_softcapping))
         writer.add_final_logit_softcapping(float(config.final_logit_softcapping))

@@ -160,15 +160,18 @@ def test_a_conversion_parses_the_file_once_and_leaves_gguf_as_it_was(tiny, home:
     assert (gguf_pkg.GGUFReader, gguf_pkg.get_tensor_name_map) == (original_reader, original_names)
 
 
-def test_a_gemma2_gguf_loads_with_the_attention_its_family_takes(home: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("head_size", [True, False])
+def test_a_gemma2_gguf_loads_with_the_attention_its_family_takes(home: Path, tmp_path: Path, head_size: bool) -> None:
     """Gemma 2 runs eager attention (transformers refuses SDPA for its soft-capping): its GGUF's one-time
-    preparation loaded it with SDPA and every Gemma 2 file failed with transformers' ValueError."""
+    preparation loaded it with SDPA and every Gemma 2 file failed with transformers' ValueError. A file without
+    attention.key_length has heads of hidden size / heads, as llama.cpp reads it (not Gemma 2's class default, 256:
+    a size-mismatch error)."""
     from kvrag.kv.attention import attention_implementation
 
     tiny2 = tiny_model("gemma2", init_std=0.1, sliding_window=8)
     with torch.no_grad():  # llama.cpp's Gemma 2 reads its output from the token embeddings
         tiny2.model.lm_head.weight.copy_(tiny2.model.get_input_embeddings().weight)
-    gguf = write_tiny_gguf(tmp_path / "tiny-gemma2.F32.gguf", tiny2)
+    gguf = write_tiny_gguf(tmp_path / "tiny-gemma2.F32.gguf", tiny2, head_size=head_size)
     eng = KVRAGEngine.from_pretrained(str(gguf), dtype="float32", device="cpu")
     lm = eng.loaded
     assert lm.config.model_type == "gemma2"
