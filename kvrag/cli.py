@@ -176,7 +176,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
     try:
         prep = eng.prepare(eng.plan(prompt, passages), args.method, reserve=gen.max_new_tokens)
     except ContextLengthError as e:
-        print(f"error: {e} (kvrag ask: fewer passages, --top-k {max(1, args.top_k - 1)}, fewer --max-new-tokens, or "
+        print(f"error: {e} (kvrag ask: fewer passages, --top-k {max(1, len(passages) // 2)}, fewer --max-new-tokens, or "
               "an index ingested with a smaller --chunk-tokens)", file=sys.stderr)
         return 2
     text = []
@@ -240,6 +240,9 @@ def _keep_fingerprints(args: argparse.Namespace) -> list[str] | None:
 def cmd_store(args: argparse.Namespace) -> int:
     from kvrag.store import cli as store_cli
 
+    if args.dtype and not args.model:
+        print("error: --dtype names the dtypes of --model's entries to keep: give --model too", file=sys.stderr)
+        return 2
     index_tokens = None
     if args.action == "stats" and args.persist and (Path(args.persist) / "chunks.jsonl").exists():
         from kvrag.index import ChunkIndex

@@ -112,6 +112,9 @@ async def _complete_batch(svc: KVRAGService, request: Request, body: CompletionR
         for t in tasks:
             t.cancel(f"{SIBLING_FAILED}{status}")
         await asyncio.gather(*tasks, return_exceptions=True)  # their queue places and leases given back
+        failed = next((i for i, t in enumerate(tasks) if not t.cancelled() and t.exception() is e), None)
+        if isinstance(e, HTTPProblem) and failed is not None and e.body["error"].get("param") in (None, "prompt"):
+            e.body["error"]["param"] = f"prompt.{failed}"  # which prompt of the list
         raise
     return JSONResponse(bodies.batch_body(done), headers=_headers(svc))
 
@@ -149,6 +152,9 @@ async def models(svc: Service) -> JSONObject:
 @router.get("/v1/models/{model_id:path}")
 async def model(model_id: str, svc: Service) -> JSONObject:
     """OpenAI's ``GET /v1/models/{model}`` (the SDK's ``models.retrieve``): the served model, else 404."""
+    if not model_id:  # /v1/models/ -- the list's path with a trailing slash, not a model named ""
+        raise HTTPProblem(404, "no such endpoint: GET /v1/models/; without the trailing slash: /v1/models",
+                          code="not_found")
     if model_id != svc.model_id:
         raise HTTPProblem(404, f"model {model_id!r} is not served here; this server serves {svc.model_id!r}",
                           param="model", code="model_not_found")

@@ -172,7 +172,7 @@ def test_cli_errors_name_the_option_to_change(tmp_path: Path, capsys: pytest.Cap
     assert "note: replacing" not in capsys.readouterr().err
     ask = ["ask", "When does the ferry leave?", "--persist", persist, "--max-new-tokens", "2"]
     assert cli.main([*ask, "--top-k", "8"]) == 2  # 8 chunks of ~120 tokens: past the window
-    assert "--top-k 7" in capsys.readouterr().err
+    assert "--top-k 4" in capsys.readouterr().err
     assert cli.main(["ask", "  ", "--persist", persist]) == 2
     assert "the question is empty" in capsys.readouterr().err
     assert cli.main([*ingest, "--chunk-tokens", "64"]) == 0

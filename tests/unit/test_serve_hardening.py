@@ -783,6 +783,8 @@ def test_a_trailing_slash_or_a_compressed_body_is_a_clear_error(client: Any) -> 
     r = client.post("/v1/chat/completions/", json=chat(), headers={"Host": "llm.example.com"})
     err = is_openai_error(r, 404, code="not_found")
     assert "without the trailing slash: /v1/chat/completions" in err["message"] and "location" not in r.headers
+    assert "without the trailing slash: /v1/models" in is_openai_error(client.get("/v1/models/"), 404,
+                                                                        code="not_found")["message"]
     body = json.dumps(chat()).encode()
     for data in (gzip.compress(body), body):
         r = client.post("/v1/chat/completions", content=data,

@@ -308,6 +308,7 @@ def test_a_list_with_one_prompt_too_long_is_its_error_and_leaves_nothing_held(cl
     before = cancelled()
     r = client.post("/v1/completions", json=text(prompt=["The capital of France is", "word " * 2000], max_tokens=3))
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    assert r.json()["error"]["param"] == "prompt.1"  # which prompt of the list
 
     def idle() -> bool:
         st = engine.batcher.stats()

@@ -192,6 +192,8 @@ def test_cli_store_gc_keeps_the_models_entries_in_the_dtypes_named(tmp_path: Pat
     assert "kept 1, would remove 1 (0 corrupt, 0 format version, 1 other model, dtype or quantization)" in \
         capsys.readouterr().out
     assert len(list(DiskStore(kv).iter_keys())) == 2  # a dry run
+    assert cli.main(["store", "gc", "--store", f"file://{kv}", "--dtype", "float32", "--dry-run"]) == 2  # no --model
+    assert "give --model too" in capsys.readouterr().err
 
 
 def test_cli_store_verify_gc_migrate(tmp_path: Path, redis_srv: Any, capsys: pytest.CaptureFixture[str]) -> None:
