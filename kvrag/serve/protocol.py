@@ -335,6 +335,15 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = Field(default=None, strict=True)
     best_of: int | None = Field(default=None, strict=True)
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _token_ids(cls, v: object) -> object:
+        """OpenAI also takes token ids (a list of ints, or of such lists): said so, not "a valid string"."""
+        if isinstance(v, list) and v and all(isinstance(x, int) or (isinstance(x, list) and x and all(
+                isinstance(y, int) for y in x)) for x in v):
+            raise ValueError("token-id prompts are not supported by kvrag serve: send the prompt as text")
+        return v
+
     @field_validator("prompt")
     @classmethod
     def _prompt(cls, v: str | list[str]) -> str | list[str]:

@@ -252,6 +252,12 @@ def test_a_body_of_invalid_utf8_is_invalid_json(client: Any) -> None:
     assert r.status_code == 400 and "over 4,300 digits" in r.json()["error"]["message"], r.text
 
 
+@pytest.mark.parametrize("prompt", [[1, 2, 3], [[1, 2], [3]]])
+def test_a_token_id_prompt_is_said_to_be_unsupported(client: Any, prompt: Any) -> None:
+    r = client.post("/v1/completions", json=text(prompt=prompt))
+    assert r.status_code == 400 and "token-id prompts are not supported" in r.json()["error"]["message"], r.text
+
+
 def test_a_wrong_role_or_a_nested_methods_parameter_is_named_as_sent(client: Any) -> None:
     """An unknown role was refused as "tool calling is not supported"; hybrid's bad r was refused as relaxkv's."""
     r = client.post("/v1/chat/completions", json=chat(messages=[{"role": "wizard", "content": "hi"}]))
