@@ -328,8 +328,9 @@ def get_method(spec: str | FusionMethod, **overrides: Any) -> FusionMethod:
     name, params = parse_method_spec(spec)
     valid = available_methods()
     if name not in _REGISTRY:
-        msg = (f"unknown fusion method {name!r}; valid methods: {', '.join(valid)} (ablation controls such as "
-               "relaxkv-fullctx are registered by kvrag_bench.ablations.register_ablations())")
+        hint = (" (ablation controls such as relaxkv-fullctx are registered by "
+                "kvrag_bench.ablations.register_ablations())" if "-" in name else "")  # only where one was meant
+        msg = f"unknown fusion method {name!r}; valid methods: {', '.join(valid)}{hint}"
         raise ConfigError(msg)
     params.update(overrides)
     return _REGISTRY[name](**params)

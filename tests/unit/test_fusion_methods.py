@@ -139,6 +139,9 @@ def test_ablations_are_not_user_methods() -> None:
             "assert 'relaxkv-fullctx' in f.available_methods() and f.get_method('relaxkv-fullctx').context == 'full'\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert "unknown fusion method 'relaxkv-fullctx'" in out.stdout and "register_ablations()" in out.stdout
+    with pytest.raises(ConfigError) as e:  # a plain typo (or a client of kvrag serve) is not told about kvrag_bench
+        get_method("fastest")
+    assert "kvrag_bench" not in str(e.value) and "valid methods" in str(e.value)
 
 
 def test_defaults_and_alias() -> None:
