@@ -416,9 +416,10 @@ def _prepared_folder(folder: Path | None) -> Iterator[None]:
     try:
         yield
     except (ConfigError, UnsupportedModelError, OSError, ValueError) as e:
-        if folder is None:
+        if folder is None or "delete" in str(e):  # not a prepared folder, or the error already says what to do
             raise
-        msg = (f"{e} -- the folder kvrag prepared for this GGUF file, {folder}, looks damaged: delete it and load "
+        why = e.__cause__ if isinstance(e, ConfigError) and e.__cause__ is not None else e  # not "expected a Hub id"
+        msg = (f"{why} -- the folder kvrag prepared for this GGUF file, {folder}, looks damaged: delete it and load "
                "again (it is prepared anew from the file)")
         raise ConfigError(msg) from e
 

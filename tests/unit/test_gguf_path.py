@@ -195,8 +195,9 @@ def test_a_damaged_prepared_folder_says_to_delete_it(tiny, home: Path, tmp_path:
         (folder / damage).write_text((folder / damage).read_text()[:20])
     else:
         (folder / damage).unlink()
-    with pytest.raises(ConfigError, match=f"{re.escape(str(folder))}, looks damaged: delete it and load again"):
+    with pytest.raises(ConfigError, match=f"{re.escape(str(folder))}, looks damaged: delete it and load again") as e:
         load_model(str(gguf), dtype="float32", device="cpu")
+    assert "Hugging Face model id" not in str(e.value) and str(e.value).count("delete it") == 1
     shutil.rmtree(folder)
     assert load_model(str(gguf), dtype="float32", device="cpu").config.model_type == "llama"
 
