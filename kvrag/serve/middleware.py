@@ -77,14 +77,15 @@ class Guard:
                                            "(the openai SDK's api_key)", code="invalid_api_key",
                                       headers={"WWW-Authenticate": "Bearer"}), scope, receive, send)
             return
-        coding = dict(scope.get("headers") or []).get(b"content-encoding", b"identity").strip().lower()
+        headers = dict(scope.get("headers") or [])
+        coding = headers.get(b"content-encoding", b"identity").strip().lower()
         if coding not in (b"", b"identity"):  # the body would be read as JSON as it is: say so instead
             await _answer(HTTPProblem(415, f"Content-Encoding {coding.decode('latin-1')!r} is not supported: send the "
                                            "JSON body uncompressed", code="unsupported_content_encoding"),
                           scope, receive, send)
             return
         limit = self.max_body_bytes
-        length = dict(scope.get("headers") or []).get(b"content-length")
+        length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > limit:
             await _answer(_too_large(limit, int(length)), scope, receive, send)
             return

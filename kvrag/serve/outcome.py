@@ -71,6 +71,14 @@ class Host(Protocol):
     def store_worked(self, since: float) -> None: ...
 
 
+def queue_full(svc: Host, prompts: int = 1) -> HTTPProblem:
+    """The 429 for ``prompts`` requests that the queue (``--max-queue``) has no room for now, with ``Retry-After``."""
+    cap = svc.config.max_queue
+    what = (f"the server holds {svc.held} requests, its limit (--max-queue {cap})" if prompts == 1 else
+            f"the server holds {svc.held} requests and these {prompts} prompts would pass its limit (--max-queue {cap})")
+    return HTTPProblem(429, f"{what}; retry later", code="queue_full", headers={"Retry-After": str(svc.retry_after())})
+
+
 class Outcome:
     """A request's outcome (``async with service.outcome(endpoint, request) as out``).
 
@@ -151,9 +159,7 @@ class Outcome:
         if svc.draining:
             raise ShuttingDown(svc.config.drain_timeout_s)
         if svc.held >= svc.config.max_queue:
-            raise HTTPProblem(429, f"the server holds {svc.held} requests, its limit (--max-queue "
-                                   f"{svc.config.max_queue}); retry later", code="queue_full",
-                              headers={"Retry-After": str(svc.retry_after())})
+            raise queue_full(svc)
         svc.held += 1
         self._admitted = True
         svc.outcomes.add(self)
@@ -256,4 +262,4 @@ class Outcome:
         return unexpected(exc, where, self.svc)  # logged with its traceback; the answer names no host or path
 
 
-__all__ = ["POLL_S", "SIBLING_FAILED", "Outcome"]
+__all__ = ["POLL_S", "SIBLING_FAILED", "Outcome", "queue_full"]

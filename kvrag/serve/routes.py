@@ -17,7 +17,7 @@ from kvrag import adapters
 from kvrag.serve import bodies
 from kvrag.serve.bodies import JSONObject, Kind
 from kvrag.serve.errors import HTTPProblem
-from kvrag.serve.outcome import SIBLING_FAILED
+from kvrag.serve.outcome import SIBLING_FAILED, queue_full
 from kvrag.serve.protocol import ChatCompletionRequest, ChunksRequest, CompletionRequest
 from kvrag.serve.service import KVRAGService
 
@@ -101,9 +101,7 @@ async def _complete_batch(svc: KVRAGService, request: Request, body: CompletionR
                                f"at once (--max-queue {cap}): send at most {cap} prompts a request", param="prompt",
                           code="too_many_prompts")
     if svc.held + len(prompts) > cap and not svc.draining:
-        raise HTTPProblem(429, f"the server holds {svc.held} requests and these {len(prompts)} prompts would pass its "
-                               f"limit (--max-queue {cap}); retry later", code="queue_full",
-                          headers={"Retry-After": str(svc.retry_after())})
+        raise queue_full(svc, len(prompts))
     tasks = [asyncio.ensure_future(_answered(svc, request, body, p, "text")) for p in prompts]
     try:
         done = await asyncio.gather(*tasks)

@@ -171,7 +171,7 @@ class KVRAGService:
         limit = min(room, self.config.max_text_tokens)
         refs: list[RegisteredChunk | None] = []
         for i, t in enumerate(texts):
-            if (hit := next((c for c in self.control_tokens if c in t), None)) is not None:
+            if (hit := self.control_token_in(t)) is not None:
                 raise HTTPProblem(400, f"{param}[{i}] contains {hit!r}, a control token of the model's chat template; "
                                        "register passages, not template text", param=f"{param}.{i}",
                                   code="control_token_in_content")
@@ -259,11 +259,15 @@ class KVRAGService:
         specials = set(tok.all_special_tokens) | {t.content for t in tok.added_tokens_decoder.values() if t.special}
         return tuple(sorted(t for t in specials if t and t in sample))
 
+    def control_token_in(self, text: str) -> str | None:
+        """The first of :attr:`control_tokens` that ``text`` holds, else None."""
+        return next((t for t in self.control_tokens if t in text), None)
+
     def check_messages(self, messages: list[dict[str, str]]) -> None:
         """400 for a message whose text holds one of the chat template's control tokens: tokenized as the token
         itself, it would let a client write turns of its own (a forged system message)."""
         for i, m in enumerate(messages):
-            hit = next((t for t in self.control_tokens if t in m["content"]), None)
+            hit = self.control_token_in(m["content"])
             if hit is not None:
                 raise HTTPProblem(400, f"messages[{i}].content contains {hit!r}, a control token of the model's chat "
                                        "template; remove it (send raw prompts to /v1/completions)",
