@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, TypeVar
 from kvrag.config import EngineConfig
 from kvrag.engine.chunks import RegisteredChunk
 from kvrag.errors import ConfigError, ContextLengthError
+from kvrag.kv import hf_cache
 from kvrag.kv.chunk import ChunkKV
 from kvrag.kv.compute import compute_chunk_kv
 from kvrag.kv.keys import ChunkKey
@@ -190,7 +191,7 @@ class ChunkCaching:
         does not stall running streams for its whole forward, and stopping at the next checkpoint when its caller's
         :class:`~kvrag.engine.cancel.CancelToken` is cancelled. Called inside a prepare (holding the model) it runs
         here."""
-        if self._lock._is_owned():  # type: ignore[attr-defined]
+        if hf_cache.held_here(self._lock):
             with self._lock:
                 return fn()
         from kvrag.kv.pieces import Pace, call_pieces
@@ -314,7 +315,7 @@ class ChunkCaching:
         missing = [k for k in first if k not in have]
         mine: list[str]
         theirs: dict[str, threading.Event]
-        if self._lock._is_owned():  # type: ignore[attr-defined]  # inside a prepare: never wait on a caller it blocks
+        if hf_cache.held_here(self._lock):  # inside a prepare: never wait on a caller it blocks
             mine, theirs = [], {}
             todo = [(k, first[k].token_ids or ()) for k in missing]
         else:

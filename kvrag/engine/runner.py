@@ -125,7 +125,7 @@ class Runner:
             EngineClosedError: the engine is closed.
             RequestCancelledError: the request's :class:`CancelToken` was cancelled."""
         h = Handle(job)
-        if threading.current_thread() is self._thread or self.lock._is_owned():  # type: ignore[attr-defined]
+        if threading.current_thread() is self._thread or hf_cache.held_here(self.lock):
             return self._prepare_nested(h, positions)
         token = current_token()
         if token is not None and token.cancelled:

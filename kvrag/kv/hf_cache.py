@@ -331,6 +331,12 @@ def model_lock(model: PreTrainedModel) -> threading.RLock:
         return lock
 
 
+def held_here(lock: threading.RLock) -> bool:
+    """Whether the calling thread holds ``lock`` (a :func:`model_lock`): true inside a prepare, where nothing may wait
+    on a caller the model work blocks."""
+    return bool(lock._is_owned())  # type: ignore[attr-defined]
+
+
 def _default_eager(module: torch.nn.Module) -> Callable[..., Any]:
     """The model family's own ``eager_attention_forward`` (every transformers modeling file defines one)."""
     fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
