@@ -57,6 +57,7 @@ from kvrag.fusion.cost import ModelCost
 from kvrag.fusion.cost_model import Candidate, CostModel, load_cost_model
 from kvrag.kv import hf_cache
 from kvrag.prompting import RagTemplate, render_passage
+from kvrag.threads import set_torch_threads
 
 if TYPE_CHECKING:
     from kvrag.engine.engine import KVRAGEngine
@@ -345,8 +346,7 @@ def run_calibration(
 
     base = load_cost_model(costs)
     saved = torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(int(threads))
+    set_torch_threads(threads, "threads")
     try:
         results: dict[str, DtypeCalibration] = {}
         loaded = cast("LoadedModel", model)  # a name is loaded below before it is read

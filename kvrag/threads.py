@@ -22,6 +22,8 @@ import re
 
 import torch
 
+from kvrag.errors import ConfigError
+
 
 @functools.cache
 def _openmp() -> ctypes.CDLL | None:
@@ -62,4 +64,18 @@ def set_own_threads(n: int) -> None:
         torch.set_num_threads(n)
 
 
-__all__ = ["set_own_threads"]
+def set_torch_threads(n: int | None, flag: str = "--threads") -> None:
+    """``torch.set_num_threads(n)`` for a command's thread option: None or 0 leaves torch's count as it is.
+
+    Raises:
+        ConfigError: ``n`` is negative (named by ``flag``).
+    """
+    if n is None or n == 0:
+        return
+    if n < 0:
+        msg = f"{flag} must be a positive number of threads, got {n}"
+        raise ConfigError(msg)
+    torch.set_num_threads(int(n))
+
+
+__all__ = ["set_own_threads", "set_torch_threads"]

@@ -318,10 +318,9 @@ def run_plot(args: argparse.Namespace) -> int:
 def _setup(args: argparse.Namespace) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if getattr(args, "threads", None):
-        import torch
+    from kvrag.threads import set_torch_threads
 
-        torch.set_num_threads(args.threads)
+    set_torch_threads(getattr(args, "threads", None))
 
 
 def run_bench(args: argparse.Namespace) -> int:

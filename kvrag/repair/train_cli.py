@@ -89,13 +89,12 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``kvrag train-repairer``. Returns the exit code."""
-    import torch
 
     from kvrag.models import load_model
     from kvrag.repair.train import Trainer, pregenerate
+    from kvrag.threads import set_torch_threads
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_torch_threads(args.threads)
     cfg = config_from_args(args)
     loaded = load_model(args.model, device=args.device, dtype=args.dtype)
     if args.pregenerate:

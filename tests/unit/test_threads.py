@@ -42,3 +42,16 @@ def test_another_openmp_runtime_in_the_process_is_not_mistaken_for_torchs() -> N
         pytest.skip("torch does not run on OpenMP here")
     threads._openmp.cache_clear()  # look the runtime up again, now with faiss's loaded
     test_a_thread_sets_its_own_count_only()
+
+
+def test_a_negative_thread_option_is_a_clear_error() -> None:
+    """``--threads -2`` on calibrate / bench / train-repairer: an error naming the option, not torch's RuntimeError."""
+    from kvrag.errors import ConfigError
+    from kvrag.threads import set_torch_threads
+
+    saved = torch.get_num_threads()
+    with pytest.raises(ConfigError, match=r"--threads must be a positive number of threads, got -2"):
+        set_torch_threads(-2)
+    set_torch_threads(None)
+    set_torch_threads(0)
+    assert torch.get_num_threads() == saved  # None and 0 leave torch's count
