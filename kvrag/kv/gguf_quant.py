@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvrag.kv import int4_kernel, native, quant
+from kvrag.kv import int4_kernel, linear, native, quant
 from kvrag.kv.gguf_blocks import (
     DOT_TYPES,
     FLOAT_TYPES,
@@ -244,7 +244,7 @@ class GGUFLinear(torch.nn.Module):
         step = max(16, TILE_WEIGHTS // self.in_features)
         # Two dimensions, contiguous: given a strided 3-D input (a prefill's last position, for the head), linear
         # would broadcast the weight tile and copy it for a batched product, on every tile.
-        flats = [x.reshape(-1, self.in_features) for x in xs]
+        flats = [linear.as_rows(x.reshape(-1, self.in_features)) for x in xs]  # a bf16 row: as it is among others
         dtype = flats[0].dtype
         inner: torch.Tensor | None = self.bias  # in the blocks' row order, added in each product as a dense layer does
         if inner is not None and self.order is not None:
@@ -263,7 +263,8 @@ class GGUFLinear(torch.nn.Module):
                     w, bias = self.dense_tile(r0, r1, dtype, own), None if inner is None else inner[r0:r1]
                     for x, y in zip(flats, ys, strict=True):
                         y[:, r0:r1] = torch.nn.functional.linear(x, w, bias)
-            return [self._in_order(y).view(*x.shape[:-1], self.out_features) for x, y in zip(xs, ys, strict=True)]
+            return [self._in_order(y[: x.numel() // self.in_features]).view(*x.shape[:-1], self.out_features)
+                    for x, y in zip(xs, ys, strict=True)]
         finally:
             if own:
                 self.scratch.lock.release()

@@ -4,9 +4,11 @@ On the CPU, ``F.linear`` in bfloat16 runs oneDNN's matmul and re-lays-out ("reor
 blocked format on **every call**. For a prefill (thousands of rows) that is noise; for a decode step or a short
 suffix (1-32 rows) the reorder costs about as much as the product itself, and a decode step spends most of its time
 in these products (docs/results.md, "Decode, int4 and dense bfloat16"). Packing the weight once (what PyTorch's own inductor
-does for frozen CPU graphs) gives **bit-identical** outputs for such inputs -- the same oneDNN kernel, minus the
-reorder; larger inputs keep ``F.linear`` (:data:`MAX_ROWS`) -- so ``full`` still generates exactly what
-``model.generate`` does, and the stored caches' keys and contents do not change.
+does for frozen CPU graphs) gives **bit-identical** outputs for inputs of two or more rows -- the same oneDNN kernel,
+minus the reorder; larger inputs keep ``F.linear`` (:data:`MAX_ROWS`) -- and the stored caches' keys and contents do
+not change. A one-row input runs the multi-row kernel too (:data:`ONE_ROW`), so every row of a decode-sized product
+has the same bits however many rows share it; ``model.generate`` runs the same modules, so ``full`` still generates
+exactly what it does.
 
 :func:`pack_linears` gives each ``nn.Linear`` of a bf16 CPU model a packed copy of its weight and routes its forward
 through ``torch.ops.mkldnn._linear_pointwise`` (the op inductor emits for the same purpose). The dense weight stays
@@ -41,6 +43,14 @@ reorder is noise for a prefill's thousands of rows (packed and plain take the sa
 threads oneDNN partitions large products differently for a packed weight (a [300, 576] x [576, 576] product
 differed by 0.125 at 2 threads, never at 1), so prefill and ingest keep transformers' exact numerics on every
 thread count; decode steps, batched decode and question suffixes are the rows that gain."""
+ONE_ROW = 2
+"""A one-row input is multiplied as this many copies of itself, and the first row kept. oneDNN multiplies a single
+row with another kernel than two or more rows, which sums over K in another order once K passes ~1K (SmolLM2's
+``down_proj``, K = 1536: the row differs in the last bf16 bit from the same row among others in ~6% of products,
+``tests/unit/test_packed_linear.py``), while the rows of a product of two or more are each computed alone. So a
+one-token decode step (``model.generate``'s included), a verify step's positions and a batched step's rows all get
+the bits the row gets in any packed product: speculative and batched decoding give plain decoding's tokens. The
+extra row costs nothing measurable (the product reads the weight once either way)."""
 
 
 def packing_available() -> bool:
@@ -73,7 +83,18 @@ def _packed_forward(module: torch.nn.Linear, state: _Packed, x: torch.Tensor) ->
               and state.valid_for(w) and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)))
     if not usable:
         return F.linear(x, w, bias)
+    if x.numel() == x.shape[-1]:  # one row: through the multi-row kernel (ONE_ROW)
+        two = as_rows(x.reshape(1, -1))
+        return torch.ops.mkldnn._linear_pointwise(two, state.packed, bias, "none", [], "")[:1].view(*x.shape[:-1], -1)
     return torch.ops.mkldnn._linear_pointwise(x, state.packed, bias, "none", [], "")
+
+
+def as_rows(x: torch.Tensor) -> torch.Tensor:
+    """A 2-D bfloat16 input of one row as :data:`ONE_ROW` copies of it (keep the product's first row), any other
+    input as it is: the rows of a bf16 product then have the bits they get among others."""
+    if x.shape[0] == 1 and x.dtype == torch.bfloat16:
+        return x.expand(ONE_ROW, -1).contiguous()
+    return x
 
 
 def pack_linears(model: PreTrainedModel) -> int:
@@ -103,4 +124,4 @@ def pack_linears(model: PreTrainedModel) -> int:
     return n
 
 
-__all__ = ["ENV", "MAX_ROWS", "pack_linears", "packing_available"]
+__all__ = ["ENV", "MAX_ROWS", "ONE_ROW", "as_rows", "pack_linears", "packing_available"]

@@ -82,3 +82,21 @@ def test_autograd_falls_back_to_the_plain_linear() -> None:
     x = torch.randn(2, lin.in_features, dtype=torch.bfloat16, requires_grad=True)
     lin(x).float().sum().backward()  # the packed op has no backward; the fallback does
     assert x.grad is not None and x.grad.shape == x.shape
+
+
+def test_a_row_has_the_same_bits_alone_and_among_others() -> None:
+    """A real model's ``down_proj`` shape (K = 1536): oneDNN multiplies one bf16 row with another kernel than several,
+    which sums over K in another order; one-row inputs go through the multi-row kernel, so a decode step's row, a
+    verify step's positions and a batched step's rows all get the same bits."""
+    lin = torch.nn.Linear(1536, 576, bias=False).to(torch.bfloat16)
+    torch.nn.init.normal_(lin.weight, std=0.02, generator=torch.Generator().manual_seed(0))
+    linear.pack_linears(lin)
+    gen = torch.Generator().manual_seed(1)
+    with torch.inference_mode():
+        for _ in range(12):
+            x = torch.randn(9, 1536, generator=gen) * torch.rand(1, generator=gen) * 3
+            x[:, torch.rand(1536, generator=gen) < 0.3] = 0  # activations after SiLU-gating: many small or zero
+            x = x.to(torch.bfloat16)
+            together = lin(x[None])[0]
+            for i in range(9):
+                assert torch.equal(lin(x[i : i + 1][None])[0, 0], together[i]), i
