@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Any
 
 from kvrag.errors import ConfigError
@@ -35,7 +36,8 @@ class GenerationConfig:
         do_sample: sample instead of greedy argmax.
         temperature, top_p, top_k: sampling filters (top_k=0 disables it).
         seed: RNG seed for sampling (None: nondeterministic).
-        stop: stop strings; generation ends before the first occurrence, which is not returned.
+        stop: stop strings (one string is one stop); generation ends before the first occurrence, which is not
+            returned.
     """
 
     max_new_tokens: int = 128
@@ -47,6 +49,9 @@ class GenerationConfig:
     stop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, numbers.Integral):
+            raise ConfigError(f"max_new_tokens must be a whole number of tokens, got {self.max_new_tokens!r}")
+        self.max_new_tokens = int(self.max_new_tokens)
         if self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.temperature <= 0:
@@ -55,7 +60,10 @@ class GenerationConfig:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ConfigError(f"top_k must be >= 0, got {self.top_k}")
-        self.stop = tuple(s for s in (self.stop or ()) if s)
+        stop = (self.stop,) if isinstance(self.stop, str) else (self.stop or ())  # one string is one stop (OpenAI's)
+        if not all(isinstance(s, str) for s in stop):
+            raise ConfigError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        self.stop = tuple(s for s in stop if s)
 
     @classmethod
     def of(cls, gen: GenerationConfig | None = None, **kwargs: Any) -> GenerationConfig:

@@ -14,6 +14,7 @@ import torch
 from kvrag.errors import ConfigError
 from kvrag.fusion.base import FusionInput, FusionMethod, FusionOutput, Span, register
 from kvrag.fusion.recompute import fusion_output, recompute_input
+from kvrag.fusion.stats import MethodStats
 
 
 def epic_positions(spans: Sequence[Span], k: int) -> torch.Tensor:
@@ -54,5 +55,8 @@ class Epic(FusionMethod):
     def fuse(self, inp: FusionInput) -> FusionOutput:
         n_layers = inp.keys.shape[0]
         tgt = epic_positions(inp.spans, self.k)
+        if not tgt.numel():  # nothing to recompute: ``stale`` itself (the engine prefills the suffix as for it)
+            return FusionOutput(cache=inp.cache_over(inp.keys, inp.values),
+                                stats=MethodStats(recomputed_fraction=0.0, selected=0))
         res, cache, last = recompute_input(inp, [tgt] * n_layers)
         return fusion_output(inp, res, cache=cache, last_logits=last, selected=int(tgt.numel()))

@@ -275,6 +275,9 @@ def test_method_parameter_out_of_range_lists_valid_values(spec: str, match: str)
         (lambda: GenerationConfig(max_new_tokens=0), "max_new_tokens must be >= 1"),
         (lambda: GenerationConfig(top_p=1.5), r"top_p must be in \(0, 1\]"),
         (lambda: GenerationConfig(temperature=0), "use do_sample=False for greedy"),
+        (lambda: GenerationConfig(max_new_tokens=1.5), "max_new_tokens must be a whole number of tokens, got 1.5"),
+        (lambda: GenerationConfig(max_new_tokens=True), "max_new_tokens must be a whole number of tokens, got True"),
+        (lambda: GenerationConfig(stop=["ok", 3]), r"stop must be a string or a list of strings"),
     ],
 )
 def test_config_out_of_range_says_what_is_valid(make: Any, match: str) -> None:
@@ -384,6 +387,16 @@ def test_one_str_where_a_list_of_texts_is_expected_is_refused(eng: KVRAGEngine) 
     assert eng.store.stats()["entries"] == 0  # nothing was ingested
     with pytest.raises(ConfigError, match="prompt must be a str"):
         eng.answer(None, PASSAGES, "stale", GEN)  # type: ignore[arg-type]
+
+
+def test_one_stop_string_is_one_stop(eng: KVRAGEngine) -> None:
+    """``stop="Isle"`` is the stop string "Isle" (as in OpenAI's API and kvrag's adapters), not four one-letter stops."""
+    assert GenerationConfig(stop="Isle").stop == ("Isle",)
+    ps = [render_passage("The last ferry leaves Tamsin Isle at 23:40 on weekdays.")]
+    prompt = RagTemplate().render(eng.tokenizer, ps, "Quote the passage.")
+    whole = eng.answer(prompt, chunks=ps, method="full", max_new_tokens=12).text
+    cut = eng.answer(prompt, chunks=ps, method="full", max_new_tokens=12, stop="Isle").text
+    assert cut == whole.split("Isle")[0]
 
 
 def test_chunks_as_any_iterable(eng: KVRAGEngine) -> None:

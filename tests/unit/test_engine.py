@@ -144,3 +144,18 @@ def test_kv_buffer_growth_during_decode_changes_nothing(method: str) -> None:
     assert buf.capacity == cap  # no allocation while decoding
     k, _ = hf_cache.cache_to_tensors(tight.cache)
     assert k.shape[2] == plan.total_len + len(tight.token_ids) - 1  # the last sampled token is not fed back
+
+
+@pytest.mark.parametrize("quantize", [None, "int4"])
+def test_epic_with_k_0_is_stale(quantize: str | None) -> None:
+    """``epic:k=0`` recomputes nothing: it is ``stale`` (docs/methods.md), the same tokens and the suffix prefilled
+    as for ``stale`` -- not folded into a layer pass of its own, whose products took another route than stale's
+    suffix prefill (on the real model with int4 weights: "on Sundays." against "on Sunday.")."""
+    eng = make_engine(quantize=quantize)
+    ps = [render_passage(t) for t in ("A day pass costs 9 marks in all three zones.",
+                                      "The last ferry leaves Tamsin Isle at 23:40 on weekdays.")]
+    prompt = RagTemplate().render(eng.tokenizer, ps, "When does the last ferry leave?")
+    stale = eng.answer(prompt, chunks=ps, method="stale", max_new_tokens=8)
+    epic = eng.answer(prompt, chunks=ps, method="epic:k=0", max_new_tokens=8)
+    assert epic.token_ids == stale.token_ids
+    assert epic.stats.method_stats.recomputed_fraction == 0 and not epic.stats.method_stats.suffix_folded
