@@ -79,10 +79,20 @@ def _split_opts(url: str, opts: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     return urlunsplit(parts._replace(query=urlencode(kept))), merged
 
 
+def _no_other_opts(rest: str, url: str) -> None:
+    """ConfigError for query parameters left in ``rest`` (a memory:// or file:// URL: only Redis takes its own)."""
+    other = [k for k, _ in parse_qsl(urlsplit(rest).query, keep_blank_values=True)]
+    if other:
+        msg = (f"store URL {url!r}: unknown option {', '.join(map(repr, other))}; kvrag's store options are "
+               f"{', '.join(_KVRAG_OPTS)}, as each store takes them (e.g. memory://?max_bytes=2000000000)")
+        raise ConfigError(msg)
+
+
 def _memory(url: str, opts: dict[str, Any]) -> KVStore:
     from kvrag.store.memory import MemoryStore
 
     rest, opts = _split_opts(url, opts)
+    _no_other_opts(rest, url)
     if urlsplit(rest).netloc or urlsplit(rest).path not in ("", "/"):
         msg = f"memory store URL {url!r} takes no host or path; expected memory:// or memory://?max_bytes=N"
         raise ConfigError(msg)
@@ -106,6 +116,7 @@ def _file(url: str, opts: dict[str, Any]) -> KVStore:
     from kvrag.store.disk import DiskStore
 
     rest, opts = _split_opts(url, opts)
+    _no_other_opts(rest, url)
     return DiskStore(_file_path(rest, url), **opts)
 
 

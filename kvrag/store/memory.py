@@ -64,6 +64,7 @@ class MemoryStore(KVStore):
         self._entries: OrderedDict[str, ChunkKV | bytes] = OrderedDict()
         self._bytes = 0
         self._evictions = 0
+        self._warned_small = False
 
     def _get(self, key: str) -> ChunkKV | None:
         return self._read(key, shared=False)
@@ -95,9 +96,13 @@ class MemoryStore(KVStore):
         with self._lock:
             self._pop(key)
             if self.max_bytes is not None and size > self.max_bytes:
-                logger.debug(
-                    "MemoryStore: entry %s (%d bytes) exceeds max_bytes=%d; not cached", key, size, self.max_bytes
-                )
+                if not self._warned_small:  # once: every later entry of this size is dropped as well
+                    self._warned_small = True
+                    logger.warning("MemoryStore: an entry of %d bytes exceeds max_bytes=%d, so it is not kept (nor any "
+                                   "other that large): raise max_bytes to hold at least one chunk's cache", size,
+                                   self.max_bytes)
+                logger.debug("MemoryStore: entry %s (%d bytes) exceeds max_bytes=%d; not cached", key, size,
+                             self.max_bytes)
                 return
             self._entries[key] = entry
             self._bytes += size

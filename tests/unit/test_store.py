@@ -277,11 +277,15 @@ def test_memory_lru_evicts_least_recently_used(caplog: pytest.LogCaptureFixture)
     assert s["evictions"] == 2 and s["bytes"] <= s["max_bytes"]
 
 
-def test_memory_entry_larger_than_budget_is_not_cached() -> None:
-    chunk = random_chunk(make_spec(), T=16, seed=7)
+def test_memory_entry_larger_than_budget_is_not_cached(caplog: pytest.LogCaptureFixture) -> None:
+    chunk, other = random_chunk(make_spec(), T=16, seed=7), random_chunk(make_spec(), T=16, seed=8)
     store = MemoryStore(max_bytes=100)
-    store.put(chunk_key(chunk), chunk)
+    with caplog.at_level(logging.WARNING, logger="kvrag.store.memory"):
+        store.put(chunk_key(chunk), chunk)
+        store.put(chunk_key(other), other)
     assert store.stats()["entries"] == 0 and store.get(chunk_key(chunk)) is None
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warned) == 1 and "exceeds max_bytes=100" in warned[0] and "raise max_bytes" in warned[0]  # once
 
 
 def test_memory_int8_codec_uses_less_memory() -> None:
@@ -385,6 +389,8 @@ def test_factory_memory_and_file_urls(tmp_path: Path, monkeypatch: pytest.Monkey
         ("redis:localhost:6379/0", "write redis://localhost:6379/0"),
         ("{tmp}/kv?max_bytes=10", "disk store.*codec"),
         ("{tmp}/kv?kodec=int8", "'kodec'.*codec"),
+        ("memory://?maxbytes=5", "unknown option 'maxbytes'.*max_bytes"),  # was an unbounded store, silently
+        ("file://{tmp}/kv?maxbytes=5", "unknown option 'maxbytes'.*max_bytes"),
     ],
 )
 def test_factory_rejects_bad_urls(url: str, match: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
