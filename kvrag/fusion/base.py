@@ -285,13 +285,22 @@ def available_methods() -> list[str]:
 
 
 def parse_method_spec(spec: str) -> tuple[str, dict[str, str]]:
-    """Parse ``"name:k=v,k2=v2"`` into (name, {k: v})."""
+    """Parse ``"name:k=v,k2=v2"`` into (name, {k: v}).
+
+    Raises:
+        ConfigError: ``spec`` is not a string, a parameter is not ``key=value``, or one is given twice."""
+    if not isinstance(spec, str):
+        msg = f"a method is named by a string such as 'stale' or 'relaxkv:r=0.15', got {spec!r}"
+        raise ConfigError(msg)
     name, _, rest = spec.strip().partition(":")
     params: dict[str, str] = {}
     for part in filter(None, (p.strip() for p in rest.split(","))):
         k, eq, v = part.partition("=")
         if not eq or not k:
             msg = f"bad method parameter {part!r} in {spec!r}; expected name:key=value[,key=value]"
+            raise ConfigError(msg)
+        if k.strip() in params:
+            msg = f"method parameter {k.strip()!r} given twice in {spec!r}; give it once"
             raise ConfigError(msg)
         params[k.strip()] = v.strip()
     return name, params

@@ -484,3 +484,10 @@ def test_an_engine_refuses_pickling_at_once_naming_what_to_do() -> None:
 
     with pytest.raises(TypeError, match="open one in each process"):
         pickle.dumps(tiny_engine("qwen2"))
+
+
+def test_a_method_that_is_not_a_string_or_repeats_a_parameter_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"a method is named by a string .* got 123"):
+        get_method(123)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"method parameter 'r' given twice in 'relaxkv:r=0.15,r=0.2'"):
+        get_method("relaxkv:r=0.15,r=0.2")  # the last one used to win, silently
