@@ -34,6 +34,20 @@ def group_split(group_id: str, eval_modulus: int = 50) -> str:
     return "eval" if _hash64("split|" + group_id) % eval_modulus == 0 else "train"
 
 
+def _check_group(g: object, where: str) -> None:
+    """ConfigError naming ``where`` unless ``g`` is a corpus group: an object whose ``passages`` is a list of strings
+    and whose ``titles``, when given, is a list of as many."""
+    form = 'expected {"titles": [...], "passages": [...]}'
+    if not isinstance(g, dict):
+        raise ConfigError(f"{where} is a JSON {type(g).__name__}, not an object; {form}")
+    passages, titles = g.get("passages"), g.get("titles")
+    if not isinstance(passages, list) or not all(isinstance(p, str) or p is None for p in passages):
+        raise ConfigError(f"{where}: 'passages' must be a list of strings, got {type(passages).__name__}; {form}")
+    if titles is not None and (not isinstance(titles, list) or len(titles) != len(passages)):
+        n = len(titles) if isinstance(titles, list) else type(titles).__name__
+        raise ConfigError(f"{where}: 'titles' must be a list with one title per passage ({len(passages)}), got {n}")
+
+
 class CorpusIndex:
     """Byte offsets of the usable groups of one split of a JSONL corpus, in a fixed hash order.
 
@@ -74,6 +88,7 @@ class CorpusIndex:
                 except ValueError as e:
                     msg = f"{self.path}:{lineno} is not valid JSON: {e}"
                     raise ConfigError(msg) from e
+                _check_group(g, f"{self.path}:{lineno}")
                 gid = str(g.get("id", f"line-{lineno}"))
                 if keep is not None and g.get("source") not in keep:
                     continue

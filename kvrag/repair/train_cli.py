@@ -52,7 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--no-exact-lead", action="store_true",
                    help="v1 data: drop the lead from the examples (the first chunk is never repaired)")
     p.add_argument("--max-train-docs", type=int, default=None, help="use a fixed subset of this many groups")
-    p.add_argument("--eval-docs", type=int, default=d.eval_docs, help="held-aside documents for evaluation")
+    p.add_argument("--eval-docs", type=int, default=d.eval_docs, help="most held-aside groups evaluated (the held-aside set is about 1 in 50 of the corpus's groups, "
+                        "chosen by a hash of each group's id: a corpus of fewer than ~50 groups may hold none)")
     p.add_argument("--eval-every", type=int, default=d.eval_every)
     p.add_argument("--save-every", type=int, default=d.save_every)
     p.add_argument("--log-every", type=int, default=d.log_every)
@@ -91,11 +92,13 @@ def run(args: argparse.Namespace) -> int:
     """Entry point of ``kvrag train-repairer``. Returns the exit code."""
 
     from kvrag.models import load_model
+    from kvrag.repair.dataset import CorpusIndex
     from kvrag.repair.train import Trainer, pregenerate
     from kvrag.threads import set_torch_threads
 
     set_torch_threads(args.threads)
     cfg = config_from_args(args)
+    CorpusIndex(args.data, "all")  # a missing or malformed corpus is an error before the (slow) model load
     loaded = load_model(args.model, device=args.device, dtype=args.dtype)
     if args.pregenerate:
         try:

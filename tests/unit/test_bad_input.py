@@ -491,3 +491,22 @@ def test_a_method_that_is_not_a_string_or_repeats_a_parameter_is_refused() -> No
         get_method(123)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match=r"method parameter 'r' given twice in 'relaxkv:r=0.15,r=0.2'"):
         get_method("relaxkv:r=0.15,r=0.2")  # the last one used to win, silently
+
+
+@pytest.mark.parametrize(
+    ("line", "match"),
+    [
+        ('["a", "b"]', r"c\.jsonl:2 is a JSON list, not an object"),
+        ('{"passages": "not a list"}', r"c\.jsonl:2: 'passages' must be a list of strings, got str"),
+        ('{"titles": ["a"], "passages": ["one", "two"]}', r"'titles' must be a list with one title per passage \(2\)"),
+    ],
+)
+def test_a_malformed_corpus_line_is_named(tmp_path: Path, line: str, match: str) -> None:
+    """``kvrag train-repairer``'s corpus: a bad line is an error naming it (a list crashed with AttributeError, a
+    string of passages trained on its characters, a title list of another length passed)."""
+    from kvrag.repair.dataset import CorpusIndex
+
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text('{"titles": ["x", "y"], "passages": ["first passage", "second passage"]}\n' + line + "\n")
+    with pytest.raises(ConfigError, match=match):
+        CorpusIndex(corpus, "all")
