@@ -111,11 +111,11 @@ def add_bench_arguments(subparsers: Any) -> argparse.ArgumentParser:
     s.add_argument("--data", default=None, help="QA JSONL whose passages supply the text (default: built-in text)")
     s.add_argument("--methods", default=DEFAULT_METHODS)
     s.add_argument("--lengths", type=_int_list, default=[1024, 2048, 4096, 8192],
-                   help="total context tokens at a fixed chunk count")
+                   help="chunk text tokens at a fixed chunk count (the template's own tokens, ~240, come on top)")
     s.add_argument("--chunks", type=int, default=8, help="chunk count of the length sweep")
     s.add_argument("--chunk-counts", type=_int_list, default=[1, 2, 4, 8, 16, 32],
                    help="chunk counts of the fixed-content sweep")
-    s.add_argument("--content-tokens", type=int, default=2048, help="total tokens of the chunk-count sweep")
+    s.add_argument("--content-tokens", type=int, default=2048, help="chunk text tokens of the chunk-count sweep")
     s.add_argument("--repeats", type=int, default=3, help="timed repeats per point (the median is reported)")
     s.add_argument("--out", default="runs/sweep")
     s.add_argument("--overwrite", action="store_true")

@@ -59,7 +59,9 @@ def load_requests(path: str | os.PathLike[str], limit: int | None = None, offset
                 if not isinstance(row["id"], str | int) or isinstance(row["id"], bool) or not str(row["id"]).strip():
                     raise ValueError(f"'id' must be a non-empty string or an integer, got {row['id']!r}")
                 rid = str(row["id"])
-                q = str(row["question"])
+                if not isinstance(row["question"], str):
+                    raise ValueError(f"'question' must be a string, got {row['question']!r:.60}")
+                q = row["question"]
                 if not q.strip():
                     raise ValueError("'question' is empty")
                 answers = row["answers"]
@@ -74,6 +76,8 @@ def load_requests(path: str | os.PathLike[str], limit: int | None = None, offset
                 for i, c in enumerate(ctx):
                     if not isinstance(c, dict) or not isinstance(c.get("text"), str):
                         raise ValueError(f"contexts[{i}] must be an object with a string 'text', got {c!r:.60}")
+                    if not c["text"].strip():  # spliced as a chunk of no tokens: no cache, no place in the prompt
+                        raise ValueError(f"contexts[{i}] has an empty 'text'; drop it from the row")
                 contexts = tuple((str(c.get("title") or ""), str(c["text"])) for c in ctx)
             except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
                 msg = (f"{p}:{lineno}: bad QA row ({e}); expected "

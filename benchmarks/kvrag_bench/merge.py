@@ -17,6 +17,11 @@ from kvrag.errors import ConfigError
 from kvrag_bench import aggregate, plots, provenance
 
 
+def _short(v: object) -> str:
+    text = repr(v)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 def merge_runs(out: str | os.PathLike[str], runs: Sequence[str | os.PathLike[str]], *, n_boot: int = 1000,
                seed: int = 0, make_plots: bool = True) -> dict[str, Any]:
     """Concatenate the request rows of ``runs`` (in order) and write ``out``/summary.{json,md} (+ Pareto plots).
@@ -43,9 +48,11 @@ def merge_runs(out: str | os.PathLike[str], runs: Sequence[str | os.PathLike[str
             raise ConfigError(f"{p} ran methods {lbls}, {paths[0]} ran {labels}; merge runs of one "
                               "method list")
     for p, m in zip(paths[1:], metas[1:], strict=True):
-        if m.get("resume_key") != metas[0].get("resume_key"):
-            raise ConfigError(f"{p} used another model, template or token budget than {paths[0]} (run.json "
-                              "resume_key differs); such runs cannot be merged")
+        a, b = metas[0].get("resume_key") or {}, m.get("resume_key") or {}
+        if a != b:
+            diff = "; ".join(f"{k}: {_short(a.get(k))} vs {_short(b.get(k))}"
+                             for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k))
+            raise ConfigError(f"{p} ran with other settings than {paths[0]} ({diff}); such runs cannot be merged")
     # provenance is the runs' own (git, versions, hardware with their torch threads), never the merging process's
     envs = []
     for p in paths:

@@ -322,6 +322,10 @@ def test_merge_of_split_runs_equals_the_run_over_all_rows(engine: KVRAGEngine, t
         merge_runs(tmp_path / "x", [tmp_path / "a", tmp_path / "c"], make_plots=False)
     with pytest.raises(ConfigError, match="not a kvrag bench"):
         merge_runs(tmp_path / "x", [tmp_path / "a", tmp_path / "nope"], make_plots=False)
+    d = _cfg(tmp_path, methods, limit=1, offset=2)
+    QABenchmark(dataclasses.replace(d, out=str(tmp_path / "d"), max_new_tokens=5), engine).run()
+    with pytest.raises(ConfigError, match=r"ran with other settings .*\(max_new_tokens: 4 vs 5\)"):  # says what
+        merge_runs(tmp_path / "x", [tmp_path / "a", tmp_path / "d"], make_plots=False)
 
 
 def test_memory_bench_markdown_reports_kvrags_memory_by_stage() -> None:
@@ -355,6 +359,9 @@ def _qa_row(rid: str = "x", **kw) -> dict:
     (json.dumps(_qa_row(question="  ")), "'question' is empty"),
     (json.dumps(_qa_row(answers=["", "The"])), "empty after SQuAD normalization"),  # F1 of an empty answer was 1.0
     (json.dumps(_qa_row(contexts=["a plain string"])), "contexts[0] must be an object"),
+    (json.dumps(_qa_row(question=None)), "'question' must be a string, got None"),  # ran as the question "None"
+    (json.dumps(_qa_row(contexts=[{"title": "P", "text": "In Paris."}, {"title": "E", "text": " "}])),
+     "contexts[1] has an empty 'text'"),
 ])
 def test_a_bad_row_is_refused_naming_the_line_and_why(tmp_path: Path, line: str, says: str) -> None:
     p = tmp_path / "mine.jsonl"

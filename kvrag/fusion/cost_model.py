@@ -201,8 +201,9 @@ def fit_cost_model(summary: Mapping[str, JSONValue], *, source: str = "", machin
                    dtype: str | None = None) -> CostModelRecord:
     """A cost model (its JSON form) from a ``kvrag bench`` summary: per method its mean stats, overhead and KL.
 
-    Methods without a measured TTFT ratio, FLOP share or KL (e.g. a run without ``full``) are left out; ``full``
-    itself is kept (KL 0, FLOP share 1) as the always-exact fallback.
+    Methods without a measured TTFT ratio, FLOP share or KL (e.g. a run without ``full``) are left out, and so is
+    ``auto`` (a choice among the candidates); ``full`` itself is kept (KL 0, FLOP share 1) as the always-exact
+    fallback.
 
     Args:
         summary: the bench's ``summary.json``.
@@ -220,6 +221,8 @@ def fit_cost_model(summary: Mapping[str, JSONValue], *, source: str = "", machin
         raise ConfigError(msg)
     cands: dict[str, Candidate] = {}
     for label, entry in as_object(summary.get("methods")).items():
+        if label.split(":")[0] == "auto":  # a choice among the candidates, never one itself
+            continue
         m = as_object(entry)
         ratio, share, kl = _number(m.get("ttft_ratio")), _number(m.get("flop_share")), _number(m.get("kl"))
         if ratio is None or not share or kl is None:

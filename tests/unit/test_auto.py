@@ -25,6 +25,7 @@ def _summary() -> dict:
                             score_edges_ratio=0.03),
         "epic:k=16": m(0.3, 0.2, 0.3, recomputed_fraction=0.1, attention_computed_ratio=0.1),
         "no-kl": {"ttft_ratio": 0.1, "flop_share": 0.1, "kl": None},
+        "auto:budget=0.3": m(0.33, 0.3, 0.06, recomputed_fraction=0.2),  # auto's own row: not a candidate
     }}
 
 
