@@ -409,7 +409,7 @@ class KVRAGEngine(ChunkCaching):
             chunk_misses=counts["chunk_misses"],
             other_hits=counts["other_hits"],
             other_misses=counts["other_misses"],
-            reused_tokens=0 if out.prompt_tokenized or out.stats.recomputed_fraction >= 1 else counts["reused_tokens"],
+            reused_tokens=out.reused(counts["reused_tokens"]),
             hit_rate=(counts["chunk_hits"] / plan.registered) if plan.registered else 0.0,
             method_stats=out.stats,
         )

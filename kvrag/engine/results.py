@@ -84,7 +84,8 @@ class Stats(_Fields):
         chunk_hits / chunk_misses / other_hits / other_misses: store hits and misses of chunk and of other
             (prefix / in-between text) segments.
         reused_tokens: tokens whose KV was reused: from the store or from a kept conversation; 0 where the whole
-            prompt was recomputed (``full``, and ``auto`` escalated to it: nothing reused reached the answer).
+            prompt was recomputed (``full``, and ``auto`` escalated to it: nothing reused reached the answer), and
+            without the tokens a selective method recomputed at every layer (``relaxkv:r=1``: the prefix only).
         conversation_tokens: tokens whose KV came from an earlier answered request that this prompt continues
             (:mod:`kvrag.engine.conversation`; then only the rest of the prompt was prefilled).
         hit_rate: chunk hits / chunks registered.

@@ -168,6 +168,16 @@ class FusionOutput:
     stats: MethodStats = dataclasses.field(default_factory=MethodStats)
     prompt_tokenized: bool = False
 
+    def reused(self, fetched: int) -> int:
+        """How many of the ``fetched`` context tokens (their K/V read from the store or a kept conversation) still
+        reach the answer with some of that K/V: none when the whole prompt was recomputed, else all but those
+        recomputed at every layer (a selective method's targets nest, so the last layer's are recomputed at every
+        layer: ``relaxkv:r=1`` leaves only the exact prefix reused)."""
+        if self.prompt_tokenized or self.stats.recomputed_fraction >= 1:
+            return 0
+        per_layer = self.stats.recomputed_per_layer
+        return max(0, fetched - (per_layer[-1] if per_layer else 0))
+
 
 @dataclasses.dataclass(frozen=True)
 class Observation:

@@ -159,3 +159,18 @@ def test_epic_with_k_0_is_stale(quantize: str | None) -> None:
     epic = eng.answer(prompt, chunks=ps, method="epic:k=0", max_new_tokens=8)
     assert epic.token_ids == stale.token_ids
     assert epic.stats.method_stats.recomputed_fraction == 0 and not epic.stats.method_stats.suffix_folded
+
+
+def test_reused_tokens_leave_out_what_was_recomputed_at_every_layer() -> None:
+    """``reused_tokens`` counts context tokens whose stored K/V reach the answer: all of them for ``stale``, the
+    exact prefix only for a recompute-everything setting (every chunk token recomputed at every layer; it reported
+    every fetched token), none for ``full``."""
+    eng = make_engine()
+    prompt = RagTemplate().render(eng.tokenizer, PASSAGES, "What is the capital of France?")
+    eng.answer(prompt, chunks=PASSAGES, method="stale", max_new_tokens=2)  # caches the chunks and the prefix
+    stale = eng.answer(prompt, chunks=PASSAGES, method="stale", max_new_tokens=2).stats
+    assert stale.reused_tokens == stale.context_tokens
+    for method in ("relaxkv:r=1", "cacheblend:r=1"):
+        st = eng.answer(prompt, chunks=PASSAGES, method=method, max_new_tokens=2).stats
+        assert st.reused_tokens == st.context_tokens - st.chunk_tokens > 0, method
+    assert eng.answer(prompt, chunks=PASSAGES, method="full", max_new_tokens=2).stats.reused_tokens == 0
