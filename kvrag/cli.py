@@ -330,8 +330,8 @@ def build_parser() -> argparse.ArgumentParser:
         "calibrate", help="time the model on this machine for `auto`'s cost model and the dtype default",
         description="Times full and every candidate of auto's cost model on a built-in workload (synthetic RAG "
                     "prompts of ~1-2K tokens), plus prefill and decode speed, per dtype, and writes "
-                    "$KVRAG_HOME/calibration/<machine kind>.json. It takes one to two minutes per dtype and weight form (--quantize) on a small CPU "
-                    "(docs/results.md, \"Calibration and the dtype choice\").",
+                    "$KVRAG_HOME/calibration/<machine kind>.json. It takes one to two minutes per dtype and weight "
+                    "form (--quantize) on a small CPU (docs/results.md, \"Calibration and the dtype choice\").",
     )
     sp.add_argument("--model", default=None, help="model name or path (default: the embedded default)")
     sp.add_argument("--dtypes", default=None,

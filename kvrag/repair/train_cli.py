@@ -52,8 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--no-exact-lead", action="store_true",
                    help="v1 data: drop the lead from the examples (the first chunk is never repaired)")
     p.add_argument("--max-train-docs", type=int, default=None, help="use a fixed subset of this many groups")
-    p.add_argument("--eval-docs", type=int, default=d.eval_docs, help="most held-aside groups evaluated (the held-aside set is about 1 in 50 of the corpus's groups, "
-                        "chosen by a hash of each group's id: a corpus of fewer than ~50 groups may hold none)")
+    p.add_argument("--eval-docs", type=int, default=d.eval_docs,
+                   help="most held-aside groups evaluated (the held-aside set is about 1 in 50 of the corpus's "
+                        "groups, chosen by a hash of each group's id: a corpus of fewer than ~50 groups may hold none)")
     p.add_argument("--eval-every", type=int, default=d.eval_every)
     p.add_argument("--save-every", type=int, default=d.save_every)
     p.add_argument("--log-every", type=int, default=d.log_every)
