@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
+from collections.abc import Iterable
 from typing import Any
 
 from kvrag.errors import ConfigError
@@ -25,6 +27,14 @@ where the first decode step is unsure (:mod:`kvrag.fusion.escalate`)."""
 CHUNK_PREFIX_MODES = ("none", "template")
 ON_STORE_ERROR = ("recompute", "raise")
 KV_DTYPES = ("auto", "float32", "bfloat16", "int8")
+
+
+def _whole(v: object) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _real(v: object) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
 
 
 @dataclasses.dataclass
@@ -49,9 +59,15 @@ class GenerationConfig:
     stop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, numbers.Integral):
-            raise ConfigError(f"max_new_tokens must be a whole number of tokens, got {self.max_new_tokens!r}")
-        self.max_new_tokens = int(self.max_new_tokens)
+        for name, ok, want in (("max_new_tokens", _whole(self.max_new_tokens), "a whole number of tokens"),
+                               ("do_sample", isinstance(self.do_sample, bool), "True or False"),
+                               ("temperature", _real(self.temperature), "a finite number"),
+                               ("top_p", _real(self.top_p), "a finite number"),
+                               ("top_k", _whole(self.top_k), "a whole number"),
+                               ("seed", self.seed is None or _whole(self.seed), "a whole number or None")):
+            if not ok:
+                raise ConfigError(f"{name} must be {want}, got {getattr(self, name)!r}")
+        self.max_new_tokens, self.top_k = int(self.max_new_tokens), int(self.top_k)
         if self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.temperature <= 0:
@@ -61,6 +77,7 @@ class GenerationConfig:
         if self.top_k < 0:
             raise ConfigError(f"top_k must be >= 0, got {self.top_k}")
         stop = (self.stop,) if isinstance(self.stop, str) else (self.stop or ())  # one string is one stop (OpenAI's)
+        stop = tuple(stop) if isinstance(stop, Iterable) else (stop,)
         if not all(isinstance(s, str) for s in stop):
             raise ConfigError(f"stop must be a string or a list of strings, got {self.stop!r}")
         self.stop = tuple(s for s in stop if s)
@@ -204,11 +221,11 @@ class EngineConfig:
             raise ConfigError(msg)
         if not self.store_retry_s >= 0:
             raise ConfigError(f"store_retry_s must be >= 0 seconds, got {self.store_retry_s!r}")
-        if not isinstance(self.speculative_tokens, int) or self.speculative_tokens < 0:
+        if not _whole(self.speculative_tokens) or self.speculative_tokens < 0:
             raise ConfigError(f"speculative_tokens must be an integer >= 0 (0: off), got {self.speculative_tokens!r}")
-        if not isinstance(self.speculative_ngram, int) or self.speculative_ngram < 1:
+        if not _whole(self.speculative_ngram) or self.speculative_ngram < 1:
             raise ConfigError(f"speculative_ngram must be an integer >= 1, got {self.speculative_ngram!r}")
-        if not isinstance(self.speculative_min_ngram, int) or self.speculative_min_ngram < 1:
+        if not _whole(self.speculative_min_ngram) or self.speculative_min_ngram < 1:
             raise ConfigError(f"speculative_min_ngram must be an integer >= 1, got {self.speculative_min_ngram!r}")
         if not isinstance(self.speculative_max_batch, int) or self.speculative_max_batch < 1:
             msg = f"speculative_max_batch must be an integer >= 1 (requests), got {self.speculative_max_batch!r}"

@@ -362,7 +362,8 @@ def run_bench(args: argparse.Namespace) -> int:
         if why != "not a registered fusion method":
             print(f"warning: skipped method {spec!r}: {why}", file=sys.stderr)
     print(summary_markdown(summary))
-    print(f"results in {args.out}/ (results.jsonl, summary.json, summary.md, pareto_*.png)", file=sys.stderr)
+    plots = "" if getattr(args, "no_plots", False) else ", pareto_*.png"
+    print(f"results in {args.out}/ (results.jsonl, summary.json, summary.md{plots})", file=sys.stderr)
     return 0
 
 

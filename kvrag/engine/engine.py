@@ -7,7 +7,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Collection, Generator, Iterator, Sequence
+from collections.abc import Callable, Collection, Generator, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 from kvrag.config import EngineConfig, GenerationConfig
@@ -160,8 +160,7 @@ class KVRAGEngine(ChunkCaching):
         ``EngineConfig.strict_tokenization`` whatever it says."""
         if not isinstance(prompt, str):
             raise ConfigError(f"prompt must be a str (a rendered prompt), got {type(prompt).__name__}")
-        texts_not_one_str(chunks, "chunks")
-        texts, ids_of, derived = self._registered(list(chunks))  # any iterable
+        texts, ids_of, derived = self._registered(chunks)
         plan = plan_prompt(prompt, texts, self.tokenize, ids_of, decode=self._decode,
                            strict=self.config.strict_tokenization, exact=frozenset(exact))
         return self._with_identity(plan, derived)
@@ -169,7 +168,7 @@ class KVRAGEngine(ChunkCaching):
     def plan_parts(self, prefix: str, chunks: Sequence[str | RegisteredChunk], suffix: str,
                    separator: str = "") -> Plan:
         """Plan from explicit parts (no search): prefix, chunks in order (joined by ``separator``), suffix."""
-        texts, ids_of, derived = self._registered(list(chunks))  # any iterable
+        texts, ids_of, derived = self._registered(chunks)
         pieces = [TextPiece("prefix", prefix)]
         for i, c in enumerate(texts):
             if i and separator:
@@ -181,8 +180,10 @@ class KVRAGEngine(ChunkCaching):
                            strict=self.config.strict_tokenization)
         return self._with_identity(plan, derived)
 
-    def _registered(self, chunks: Sequence[str | RegisteredChunk]) -> tuple[list[str], Callable[[str], Sequence[int]],
-                                                                           dict[str, RegisteredChunk]]:
+    def _registered(self, given: Iterable[str | RegisteredChunk]) -> tuple[list[str], Callable[[str], Sequence[int]],
+                                                                          dict[str, RegisteredChunk]]:
+        texts_not_one_str(given, "chunks")
+        chunks = list(given)  # any iterable
         texts = [c.text if isinstance(c, RegisteredChunk) else c for c in chunks]
         for c, t in zip(chunks, texts, strict=True):
             if not isinstance(t, str):

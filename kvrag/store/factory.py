@@ -71,6 +71,9 @@ def _split_opts(url: str, opts: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     kept, merged = [], {}
     for k, v in parse_qsl(parts.query, keep_blank_values=True):
         if k in _KVRAG_OPTS:
+            if k in merged:
+                msg = f"store URL {url!r} gives {k!r} twice; give it once"
+                raise ConfigError(msg)
             merged[k] = v
         else:
             kept.append((k, v))
@@ -140,7 +143,11 @@ def _plain_path(url: str) -> tuple[str, dict[str, Any]]:
     if t is None:
         return url, {}
     path, query = t.group(1), t.group(2)
-    opts = dict(parse_qsl(query, keep_blank_values=True))
+    pairs = parse_qsl(query, keep_blank_values=True)
+    opts = dict(pairs)
+    if len(opts) < len(pairs):
+        msg = f"store path {url!r} gives an option twice; give each once"
+        raise ConfigError(msg)
     unknown = sorted(set(opts) - set(_KVRAG_OPTS))
     if unknown:
         msg = (f"store path {url!r} has options {unknown} a disk store does not take; it takes codec "

@@ -278,6 +278,13 @@ def test_method_parameter_out_of_range_lists_valid_values(spec: str, match: str)
         (lambda: GenerationConfig(max_new_tokens=1.5), "max_new_tokens must be a whole number of tokens, got 1.5"),
         (lambda: GenerationConfig(max_new_tokens=True), "max_new_tokens must be a whole number of tokens, got True"),
         (lambda: GenerationConfig(stop=["ok", 3]), r"stop must be a string or a list of strings"),
+        (lambda: GenerationConfig(stop=5), r"stop must be a string or a list of strings, got 5"),  # was a TypeError
+        (lambda: GenerationConfig(do_sample="no"), "do_sample must be True or False, got 'no'"),  # sampled
+        (lambda: GenerationConfig(do_sample=True, seed="abc"), "seed must be a whole number or None"),
+        (lambda: GenerationConfig(do_sample=True, top_k=1.5), "top_k must be a whole number, got 1.5"),
+        (lambda: GenerationConfig(do_sample=True, temperature=float("nan")), "temperature must be a finite number"),
+        (lambda: GenerationConfig(do_sample=True, top_p="0.5"), "top_p must be a finite number, got '0.5'"),
+        (lambda: EngineConfig(speculative_tokens=True), "speculative_tokens must be an integer >= 0"),
     ],
 )
 def test_config_out_of_range_says_what_is_valid(make: Any, match: str) -> None:
@@ -397,6 +404,12 @@ def test_one_stop_string_is_one_stop(eng: KVRAGEngine) -> None:
     whole = eng.answer(prompt, chunks=ps, method="full", max_new_tokens=12).text
     cut = eng.answer(prompt, chunks=ps, method="full", max_new_tokens=12, stop="Isle").text
     assert cut == whole.split("Isle")[0]
+
+
+def test_plan_parts_refuses_one_str_for_the_chunks(eng: KVRAGEngine) -> None:
+    """``plan_parts("Context:", "abc def", "Q?")`` planned every character as a chunk; ``plan`` refused it already."""
+    with pytest.raises(ConfigError, match=r"chunks must be a list of texts, got one str .*wrap it in a list"):
+        eng.plan_parts("Context:", "abc def", "Q?")  # type: ignore[arg-type]
 
 
 def test_chunks_as_any_iterable(eng: KVRAGEngine) -> None:

@@ -391,6 +391,8 @@ def test_factory_memory_and_file_urls(tmp_path: Path, monkeypatch: pytest.Monkey
         ("{tmp}/kv?kodec=int8", "'kodec'.*codec"),
         ("memory://?maxbytes=5", "unknown option 'maxbytes'.*max_bytes"),  # was an unbounded store, silently
         ("file://{tmp}/kv?maxbytes=5", "unknown option 'maxbytes'.*max_bytes"),
+        ("memory://?max_bytes=100000&max_bytes=5", "gives 'max_bytes' twice"),  # the last one won
+        ("{tmp}/kv?codec=int8&codec=native", "gives an option twice"),
     ],
 )
 def test_factory_rejects_bad_urls(url: str, match: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
