@@ -274,21 +274,38 @@ def generation_config(*, max_new_tokens: int, temperature: float = 0.0, top_p: f
     ``stop`` may be one string (OpenAI's API and many callers pass ``stop="\\n"``): it is one stop string, not a
     sequence of one-character stop strings.
     """
-    temperature = float(temperature)
-    if temperature < 0:
+    temperature = _number("temperature", temperature)
+    if not temperature >= 0:
         msg = f"temperature must be >= 0 (0 is greedy), got {temperature}"
         raise ConfigError(msg)
-    if isinstance(stop, str):
-        stop = (stop,)
     return GenerationConfig(
-        max_new_tokens=int(max_new_tokens),
+        max_new_tokens=_whole_number("max_new_tokens", max_new_tokens),
         do_sample=temperature > 0,
         temperature=temperature if temperature > 0 else 1.0,
-        top_p=float(top_p),
-        top_k=int(top_k),
-        seed=seed,
-        stop=tuple(stop or ()),
+        top_p=_number("top_p", top_p),
+        top_k=_whole_number("top_k", top_k),
+        seed=None if seed is None else _whole_number("seed", seed),
+        stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),  # one str is one stop string
     )
+
+
+def _number(name: str, value: object) -> float:
+    """A framework's number (a float, an int, a numeric string from a config file) as a float; ConfigError naming
+    ``name`` for anything else (a bool included)."""
+    try:
+        if isinstance(value, bool):
+            raise ValueError
+        return float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name} must be a number, got {value!r}") from None
+
+
+def _whole_number(name: str, value: object) -> int:
+    """:func:`_number` that must be whole (``6``, ``6.0``, ``"6"``); ConfigError naming ``name`` otherwise."""
+    number = _number(name, value)
+    if not number.is_integer():
+        raise ConfigError(f"{name} must be a whole number, got {value!r}")
+    return int(number)
 
 
 # ------------------------------------------------------------------------------------------------- metadata

@@ -8,6 +8,8 @@ import numbers
 from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
+
 from kvrag.errors import ConfigError
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -37,6 +39,11 @@ def _real(v: object) -> bool:
     return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
 
 
+def _flag(v: object) -> bool:
+    """A yes/no value: a bool, numpy's bool, or the integers 0 and 1 (JSON configs write them)."""
+    return isinstance(v, bool | np.bool_) or (_whole(v) and v in (0, 1))
+
+
 @dataclasses.dataclass
 class GenerationConfig:
     """Decoding settings.
@@ -60,14 +67,16 @@ class GenerationConfig:
 
     def __post_init__(self) -> None:
         for name, ok, want in (("max_new_tokens", _whole(self.max_new_tokens), "a whole number of tokens"),
-                               ("do_sample", isinstance(self.do_sample, bool), "True or False"),
+                               ("do_sample", _flag(self.do_sample), "True or False"),
                                ("temperature", _real(self.temperature), "a finite number"),
                                ("top_p", _real(self.top_p), "a finite number"),
                                ("top_k", _whole(self.top_k), "a whole number"),
                                ("seed", self.seed is None or _whole(self.seed), "a whole number or None")):
             if not ok:
                 raise ConfigError(f"{name} must be {want}, got {getattr(self, name)!r}")
-        self.max_new_tokens, self.top_k = int(self.max_new_tokens), int(self.top_k)
+        self.max_new_tokens, self.top_k, self.do_sample = int(self.max_new_tokens), int(self.top_k), bool(self.do_sample)
+        self.temperature, self.top_p = float(self.temperature), float(self.top_p)
+        self.seed = None if self.seed is None else int(self.seed)  # torch's generator takes Python ints only
         if self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.temperature <= 0:
@@ -76,11 +85,11 @@ class GenerationConfig:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ConfigError(f"top_k must be >= 0, got {self.top_k}")
-        stop = (self.stop,) if isinstance(self.stop, str) else (self.stop or ())  # one string is one stop (OpenAI's)
-        stop = tuple(stop) if isinstance(stop, Iterable) else (stop,)
+        given = () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else self.stop  # one str: one stop
+        stop = tuple(given) if isinstance(given, Iterable) else (given,)
         if not all(isinstance(s, str) for s in stop):
             raise ConfigError(f"stop must be a string or a list of strings, got {self.stop!r}")
-        self.stop = tuple(s for s in stop if s)
+        self.stop = tuple(str(s) for s in stop if s)
 
     @classmethod
     def of(cls, gen: GenerationConfig | None = None, **kwargs: Any) -> GenerationConfig:
@@ -94,10 +103,13 @@ class GenerationConfig:
             msg = (f"pass either gen= or generation keywords, not both (got gen and {sorted(kwargs)}): the keywords "
                    "would be ignored")
             raise ConfigError(msg)
+        if not kwargs.get("do_sample") and kwargs.get("temperature") == 0:  # how frameworks write greedy decoding
+            kwargs = {k: v for k, v in kwargs.items() if k != "temperature"}
         sampling = sorted(k for k in ("temperature", "top_p", "top_k") if k in kwargs)
         if sampling and not kwargs.get("do_sample"):
-            msg = (f"{', '.join(sampling)} only apply when sampling: pass do_sample=True to sample, or leave them out "
-                   "for greedy decoding (the default)")
+            verb = "takes" if len(sampling) == 1 else "take"
+            msg = (f"{', '.join(sampling)} {verb} effect only when sampling: pass do_sample=True to sample, or leave "
+                   "them out for greedy decoding (the default)")
             raise ConfigError(msg)
         return gen if gen is not None else cls(**kwargs)
 

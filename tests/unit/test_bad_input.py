@@ -285,6 +285,11 @@ def test_method_parameter_out_of_range_lists_valid_values(spec: str, match: str)
         (lambda: GenerationConfig(do_sample=True, temperature=float("nan")), "temperature must be a finite number"),
         (lambda: GenerationConfig(do_sample=True, top_p="0.5"), "top_p must be a finite number, got '0.5'"),
         (lambda: EngineConfig(speculative_tokens=True), "speculative_tokens must be an integer >= 0"),
+        (lambda: GenerationConfig(do_sample=2), "do_sample must be True or False, got 2"),
+        (lambda: adapters.generation_config(max_new_tokens=True), "max_new_tokens must be a number, got True"),
+        (lambda: adapters.generation_config(max_new_tokens=4, temperature=float("nan")), "temperature must be >= 0"),
+        (lambda: adapters.generation_config(max_new_tokens=4, temperature="warm"), "temperature must be a number"),
+        (lambda: adapters.generation_config(max_new_tokens=4, top_k=2.5), "top_k must be a whole number, got 2.5"),
     ],
 )
 def test_config_out_of_range_says_what_is_valid(make: Any, match: str) -> None:
@@ -396,6 +401,18 @@ def test_one_str_where_a_list_of_texts_is_expected_is_refused(eng: KVRAGEngine) 
         eng.answer(None, PASSAGES, "stale", GEN)  # type: ignore[arg-type]
 
 
+def test_settings_in_the_forms_configs_and_frameworks_write_them() -> None:
+    """JSON / YAML configs and frameworks write numbers as strings or floats and flags as 0 / 1 or numpy bools: the
+    values that mean a setting are taken (a greedy call's seed=42.0 was refused for a moment), others refused."""
+    import numpy as np
+
+    g = adapters.generation_config(max_new_tokens="6", temperature="0", top_p=1, seed=42.0, stop="\n")
+    assert (g.max_new_tokens, g.do_sample, g.top_p, g.seed, g.stop) == (6, False, 1.0, 42, ("\n",))
+    g = GenerationConfig(do_sample=np.True_, seed=np.int64(3), temperature=np.float32(0.5), stop=np.array(["a"]))
+    assert (g.do_sample, type(g.seed), g.seed, type(g.temperature), g.stop) == (True, int, 3, float, ("a",))
+    assert GenerationConfig(do_sample=1).do_sample is True
+
+
 def test_one_stop_string_is_one_stop(eng: KVRAGEngine) -> None:
     """``stop="Isle"`` is the stop string "Isle" (as in OpenAI's API and kvrag's adapters), not four one-letter stops."""
     assert GenerationConfig(stop="Isle").stop == ("Isle",)
@@ -422,10 +439,12 @@ def test_chunks_as_any_iterable(eng: KVRAGEngine) -> None:
 
 def test_generation_keywords_that_would_be_ignored_are_refused(eng: KVRAGEngine) -> None:
     prompt = RagTemplate().render(eng.tokenizer, PASSAGES, "Capital?")
-    with pytest.raises(ConfigError, match=r"temperature only apply when sampling: pass do_sample=True"):
+    with pytest.raises(ConfigError, match=r"temperature takes effect only when sampling: pass do_sample=True"):
         eng.answer(prompt, PASSAGES, "stale", temperature=0.8, max_new_tokens=4)
-    with pytest.raises(ConfigError, match=r"top_k, top_p only apply when sampling"):
+    with pytest.raises(ConfigError, match=r"top_k, top_p take effect only when sampling"):
         eng.answer(prompt, PASSAGES, "stale", top_p=0.5, top_k=3, max_new_tokens=4)
+    greedy = eng.answer(prompt, PASSAGES, "stale", max_new_tokens=4).token_ids  # temperature 0 is how configs say it
+    assert eng.answer(prompt, PASSAGES, "stale", temperature=0, do_sample=False, max_new_tokens=4).token_ids == greedy
     with pytest.raises(ConfigError, match=r"either gen= or generation keywords, not both .*'max_new_tokens'"):
         eng.answer(prompt, PASSAGES, "stale", GEN, max_new_tokens=10)
     sampled = eng.answer(prompt, PASSAGES, "stale", do_sample=True, temperature=0.8, seed=3, max_new_tokens=4)

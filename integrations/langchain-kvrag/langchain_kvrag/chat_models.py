@@ -88,7 +88,7 @@ class ChatKVCached(BaseChatModel):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0)
     seed: int | None = None
-    stop: list[str] | None = Field(default=None, alias="stop_sequences")
+    stop: list[str] | str | None = Field(default=None, alias="stop_sequences")  # one str: one stop, as ChatOpenAI
     timeout: float | None = None
     max_retries: int = 0
     streaming: bool = False
