@@ -16,6 +16,7 @@ The concatenated deltas equal ``tokenizer.decode(ids, skip_special_tokens=True)`
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
@@ -121,6 +122,16 @@ class StopText:
         return out, False
 
 
+def generator_seed(seed: int) -> int:
+    """The 32-bit seed of torch's CPU generator (a Mersenne Twister, which keeps a seed's low 32 bits) for any
+    integer seed: 0 .. 2**32 - 1 as they are, every other (negative, or 2**32 and above, as OpenAI clients send)
+    hashed, so that seeds equal in their low 32 bits (-1 and 2**63 - 1) no longer sample alike."""
+    if 0 <= seed < 2**32:
+        return seed
+    digest = hashlib.blake2b(seed.to_bytes(seed.bit_length() // 8 + 1, "little", signed=True), digest_size=4).digest()
+    return int.from_bytes(digest, "little")
+
+
 class DecodeState:
     """One request's decoding between steps: token choice, end conditions and text deltas.
 
@@ -133,7 +144,8 @@ class DecodeState:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, cfg: GenerationConfig, eos_ids: Sequence[int]) -> None:
         self.cfg = cfg
         self.eos = {int(e) for e in eos_ids}
-        self.generator = torch.Generator().manual_seed(cfg.seed) if cfg.do_sample and cfg.seed is not None else None
+        self.generator = (torch.Generator().manual_seed(generator_seed(cfg.seed)) if cfg.do_sample and cfg.seed is not None
+                          else None)
         self.detok = IncrementalDetokenizer(tokenizer)
         self.stop = StopText(cfg.stop)
         self.steps = 0

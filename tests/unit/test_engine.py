@@ -174,3 +174,20 @@ def test_reused_tokens_leave_out_what_was_recomputed_at_every_layer() -> None:
         st = eng.answer(prompt, chunks=PASSAGES, method=method, max_new_tokens=2).stats
         assert st.reused_tokens == st.context_tokens - st.chunk_tokens > 0, method
     assert eng.answer(prompt, chunks=PASSAGES, method="full", max_new_tokens=2).stats.reused_tokens == 0
+
+
+def test_seeds_equal_in_their_low_32_bits_sample_differently() -> None:
+    """torch's CPU generator keeps a seed's low 32 bits, so seed -1 and 2**63 - 1 (both valid OpenAI seeds) sampled
+    the same answer; seeds 0 .. 2**32 - 1 keep their samples."""
+    from kvrag.engine.generate import generator_seed
+
+    assert [generator_seed(s) for s in (0, 7, 2**32 - 1)] == [0, 7, 2**32 - 1]
+    assert len({generator_seed(s) for s in (-1, 2**63 - 1, 2**32, -(2**63), 2**200)}) == 5
+    eng = make_engine()
+    prompt = RagTemplate().render(eng.tokenizer, PASSAGES, "Say something.")
+
+    def sample(seed: int) -> list[int]:
+        return eng.answer(prompt, chunks=PASSAGES, method="stale", max_new_tokens=12, do_sample=True,
+                          temperature=1.5, seed=seed).token_ids
+
+    assert sample(-1) == sample(-1) and sample(-1) != sample(2**63 - 1)
