@@ -49,7 +49,7 @@ from kvrag.async_bridge import MAX_WORKER_THREADS, aiter_in_thread, to_thread
 from kvrag.chunk_table import ChunkLike, RecentChunks
 from kvrag.chunk_table import normalize as _normalize
 from kvrag.config import GenerationConfig
-from kvrag.engine.chunks import RegisteredChunk
+from kvrag.engine.chunks import RegisteredChunk, texts_not_one_str
 from kvrag.errors import ConfigError
 from kvrag.jsontypes import JSONObject
 from kvrag.prompting import ROLE_ALIASES, render_chat
@@ -396,6 +396,7 @@ __all__ = [
     "render_chat",
     "reset_chunks",
     "resolve_chunks",
+    "texts_not_one_str",
     "to_thread",
     "unpicklable_engine",
     "with_history",

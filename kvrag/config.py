@@ -74,8 +74,8 @@ class GenerationConfig:
                                ("seed", self.seed is None or _whole(self.seed), "a whole number or None")):
             if not ok:
                 raise ConfigError(f"{name} must be {want}, got {getattr(self, name)!r}")
-        self.max_new_tokens, self.top_k, self.do_sample = int(self.max_new_tokens), int(self.top_k), bool(self.do_sample)
-        self.temperature, self.top_p = float(self.temperature), float(self.top_p)
+        self.max_new_tokens, self.top_k = int(self.max_new_tokens), int(self.top_k)
+        self.do_sample, self.temperature, self.top_p = bool(self.do_sample), float(self.temperature), float(self.top_p)
         self.seed = None if self.seed is None else int(self.seed)  # torch's generator takes Python ints only
         if self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
@@ -85,7 +85,7 @@ class GenerationConfig:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ConfigError(f"top_k must be >= 0, got {self.top_k}")
-        given = () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else self.stop  # one str: one stop
+        given = () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else self.stop  # str: one stop
         stop = tuple(given) if isinstance(given, Iterable) else (given,)
         if not all(isinstance(s, str) for s in stop):
             raise ConfigError(f"stop must be a string or a list of strings, got {self.stop!r}")

@@ -8,8 +8,8 @@ two taking turns ``--rounds`` times (a busy machine slows them alike):
   row (or the sample documents), cut to about ``--context`` tokens. Peak RSS (the kernel's high-water mark,
   ``VmHWM``) is read right after that answer; then the passages are ingested, a one-passage ``stale`` request
   caches the template's prefix (as a server's first request does once), and the same prompt is answered with
-  ``stale`` (its TTFT reported, every cache ready; ingest is not part of the peak). Also recorded: the resident memory before the
-  model (the imports), once it is loaded, and the high-water mark of the load alone;
+  ``stale`` (its TTFT reported, every cache ready; ingest is not part of the peak). Also recorded: the resident
+  memory before the model (the imports), once it is loaded, and the high-water mark of the load alone;
 * llama.cpp (llama-cpp-python, when installed): the same file, the prompt's token ids from kvrag's plan prefilled
   (its TTFT), then greedy steps one token at a time; peak RSS the same way.
 

@@ -17,7 +17,7 @@ from collections.abc import Callable, Generator, Iterable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
 from kvrag.config import EngineConfig
-from kvrag.engine.chunks import RegisteredChunk
+from kvrag.engine.chunks import RegisteredChunk, texts_not_one_str
 from kvrag.errors import ConfigError, ContextLengthError
 from kvrag.kv import hf_cache
 from kvrag.kv.chunk import ChunkKV
@@ -71,14 +71,6 @@ class InFlight:
                 ev = self._events.pop(k, None)
                 if ev is not None:
                     ev.set()
-
-
-def texts_not_one_str(texts: object, what: str) -> None:
-    """A str is a sequence of its characters: refuse one where a list of texts is expected, instead of taking
-    every character for a chunk."""
-    if isinstance(texts, str):
-        msg = f"{what} must be a list of texts, got one str ({texts[:40]!r}): wrap it in a list, [text]"
-        raise ConfigError(msg)
 
 
 class ChunkCaching:

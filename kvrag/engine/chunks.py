@@ -16,6 +16,8 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
+from kvrag.errors import ConfigError
+
 if TYPE_CHECKING:
     from kvrag.kv.chunk import ChunkKV
 
@@ -48,4 +50,12 @@ class RegisteredChunk:
         return self.space == space and self.key is not None and self.token_ids is not None
 
 
-__all__ = ["RegisteredChunk"]
+def texts_not_one_str(texts: object, what: str) -> None:
+    """A str is a sequence of its characters: refuse one where a list of texts is expected, instead of taking
+    every character for a chunk."""
+    if isinstance(texts, str):
+        msg = f"{what} must be a list of texts, got one str ({texts[:40]!r}): wrap it in a list, [text]"
+        raise ConfigError(msg)
+
+
+__all__ = ["RegisteredChunk", "texts_not_one_str"]

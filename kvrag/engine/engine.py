@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any, cast
 from kvrag.config import EngineConfig, GenerationConfig
 from kvrag.engine.admission import default_kv_bytes
 from kvrag.engine.assemble import assemble, context_only_input
-from kvrag.engine.caching import ChunkCaching, InFlight, texts_not_one_str
-from kvrag.engine.chunks import RegisteredChunk
+from kvrag.engine.caching import ChunkCaching, InFlight
+from kvrag.engine.chunks import RegisteredChunk, texts_not_one_str
 from kvrag.engine.conversation import ConversationCache, keep_answered, prepare_hit
 from kvrag.engine.lease import KVBudget, Lease
 from kvrag.engine.planner import Plan, TextPiece, plan_pieces, plan_prompt

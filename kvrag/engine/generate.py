@@ -144,8 +144,8 @@ class DecodeState:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, cfg: GenerationConfig, eos_ids: Sequence[int]) -> None:
         self.cfg = cfg
         self.eos = {int(e) for e in eos_ids}
-        self.generator = (torch.Generator().manual_seed(generator_seed(cfg.seed)) if cfg.do_sample and cfg.seed is not None
-                          else None)
+        seed = cfg.seed if cfg.do_sample else None
+        self.generator = None if seed is None else torch.Generator().manual_seed(generator_seed(seed))
         self.detok = IncrementalDetokenizer(tokenizer)
         self.stop = StopText(cfg.stop)
         self.steps = 0

@@ -137,8 +137,8 @@ def split_prompt(prompt: str, chunk_texts: Sequence[str]) -> tuple[list[TextPiec
     the word's, not a chunk), past the prompt's first character: the prompt's first token is the attention sink
     every later token leans on, which only the leading text computed at position 0 holds (a chunk's cache follows
     the chunk prefix), so text at position 0 is the prompt's prefix, never a chunk. Text before the first chunk is
-    the 'prefix', text after the last chunk is the 'suffix', text between chunks is 'text'. With no chunk found the whole prompt is one prefix + empty suffix
-    handled by the caller (everything is prefilled normally).
+    the 'prefix', text after the last chunk is the 'suffix', text between chunks is 'text'. With no chunk found the
+    whole prompt is one prefix + empty suffix handled by the caller (everything is prefilled normally).
 
     Returns:
         (pieces, number of registered chunks found).

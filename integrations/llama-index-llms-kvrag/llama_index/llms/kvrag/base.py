@@ -34,7 +34,7 @@ from llama_index.core.llms.custom import CustomLLM
 
 from kvrag import adapters
 from kvrag.default_model import DEFAULT_MODEL
-from kvrag.errors import ConfigError, ContextLengthError, KVRAGError
+from kvrag.errors import ContextLengthError, KVRAGError
 
 log = logging.getLogger(__name__)
 
@@ -387,8 +387,7 @@ class KVCachedLLM(CustomLLM):
     # ------------------------------------------------------------------------------------------- explicit parts
     def _parts_request(self, prefix: str, chunks: Sequence[str | adapters.RegisteredChunk], suffix: str,
                        separator: str, kwargs: dict[str, Any]) -> dict[str, Any]:
-        if isinstance(chunks, str):  # a str is a sequence of its characters, not a list of chunks
-            raise ConfigError(f"chunks must be a list of texts, got one str ({chunks[:40]!r}): wrap it in a list")
+        adapters.texts_not_one_str(chunks, "chunks")
         refs = list(chunks)
         texts = [c.text if isinstance(c, adapters.RegisteredChunk) else c for c in refs]
         req = self._new_request(prefix + separator.join(texts) + suffix, True, {**kwargs, "chunks": refs})
