@@ -260,8 +260,15 @@ def bounded_memory_store(url: str) -> str:
     (every request's misses are stored, so an unbounded memory store grows with what clients send)."""
     from urllib.parse import parse_qs, urlsplit
 
+    from kvrag.errors import ConfigError
+    from kvrag.store.factory import store_from_url
+
     parts = urlsplit(url)
     if not url.lower().startswith("memory://") or "max_bytes" in parse_qs(parts.query):  # memory: is an error later
+        return url
+    try:  # a malformed URL is reported later as the user wrote it, not with the bound appended
+        store_from_url(url).close()
+    except ConfigError:
         return url
     print(f"note: --store {url} has no max_bytes: bounded to {SERVE_MEMORY_STORE_BYTES >> 20} MiB (least recently "
           "used evicted); give memory://?max_bytes=N for another bound", file=sys.stderr)

@@ -412,6 +412,7 @@ def test_serve_options_reach_the_engine(monkeypatch: pytest.MonkeyPatch) -> None
     ("memory://?codec=int8", "memory://?codec=int8&max_bytes=2147483648"),
     ("memory://?max_bytes=1000", "memory://?max_bytes=1000"),
     ("file:///tmp/kv", "file:///tmp/kv"),
+    ("memory://?zzz=1", "memory://?zzz=1"),  # malformed: its error quotes the URL as given, not with the bound
 ])
 def test_serve_bounds_a_memory_store_given_without_a_bound(monkeypatch: pytest.MonkeyPatch, given: str | None,
                                                            served: str) -> None:
