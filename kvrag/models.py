@@ -405,7 +405,8 @@ def load_model(
         logger.warning("model %s has no chat template: chat prompts are rendered as plain 'role: content' lines "
                        "(kvrag.prompting.render_chat); an instruction-tuned model answers best in its own format: "
                        "lm = kvrag.models.load_model(...); lm.tokenizer.chat_template = TEMPLATE; "
-                       "KVRAGEngine(lm, store)", name)
+                       "KVRAGEngine.from_pretrained(lm, store=URL) (set the template before building an engine)",
+                       name)
     return loaded
 
 

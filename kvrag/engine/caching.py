@@ -116,8 +116,21 @@ class ChunkCaching:
     def _chunk_prefix(self) -> tuple[int, ...]:
         if self.config.chunk_prefix == "none":
             return ()
+        # chunks are computed after the template's header: :meth:`chunk_key` refuses keys once the template changed
+        self._prefix_template = (getattr(self.tokenizer, "chat_template", None),)
         pre = self.template_preamble()
         return tuple(self.tokenize(pre)) if pre else ()
+
+    def _check_template(self) -> None:
+        """ConfigError when the tokenizer's chat template changed after this engine computed its chunk prefix (its
+        caches would be conditioned on the old template's header, and spliced after the new one)."""
+        built = getattr(self, "_prefix_template", None)
+        now = getattr(self.tokenizer, "chat_template", None)
+        if built is not None and now is not built[0] and now != built[0]:
+            msg = ("the tokenizer's chat template changed after this engine was built: its chunk caches are computed "
+                   "after the old template's header; set tokenizer.chat_template before building the engine, or "
+                   "build a new one now (KVRAGEngine.from_pretrained(loaded, store=...))")
+            raise ConfigError(msg)
 
     def template_preamble(self) -> str:
         """The chat template's fixed text before a user message (system header), see :func:`chat_preamble`."""
@@ -148,6 +161,7 @@ class ChunkCaching:
             raise
 
     def chunk_key(self, token_ids: Sequence[int], kind: str = "chunk") -> str:
+        self._check_template()
         prefix = () if kind == "prefix" else self.chunk_prefix_ids
         return ChunkKey.make(
             token_ids,

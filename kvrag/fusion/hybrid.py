@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Generator
 
-from kvrag.errors import ConfigError
+from kvrag.errors import CheckpointMismatchError, ConfigError
 from kvrag.fusion.base import Bool, FusionInput, FusionMethod, FusionOutput, register, shared_method
 from kvrag.fusion.cacherepair import CacheRepair
 from kvrag.fusion.relaxkv import RelaxKV
@@ -57,7 +57,11 @@ class Hybrid(FusionMethod):
     def fuse_pieces(self, inp: FusionInput, pace: pieces.Pace) -> Generator[None, None, FusionOutput]:
         """The repair (one piece), then RelaxKV's pieces (:meth:`RelaxKV.fuse_pieces`)."""
         work = inp.owned()  # both steps write in place
-        rep = self.repair.fuse(work)
+        try:
+            rep = self.repair.fuse(work)
+        except (ConfigError, CheckpointMismatchError) as e:  # no repairer fits: named as the method asked for, with its own parameter
+            msg = str(e).replace("cacherepair: ", f"{self.name} (CacheRepair, then RelaxKV): ", 1)
+            raise type(e)(msg.replace("`cacherepair:checkpoint=DIR`", f"`{self.name}:checkpoint=DIR`")) from e
         yield from pace.boundary()
         out = yield from self.relax.fuse_pieces(work, pace)  # scores and recomputes over the repaired cache
         # RelaxKV's stats with the repair step's as a part; the repairer's FLOPs count at the top level (what the

@@ -212,7 +212,15 @@ class FallbackStore(KVStore):
 
 
 def with_fallback(store: KVStore, on_error: str = "recompute", *, retry_s: float = 2.0) -> KVStore:
-    """``store`` behind a :class:`FallbackStore` for ``on_error="recompute"``; unchanged for ``"raise"``."""
+    """``store`` behind a :class:`FallbackStore` for ``on_error="recompute"``; unchanged for ``"raise"``.
+
+    Raises:
+        ConfigError: ``store`` is not a :class:`KVStore` (a URL or path: the message names how to open it).
+    """
+    if not isinstance(store, KVStore):
+        msg = (f"expected a KVStore, got {type(store).__name__} {store!r:.80}; open a URL or path with "
+               "KVRAGEngine.from_pretrained(loaded, store=URL) or kvrag.store.store_from_url(URL)")
+        raise ConfigError(msg)
     if on_error not in ON_STORE_ERROR:
         msg = f"on_store_error must be one of {list(ON_STORE_ERROR)}, got {on_error!r}"
         raise ConfigError(msg)

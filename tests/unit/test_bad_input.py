@@ -302,6 +302,28 @@ def test_engine_with_unknown_default_method_lists_valid(lm: Any) -> None:
         KVRAGEngine(lm, MemoryStore(), EngineConfig(method="fastest"))
 
 
+def test_engine_given_a_store_url_instead_of_a_store_names_how_to_open_it(lm: Any, tmp_path: Path) -> None:
+    for store in (str(tmp_path / "kv"), "memory://", tmp_path):
+        with pytest.raises(ConfigError, match=r"expected a KVStore, got .*KVRAGEngine\.from_pretrained"):
+            KVRAGEngine(lm, store, EngineConfig())  # type: ignore[arg-type]  # the mistake under test
+    eng = KVRAGEngine.from_pretrained(lm, store=str(tmp_path / "kv"))  # what the message names
+    assert ask(eng, PASSAGES).stats["chunk_misses"] == 2
+
+
+def test_a_chat_template_changed_after_the_engine_was_built_is_refused(tmp_path: Path) -> None:
+    lm = tiny_model("llama")
+    store = DiskStore(tmp_path)
+    old = KVRAGEngine(lm, store, EngineConfig())
+    assert old.chunk_prefix_ids  # chunks are computed after the template's header
+    ask(old, PASSAGES)
+    lm.tokenizer.chat_template = lm.tokenizer.chat_template.replace("<|im_start|>", "<|im_start|> ")
+    with pytest.raises(ConfigError, match="chat template changed after this engine was built"):
+        ask(old, PASSAGES)  # its caches follow the old header: spliced after the new one they would be wrong
+    new = KVRAGEngine(lm, store, EngineConfig())  # built after the change: its own prefix, its own keys
+    assert new.chunk_prefix_ids != old.chunk_prefix_ids
+    assert ask(new, PASSAGES).stats["chunk_hits"] == 0
+
+
 # ---- a store written by another model or format version ----------------------------------------------------------------
 def test_store_from_another_model_is_never_served_and_gc_removes_it(tmp_path: Path, lm: Any) -> None:
     store = DiskStore(tmp_path)

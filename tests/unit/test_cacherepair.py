@@ -575,6 +575,16 @@ def test_cacherepair_errors(lm, tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
         get_method(f"cacherepair:checkpoint={tmp_path / 'other'}").fuse(inp)
 
 
+def test_hybrid_without_a_repairer_names_itself_and_its_parameter(lm, tmp_path: Path) -> None:
+    inp, _ = _fusion_input(lm)
+    for spec in ("hybrid:r=0.1", f"hybrid:r=0.1,checkpoint={tmp_path / 'missing'}"):
+        with pytest.raises(ConfigError) as got:
+            get_method(spec).fuse(inp)
+        msg = str(got.value)
+        assert msg.startswith("hybrid (CacheRepair, then RelaxKV): ") and "`hybrid:checkpoint=DIR`" in msg, msg
+        assert "cacherepair:checkpoint" not in msg and "train-repairer" in msg
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # the standard fusion-method suite (docs/architecture.md#tests), with a randomized repairer per tiny family
 # ---------------------------------------------------------------------------------------------------------------
