@@ -27,6 +27,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+MAX_TTL_S = 1e15
+"""The longest ``ttl_s`` (~31.7 million years): Redis adds a PX expiry in milliseconds to its clock as a signed 64-bit
+integer (~9.2e15 s), so ``inf`` or ``1e20`` only failed at the first write, after the caches were computed."""
 _CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 _PLAIN_SCHEMES = ("redis", "rediss", "unix")
 
@@ -86,8 +89,9 @@ class RedisStore(KVStore):
         if codec not in serde.CODECS:
             msg = f"unknown KV codec {codec!r}; expected one of {list(serde.CODECS)}"
             raise ConfigError(msg)
-        if ttl_s is not None and not ttl_s > 0:
-            msg = f"RedisStore ttl_s must be a positive number of seconds or None, got {ttl_s!r}"
+        if ttl_s is not None and not 0 < ttl_s <= MAX_TTL_S:  # NaN fails too; inf would fail at the first write
+            msg = (f"RedisStore ttl_s must be a positive number of seconds up to {MAX_TTL_S:.0e} (Redis keeps expiry "
+                   f"times in milliseconds as 64-bit integers) or None for no expiry, got {ttl_s!r}")
             raise ConfigError(msg)
         self.url = redact_url(url)
         self.ttl_s = ttl_s

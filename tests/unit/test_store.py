@@ -419,6 +419,13 @@ def test_factory_redis_urls(redis_url: str) -> None:
         store_from_url(redis_url[: -len("0")] + "O")
 
 
+@pytest.mark.parametrize("ttl", ["inf", "1e20", "nan", "-1", "0"])
+def test_redis_ttl_beyond_what_redis_keeps_is_refused_before_any_write(ttl: str) -> None:
+    pytest.importorskip("redis")  # checked before connecting: no server needed
+    with pytest.raises(ConfigError, match=r"ttl_s must be a positive number of seconds up to 1e\+15"):
+        store_from_url(f"redis://127.0.0.1:9/0?ttl_s={ttl}")
+
+
 def test_redis_unreachable_names_url_without_password() -> None:
     pytest.importorskip("redis")
     with socket.socket() as sock:
