@@ -160,6 +160,13 @@ class ChunkCaching:
                 raise ConfigError(msg) from e
             raise
 
+    @functools.cached_property
+    def key_codec(self) -> str:
+        """The keys' storage part: the KV dtype, and the store's codecs other than ``native`` (an ``int8`` store's
+        entries are rounded: keyed apart, a reader of exact entries on the same store recomputes instead)."""
+        lossy = sorted(self.store.codecs() - {"native"})
+        return "+".join([self.spec.dtype, *lossy])
+
     def chunk_key(self, token_ids: Sequence[int], kind: str = "chunk") -> str:
         self._check_template()
         prefix = () if kind == "prefix" else self.chunk_prefix_ids
@@ -167,7 +174,7 @@ class ChunkCaching:
             token_ids,
             model_fingerprint=self.loaded.fingerprint,
             tokenizer_fingerprint=self.loaded.tokenizer_fingerprint,
-            codec=self.spec.dtype,
+            codec=self.key_codec,
             prefix_ids=prefix,
         ).digest
 

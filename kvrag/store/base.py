@@ -271,6 +271,12 @@ class KVStore(abc.ABC):
         entries, nbytes = self._usage()
         return {"backend": type(self).__name__, "entries": entries, "bytes": nbytes, **self._counters()}
 
+    def codecs(self) -> frozenset[str]:
+        """The codecs this store writes entries in (``"native"``: the tensors as computed). A lossy codec's entries
+        are keyed apart (:meth:`kvrag.engine.caching.ChunkCaching.chunk_key`): a reader asking for exact caches never
+        gets ``int8``-rounded ones."""
+        return frozenset({str(getattr(self, "codec", "native"))})
+
     def close(self) -> None:
         """Release connections/handles. Idempotent; the default holds nothing to release."""
         return None

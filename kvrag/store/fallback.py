@@ -198,6 +198,9 @@ class FallbackStore(KVStore):
             })
         return out
 
+    def codecs(self) -> frozenset[str]:
+        return self.inner.codecs()
+
     def close(self) -> None:
         self.inner.close()
 

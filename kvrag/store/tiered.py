@@ -116,6 +116,9 @@ class TieredStore(KVStore):
                     "back_misses": back["misses"], "tiers": {"front": front, "back": back}})
         return out
 
+    def codecs(self) -> frozenset[str]:
+        return self.front.codecs() | self.back.codecs()
+
     def close(self) -> None:
         """Close both tiers."""
         try:

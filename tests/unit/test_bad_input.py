@@ -324,6 +324,24 @@ def test_a_chat_template_changed_after_the_engine_was_built_is_refused(tmp_path:
     assert ask(new, PASSAGES).stats["chunk_hits"] == 0
 
 
+def test_a_lossy_codec_s_entries_are_keyed_apart_from_exact_ones(lm: Any, tmp_path: Path) -> None:
+    from kvrag.kv.keys import ChunkKey
+    from kvrag.store import TieredStore
+
+    rounded = KVRAGEngine(lm, DiskStore(tmp_path, codec="int8"), EngineConfig())
+    rounded.ingest(PASSAGES)
+    exact = KVRAGEngine(lm, DiskStore(tmp_path), EngineConfig())  # the same directory, native entries
+    r = ask(exact, PASSAGES)
+    assert r.stats["chunk_hits"] == 0 and r.stats["chunk_misses"] == 2  # never served int8-rounded caches
+    assert ask(rounded, PASSAGES).stats["chunk_hits"] == 2 and ask(exact, PASSAGES).stats["chunk_hits"] == 2
+    ids = exact.tokenize(PASSAGES[0])  # native keys are what they were: stores written before stay valid
+    assert exact.chunk_key(ids) == ChunkKey.make(ids, model_fingerprint=lm.fingerprint, codec=exact.spec.dtype,
+                                                 tokenizer_fingerprint=lm.tokenizer_fingerprint,
+                                                 prefix_ids=exact.chunk_prefix_ids).digest
+    tiered = KVRAGEngine(lm, TieredStore(MemoryStore(), DiskStore(tmp_path / "t", codec="int8")), EngineConfig())
+    assert tiered.key_codec == rounded.key_codec == f"{exact.spec.dtype}+int8" and exact.key_codec == exact.spec.dtype
+
+
 # ---- a store written by another model or format version ----------------------------------------------------------------
 def test_store_from_another_model_is_never_served_and_gc_removes_it(tmp_path: Path, lm: Any) -> None:
     store = DiskStore(tmp_path)
