@@ -160,6 +160,20 @@ class ChunkCaching:
                 raise ConfigError(msg) from e
             raise
 
+    def entry_for(self, key: str, token_ids: Sequence[int], *found: ChunkKV | None) -> ChunkKV | None:
+        """The first of ``found`` (a held cache, the store's entry) that holds ``token_ids``; None when none does. An
+        entry under ``key`` with other tokens (copied or written there by something else) is never served: it is
+        logged and counted (``entries_mismatched``), and the recomputed cache is written over it."""
+        for ch in found:
+            if ch is None:
+                continue
+            if ch.token_ids.shape[0] == len(token_ids) and ch.token_ids.tolist() == list(token_ids):
+                return ch
+            log.warning("store entry %s holds other tokens than its key names (written under another key?): not "
+                        "served; computed again and written over it", key[:16])
+            self._count(entries_mismatched=1)
+        return None
+
     @functools.cached_property
     def key_codec(self) -> str:
         """The keys' storage part: the KV dtype, and the store's codecs other than ``native`` (an ``int8`` store's

@@ -238,9 +238,7 @@ class KVRAGEngine(ChunkCaching):
         got = dict(got)
         for s, k in zip(plan.context, keys, strict=True):
             tag = "chunk" if s.kind == "chunk" else "other"
-            ch = plan.held.get(k)
-            if ch is None:
-                ch = got.get(k)
+            ch = self.entry_for(k, s.token_ids, plan.held.get(k), got.get(k))
             if ch is None:
                 counts[f"{tag}_misses"] += 1
                 t = time.perf_counter()

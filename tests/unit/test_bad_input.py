@@ -357,6 +357,23 @@ def test_store_from_another_model_is_never_served_and_gc_removes_it(tmp_path: Pa
     assert ask(b, PASSAGES).stats["chunk_hits"] == 2
 
 
+def test_an_entry_under_another_chunk_s_key_is_not_served_and_is_written_over(
+        tmp_path: Path, eng: KVRAGEngine, caplog: pytest.LogCaptureFixture) -> None:
+    store = DiskStore(tmp_path)
+    e = KVRAGEngine(eng.loaded, store, EngineConfig())
+    ref = ask(e, PASSAGES)
+    ka, kb = (e.chunk_key(e.tokenize(p)) for p in PASSAGES)
+    store.put_bytes(ka, store.get_bytes(kb) or b"")  # a valid entry, copied onto another chunk's key
+    with caplog.at_level(logging.WARNING, logger="kvrag.engine"):
+        r = ask(e, PASSAGES)
+    assert r.text == ref.text and r.stats["chunk_misses"] == 1 and r.stats["chunk_hits"] == 1
+    assert any("holds other tokens than its key names" in m.getMessage() for m in caplog.records)
+    assert e.counters["entries_mismatched"] == 1
+    fixed = store.get(ka)
+    assert fixed is not None and fixed.token_ids.tolist() == e.tokenize(PASSAGES[0])  # computed again, written over
+    assert ask(e, PASSAGES).stats["chunk_hits"] == 2
+
+
 def test_entry_of_another_format_version_is_not_served(tmp_path: Path, eng: KVRAGEngine,
                                                        caplog: pytest.LogCaptureFixture) -> None:
     store = DiskStore(tmp_path)
