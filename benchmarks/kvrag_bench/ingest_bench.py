@@ -141,7 +141,8 @@ def run_ingest_bench(cfg: IngestBenchConfig) -> dict[str, Any]:
         tokens = [len(i) for i in ids]
         urls = {m: _mode_store(base, m, Path(tmpdir.name), cfg.codec) for m in cfg.modes}
         stores = {m: store_from_url(u) for m, u in urls.items()}
-        engines = {m: KVRAGEngine(eng.loaded, stores[m], eng.config) for m in cfg.modes if not m.startswith("ray:")}
+        # one engine per mode's store: it keys the chunks as that store's codec asks (Ray workers check the keys)
+        engines = {m: KVRAGEngine(eng.loaded, stores[m], eng.config) for m in cfg.modes}
         startup: dict[str, float] = {}
         ray_modes = [m for m in cfg.modes if m.startswith("ray:")]
         if ray_modes:
@@ -150,7 +151,8 @@ def run_ingest_bench(cfg: IngestBenchConfig) -> dict[str, Any]:
             ray_started = distributed.init_ray(None, sum(int(m[4:]) for m in ray_modes), cfg.threads)
             for m in ray_modes:
                 t = time.perf_counter()
-                pools[m] = distributed.RayIngest(eng, urls[m], int(m[4:]), model=cfg.model, torch_threads=cfg.threads)
+                pools[m] = distributed.RayIngest(engines[m], urls[m], int(m[4:]), model=cfg.model,
+                                                 torch_threads=cfg.threads)
                 startup[m] = time.perf_counter() - t
         # warm-up (untimed): one small batch per in-process mode, so first-call costs do not land on one mode
         warm = KVRAGEngine(eng.loaded, store_from_url("memory://"), eng.config)
@@ -176,7 +178,7 @@ def run_ingest_bench(cfg: IngestBenchConfig) -> dict[str, Any]:
                 elif m == "batched":
                     engines[m].ingest(part, batch_size=bs)
                 else:
-                    items = [(eng.chunk_key(ids[i]), ids[i]) for i in sl]
+                    items = [(engines[m].chunk_key(ids[i]), ids[i]) for i in sl]
                     st = pools[m].run(items, bs)
                     worker_peak[m] = [max(a, b) for a, b in zip(worker_peak.get(m, [0.0] * len(st["worker_peak_rss_mb"])),
                                                                  st["worker_peak_rss_mb"], strict=True)]
@@ -190,13 +192,12 @@ def run_ingest_bench(cfg: IngestBenchConfig) -> dict[str, Any]:
         for m in ray_modes:
             restarts[m] = sum(max(0, len(p) - 1) for p in pools[m].pids)
         # read back: every chunk served, and stale answers over stored chunks hit every cache
-        keys = [eng.chunk_key(i) for i in ids]
         checks: dict[str, dict[str, Any]] = {}
         rng = random.Random(cfg.seed)
         from kvrag.prompting import RagTemplate
 
         for m in cfg.modes:
-            served = 0
+            served, keys = 0, [engines[m].chunk_key(i) for i in ids]
             for start in range(0, n, 64):  # in slices: 1,000 chunks at once would hold GBs
                 got = stores[m].get_many(keys[start : start + 64])
                 served += sum(1 for g, i in zip(got, ids[start : start + 64], strict=True)
