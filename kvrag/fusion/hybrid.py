@@ -59,7 +59,7 @@ class Hybrid(FusionMethod):
         work = inp.owned()  # both steps write in place
         try:
             rep = self.repair.fuse(work)
-        except (ConfigError, CheckpointMismatchError) as e:  # no repairer fits: named as the method asked for, with its own parameter
+        except (ConfigError, CheckpointMismatchError) as e:  # no repairer fits: named as asked, with its parameter
             msg = str(e).replace("cacherepair: ", f"{self.name} (CacheRepair, then RelaxKV): ", 1)
             raise type(e)(msg.replace("`cacherepair:checkpoint=DIR`", f"`{self.name}:checkpoint=DIR`")) from e
         yield from pace.boundary()
