@@ -106,9 +106,9 @@ def cmd_ingest(args: argparse.Namespace) -> int:
         if args.ray is not None:  # prefill on Ray workers that write straight into the shared store
             from kvrag import distributed
 
-            keys = distributed.ingest(texts, store_url(args), engine=eng, workers=args.workers,
-                                      address=None if args.ray == "local" else args.ray, batch_size=args.batch_size,
-                                      progress=True).keys
+            address = None if args.ray.lower() in ("local", "none") else args.ray  # 'none': the help's old word
+            keys = distributed.ingest(texts, store_url(args), engine=eng, workers=args.workers, address=address,
+                                      batch_size=args.batch_size, progress=True).keys
         else:
             keys = eng.ingest(texts, progress=True, batch_size=args.batch_size)
     except ContextLengthError as e:  # checked before any chunk is computed
@@ -311,7 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="chunks per prefill forward (default: kvrag.engine.ingest_prefill.DEFAULT_BATCH_SIZE; 1: one at a time)")
     sp.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
                     help="prefill on Ray workers (pip install 'kvrag[ray]'); ADDRESS of a running cluster (e.g. "
-                         "ray://head:10001 or auto), or none to start a local Ray with --workers workers")
+                         "ray://head:10001 or auto); without one (or 'local') a local Ray starts with --workers workers")
     sp.add_argument("--workers", type=int, default=2, help="with --ray: number of workers (each loads the model once)")
     _add_quantize(sp)
     sp.set_defaults(func=cmd_ingest)

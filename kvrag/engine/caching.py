@@ -161,16 +161,21 @@ class ChunkCaching:
             raise
 
     def entry_for(self, key: str, token_ids: Sequence[int], *found: ChunkKV | None) -> ChunkKV | None:
-        """The first of ``found`` (a held cache, the store's entry) that holds ``token_ids``; None when none does. An
-        entry under ``key`` with other tokens (copied or written there by something else) is never served: it is
-        logged and counted (``entries_mismatched``), and the recomputed cache is written over it."""
+        """The first of ``found`` (a held cache, the store's entry) that holds ``token_ids`` in a codec this engine's
+        keys name; None when none does. An entry under ``key`` with other tokens (copied or written there by
+        something else), or rounded by a codec the keys do not name (an ``int8`` entry under an exact key: written by
+        a kvrag whose keys did not name the codec, or copied), is never served: it is logged and counted
+        (``entries_mismatched``), and the recomputed cache is written over it."""
         for ch in found:
             if ch is None:
                 continue
-            if ch.token_ids.shape[0] == len(token_ids) and ch.token_ids.tolist() == list(token_ids):
+            if not (ch.token_ids.shape[0] == len(token_ids) and ch.token_ids.tolist() == list(token_ids)):
+                why = "other tokens than its key names (written under another key?)"
+            elif ch.codec not in (None, ch.spec.dtype) and ch.codec not in self.store.codecs():
+                why = f"{ch.codec}-rounded K/V under a key for {self.key_codec} entries"
+            else:
                 return ch
-            log.warning("store entry %s holds other tokens than its key names (written under another key?): not "
-                        "served; computed again and written over it", key[:16])
+            log.warning("store entry %s holds %s: not served; computed again and written over it", key[:16], why)
             self._count(entries_mismatched=1)
         return None
 

@@ -19,12 +19,15 @@ class ChunkKV:
         keys: [L, H_kv, T, D] keys with RoPE removed (so they can be placed at any offset).
         values: [L, H_kv, T, D] values (position-free already).
         spec: the KVSpec the tensors follow.
+        codec: the codec a stored entry was read back from (its header's: ``int8``, ``float16``, ..., or the spec's
+            dtype name for a native entry); None for a cache computed or kept in this process as it is.
     """
 
     token_ids: torch.Tensor
     keys: torch.Tensor
     values: torch.Tensor
     spec: KVSpec
+    codec: str | None = None
 
     def __post_init__(self) -> None:
         self.validate()

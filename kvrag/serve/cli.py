@@ -97,8 +97,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--on-store-error", choices=["recompute", "raise"], default="recompute",
                         help="when the KV store fails: recompute caches (responses carry a Warning header), or fail")
     parser.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
-                        help="deploy on Ray Serve (pip install 'kvrag[ray-serve]'): ADDRESS of a running cluster, or none "
-                             "to start a local Ray")
+                        help="deploy on Ray Serve (pip install 'kvrag[ray-serve]'): ADDRESS of a running cluster; without one "
+                             "(or 'local') a local Ray starts")
     parser.add_argument("--replicas", type=int, default=2, help="with --ray: replicas (each loads the model once)")
     parser.add_argument("--max-ongoing-requests", type=int, default=None,
                         help="with --ray: Ray Serve's max_ongoing_requests per replica")
@@ -200,7 +200,7 @@ def _serve_on_ray(args: argparse.Namespace, factory: Callable[[], KVRAGEngine], 
               file=sys.stderr)
     autoscaling = json.loads(args.autoscaling) if args.autoscaling else None
     url = ray_serve.run(factory, cfg, host=args.host, port=args.port,
-                        address=None if args.ray == "local" else args.ray, persist=args.persist,
+                        address=None if args.ray.lower() in ("local", "none") else args.ray, persist=args.persist,
                         replicas=args.replicas, max_ongoing_requests=args.max_ongoing_requests,
                         autoscaling_config=autoscaling)
     print(f"kvrag serve on Ray Serve: {url}/v1 ({'autoscaling' if autoscaling else f'{args.replicas} replicas'})",

@@ -81,6 +81,11 @@ def run(args: argparse.Namespace, url: str, index_tokens: list[int] | None,
         return 0
     # migrate
     dst = store_from_url(args.to)
+    if store.codecs() - {"native"} != dst.codecs() - {"native"}:  # entries keep their keys; engines key by codec
+        print(f"note: {redact_url(url)} and {redact_url(args.to)} use different codecs "
+              f"({'/'.join(sorted(store.codecs()))} and {'/'.join(sorted(dst.codecs()))}): chunk keys name the codec, "
+              "so engines on the destination URL will not find the copied entries; give the destination the "
+              "source's ?codec= option", file=sys.stderr)
     m = maintenance.migrate_store(store, dst, keep_fingerprints=keep, overwrite=args.overwrite,
                                   dry_run=args.dry_run, progress=progress)
     if args.json:

@@ -25,6 +25,7 @@ def _clone(chunk: ChunkKV) -> ChunkKV:
         keys=chunk.keys.detach().to("cpu", copy=True).contiguous(),
         values=chunk.values.detach().to("cpu", copy=True).contiguous(),
         spec=chunk.spec,
+        codec=chunk.codec,
     )
 
 

@@ -248,4 +248,4 @@ def _build_chunk(tensors: dict[str, torch.Tensor], header: EntryHeader, spec: KV
             out[name] = (q.float() * scale).to(spec.torch_dtype)
         else:
             out[name] = _check(name, tensors.get(name), kv_shape, DTYPES[codec]).to(spec.torch_dtype)
-    return ChunkKV(token_ids=token_ids, keys=out["keys"], values=out["values"], spec=spec)
+    return ChunkKV(token_ids=token_ids, keys=out["keys"], values=out["values"], spec=spec, codec=codec)

@@ -340,6 +340,13 @@ def test_a_lossy_codec_s_entries_are_keyed_apart_from_exact_ones(lm: Any, tmp_pa
                                                  prefix_ids=exact.chunk_prefix_ids).digest
     tiered = KVRAGEngine(lm, TieredStore(MemoryStore(), DiskStore(tmp_path / "t", codec="int8")), EngineConfig())
     assert tiered.key_codec == rounded.key_codec == f"{exact.spec.dtype}+int8" and exact.key_codec == exact.spec.dtype
+    assert ask(tiered, PASSAGES).stats["chunk_misses"] == 2 and ask(tiered, PASSAGES).stats["chunk_hits"] == 2
+    # an int8 entry under an exact key (written when keys did not name the codec, or copied there) is not served
+    key = exact.chunk_key(ids)
+    exact.store.put_bytes(key, serde.encode(exact.store.get(key), "int8"))  # type: ignore[arg-type]
+    r = ask(exact, PASSAGES)
+    assert r.stats["chunk_misses"] == 1 and exact.counters["entries_mismatched"] == 1
+    assert exact.store.get(key).codec == exact.spec.dtype  # type: ignore[union-attr]  # written over, exact again
 
 
 # ---- a store written by another model or format version ----------------------------------------------------------------

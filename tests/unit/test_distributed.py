@@ -120,6 +120,27 @@ def test_cli_ingest_on_ray_resumes_a_partial_store_and_every_chunk_is_served(
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["hit_rate"] == 1.0
 
 
+@pytest.mark.parametrize(("given", "address"), [(None, None), ("none", None), ("local", None), ("auto", "auto")])
+def test_cli_ingest_ray_address(tmp_path: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                given: str | None, address: str | None) -> None:
+    """`--ray none` (the word the help once used for a local Ray) starts a local Ray, as `--ray` alone does; it was
+    passed to Ray as an address ("Invalid address format: none")."""
+    from kvrag import cli, distributed
+
+    class Stop(Exception):
+        pass
+
+    def ingest(*a: Any, **kw: Any) -> Any:
+        raise Stop(kw["address"])
+
+    monkeypatch.setattr(distributed, "ingest", ingest)
+    docs = Path(__file__).parents[1] / "data" / "docs"
+    with pytest.raises(Stop) as got:
+        cli.main(["ingest", str(docs), "--persist", str(tmp_path / "idx"), "--store", f"file://{tmp_path / 'kv'}",
+                  "--model", str(model_dir), "--chunk-tokens", "64", "--ray", *([given] if given else [])])
+    assert got.value.args[0] == address
+
+
 def test_cli_ingest_on_ray_gives_the_workers_the_drivers_quantization(
     tmp_path: Path, model_dir: Path, ray_local: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -223,3 +223,11 @@ def test_cli_store_verify_gc_migrate(tmp_path: Path, redis_srv: Any, capsys: pyt
     dst.close()
     with pytest.raises(SystemExit):
         cli.main(["store", "migrate", "--store", url])  # --to is required
+
+
+def test_cli_migrate_to_another_codec_says_engines_there_will_not_find_the_entries(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    populate(DiskStore(tmp_path / "src"))
+    for to, warned in ((f"file://{tmp_path / 'same'}", False), (f"file://{tmp_path / 'q'}?codec=int8", True)):
+        assert cli.main(["store", "migrate", "--store", f"file://{tmp_path / 'src'}", "--to", to]) == 0
+        assert ("use different codecs (native and int8)" in capsys.readouterr().err) is warned
