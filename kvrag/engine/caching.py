@@ -171,7 +171,7 @@ class ChunkCaching:
                 continue
             if not (ch.token_ids.shape[0] == len(token_ids) and ch.token_ids.tolist() == list(token_ids)):
                 why = "other tokens than its key names (written under another key?)"
-            elif ch.codec not in (None, ch.spec.dtype) and ch.codec not in self.store.codecs():
+            elif ch.codec not in (None, ch.spec.dtype) and ch.codec not in self.keyed_codecs:
                 why = f"{ch.codec}-rounded K/V under a key for {self.key_codec} entries"
             else:
                 return ch
@@ -180,11 +180,15 @@ class ChunkCaching:
         return None
 
     @functools.cached_property
+    def keyed_codecs(self) -> frozenset[str]:
+        """The store's codecs other than ``native`` (:meth:`KVStore.keyed_codecs`), read once: the store is fixed."""
+        return self.store.keyed_codecs()
+
+    @functools.cached_property
     def key_codec(self) -> str:
-        """The keys' storage part: the KV dtype, and the store's codecs other than ``native`` (an ``int8`` store's
-        entries are rounded: keyed apart, a reader of exact entries on the same store recomputes instead)."""
-        lossy = sorted(self.store.codecs() - {"native"})
-        return "+".join([self.spec.dtype, *lossy])
+        """The keys' storage part: the KV dtype, and :attr:`keyed_codecs` (an ``int8`` store's entries are rounded:
+        keyed apart, a reader of exact entries on the same store recomputes instead)."""
+        return "+".join([self.spec.dtype, *sorted(self.keyed_codecs)])
 
     def chunk_key(self, token_ids: Sequence[int], kind: str = "chunk") -> str:
         self._check_template()

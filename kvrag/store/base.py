@@ -277,6 +277,10 @@ class KVStore(abc.ABC):
         gets ``int8``-rounded ones."""
         return frozenset({str(getattr(self, "codec", "native"))})
 
+    def keyed_codecs(self) -> frozenset[str]:
+        """The codecs a chunk key names besides the KV dtype: :meth:`codecs` other than ``"native"``."""
+        return self.codecs() - {"native"}
+
     def close(self) -> None:
         """Release connections/handles. Idempotent; the default holds nothing to release."""
         return None

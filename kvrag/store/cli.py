@@ -81,7 +81,7 @@ def run(args: argparse.Namespace, url: str, index_tokens: list[int] | None,
         return 0
     # migrate
     dst = store_from_url(args.to)
-    if store.codecs() - {"native"} != dst.codecs() - {"native"}:  # entries keep their keys; engines key by codec
+    if store.keyed_codecs() != dst.keyed_codecs():  # entries keep their keys; engines key by codec
         print(f"note: {redact_url(url)} and {redact_url(args.to)} use different codecs "
               f"({'/'.join(sorted(store.codecs()))} and {'/'.join(sorted(dst.codecs()))}): chunk keys name the codec, "
               "so engines on the destination URL will not find the copied entries; give the destination the "
